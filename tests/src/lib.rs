@@ -1,0 +1,1 @@
+//! Integration tests for lendvm live in tests/tests.
