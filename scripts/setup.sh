@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what lendvm's build, demo and tests need on a fresh Debian machine (run as root).
+# Idempotent: a second run only checks.
+set -euo pipefail
+
+need_apt=()
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v objdump >/dev/null 2>&1 || need_apt+=(binutils)
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: cargo not found; install a stable Rust toolchain (rustup) first" >&2
+  exit 1
+fi
+if command -v rustup >/dev/null 2>&1; then
+  rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+  rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+fi
+
+if [ ! -r /dev/kvm ] || [ ! -w /dev/kvm ]; then
+  echo "setup: warning: /dev/kvm is not accessible; VM tests will fail" >&2
+fi
