@@ -1,0 +1,483 @@
+//! ACPI PCI hotplug controller (Cloud Hypervisor-style register block, PCI segment 0).
+//!
+//! MMIO at [`PCI_HOTPLUG_START`], 16 bytes, all registers 32-bit little endian:
+//!
+//! | offset | name | guest read | guest write |
+//! |---|---|---|---|
+//! | 0 | PCIU | slot-up bitmap, cleared by the read | ignored |
+//! | 4 | PCID | slot-down (eject request) bitmap, cleared by the read | ignored |
+//! | 8 | B0EJ | 0 | `1 << slot`: the guest has released the device, tear it down |
+//! | 12 | PSEG | selected segment | segment select; only 0 exists |
+//!
+//! While PSEG selects a segment other than 0, PCIU/PCID read as 0 (and are not cleared) and
+//! B0EJ writes are ignored.
+//!
+//! # Flow
+//!
+//! * Hot-add: the VMM puts the device on the PCI bus, then calls
+//!   [`PciHotplugController::slot_added`], which sets the PCIU bit and raises the GED event
+//!   [`GED_EVENT_PCI_HOTPLUG`]; the guest's `PCNT` sends `Notify(Sxx, 1)` and rescans.
+//! * Hot-remove: the VMM calls [`PciHotplugController::slot_removal_requested`] (PCID bit +
+//!   GED event). Nothing is torn down yet. The guest unbinds its driver and runs `Sxx._EJ0`,
+//!   which writes `1 << slot` to B0EJ; only then is the slot handed to the [`EjectHandler`] and
+//!   the VMM removes the device (lease, BAR mappings, interrupts). A second removal request for
+//!   a slot already waiting for its eject is a no-op ([`RemovalRequest::AlreadyPending`]).
+//!
+//! # Eject delivery
+//!
+//! The B0EJ write runs on a vCPU thread with the controller's bus lock held, so the
+//! [`EjectHandler`] must only queue the slot and return (no lender round trips, no waiting).
+//! [`eject_channel`] gives a ready-made handler: an `mpsc` channel plus an `EventFd` that the
+//! VMM's event loop polls; the loop drains [`EjectReceiver::drain`] and tears the devices down.
+
+use std::sync::mpsc;
+
+use log::{debug, info, warn};
+use pci::BusDevice;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::ged::GED_EVENT_PCI_HOTPLUG;
+use crate::ged::{access_mask, read_bytes, write_value, GedError, GedNotifier};
+
+/// Guest physical address of the hotplug register block.
+pub const PCI_HOTPLUG_START: u64 = 0xfe00_1000;
+/// Size of the hotplug register block.
+pub const PCI_HOTPLUG_SIZE: u64 = 16;
+/// Number of slots (PCI devices) on the root bus.
+pub const PCI_HOTPLUG_SLOTS: u32 = 32;
+
+/// Register offsets.
+pub const PCIU_OFFSET: u64 = 0;
+pub const PCID_OFFSET: u64 = 4;
+pub const B0EJ_OFFSET: u64 = 8;
+pub const PSEG_OFFSET: u64 = 12;
+
+/// Errors of the hotplug controller API.
+#[derive(Debug, thiserror::Error)]
+pub enum HotplugError {
+    #[error("pci slot {0} is out of range (0..32)")]
+    SlotOutOfRange(u32),
+    #[error("pci slot {0} already holds a device")]
+    SlotOccupied(u32),
+    #[error("pci slot {0} holds no device")]
+    NoDevice(u32),
+    #[error("failed to raise the ged hotplug event")]
+    Ged(#[from] GedError),
+    #[error("failed to create the eject eventfd")]
+    EventFd(#[source] std::io::Error),
+}
+
+/// Receives slots the guest has ejected (written to B0EJ).
+pub trait EjectHandler: Send {
+    /// Called on a vCPU thread with the controller locked: queue `slot` and return at once.
+    fn slot_ejected(&self, slot: u32);
+}
+
+/// Outcome of [`PciHotplugController::slot_removal_requested`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemovalRequest {
+    /// The guest was asked to release the slot.
+    Requested,
+    /// A request for this slot is already waiting for the guest's eject; nothing was done.
+    AlreadyPending,
+}
+
+/// The [`EjectHandler`] half of [`eject_channel`].
+pub struct EjectSender {
+    tx: mpsc::Sender<u32>,
+    evt: EventFd,
+}
+
+impl EjectHandler for EjectSender {
+    fn slot_ejected(&self, slot: u32) {
+        if self.tx.send(slot).is_err() {
+            warn!("pci hotplug: eject of slot {slot} lost, the receiver is gone");
+            return;
+        }
+        if let Err(e) = self.evt.write(1) {
+            warn!("pci hotplug: failed to signal the eject eventfd: {e}");
+        }
+    }
+}
+
+/// The VMM half of [`eject_channel`]: poll [`EjectReceiver::eventfd`], then [`drain`](Self::drain).
+pub struct EjectReceiver {
+    rx: mpsc::Receiver<u32>,
+    evt: EventFd,
+}
+
+impl EjectReceiver {
+    /// Non-blocking eventfd that becomes readable when slots were ejected.
+    pub fn eventfd(&self) -> &EventFd {
+        &self.evt
+    }
+
+    /// Resets the eventfd and returns every ejected slot queued so far, oldest first.
+    pub fn drain(&self) -> Vec<u32> {
+        // The counter only wakes the loop; the channel is the source of truth.
+        let _ = self.evt.read();
+        self.rx.try_iter().collect()
+    }
+}
+
+/// Creates an eject channel: give the sender to [`PciHotplugController::new`].
+pub fn eject_channel() -> Result<(EjectSender, EjectReceiver), HotplugError> {
+    let evt = EventFd::new(EFD_NONBLOCK).map_err(HotplugError::EventFd)?;
+    let evt_tx = evt.try_clone().map_err(HotplugError::EventFd)?;
+    let (tx, rx) = mpsc::channel();
+    Ok((EjectSender { tx, evt: evt_tx }, EjectReceiver { rx, evt }))
+}
+
+/// The hotplug register block; put it on the MMIO bus at [`PCI_HOTPLUG_START`] and keep an
+/// `Arc<Mutex<PciHotplugController>>` in the VMM for the hotplug API.
+pub struct PciHotplugController {
+    ged: GedNotifier,
+    eject: Box<dyn EjectHandler>,
+    /// Slot-up bits not yet read by the guest.
+    pciu: u32,
+    /// Slot-down bits not yet read by the guest.
+    pcid: u32,
+    /// Segment selected by the guest.
+    pseg: u32,
+    /// Slots that hold a device (cold- or hot-plugged, not yet ejected).
+    present: u32,
+    /// Slots whose removal was requested and whose eject has not come yet.
+    pending_removal: u32,
+}
+
+fn slot_bit(slot: u32) -> Result<u32, HotplugError> {
+    if slot >= PCI_HOTPLUG_SLOTS {
+        return Err(HotplugError::SlotOutOfRange(slot));
+    }
+    Ok(1 << slot)
+}
+
+impl PciHotplugController {
+    /// Creates the controller; hotplug events are raised through `ged`, ejects go to `eject`.
+    pub fn new(ged: GedNotifier, eject: Box<dyn EjectHandler>) -> Self {
+        Self {
+            ged,
+            eject,
+            pciu: 0,
+            pcid: 0,
+            pseg: 0,
+            present: 0,
+            pending_removal: 0,
+        }
+    }
+
+    /// Records a device that is present at boot (cold-plugged); no guest notification.
+    pub fn mark_present(&mut self, slot: u32) -> Result<(), HotplugError> {
+        let bit = slot_bit(slot)?;
+        if self.present & bit != 0 {
+            return Err(HotplugError::SlotOccupied(slot));
+        }
+        self.present |= bit;
+        Ok(())
+    }
+
+    /// A device was hot-added at `slot` (already on the PCI bus): tell the guest.
+    pub fn slot_added(&mut self, slot: u32) -> Result<(), HotplugError> {
+        let bit = slot_bit(slot)?;
+        if self.present & bit != 0 {
+            return Err(HotplugError::SlotOccupied(slot));
+        }
+        self.present |= bit;
+        self.pciu |= bit;
+        // A stale slot-down bit would make PCNT eject the new device right after adding it.
+        self.pcid &= !bit;
+        info!("pci hotplug: slot {slot} added");
+        self.ged.notify(GED_EVENT_PCI_HOTPLUG)?;
+        Ok(())
+    }
+
+    /// Asks the guest to release the device at `slot`. Teardown waits for the guest's eject.
+    pub fn slot_removal_requested(&mut self, slot: u32) -> Result<RemovalRequest, HotplugError> {
+        let bit = slot_bit(slot)?;
+        if self.present & bit == 0 {
+            return Err(HotplugError::NoDevice(slot));
+        }
+        if self.pending_removal & bit != 0 {
+            debug!("pci hotplug: removal of slot {slot} already pending");
+            return Ok(RemovalRequest::AlreadyPending);
+        }
+        self.pending_removal |= bit;
+        self.pcid |= bit;
+        info!("pci hotplug: removal of slot {slot} requested");
+        self.ged.notify(GED_EVENT_PCI_HOTPLUG)?;
+        Ok(RemovalRequest::Requested)
+    }
+
+    /// Whether `slot` holds a device that has not been ejected.
+    pub fn is_present(&self, slot: u32) -> bool {
+        slot_bit(slot).is_ok_and(|bit| self.present & bit != 0)
+    }
+
+    /// Whether a removal of `slot` is waiting for the guest's eject.
+    pub fn is_removal_pending(&self, slot: u32) -> bool {
+        slot_bit(slot).is_ok_and(|bit| self.pending_removal & bit != 0)
+    }
+
+    fn eject(&mut self, bitmap: u32) {
+        for slot in 0..PCI_HOTPLUG_SLOTS {
+            let bit = 1u32 << slot;
+            if bitmap & bit == 0 {
+                continue;
+            }
+            if self.present & bit == 0 {
+                warn!("pci hotplug: guest ejected empty slot {slot}, ignored");
+                continue;
+            }
+            if self.pending_removal & bit == 0 {
+                info!("pci hotplug: guest-initiated eject of slot {slot}");
+            }
+            self.present &= !bit;
+            self.pending_removal &= !bit;
+            self.pciu &= !bit;
+            self.pcid &= !bit;
+            info!("pci hotplug: slot {slot} ejected by the guest");
+            self.eject.slot_ejected(slot);
+        }
+    }
+}
+
+impl BusDevice for PciHotplugController {
+    fn read(&mut self, _base: u64, offset: u64, data: &mut [u8]) {
+        let reg = offset & !3;
+        let Some(mask) = access_mask(offset - reg, data.len()) else {
+            warn!(
+                "pci hotplug: unaligned read of {} bytes at offset {offset:#x}",
+                data.len()
+            );
+            data.fill(0);
+            return;
+        };
+        let value = match reg {
+            PCIU_OFFSET | PCID_OFFSET if self.pseg != 0 => 0,
+            PCIU_OFFSET => {
+                let v = self.pciu & mask;
+                self.pciu &= !mask;
+                v
+            }
+            PCID_OFFSET => {
+                let v = self.pcid & mask;
+                self.pcid &= !mask;
+                v
+            }
+            B0EJ_OFFSET => 0,
+            PSEG_OFFSET => self.pseg,
+            _ => {
+                warn!("pci hotplug: read at offset {offset:#x} outside the registers");
+                0
+            }
+        };
+        read_bytes(value, offset - reg, data);
+    }
+
+    fn write(&mut self, _base: u64, offset: u64, data: &[u8]) {
+        let reg = offset & !3;
+        let Some(mask) = access_mask(offset - reg, data.len()) else {
+            warn!(
+                "pci hotplug: unaligned write of {} bytes at offset {offset:#x}",
+                data.len()
+            );
+            return;
+        };
+        let value = write_value(offset - reg, data);
+        match reg {
+            B0EJ_OFFSET if self.pseg != 0 => {
+                warn!(
+                    "pci hotplug: eject {value:#x} on segment {} ignored (only segment 0)",
+                    self.pseg
+                );
+            }
+            B0EJ_OFFSET => self.eject(value),
+            PSEG_OFFSET => {
+                self.pseg = (self.pseg & !mask) | value;
+                if self.pseg != 0 {
+                    warn!(
+                        "pci hotplug: guest selected segment {}; only 0 exists",
+                        self.pseg
+                    );
+                }
+            }
+            _ => debug!("pci hotplug: ignoring write {value:#x} at offset {offset:#x}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ged::{GedDevice, GedInterrupt};
+
+    struct Rig {
+        ctl: PciHotplugController,
+        ged: GedDevice,
+        irq: EventFd,
+        ejects: EjectReceiver,
+    }
+
+    fn rig() -> Rig {
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let ged = GedDevice::new(GedInterrupt::IrqFd(irq.try_clone().unwrap()));
+        let (tx, ejects) = eject_channel().unwrap();
+        let ctl = PciHotplugController::new(ged.notifier(), Box::new(tx));
+        Rig {
+            ctl,
+            ged,
+            irq,
+            ejects,
+        }
+    }
+
+    fn rd(ctl: &mut PciHotplugController, offset: u64) -> u32 {
+        let mut data = [0u8; 4];
+        ctl.read(PCI_HOTPLUG_START, offset, &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    fn wr(ctl: &mut PciHotplugController, offset: u64, value: u32) {
+        ctl.write(PCI_HOTPLUG_START, offset, &value.to_le_bytes());
+    }
+
+    fn ged_status(ged: &mut GedDevice) -> u32 {
+        let mut data = [0u8; 4];
+        ged.read(crate::ged::GED_START, 0, &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    #[test]
+    fn slot_up_bitmap_reads_clear_and_raise_ged() {
+        let mut r = rig();
+        r.ctl.slot_added(3).unwrap();
+        r.ctl.slot_added(5).unwrap();
+        assert_eq!(r.irq.read().unwrap(), 2);
+        assert_eq!(ged_status(&mut r.ged), GED_EVENT_PCI_HOTPLUG);
+        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), (1 << 3) | (1 << 5));
+        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), 0, "PCIU read clears");
+        assert_eq!(rd(&mut r.ctl, PCID_OFFSET), 0);
+        assert!(r.ctl.is_present(5));
+        assert!(matches!(
+            r.ctl.slot_added(5),
+            Err(HotplugError::SlotOccupied(5))
+        ));
+        assert!(matches!(
+            r.ctl.slot_added(32),
+            Err(HotplugError::SlotOutOfRange(32))
+        ));
+    }
+
+    #[test]
+    fn removal_sets_slot_down_and_b0ej_delivers_the_slot() {
+        let mut r = rig();
+        r.ctl.mark_present(7).unwrap();
+        assert!(r.irq.read().is_err(), "cold plug raises nothing");
+        assert_eq!(
+            r.ctl.slot_removal_requested(7).unwrap(),
+            RemovalRequest::Requested
+        );
+        assert_eq!(r.irq.read().unwrap(), 1);
+        assert!(r.ejects.drain().is_empty(), "no teardown before the eject");
+        assert!(r.ctl.is_present(7) && r.ctl.is_removal_pending(7));
+        assert_eq!(rd(&mut r.ctl, PCID_OFFSET), 1 << 7);
+        assert_eq!(rd(&mut r.ctl, PCID_OFFSET), 0, "PCID read clears");
+
+        wr(&mut r.ctl, PSEG_OFFSET, 0);
+        wr(&mut r.ctl, B0EJ_OFFSET, 1 << 7);
+        assert_eq!(r.ejects.eventfd().read().unwrap(), 1);
+        assert_eq!(r.ejects.drain(), vec![7]);
+        assert!(!r.ctl.is_present(7) && !r.ctl.is_removal_pending(7));
+        assert_eq!(rd(&mut r.ctl, B0EJ_OFFSET), 0);
+
+        // The slot can be reused after the eject.
+        r.ctl.slot_added(7).unwrap();
+        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), 1 << 7);
+    }
+
+    #[test]
+    fn double_removal_is_idempotent() {
+        let mut r = rig();
+        r.ctl.slot_added(2).unwrap();
+        assert_eq!(r.irq.read().unwrap(), 1);
+        assert_eq!(
+            r.ctl.slot_removal_requested(2).unwrap(),
+            RemovalRequest::Requested
+        );
+        assert_eq!(
+            r.ctl.slot_removal_requested(2).unwrap(),
+            RemovalRequest::AlreadyPending
+        );
+        assert_eq!(r.irq.read().unwrap(), 1, "second request raises nothing");
+        assert_eq!(rd(&mut r.ctl, PCID_OFFSET), 1 << 2);
+        wr(&mut r.ctl, B0EJ_OFFSET, 1 << 2);
+        wr(&mut r.ctl, B0EJ_OFFSET, 1 << 2);
+        assert_eq!(r.ejects.drain(), vec![2], "delivered exactly once");
+        assert!(matches!(
+            r.ctl.slot_removal_requested(2),
+            Err(HotplugError::NoDevice(2))
+        ));
+    }
+
+    #[test]
+    fn eject_of_empty_slot_is_ignored() {
+        let mut r = rig();
+        r.ctl.mark_present(4).unwrap();
+        wr(&mut r.ctl, B0EJ_OFFSET, (1 << 9) | (1 << 4));
+        assert_eq!(r.ejects.drain(), vec![4]);
+        wr(&mut r.ctl, B0EJ_OFFSET, 1 << 9);
+        assert!(r.ejects.drain().is_empty());
+    }
+
+    #[test]
+    fn other_segments_are_ignored() {
+        let mut r = rig();
+        r.ctl.slot_added(1).unwrap();
+        r.ctl.mark_present(6).unwrap();
+        wr(&mut r.ctl, PSEG_OFFSET, 1);
+        assert_eq!(rd(&mut r.ctl, PSEG_OFFSET), 1);
+        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), 0);
+        wr(&mut r.ctl, B0EJ_OFFSET, 1 << 6);
+        assert!(r.ejects.drain().is_empty());
+        assert!(r.ctl.is_present(6));
+        wr(&mut r.ctl, PSEG_OFFSET, 0);
+        assert_eq!(
+            rd(&mut r.ctl, PCIU_OFFSET),
+            1 << 1,
+            "bits kept for segment 0"
+        );
+    }
+
+    #[test]
+    fn add_clears_stale_slot_down_and_partial_access_works() {
+        let mut r = rig();
+        r.ctl.mark_present(8).unwrap();
+        r.ctl.slot_removal_requested(8).unwrap();
+        // Guest ejects without having read PCID (e.g. user-initiated eject).
+        wr(&mut r.ctl, B0EJ_OFFSET, 1 << 8);
+        assert_eq!(r.ejects.drain(), vec![8]);
+        r.ctl.slot_added(8).unwrap();
+        assert_eq!(rd(&mut r.ctl, PCID_OFFSET), 0);
+        // Byte read of PCIU byte 1 returns and clears only that byte.
+        let mut b = [0u8; 1];
+        r.ctl.read(PCI_HOTPLUG_START, PCIU_OFFSET + 1, &mut b);
+        assert_eq!(b, [1]);
+        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), 0);
+        // Byte write of B0EJ byte 1 = slot 8 .. 15.
+        r.ctl.write(PCI_HOTPLUG_START, B0EJ_OFFSET + 1, &[0x01]);
+        assert_eq!(r.ejects.drain(), vec![8]);
+        // Access straddling two registers is dropped.
+        let mut w = [0u8; 4];
+        r.ctl.read(PCI_HOTPLUG_START, 2, &mut w);
+        assert_eq!(w, [0; 4]);
+    }
+
+    #[test]
+    fn dropped_receiver_does_not_break_the_vcpu() {
+        let mut r = rig();
+        r.ctl.mark_present(0).unwrap();
+        drop(r.ejects);
+        wr(&mut r.ctl, B0EJ_OFFSET, 1);
+        assert!(!r.ctl.is_present(0));
+    }
+}

@@ -1,0 +1,1020 @@
+//! ACPI tables for an x86_64 guest: RSDP, XSDT, FADT (hardware-reduced), MADT, MCFG, DSDT.
+//!
+//! [`create_acpi_tables`] builds every table for an [`AcpiConfig`] and returns them with their
+//! guest physical addresses ([`AcpiTables`]); [`AcpiTables::write_to`] hands each blob to a
+//! closure `write(gpa, bytes)`, so this crate needs no guest-memory dependency. The RSDP sits
+//! at [`ACPI_TABLES_START`] (0xE_0000) where Linux's BIOS-area scan finds it; the VMM may also
+//! put [`AcpiTables::rsdp_addr`] into `boot_params.acpi_rsdp_addr`.
+//!
+//! The DSDT describes `\_SB_.PCI0` (ECAM host bridge with 32 hotpluggable slots `S00_`..`S31_`,
+//! `PCNT`/`PCEJ`/`DVNT` methods over the hotplug controller registers), `\_SB_.MBRD`
+//! (motherboard resources: ECAM, GED and hotplug MMIO, so the OS reserves them), `\_SB_.GED_`
+//! (`ACPI0013`, `_EVT` → `\_SB_.PCI0.PCNT`), `\_SB_.COM1` and `\_S5_`.
+//!
+//! The GED's `_CRS` holds only its interrupt: Linux's GED driver (`drivers/acpi/evged.c`) fails
+//! to probe when `_CRS` contains any non-interrupt resource, so the GED MMIO range is reserved by
+//! `\_SB_.MBRD` and accessed through the GED's `OperationRegion`.
+
+use acpi_tables::aml::{
+    self, AddressSpace, AddressSpaceCacheable, Device, EISAName, Field, FieldAccessType,
+    FieldEntry, FieldLockRule, FieldUpdateRule, Interrupt, Memory32Fixed, Method, MethodCall, Name,
+    OpRegion, OpRegionSpace, Package, Path, ResourceTemplate, IO,
+};
+use acpi_tables::fadt::{FADTBuilder, Flags};
+use acpi_tables::madt::{EnabledStatus, IoApic, ProcessorLocalApic};
+use acpi_tables::mcfg::MCFG;
+use acpi_tables::rsdp::Rsdp;
+use acpi_tables::sdt::Sdt;
+use acpi_tables::xsdt::XSDT;
+use acpi_tables::Aml;
+
+use crate::ged::{GED_EVENT_PCI_HOTPLUG, GED_GSI, GED_SIZE, GED_START};
+use crate::hotplug::{PCI_HOTPLUG_SIZE, PCI_HOTPLUG_SLOTS, PCI_HOTPLUG_START};
+
+/// Guest physical address of the RSDP; the other tables follow it.
+pub const ACPI_TABLES_START: u64 = 0xe_0000;
+/// End (exclusive) of the area the tables may use (start of the 1 MiB kernel area).
+pub const ACPI_TABLES_END: u64 = 0x10_0000;
+
+const OEM_ID: [u8; 6] = *b"LENDVM";
+const OEM_REVISION: u32 = 1;
+/// Largest vCPU count representable with xAPIC ids (0xff is the broadcast id).
+pub const MAX_VCPUS: u32 = 254;
+
+/// UUID of the PCI Host Bridge `_OSC` interface.
+const PCI_HOST_BRIDGE_OSC_UUID: &str = "33DB4D5B-1FF7-401C-9657-7441C03DD766";
+/// `_OSC` control bits granted to the OS: PME (2), AER (3), PCIe capability (4).
+/// Native PCIe hotplug (0) and SHPC hotplug (1) stay with the firmware: we use ACPI hotplug.
+const OSC_GRANTED_CONTROL: u8 = 0x1c;
+
+/// FADT IA-PC boot architecture flags.
+const IAPC_BOOT_ARCH_NO_VGA: u16 = 1 << 2;
+const IAPC_BOOT_ARCH_NO_ASPM: u16 = 1 << 4;
+const IAPC_BOOT_ARCH_NO_CMOS_RTC: u16 = 1 << 5;
+
+/// MADT flag: the platform also has dual 8259 PICs (KVM's in-kernel irqchip does).
+const MADT_PCAT_COMPAT: u32 = 1;
+
+/// Errors from building the tables.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AcpiTableError {
+    #[error("vcpu count {0} is out of range (1..={MAX_VCPUS})")]
+    VcpuCount(u32),
+    #[error("pci bus range {start}..={end} is empty")]
+    BusRange { start: u8, end: u8 },
+    #[error("pci window {base:#x}+{size:#x} is empty or does not fit its address width")]
+    Window { base: u64, size: u64 },
+    #[error("ecam base {0:#x} is not 1 MiB aligned or not below 4 GiB")]
+    Ecam(u64),
+    #[error("platform mmio address {0:#x} is not below 4 GiB")]
+    PlatformMmio(u64),
+    #[error("acpi tables end at {end:#x}, past the limit {limit:#x}")]
+    TooLarge { end: u64, limit: u64 },
+}
+
+/// Inputs of the tables. [`AcpiConfig::default`] follows `docs/CONTRACTS.md`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AcpiConfig {
+    /// Number of vCPUs (LAPIC ids 0..n).
+    pub num_vcpus: u32,
+    /// PCI ECAM base (segment 0).
+    pub ecam_base: u64,
+    /// First and last PCI bus number decoded by the host bridge (and in MCFG).
+    pub pci_bus_start: u8,
+    pub pci_bus_end: u8,
+    /// 32-bit PCI BAR window.
+    pub mmio32_base: u64,
+    pub mmio32_size: u64,
+    /// 64-bit PCI BAR window; size 0 leaves it out.
+    pub mmio64_base: u64,
+    pub mmio64_size: u64,
+    /// IOAPIC MMIO base, id and first GSI.
+    pub ioapic_addr: u32,
+    pub ioapic_id: u8,
+    /// Local APIC MMIO base.
+    pub lapic_addr: u32,
+    /// GED MMIO base and GSI.
+    pub ged_addr: u64,
+    pub ged_gsi: u32,
+    /// PCI hotplug controller MMIO base.
+    pub hotplug_addr: u64,
+    /// COM1 port and IRQ; `None` leaves the device out.
+    pub serial: Option<(u16, u32)>,
+    /// Whether a CMOS RTC is emulated at ports 0x70/0x71 (otherwise the FADT says none).
+    pub cmos_rtc: bool,
+    /// INTx routing: GSI for INTA..INTD of every slot (emits `_PRT`); `None` omits `_PRT`.
+    pub pci_slot_gsis: Option<[u32; 32]>,
+    /// Where the tables go: RSDP at `tables_start`, all tables below `tables_end`.
+    pub tables_start: u64,
+    pub tables_end: u64,
+}
+
+impl Default for AcpiConfig {
+    fn default() -> Self {
+        Self {
+            num_vcpus: 1,
+            ecam_base: 0xe000_0000,
+            pci_bus_start: 0,
+            pci_bus_end: 0,
+            mmio32_base: 0xc000_0000,
+            mmio32_size: 0x2000_0000,
+            mmio64_base: 0,
+            mmio64_size: 0,
+            ioapic_addr: 0xfec0_0000,
+            ioapic_id: 0,
+            lapic_addr: 0xfee0_0000,
+            ged_addr: GED_START,
+            ged_gsi: GED_GSI,
+            hotplug_addr: PCI_HOTPLUG_START,
+            serial: Some((0x3f8, 4)),
+            cmos_rtc: false,
+            pci_slot_gsis: None,
+            tables_start: ACPI_TABLES_START,
+            tables_end: ACPI_TABLES_END,
+        }
+    }
+}
+
+impl AcpiConfig {
+    fn validate(&self) -> Result<(), AcpiTableError> {
+        if self.num_vcpus == 0 || self.num_vcpus > MAX_VCPUS {
+            return Err(AcpiTableError::VcpuCount(self.num_vcpus));
+        }
+        if self.pci_bus_end < self.pci_bus_start {
+            return Err(AcpiTableError::BusRange {
+                start: self.pci_bus_start,
+                end: self.pci_bus_end,
+            });
+        }
+        if self.ecam_base & ((1 << 20) - 1) != 0 || self.ecam_end() > 1 << 32 {
+            return Err(AcpiTableError::Ecam(self.ecam_base));
+        }
+        let end32 = self.mmio32_base.checked_add(self.mmio32_size);
+        if self.mmio32_size == 0 || end32.is_none_or(|e| e > 1 << 32) {
+            return Err(AcpiTableError::Window {
+                base: self.mmio32_base,
+                size: self.mmio32_size,
+            });
+        }
+        for addr in [self.ged_addr, self.hotplug_addr] {
+            if addr.saturating_add(PCI_HOTPLUG_SIZE) > 1 << 32 {
+                return Err(AcpiTableError::PlatformMmio(addr));
+            }
+        }
+        if self.mmio64_size != 0 && self.mmio64_base.checked_add(self.mmio64_size).is_none() {
+            return Err(AcpiTableError::Window {
+                base: self.mmio64_base,
+                size: self.mmio64_size,
+            });
+        }
+        Ok(())
+    }
+
+    /// ECAM bytes for the configured bus range.
+    fn ecam_size(&self) -> u64 {
+        (u64::from(self.pci_bus_end) + 1) << 20
+    }
+
+    fn ecam_end(&self) -> u64 {
+        self.ecam_base.saturating_add(self.ecam_size())
+    }
+}
+
+/// One table blob and where it goes in guest memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AcpiTable {
+    /// Signature (`b"RSD "` for the RSDP, which has an 8-byte one).
+    pub signature: [u8; 4],
+    /// Guest physical address.
+    pub gpa: u64,
+    pub bytes: Vec<u8>,
+}
+
+/// The complete table set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AcpiTables {
+    /// Guest physical address of the RSDP (for `boot_params.acpi_rsdp_addr`).
+    pub rsdp_addr: u64,
+    /// All blobs, RSDP first.
+    pub tables: Vec<AcpiTable>,
+}
+
+impl AcpiTables {
+    /// Hands every blob to `write(gpa, bytes)`; stops at the first error.
+    pub fn write_to<E>(&self, mut write: impl FnMut(u64, &[u8]) -> Result<(), E>) -> Result<(), E> {
+        for t in &self.tables {
+            write(t.gpa, &t.bytes)?;
+        }
+        Ok(())
+    }
+
+    /// The table with `signature`, if present.
+    pub fn get(&self, signature: &[u8; 4]) -> Option<&AcpiTable> {
+        self.tables.iter().find(|t| &t.signature == signature)
+    }
+
+    /// First byte after the last table.
+    pub fn end(&self) -> u64 {
+        self.tables
+            .iter()
+            .map(|t| t.gpa + t.bytes.len() as u64)
+            .max()
+            .unwrap_or(self.rsdp_addr)
+    }
+}
+
+fn oem_table_id(signature: &[u8; 4]) -> [u8; 8] {
+    let mut id = *b"LVM     ";
+    id[3..7].copy_from_slice(signature);
+    id
+}
+
+fn to_bytes(aml: &dyn Aml) -> Vec<u8> {
+    let mut v = Vec::new();
+    aml.to_aml_bytes(&mut v);
+    v
+}
+
+fn slot_name(slot: u32) -> String {
+    format!("S{slot:02}_")
+}
+
+/// The PCI host bridge `_OSC`: grants PME/AER/PCIe-capability control, never native hotplug.
+fn pci_osc() -> Vec<u8> {
+    let cdw1 = Path::new("CDW1");
+    let cdw3 = Path::new("CDW3");
+    let arg0 = aml::Arg(0);
+    let arg1 = aml::Arg(1);
+    let arg3 = aml::Arg(3);
+    let local0 = aml::Local(0);
+    let uuid = aml::Uuid::new(PCI_HOST_BRIDGE_OSC_UUID);
+
+    let create_cdw1 = aml::CreateDWordField::new(&cdw1, &arg3, &aml::ZERO);
+    let create_cdw3 = aml::CreateDWordField::new(&cdw3, &arg3, &8u8);
+    let granted = OSC_GRANTED_CONTROL;
+    let mask = aml::And::new(&local0, &cdw3, &granted);
+    let bad_rev = aml::NotEqual::new(&arg1, &aml::ONE);
+    let rev_err_bits = 0x08u8;
+    let set_rev_err = aml::Or::new(&cdw1, &cdw1, &rev_err_bits);
+    let if_bad_rev = aml::If::new(&bad_rev, vec![&set_rev_err]);
+    let masked = aml::NotEqual::new(&cdw3, &local0);
+    let masked_bits = 0x10u8;
+    let set_masked = aml::Or::new(&cdw1, &cdw1, &masked_bits);
+    let if_masked = aml::If::new(&masked, vec![&set_masked]);
+    let store_cdw3 = aml::Store::new(&cdw3, &local0);
+    let is_pci = aml::Equal::new(&arg0, &uuid);
+    let if_pci = aml::If::new(
+        &is_pci,
+        vec![&create_cdw3, &mask, &if_bad_rev, &if_masked, &store_cdw3],
+    );
+    let uuid_err_bits = 0x04u8;
+    let set_uuid_err = aml::Or::new(&cdw1, &cdw1, &uuid_err_bits);
+    let else_err = aml::Else::new(vec![&set_uuid_err]);
+    let ret = aml::Return::new(&arg3);
+    to_bytes(&Method::new(
+        "_OSC".into(),
+        4,
+        false,
+        vec![&create_cdw1, &if_pci, &else_err, &ret],
+    ))
+}
+
+/// Raw-bytes AML node (for pieces built separately).
+struct Raw(Vec<u8>);
+
+impl Aml for Raw {
+    fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
+        sink.vec(&self.0);
+    }
+}
+
+fn slot_device(slot: u32) -> Vec<u8> {
+    let adr = slot << 16;
+    let eject = MethodCall::new("\\_SB_.PCI0.PCEJ".into(), vec![&slot]);
+    let ej0 = Method::new("_EJ0".into(), 1, false, vec![&eject]);
+    to_bytes(&Device::new(
+        slot_name(slot).as_str().into(),
+        vec![
+            &Name::new("_ADR".into(), &adr),
+            &Name::new("_SUN".into(), &slot),
+            &ej0,
+        ],
+    ))
+}
+
+/// `DVNT(bitmap, event)`: `Notify(Sxx_, event)` for every slot bit set in `bitmap`.
+fn dvnt_method() -> Vec<u8> {
+    let mut body = Vec::new();
+    let arg0 = aml::Arg(0);
+    let arg1 = aml::Arg(1);
+    for slot in 0..PCI_HOTPLUG_SLOTS {
+        let bit = 1u32 << slot;
+        let test = aml::And::new(&aml::ZERO, &arg0, &bit);
+        let path = Path::new(&format!("\\_SB_.PCI0.{}", slot_name(slot)));
+        let notify = aml::Notify::new(&path, &arg1);
+        body.extend(to_bytes(&aml::If::new(&test, vec![&notify])));
+    }
+    to_bytes(&Method::new("DVNT".into(), 2, false, vec![&Raw(body)]))
+}
+
+fn pci_prt(gsis: &[u32; 32]) -> Vec<u8> {
+    let mut entries: Vec<Vec<u8>> = Vec::new();
+    for (slot, gsi) in (0u32..).zip(gsis.iter()) {
+        let adr = (slot << 16) | 0xffff;
+        for pin in 0u8..4 {
+            entries.push(to_bytes(&Package::new(vec![&adr, &pin, &aml::ZERO, gsi])));
+        }
+    }
+    let raws: Vec<Raw> = entries.into_iter().map(Raw).collect();
+    let refs: Vec<&dyn Aml> = raws.iter().map(|r| r as &dyn Aml).collect();
+    // Package holds at most 255 elements in its count byte; 128 entries fit.
+    to_bytes(&Name::new("_PRT".into(), &Package::new(refs)))
+}
+
+fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
+    let bus = AddressSpace::<u16>::new_bus_number(
+        u16::from(cfg.pci_bus_start),
+        u16::from(cfg.pci_bus_end),
+    );
+    let cf8 = IO::new(0xcf8, 0xcf8, 1, 8);
+    let io_window = AddressSpace::<u16>::new_io(0x1000, 0xffff, None);
+    // Validated to fit below 4 GiB.
+    let mem32 = AddressSpace::<u32>::new_memory(
+        AddressSpaceCacheable::NotCacheable,
+        true,
+        cfg.mmio32_base as u32,
+        (cfg.mmio32_base + cfg.mmio32_size - 1) as u32,
+        None,
+    );
+    let mem64 = AddressSpace::<u64>::new_memory(
+        AddressSpaceCacheable::NotCacheable,
+        true,
+        cfg.mmio64_base,
+        cfg.mmio64_base
+            .wrapping_add(cfg.mmio64_size)
+            .wrapping_sub(1),
+        None,
+    );
+    let mut resources: Vec<&dyn Aml> = vec![&bus, &cf8, &io_window, &mem32];
+    if cfg.mmio64_size != 0 {
+        resources.push(&mem64);
+    }
+    let crs = ResourceTemplate::new(resources);
+
+    let hid = EISAName::new("PNP0A08");
+    let cid = EISAName::new("PNP0A03");
+    let bbn = u32::from(cfg.pci_bus_start);
+    let osc = Raw(pci_osc());
+
+    // Hotplug register block.
+    let region = OpRegion::new(
+        "PCST".into(),
+        OpRegionSpace::SystemMemory,
+        &cfg.hotplug_addr,
+        &PCI_HOTPLUG_SIZE,
+    );
+    let field = Field::new(
+        "PCST".into(),
+        FieldAccessType::DWord,
+        FieldLockRule::NoLock,
+        FieldUpdateRule::WriteAsZeroes,
+        vec![
+            FieldEntry::Named(*b"PCIU", 32),
+            FieldEntry::Named(*b"PCID", 32),
+            FieldEntry::Named(*b"B0EJ", 32),
+            FieldEntry::Named(*b"PSEG", 32),
+        ],
+    );
+    let mutex = aml::Mutex::new("BLCK".into(), 0);
+
+    // PCEJ(slot): select segment 0 and write 1 << slot to B0EJ.
+    let pseg = Path::new("PSEG");
+    let b0ej = Path::new("B0EJ");
+    let acquire = aml::Acquire::new("BLCK".into(), 0xffff);
+    let release = aml::Release::new("BLCK".into());
+    let sel_seg = aml::Store::new(&pseg, &aml::ZERO);
+    let arg0 = aml::Arg(0);
+    let eject = aml::ShiftLeft::new(&b0ej, &aml::ONE, &arg0);
+    let pcej = Method::new(
+        "PCEJ".into(),
+        1,
+        true,
+        vec![&acquire, &sel_seg, &eject, &release],
+    );
+
+    // PCNT(): read (and so clear) PCIU/PCID once, then notify the slots.
+    let local0 = aml::Local(0);
+    let local1 = aml::Local(1);
+    let pciu = Path::new("PCIU");
+    let pcid = Path::new("PCID");
+    let read_up = aml::Store::new(&local0, &pciu);
+    let read_down = aml::Store::new(&local1, &pcid);
+    let device_check = 1u8;
+    let eject_request = 3u8;
+    let notify_up = MethodCall::new("DVNT".into(), vec![&local0, &device_check]);
+    let notify_down = MethodCall::new("DVNT".into(), vec![&local1, &eject_request]);
+    let pcnt = Method::new(
+        "PCNT".into(),
+        0,
+        true,
+        vec![
+            &acquire,
+            &sel_seg,
+            &read_up,
+            &read_down,
+            &release,
+            &notify_up,
+            &notify_down,
+        ],
+    );
+    let dvnt = Raw(dvnt_method());
+
+    let slots: Vec<Raw> = (0..PCI_HOTPLUG_SLOTS)
+        .map(|s| Raw(slot_device(s)))
+        .collect();
+    let prt = cfg.pci_slot_gsis.as_ref().map(|g| Raw(pci_prt(g)));
+
+    let hid_name = Name::new("_HID".into(), &hid);
+    let cid_name = Name::new("_CID".into(), &cid);
+    let seg_name = Name::new("_SEG".into(), &aml::ZERO);
+    let uid_name = Name::new("_UID".into(), &aml::ZERO);
+    let bbn_name = Name::new("_BBN".into(), &bbn);
+    let crs_name = Name::new("_CRS".into(), &crs);
+    let mut children: Vec<&dyn Aml> = vec![
+        &hid_name, &cid_name, &seg_name, &uid_name, &bbn_name, &crs_name, &osc, &region, &field,
+        &mutex, &pcej, &pcnt, &dvnt,
+    ];
+    if let Some(prt) = &prt {
+        children.push(prt);
+    }
+    for s in &slots {
+        children.push(s);
+    }
+    to_bytes(&Device::new("\\_SB_.PCI0".into(), children))
+}
+
+/// Motherboard resources: reserves ECAM and the platform MMIO so the OS never reuses them.
+fn mbrd_device(cfg: &AcpiConfig) -> Vec<u8> {
+    let ecam_start = cfg.ecam_base + (u64::from(cfg.pci_bus_start) << 20);
+    let ecam_len = cfg.ecam_size() - (u64::from(cfg.pci_bus_start) << 20);
+    // Validated to fit below 4 GiB.
+    let ecam = Memory32Fixed::new(true, ecam_start as u32, ecam_len as u32);
+    let ged = Memory32Fixed::new(true, cfg.ged_addr as u32, GED_SIZE as u32);
+    let hp = Memory32Fixed::new(true, cfg.hotplug_addr as u32, PCI_HOTPLUG_SIZE as u32);
+    let crs = ResourceTemplate::new(vec![&ecam, &ged, &hp]);
+    let hid = EISAName::new("PNP0C02");
+    to_bytes(&Device::new(
+        "\\_SB_.MBRD".into(),
+        vec![
+            &Name::new("_HID".into(), &hid),
+            &Name::new("_UID".into(), &aml::ZERO),
+            &Name::new("_CRS".into(), &crs),
+        ],
+    ))
+}
+
+fn ged_device(cfg: &AcpiConfig) -> Vec<u8> {
+    let irq = Interrupt::new(true, true, false, false, cfg.ged_gsi);
+    let crs = ResourceTemplate::new(vec![&irq]);
+    let region = OpRegion::new(
+        "GDST".into(),
+        OpRegionSpace::SystemMemory,
+        &cfg.ged_addr,
+        &GED_SIZE,
+    );
+    let field = Field::new(
+        "GDST".into(),
+        FieldAccessType::DWord,
+        FieldLockRule::NoLock,
+        FieldUpdateRule::WriteAsZeroes,
+        vec![FieldEntry::Named(*b"GDAT", 32)],
+    );
+    let local0 = aml::Local(0);
+    let gdat = Path::new("GDAT");
+    let read = aml::Store::new(&local0, &gdat);
+    let bit = GED_EVENT_PCI_HOTPLUG;
+    let and = aml::And::new(&aml::ZERO, &local0, &bit);
+    let is_hotplug = aml::Equal::new(&and, &bit);
+    let pcnt = MethodCall::new("\\_SB_.PCI0.PCNT".into(), vec![]);
+    let if_hotplug = aml::If::new(&is_hotplug, vec![&pcnt]);
+    let evt = Method::new("_EVT".into(), 1, true, vec![&read, &if_hotplug]);
+    to_bytes(&Device::new(
+        "\\_SB_.GED_".into(),
+        vec![
+            &Name::new("_HID".into(), &"ACPI0013"),
+            &Name::new("_UID".into(), &aml::ZERO),
+            &Name::new("_CRS".into(), &crs),
+            &region,
+            &field,
+            &evt,
+        ],
+    ))
+}
+
+fn serial_device(port: u16, irq: u32) -> Vec<u8> {
+    let io = IO::new(port, port, 1, 8);
+    let int = Interrupt::new(true, true, false, false, irq);
+    let crs = ResourceTemplate::new(vec![&io, &int]);
+    let hid = EISAName::new("PNP0501");
+    to_bytes(&Device::new(
+        "\\_SB_.COM1".into(),
+        vec![
+            &Name::new("_HID".into(), &hid),
+            &Name::new("_UID".into(), &aml::ONE),
+            &Name::new("_CRS".into(), &crs),
+        ],
+    ))
+}
+
+/// The DSDT's AML body (definition block contents without the table header).
+pub fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
+    let mut body = pci0_device(cfg);
+    body.extend(mbrd_device(cfg));
+    body.extend(ged_device(cfg));
+    if let Some((port, irq)) = cfg.serial {
+        body.extend(serial_device(port, irq));
+    }
+    let s5_value = 5u8;
+    body.extend(to_bytes(&Name::new(
+        "_S5_".into(),
+        &Package::new(vec![&s5_value]),
+    )));
+    body
+}
+
+/// The complete DSDT (revision 2+: 64-bit integers).
+pub fn create_dsdt(cfg: &AcpiConfig) -> Vec<u8> {
+    let mut dsdt = Sdt::new(*b"DSDT", 36, 6, OEM_ID, oem_table_id(b"DSDT"), OEM_REVISION);
+    dsdt.append_slice(&dsdt_aml(cfg));
+    dsdt.as_slice().to_vec()
+}
+
+fn create_fadt(cfg: &AcpiConfig, dsdt_addr: u64) -> Vec<u8> {
+    let mut boot_arch = IAPC_BOOT_ARCH_NO_VGA | IAPC_BOOT_ARCH_NO_ASPM;
+    if !cfg.cmos_rtc {
+        boot_arch |= IAPC_BOOT_ARCH_NO_CMOS_RTC;
+    }
+    let mut builder = FADTBuilder::new(OEM_ID, oem_table_id(b"FACP"), OEM_REVISION)
+        .dsdt_64(dsdt_addr)
+        .flag(Flags::HwReducedAcpi)
+        .flag(Flags::PwrButton)
+        .flag(Flags::SlpButton);
+    builder.iapc_boot_arch = boot_arch.into();
+    // Also fill the 32-bit DSDT pointer (same value) for OSes that read only that one.
+    if let Ok(dsdt32) = u32::try_from(dsdt_addr) {
+        builder.dsdt = dsdt32.into();
+    }
+    to_bytes(&builder.finalize())
+}
+
+fn madt_entry_lapic_nmi() -> [u8; 6] {
+    // Type 4, length 6, ACPI processor UID 0xff (all), flags 0 (bus default), LINT1.
+    [4, 6, 0xff, 0, 0, 1]
+}
+
+fn madt_entry_iso(source: u8, gsi: u32, flags: u16) -> [u8; 10] {
+    // Type 2, length 10, bus 0 (ISA), source IRQ, GSI, MPS INTI flags.
+    let mut e = [0u8; 10];
+    e[0] = 2;
+    e[1] = 10;
+    e[3] = source;
+    e[4..8].copy_from_slice(&gsi.to_le_bytes());
+    e[8..10].copy_from_slice(&flags.to_le_bytes());
+    e
+}
+
+fn create_madt(cfg: &AcpiConfig) -> Vec<u8> {
+    let mut madt = Sdt::new(*b"APIC", 44, 5, OEM_ID, oem_table_id(b"APIC"), OEM_REVISION);
+    madt.write_u32(36, cfg.lapic_addr);
+    madt.write_u32(40, MADT_PCAT_COMPAT);
+    for cpu in 0..cfg.num_vcpus {
+        // Validated: num_vcpus <= MAX_VCPUS < 256.
+        let id = cpu as u8;
+        madt.append_slice(&to_bytes(&ProcessorLocalApic::new(
+            id,
+            id,
+            EnabledStatus::Enabled,
+        )));
+    }
+    madt.append_slice(&to_bytes(&IoApic::new(cfg.ioapic_id, cfg.ioapic_addr, 0)));
+    // ISA IRQ 0 (PIT) is wired to IOAPIC pin 2, as on PC hardware.
+    madt.append_slice(&madt_entry_iso(0, 2, 0));
+    madt.append_slice(&madt_entry_lapic_nmi());
+    madt.as_slice().to_vec()
+}
+
+fn create_mcfg(cfg: &AcpiConfig) -> Vec<u8> {
+    let mut mcfg = MCFG::new(OEM_ID, oem_table_id(b"MCFG"), OEM_REVISION);
+    mcfg.add_ecam(cfg.ecam_base, 0, cfg.pci_bus_start, cfg.pci_bus_end);
+    to_bytes(&mcfg)
+}
+
+fn align_up(v: u64, align: u64) -> u64 {
+    v.div_ceil(align) * align
+}
+
+/// Table alignment in guest memory.
+const ALIGN: u64 = 16;
+
+struct Layout {
+    next: u64,
+    tables: Vec<AcpiTable>,
+}
+
+impl Layout {
+    fn place(&mut self, signature: [u8; 4], bytes: Vec<u8>) -> u64 {
+        let gpa = self.next;
+        self.next = align_up(gpa + bytes.len() as u64, ALIGN);
+        self.tables.push(AcpiTable {
+            signature,
+            gpa,
+            bytes,
+        });
+        gpa
+    }
+}
+
+/// Builds every table and lays them out from `cfg.tables_start`.
+pub fn create_acpi_tables(cfg: &AcpiConfig) -> Result<AcpiTables, AcpiTableError> {
+    cfg.validate()?;
+    let rsdp_addr = cfg.tables_start;
+    let mut layout = Layout {
+        next: align_up(rsdp_addr + Rsdp::len() as u64, ALIGN),
+        tables: Vec::new(),
+    };
+    let dsdt_addr = layout.place(*b"DSDT", create_dsdt(cfg));
+    let fadt_addr = layout.place(*b"FACP", create_fadt(cfg, dsdt_addr));
+    let madt_addr = layout.place(*b"APIC", create_madt(cfg));
+    let mcfg_addr = layout.place(*b"MCFG", create_mcfg(cfg));
+    let mut xsdt = XSDT::new(OEM_ID, oem_table_id(b"XSDT"), OEM_REVISION);
+    for addr in [fadt_addr, madt_addr, mcfg_addr] {
+        xsdt.add_entry(addr);
+    }
+    let xsdt_addr = layout.place(*b"XSDT", to_bytes(&xsdt));
+    let mut tables = layout.tables;
+
+    let rsdp = to_bytes(&Rsdp::new(OEM_ID, xsdt_addr));
+    tables.insert(
+        0,
+        AcpiTable {
+            signature: *b"RSD ",
+            gpa: rsdp_addr,
+            bytes: rsdp,
+        },
+    );
+    let out = AcpiTables { rsdp_addr, tables };
+    if out.end() > cfg.tables_end {
+        return Err(AcpiTableError::TooLarge {
+            end: out.end(),
+            limit: cfg.tables_end,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    fn sum(bytes: &[u8]) -> u8 {
+        bytes.iter().fold(0u8, |a, b| a.wrapping_add(*b))
+    }
+
+    fn u32_at(b: &[u8], off: usize) -> u32 {
+        u32::from_le_bytes(b[off..off + 4].try_into().unwrap())
+    }
+
+    fn u64_at(b: &[u8], off: usize) -> u64 {
+        u64::from_le_bytes(b[off..off + 8].try_into().unwrap())
+    }
+
+    fn contains(hay: &[u8], needle: &[u8]) -> bool {
+        hay.windows(needle.len()).any(|w| w == needle)
+    }
+
+    fn config(vcpus: u32) -> AcpiConfig {
+        AcpiConfig {
+            num_vcpus: vcpus,
+            mmio64_base: 0x1_4000_0000,
+            mmio64_size: 0x40_0000_0000,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn every_table_has_checksum_signature_and_length() {
+        let t = create_acpi_tables(&config(2)).unwrap();
+        let sigs: Vec<[u8; 4]> = t.tables.iter().map(|t| t.signature).collect();
+        assert_eq!(
+            sigs,
+            vec![*b"RSD ", *b"DSDT", *b"FACP", *b"APIC", *b"MCFG", *b"XSDT"]
+        );
+        for table in &t.tables[1..] {
+            let b = &table.bytes;
+            assert_eq!(&b[0..4], &table.signature, "signature");
+            assert_eq!(
+                u32_at(b, 4) as usize,
+                b.len(),
+                "length of {:?}",
+                table.signature
+            );
+            assert_eq!(sum(b), 0, "checksum of {:?}", table.signature);
+            assert_eq!(&b[10..16], b"LENDVM");
+            assert_eq!(table.gpa % 16, 0);
+        }
+    }
+
+    #[test]
+    fn rsdp_checksums_and_location() {
+        let t = create_acpi_tables(&config(1)).unwrap();
+        assert_eq!(t.rsdp_addr, 0xe_0000);
+        let rsdp = &t.tables[0];
+        assert_eq!(rsdp.gpa, 0xe_0000);
+        let b = &rsdp.bytes;
+        assert_eq!(b.len(), 36);
+        assert_eq!(&b[0..8], b"RSD PTR ");
+        assert_eq!(b[15], 2, "ACPI 2.0+ revision");
+        assert_eq!(sum(&b[0..20]), 0, "ACPI 1.0 checksum");
+        assert_eq!(sum(b), 0, "extended checksum");
+        assert_eq!(u32_at(b, 20), 36);
+        assert_eq!(u64_at(b, 24), t.get(b"XSDT").unwrap().gpa);
+    }
+
+    #[test]
+    fn xsdt_points_at_fadt_madt_mcfg_and_fadt_at_dsdt() {
+        let t = create_acpi_tables(&config(1)).unwrap();
+        let xsdt = &t.get(b"XSDT").unwrap().bytes;
+        let entries: Vec<u64> = (36..xsdt.len())
+            .step_by(8)
+            .map(|o| u64_at(xsdt, o))
+            .collect();
+        let want: Vec<u64> = [b"FACP", b"APIC", b"MCFG"]
+            .iter()
+            .map(|s| t.get(s).unwrap().gpa)
+            .collect();
+        assert_eq!(entries, want);
+
+        let fadt = &t.get(b"FACP").unwrap().bytes;
+        assert_eq!(fadt.len(), 276);
+        let dsdt_gpa = t.get(b"DSDT").unwrap().gpa;
+        assert_eq!(u64_at(fadt, 140), dsdt_gpa, "X_DSDT");
+        assert_eq!(u64::from(u32_at(fadt, 40)), dsdt_gpa, "DSDT");
+        let flags = u32_at(fadt, 112);
+        assert_ne!(flags & (1 << 20), 0, "HW_REDUCED_ACPI");
+        assert_eq!(u32_at(fadt, 76), 0, "no PM timer block");
+        assert_eq!(fadt[91], 0, "PM_TMR_LEN 0");
+        let boot_arch = u16::from_le_bytes([fadt[109], fadt[110]]);
+        assert_eq!(boot_arch & (1 << 1), 0, "no 8042");
+        assert_ne!(boot_arch & (1 << 2), 0, "no VGA");
+        assert_eq!(boot_arch & (1 << 3), 0, "MSI supported");
+    }
+
+    #[test]
+    fn madt_has_lapic_per_vcpu_ioapic_override_and_nmi() {
+        let t = create_acpi_tables(&config(4)).unwrap();
+        let madt = &t.get(b"APIC").unwrap().bytes;
+        assert_eq!(u32_at(madt, 36), 0xfee0_0000);
+        let mut off = 44;
+        let mut by_type = [0usize; 16];
+        let mut apic_ids = Vec::new();
+        while off < madt.len() {
+            let (ty, len) = (madt[off], madt[off + 1] as usize);
+            assert!(len >= 2 && off + len <= madt.len());
+            by_type[ty as usize] += 1;
+            match ty {
+                0 => {
+                    apic_ids.push(madt[off + 3]);
+                    assert_eq!(u32_at(madt, off + 4), 1, "enabled");
+                }
+                1 => {
+                    assert_eq!(u32_at(madt, off + 4), 0xfec0_0000);
+                    assert_eq!(u32_at(madt, off + 8), 0, "gsi base");
+                }
+                2 => {
+                    assert_eq!(madt[off + 3], 0, "IRQ0");
+                    assert_eq!(u32_at(madt, off + 4), 2, "-> GSI2");
+                }
+                4 => assert_eq!(madt[off + 5], 1, "LINT1"),
+                _ => panic!("unexpected MADT entry type {ty}"),
+            }
+            off += len;
+        }
+        assert_eq!(apic_ids, vec![0, 1, 2, 3]);
+        assert_eq!(by_type[0], 4);
+        assert_eq!(by_type[1], 1);
+        assert_eq!(by_type[2], 1);
+        assert_eq!(by_type[4], 1);
+        assert_eq!(by_type.iter().sum::<usize>(), 4 + 1 + 1 + 1);
+    }
+
+    #[test]
+    fn mcfg_describes_ecam() {
+        let t = create_acpi_tables(&config(1)).unwrap();
+        let mcfg = &t.get(b"MCFG").unwrap().bytes;
+        assert_eq!(mcfg.len(), 44 + 16);
+        assert_eq!(u64_at(mcfg, 44), 0xe000_0000);
+        assert_eq!(u16::from_le_bytes([mcfg[52], mcfg[53]]), 0, "segment");
+        assert_eq!((mcfg[54], mcfg[55]), (0, 0), "bus range");
+    }
+
+    #[test]
+    fn dsdt_contains_hotplug_objects() {
+        let cfg = config(1);
+        let dsdt = create_dsdt(&cfg);
+        for name in [
+            &b"PCI0"[..],
+            b"PCNT",
+            b"PCEJ",
+            b"DVNT",
+            b"S00_",
+            b"S05_",
+            b"S31_",
+            b"_EJ0",
+            b"_SUN",
+            b"_ADR",
+            b"_OSC",
+            b"ACPI0013",
+            b"GED_",
+            b"_EVT",
+            b"PCIU",
+            b"PCID",
+            b"B0EJ",
+            b"PSEG",
+            b"COM1",
+            b"MBRD",
+            b"_S5_",
+        ] {
+            assert!(contains(&dsdt, name), "{}", String::from_utf8_lossy(name));
+        }
+        assert!(!contains(&dsdt, b"_PRT"), "no _PRT unless configured");
+        // Hotplug register block address as a DWord constant in the OperationRegion.
+        let mut region = vec![0x0c];
+        region.extend_from_slice(&0xfe00_1000u32.to_le_bytes());
+        assert!(contains(&dsdt, &region));
+        // Slot 5: Name(_ADR, 0x50000).
+        let mut adr = b"_ADR".to_vec();
+        adr.push(0x0c);
+        adr.extend_from_slice(&0x5_0000u32.to_le_bytes());
+        assert!(contains(&dsdt, &adr));
+
+        let with_prt = AcpiConfig {
+            pci_slot_gsis: Some([10; 32]),
+            serial: None,
+            ..cfg
+        };
+        let dsdt = create_dsdt(&with_prt);
+        assert!(contains(&dsdt, b"_PRT"));
+        assert!(!contains(&dsdt, b"COM1"));
+    }
+
+    #[test]
+    fn write_to_places_a_walkable_table_set() {
+        let t = create_acpi_tables(&config(2)).unwrap();
+        let base = ACPI_TABLES_START;
+        let mut mem = vec![0u8; (ACPI_TABLES_END - base) as usize];
+        t.write_to(|gpa, bytes| -> Result<(), String> {
+            let off = (gpa - base) as usize;
+            mem.get_mut(off..off + bytes.len())
+                .ok_or(format!("{gpa:#x} out of range"))?
+                .copy_from_slice(bytes);
+            Ok(())
+        })
+        .unwrap();
+        assert!(t.end() <= ACPI_TABLES_END);
+        // Walk like an OS: RSDP (found on a 16-byte boundary) -> XSDT -> FADT -> DSDT.
+        let rd = |gpa: u64, len: usize| mem[(gpa - base) as usize..][..len].to_vec();
+        let rsdp = rd(base, 36);
+        let xsdt_addr = u64_at(&rsdp, 24);
+        let xsdt_len = u32_at(&rd(xsdt_addr, 8), 4) as usize;
+        let xsdt = rd(xsdt_addr, xsdt_len);
+        let mut found = Vec::new();
+        for off in (36..xsdt_len).step_by(8) {
+            let addr = u64_at(&xsdt, off);
+            let hdr = rd(addr, 8);
+            let table = rd(addr, u32_at(&hdr, 4) as usize);
+            assert_eq!(sum(&table), 0);
+            found.push(String::from_utf8_lossy(&table[0..4]).to_string());
+            if &table[0..4] == b"FACP" {
+                let dsdt_addr = u64_at(&table, 140);
+                let dsdt_hdr = rd(dsdt_addr, 8);
+                assert_eq!(&dsdt_hdr[0..4], b"DSDT");
+                assert_eq!(sum(&rd(dsdt_addr, u32_at(&dsdt_hdr, 4) as usize)), 0);
+            }
+        }
+        assert_eq!(found, vec!["FACP", "APIC", "MCFG"]);
+    }
+
+    #[test]
+    fn bad_configs_are_rejected() {
+        for vcpus in [0, 255] {
+            assert_eq!(
+                create_acpi_tables(&config(vcpus)),
+                Err(AcpiTableError::VcpuCount(vcpus))
+            );
+        }
+        let cfg = AcpiConfig {
+            mmio32_base: 0xf000_0000,
+            mmio32_size: 0x2000_0000,
+            ..config(1)
+        };
+        assert!(matches!(
+            create_acpi_tables(&cfg),
+            Err(AcpiTableError::Window { .. })
+        ));
+        let cfg = AcpiConfig {
+            pci_bus_start: 2,
+            pci_bus_end: 1,
+            ..config(1)
+        };
+        assert!(matches!(
+            create_acpi_tables(&cfg),
+            Err(AcpiTableError::BusRange { .. })
+        ));
+        let cfg = AcpiConfig {
+            tables_end: ACPI_TABLES_START + 0x100,
+            ..config(1)
+        };
+        assert!(matches!(
+            create_acpi_tables(&cfg),
+            Err(AcpiTableError::TooLarge { .. })
+        ));
+        let cfg = AcpiConfig {
+            hotplug_addr: 1 << 32,
+            ..config(1)
+        };
+        assert_eq!(
+            create_acpi_tables(&cfg),
+            Err(AcpiTableError::PlatformMmio(1 << 32))
+        );
+        assert!(create_acpi_tables(&config(MAX_VCPUS)).is_ok());
+    }
+
+    fn iasl_available() -> bool {
+        Command::new("iasl").arg("-v").output().is_ok()
+    }
+
+    /// Disassembles every table with `iasl -d` and recompiles the DSDT's ASL: the closest
+    /// offline check that a Linux guest's ACPICA will accept the AML.
+    #[test]
+    fn iasl_accepts_the_tables() {
+        if !iasl_available() {
+            eprintln!(
+                "SKIPPED iasl_accepts_the_tables: iasl not found (apt-get install acpica-tools)"
+            );
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = AcpiConfig {
+            pci_slot_gsis: Some([16; 32]),
+            ..config(2)
+        };
+        let t = create_acpi_tables(&cfg).unwrap();
+        for table in &t.tables[1..] {
+            let name = String::from_utf8_lossy(&table.signature).to_lowercase();
+            let path = dir.path().join(format!("{name}.dat"));
+            std::fs::write(&path, &table.bytes).unwrap();
+            let out = Command::new("iasl")
+                .current_dir(dir.path())
+                .args(["-d", path.to_str().unwrap()])
+                .output()
+                .unwrap();
+            let log = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "iasl -d {name}:\n{log}");
+            let dsl = std::fs::read_to_string(dir.path().join(format!("{name}.dsl"))).unwrap();
+            if std::env::var_os("ACPI_DUMP").is_some() {
+                eprintln!("{log}\n{dsl}");
+            }
+            for bad in ["Invalid", "**** ", "Error", "error"] {
+                assert!(!dsl.contains(bad), "{name}.dsl contains {bad:?}:\n{dsl}");
+            }
+        }
+        // Recompile the disassembled DSDT: any unresolved name or malformed object fails here.
+        let out = Command::new("iasl")
+            .current_dir(dir.path())
+            .args(["-p", "recompiled", "dsdt.dsl"])
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "iasl dsdt.dsl:\n{log}");
+        assert!(log.contains(" 0 Errors, 0 Warnings"), "{log}");
+        eprintln!("iasl recompile of the DSDT:\n{log}");
+        let dsl = std::fs::read_to_string(dir.path().join("dsdt.dsl")).unwrap();
+        for needle in [
+            "Device (\\_SB.PCI0)",
+            "Method (PCNT",
+            "Device (S05)",
+            "Method (_EJ0",
+            "\"ACPI0013\"",
+            "Method (_EVT",
+            "Notify (\\_SB.PCI0.S05, Arg1)",
+        ] {
+            assert!(dsl.contains(needle), "dsdt.dsl lacks {needle:?}:\n{dsl}");
+        }
+    }
+}
