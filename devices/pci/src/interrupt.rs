@@ -30,13 +30,15 @@
 //! * An MSI group owns `count` vectors, each with its own irqfd `EventFd`. GSIs and irqfds are
 //!   allocated by the implementation (lazily on the first unmasked `update` is fine) and are
 //!   released when the group is dropped (`Drop` on the implementing type).
-//! * `update(index, cfg, masked)` records the MSI address/data of vector `index`. If `masked`
-//!   is false the route is installed and the irqfd is registered, so a write to
-//!   `notifier(index)` (by anyone, e.g. a lender relay thread) injects the MSI directly in KVM.
-//!   If `masked` is true the irqfd is unregistered (writes to the eventfd stay pending in the
-//!   eventfd counter and are *not* delivered); the PCI layer keeps the PBA bit itself.
-//! * `enable()` registers the irqfds of all unmasked vectors; `disable()` unregisters all
-//!   (used when MSI-X Enable / MSI Enable is cleared or the device is reset).
+//! * A vector is delivered iff the group is enabled and the vector is unmasked.
+//! * `update(index, cfg, masked)` records the MSI address/data of vector `index` and its
+//!   mask. Unmasked (and group enabled): the route is installed and the irqfd registered, so
+//!   a write to `notifier(index)` (by anyone, e.g. a lender relay thread) injects the MSI
+//!   directly in KVM. Masked: the irqfd is unregistered (eventfd writes stay in its counter
+//!   and KVM delivers them when the irqfd is registered again); the PCI layer keeps the PBA.
+//! * `enable()` registers the irqfds of all unmasked vectors; `disable()` unregisters all.
+//!   The PCI layer calls `enable()` *before* unmasking vectors when MSI(-X) Enable is set,
+//!   and masks vectors *before* calling `disable()` when it is cleared.
 //! * `trigger(index)` injects vector `index` now (writes its eventfd or uses KVM_SIGNAL_MSI).
 //! * An INTx group has exactly one source (index 0) bound to IOAPIC pin `irq`; `trigger(0)`
 //!   asserts the level-triggered line (irqfd with resample); `resample_notifier(0)` is the

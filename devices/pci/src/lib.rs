@@ -1,8 +1,34 @@
 //! PCI building blocks shared by the VMM and device models: address buses, the `PciDevice`
-//! trait, a configuration-space helper and the root complex (config mechanism #1 and ECAM).
+//! trait, a configuration-space helper, MSI/MSI-X emulation, the interrupt and VM-ops seams
+//! the VMM implements, and the root complex (config mechanism #1 and ECAM).
+
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod bus;
+pub mod configuration;
+pub mod device;
 pub mod interrupt;
+pub mod msi;
+pub mod msix;
+pub mod root;
 pub mod vm_ops;
 
 pub use bus::{Bus, BusDevice, BusError, SharedBusDevice};
+pub use configuration::{
+    ConfigError, PciBarConfiguration, PciBarRegionType, PciConfiguration, PciConfigurationParams,
+    PciHeaderType, PciInterruptPin,
+};
+pub use device::{
+    BarMove, BarRequest, CommandChange, ConfigWriteEffects, DeviceRelocation, PciBarAllocators,
+    PciDevice, PciDeviceError,
+};
+pub use interrupt::{
+    InterruptError, InterruptIndex, InterruptManager, InterruptSourceGroup, MsiIrqSourceConfig,
+};
+pub use msi::{MsiCap, MsiConfig};
+pub use msix::{MsixCap, MsixConfig};
+pub use root::{PciBdf, PciBus, PciConfigIo, PciConfigMmio, PciHostBridge, SharedPciDevice};
+pub use vm_ops::{IoEventGuard, MemslotGuard, VmOps};
+
+#[cfg(test)]
+mod test_util;

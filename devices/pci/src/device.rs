@@ -1,0 +1,373 @@
+//! The `PciDevice` trait, the effects a config write reports, BAR allocation and the
+//! `DeviceRelocation` seam through which the root complex asks the VMM to move BARs.
+//!
+//! Flow of a guest config write: `PciConfigIo`/`PciConfigMmio` -> `PciBus::write_config`
+//! -> `PciDevice::write_config_register` returns [`ConfigWriteEffects`]; the device has
+//! already reacted to its own Command change (e.g. pinning guest RAM on BME 0->1). For
+//! every [`BarMove`], the bus calls [`DeviceRelocation::move_bar`] (the VMM moves the
+//! MMIO/PIO bus range and its allocator reservation) and then
+//! [`PciDevice::move_bar`] (the device moves its memslots/ioeventfds). Command changes
+//! are passed to [`DeviceRelocation::command_changed`] for bookkeeping.
+
+use std::any::Any;
+
+use vm_allocator::{AddressAllocator, AllocPolicy, RangeInclusive};
+
+use crate::configuration::{command, PciBarConfiguration, PciBarRegionType};
+use crate::root::PciBdf;
+
+/// Start of the 32-bit PCI MMIO window (CONTRACTS.md).
+pub const MMIO32_BASE: u64 = 0xC000_0000;
+/// Size of the 32-bit PCI MMIO window.
+pub const MMIO32_SIZE: u64 = 0x2000_0000;
+/// Start of the ECAM window.
+pub const ECAM_BASE: u64 = 0xE000_0000;
+/// Size of the ECAM window (buses 0..=255).
+pub const ECAM_SIZE: u64 = 0x1000_0000;
+/// Default PCI I/O port window (above the legacy ISA ports).
+pub const PCI_IO_BASE: u64 = 0x1000;
+/// Size of the default PCI I/O port window.
+pub const PCI_IO_SIZE: u64 = 0xf000;
+
+/// A BAR address change caused by a guest config write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BarMove {
+    pub bar_idx: usize,
+    pub old: u64,
+    pub new: u64,
+    pub len: u64,
+    pub region_type: PciBarRegionType,
+}
+
+/// A Command register change caused by a guest config write (or reset).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommandChange {
+    pub old: u16,
+    pub new: u16,
+}
+
+impl CommandChange {
+    fn flip(&self, bit: u16) -> Option<bool> {
+        ((self.old ^ self.new) & bit != 0).then_some(self.new & bit != 0)
+    }
+
+    /// `Some(new state)` if Bus Master Enable changed.
+    pub fn bus_master(&self) -> Option<bool> {
+        self.flip(command::BUS_MASTER)
+    }
+
+    /// `Some(new state)` if Memory Space Enable changed.
+    pub fn memory(&self) -> Option<bool> {
+        self.flip(command::MEMORY_SPACE)
+    }
+
+    /// `Some(new state)` if I/O Space Enable changed.
+    pub fn io(&self) -> Option<bool> {
+        self.flip(command::IO_SPACE)
+    }
+
+    /// `Some(new state)` if INTx Disable changed.
+    pub fn intx_disable(&self) -> Option<bool> {
+        self.flip(command::INTX_DISABLE)
+    }
+}
+
+/// What a config write changed, for the device manager.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConfigWriteEffects {
+    pub bar_moves: Vec<BarMove>,
+    pub command: Option<CommandChange>,
+}
+
+impl ConfigWriteEffects {
+    /// True if nothing needs the VMM's attention.
+    pub fn is_empty(&self) -> bool {
+        self.bar_moves.is_empty() && self.command.is_none()
+    }
+
+    /// Appends `other`'s effects (a Command change keeps the first `old`).
+    pub fn merge(&mut self, other: ConfigWriteEffects) {
+        self.bar_moves.extend(other.bar_moves);
+        self.command = match (self.command, other.command) {
+            (Some(a), Some(b)) => Some(CommandChange {
+                old: a.old,
+                new: b.new,
+            }),
+            (a, b) => b.or(a),
+        };
+    }
+}
+
+/// Errors of PCI devices and BAR allocation.
+#[derive(Debug, thiserror::Error)]
+pub enum PciDeviceError {
+    #[error("no room for a {region_type:?} bar of {size:#x} bytes")]
+    BarAllocation {
+        region_type: PciBarRegionType,
+        size: u64,
+        #[source]
+        source: vm_allocator::Error,
+    },
+    #[error("freeing {region_type:?} bar {base:#x}+{size:#x} failed")]
+    BarFree {
+        region_type: PciBarRegionType,
+        base: u64,
+        size: u64,
+        #[source]
+        source: vm_allocator::Error,
+    },
+    #[error("invalid allocator window {base:#x}+{size:#x}")]
+    AllocatorWindow {
+        base: u64,
+        size: u64,
+        #[source]
+        source: vm_allocator::Error,
+    },
+    #[error("configuration space: {0}")]
+    Config(#[from] crate::configuration::ConfigError),
+    #[error("moving bar {old:#x} -> {new:#x} failed: {reason}")]
+    MoveBar { old: u64, new: u64, reason: String },
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+/// A BAR a device wants, before an address is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BarRequest {
+    pub idx: usize,
+    pub size: u64,
+    pub region_type: PciBarRegionType,
+    pub prefetchable: bool,
+}
+
+/// The VMM's PCI address allocators (I/O ports, 32-bit MMIO, 64-bit MMIO).
+#[derive(Clone, Debug)]
+pub struct PciBarAllocators {
+    pub io: AddressAllocator,
+    pub mmio32: AddressAllocator,
+    pub mmio64: AddressAllocator,
+}
+
+fn allocator(base: u64, size: u64) -> Result<AddressAllocator, PciDeviceError> {
+    AddressAllocator::new(base, size).map_err(|source| PciDeviceError::AllocatorWindow {
+        base,
+        size,
+        source,
+    })
+}
+
+impl PciBarAllocators {
+    /// Allocators over the given windows (`(base, size)` each).
+    pub fn new(
+        io: (u64, u64),
+        mmio32: (u64, u64),
+        mmio64: (u64, u64),
+    ) -> Result<Self, PciDeviceError> {
+        Ok(Self {
+            io: allocator(io.0, io.1)?,
+            mmio32: allocator(mmio32.0, mmio32.1)?,
+            mmio64: allocator(mmio64.0, mmio64.1)?,
+        })
+    }
+
+    /// The x86_64 layout of CONTRACTS.md: I/O 0x1000..0x10000, 32-bit MMIO
+    /// 0xC000_0000..0xE000_0000, and the given 64-bit window.
+    pub fn x86_64(mmio64_base: u64, mmio64_size: u64) -> Result<Self, PciDeviceError> {
+        Self::new(
+            (PCI_IO_BASE, PCI_IO_SIZE),
+            (MMIO32_BASE, MMIO32_SIZE),
+            (mmio64_base, mmio64_size),
+        )
+    }
+
+    fn for_type(&mut self, region_type: PciBarRegionType) -> &mut AddressAllocator {
+        match region_type {
+            PciBarRegionType::Io => &mut self.io,
+            PciBarRegionType::Memory32 => &mut self.mmio32,
+            PciBarRegionType::Memory64 => &mut self.mmio64,
+        }
+    }
+
+    /// Allocates a naturally aligned range for `req`; returns the BAR with its address.
+    pub fn allocate(&mut self, req: &BarRequest) -> Result<PciBarConfiguration, PciDeviceError> {
+        let range = self
+            .for_type(req.region_type)
+            .allocate(req.size, req.size, AllocPolicy::FirstMatch)
+            .map_err(|source| PciDeviceError::BarAllocation {
+                region_type: req.region_type,
+                size: req.size,
+                source,
+            })?;
+        Ok(PciBarConfiguration::new(
+            req.idx,
+            range.start(),
+            req.size,
+            req.region_type,
+            req.prefetchable,
+        ))
+    }
+
+    /// Reserves exactly `[base, base+size)` (e.g. when the guest moves a BAR).
+    pub fn allocate_at(
+        &mut self,
+        region_type: PciBarRegionType,
+        base: u64,
+        size: u64,
+    ) -> Result<(), PciDeviceError> {
+        self.for_type(region_type)
+            .allocate(size, size, AllocPolicy::ExactMatch(base))
+            .map(|_| ())
+            .map_err(|source| PciDeviceError::BarAllocation {
+                region_type,
+                size,
+                source,
+            })
+    }
+
+    /// Frees `[base, base+size)`.
+    pub fn free(
+        &mut self,
+        region_type: PciBarRegionType,
+        base: u64,
+        size: u64,
+    ) -> Result<(), PciDeviceError> {
+        let err = |source| PciDeviceError::BarFree {
+            region_type,
+            base,
+            size,
+            source,
+        };
+        let end = base.saturating_add(size.saturating_sub(1));
+        let range = RangeInclusive::new(base, end).map_err(err)?;
+        self.for_type(region_type).free(&range).map_err(err)
+    }
+
+    /// Allocates all `requests`; on failure frees what was allocated so far.
+    pub fn allocate_all(
+        &mut self,
+        requests: &[BarRequest],
+    ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
+        let mut done: Vec<PciBarConfiguration> = Vec::with_capacity(requests.len());
+        for req in requests {
+            match self.allocate(req) {
+                Ok(bar) => done.push(bar),
+                Err(e) => {
+                    for bar in &done {
+                        if let Err(fe) = self.free(bar.region_type, bar.addr, bar.size) {
+                            log::error!("rollback of bar {}: {fe}", bar.idx);
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// Frees all `bars`, returning the first error after trying all of them.
+    pub fn free_all(&mut self, bars: &[PciBarConfiguration]) -> Result<(), PciDeviceError> {
+        let mut first = None;
+        for bar in bars {
+            if let Err(e) = self.free(bar.region_type, bar.addr, bar.size) {
+                log::error!("freeing bar {}: {e}", bar.idx);
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+/// A PCI function on the root bus.
+pub trait PciDevice: Send {
+    /// Device id (as used by the API), if any.
+    fn id(&self) -> Option<String> {
+        None
+    }
+
+    /// Chooses addresses for the device's BARs from `allocators` and programs them into
+    /// its configuration space. Returns the BARs so the VMM can insert bus ranges.
+    fn allocate_bars(
+        &mut self,
+        _allocators: &mut PciBarAllocators,
+    ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
+        Ok(Vec::new())
+    }
+
+    /// Returns the device's BAR ranges (at their current addresses) to `allocators`.
+    fn free_bars(&mut self, _allocators: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
+        Ok(())
+    }
+
+    /// Reads configuration register `reg_idx` (dword index; 0..64 or 0..1024).
+    fn read_config_register(&mut self, reg_idx: usize) -> u32;
+
+    /// Writes `data` (1, 2 or 4 bytes) at byte `offset` of register `reg_idx`.
+    fn write_config_register(
+        &mut self,
+        reg_idx: usize,
+        offset: u64,
+        data: &[u8],
+    ) -> ConfigWriteEffects;
+
+    /// Trapped read of a BAR: `base` is the BAR's address, `offset` within it.
+    fn read_bar(&mut self, _base: u64, _offset: u64, data: &mut [u8]) {
+        data.fill(0xff);
+    }
+
+    /// Trapped write of a BAR.
+    fn write_bar(&mut self, _base: u64, _offset: u64, _data: &[u8]) {}
+
+    /// Called after the VMM has moved the bus range of the BAR at `old_base` to
+    /// `new_base`, so the device can move memslots, ioeventfds, etc.
+    fn move_bar(&mut self, _old_base: u64, _new_base: u64) -> Result<(), PciDeviceError> {
+        Ok(())
+    }
+
+    /// Function reset (e.g. FLR or VM reset). Devices drop DMA pins and mappings here.
+    fn reset(&mut self) -> Result<(), PciDeviceError> {
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// Implemented by the device manager: applies BAR moves to the MMIO/PIO buses (and the
+/// allocators), and observes Command changes.
+pub trait DeviceRelocation: Send + Sync {
+    /// Move the bus range `[mv.old, mv.old + mv.len)` to `mv.new`. Called with the device
+    /// locked (it is passed in) before the device's own [`PciDevice::move_bar`].
+    fn move_bar(
+        &self,
+        bdf: PciBdf,
+        mv: &BarMove,
+        device: &mut dyn PciDevice,
+    ) -> Result<(), PciDeviceError>;
+
+    /// A Command register change (informational; the device has already reacted).
+    fn command_changed(&self, _bdf: PciBdf, _change: &CommandChange) {}
+}
+
+/// A [`DeviceRelocation`] that refuses moves (tests and VMs without relocation support).
+#[derive(Debug, Default)]
+pub struct NoRelocation;
+
+impl DeviceRelocation for NoRelocation {
+    fn move_bar(
+        &self,
+        bdf: PciBdf,
+        mv: &BarMove,
+        _device: &mut dyn PciDevice,
+    ) -> Result<(), PciDeviceError> {
+        log::warn!(
+            "{bdf}: bar move {:#x} -> {:#x} not supported",
+            mv.old,
+            mv.new
+        );
+        Err(PciDeviceError::MoveBar {
+            old: mv.old,
+            new: mv.new,
+            reason: "relocation not supported".into(),
+        })
+    }
+}

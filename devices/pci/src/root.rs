@@ -1,0 +1,774 @@
+//! Root complex: bus 0 with 32 slots (function 0 each), the host bridge at 00:00.0, and the
+//! two configuration access mechanisms as [`BusDevice`]s: [`PciConfigIo`] (ports
+//! 0xcf8..0xcff, mechanism #1) and [`PciConfigMmio`] (ECAM at 0xE000_0000).
+//!
+//! Effects of config writes (BAR moves, Command changes) go to the [`DeviceRelocation`]
+//! given to [`PciBus::new`]; see `device.rs` for the order of calls.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::bus::BusDevice;
+use crate::configuration::{class, PciConfiguration, PciConfigurationParams, PciHeaderType};
+use crate::device::{ConfigWriteEffects, DeviceRelocation, PciDevice};
+
+/// Slots on bus 0.
+pub const NUM_DEVICE_SLOTS: u8 = 32;
+/// Host bridge vendor id (Intel, as Cloud Hypervisor).
+pub const HOST_BRIDGE_VENDOR_ID: u16 = 0x8086;
+/// Host bridge device id (as Cloud Hypervisor).
+pub const HOST_BRIDGE_DEVICE_ID: u16 = 0x0d57;
+/// First port of configuration mechanism #1 (CONFIG_ADDRESS); the device spans 8 ports.
+pub const PCI_CONFIG_IO_PORT: u64 = 0xcf8;
+/// Number of ports of [`PciConfigIo`].
+pub const PCI_CONFIG_IO_PORT_SIZE: u64 = 8;
+
+const CONFIG_ADDRESS_ENABLE: u32 = 1 << 31;
+const CONFIG_ADDRESS_MASK: u32 = 0x80ff_fffc;
+
+/// Shared handle to a PCI function.
+pub type SharedPciDevice = Arc<Mutex<dyn PciDevice>>;
+
+/// Bus/device/function (segment 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PciBdf(u32);
+
+impl PciBdf {
+    pub fn new(bus: u8, device: u8, function: u8) -> Self {
+        Self(u32::from(bus) << 8 | u32::from(device & 0x1f) << 3 | u32::from(function & 0x7))
+    }
+
+    pub fn bus(&self) -> u8 {
+        (self.0 >> 8) as u8
+    }
+
+    pub fn device(&self) -> u8 {
+        ((self.0 >> 3) & 0x1f) as u8
+    }
+
+    pub fn function(&self) -> u8 {
+        (self.0 & 0x7) as u8
+    }
+
+    /// Requester id (bus << 8 | devfn), e.g. for MSI `devid`.
+    pub fn requester_id(&self) -> u32 {
+        self.0
+    }
+}
+
+impl fmt::Display for PciBdf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "0000:{:02x}:{:02x}.{}",
+            self.bus(),
+            self.device(),
+            self.function()
+        )
+    }
+}
+
+/// Errors of the root bus.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PciRootError {
+    #[error("pci slot {0} is out of range (0..32)")]
+    SlotInvalid(u8),
+    #[error("pci slot {0} is already in use")]
+    SlotInUse(u8),
+    #[error("pci slot {0} is empty")]
+    SlotEmpty(u8),
+    #[error("pci slot 0 holds the host bridge and cannot be changed")]
+    HostBridgeSlot,
+    #[error("no free pci slot on bus 0")]
+    NoFreeSlot,
+}
+
+/// The host bridge at 00:00.0.
+#[derive(Debug)]
+pub struct PciHostBridge {
+    config: PciConfiguration,
+}
+
+impl Default for PciHostBridge {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PciHostBridge {
+    pub fn new() -> Self {
+        Self {
+            config: PciConfiguration::new(&PciConfigurationParams {
+                vendor_id: HOST_BRIDGE_VENDOR_ID,
+                device_id: HOST_BRIDGE_DEVICE_ID,
+                class_code: class::BRIDGE,
+                subclass: class::HOST_BRIDGE_SUBCLASS,
+                prog_if: 0,
+                header_type: PciHeaderType::Device,
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+impl PciDevice for PciHostBridge {
+    fn id(&self) -> Option<String> {
+        Some("pci-host-bridge".into())
+    }
+
+    fn read_config_register(&mut self, reg_idx: usize) -> u32 {
+        self.config.read_reg(reg_idx)
+    }
+
+    fn write_config_register(
+        &mut self,
+        reg_idx: usize,
+        offset: u64,
+        data: &[u8],
+    ) -> ConfigWriteEffects {
+        self.config.write_config_register(reg_idx, offset, data)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// Bus 0: slot -> function 0 device. Thread safe; share it as `Arc<PciBus>`.
+pub struct PciBus {
+    devices: RwLock<BTreeMap<u8, SharedPciDevice>>,
+    relocation: Arc<dyn DeviceRelocation>,
+}
+
+impl PciBus {
+    /// A bus with the host bridge in slot 0; `relocation` receives config-write effects.
+    pub fn new(relocation: Arc<dyn DeviceRelocation>) -> Self {
+        let mut devices: BTreeMap<u8, SharedPciDevice> = BTreeMap::new();
+        devices.insert(0, Arc::new(Mutex::new(PciHostBridge::new())));
+        Self {
+            devices: RwLock::new(devices),
+            relocation,
+        }
+    }
+
+    fn devices_read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<u8, SharedPciDevice>> {
+        self.devices.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn devices_write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<u8, SharedPciDevice>> {
+        self.devices.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lowest free slot.
+    pub fn next_free_slot(&self) -> Option<u8> {
+        let devices = self.devices_read();
+        (1..NUM_DEVICE_SLOTS).find(|s| !devices.contains_key(s))
+    }
+
+    /// Plugs `device` into `slot` (or the lowest free slot); returns its address.
+    pub fn add_device(
+        &self,
+        slot: Option<u8>,
+        device: SharedPciDevice,
+    ) -> Result<PciBdf, PciRootError> {
+        let mut devices = self.devices_write();
+        let slot = match slot {
+            Some(0) => return Err(PciRootError::HostBridgeSlot),
+            Some(s) if s >= NUM_DEVICE_SLOTS => return Err(PciRootError::SlotInvalid(s)),
+            Some(s) if devices.contains_key(&s) => return Err(PciRootError::SlotInUse(s)),
+            Some(s) => s,
+            None => (1..NUM_DEVICE_SLOTS)
+                .find(|s| !devices.contains_key(s))
+                .ok_or(PciRootError::NoFreeSlot)?,
+        };
+        devices.insert(slot, device);
+        let bdf = PciBdf::new(0, slot, 0);
+        log::info!("pci device added at {bdf}");
+        Ok(bdf)
+    }
+
+    /// Unplugs the device in `slot` and returns it (the caller frees its BARs and bus ranges).
+    pub fn remove_device(&self, slot: u8) -> Result<SharedPciDevice, PciRootError> {
+        if slot == 0 {
+            return Err(PciRootError::HostBridgeSlot);
+        }
+        if slot >= NUM_DEVICE_SLOTS {
+            return Err(PciRootError::SlotInvalid(slot));
+        }
+        let dev = self
+            .devices_write()
+            .remove(&slot)
+            .ok_or(PciRootError::SlotEmpty(slot))?;
+        log::info!("pci device removed from {}", PciBdf::new(0, slot, 0));
+        Ok(dev)
+    }
+
+    /// The device in `slot`.
+    pub fn device(&self, slot: u8) -> Option<SharedPciDevice> {
+        self.devices_read().get(&slot).cloned()
+    }
+
+    /// Occupied slots, host bridge included.
+    pub fn used_slots(&self) -> Vec<u8> {
+        self.devices_read().keys().copied().collect()
+    }
+
+    fn lookup(&self, bdf: PciBdf) -> Option<SharedPciDevice> {
+        if bdf.bus() != 0 || bdf.function() != 0 {
+            return None;
+        }
+        self.device(bdf.device())
+    }
+
+    /// Reads register `reg_idx` of `bdf`; all-ones if nothing is there.
+    pub fn read_config(&self, bdf: PciBdf, reg_idx: usize) -> u32 {
+        match self.lookup(bdf) {
+            Some(dev) => dev
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .read_config_register(reg_idx),
+            None => u32::MAX,
+        }
+    }
+
+    /// Writes config register `reg_idx` of `bdf` and applies the effects (see module docs).
+    pub fn write_config(&self, bdf: PciBdf, reg_idx: usize, offset: u64, data: &[u8]) {
+        let Some(dev) = self.lookup(bdf) else {
+            return;
+        };
+        let mut dev = dev.lock().unwrap_or_else(|e| e.into_inner());
+        let effects = dev.write_config_register(reg_idx, offset, data);
+        for mv in &effects.bar_moves {
+            if let Err(e) = self.relocation.move_bar(bdf, mv, &mut *dev) {
+                log::error!("{bdf}: relocating bar {}: {e}", mv.bar_idx);
+                continue;
+            }
+            if let Err(e) = dev.move_bar(mv.old, mv.new) {
+                log::error!("{bdf}: device move of bar {}: {e}", mv.bar_idx);
+            }
+        }
+        if let Some(change) = &effects.command {
+            self.relocation.command_changed(bdf, change);
+        }
+    }
+}
+
+fn read_dword_part(value: u32, byte: usize, data: &mut [u8]) {
+    let bytes = value.to_le_bytes();
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = bytes.get(byte + i).copied().unwrap_or(0xff);
+    }
+}
+
+fn access_ok(byte: usize, len: usize) -> bool {
+    matches!(len, 1 | 2 | 4) && byte + len <= 4
+}
+
+/// Configuration mechanism #1 at ports 0xcf8..0xcff (insert at 0xcf8 with length 8).
+pub struct PciConfigIo {
+    bus: Arc<PciBus>,
+    config_address: u32,
+}
+
+impl PciConfigIo {
+    pub fn new(bus: Arc<PciBus>) -> Self {
+        Self {
+            bus,
+            config_address: 0,
+        }
+    }
+
+    fn target(&self) -> Option<(PciBdf, usize)> {
+        if self.config_address & CONFIG_ADDRESS_ENABLE == 0 {
+            return None;
+        }
+        let a = self.config_address;
+        let bdf = PciBdf::new(
+            (a >> 16) as u8,
+            ((a >> 11) & 0x1f) as u8,
+            ((a >> 8) & 7) as u8,
+        );
+        Some((bdf, ((a >> 2) & 0x3f) as usize))
+    }
+}
+
+impl BusDevice for PciConfigIo {
+    fn read(&mut self, _base: u64, offset: u64, data: &mut [u8]) {
+        match offset {
+            0 if data.len() == 4 => data.copy_from_slice(&self.config_address.to_le_bytes()),
+            4..=7 => {
+                let byte = (offset - 4) as usize;
+                let value = match self.target() {
+                    Some((bdf, reg)) if access_ok(byte, data.len()) => {
+                        self.bus.read_config(bdf, reg)
+                    }
+                    _ => u32::MAX,
+                };
+                read_dword_part(value, byte, data);
+            }
+            _ => data.fill(0xff),
+        }
+    }
+
+    fn write(&mut self, _base: u64, offset: u64, data: &[u8]) {
+        match offset {
+            0 if data.len() == 4 => {
+                let mut b = [0u8; 4];
+                b.copy_from_slice(data);
+                self.config_address = u32::from_le_bytes(b) & CONFIG_ADDRESS_MASK;
+            }
+            4..=7 => {
+                let byte = (offset - 4) as usize;
+                if !access_ok(byte, data.len()) {
+                    log::debug!("pci cfc write of {} bytes at {byte} ignored", data.len());
+                    return;
+                }
+                if let Some((bdf, reg)) = self.target() {
+                    self.bus.write_config(bdf, reg, byte as u64, data);
+                }
+            }
+            _ => log::debug!("pci config port write at {offset:#x} ignored"),
+        }
+    }
+}
+
+/// ECAM (MMCONFIG) window: offset = bus << 20 | device << 15 | function << 12 | register.
+pub struct PciConfigMmio {
+    bus: Arc<PciBus>,
+}
+
+impl PciConfigMmio {
+    pub fn new(bus: Arc<PciBus>) -> Self {
+        Self { bus }
+    }
+
+    fn decode(offset: u64) -> (PciBdf, usize, usize) {
+        let bdf = PciBdf::new(
+            ((offset >> 20) & 0xff) as u8,
+            ((offset >> 15) & 0x1f) as u8,
+            ((offset >> 12) & 0x7) as u8,
+        );
+        let reg = ((offset & 0xfff) >> 2) as usize;
+        (bdf, reg, (offset & 3) as usize)
+    }
+}
+
+impl BusDevice for PciConfigMmio {
+    fn read(&mut self, _base: u64, offset: u64, data: &mut [u8]) {
+        let (bdf, reg, byte) = Self::decode(offset);
+        let value = if access_ok(byte, data.len()) && offset < crate::device::ECAM_SIZE {
+            self.bus.read_config(bdf, reg)
+        } else {
+            u32::MAX
+        };
+        read_dword_part(value, byte, data);
+    }
+
+    fn write(&mut self, _base: u64, offset: u64, data: &[u8]) {
+        let (bdf, reg, byte) = Self::decode(offset);
+        if !access_ok(byte, data.len()) || offset >= crate::device::ECAM_SIZE {
+            log::debug!("ecam write of {} bytes at {offset:#x} ignored", data.len());
+            return;
+        }
+        self.bus.write_config(bdf, reg, byte as u64, data);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bus::Bus;
+    use crate::configuration::{command, PciBarConfiguration, PciBarRegionType, BAR0_REG};
+    use crate::device::{
+        BarMove, BarRequest, CommandChange, NoRelocation, PciBarAllocators, PciDeviceError,
+        ECAM_BASE, ECAM_SIZE,
+    };
+
+    struct TestDev {
+        config: PciConfiguration,
+        moved: Vec<(u64, u64)>,
+        bme: bool,
+    }
+
+    impl TestDev {
+        fn new() -> Self {
+            Self {
+                config: PciConfiguration::new(&PciConfigurationParams {
+                    vendor_id: 0x1af4,
+                    device_id: 0x1000,
+                    ..Default::default()
+                }),
+                moved: Vec::new(),
+                bme: false,
+            }
+        }
+    }
+
+    impl PciDevice for TestDev {
+        fn allocate_bars(
+            &mut self,
+            allocators: &mut PciBarAllocators,
+        ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
+            let bars = allocators.allocate_all(&[
+                BarRequest {
+                    idx: 0,
+                    size: 0x4000,
+                    region_type: PciBarRegionType::Memory32,
+                    prefetchable: false,
+                },
+                BarRequest {
+                    idx: 2,
+                    size: 0x10_0000,
+                    region_type: PciBarRegionType::Memory64,
+                    prefetchable: true,
+                },
+                BarRequest {
+                    idx: 4,
+                    size: 0x40,
+                    region_type: PciBarRegionType::Io,
+                    prefetchable: false,
+                },
+            ])?;
+            for b in &bars {
+                self.config.add_pci_bar(b)?;
+            }
+            Ok(bars)
+        }
+        fn free_bars(&mut self, allocators: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
+            allocators.free_all(&self.config.bars())
+        }
+        fn read_config_register(&mut self, reg_idx: usize) -> u32 {
+            self.config.read_reg(reg_idx)
+        }
+        fn write_config_register(
+            &mut self,
+            reg_idx: usize,
+            offset: u64,
+            data: &[u8],
+        ) -> ConfigWriteEffects {
+            let e = self.config.write_config_register(reg_idx, offset, data);
+            if let Some(b) = e.command.and_then(|c| c.bus_master()) {
+                self.bme = b;
+            }
+            e
+        }
+        fn move_bar(&mut self, old: u64, new: u64) -> Result<(), PciDeviceError> {
+            self.moved.push((old, new));
+            Ok(())
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+
+    /// Moves ranges on a real `Bus`, records command changes.
+    #[derive(Default)]
+    struct Relocator {
+        mmio: Bus,
+        commands: Mutex<Vec<(PciBdf, CommandChange)>>,
+        moves: Mutex<Vec<(PciBdf, BarMove)>>,
+    }
+
+    impl DeviceRelocation for Relocator {
+        fn move_bar(
+            &self,
+            bdf: PciBdf,
+            mv: &BarMove,
+            _device: &mut dyn PciDevice,
+        ) -> Result<(), PciDeviceError> {
+            self.moves.lock().unwrap().push((bdf, *mv));
+            self.mmio
+                .relocate(mv.old, mv.new)
+                .map_err(|e| PciDeviceError::MoveBar {
+                    old: mv.old,
+                    new: mv.new,
+                    reason: e.to_string(),
+                })
+        }
+        fn command_changed(&self, bdf: PciBdf, change: &CommandChange) {
+            self.commands.lock().unwrap().push((bdf, *change));
+        }
+    }
+
+    struct Null;
+    impl BusDevice for Null {
+        fn read(&mut self, _b: u64, _o: u64, _d: &mut [u8]) {}
+        fn write(&mut self, _b: u64, _o: u64, _d: &[u8]) {}
+    }
+
+    fn io_read(pio: &Bus, port: u64, len: usize) -> u32 {
+        let mut b = [0u8; 4];
+        pio.read(port, &mut b[..len]).unwrap();
+        u32::from_le_bytes(b)
+    }
+
+    fn pio_bus(bus: Arc<PciBus>) -> Bus {
+        let pio = Bus::new();
+        pio.insert(
+            Arc::new(Mutex::new(PciConfigIo::new(bus))),
+            PCI_CONFIG_IO_PORT,
+            PCI_CONFIG_IO_PORT_SIZE,
+        )
+        .unwrap();
+        pio
+    }
+
+    fn ecam_bus(bus: Arc<PciBus>) -> Bus {
+        let mmio = Bus::new();
+        mmio.insert(
+            Arc::new(Mutex::new(PciConfigMmio::new(bus))),
+            ECAM_BASE,
+            ECAM_SIZE,
+        )
+        .unwrap();
+        mmio
+    }
+
+    fn cf8(bus: u32, dev: u32, func: u32, reg: u32) -> [u8; 4] {
+        (1u32 << 31 | bus << 16 | dev << 11 | func << 8 | reg << 2).to_le_bytes()
+    }
+
+    #[test]
+    fn bdf_format() {
+        let bdf = PciBdf::new(0, 3, 0);
+        assert_eq!(bdf.to_string(), "0000:00:03.0");
+        assert_eq!(bdf.requester_id(), 0x18);
+        let bdf = PciBdf::new(0x12, 0x1f, 7);
+        assert_eq!((bdf.bus(), bdf.device(), bdf.function()), (0x12, 0x1f, 7));
+    }
+
+    #[test]
+    fn config_mechanism_1_reaches_host_bridge() {
+        let bus = Arc::new(PciBus::new(Arc::new(NoRelocation)));
+        let pio = pio_bus(bus);
+        // Enable bit clear: all-ones.
+        pio.write(0xcf8, &0u32.to_le_bytes()).unwrap();
+        assert_eq!(io_read(&pio, 0xcfc, 4), u32::MAX);
+        pio.write(0xcf8, &cf8(0, 0, 0, 0)).unwrap();
+        assert_eq!(io_read(&pio, 0xcf8, 4), 0x8000_0000);
+        assert_eq!(io_read(&pio, 0xcfc, 4), 0x0d57_8086);
+        assert_eq!(io_read(&pio, 0xcfc, 2), 0x8086);
+        assert_eq!(io_read(&pio, 0xcfe, 2), 0x0d57);
+        assert_eq!(io_read(&pio, 0xcff, 1), 0x0d);
+        // Class code 06:00:00 in register 2.
+        pio.write(0xcf8, &cf8(0, 0, 0, 2)).unwrap();
+        assert_eq!(io_read(&pio, 0xcfc, 4) >> 8, 0x06_0000);
+        assert_eq!(io_read(&pio, 0xcff, 1), 0x06);
+        // Low two bits of CONFIG_ADDRESS are ignored.
+        let mut a = cf8(0, 0, 0, 0);
+        a[0] |= 3;
+        pio.write(0xcf8, &a).unwrap();
+        assert_eq!(io_read(&pio, 0xcf8, 4), 0x8000_0000);
+        // Nonexistent device / function / bus read all-ones.
+        for (b, d, f) in [(0, 5, 0), (0, 0, 1), (1, 0, 0), (0, 31, 0)] {
+            pio.write(0xcf8, &cf8(b, d, f, 0)).unwrap();
+            assert_eq!(io_read(&pio, 0xcfc, 4), u32::MAX, "{b}:{d}.{f}");
+            assert_eq!(io_read(&pio, 0xcfd, 1), 0xff);
+        }
+        // Misaligned data access reads all-ones.
+        pio.write(0xcf8, &cf8(0, 0, 0, 0)).unwrap();
+        assert_eq!(io_read(&pio, 0xcfe, 4), u32::MAX);
+    }
+
+    #[test]
+    fn ecam_reaches_host_bridge_and_devices() {
+        let bus = Arc::new(PciBus::new(Arc::new(NoRelocation)));
+        let mmio = ecam_bus(bus.clone());
+        let read = |off: u64, len: usize| {
+            let mut b = [0u8; 4];
+            mmio.read(ECAM_BASE + off, &mut b[..len]).unwrap();
+            u32::from_le_bytes(b)
+        };
+        assert_eq!(read(0, 4), 0x0d57_8086);
+        assert_eq!(read(2, 2), 0x0d57);
+        assert_eq!(read(0xb, 1), 0x06);
+        // Extended space of a conventional function reads all-ones.
+        assert_eq!(read(0x100, 4), u32::MAX);
+        assert_eq!(read(3 << 15, 4), u32::MAX);
+        assert_eq!(read(1 << 12, 4), u32::MAX);
+        assert_eq!(read(1 << 20, 4), u32::MAX);
+        assert_eq!(read(255 << 20 | 31 << 15 | 7 << 12 | 0xffc, 4), u32::MAX);
+        bus.add_device(Some(3), Arc::new(Mutex::new(TestDev::new())))
+            .unwrap();
+        assert_eq!(read(3 << 15, 4), 0x1000_1af4);
+        // Both mechanisms see the same device.
+        let pio = pio_bus(bus);
+        pio.write(0xcf8, &cf8(0, 3, 0, 0)).unwrap();
+        assert_eq!(io_read(&pio, 0xcfc, 4), 0x1000_1af4);
+    }
+
+    #[test]
+    fn hot_add_remove_slot_accounting() {
+        let bus = PciBus::new(Arc::new(NoRelocation));
+        let dev = || -> SharedPciDevice { Arc::new(Mutex::new(TestDev::new())) };
+        assert_eq!(bus.used_slots(), vec![0]);
+        assert_eq!(bus.add_device(Some(3), dev()), Ok(PciBdf::new(0, 3, 0)));
+        assert_eq!(bus.add_device(None, dev()), Ok(PciBdf::new(0, 1, 0)));
+        assert_eq!(
+            bus.add_device(Some(3), dev()),
+            Err(PciRootError::SlotInUse(3))
+        );
+        assert_eq!(
+            bus.add_device(Some(0), dev()),
+            Err(PciRootError::HostBridgeSlot)
+        );
+        assert_eq!(
+            bus.add_device(Some(32), dev()),
+            Err(PciRootError::SlotInvalid(32))
+        );
+        assert_eq!(bus.next_free_slot(), Some(2));
+        for _ in 0..29 {
+            bus.add_device(None, dev()).unwrap();
+        }
+        assert_eq!(bus.used_slots().len(), 32);
+        assert_eq!(bus.add_device(None, dev()), Err(PciRootError::NoFreeSlot));
+        assert_eq!(bus.next_free_slot(), None);
+        let removed = bus.remove_device(3).unwrap();
+        assert!(removed
+            .lock()
+            .unwrap()
+            .as_any()
+            .downcast_ref::<TestDev>()
+            .is_some());
+        assert!(bus.device(3).is_none());
+        assert_eq!(bus.read_config(PciBdf::new(0, 3, 0), 0), u32::MAX);
+        assert_eq!(bus.remove_device(3).err(), Some(PciRootError::SlotEmpty(3)));
+        assert_eq!(
+            bus.remove_device(0).err(),
+            Some(PciRootError::HostBridgeSlot)
+        );
+        assert_eq!(bus.next_free_slot(), Some(3));
+        assert_eq!(bus.add_device(None, dev()), Ok(PciBdf::new(0, 3, 0)));
+        // Host bridge is downcastable.
+        let hb = bus.device(0).unwrap();
+        assert!(hb
+            .lock()
+            .unwrap()
+            .as_any()
+            .downcast_ref::<PciHostBridge>()
+            .is_some());
+    }
+
+    #[test]
+    fn bar_allocation_and_guest_move_through_ecam() {
+        let reloc = Arc::new(Relocator::default());
+        let bus = Arc::new(PciBus::new(reloc.clone()));
+        let mut alloc = PciBarAllocators::x86_64(0x100_0000_0000, 0x10_0000_0000).unwrap();
+        let dev = Arc::new(Mutex::new(TestDev::new()));
+        let bars = dev.lock().unwrap().allocate_bars(&mut alloc).unwrap();
+        assert_eq!(bars[0].addr, 0xc000_0000);
+        assert_eq!(bars[1].addr, 0x100_0000_0000);
+        assert_eq!(bars[2].addr, 0x1000);
+        for b in &bars {
+            if b.region_type.is_memory() {
+                reloc
+                    .mmio
+                    .insert(Arc::new(Mutex::new(Null)), b.addr, b.size)
+                    .unwrap();
+            }
+        }
+        let bdf = bus.add_device(None, dev.clone()).unwrap();
+        let mmio = ecam_bus(bus.clone());
+        let cfg = |reg: u64| ECAM_BASE + (u64::from(bdf.device()) << 15) + reg * 4;
+
+        // Sizing produces no moves.
+        mmio.write(cfg(4), &u32::MAX.to_le_bytes()).unwrap();
+        let mut b = [0u8; 4];
+        mmio.read(cfg(4), &mut b).unwrap();
+        assert_eq!(u32::from_le_bytes(b), 0xffff_c000);
+        mmio.write(cfg(4), &0xc000_0000u32.to_le_bytes()).unwrap();
+        assert!(reloc.moves.lock().unwrap().is_empty());
+
+        // Guest moves BAR0: relocation moves the bus range, then the device is told.
+        mmio.write(cfg(BAR0_REG as u64), &0xc010_0000u32.to_le_bytes())
+            .unwrap();
+        assert_eq!(reloc.moves.lock().unwrap().len(), 1);
+        assert_eq!(dev.lock().unwrap().moved, vec![(0xc000_0000, 0xc010_0000)]);
+        let mut probe = [0u8; 1];
+        assert!(reloc.mmio.read(0xc010_0000, &mut probe).is_ok());
+        assert!(reloc.mmio.read(0xc000_0000, &mut probe).is_err());
+
+        // A failed relocation (overlap) is not forwarded to the device.
+        mmio.write(cfg(BAR0_REG as u64), &0u32.to_le_bytes())
+            .unwrap();
+        mmio.write(cfg(6), &0u32.to_le_bytes()).unwrap(); // BAR2 (64-bit) low half: unchanged
+        mmio.write(cfg(7), &0u32.to_le_bytes()).unwrap(); // high half: overlaps BAR0 at 0
+        assert_eq!(
+            reloc.moves.lock().unwrap().len(),
+            3,
+            "relocation was attempted"
+        );
+        assert_eq!(dev.lock().unwrap().moved.len(), 2);
+
+        // Command: BME + MEM reported to the device and to the relocation hook.
+        mmio.write(
+            cfg(1),
+            &(command::BUS_MASTER | command::MEMORY_SPACE).to_le_bytes(),
+        )
+        .unwrap();
+        assert!(dev.lock().unwrap().bme);
+        let cmds = reloc.commands.lock().unwrap().clone();
+        assert_eq!(cmds.len(), 1);
+        assert_eq!(cmds[0].0, bdf);
+        assert_eq!(cmds[0].1.bus_master(), Some(true));
+        mmio.write(cfg(1), &command::MEMORY_SPACE.to_le_bytes())
+            .unwrap();
+        assert!(!dev.lock().unwrap().bme);
+
+        // Unplug returns the device; the test relocator did not move allocator
+        // reservations, so BAR freeing is covered in `allocators_free_and_reuse`.
+        let removed = bus.remove_device(bdf.device()).unwrap();
+        assert_eq!(Arc::strong_count(&removed), 2);
+    }
+
+    #[test]
+    fn allocators_free_and_reuse() {
+        let mut alloc = PciBarAllocators::x86_64(0x100_0000_0000, 0x1000_0000).unwrap();
+        let req = BarRequest {
+            idx: 0,
+            size: 0x1000_0000,
+            region_type: PciBarRegionType::Memory64,
+            prefetchable: false,
+        };
+        let bar = alloc.allocate(&req).unwrap();
+        assert!(alloc.allocate(&req).is_err(), "64-bit window is full");
+        // allocate_all rolls back on failure.
+        let small = BarRequest {
+            idx: 0,
+            size: 0x1000,
+            region_type: PciBarRegionType::Memory32,
+            prefetchable: false,
+        };
+        assert!(alloc.allocate_all(&[small, req]).is_err());
+        assert_eq!(alloc.allocate(&small).unwrap().addr, 0xc000_0000);
+        alloc.free(bar.region_type, bar.addr, bar.size).unwrap();
+        assert_eq!(alloc.allocate(&req).unwrap().addr, 0x100_0000_0000);
+        alloc
+            .allocate_at(PciBarRegionType::Memory32, 0xd000_0000, 0x1000)
+            .unwrap();
+        assert!(alloc
+            .allocate_at(PciBarRegionType::Memory32, 0xd000_0000, 0x1000)
+            .is_err());
+        // A device's BARs go back on free_bars and the same addresses come out again.
+        let mut alloc = PciBarAllocators::x86_64(0x100_0000_0000, 0x10_0000_0000).unwrap();
+        let mut d = TestDev::new();
+        let first = d.allocate_bars(&mut alloc).unwrap();
+        d.free_bars(&mut alloc).unwrap();
+        let mut d2 = TestDev::new();
+        let second = d2.allocate_bars(&mut alloc).unwrap();
+        assert_eq!(first, second);
+        assert!(
+            alloc.free(PciBarRegionType::Io, 0x8000, 0x40).is_err(),
+            "freeing a range never allocated fails"
+        );
+    }
+}
