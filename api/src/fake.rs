@@ -1,0 +1,394 @@
+//! A fake VMM for tests: an in-memory device table behind the real channel + eventfd plumbing.
+//!
+//! [`FakeVmm`] implements [`ApiHandler`] with the semantics the real VMM must have (the codes
+//! are those in [`crate::server`]'s table):
+//!
+//! | case | answer |
+//! |---|---|
+//! | add: VM shut down | 409 `cannot add a device: the vm is Shutdown` |
+//! | add: unknown node | 400 `unknown node node9 (known: node1, node3)` |
+//! | add: node has no such device | 400 `node node3 has no device 0000:99:00.0 to lend` |
+//! | add: id already in use | 409 `device id nvme1 is already in use` |
+//! | add: same lender device attached twice | 409 `node3:0000:81:00.0 is already attached as nvme1` |
+//! | add: no free slot | 409 `no free pci slot on bus 0` |
+//! | remove: unknown id, or already removed | 404 `no device with id nvme1` |
+//! | remove: removal pending, no force | 409 `removal of nvme1 is already pending ...` |
+//! | shutdown twice | 409 `the vm is already shut down` |
+//!
+//! With `auto_eject` (the default) the "guest" ejects at once, so remove completes immediately
+//! and a second remove is a 404. Without it the device stays `removing` until
+//! [`FakeVmm::guest_eject`] or a `force` remove.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::request::{
+    serve_pending, ApiError, ApiHandler, ApiMessage, ApiReply, ApiRequest, ApiResponse,
+};
+use crate::types::{
+    DmaWindowInfo, InterruptCounts, LeaseState, PciBdf, PciDeviceInfo, RemoteDeviceInfo,
+    RemoteDeviceMode, RemoteDeviceSpec, VmAddRemoteDeviceData, VmConfigInfo, VmInfo,
+    VmRemoveDeviceData, VmState, VmmPingResponse,
+};
+
+/// How the fake VMM thread treats incoming messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FakeBehaviour {
+    /// Answer every request.
+    #[default]
+    Serve,
+    /// Take requests off the channel and never answer them (a stuck VMM).
+    Stall,
+    /// Drop requests unanswered (a VMM that loses them).
+    Drop,
+}
+
+/// Settings for [`FakeVmm`].
+#[derive(Debug, Clone)]
+pub struct FakeVmmConfig {
+    /// Lendable devices per node.
+    pub lenders: BTreeMap<String, Vec<PciBdf>>,
+    /// The guest ejects removed devices immediately.
+    pub auto_eject: bool,
+    pub behaviour: FakeBehaviour,
+    pub vm: VmConfigInfo,
+}
+
+impl Default for FakeVmmConfig {
+    /// Nodes `node1` (`0000:01:00.0`) and `node3` (`0000:81:00.0`, `0000:82:00.0`), a 2-vCPU
+    /// 512 MiB VM.
+    fn default() -> Self {
+        let bdf = |bus| PciBdf {
+            domain: 0,
+            bus,
+            device: 0,
+            function: 0,
+        };
+        let mut lenders = BTreeMap::new();
+        lenders.insert("node1".to_string(), vec![bdf(0x01)]);
+        lenders.insert("node3".to_string(), vec![bdf(0x81), bdf(0x82)]);
+        FakeVmmConfig {
+            lenders,
+            auto_eject: true,
+            behaviour: FakeBehaviour::Serve,
+            vm: VmConfigInfo {
+                cpus: 2,
+                memory_size: 512 << 20,
+                kernel: "/boot/guest.elf".into(),
+                cmdline: "console=ttyS0".into(),
+                initramfs: None,
+                remote_devices: Vec::new(),
+            },
+        }
+    }
+}
+
+/// The fake VMM's state.
+#[derive(Debug)]
+pub struct FakeVmm {
+    config: FakeVmmConfig,
+    state: VmState,
+    devices: BTreeMap<String, RemoteDeviceInfo>,
+    next_auto_id: u32,
+}
+
+impl FakeVmm {
+    /// A running VM with `config.vm.remote_devices` attached as at launch.
+    pub fn new(config: FakeVmmConfig) -> Result<Self, ApiError> {
+        let boot = config.vm.remote_devices.clone();
+        let mut vmm = FakeVmm {
+            config,
+            state: VmState::Running,
+            devices: BTreeMap::new(),
+            next_auto_id: 0,
+        };
+        for dev in boot {
+            vmm.add(VmAddRemoteDeviceData {
+                device: dev.device,
+                id: dev.id,
+                mode: dev.mode,
+            })?;
+        }
+        Ok(vmm)
+    }
+
+    pub fn state(&self) -> VmState {
+        self.state
+    }
+
+    pub fn device(&self, id: &str) -> Option<&RemoteDeviceInfo> {
+        self.devices.get(id)
+    }
+
+    /// The guest ejects a device whose removal is pending. Returns whether it was pending.
+    pub fn guest_eject(&mut self, id: &str) -> bool {
+        let pending = self
+            .devices
+            .get(id)
+            .is_some_and(|d| d.lease_state == LeaseState::Removing);
+        if pending {
+            self.devices.remove(id);
+        }
+        pending
+    }
+
+    /// Sets a device's interrupt counters (to test what clients show).
+    pub fn set_interrupts(&mut self, id: &str, counts: InterruptCounts) -> bool {
+        match self.devices.get_mut(id) {
+            Some(d) => {
+                d.interrupts = counts;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn free_slot(&self) -> Option<u8> {
+        let used: BTreeSet<u8> = self.devices.values().map(|d| d.guest_bdf.device).collect();
+        // Slot 0 is the host bridge.
+        (1..=0x1f).find(|s| !used.contains(s))
+    }
+
+    fn auto_id(&mut self) -> String {
+        loop {
+            let id = format!("_remote{}", self.next_auto_id);
+            self.next_auto_id = self.next_auto_id.wrapping_add(1);
+            if !self.devices.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn add(&mut self, data: VmAddRemoteDeviceData) -> Result<PciDeviceInfo, ApiError> {
+        if self.state != VmState::Running {
+            return Err(ApiError::conflict(format!(
+                "cannot add a device: the vm is {}",
+                self.state
+            )));
+        }
+        let RemoteDeviceSpec { node, bdf } = &data.device;
+        let inventory = self.config.lenders.get(node).ok_or_else(|| {
+            let known: Vec<&str> = self.config.lenders.keys().map(String::as_str).collect();
+            ApiError::bad_request(format!("unknown node {node} (known: {})", known.join(", ")))
+        })?;
+        if !inventory.contains(bdf) {
+            return Err(ApiError::bad_request(format!(
+                "node {node} has no device {bdf} to lend"
+            )));
+        }
+        if let Some(id) = &data.id {
+            if self.devices.contains_key(id) {
+                return Err(ApiError::conflict(format!(
+                    "device id {id} is already in use"
+                )));
+            }
+        }
+        if let Some(other) = self
+            .devices
+            .values()
+            .find(|d| d.node == *node && d.lender_bdf == *bdf)
+        {
+            return Err(ApiError::conflict(format!(
+                "{} is already attached as {}",
+                data.device, other.id
+            )));
+        }
+        let slot = self
+            .free_slot()
+            .ok_or_else(|| ApiError::conflict("no free pci slot on bus 0"))?;
+        let id = match data.id {
+            Some(id) => id,
+            None => self.auto_id(),
+        };
+        let guest_bdf = PciBdf {
+            domain: 0,
+            bus: 0,
+            device: slot,
+            function: 0,
+        };
+        self.devices.insert(
+            id.clone(),
+            RemoteDeviceInfo {
+                id: id.clone(),
+                node: node.clone(),
+                lender_bdf: *bdf,
+                guest_bdf,
+                mode: data.mode.unwrap_or(RemoteDeviceMode::Direct),
+                lease_state: LeaseState::Active,
+                dma_window: DmaWindowInfo {
+                    mapped: true,
+                    size: self.config.vm.memory_size,
+                },
+                interrupts: InterruptCounts::default(),
+            },
+        );
+        Ok(PciDeviceInfo { id, bdf: guest_bdf })
+    }
+
+    fn remove(&mut self, data: VmRemoveDeviceData) -> Result<(), ApiError> {
+        if self.state != VmState::Running {
+            return Err(ApiError::conflict(format!(
+                "cannot remove a device: the vm is {}",
+                self.state
+            )));
+        }
+        let dev = self
+            .devices
+            .get_mut(&data.id)
+            .ok_or_else(|| ApiError::not_found(format!("no device with id {}", data.id)))?;
+        if data.force || self.config.auto_eject {
+            self.devices.remove(&data.id);
+            return Ok(());
+        }
+        if dev.lease_state == LeaseState::Removing {
+            return Err(ApiError::conflict(format!(
+                "removal of {} is already pending (waiting for the guest to eject it); \
+                 use force to remove it now",
+                data.id
+            )));
+        }
+        dev.lease_state = LeaseState::Removing;
+        Ok(())
+    }
+}
+
+impl ApiHandler for FakeVmm {
+    fn handle(&mut self, request: ApiRequest) -> ApiReply {
+        match request {
+            ApiRequest::VmmPing => Ok(ApiResponse::Pong(VmmPingResponse {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                pid: i64::from(std::process::id()),
+                features: vec!["remote_pci".into()],
+            })),
+            ApiRequest::VmInfo => Ok(ApiResponse::VmInfo(VmInfo {
+                config: self.config.vm.clone(),
+                state: self.state,
+                remote_devices: self.devices.values().cloned().collect(),
+            })),
+            ApiRequest::VmAddRemoteDevice(data) => self.add(data).map(ApiResponse::DeviceAdded),
+            ApiRequest::VmRemoveDevice(data) => self.remove(data).map(|()| ApiResponse::Empty),
+            ApiRequest::VmShutdown => {
+                if self.state != VmState::Running {
+                    return Err(ApiError::conflict("the vm is already shut down"));
+                }
+                // Shutting down releases every lease.
+                self.devices.clear();
+                self.state = VmState::Shutdown;
+                Ok(ApiResponse::Empty)
+            }
+        }
+    }
+}
+
+fn lock(vmm: &Mutex<FakeVmm>) -> MutexGuard<'_, FakeVmm> {
+    match vmm.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// A [`FakeVmm`] served on its own thread that waits on the eventfd with `poll(2)`, exactly as
+/// the real VMM's epoll loop would. Stopped (and joined) on drop.
+pub struct FakeVmmThread {
+    tx: Sender<ApiMessage>,
+    evt: EventFd,
+    vmm: Arc<Mutex<FakeVmm>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FakeVmmThread {
+    pub fn spawn(config: FakeVmmConfig) -> io::Result<Self> {
+        let behaviour = config.behaviour;
+        let vmm = FakeVmm::new(config).map_err(|e| io::Error::other(e.message))?;
+        let vmm = Arc::new(Mutex::new(vmm));
+        let evt = EventFd::new(libc::EFD_NONBLOCK)?;
+        let (tx, rx) = channel::<ApiMessage>();
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let evt = evt.try_clone()?;
+            let vmm = vmm.clone();
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("fake-vmm".into())
+                .spawn(move || run(rx, evt, vmm, stop, behaviour))?
+        };
+        Ok(FakeVmmThread {
+            tx,
+            evt,
+            vmm,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The request channel to hand to [`crate::server::ApiServer::start`].
+    pub fn api_sender(&self) -> Sender<ApiMessage> {
+        self.tx.clone()
+    }
+
+    /// The eventfd to hand to [`crate::server::ApiServer::start`].
+    pub fn api_event(&self) -> io::Result<EventFd> {
+        self.evt.try_clone()
+    }
+
+    /// Runs `f` on the VMM state (between requests).
+    pub fn with_vmm<R>(&self, f: impl FnOnce(&mut FakeVmm) -> R) -> R {
+        f(&mut lock(&self.vmm))
+    }
+}
+
+impl Drop for FakeVmmThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.evt.write(1);
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                log::error!("fake vmm thread panicked");
+            }
+        }
+    }
+}
+
+fn run(
+    rx: Receiver<ApiMessage>,
+    evt: EventFd,
+    vmm: Arc<Mutex<FakeVmm>>,
+    stop: Arc<AtomicBool>,
+    behaviour: FakeBehaviour,
+) {
+    let mut held = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        let mut pfd = libc::pollfd {
+            fd: evt.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is one valid, initialised pollfd that outlives the call; the fd belongs
+        // to `evt`, which is alive for the whole loop.
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        if n <= 0 {
+            continue;
+        }
+        match behaviour {
+            FakeBehaviour::Serve => {
+                serve_pending(&rx, &evt, &mut *lock(&vmm));
+            }
+            FakeBehaviour::Stall | FakeBehaviour::Drop => {
+                let _ = evt.read();
+                while let Ok(msg) = rx.try_recv() {
+                    if behaviour == FakeBehaviour::Stall {
+                        held.push(msg);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,538 @@
+//! The REST server: HTTP/1.1 over a Unix socket, root `/api/v1`, JSON bodies.
+//!
+//! # Why axum on a current-thread tokio runtime
+//!
+//! Cloud Hypervisor uses `micro_http`, which is not on crates.io. axum 0.8 is the well-kept
+//! choice that speaks HTTP/1.1 over a `tokio::net::UnixListener` directly, gives us routing with
+//! 404/405 fallbacks, and is built on hyper, so header parsing and keep-alive are not ours to get wrong. All of it runs on one
+//! dedicated thread with a current-thread runtime: the VMM never sees tokio, only an
+//! `std::sync::mpsc` channel and an `EventFd` (see [`crate::request`]). Many slow clients cost
+//! tasks, not threads, and a request the VMM never answers is bounded by `request_timeout`.
+//!
+//! # Status codes
+//!
+//! | case | status | body |
+//! |---|---|---|
+//! | success with data (`vmm.ping`, `vm.info`, `vm.add-remote-device`) | 200 | JSON |
+//! | success without data (`vm.remove-device`, `vm.shutdown`) | 204 | empty |
+//! | malformed JSON, unknown field, bad BDF/node/id syntax, empty body | 400 | text |
+//! | VMM said bad request (unknown node, no such device on the lender) | 400 | text |
+//! | unknown path | 404 | text |
+//! | VMM said not found (unknown id, double remove) | 404 | text |
+//! | wrong method on a known path | 405 | text, `Allow` header |
+//! | VMM said conflict (duplicate id, device already attached, VM shutting down) | 409 | text |
+//! | body not delivered within `body_timeout` (10 s) | 408 | text |
+//! | body larger than the limit (64 KiB by default), declared or actual | 413 | text |
+//! | VMM internal error, or a response that does not fit the request | 500 | text |
+//! | VMM gone (channel closed, message dropped) or said unavailable | 503 | text |
+//! | VMM did not answer within `request_timeout` | 504 | text |
+//!
+//! Cloud Hypervisor answers every VMM-side failure with 500; lendvm refines that into
+//! 400/404/409/503 so clients can tell a typo from a failure, and keeps 500 for real failures.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener as StdUnixListener, UnixStream as StdUnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, put};
+use axum::Router;
+use http_body_util::BodyExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use thiserror::Error;
+use tokio::sync::oneshot;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::request::{ApiError, ApiMessage, ApiRequest, ApiResponse};
+use crate::types::{VmAddRemoteDeviceData, VmRemoveDeviceData};
+
+/// URL prefix of every endpoint.
+pub const API_ROOT: &str = "/api/v1";
+/// Default request body limit.
+pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024;
+/// Default time the server waits for the VMM to answer one request.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default time a client has to deliver a request body.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long shutdown waits for in-flight requests before dropping them.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Every endpoint: (name, method).
+pub const ENDPOINTS: &[(&str, &str)] = &[
+    ("vmm.ping", "GET"),
+    ("vm.info", "GET"),
+    ("vm.add-remote-device", "PUT"),
+    ("vm.remove-device", "PUT"),
+    ("vm.shutdown", "PUT"),
+];
+
+/// Errors starting or stopping the server.
+#[derive(Debug, Error)]
+pub enum ServerError {
+    #[error("api socket {0} is in use by another process")]
+    InUse(PathBuf),
+    #[error("api socket path {0} exists and is not a socket")]
+    NotASocket(PathBuf),
+    #[error("cannot remove stale api socket {0}: {1}")]
+    RemoveStale(PathBuf, io::Error),
+    #[error("cannot bind api socket {0}: {1}")]
+    Bind(PathBuf, io::Error),
+    #[error("cannot set up api socket {0}: {1}")]
+    Setup(PathBuf, io::Error),
+    #[error("cannot create the api runtime: {0}")]
+    Runtime(io::Error),
+    #[error("cannot spawn the api thread: {0}")]
+    Spawn(io::Error),
+    #[error("the api thread panicked")]
+    ThreadPanicked,
+}
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ApiServerConfig {
+    pub socket_path: PathBuf,
+    /// Bodies larger than this get 413.
+    pub body_limit: usize,
+    /// A request the VMM has not answered after this gets 504.
+    pub request_timeout: Duration,
+    /// A request body not fully received after this gets 408.
+    pub body_timeout: Duration,
+}
+
+impl ApiServerConfig {
+    pub fn new(socket_path: impl Into<PathBuf>) -> Self {
+        ApiServerConfig {
+            socket_path: socket_path.into(),
+            body_limit: DEFAULT_BODY_LIMIT,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
+        }
+    }
+}
+
+/// A running server. [`ApiServer::shutdown`] (or drop) stops it, joins its thread and removes
+/// the socket file.
+#[derive(Debug)]
+pub struct ApiServer {
+    socket_path: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+#[derive(Clone)]
+struct AppState {
+    tx: Sender<ApiMessage>,
+    evt: Arc<EventFd>,
+    timeout: Duration,
+    body_limit: usize,
+    body_timeout: Duration,
+}
+
+fn text(status: StatusCode, message: impl Into<String>) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        message.into(),
+    )
+        .into_response()
+}
+
+fn json<T: Serialize>(value: &T) -> Response {
+    match serde_json::to_vec(value) {
+        Ok(body) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Err(e) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot encode the response: {e}"),
+        ),
+    }
+}
+
+fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.kind.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    text(status, e.message.clone())
+}
+
+impl AppState {
+    /// Sends `request` to the VMM and turns its answer into an HTTP response.
+    async fn forward(&self, request: ApiRequest) -> Response {
+        let endpoint = request.endpoint();
+        let (msg, reply) = ApiMessage::new(request.clone());
+        if self.tx.send(msg).is_err() {
+            log::warn!("api: {endpoint}: the vmm is not accepting requests");
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the vmm is not accepting requests (it is shutting down or has exited)",
+            );
+        }
+        if let Err(e) = self.evt.write(1) {
+            log::error!("api: {endpoint}: cannot signal the vmm: {e}");
+            return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("cannot signal the vmm: {e}"),
+            );
+        }
+        let answer = match tokio::time::timeout(self.timeout, reply).await {
+            Err(_) => {
+                log::error!("api: {endpoint}: no answer from the vmm");
+                return text(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!(
+                        "the vmm did not answer {endpoint} within {} ms",
+                        self.timeout.as_millis()
+                    ),
+                );
+            }
+            Ok(Err(_)) => {
+                return text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the vmm dropped the {endpoint} request without answering"),
+                );
+            }
+            Ok(Ok(answer)) => answer,
+        };
+        match (&request, answer) {
+            (_, Err(e)) => {
+                log::info!("api: {endpoint}: {} {}", e.kind.status(), e.message);
+                error_response(&e)
+            }
+            (ApiRequest::VmmPing, Ok(ApiResponse::Pong(p))) => json(&p),
+            (ApiRequest::VmInfo, Ok(ApiResponse::VmInfo(i))) => json(&i),
+            (ApiRequest::VmAddRemoteDevice(_), Ok(ApiResponse::DeviceAdded(d))) => {
+                log::info!("api: added remote device {} at {}", d.id, d.bdf);
+                json(&d)
+            }
+            (ApiRequest::VmRemoveDevice(_) | ApiRequest::VmShutdown, Ok(ApiResponse::Empty)) => {
+                StatusCode::NO_CONTENT.into_response()
+            }
+            (_, Ok(other)) => {
+                log::error!("api: {endpoint}: vmm answered with a mismatched {other:?}");
+                text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("internal error: the vmm answered {endpoint} with the wrong kind of response"),
+                )
+            }
+        }
+    }
+
+    fn too_large(&self) -> Response {
+        text(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "request body is larger than the {} byte limit",
+                self.body_limit
+            ),
+        )
+    }
+
+    /// Reads the body up to the limit: a declared or actual length over it is 413, a body not
+    /// delivered in time is 408.
+    async fn read_body(&self, headers: &HeaderMap, body: Body) -> Result<Bytes, Response> {
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|len| len > self.body_limit as u64) {
+            return Err(self.too_large());
+        }
+        let mut body = body;
+        let mut buf = Vec::new();
+        let collect = async {
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| {
+                    text(
+                        StatusCode::BAD_REQUEST,
+                        format!("cannot read the request body: {e}"),
+                    )
+                })?;
+                if let Some(data) = frame.data_ref() {
+                    if buf.len() + data.len() > self.body_limit {
+                        return Err(self.too_large());
+                    }
+                    buf.extend_from_slice(data);
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(self.body_timeout, collect).await {
+            Err(_) => Err(text(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "request body not received within {} ms",
+                    self.body_timeout.as_millis()
+                ),
+            )),
+            Ok(Err(r)) => Err(r),
+            Ok(Ok(())) => Ok(Bytes::from(buf)),
+        }
+    }
+
+    /// Reads and parses a JSON request body, mapping every failure to a 4xx with a clear
+    /// message.
+    async fn parse_body<T: DeserializeOwned>(
+        &self,
+        headers: &HeaderMap,
+        body: Body,
+    ) -> Result<T, Response> {
+        let body = self.read_body(headers, body).await?;
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Err(text(
+                StatusCode::BAD_REQUEST,
+                "missing request body: expected a JSON object",
+            ));
+        }
+        serde_json::from_slice(&body).map_err(|e| {
+            text(
+                StatusCode::BAD_REQUEST,
+                format!("invalid request body: {e}"),
+            )
+        })
+    }
+}
+
+async fn vmm_ping(State(s): State<AppState>) -> Response {
+    s.forward(ApiRequest::VmmPing).await
+}
+
+async fn vm_info(State(s): State<AppState>) -> Response {
+    s.forward(ApiRequest::VmInfo).await
+}
+
+async fn vm_add_remote_device(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let data: VmAddRemoteDeviceData = match s.parse_body(&headers, body).await {
+        Ok(d) => d,
+        Err(r) => return r,
+    };
+    if let Err(e) = data.validate() {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("invalid request body: {e}"),
+        );
+    }
+    s.forward(ApiRequest::VmAddRemoteDevice(data)).await
+}
+
+async fn vm_remove_device(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let data: VmRemoveDeviceData = match s.parse_body(&headers, body).await {
+        Ok(d) => d,
+        Err(r) => return r,
+    };
+    if let Err(e) = data.validate() {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("invalid request body: {e}"),
+        );
+    }
+    s.forward(ApiRequest::VmRemoveDevice(data)).await
+}
+
+async fn vm_shutdown(State(s): State<AppState>) -> Response {
+    // Like Cloud Hypervisor, vm.shutdown takes no body; anything sent is ignored.
+    s.forward(ApiRequest::VmShutdown).await
+}
+
+async fn unknown_endpoint(uri: Uri) -> Response {
+    text(
+        StatusCode::NOT_FOUND,
+        format!("unknown endpoint {}", uri.path()),
+    )
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> Response {
+    let name = uri
+        .path()
+        .strip_prefix(API_ROOT)
+        .and_then(|p| p.strip_prefix('/'))
+        .unwrap_or("");
+    let allowed = ENDPOINTS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, m)| *m)
+        .unwrap_or("another method");
+    text(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "method {method} is not allowed on {}: use {allowed}",
+            uri.path()
+        ),
+    )
+}
+
+fn router(state: AppState) -> Router {
+    Router::new()
+        .route(&format!("{API_ROOT}/vmm.ping"), get(vmm_ping))
+        .route(&format!("{API_ROOT}/vm.info"), get(vm_info))
+        .route(
+            &format!("{API_ROOT}/vm.add-remote-device"),
+            put(vm_add_remote_device),
+        )
+        .route(
+            &format!("{API_ROOT}/vm.remove-device"),
+            put(vm_remove_device),
+        )
+        .route(&format!("{API_ROOT}/vm.shutdown"), put(vm_shutdown))
+        .fallback(unknown_endpoint)
+        .method_not_allowed_fallback(wrong_method)
+        .with_state(state)
+}
+
+/// Binds `path`, replacing a stale socket file nobody listens on, refusing a live one or a
+/// non-socket file.
+fn bind(path: &Path) -> Result<StdUnixListener, ServerError> {
+    if let Ok(meta) = fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(ServerError::NotASocket(path.to_path_buf()));
+        }
+        match StdUnixStream::connect(path) {
+            Ok(_) => return Err(ServerError::InUse(path.to_path_buf())),
+            Err(_) => {
+                log::info!("api: removing stale socket {}", path.display());
+                fs::remove_file(path)
+                    .map_err(|e| ServerError::RemoveStale(path.to_path_buf(), e))?;
+            }
+        }
+    }
+    let listener =
+        StdUnixListener::bind(path).map_err(|e| ServerError::Bind(path.to_path_buf(), e))?;
+    let setup = |e| ServerError::Setup(path.to_path_buf(), e);
+    // The API can attach devices and stop the VM: owner only.
+    fs::set_permissions(path, fs::Permissions::from_mode(0o600)).map_err(setup)?;
+    listener.set_nonblocking(true).map_err(setup)?;
+    Ok(listener)
+}
+
+impl ApiServer {
+    /// Binds the socket and starts serving on a thread named `api-http`. Each request is sent to
+    /// `api_tx` and `api_evt` is written to wake the VMM.
+    pub fn start(
+        config: ApiServerConfig,
+        api_tx: Sender<ApiMessage>,
+        api_evt: EventFd,
+    ) -> Result<ApiServer, ServerError> {
+        let listener = bind(&config.socket_path)?;
+        let cleanup = |e: ServerError| {
+            let _ = fs::remove_file(&config.socket_path);
+            e
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(|e| cleanup(ServerError::Runtime(e)))?;
+        let state = AppState {
+            tx: api_tx,
+            evt: Arc::new(api_evt),
+            timeout: config.request_timeout,
+            body_limit: config.body_limit,
+            body_timeout: config.body_timeout,
+        };
+        let app = router(state);
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let path = config.socket_path.clone();
+        let thread = std::thread::Builder::new()
+            .name("api-http".into())
+            .spawn(move || runtime.block_on(serve(listener, app, stop_rx, path)))
+            .map_err(|e| cleanup(ServerError::Spawn(e)))?;
+        log::info!("api: listening on {}", config.socket_path.display());
+        Ok(ApiServer {
+            socket_path: config.socket_path,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn socket_path(&self) -> &Path {
+        &self.socket_path
+    }
+
+    /// Stops accepting connections, lets in-flight requests finish (at most 2 s), joins the
+    /// thread and removes the socket file.
+    pub fn shutdown(mut self) -> Result<(), ServerError> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> Result<(), ServerError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let joined = match self.thread.take() {
+            Some(t) => t.join().map_err(|_| ServerError::ThreadPanicked),
+            None => Ok(()),
+        };
+        match fs::remove_file(&self.socket_path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => log::warn!(
+                "api: cannot remove socket {}: {e}",
+                self.socket_path.display()
+            ),
+        }
+        joined
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            if let Err(e) = self.stop_and_join() {
+                log::error!("api: {e}");
+            }
+        }
+    }
+}
+
+async fn serve(
+    listener: StdUnixListener,
+    app: Router,
+    stop_rx: oneshot::Receiver<()>,
+    path: PathBuf,
+) {
+    let listener = match tokio::net::UnixListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            log::error!("api: cannot register socket {}: {e}", path.display());
+            return;
+        }
+    };
+    let (drain_tx, drain_rx) = oneshot::channel::<()>();
+    let signal = async move {
+        // Also fires when the ApiServer is dropped (sender gone).
+        let _ = stop_rx.await;
+        let _ = drain_tx.send(());
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(signal);
+    let deadline = async move {
+        if drain_rx.await.is_ok() {
+            tokio::time::sleep(DRAIN_TIMEOUT).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        r = server => {
+            if let Err(e) = r {
+                log::error!("api: server failed: {e}");
+            }
+        }
+        _ = deadline => log::warn!("api: in-flight requests dropped at shutdown"),
+    }
+    log::info!("api: stopped serving {}", path.display());
+}
