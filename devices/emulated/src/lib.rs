@@ -1,1 +1,43 @@
-//! emulated
+//! Lender-side emulated PCI device models.
+//!
+//! Two devices live here: an NVMe 1.4 controller backed by a file ([`nvme::NvmeController`])
+//! and a small `dmatest` copy engine ([`dmatest::DmaTest`]). Both implement [`DeviceModel`] so
+//! the lender can host them generically.
+//!
+//! The seams every device uses, and nothing else:
+//!
+//! * [`DmaMemory`]: all device DMA (queue entries, PRP lists, data). The lender implements it
+//!   with a bounds-checking software IOMMU over the borrower's RAM window.
+//! * [`InterruptSink`]: signal an MSI-X vector or drive INTx.
+//! * [`RegisterMemory`]: the BAR holding the register file lives in caller-provided memory
+//!   (a fabric window on shm, a heap buffer in tests); the device reacts to writes by diffing.
+//!
+//! [`testing`] holds reusable test doubles and a guest-side NVMe driver used by this crate's
+//! tests and benchmark, and by the lender's "lent" tests.
+
+pub mod dma;
+pub mod dmatest;
+pub mod engine;
+pub mod irq;
+pub mod model;
+pub mod nvme;
+pub mod regs;
+pub mod testing;
+mod waiter;
+
+pub use dma::{DmaFault, DmaMemory};
+pub use irq::{InterruptMode, InterruptSink};
+pub use model::{BarInfo, DeviceError, DeviceModel, MsixInfo, PciIdentity};
+pub use regs::{HeapRegisters, RawRegisters, RegisterMemory};
+
+/// How a device's worker thread learns about register writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NotifyMode {
+    /// The worker sleeps on its doorbell [`vmm_sys_util::eventfd::EventFd`]; whoever stores a
+    /// register write (the VMM trap, KVM ioeventfd, or `bar_write`) signals it.
+    #[default]
+    Interrupt,
+    /// The worker polls the register memory with adaptive backoff (spin, yield, then sleep up
+    /// to ~1 ms); the doorbell eventfd still wakes it early.
+    Polling,
+}

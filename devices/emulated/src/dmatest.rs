@@ -1,0 +1,347 @@
+//! `dmatest`: a tiny copy engine (in the spirit of QEMU's `edu`) for exercising the DMA and
+//! interrupt paths of a lent device.
+//!
+//! BAR0 (4 KiB, register memory):
+//!
+//! | offset | register | access |
+//! |---|---|---|
+//! | 0x00 | ID = 0x544d_4144 ("DAMT" little endian: 'D','A','M','T') | RO |
+//! | 0x04 | STATUS: bit 0 busy, bit 1 done, bit 2 error | RO |
+//! | 0x08 | SRC_IOVA (64-bit) | RW |
+//! | 0x10 | DST_IOVA (64-bit) | RW |
+//! | 0x18 | LEN (bytes, at most [`MAX_LEN`]) | RW |
+//! | 0x1c | IRQ_VECTOR (MSI-X vector raised on completion) | RW |
+//! | 0x20 | CMD: write [`CMD_START`] to copy, [`CMD_ACK`] to clear done/error and deassert INTx; reads 0 once accepted | RW |
+//! | 0x24 | FAULTS: DMA accesses refused so far | RO |
+//! | 0x28 | COMPLETED: copies finished (ok or error) | RO |
+//!
+//! A copy whose source or destination is outside the DMA window completes with STATUS.error
+//! set, FAULTS incremented, and nothing written.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::dma::DmaMemory;
+use crate::irq::{InterruptMode, InterruptSink};
+use crate::model::{build_config_space, BarInfo, DeviceError, DeviceModel, MsixInfo, PciIdentity};
+use crate::regs::RegisterMemory;
+use crate::waiter::Waiter;
+use crate::NotifyMode;
+
+/// ID register offset.
+pub const REG_ID: u64 = 0x00;
+/// STATUS register offset.
+pub const REG_STATUS: u64 = 0x04;
+/// SRC_IOVA register offset.
+pub const REG_SRC: u64 = 0x08;
+/// DST_IOVA register offset.
+pub const REG_DST: u64 = 0x10;
+/// LEN register offset.
+pub const REG_LEN: u64 = 0x18;
+/// IRQ_VECTOR register offset.
+pub const REG_IRQ_VECTOR: u64 = 0x1c;
+/// CMD register offset.
+pub const REG_CMD: u64 = 0x20;
+/// FAULTS register offset.
+pub const REG_FAULTS: u64 = 0x24;
+/// COMPLETED register offset.
+pub const REG_COMPLETED: u64 = 0x28;
+/// ID value.
+pub const DMATEST_ID: u32 = 0x544d_4144;
+/// STATUS.busy.
+pub const STATUS_BUSY: u32 = 1;
+/// STATUS.done.
+pub const STATUS_DONE: u32 = 2;
+/// STATUS.error.
+pub const STATUS_ERROR: u32 = 4;
+/// CMD: start a copy.
+pub const CMD_START: u32 = 1;
+/// CMD: acknowledge completion.
+pub const CMD_ACK: u32 = 2;
+/// Largest copy.
+pub const MAX_LEN: u32 = 1 << 20;
+/// BAR0 size.
+pub const BAR0_SIZE: u64 = 0x1000;
+/// MSI-X vectors.
+pub const VECTORS: u16 = 2;
+
+#[derive(Default)]
+struct State {
+    status: u32,
+    faults: u32,
+    completed: u32,
+}
+
+struct Inner {
+    regs: Arc<dyn RegisterMemory>,
+    dma: Arc<dyn DmaMemory>,
+    irq: Arc<dyn InterruptSink>,
+    doorbell: EventFd,
+    stop: AtomicBool,
+    state: Mutex<State>,
+    notify: NotifyMode,
+}
+
+impl Inner {
+    fn publish(&self, s: &State) {
+        self.regs.write32(REG_ID, DMATEST_ID);
+        self.regs.write32(REG_STATUS, s.status);
+        self.regs.write32(REG_FAULTS, s.faults);
+        self.regs.write32(REG_COMPLETED, s.completed);
+    }
+
+    fn pass(&self) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if self.regs.read32(REG_ID) != DMATEST_ID
+            || self.regs.read32(REG_STATUS) != s.status
+            || self.regs.read32(REG_FAULTS) != s.faults
+            || self.regs.read32(REG_COMPLETED) != s.completed
+        {
+            self.publish(&s);
+        }
+        let cmd = self.regs.read32(REG_CMD);
+        if cmd == 0 {
+            return false;
+        }
+        self.regs.write32(REG_CMD, 0);
+        if cmd & CMD_ACK != 0 {
+            s.status &= !(STATUS_DONE | STATUS_ERROR);
+            if self.irq.mode() == InterruptMode::Intx {
+                self.irq.set_intx(false);
+            }
+        }
+        if cmd & CMD_START != 0 {
+            s.status = STATUS_BUSY;
+            self.publish(&s);
+            let ok = self.copy();
+            s.status = if ok { STATUS_DONE } else { STATUS_ERROR };
+            if !ok {
+                s.faults = s.faults.wrapping_add(1);
+            }
+            s.completed = s.completed.wrapping_add(1);
+            self.publish(&s);
+            match self.irq.mode() {
+                InterruptMode::MsiX { vectors } => {
+                    let v = self.regs.read32(REG_IRQ_VECTOR) as u16;
+                    if v < vectors {
+                        self.irq.signal_msix(v);
+                    }
+                }
+                InterruptMode::Intx => self.irq.set_intx(true),
+                InterruptMode::None => {}
+            }
+        } else {
+            self.publish(&s);
+        }
+        true
+    }
+
+    fn copy(&self) -> bool {
+        let src = self.regs.read64(REG_SRC);
+        let dst = self.regs.read64(REG_DST);
+        let len = self.regs.read32(REG_LEN);
+        if len > MAX_LEN {
+            log::warn!("dmatest: length {len:#x} exceeds the {MAX_LEN:#x} maximum");
+            return false;
+        }
+        let mut buf = vec![0u8; len as usize];
+        if let Err(e) = self
+            .dma
+            .read(src, &mut buf)
+            .and_then(|_| self.dma.write(dst, &buf))
+        {
+            log::warn!("dmatest: {e}");
+            return false;
+        }
+        true
+    }
+
+    fn run(&self) {
+        let mut w = Waiter::new(self.notify);
+        while !self.stop.load(Ordering::Acquire) {
+            if self.pass() {
+                w.busy();
+                continue;
+            }
+            w.wait(&[&self.doorbell], None, None);
+        }
+    }
+}
+
+/// The dmatest device.
+pub struct DmaTest {
+    inner: Arc<Inner>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl DmaTest {
+    /// Create the device over `regs` (at least [`BAR0_SIZE`] bytes).
+    pub fn new(
+        regs: Arc<dyn RegisterMemory>,
+        dma: Arc<dyn DmaMemory>,
+        irq: Arc<dyn InterruptSink>,
+        notify: NotifyMode,
+    ) -> Result<Self, DeviceError> {
+        if (regs.len() as u64) < BAR0_SIZE {
+            return Err(DeviceError::RegisterMemoryTooSmall {
+                got: regs.len(),
+                need: BAR0_SIZE as usize,
+            });
+        }
+        let doorbell = EventFd::new(libc::EFD_NONBLOCK).map_err(|source| DeviceError::Os {
+            what: "doorbell eventfd",
+            source,
+        })?;
+        let inner = Inner {
+            regs,
+            dma,
+            irq,
+            doorbell,
+            stop: AtomicBool::new(false),
+            state: Mutex::new(State::default()),
+            notify,
+        };
+        inner.publish(&State::default());
+        Ok(DmaTest {
+            inner: Arc::new(inner),
+            thread: Mutex::new(None),
+        })
+    }
+}
+
+impl DeviceModel for DmaTest {
+    fn name(&self) -> &str {
+        "dmatest"
+    }
+
+    fn identity(&self) -> PciIdentity {
+        PciIdentity {
+            vendor_id: 0x1b36,
+            device_id: 0x1105,
+            subsystem_vendor_id: 0x1b36,
+            subsystem_id: 0x1105,
+            class: 0x08,
+            subclass: 0x80,
+            prog_if: 0,
+            revision: 1,
+        }
+    }
+
+    fn bars(&self) -> Vec<BarInfo> {
+        vec![
+            BarInfo {
+                index: 0,
+                size: BAR0_SIZE,
+                is_64bit: false,
+                prefetchable: false,
+                register_memory: true,
+            },
+            BarInfo {
+                index: 1,
+                size: 0x1000,
+                is_64bit: false,
+                prefetchable: false,
+                register_memory: false,
+            },
+        ]
+    }
+
+    fn msix(&self) -> Option<MsixInfo> {
+        Some(MsixInfo {
+            vectors: VECTORS,
+            table_bar: 1,
+            table_offset: 0,
+            pba_bar: 1,
+            pba_offset: 0x800,
+        })
+    }
+
+    fn intx_pin(&self) -> u8 {
+        1
+    }
+
+    fn config_space(&self) -> [u8; 256] {
+        build_config_space(&self.identity(), &self.bars(), self.msix().as_ref(), 1)
+    }
+
+    fn doorbell_event(&self) -> &EventFd {
+        &self.inner.doorbell
+    }
+
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) {
+        data.fill(0);
+        if bar != 0 {
+            return;
+        }
+        match data.len() {
+            8 => data.copy_from_slice(&self.inner.regs.read64(offset).to_le_bytes()),
+            4 => data.copy_from_slice(&self.inner.regs.read32(offset).to_le_bytes()),
+            _ => {}
+        }
+    }
+
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) {
+        if bar != 0 || matches!(offset, REG_ID | REG_STATUS | REG_FAULTS | REG_COMPLETED) {
+            return;
+        }
+        match data.len() {
+            8 => self.inner.regs.write64(
+                offset,
+                u64::from_le_bytes(data.try_into().unwrap_or([0; 8])),
+            ),
+            4 => self.inner.regs.write32(
+                offset,
+                u32::from_le_bytes(data.try_into().unwrap_or([0; 4])),
+            ),
+            _ => return,
+        }
+        if offset == REG_CMD {
+            let _ = self.inner.doorbell.write(1);
+        }
+    }
+
+    fn start(&self) -> Result<(), DeviceError> {
+        let mut t = self.thread.lock().unwrap_or_else(|p| p.into_inner());
+        if t.is_some() {
+            return Ok(());
+        }
+        let inner = self.inner.clone();
+        *t = Some(
+            std::thread::Builder::new()
+                .name("dmatest".into())
+                .spawn(move || inner.run())
+                .map_err(|source| DeviceError::Os {
+                    what: "spawn dmatest thread",
+                    source,
+                })?,
+        );
+        Ok(())
+    }
+
+    fn reset(&self) {
+        let mut s = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        *s = State::default();
+        for r in [REG_SRC, REG_DST] {
+            self.inner.regs.write64(r, 0);
+        }
+        for r in [REG_LEN, REG_IRQ_VECTOR, REG_CMD] {
+            self.inner.regs.write32(r, 0);
+        }
+        self.inner.publish(&s);
+        self.inner.irq.set_intx(false);
+    }
+}
+
+impl Drop for DmaTest {
+    fn drop(&mut self) {
+        let h = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = h {
+            self.inner.stop.store(true, Ordering::Release);
+            let _ = self.inner.doorbell.write(1);
+            let _ = h.join();
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! The generic hosting seam: what the lender needs to expose any emulated device.
+
+use thiserror::Error;
+use vmm_sys_util::eventfd::EventFd;
+
+/// Errors of device construction and start.
+#[derive(Debug, Error)]
+pub enum DeviceError {
+    /// The register memory handed in is too small for the register BAR.
+    #[error("register memory of {got:#x} bytes is smaller than the {need:#x}-byte register bar")]
+    RegisterMemoryTooSmall {
+        /// Bytes provided.
+        got: usize,
+        /// Bytes needed.
+        need: usize,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// Opening or sizing the backing file failed.
+    #[error("backing file {path}: {source}")]
+    Backing {
+        /// Path of the backing file.
+        path: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// An OS resource (eventfd, thread) could not be created.
+    #[error("{what}: {source}")]
+    Os {
+        /// What was being created.
+        what: &'static str,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+/// PCI identity of a function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PciIdentity {
+    /// Vendor id.
+    pub vendor_id: u16,
+    /// Device id.
+    pub device_id: u16,
+    /// Subsystem vendor id.
+    pub subsystem_vendor_id: u16,
+    /// Subsystem id.
+    pub subsystem_id: u16,
+    /// Base class (e.g. 0x01 mass storage).
+    pub class: u8,
+    /// Sub class (e.g. 0x08 non-volatile memory).
+    pub subclass: u8,
+    /// Programming interface (e.g. 0x02 NVMe).
+    pub prog_if: u8,
+    /// Revision id.
+    pub revision: u8,
+}
+
+/// One memory BAR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BarInfo {
+    /// BAR index (0..=5; a 64-bit BAR also uses index + 1).
+    pub index: u8,
+    /// Size in bytes (power of two, at least 4 KiB).
+    pub size: u64,
+    /// 64-bit BAR.
+    pub is_64bit: bool,
+    /// Prefetchable.
+    pub prefetchable: bool,
+    /// True for the BAR backed by the device's [`crate::RegisterMemory`]; other BARs (MSI-X)
+    /// are emulated by the borrower's VMM.
+    pub register_memory: bool,
+}
+
+/// Where the MSI-X table and PBA are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MsixInfo {
+    /// Number of vectors.
+    pub vectors: u16,
+    /// BAR holding the table.
+    pub table_bar: u8,
+    /// Table offset within that BAR.
+    pub table_offset: u32,
+    /// BAR holding the PBA.
+    pub pba_bar: u8,
+    /// PBA offset within that BAR.
+    pub pba_offset: u32,
+}
+
+/// What the lender needs to host an emulated device generically. Object safe.
+pub trait DeviceModel: Send + Sync {
+    /// Short name for logs ("nvme", "dmatest").
+    fn name(&self) -> &str;
+    /// PCI identity.
+    fn identity(&self) -> PciIdentity;
+    /// Memory BARs.
+    fn bars(&self) -> Vec<BarInfo>;
+    /// MSI-X layout, if the function has MSI-X.
+    fn msix(&self) -> Option<MsixInfo>;
+    /// INTx pin (1 = INTA .. 4 = INTD, 0 = none).
+    fn intx_pin(&self) -> u8;
+    /// The 256-byte config space (header + capability list: PM, MSI-X, PCIe with FLR), for
+    /// the VMM to shadow.
+    fn config_space(&self) -> [u8; 256];
+    /// Eventfd to signal after storing a write into register memory (or to hand to KVM as an
+    /// ioeventfd).
+    fn doorbell_event(&self) -> &EventFd;
+    /// Trapped read of `data.len()` (4 or 8) bytes at `offset` of BAR `bar`.
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]);
+    /// Trapped write: stores into register memory (with register semantics) and notifies.
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]);
+    /// Start the worker thread(s). Idempotent.
+    fn start(&self) -> Result<(), DeviceError>;
+    /// Function-level reset: stop queues, wait for in-flight work, clear registers.
+    fn reset(&self);
+}
+
+pub(crate) const CAP_PM: u8 = 0x40;
+pub(crate) const CAP_MSIX: u8 = 0x50;
+pub(crate) const CAP_PCIE: u8 = 0x60;
+
+/// Build a type-0 config space with PM, MSI-X (if any) and PCIe (FLR capable) capabilities.
+pub fn build_config_space(
+    id: &PciIdentity,
+    bars: &[BarInfo],
+    msix: Option<&MsixInfo>,
+    intx_pin: u8,
+) -> [u8; 256] {
+    let mut c = [0u8; 256];
+    let put16 =
+        |c: &mut [u8; 256], off: usize, v: u16| c[off..off + 2].copy_from_slice(&v.to_le_bytes());
+    let put32 =
+        |c: &mut [u8; 256], off: usize, v: u32| c[off..off + 4].copy_from_slice(&v.to_le_bytes());
+    put16(&mut c, 0x00, id.vendor_id);
+    put16(&mut c, 0x02, id.device_id);
+    put16(&mut c, 0x06, 0x0010); // status: capability list
+    c[0x08] = id.revision;
+    c[0x09] = id.prog_if;
+    c[0x0a] = id.subclass;
+    c[0x0b] = id.class;
+    for b in bars {
+        let off = 0x10 + 4 * b.index as usize;
+        if off + 4 > 0x28 {
+            continue;
+        }
+        let mut v: u32 = 0;
+        if b.is_64bit {
+            v |= 0b100;
+        }
+        if b.prefetchable {
+            v |= 0b1000;
+        }
+        put32(&mut c, off, v);
+    }
+    put16(&mut c, 0x2c, id.subsystem_vendor_id);
+    put16(&mut c, 0x2e, id.subsystem_id);
+    c[0x34] = CAP_PM;
+    c[0x3d] = intx_pin;
+    // Power management v3, D0 only, No_Soft_Reset.
+    let pm = CAP_PM as usize;
+    c[pm] = 0x01;
+    c[pm + 1] = if msix.is_some() { CAP_MSIX } else { CAP_PCIE };
+    put16(&mut c, pm + 2, 0x0003);
+    put16(&mut c, pm + 4, 0x0008);
+    if let Some(m) = msix {
+        let x = CAP_MSIX as usize;
+        c[x] = 0x11;
+        c[x + 1] = CAP_PCIE;
+        put16(&mut c, x + 2, m.vectors.saturating_sub(1) & 0x7ff);
+        put32(&mut c, x + 4, m.table_offset | u32::from(m.table_bar));
+        put32(&mut c, x + 8, m.pba_offset | u32::from(m.pba_bar));
+    }
+    // PCI Express capability v2, endpoint.
+    let e = CAP_PCIE as usize;
+    c[e] = 0x10;
+    c[e + 1] = 0;
+    put16(&mut c, e + 2, 0x0002);
+    // Device capabilities: max payload 256 B, FLR (bit 28).
+    put32(&mut c, e + 4, (1 << 28) | 0x1);
+    // Device control: relaxed ordering, no snoop enabled, MPS 128, MRRS 512.
+    put16(&mut c, e + 8, 0x2810);
+    // Link capabilities: x4 Gen3, port 0; link status: x4 Gen3.
+    put32(&mut c, e + 0x0c, (4 << 4) | 3);
+    put16(&mut c, e + 0x12, (4 << 4) | 3);
+    // Device capabilities 2: completion timeout disable supported.
+    put32(&mut c, e + 0x24, 1 << 4);
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_space_has_capability_chain() {
+        let id = PciIdentity {
+            vendor_id: 0x1b36,
+            device_id: 0x0010,
+            subsystem_vendor_id: 0x1af4,
+            subsystem_id: 0x1100,
+            class: 1,
+            subclass: 8,
+            prog_if: 2,
+            revision: 2,
+        };
+        let bars = [BarInfo {
+            index: 0,
+            size: 0x4000,
+            is_64bit: true,
+            prefetchable: false,
+            register_memory: true,
+        }];
+        let m = MsixInfo {
+            vectors: 8,
+            table_bar: 4,
+            table_offset: 0,
+            pba_bar: 4,
+            pba_offset: 0x800,
+        };
+        let c = build_config_space(&id, &bars, Some(&m), 1);
+        assert_eq!(&c[0..4], &[0x36, 0x1b, 0x10, 0x00]);
+        assert_eq!(&c[9..12], &[2, 8, 1]);
+        assert_eq!(c[0x10] & 0b110, 0b100);
+        let mut ids = vec![];
+        let mut p = c[0x34] as usize;
+        while p != 0 && ids.len() < 8 {
+            ids.push(c[p]);
+            p = c[p + 1] as usize;
+        }
+        assert_eq!(ids, vec![0x01, 0x11, 0x10]);
+        let devcap = u32::from_le_bytes(c[0x64..0x68].try_into().unwrap());
+        assert_ne!(devcap & (1 << 28), 0, "flr");
+        assert_eq!(u16::from_le_bytes([c[0x52], c[0x53]]), 7);
+        assert_eq!(u32::from_le_bytes(c[0x54..0x58].try_into().unwrap()), 4);
+        assert_eq!(u32::from_le_bytes(c[0x58..0x5c].try_into().unwrap()), 0x804);
+    }
+}

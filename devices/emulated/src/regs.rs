@@ -1,0 +1,160 @@
+//! Register memory: the BAR that holds a device's register file.
+//!
+//! On the shm fabric the guest's loads and stores to that BAR land directly in this memory
+//! (a KVM memslot over the lender's fabric window), so the device keeps read-only registers
+//! current in it and discovers writes by diffing against the values it last saw.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// A region of 32/64-bit registers shared with the borrower. Offsets are bytes; accesses are
+/// naturally aligned. Out-of-range or misaligned reads return all ones and writes are ignored.
+pub trait RegisterMemory: Send + Sync {
+    /// Size in bytes.
+    fn len(&self) -> usize;
+    /// True when the region is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Load 32 bits.
+    fn read32(&self, offset: u64) -> u32;
+    /// Store 32 bits.
+    fn write32(&self, offset: u64, value: u32);
+    /// Load 64 bits (one access when the implementation can, else low then high half).
+    fn read64(&self, offset: u64) -> u64 {
+        u64::from(self.read32(offset)) | (u64::from(self.read32(offset + 4)) << 32)
+    }
+    /// Store 64 bits.
+    fn write64(&self, offset: u64, value: u64) {
+        self.write32(offset, value as u32);
+        self.write32(offset + 4, (value >> 32) as u32);
+    }
+}
+
+/// Register memory over a raw pointer (an mmap of a fabric window). All accesses are atomic
+/// (so also volatile with respect to other processes mapping the same pages).
+pub struct RawRegisters {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: all accesses go through atomics; the creator of the value guarantees the mapping
+// stays valid for its lifetime (see `RawRegisters::new`).
+unsafe impl Send for RawRegisters {}
+// SAFETY: as above, concurrent access is through atomics only.
+unsafe impl Sync for RawRegisters {}
+
+impl RawRegisters {
+    /// Wrap `len` bytes at `base`.
+    ///
+    /// # Safety
+    /// `base` must be 8-byte aligned, valid for reads and writes of `len` bytes for the whole
+    /// lifetime of the returned value, and only ever accessed atomically by others.
+    pub unsafe fn new(base: *mut u8, len: usize) -> Self {
+        RawRegisters { base, len }
+    }
+
+    fn ok(&self, offset: u64, size: u64) -> bool {
+        offset & (size - 1) == 0
+            && offset
+                .checked_add(size)
+                .is_some_and(|e| e <= self.len as u64)
+    }
+}
+
+impl RegisterMemory for RawRegisters {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn read32(&self, offset: u64) -> u32 {
+        if !self.ok(offset, 4) {
+            return u32::MAX;
+        }
+        // SAFETY: in bounds and 4-aligned (base is 8-aligned), valid per `new`'s contract.
+        let a = unsafe { AtomicU32::from_ptr(self.base.add(offset as usize).cast::<u32>()) };
+        a.load(Ordering::Acquire)
+    }
+
+    fn write32(&self, offset: u64, value: u32) {
+        if !self.ok(offset, 4) {
+            return;
+        }
+        // SAFETY: in bounds and 4-aligned, valid per `new`'s contract.
+        let a = unsafe { AtomicU32::from_ptr(self.base.add(offset as usize).cast::<u32>()) };
+        a.store(value, Ordering::Release);
+    }
+
+    fn read64(&self, offset: u64) -> u64 {
+        if !self.ok(offset, 8) {
+            return u64::MAX;
+        }
+        // SAFETY: in bounds and 8-aligned, valid per `new`'s contract.
+        let a = unsafe { AtomicU64::from_ptr(self.base.add(offset as usize).cast::<u64>()) };
+        a.load(Ordering::Acquire)
+    }
+
+    fn write64(&self, offset: u64, value: u64) {
+        if !self.ok(offset, 8) {
+            return;
+        }
+        // SAFETY: in bounds and 8-aligned, valid per `new`'s contract.
+        let a = unsafe { AtomicU64::from_ptr(self.base.add(offset as usize).cast::<u64>()) };
+        a.store(value, Ordering::Release);
+    }
+}
+
+/// Heap-backed register memory (tests, the tcp fabric).
+pub struct HeapRegisters {
+    raw: RawRegisters,
+    _buf: Box<[AtomicU64]>,
+}
+
+impl HeapRegisters {
+    /// `len` bytes (rounded up to 8) of zeroed registers.
+    pub fn new(len: usize) -> Self {
+        let words = len.div_ceil(8);
+        let buf: Box<[AtomicU64]> = (0..words).map(|_| AtomicU64::new(0)).collect();
+        // SAFETY: the boxed slice is 8-aligned, `words * 8` bytes long, lives as long as `raw`
+        // (both are fields of the same value and the box never moves its heap allocation),
+        // and is only accessed atomically.
+        let raw = unsafe { RawRegisters::new(buf.as_ptr() as *mut u8, words * 8) };
+        HeapRegisters { raw, _buf: buf }
+    }
+}
+
+impl RegisterMemory for HeapRegisters {
+    fn len(&self) -> usize {
+        self.raw.len()
+    }
+    fn read32(&self, offset: u64) -> u32 {
+        self.raw.read32(offset)
+    }
+    fn write32(&self, offset: u64, value: u32) {
+        self.raw.write32(offset, value)
+    }
+    fn read64(&self, offset: u64) -> u64 {
+        self.raw.read64(offset)
+    }
+    fn write64(&self, offset: u64, value: u64) {
+        self.raw.write64(offset, value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heap_registers_roundtrip_and_bounds() {
+        let r = HeapRegisters::new(16);
+        r.write32(4, 0xdead_beef);
+        assert_eq!(r.read32(4), 0xdead_beef);
+        r.write64(8, 0x1122_3344_5566_7788);
+        assert_eq!(r.read32(8), 0x5566_7788);
+        assert_eq!(r.read64(8), 0x1122_3344_5566_7788);
+        assert_eq!(r.read32(16), u32::MAX);
+        assert_eq!(r.read32(2), u32::MAX);
+        r.write32(16, 1); // ignored
+        assert_eq!(r.len(), 16);
+    }
+}
