@@ -1,0 +1,436 @@
+//! Hosts any emulated device model ([`emulated::DeviceModel`]) as a lendable function.
+
+use std::sync::{Arc, Mutex};
+
+use emulated::dmatest::DmaTest;
+use emulated::nvme::{NvmeConfig, NvmeController};
+use emulated::{
+    DeviceError, DeviceModel, DmaMemory, InterruptSink, NotifyMode, RawRegisters, RegisterMemory,
+};
+use ntb::SharedMemory;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::config::CMD_BUS_MASTER;
+use super::irq::LeaseIrqs;
+use super::{BackendError, BarExport, DeviceBackend, IrqTrigger};
+use crate::iommu::{IommuDomain, SoftIommu};
+use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc};
+
+/// Register memory in a memfd, so the BAR can be exported as a fabric window and the
+/// borrower's loads/stores land in it directly.
+pub struct ShmRegisters {
+    raw: RawRegisters,
+    shm: SharedMemory,
+}
+
+impl ShmRegisters {
+    /// A zeroed memfd of `size` bytes (page multiple).
+    pub fn new(name: &str, size: u64) -> Result<Self, BackendError> {
+        let shm = SharedMemory::new(name, size).map_err(|e| BackendError::Os {
+            what: "register memory memfd",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let len = usize::try_from(shm.len()).map_err(|_| BackendError::OutOfRange {
+            what: "register memory".into(),
+            offset: 0,
+            len: 0,
+            size,
+        })?;
+        // SAFETY: the memfd mapping is page aligned, `len` bytes long, owned by `shm` which
+        // lives in the same value as `raw` (and is dropped after it, field order); everyone
+        // else (device worker, borrower through the fabric window) accesses it atomically.
+        let raw = unsafe { RawRegisters::new(shm.as_ptr(), len) };
+        Ok(ShmRegisters { raw, shm })
+    }
+
+    /// The memfd.
+    pub fn shm(&self) -> &SharedMemory {
+        &self.shm
+    }
+}
+
+impl RegisterMemory for ShmRegisters {
+    fn len(&self) -> usize {
+        self.raw.len()
+    }
+    fn read32(&self, offset: u64) -> u32 {
+        self.raw.read32(offset)
+    }
+    fn write32(&self, offset: u64, value: u32) {
+        self.raw.write32(offset, value)
+    }
+    fn read64(&self, offset: u64) -> u64 {
+        self.raw.read64(offset)
+    }
+    fn write64(&self, offset: u64, value: u64) {
+        self.raw.write64(offset, value)
+    }
+}
+
+/// Builds a model over the seams the backend provides.
+pub type ModelFactory<'a> = Box<
+    dyn FnOnce(
+            Arc<dyn RegisterMemory>,
+            Arc<dyn DmaMemory>,
+            Arc<dyn InterruptSink>,
+        ) -> Result<Box<dyn DeviceModel>, DeviceError>
+        + 'a,
+>;
+
+/// An emulated device as a [`DeviceBackend`].
+pub struct EmulatedBackend {
+    kind: String,
+    model: Box<dyn DeviceModel>,
+    regs: Arc<ShmRegisters>,
+    reg_bar: u8,
+    iommu: Arc<SoftIommu>,
+    irqs: Arc<LeaseIrqs>,
+    config: Mutex<[u8; 256]>,
+    pristine: [u8; 256],
+}
+
+impl EmulatedBackend {
+    /// Creates register memory of `reg_size` bytes, a software IOMMU and an interrupt sink,
+    /// builds the model with `factory` and starts it.
+    pub fn new(
+        name: &str,
+        kind: &str,
+        reg_size: u64,
+        msix_vectors: u16,
+        factory: ModelFactory<'_>,
+    ) -> Result<Self, BackendError> {
+        let regs = Arc::new(ShmRegisters::new(&format!("{name}-bar"), reg_size)?);
+        let iommu = Arc::new(SoftIommu::new(format!("{kind} {name}")));
+        let irqs = Arc::new(LeaseIrqs::new(name, msix_vectors));
+        let model = factory(
+            Arc::clone(&regs) as Arc<dyn RegisterMemory>,
+            Arc::clone(&iommu) as Arc<dyn DmaMemory>,
+            Arc::clone(&irqs) as Arc<dyn InterruptSink>,
+        )
+        .map_err(|e| BackendError::Model(e.to_string()))?;
+        let reg_bar = model
+            .bars()
+            .iter()
+            .find(|b| b.register_memory)
+            .map(|b| b.index)
+            .ok_or_else(|| BackendError::Model(format!("{kind} has no register-memory bar")))?;
+        if let Some(m) = model.msix() {
+            if m.vectors != msix_vectors {
+                return Err(BackendError::Model(format!(
+                    "{kind} reports {} msi-x vectors, expected {msix_vectors}",
+                    m.vectors
+                )));
+            }
+        }
+        model
+            .start()
+            .map_err(|e| BackendError::Model(e.to_string()))?;
+        let pristine = model.config_space();
+        Ok(EmulatedBackend {
+            kind: kind.to_string(),
+            model,
+            regs,
+            reg_bar,
+            iommu,
+            irqs,
+            config: Mutex::new(pristine),
+            pristine,
+        })
+    }
+
+    /// A `dmatest` copy engine.
+    pub fn dmatest(name: &str, notify: NotifyMode) -> Result<Self, BackendError> {
+        EmulatedBackend::new(
+            name,
+            "dmatest",
+            emulated::dmatest::BAR0_SIZE,
+            emulated::dmatest::VECTORS,
+            Box::new(move |r, d, i| Ok(Box::new(DmaTest::new(r, d, i, notify)?))),
+        )
+    }
+
+    /// An NVMe controller.
+    pub fn nvme(name: &str, cfg: NvmeConfig) -> Result<Self, BackendError> {
+        let vectors = cfg.msix_vectors;
+        EmulatedBackend::new(
+            name,
+            "nvme",
+            emulated::nvme::BAR0_SIZE,
+            vectors,
+            Box::new(move |r, d, i| Ok(Box::new(NvmeController::new(cfg, r, d, i)?))),
+        )
+    }
+
+    /// The software IOMMU (tests and status).
+    pub fn soft_iommu(&self) -> &Arc<SoftIommu> {
+        &self.iommu
+    }
+
+    fn shadow(&self) -> std::sync::MutexGuard<'_, [u8; 256]> {
+        match self.config.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn check_bar(&self, bar: u8, offset: u64, len: usize) -> Result<(), BackendError> {
+        let b = self
+            .model
+            .bars()
+            .into_iter()
+            .find(|b| b.index == bar)
+            .ok_or(BackendError::NoSuchBar(bar))?;
+        if !b.register_memory {
+            return Err(BackendError::BorrowerBar(bar));
+        }
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > b.size)
+        {
+            return Err(BackendError::OutOfRange {
+                what: format!("bar {bar}"),
+                offset,
+                len,
+                size: b.size,
+            });
+        }
+        if !(len == 4 || len == 8) || !offset.is_multiple_of(len as u64) {
+            return Err(BackendError::BadAccess {
+                what: format!("bar {bar}"),
+                offset,
+                len,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl DeviceBackend for EmulatedBackend {
+    fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    fn describe(&self, id: &str) -> DeviceInfo {
+        let bars = self
+            .model
+            .bars()
+            .into_iter()
+            .map(|b| BarDesc {
+                index: b.index,
+                size: b.size,
+                is_64bit: b.is_64bit,
+                prefetchable: b.prefetchable,
+                io: false,
+                window: None,
+                emulated_by_borrower: !b.register_memory,
+            })
+            .collect();
+        let msix = self.model.msix().map(|m| MsixDesc {
+            vectors: m.vectors,
+            table_bar: m.table_bar,
+            table_offset: m.table_offset,
+            pba_bar: m.pba_bar,
+            pba_offset: m.pba_offset,
+        });
+        let irqs = IrqCounts {
+            intx: u32::from(self.model.intx_pin() != 0),
+            msi: 0,
+            msix: msix.map_or(0, |m| u32::from(m.vectors)),
+        };
+        super::device_info(id, &self.kind, self.shadow().to_vec(), bars, irqs, msix)
+    }
+
+    fn config_read(&self, offset: u16, buf: &mut [u8]) -> Result<(), BackendError> {
+        let c = self.shadow();
+        for (i, b) in buf.iter_mut().enumerate() {
+            // Beyond the 256-byte header space there are no extended capabilities.
+            *b = c.get(usize::from(offset) + i).copied().unwrap_or(0);
+        }
+        Ok(())
+    }
+
+    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), BackendError> {
+        let mut c = self.shadow();
+        for (i, &b) in data.iter().enumerate() {
+            if let Some(x) = c.get_mut(usize::from(offset) + i) {
+                *x = b;
+            }
+        }
+        let cmd = u16::from_le_bytes([c[4], c[5]]);
+        self.irqs.set_intx_disabled(cmd & (1 << 10) != 0);
+        Ok(())
+    }
+
+    fn bar_export(&self, bar: u8) -> Option<BarExport<'_>> {
+        (bar == self.reg_bar).then(|| BarExport {
+            fd: self.regs.shm().fd(),
+            offset: 0,
+            size: self.regs.shm().len(),
+        })
+    }
+
+    fn bar_read(&self, bar: u8, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
+        self.check_bar(bar, offset, buf.len())?;
+        self.model.bar_read(bar, offset, buf);
+        Ok(())
+    }
+
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), BackendError> {
+        self.check_bar(bar, offset, data.len())?;
+        self.model.bar_write(bar, offset, data);
+        Ok(())
+    }
+
+    fn notify_eventfd(&self) -> Option<EventFd> {
+        self.model.doorbell_event().try_clone().ok()
+    }
+
+    fn set_irqs(
+        &self,
+        kind: IrqKind,
+        targets: Vec<Option<Arc<dyn IrqTrigger>>>,
+    ) -> Result<(), BackendError> {
+        self.irqs.set(kind, targets)
+    }
+
+    fn clear_irqs(&self) {
+        self.irqs.clear();
+    }
+
+    fn set_bus_master(&self, enable: bool) -> Result<(), BackendError> {
+        let mut c = self.shadow();
+        let mut cmd = u16::from_le_bytes([c[4], c[5]]);
+        if enable {
+            cmd |= CMD_BUS_MASTER;
+        } else {
+            cmd &= !CMD_BUS_MASTER;
+        }
+        c[4..6].copy_from_slice(&cmd.to_le_bytes());
+        Ok(())
+    }
+
+    fn reset(&self) -> Result<(), BackendError> {
+        self.model.reset();
+        *self.shadow() = self.pristine;
+        self.irqs.set_intx_disabled(false);
+        log::info!("{}: function reset", self.kind);
+        Ok(())
+    }
+
+    fn domain(&self) -> Arc<dyn IommuDomain> {
+        Arc::clone(&self.iommu) as Arc<dyn IommuDomain>
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::filtered_config_write;
+    use crate::iommu::{DmaBacking, VecBacking};
+    use emulated::dmatest::{
+        CMD_START, DMATEST_ID, REG_CMD, REG_DST, REG_FAULTS, REG_ID, REG_IRQ_VECTOR, REG_LEN,
+        REG_SRC, REG_STATUS, STATUS_DONE, STATUS_ERROR,
+    };
+    use std::time::{Duration, Instant};
+
+    fn wait_status(b: &EmulatedBackend, bits: u32) -> u32 {
+        let t0 = Instant::now();
+        loop {
+            let mut s = [0u8; 4];
+            b.bar_read(0, REG_STATUS, &mut s).unwrap();
+            let s = u32::from_le_bytes(s);
+            if s & bits != 0 || t0.elapsed() > Duration::from_secs(5) {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn w32(b: &EmulatedBackend, off: u64, v: u32) {
+        b.bar_write(0, off, &v.to_le_bytes()).unwrap();
+    }
+    fn w64(b: &EmulatedBackend, off: u64, v: u64) {
+        b.bar_write(0, off, &v.to_le_bytes()).unwrap();
+    }
+
+    #[test]
+    fn dmatest_copies_inside_window_and_faults_outside() {
+        let b = EmulatedBackend::dmatest("t0", NotifyMode::Interrupt).unwrap();
+        let info = b.describe("0000:00:01.0");
+        assert_eq!(info.kind, "dmatest");
+        assert_eq!(info.irqs.msix, 2);
+        assert!(info.caps.iter().any(|c| c.id == 0x11));
+        assert!(b.bar_export(0).is_some());
+        let mut id = [0u8; 4];
+        b.bar_read(0, REG_ID, &mut id).unwrap();
+        assert_eq!(u32::from_le_bytes(id), DMATEST_ID);
+
+        let mem = Arc::new(VecBacking::new(0x3000));
+        mem.fill(0x5a);
+        mem.write_at(0x1000, &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+        // Only the middle page is mapped, at IOVA 0x40000.
+        let win = Arc::new(VecBacking::new(0x1000));
+        win.write_at(0, &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+        b.domain().map(0x40000, 0x1000, win.clone()).unwrap();
+        let irq = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        b.set_irqs(
+            IrqKind::Msix,
+            vec![Some(irq.clone() as Arc<dyn IrqTrigger>), None],
+        )
+        .unwrap();
+
+        w64(&b, REG_SRC, 0x40000);
+        w64(&b, REG_DST, 0x40800);
+        w32(&b, REG_LEN, 8);
+        w32(&b, REG_IRQ_VECTOR, 0);
+        w32(&b, REG_CMD, CMD_START);
+        let s = wait_status(&b, STATUS_DONE | STATUS_ERROR);
+        assert_eq!(s & STATUS_ERROR, 0, "status {s:#x}");
+        let mut out = [0u8; 8];
+        win.read_at(0x800, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(irq.read().unwrap(), 1);
+
+        // Destination past the end of the window: refused, counted.
+        w32(&b, REG_CMD, emulated::dmatest::CMD_ACK);
+        w64(&b, REG_DST, 0x40ffc);
+        w32(&b, REG_CMD, CMD_START);
+        let s = wait_status(&b, STATUS_ERROR);
+        assert_ne!(s & STATUS_ERROR, 0, "status {s:#x}");
+        assert!(b.soft_iommu().fault_count() >= 1);
+        let mut f = [0u8; 4];
+        b.bar_read(0, REG_FAULTS, &mut f).unwrap();
+        assert!(u32::from_le_bytes(f) >= 1);
+        let mut tail = [0u8; 4];
+        win.read_at(0xffc, &mut tail).unwrap();
+        assert_eq!(tail, [0; 4]);
+    }
+
+    #[test]
+    fn config_filter_and_reset() {
+        let b = EmulatedBackend::dmatest("t1", NotifyMode::Interrupt).unwrap();
+        assert!(filtered_config_write(&b, 0x10, &[0xff; 4]).is_err());
+        filtered_config_write(&b, 4, &[0x06, 0x00]).unwrap();
+        let mut cmd = [0u8; 2];
+        b.config_read(4, &mut cmd).unwrap();
+        assert_eq!(cmd, [0x02, 0x00], "bme stays with the lender");
+        b.set_bus_master(true).unwrap();
+        b.config_read(4, &mut cmd).unwrap();
+        assert_eq!(cmd, [0x06, 0x00]);
+        b.reset().unwrap();
+        b.config_read(4, &mut cmd).unwrap();
+        assert_eq!(cmd, [0, 0]);
+        assert!(matches!(
+            b.bar_read(0, 2, &mut [0u8; 4]),
+            Err(BackendError::BadAccess { .. })
+        ));
+        assert!(matches!(
+            b.bar_read(0, 0x1000, &mut [0u8; 4]),
+            Err(BackendError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            b.bar_read(5, 0, &mut [0u8; 4]),
+            Err(BackendError::NoSuchBar(5))
+        ));
+    }
+}

@@ -1,0 +1,242 @@
+//! Device backends: what the lender lends.
+//!
+//! * [`emulated::EmulatedBackend`] hosts any [`emulated::DeviceModel`] (NVMe, dmatest): the
+//!   register BAR lives in a memfd exported as a fabric window, DMA goes through a
+//!   [`crate::iommu::SoftIommu`], interrupts go to the borrower's targets.
+//! * [`vfio::VfioBackend`]: a real device bound to vfio-pci (compiled and unit-tested with a
+//!   fake VFIO layer; untested on hardware).
+//!
+//! Every backend owns one IOMMU domain for its whole life; a lease maps the borrower's windows
+//! into it and unmaps them when it ends. Config writes from a borrower pass the lender-side
+//! [`config::ConfigFilter`] first.
+
+pub mod config;
+pub mod emulated;
+pub mod irq;
+pub mod vfio;
+
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+use thiserror::Error;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::iommu::IommuDomain;
+use crate::protocol::{BarDesc, CapDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc};
+
+pub use irq::IrqTrigger;
+
+/// Errors of device backends.
+#[derive(Debug, Error)]
+pub enum BackendError {
+    /// BAR index not implemented by the device.
+    #[error("bar {0} is not implemented by the device")]
+    NoSuchBar(u8),
+    /// BAR emulated by the borrower.
+    #[error("bar {0} is emulated by the borrower (msi-x table/pba)")]
+    BorrowerBar(u8),
+    /// Access outside a region.
+    #[error("access of {len:#x} bytes at {offset:#x} is outside the {size:#x}-byte {what}")]
+    OutOfRange {
+        /// Region.
+        what: String,
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: usize,
+        /// Region size.
+        size: u64,
+    },
+    /// Access size the device does not support.
+    #[error("{what} access of {len} bytes at {offset:#x} must be 4 or 8 bytes, naturally aligned")]
+    BadAccess {
+        /// Region.
+        what: String,
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: usize,
+    },
+    /// The config filter refused a write.
+    #[error(transparent)]
+    Forbidden(#[from] config::FilterError),
+    /// Interrupt kind/count the device does not have.
+    #[error("{kind:?}: {count} vectors requested, the device has {max}")]
+    TooManyVectors {
+        /// Kind.
+        kind: IrqKind,
+        /// Requested.
+        count: usize,
+        /// Available.
+        max: u32,
+    },
+    /// The device model failed.
+    #[error("device model: {0}")]
+    Model(String),
+    /// The VFIO layer failed.
+    #[error("vfio: {0}")]
+    Vfio(String),
+    /// An OS resource failed.
+    #[error("{what}: {source}")]
+    Os {
+        /// What.
+        what: &'static str,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+/// Memory behind a BAR that can be exported as a fabric window.
+#[derive(Debug, Clone, Copy)]
+pub struct BarExport<'a> {
+    /// mmap-able fd (memfd, VFIO device fd).
+    pub fd: BorrowedFd<'a>,
+    /// Offset of the BAR in the fd.
+    pub offset: u64,
+    /// Size.
+    pub size: u64,
+}
+
+/// One lendable PCI function.
+pub trait DeviceBackend: Send + Sync {
+    /// `vfio`, `nvme`, `dmatest`.
+    fn kind(&self) -> &str;
+    /// Config snapshot (current), BARs (without window ids), capabilities, IRQ counts.
+    fn describe(&self, id: &str) -> DeviceInfo;
+    /// Reads config space.
+    fn config_read(&self, offset: u16, buf: &mut [u8]) -> Result<(), BackendError>;
+    /// Writes config space. Callers pass borrower writes through [`config::ConfigFilter`]
+    /// first (see [`filtered_config_write`]).
+    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), BackendError>;
+    /// Memory to export as the fabric window of `bar`, if it can be mapped directly.
+    fn bar_export(&self, bar: u8) -> Option<BarExport<'_>>;
+    /// Slow-path BAR read.
+    fn bar_read(&self, bar: u8, offset: u64, buf: &mut [u8]) -> Result<(), BackendError>;
+    /// Slow-path BAR write.
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), BackendError>;
+    /// A duplicate of the eventfd that wakes the device after direct BAR stores.
+    fn notify_eventfd(&self) -> Option<EventFd>;
+    /// Replaces the targets of `kind` (one per vector from 0; `None` = not wired). An empty
+    /// list disables the kind.
+    fn set_irqs(
+        &self,
+        kind: IrqKind,
+        targets: Vec<Option<Arc<dyn IrqTrigger>>>,
+    ) -> Result<(), BackendError>;
+    /// Drops all interrupt wiring.
+    fn clear_irqs(&self);
+    /// Sets or clears Bus Master Enable (only the lender does, when windows are mapped).
+    fn set_bus_master(&self, enable: bool) -> Result<(), BackendError>;
+    /// Function-level reset; the device comes back quiescent with a clean config space.
+    fn reset(&self) -> Result<(), BackendError>;
+    /// The device's IOMMU domain.
+    fn domain(&self) -> Arc<dyn IommuDomain>;
+}
+
+/// Applies the lender's filter to a borrower's config write, then performs it.
+pub fn filtered_config_write(
+    backend: &dyn DeviceBackend,
+    offset: u16,
+    data: &[u8],
+) -> Result<(), BackendError> {
+    let mut snapshot = vec![0u8; 256];
+    backend.config_read(0, &mut snapshot)?;
+    let filter = config::ConfigFilter::from_config(&snapshot);
+    let cmd = u16::from_le_bytes([snapshot[4], snapshot[5]]);
+    let data = filter.filter_write(offset, data, cmd)?;
+    backend.config_write(offset, &data)
+}
+
+/// Walks the standard capability list of a config snapshot (bounded, loop-safe).
+pub fn capabilities(config: &[u8]) -> Vec<CapDesc> {
+    let mut out = Vec::new();
+    let status = config.get(6).copied().unwrap_or(0);
+    if status & 0x10 == 0 {
+        return out;
+    }
+    let mut ptr = usize::from(config.get(0x34).copied().unwrap_or(0) & 0xfc);
+    let mut seen = 0;
+    while ptr >= 0x40 && ptr + 1 < config.len().min(256) && seen < 48 {
+        out.push(CapDesc {
+            id: u16::from(config[ptr]),
+            offset: ptr as u16,
+            extended: false,
+        });
+        ptr = usize::from(config[ptr + 1] & 0xfc);
+        seen += 1;
+    }
+    // Extended capabilities (4 KiB config only).
+    let mut ext = 0x100usize;
+    seen = 0;
+    while ext >= 0x100 && ext + 4 <= config.len() && seen < 128 {
+        let h = u32::from_le_bytes([
+            config[ext],
+            config[ext + 1],
+            config[ext + 2],
+            config[ext + 3],
+        ]);
+        if h == 0 || h == u32::MAX {
+            break;
+        }
+        out.push(CapDesc {
+            id: (h & 0xffff) as u16,
+            offset: ext as u16,
+            extended: true,
+        });
+        ext = (h >> 20) as usize & 0xffc;
+        seen += 1;
+    }
+    out
+}
+
+/// Builds a [`DeviceInfo`] from its parts.
+pub fn device_info(
+    id: &str,
+    kind: &str,
+    config: Vec<u8>,
+    bars: Vec<BarDesc>,
+    irqs: IrqCounts,
+    msix: Option<MsixDesc>,
+) -> DeviceInfo {
+    let caps = capabilities(&config);
+    DeviceInfo {
+        id: id.to_string(),
+        kind: kind.to_string(),
+        config,
+        bars,
+        caps,
+        irqs,
+        msix,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capability_walk_is_bounded_on_loops() {
+        let mut c = vec![0u8; 256];
+        c[6] = 0x10;
+        c[0x34] = 0x40;
+        c[0x40] = 0x01;
+        c[0x41] = 0x50;
+        c[0x50] = 0x11;
+        c[0x51] = 0x40; // loop back
+        let caps = capabilities(&c);
+        assert!(caps.len() <= 48);
+        assert_eq!(caps[0].id, 1);
+        assert_eq!(caps[1].id, 0x11);
+        // Extended list in a 4 KiB space.
+        let mut c4 = c.clone();
+        c4.resize(4096, 0);
+        c4[0x100..0x104].copy_from_slice(&(0x0001_0001u32 | (0x140 << 20)).to_le_bytes());
+        c4[0x140..0x144].copy_from_slice(&0x0001_0010u32.to_le_bytes());
+        let ext: Vec<_> = capabilities(&c4)
+            .into_iter()
+            .filter(|c| c.extended)
+            .collect();
+        assert_eq!(ext.len(), 2);
+        assert_eq!(ext[1].offset, 0x140);
+    }
+}

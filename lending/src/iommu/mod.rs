@@ -1,0 +1,478 @@
+//! IOMMU domains: what a lent device may reach by DMA.
+//!
+//! Every lent device gets one domain per lease. The borrower exports a fabric window over
+//! (part of) its guest RAM and asks the lender to map it at IOVA = guest-physical base, so the
+//! unmodified guest driver's bus addresses are valid device addresses.
+//!
+//! * [`SoftIommu`]: used by emulated devices. Every DMA is translated and bounds-checked
+//!   against the mapped windows *before* any byte moves; an access that is not entirely
+//!   covered is refused, counted and logged, and touches nothing.
+//! * [`vfio::VfioDomain`]: one VFIO container per lent device; windows are programmed into the
+//!   hardware IOMMU with `VFIO_IOMMU_MAP_DMA` (behind [`vfio::VfioContainerOps`]).
+
+pub mod backing;
+pub mod vfio;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use thiserror::Error;
+
+pub use backing::{BackingError, DmaBacking, MmapBacking, VecBacking};
+
+/// Granule of IOVA mappings (both size and IOVA must be multiples of it).
+pub const IOMMU_PAGE_SIZE: u64 = 4096;
+/// Most mappings one domain accepts (vfio-user's `max_dma_maps` plays the same role).
+pub const MAX_MAPPINGS: usize = 1024;
+
+/// Errors of IOMMU domain operations.
+#[derive(Debug, Error)]
+pub enum IommuError {
+    /// Zero size or an IOVA range that wraps.
+    #[error("dma mapping at iova {iova:#x} with size {size:#x} is empty or wraps")]
+    BadRange {
+        /// Start IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+    },
+    /// IOVA or size not page aligned.
+    #[error("dma mapping at iova {iova:#x} size {size:#x} is not aligned to {align:#x}")]
+    Unaligned {
+        /// Start IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+        /// Required alignment.
+        align: u64,
+    },
+    /// The mapping is larger than its backing.
+    #[error("dma mapping size {size:#x} exceeds its {backing:#x}-byte backing window")]
+    BackingTooSmall {
+        /// Size asked for.
+        size: u64,
+        /// Size of the backing.
+        backing: u64,
+    },
+    /// The new mapping overlaps an existing one.
+    #[error(
+        "dma mapping {iova:#x}+{size:#x} overlaps existing mapping {other_iova:#x}+{other_size:#x}"
+    )]
+    Overlap {
+        /// Start IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+        /// Existing mapping start.
+        other_iova: u64,
+        /// Existing mapping size.
+        other_size: u64,
+    },
+    /// Too many mappings in the domain.
+    #[error("domain already holds the maximum of {0} dma mappings")]
+    TooMany(usize),
+    /// Unmap of something that is not mapped (exactly).
+    #[error("no dma mapping at iova {iova:#x} with size {size:#x}")]
+    NotMapped {
+        /// Start IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+    },
+    /// The backing cannot be handed to a hardware IOMMU (not mapped in this process).
+    #[error("dma backing for iova {0:#x} has no host mapping; a hardware iommu needs one")]
+    NotHostMapped(u64),
+    /// The VFIO layer refused the operation.
+    #[error("vfio {op} of iova {iova:#x} size {size:#x} failed: {msg}")]
+    Vfio {
+        /// `map` or `unmap`.
+        op: &'static str,
+        /// Start IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+        /// Error text from the VFIO layer.
+        msg: String,
+    },
+}
+
+/// A DMA access refused by the IOMMU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+#[error("iommu fault: dma {} of {len:#x} bytes at iova {iova:#x} is outside the mapped windows", if *.write { "write" } else { "read" })]
+pub struct IommuFault {
+    /// Start IOVA of the access.
+    pub iova: u64,
+    /// Length of the access.
+    pub len: u64,
+    /// Whether the device tried to write memory.
+    pub write: bool,
+}
+
+/// A mapping as listed by [`IommuDomain::mappings`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappingInfo {
+    /// Start IOVA (= guest-physical base of the window).
+    pub iova: u64,
+    /// Size in bytes.
+    pub size: u64,
+}
+
+/// One device's DMA address space on the lender.
+pub trait IommuDomain: Send + Sync {
+    /// Makes `[iova, iova + size)` reach `backing[0..size)`.
+    fn map(&self, iova: u64, size: u64, backing: Arc<dyn DmaBacking>) -> Result<(), IommuError>;
+    /// Removes the mapping that starts at `iova` and has exactly `size` bytes.
+    fn unmap(&self, iova: u64, size: u64) -> Result<(), IommuError>;
+    /// Removes every mapping; returns how many there were.
+    fn unmap_all(&self) -> usize;
+    /// Current mappings, sorted by IOVA.
+    fn mappings(&self) -> Vec<MappingInfo>;
+    /// DMA accesses refused so far.
+    fn fault_count(&self) -> u64;
+}
+
+struct Entry {
+    size: u64,
+    backing: Arc<dyn DmaBacking>,
+}
+
+/// Sorted, non-overlapping mapping table shared by the domain implementations.
+#[derive(Default)]
+struct MapTable {
+    map: BTreeMap<u64, Entry>,
+}
+
+impl MapTable {
+    fn check_new(&self, iova: u64, size: u64, backing_size: u64) -> Result<(), IommuError> {
+        let end = iova
+            .checked_add(size)
+            .filter(|_| size > 0)
+            .ok_or(IommuError::BadRange { iova, size })?;
+        if !iova.is_multiple_of(IOMMU_PAGE_SIZE) || !size.is_multiple_of(IOMMU_PAGE_SIZE) {
+            return Err(IommuError::Unaligned {
+                iova,
+                size,
+                align: IOMMU_PAGE_SIZE,
+            });
+        }
+        if size > backing_size {
+            return Err(IommuError::BackingTooSmall {
+                size,
+                backing: backing_size,
+            });
+        }
+        if self.map.len() >= MAX_MAPPINGS {
+            return Err(IommuError::TooMany(MAX_MAPPINGS));
+        }
+        // The previous mapping (start <= iova) must end at or before iova; the next one must
+        // start at or after end.
+        if let Some((&s, e)) = self.map.range(..=iova).next_back() {
+            if s + e.size > iova {
+                return Err(IommuError::Overlap {
+                    iova,
+                    size,
+                    other_iova: s,
+                    other_size: e.size,
+                });
+            }
+        }
+        if let Some((&s, e)) = self.map.range(iova..).next() {
+            if s < end {
+                return Err(IommuError::Overlap {
+                    iova,
+                    size,
+                    other_iova: s,
+                    other_size: e.size,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_exact(&mut self, iova: u64, size: u64) -> Result<Entry, IommuError> {
+        match self.map.get(&iova) {
+            Some(e) if e.size == size => self
+                .map
+                .remove(&iova)
+                .ok_or(IommuError::NotMapped { iova, size }),
+            _ => Err(IommuError::NotMapped { iova, size }),
+        }
+    }
+
+    fn list(&self) -> Vec<MappingInfo> {
+        self.map
+            .iter()
+            .map(|(&iova, e)| MappingInfo { iova, size: e.size })
+            .collect()
+    }
+
+    /// Splits `[iova, iova+len)` into (backing, offset, start-in-buffer, length) pieces, or
+    /// `None` if any byte is not covered.
+    #[allow(clippy::type_complexity)]
+    fn translate(
+        &self,
+        iova: u64,
+        len: u64,
+    ) -> Option<Vec<(Arc<dyn DmaBacking>, u64, usize, usize)>> {
+        let end = iova.checked_add(len)?;
+        let mut out = Vec::new();
+        let mut cur = iova;
+        while cur < end {
+            let (&start, e) = self.map.range(..=cur).next_back()?;
+            let map_end = start + e.size;
+            if cur >= map_end {
+                return None;
+            }
+            let piece_end = end.min(map_end);
+            out.push((
+                Arc::clone(&e.backing),
+                cur - start,
+                usize::try_from(cur - iova).ok()?,
+                usize::try_from(piece_end - cur).ok()?,
+            ));
+            cur = piece_end;
+        }
+        Some(out)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Software IOMMU for emulated devices: every DMA is translated and bounds-checked.
+pub struct SoftIommu {
+    name: String,
+    table: Mutex<MapTable>,
+    faults: AtomicU64,
+}
+
+impl SoftIommu {
+    /// An empty domain; `name` identifies the device in log lines.
+    pub fn new(name: impl Into<String>) -> Self {
+        SoftIommu {
+            name: name.into(),
+            table: Mutex::new(MapTable::default()),
+            faults: AtomicU64::new(0),
+        }
+    }
+
+    fn fault(&self, iova: u64, len: u64, write: bool) -> IommuFault {
+        let n = self.faults.fetch_add(1, Ordering::Relaxed) + 1;
+        let f = IommuFault { iova, len, write };
+        // A misbehaving guest can fault in a loop: log the first ones, then sample.
+        if n <= 16 || n.is_multiple_of(1024) {
+            log::warn!("{}: {f} (fault #{n})", self.name);
+        } else {
+            log::debug!("{}: {f} (fault #{n})", self.name);
+        }
+        f
+    }
+
+    /// Device read of guest memory at `iova` (the whole range must be mapped).
+    pub fn dma_read(&self, iova: u64, buf: &mut [u8]) -> Result<(), IommuFault> {
+        let len = buf.len() as u64;
+        let pieces = lock(&self.table).translate(iova, len);
+        let Some(pieces) = pieces else {
+            return Err(self.fault(iova, len, false));
+        };
+        for (backing, off, at, n) in pieces {
+            if backing.read_at(off, &mut buf[at..at + n]).is_err() {
+                return Err(self.fault(iova, len, false));
+            }
+        }
+        Ok(())
+    }
+
+    /// Device write of guest memory at `iova` (the whole range must be mapped; nothing is
+    /// written otherwise).
+    pub fn dma_write(&self, iova: u64, data: &[u8]) -> Result<(), IommuFault> {
+        let len = data.len() as u64;
+        let pieces = lock(&self.table).translate(iova, len);
+        let Some(pieces) = pieces else {
+            return Err(self.fault(iova, len, true));
+        };
+        for (backing, off, at, n) in pieces {
+            if backing.write_at(off, &data[at..at + n]).is_err() {
+                return Err(self.fault(iova, len, true));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl IommuDomain for SoftIommu {
+    fn map(&self, iova: u64, size: u64, backing: Arc<dyn DmaBacking>) -> Result<(), IommuError> {
+        let mut t = lock(&self.table);
+        t.check_new(iova, size, backing.size())?;
+        t.map.insert(iova, Entry { size, backing });
+        log::info!(
+            "{}: mapped dma window iova {iova:#x} size {size:#x}",
+            self.name
+        );
+        Ok(())
+    }
+
+    fn unmap(&self, iova: u64, size: u64) -> Result<(), IommuError> {
+        lock(&self.table).remove_exact(iova, size)?;
+        log::info!(
+            "{}: unmapped dma window iova {iova:#x} size {size:#x}",
+            self.name
+        );
+        Ok(())
+    }
+
+    fn unmap_all(&self) -> usize {
+        let old = std::mem::take(&mut lock(&self.table).map);
+        if !old.is_empty() {
+            log::info!("{}: unmapped all {} dma windows", self.name, old.len());
+        }
+        old.len()
+    }
+
+    fn mappings(&self) -> Vec<MappingInfo> {
+        lock(&self.table).list()
+    }
+
+    fn fault_count(&self) -> u64 {
+        self.faults.load(Ordering::Relaxed)
+    }
+}
+
+impl emulated::DmaMemory for SoftIommu {
+    fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), emulated::DmaFault> {
+        self.dma_read(iova, buf)
+            .map_err(|f| emulated::DmaFault::read(f.iova, buf.len()))
+    }
+
+    fn write(&self, iova: u64, buf: &[u8]) -> Result<(), emulated::DmaFault> {
+        self.dma_write(iova, buf)
+            .map_err(|f| emulated::DmaFault::write(f.iova, buf.len()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backing(size: usize, fill: u8) -> Arc<VecBacking> {
+        let b = Arc::new(VecBacking::new(size));
+        b.fill(fill);
+        b
+    }
+
+    #[test]
+    fn map_validation() {
+        let d = SoftIommu::new("t");
+        let b = backing(0x3000, 0);
+        assert!(matches!(
+            d.map(0x1000, 0, b.clone()),
+            Err(IommuError::BadRange { .. })
+        ));
+        assert!(matches!(
+            d.map(0x1001, 0x1000, b.clone()),
+            Err(IommuError::Unaligned { .. })
+        ));
+        assert!(matches!(
+            d.map(0x1000, 0x4000, b.clone()),
+            Err(IommuError::BackingTooSmall { .. })
+        ));
+        assert!(matches!(
+            d.map(u64::MAX - 0xfff, 0x2000, b.clone()),
+            Err(IommuError::BadRange { .. })
+        ));
+        d.map(0x10000, 0x2000, b.clone()).unwrap();
+        // Overlaps from below, above, inside and around.
+        for (iova, size) in [
+            (0xf000, 0x2000),
+            (0x11000, 0x2000),
+            (0x10000, 0x1000),
+            (0xe000, 0x3000),
+        ] {
+            let e = d.map(iova, size, b.clone()).unwrap_err();
+            assert!(matches!(e, IommuError::Overlap { .. }), "{iova:#x}: {e}");
+        }
+        // Adjacent is fine.
+        d.map(0xe000, 0x2000, b.clone()).unwrap();
+        d.map(0x12000, 0x1000, b.clone()).unwrap();
+        assert_eq!(
+            d.mappings(),
+            vec![
+                MappingInfo {
+                    iova: 0xe000,
+                    size: 0x2000
+                },
+                MappingInfo {
+                    iova: 0x10000,
+                    size: 0x2000
+                },
+                MappingInfo {
+                    iova: 0x12000,
+                    size: 0x1000
+                },
+            ]
+        );
+        assert!(matches!(
+            d.unmap(0x10000, 0x1000),
+            Err(IommuError::NotMapped { .. })
+        ));
+        d.unmap(0x10000, 0x2000).unwrap();
+        assert_eq!(d.unmap_all(), 2);
+        assert!(d.mappings().is_empty());
+    }
+
+    #[test]
+    fn dma_is_bounds_checked_and_faults_touch_nothing() {
+        let d = SoftIommu::new("t");
+        let b = backing(0x3000, 0xAA);
+        // Map only the middle page of the backing's first 0x2000 bytes... the window is the
+        // first 0x1000 bytes mapped at 0x100000.
+        d.map(0x100000, 0x1000, b.clone()).unwrap();
+        d.dma_write(0x100ff0, &[1; 16]).unwrap();
+        let mut buf = [0u8; 16];
+        d.dma_read(0x100ff0, &mut buf).unwrap();
+        assert_eq!(buf, [1; 16]);
+        // Crossing the end of the window: refused, nothing written.
+        let f = d.dma_write(0x100ff8, &[2; 16]).unwrap_err();
+        assert_eq!(
+            f,
+            IommuFault {
+                iova: 0x100ff8,
+                len: 16,
+                write: true
+            }
+        );
+        assert!(d.dma_read(0xfffff, &mut buf).is_err());
+        assert!(d.dma_read(u64::MAX - 4, &mut buf).is_err());
+        assert_eq!(d.fault_count(), 3);
+        let snap = b.snapshot();
+        assert_eq!(&snap[0xff0..0x1000], &[1; 16]);
+        assert!(snap[0x1000..].iter().all(|&x| x == 0xAA));
+        // After unmap everything faults.
+        d.unmap(0x100000, 0x1000).unwrap();
+        assert!(d.dma_read(0x100000, &mut buf).is_err());
+        assert_eq!(d.fault_count(), 4);
+    }
+
+    #[test]
+    fn dma_spans_adjacent_windows() {
+        let d = SoftIommu::new("t");
+        let a = backing(0x1000, 0);
+        let b = backing(0x1000, 0);
+        d.map(0x0, 0x1000, a.clone()).unwrap();
+        d.map(0x1000, 0x1000, b.clone()).unwrap();
+        d.dma_write(0xffe, &[7, 8, 9, 10]).unwrap();
+        assert_eq!(&a.snapshot()[0xffe..], &[7, 8]);
+        assert_eq!(&b.snapshot()[..2], &[9, 10]);
+        let mut buf = [0u8; 4];
+        d.dma_read(0xffe, &mut buf).unwrap();
+        assert_eq!(buf, [7, 8, 9, 10]);
+        // A gap after the second window faults even when partly covered.
+        assert!(d.dma_write(0x1ffe, &[0; 4]).is_err());
+        assert_eq!(&b.snapshot()[0xffe..], &[0, 0]);
+    }
+}

@@ -1,0 +1,915 @@
+//! The lender control protocol (borrower ↔ lender), carried as user messages of the fabric's
+//! wire format ([`ntb::wire`]: 24-byte header, postcard payload, fds beside the frame on shm).
+//!
+//! The operations follow vfio-user, fabric-neutral:
+//!
+//! | opcode | request | reply | vfio-user |
+//! |---|---|---|---|
+//! | 0x100 | [`Hello`] | [`HelloReply`] | VERSION (+ cluster token) |
+//! | 0x101 | `List` | `Vec<`[`DeviceSummary`]`>` | — |
+//! | 0x102 | [`Borrow`] | [`Borrowed`] (+ notify eventfd on shm) | — (exclusive lease) |
+//! | 0x103 | [`LeaseRef`] | [`DeviceInfo`] | DEVICE_GET_INFO + GET_REGION_INFO + GET_IRQ_INFO |
+//! | 0x104 | [`ConfigRead`] | bytes | REGION_READ (config region) |
+//! | 0x105 | [`ConfigWrite`] | `()` | REGION_WRITE (config region, filtered) |
+//! | 0x106 | [`BarRead`] | bytes | REGION_READ |
+//! | 0x107 | [`BarWrite`] | `()` | REGION_WRITE |
+//! | 0x108 | [`DmaMap`] | `()` | DMA_MAP (a fabric window instead of an fd) |
+//! | 0x109 | [`DmaUnmap`] | `()` | DMA_UNMAP |
+//! | 0x10a | [`SetIrqs`] (+ eventfds on shm) | `()` | SET_IRQS |
+//! | 0x10b | [`LeaseRef`] | `()` | DEVICE_RESET |
+//! | 0x10c | [`LeaseRef`] | `()` | — (return the lease) |
+//! | 0x10d | `Status` | [`LenderStatus`] | — |
+//!
+//! Events (lender → borrower, one-way): 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
+//! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it).
+//!
+//! Errors are wire error replies with the codes in [`code`]. Decoding never panics.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use ntb::wire::{self, ErrorReply, WireError};
+
+/// Version of this protocol (independent of the wire version).
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest config space (PCIe extended).
+pub const CONFIG_SPACE_SIZE: usize = 4096;
+/// Largest single BAR slow-path access.
+pub const MAX_BAR_ACCESS: usize = 4096;
+/// Most interrupt targets in one SET_IRQS.
+pub const MAX_IRQS: usize = 2048;
+/// Longest string field (tokens, names, reasons).
+pub const MAX_STRING: usize = 1024;
+
+/// Opcodes (all at or above [`ntb::wire::USER_OPCODE_BASE`]).
+pub mod opcode {
+    /// Hello/version/token.
+    pub const HELLO: u16 = 0x100;
+    /// List devices.
+    pub const LIST: u16 = 0x101;
+    /// Borrow a device.
+    pub const BORROW: u16 = 0x102;
+    /// Device information.
+    pub const DEVICE_INFO: u16 = 0x103;
+    /// Config space read.
+    pub const CONFIG_READ: u16 = 0x104;
+    /// Config space write.
+    pub const CONFIG_WRITE: u16 = 0x105;
+    /// BAR slow-path read.
+    pub const BAR_READ: u16 = 0x106;
+    /// BAR slow-path write.
+    pub const BAR_WRITE: u16 = 0x107;
+    /// Map a DMA window.
+    pub const DMA_MAP: u16 = 0x108;
+    /// Unmap a DMA window.
+    pub const DMA_UNMAP: u16 = 0x109;
+    /// Set interrupt targets.
+    pub const SET_IRQS: u16 = 0x10a;
+    /// Reset the device.
+    pub const RESET: u16 = 0x10b;
+    /// Return the lease.
+    pub const RETURN: u16 = 0x10c;
+    /// Lender inventory with states.
+    pub const STATUS: u16 = 0x10d;
+    /// Event: the device is gone (lease ended by the lender).
+    pub const EVT_DEVICE_GONE: u16 = 0x180;
+    /// Event: fatal device error.
+    pub const EVT_FATAL: u16 = 0x181;
+    /// Event: interrupt relayed as a message.
+    pub const EVT_IRQ: u16 = 0x182;
+}
+
+/// Error codes of error replies (the wire's generic codes are below 0x100).
+pub mod code {
+    pub use ntb::wire::code::*;
+    /// Hello missing or token wrong.
+    pub const BAD_TOKEN: u32 = 0x100;
+    /// No such device in the inventory.
+    pub const UNKNOWN_DEVICE: u32 = 0x101;
+    /// The device is lent to someone else.
+    pub const DEVICE_BUSY: u32 = 0x102;
+    /// No such lease on this link.
+    pub const UNKNOWN_LEASE: u32 = 0x103;
+    /// The borrower may not touch this (config filter).
+    pub const FORBIDDEN: u32 = 0x104;
+    /// IOMMU refused a mapping.
+    pub const IOMMU: u32 = 0x105;
+    /// The device is resetting or failed.
+    pub const DEVICE_UNAVAILABLE: u32 = 0x106;
+    /// Hello not yet done.
+    pub const NO_HELLO: u32 = 0x107;
+}
+
+/// Errors of encoding/decoding protocol messages.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ProtocolError {
+    /// Opcode not part of the protocol.
+    #[error("unknown opcode {0:#x}")]
+    UnknownOpcode(u16),
+    /// The payload does not decode.
+    #[error("opcode {opcode:#x}: {source}")]
+    Wire {
+        /// Opcode of the message.
+        opcode: u16,
+        /// Wire error.
+        source: WireError,
+    },
+    /// A field is out of its allowed range.
+    #[error("opcode {opcode:#x}: {msg}")]
+    Invalid {
+        /// Opcode of the message.
+        opcode: u16,
+        /// What is wrong.
+        msg: String,
+    },
+}
+
+/// First request of a session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`PROTOCOL_VERSION`] of the borrower.
+    pub version: u32,
+    /// Cluster auth token.
+    pub token: String,
+    /// Free-form client name for logs (`lendvm`, `lendctl`).
+    pub client: String,
+}
+
+/// Reply to [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloReply {
+    /// Lender's protocol version.
+    pub version: u32,
+    /// Lender node name.
+    pub node: String,
+    /// Largest BAR slow-path access.
+    pub max_bar_access: u32,
+    /// Most DMA mappings per lease.
+    pub max_dma_maps: u32,
+}
+
+/// State of a device in the inventory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceState {
+    /// Can be borrowed.
+    Available,
+    /// Lent to `node/vm`.
+    Lent {
+        /// Borrower node.
+        node: String,
+        /// Borrower VM.
+        vm: String,
+    },
+    /// Being reset after a lease ended.
+    Resetting,
+    /// Unusable.
+    Failed {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl std::fmt::Display for DeviceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceState::Available => f.write_str("available"),
+            DeviceState::Lent { node, vm } => write!(f, "lent to {node}/{vm}"),
+            DeviceState::Resetting => f.write_str("resetting"),
+            DeviceState::Failed { reason } => write!(f, "failed: {reason}"),
+        }
+    }
+}
+
+/// One device as listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceSummary {
+    /// Device id (a PCI address like `0000:81:00.0`).
+    pub id: String,
+    /// Backend kind: `vfio`, `nvme`, `dmatest`.
+    pub kind: String,
+    /// PCI vendor id.
+    pub vendor_id: u16,
+    /// PCI device id.
+    pub device_id: u16,
+    /// Class code (base, sub, prog-if) as 0xBBSSPP.
+    pub class: u32,
+    /// Current state.
+    pub state: DeviceState,
+}
+
+/// Lender status (for `lendctl status`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LenderStatus {
+    /// Lender node.
+    pub node: String,
+    /// Seconds since lenderd started.
+    pub uptime_secs: u64,
+    /// Devices with details.
+    pub devices: Vec<DeviceStatus>,
+}
+
+/// Per-device status details.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceStatus {
+    /// Summary (id, kind, state).
+    pub summary: DeviceSummary,
+    /// Live DMA mappings (iova, size).
+    pub dma_maps: Vec<(u64, u64)>,
+    /// IOMMU faults counted since lenderd started.
+    pub iommu_faults: u64,
+    /// Leases granted since lenderd started.
+    pub leases_granted: u64,
+}
+
+/// Borrow request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Borrow {
+    /// Device id.
+    pub device: String,
+    /// Borrowing VM's name.
+    pub vm: String,
+}
+
+/// Reference to a lease of this link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRef {
+    /// Lease id from [`Borrowed`].
+    pub lease: u64,
+}
+
+/// BAR description.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BarDesc {
+    /// BAR index (0..=5).
+    pub index: u8,
+    /// Size in bytes.
+    pub size: u64,
+    /// 64-bit memory BAR.
+    pub is_64bit: bool,
+    /// Prefetchable.
+    pub prefetchable: bool,
+    /// I/O space BAR.
+    pub io: bool,
+    /// Fabric window (exported by the lender on this link) that maps the BAR directly, if any;
+    /// otherwise use BAR_READ/BAR_WRITE.
+    pub window: Option<u32>,
+    /// The borrower's VMM emulates this BAR itself (MSI-X table/PBA).
+    pub emulated_by_borrower: bool,
+}
+
+/// A capability found in config space.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapDesc {
+    /// Capability id.
+    pub id: u16,
+    /// Offset in config space.
+    pub offset: u16,
+    /// PCIe extended capability (offset ≥ 0x100).
+    pub extended: bool,
+}
+
+/// Interrupt counts (like GET_IRQ_INFO per index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct IrqCounts {
+    /// 1 when an INTx pin is wired.
+    pub intx: u32,
+    /// MSI vectors.
+    pub msi: u32,
+    /// MSI-X vectors.
+    pub msix: u32,
+}
+
+/// MSI-X table placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MsixDesc {
+    /// Vectors.
+    pub vectors: u16,
+    /// Table BAR.
+    pub table_bar: u8,
+    /// Table offset.
+    pub table_offset: u32,
+    /// PBA BAR.
+    pub pba_bar: u8,
+    /// PBA offset.
+    pub pba_offset: u32,
+}
+
+/// Everything a borrower needs to present the device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// Device id.
+    pub id: String,
+    /// Backend kind.
+    pub kind: String,
+    /// Config space snapshot (256 or 4096 bytes).
+    pub config: Vec<u8>,
+    /// BARs.
+    pub bars: Vec<BarDesc>,
+    /// Capabilities.
+    pub caps: Vec<CapDesc>,
+    /// Interrupt counts.
+    pub irqs: IrqCounts,
+    /// MSI-X placement.
+    pub msix: Option<MsixDesc>,
+}
+
+/// Reply to [`Borrow`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Borrowed {
+    /// Lease id for the other requests.
+    pub lease: u64,
+    /// Device information.
+    pub info: DeviceInfo,
+    /// Index of the attached notification eventfd (shm): signal it after storing into a
+    /// directly mapped BAR (or hand it to KVM as an ioeventfd).
+    pub notify_fd: Option<u8>,
+    /// Fabric doorbell bit that notifies the device (fabrics without fd passing).
+    pub notify_doorbell: Option<u8>,
+}
+
+/// Config read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigRead {
+    /// Lease.
+    pub lease: u64,
+    /// Offset.
+    pub offset: u16,
+    /// Length (1..=4096).
+    pub len: u16,
+}
+
+/// Config write.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigWrite {
+    /// Lease.
+    pub lease: u64,
+    /// Offset.
+    pub offset: u16,
+    /// Bytes.
+    pub data: Vec<u8>,
+}
+
+/// BAR read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BarRead {
+    /// Lease.
+    pub lease: u64,
+    /// BAR index.
+    pub bar: u8,
+    /// Offset.
+    pub offset: u64,
+    /// Length (1..=[`MAX_BAR_ACCESS`]).
+    pub len: u32,
+}
+
+/// BAR write.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BarWrite {
+    /// Lease.
+    pub lease: u64,
+    /// BAR index.
+    pub bar: u8,
+    /// Offset.
+    pub offset: u64,
+    /// Bytes.
+    pub data: Vec<u8>,
+}
+
+/// Map a fabric window the borrower exported on this link at `iova`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DmaMap {
+    /// Lease.
+    pub lease: u64,
+    /// IOVA (= guest-physical base of the window).
+    pub iova: u64,
+    /// Bytes (≤ window size).
+    pub size: u64,
+    /// Fabric window id (exported by the borrower).
+    pub window: u32,
+}
+
+/// Unmap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DmaUnmap {
+    /// Lease.
+    pub lease: u64,
+    /// IOVA.
+    pub iova: u64,
+    /// Bytes.
+    pub size: u64,
+}
+
+/// Interrupt kind (the vfio-pci IRQ indexes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IrqKind {
+    /// Legacy INTx.
+    Intx,
+    /// MSI.
+    Msi,
+    /// MSI-X.
+    Msix,
+}
+
+/// Where one vector goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IrqTarget {
+    /// Not wired (masked at the source).
+    None,
+    /// Signal the `n`th eventfd attached to the message (shm).
+    Fd(u8),
+    /// Ring this doorbell bit of the borrower (any fabric).
+    Doorbell(u8),
+    /// Send an [`IrqEvent`] message (slow, any fabric).
+    Event,
+}
+
+/// SET_IRQS: replaces the targets of `kind`; an empty list disables the kind.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetIrqs {
+    /// Lease.
+    pub lease: u64,
+    /// Kind.
+    pub kind: IrqKind,
+    /// One target per vector, from vector 0.
+    pub targets: Vec<IrqTarget>,
+}
+
+/// Event: lease ended by the lender.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceGone {
+    /// Lease.
+    pub lease: u64,
+    /// Why.
+    pub reason: String,
+}
+
+/// Event: fatal device error (the lease stays until returned).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FatalError {
+    /// Lease.
+    pub lease: u64,
+    /// What happened.
+    pub message: String,
+}
+
+/// Event: an interrupt relayed as a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IrqEvent {
+    /// Lease.
+    pub lease: u64,
+    /// Kind.
+    pub kind: IrqKind,
+    /// Vector.
+    pub vector: u32,
+}
+
+/// A request, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// Hello.
+    Hello(Hello),
+    /// List.
+    List,
+    /// Borrow.
+    Borrow(Borrow),
+    /// Device info.
+    DeviceInfo(LeaseRef),
+    /// Config read.
+    ConfigRead(ConfigRead),
+    /// Config write.
+    ConfigWrite(ConfigWrite),
+    /// BAR read.
+    BarRead(BarRead),
+    /// BAR write.
+    BarWrite(BarWrite),
+    /// DMA map.
+    DmaMap(DmaMap),
+    /// DMA unmap.
+    DmaUnmap(DmaUnmap),
+    /// Set IRQs.
+    SetIrqs(SetIrqs),
+    /// Reset.
+    Reset(LeaseRef),
+    /// Return.
+    Return(LeaseRef),
+    /// Status.
+    Status,
+}
+
+/// An event, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// Device gone.
+    DeviceGone(DeviceGone),
+    /// Fatal error.
+    Fatal(FatalError),
+    /// Relayed interrupt.
+    Irq(IrqEvent),
+}
+
+fn wire_err(opcode: u16) -> impl FnOnce(WireError) -> ProtocolError {
+    move |source| ProtocolError::Wire { opcode, source }
+}
+
+fn invalid(opcode: u16, msg: String) -> ProtocolError {
+    ProtocolError::Invalid { opcode, msg }
+}
+
+fn check_str(opcode: u16, what: &str, s: &str) -> Result<(), ProtocolError> {
+    if s.len() > MAX_STRING {
+        return Err(invalid(
+            opcode,
+            format!("{what} is {} bytes, at most {MAX_STRING} allowed", s.len()),
+        ));
+    }
+    Ok(())
+}
+
+fn dec<T: serde::de::DeserializeOwned>(opcode: u16, payload: &[u8]) -> Result<T, ProtocolError> {
+    wire::decode_payload(payload).map_err(wire_err(opcode))
+}
+
+fn enc<T: Serialize + ?Sized>(opcode: u16, v: &T) -> Result<Vec<u8>, ProtocolError> {
+    wire::encode_payload(v).map_err(wire_err(opcode))
+}
+
+impl Request {
+    /// The opcode of this request.
+    pub fn opcode(&self) -> u16 {
+        match self {
+            Request::Hello(_) => opcode::HELLO,
+            Request::List => opcode::LIST,
+            Request::Borrow(_) => opcode::BORROW,
+            Request::DeviceInfo(_) => opcode::DEVICE_INFO,
+            Request::ConfigRead(_) => opcode::CONFIG_READ,
+            Request::ConfigWrite(_) => opcode::CONFIG_WRITE,
+            Request::BarRead(_) => opcode::BAR_READ,
+            Request::BarWrite(_) => opcode::BAR_WRITE,
+            Request::DmaMap(_) => opcode::DMA_MAP,
+            Request::DmaUnmap(_) => opcode::DMA_UNMAP,
+            Request::SetIrqs(_) => opcode::SET_IRQS,
+            Request::Reset(_) => opcode::RESET,
+            Request::Return(_) => opcode::RETURN,
+            Request::Status => opcode::STATUS,
+        }
+    }
+
+    /// The lease a request refers to, if any.
+    pub fn lease(&self) -> Option<u64> {
+        match self {
+            Request::DeviceInfo(l) | Request::Reset(l) | Request::Return(l) => Some(l.lease),
+            Request::ConfigRead(r) => Some(r.lease),
+            Request::ConfigWrite(r) => Some(r.lease),
+            Request::BarRead(r) => Some(r.lease),
+            Request::BarWrite(r) => Some(r.lease),
+            Request::DmaMap(r) => Some(r.lease),
+            Request::DmaUnmap(r) => Some(r.lease),
+            Request::SetIrqs(r) => Some(r.lease),
+            Request::Hello(_) | Request::List | Request::Borrow(_) | Request::Status => None,
+        }
+    }
+
+    /// Encodes to (opcode, payload).
+    pub fn encode(&self) -> Result<(u16, Vec<u8>), ProtocolError> {
+        let op = self.opcode();
+        let payload = match self {
+            Request::Hello(v) => enc(op, v)?,
+            Request::List | Request::Status => enc(op, &())?,
+            Request::Borrow(v) => enc(op, v)?,
+            Request::DeviceInfo(v) | Request::Reset(v) | Request::Return(v) => enc(op, v)?,
+            Request::ConfigRead(v) => enc(op, v)?,
+            Request::ConfigWrite(v) => enc(op, v)?,
+            Request::BarRead(v) => enc(op, v)?,
+            Request::BarWrite(v) => enc(op, v)?,
+            Request::DmaMap(v) => enc(op, v)?,
+            Request::DmaUnmap(v) => enc(op, v)?,
+            Request::SetIrqs(v) => enc(op, v)?,
+        };
+        Ok((op, payload))
+    }
+
+    /// Decodes and validates a request. Never panics.
+    pub fn decode(op: u16, payload: &[u8]) -> Result<Request, ProtocolError> {
+        let r = match op {
+            opcode::HELLO => {
+                let h: Hello = dec(op, payload)?;
+                check_str(op, "token", &h.token)?;
+                check_str(op, "client name", &h.client)?;
+                Request::Hello(h)
+            }
+            opcode::LIST => {
+                dec::<()>(op, payload)?;
+                Request::List
+            }
+            opcode::STATUS => {
+                dec::<()>(op, payload)?;
+                Request::Status
+            }
+            opcode::BORROW => {
+                let b: Borrow = dec(op, payload)?;
+                check_str(op, "device id", &b.device)?;
+                check_str(op, "vm name", &b.vm)?;
+                Request::Borrow(b)
+            }
+            opcode::DEVICE_INFO => Request::DeviceInfo(dec(op, payload)?),
+            opcode::RESET => Request::Reset(dec(op, payload)?),
+            opcode::RETURN => Request::Return(dec(op, payload)?),
+            opcode::CONFIG_READ => {
+                let r: ConfigRead = dec(op, payload)?;
+                check_config_range(op, r.offset, usize::from(r.len))?;
+                Request::ConfigRead(r)
+            }
+            opcode::CONFIG_WRITE => {
+                let w: ConfigWrite = dec(op, payload)?;
+                check_config_range(op, w.offset, w.data.len())?;
+                Request::ConfigWrite(w)
+            }
+            opcode::BAR_READ => {
+                let r: BarRead = dec(op, payload)?;
+                check_bar_access(op, r.bar, r.offset, r.len as usize)?;
+                Request::BarRead(r)
+            }
+            opcode::BAR_WRITE => {
+                let w: BarWrite = dec(op, payload)?;
+                check_bar_access(op, w.bar, w.offset, w.data.len())?;
+                Request::BarWrite(w)
+            }
+            opcode::DMA_MAP => {
+                let m: DmaMap = dec(op, payload)?;
+                if m.size == 0 || m.iova.checked_add(m.size).is_none() {
+                    return Err(invalid(
+                        op,
+                        format!(
+                            "dma window iova {:#x} size {:#x} is empty or wraps",
+                            m.iova, m.size
+                        ),
+                    ));
+                }
+                Request::DmaMap(m)
+            }
+            opcode::DMA_UNMAP => Request::DmaUnmap(dec(op, payload)?),
+            opcode::SET_IRQS => {
+                let s: SetIrqs = dec(op, payload)?;
+                if s.targets.len() > MAX_IRQS {
+                    return Err(invalid(
+                        op,
+                        format!(
+                            "{} interrupt targets, at most {MAX_IRQS} allowed",
+                            s.targets.len()
+                        ),
+                    ));
+                }
+                if s.kind == IrqKind::Intx && s.targets.len() > 1 {
+                    return Err(invalid(op, "intx has a single vector".into()));
+                }
+                Request::SetIrqs(s)
+            }
+            other => return Err(ProtocolError::UnknownOpcode(other)),
+        };
+        Ok(r)
+    }
+}
+
+fn check_config_range(op: u16, offset: u16, len: usize) -> Result<(), ProtocolError> {
+    let end = usize::from(offset) + len;
+    if len == 0 || end > CONFIG_SPACE_SIZE {
+        return Err(invalid(
+            op,
+            format!("config access {offset:#x}+{len:#x} is empty or beyond 0x1000"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_bar_access(op: u16, bar: u8, offset: u64, len: usize) -> Result<(), ProtocolError> {
+    if bar > 5 {
+        return Err(invalid(op, format!("bar index {bar} is not in 0..=5")));
+    }
+    if len == 0 || len > MAX_BAR_ACCESS || offset.checked_add(len as u64).is_none() {
+        return Err(invalid(
+            op,
+            format!("bar access of {len:#x} bytes at {offset:#x} is empty, too large or wraps"),
+        ));
+    }
+    Ok(())
+}
+
+impl Event {
+    /// Encodes to (opcode, payload).
+    pub fn encode(&self) -> Result<(u16, Vec<u8>), ProtocolError> {
+        match self {
+            Event::DeviceGone(v) => Ok((opcode::EVT_DEVICE_GONE, enc(opcode::EVT_DEVICE_GONE, v)?)),
+            Event::Fatal(v) => Ok((opcode::EVT_FATAL, enc(opcode::EVT_FATAL, v)?)),
+            Event::Irq(v) => Ok((opcode::EVT_IRQ, enc(opcode::EVT_IRQ, v)?)),
+        }
+    }
+
+    /// Decodes an event. Never panics.
+    pub fn decode(op: u16, payload: &[u8]) -> Result<Event, ProtocolError> {
+        match op {
+            opcode::EVT_DEVICE_GONE => Ok(Event::DeviceGone(dec(op, payload)?)),
+            opcode::EVT_FATAL => Ok(Event::Fatal(dec(op, payload)?)),
+            opcode::EVT_IRQ => Ok(Event::Irq(dec(op, payload)?)),
+            other => Err(ProtocolError::UnknownOpcode(other)),
+        }
+    }
+}
+
+/// Encodes a reply payload.
+pub fn encode_reply<T: Serialize + ?Sized>(op: u16, v: &T) -> Result<Vec<u8>, ProtocolError> {
+    enc(op, v)
+}
+
+/// Decodes a reply payload of the request with opcode `op`.
+pub fn decode_reply<T: serde::de::DeserializeOwned>(
+    op: u16,
+    payload: &[u8],
+) -> Result<T, ProtocolError> {
+    dec(op, payload)
+}
+
+/// An error reply with a protocol code.
+pub fn error(code: u32, message: impl Into<String>) -> ErrorReply {
+    ErrorReply::new(code, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn samples() -> Vec<Request> {
+        vec![
+            Request::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                token: "secret".into(),
+                client: "test".into(),
+            }),
+            Request::List,
+            Request::Status,
+            Request::Borrow(Borrow {
+                device: "0000:81:00.0".into(),
+                vm: "vm0".into(),
+            }),
+            Request::DeviceInfo(LeaseRef { lease: 7 }),
+            Request::ConfigRead(ConfigRead {
+                lease: 7,
+                offset: 0,
+                len: 256,
+            }),
+            Request::ConfigWrite(ConfigWrite {
+                lease: 7,
+                offset: 4,
+                data: vec![6, 0],
+            }),
+            Request::BarRead(BarRead {
+                lease: 7,
+                bar: 0,
+                offset: 0x1000,
+                len: 4,
+            }),
+            Request::BarWrite(BarWrite {
+                lease: 7,
+                bar: 0,
+                offset: 0x1000,
+                data: vec![1, 0, 0, 0],
+            }),
+            Request::DmaMap(DmaMap {
+                lease: 7,
+                iova: 0x100000,
+                size: 0x10000,
+                window: 2,
+            }),
+            Request::DmaUnmap(DmaUnmap {
+                lease: 7,
+                iova: 0x100000,
+                size: 0x10000,
+            }),
+            Request::SetIrqs(SetIrqs {
+                lease: 7,
+                kind: IrqKind::Msix,
+                targets: vec![IrqTarget::Fd(0), IrqTarget::Doorbell(3), IrqTarget::None],
+            }),
+            Request::Reset(LeaseRef { lease: 7 }),
+            Request::Return(LeaseRef { lease: 7 }),
+        ]
+    }
+
+    #[test]
+    fn requests_roundtrip() {
+        for r in samples() {
+            let (op, p) = r.encode().unwrap();
+            assert_eq!(Request::decode(op, &p).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn events_roundtrip() {
+        for e in [
+            Event::DeviceGone(DeviceGone {
+                lease: 1,
+                reason: "lenderd shutting down".into(),
+            }),
+            Event::Fatal(FatalError {
+                lease: 1,
+                message: "x".into(),
+            }),
+            Event::Irq(IrqEvent {
+                lease: 1,
+                kind: IrqKind::Msix,
+                vector: 3,
+            }),
+        ] {
+            let (op, p) = e.encode().unwrap();
+            assert_eq!(Event::decode(op, &p).unwrap(), e);
+        }
+    }
+
+    #[test]
+    fn decoder_rejects_bad_fields() {
+        let bad = [
+            Request::ConfigRead(ConfigRead {
+                lease: 1,
+                offset: 0xfff,
+                len: 2,
+            }),
+            Request::ConfigWrite(ConfigWrite {
+                lease: 1,
+                offset: 0,
+                data: vec![],
+            }),
+            Request::BarRead(BarRead {
+                lease: 1,
+                bar: 6,
+                offset: 0,
+                len: 4,
+            }),
+            Request::BarRead(BarRead {
+                lease: 1,
+                bar: 0,
+                offset: u64::MAX,
+                len: 4,
+            }),
+            Request::DmaMap(DmaMap {
+                lease: 1,
+                iova: u64::MAX,
+                size: 2,
+                window: 0,
+            }),
+            Request::SetIrqs(SetIrqs {
+                lease: 1,
+                kind: IrqKind::Intx,
+                targets: vec![IrqTarget::None; 2],
+            }),
+        ];
+        for r in bad {
+            let (op, p) = r.encode().unwrap();
+            let e = Request::decode(op, &p).unwrap_err();
+            assert!(matches!(e, ProtocolError::Invalid { .. }), "{r:?}: {e}");
+        }
+        assert_eq!(
+            Request::decode(0x1ff, &[]),
+            Err(ProtocolError::UnknownOpcode(0x1ff))
+        );
+        // Trailing bytes are an error, not ignored.
+        let (op, mut p) = Request::List.encode().unwrap();
+        p.push(0);
+        assert!(Request::decode(op, &p).is_err());
+    }
+
+    /// Number of proptest cases: `PROPTEST_CASES` if set (CI-short: 100000), else 20000.
+    fn cases() -> u32 {
+        std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(20_000)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Any opcode and any bytes: decoding returns, never panics.
+        #[test]
+        fn decoder_never_panics(op in 0x100u16..0x190, payload in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = Request::decode(op, &payload);
+            let _ = Event::decode(op, &payload);
+            let _ = decode_reply::<DeviceInfo>(op, &payload);
+            let _ = decode_reply::<Vec<DeviceSummary>>(op, &payload);
+        }
+
+        /// Valid encodings mutated at one byte: still no panic, and untouched ones roundtrip.
+        #[test]
+        fn mutated_valid_messages_never_panic(which in 0usize..14, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>()) {
+            let r = &samples()[which];
+            let (op, p) = r.encode().unwrap();
+            prop_assert_eq!(&Request::decode(op, &p).unwrap(), r);
+            let mut m = p.clone();
+            if !m.is_empty() {
+                let i = at % m.len();
+                m[i] = byte;
+            }
+            let _ = Request::decode(op, &m);
+            let _ = Request::decode(op, &p[..cut % (p.len() + 1)]);
+        }
+    }
+}

@@ -1,0 +1,653 @@
+//! lenderd's control-protocol server: one thread per fabric link (borrower session).
+//!
+//! A session must start with HELLO carrying the cluster token; a wrong token gets a
+//! `bad token` error and the link is closed. Every lease belongs to the session that took
+//! it; when the link goes down (orderly close, process death, or missed heartbeats detected by
+//! the fabric within its peer timeout) the session ends and its leases are dropped, which
+//! gives the devices back (see [`crate::inventory::Lease`]).
+
+use std::collections::HashMap;
+use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ntb::wire::ErrorReply;
+use ntb::{Endpoint, FabricError, FabricKind, Incoming, Listener, Message, PeerWindow, WindowId};
+use thiserror::Error;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::backend::{filtered_config_write, BackendError, IrqTrigger};
+use crate::inventory::{Inventory, InventoryError, Lease};
+use crate::iommu::{BackingError, DmaBacking, IommuError, MAX_MAPPINGS};
+use crate::protocol::{
+    self, code, error, Borrowed, DeviceGone, Event, HelloReply, IrqEvent, IrqTarget, LenderStatus,
+    ProtocolError, Request, MAX_BAR_ACCESS, PROTOCOL_VERSION,
+};
+
+/// How often idle loops look at the stop flag.
+const POLL: Duration = Duration::from_millis(100);
+
+/// Errors of the server.
+#[derive(Debug, Error)]
+pub enum ServerError {
+    /// The fabric failed.
+    #[error("fabric: {0}")]
+    Fabric(#[from] FabricError),
+}
+
+/// The lender: inventory plus the protocol.
+pub struct Lender {
+    inventory: Arc<Inventory>,
+    node: String,
+    token: String,
+    stop: Arc<AtomicBool>,
+}
+
+impl Lender {
+    /// A lender named `node` that accepts borrowers presenting `token`.
+    pub fn new(inventory: Arc<Inventory>, node: &str, token: &str) -> Arc<Self> {
+        Arc::new(Lender {
+            inventory,
+            node: node.to_string(),
+            token: token.to_string(),
+            stop: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// Set it to stop [`Lender::serve`] (sessions end, leases are taken back).
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.stop)
+    }
+
+    /// The inventory.
+    pub fn inventory(&self) -> &Arc<Inventory> {
+        &self.inventory
+    }
+
+    /// Accepts links until the stop flag is set, then ends every session.
+    pub fn serve(self: &Arc<Self>, listener: &dyn Listener) -> Result<(), ServerError> {
+        let mut sessions: Vec<JoinHandle<()>> = Vec::new();
+        while !self.stop.load(Ordering::Relaxed) {
+            match listener.accept(Some(POLL)) {
+                Ok(ep) => {
+                    let ep: Arc<dyn Endpoint> = Arc::from(ep);
+                    let me = Arc::clone(self);
+                    let peer = ep.peer_node().to_string();
+                    log::info!("link up from {peer} ({})", ep.kind());
+                    match std::thread::Builder::new()
+                        .name(format!("session-{peer}"))
+                        .spawn(move || me.run_session(ep))
+                    {
+                        Ok(h) => sessions.push(h),
+                        Err(e) => log::error!("cannot start session thread for {peer}: {e}"),
+                    }
+                }
+                Err(FabricError::Timeout(_)) => {}
+                Err(e) => {
+                    log::warn!("accept failed: {e}");
+                    std::thread::sleep(POLL);
+                }
+            }
+            sessions.retain(|h| !h.is_finished());
+        }
+        log::info!("stopping: ending {} sessions", sessions.len());
+        for h in sessions {
+            let _ = h.join();
+        }
+        Ok(())
+    }
+
+    /// Serves one link until it goes down or the lender stops.
+    pub fn run_session(self: Arc<Self>, ep: Arc<dyn Endpoint>) {
+        let mut s = Session {
+            lender: Arc::clone(&self),
+            ep: Arc::clone(&ep),
+            hello: false,
+            leases: HashMap::new(),
+        };
+        let peer = ep.peer_node().to_string();
+        let reason = loop {
+            if self.stop.load(Ordering::Relaxed) {
+                s.end_all("lenderd shutting down", true);
+                ep.close();
+                break "lender stopping".to_string();
+            }
+            match ep.recv(POLL) {
+                Ok(Incoming::Request { id, msg }) => {
+                    let (reply, close) = s.handle(msg);
+                    if let Err(e) = ep.reply(id, reply) {
+                        log::warn!("{peer}: reply failed: {e}");
+                    }
+                    if close {
+                        // Let the error reply leave before the link goes down.
+                        std::thread::sleep(Duration::from_millis(50));
+                        ep.close();
+                        break "closed after a rejected hello".into();
+                    }
+                }
+                Ok(Incoming::Event(m)) => log::debug!("{peer}: ignoring event {:#x}", m.opcode),
+                Ok(Incoming::WindowAdded(w)) => {
+                    log::debug!("{peer}: window {} ({}) added", w.id, w.label)
+                }
+                Ok(Incoming::WindowRemoved(id)) => s.window_removed(id),
+                Err(FabricError::Timeout(_)) => {}
+                Err(e) => break e.to_string(),
+            }
+        };
+        let n = s.leases.len();
+        s.end_all(&format!("link to {peer} down: {reason}"), false);
+        log::info!("session with {peer} ended ({reason}); {n} leases taken back");
+    }
+}
+
+/// A DMA mapping of the lease: IOVA range and the borrower's window.
+struct DmaEntry {
+    iova: u64,
+    size: u64,
+    window: WindowId,
+}
+
+struct SessionLease {
+    lease: Lease,
+    maps: Vec<DmaEntry>,
+    /// BAR index -> fabric window id exported for it.
+    bar_windows: HashMap<u8, u32>,
+}
+
+struct Session {
+    lender: Arc<Lender>,
+    ep: Arc<dyn Endpoint>,
+    hello: bool,
+    leases: HashMap<u64, SessionLease>,
+}
+
+type Reply = Result<Message, ErrorReply>;
+
+fn backend_err(e: BackendError) -> ErrorReply {
+    let c = match &e {
+        BackendError::Forbidden(_) => code::FORBIDDEN,
+        BackendError::NoSuchBar(_)
+        | BackendError::BorrowerBar(_)
+        | BackendError::OutOfRange { .. }
+        | BackendError::BadAccess { .. } => code::OUT_OF_RANGE,
+        BackendError::TooManyVectors { .. } => code::INVALID,
+        _ => code::INTERNAL,
+    };
+    error(c, e.to_string())
+}
+
+fn iommu_err(e: IommuError) -> ErrorReply {
+    error(code::IOMMU, e.to_string())
+}
+
+fn inv_err(e: InventoryError) -> ErrorReply {
+    let c = match &e {
+        InventoryError::UnknownDevice(_) => code::UNKNOWN_DEVICE,
+        InventoryError::Busy { .. } => code::DEVICE_BUSY,
+        _ => code::DEVICE_UNAVAILABLE,
+    };
+    error(c, e.to_string())
+}
+
+fn proto_err(e: ProtocolError) -> ErrorReply {
+    let c = match e {
+        ProtocolError::UnknownOpcode(_) => code::UNKNOWN_OPCODE,
+        _ => code::INVALID,
+    };
+    error(c, e.to_string())
+}
+
+fn ok<T: serde::Serialize>(op: u16, v: &T) -> Reply {
+    protocol::encode_reply(op, v)
+        .map(|p| Message::raw(op, p))
+        .map_err(proto_err)
+}
+
+/// The borrower's exported window as DMA backing.
+struct PeerWindowBacking {
+    win: Box<dyn PeerWindow>,
+}
+
+impl DmaBacking for PeerWindowBacking {
+    fn size(&self) -> u64 {
+        self.win.len()
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackingError> {
+        self.win
+            .read_at(offset, buf)
+            .map_err(|e| BackingError::Transfer(e.to_string()))
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), BackingError> {
+        self.win
+            .write_at(offset, data)
+            .map_err(|e| BackingError::Transfer(e.to_string()))
+    }
+
+    fn host_addr(&self) -> Option<NonNull<u8>> {
+        self.win.as_ptr().ok().and_then(NonNull::new)
+    }
+}
+
+/// Rings a borrower doorbell bit.
+struct DoorbellTrigger {
+    ep: Weak<dyn Endpoint>,
+    bit: u8,
+}
+
+impl IrqTrigger for DoorbellTrigger {
+    fn trigger(&self) {
+        if let Some(ep) = self.ep.upgrade() {
+            if let Err(e) = ep.ring_peer(1u64 << self.bit) {
+                log::debug!("doorbell {} to {}: {e}", self.bit, ep.peer_node());
+            }
+        }
+    }
+}
+
+/// Sends an IRQ event message.
+struct MessageTrigger {
+    ep: Weak<dyn Endpoint>,
+    ev: IrqEvent,
+}
+
+impl IrqTrigger for MessageTrigger {
+    fn trigger(&self) {
+        if let Some(ep) = self.ep.upgrade() {
+            match Event::Irq(self.ev).encode() {
+                Ok((op, p)) => {
+                    if let Err(e) = ep.send(Message::raw(op, p)) {
+                        log::debug!("irq event to {}: {e}", ep.peer_node());
+                    }
+                }
+                Err(e) => log::error!("irq event encode: {e}"),
+            }
+        }
+    }
+}
+
+impl Session {
+    fn peer(&self) -> String {
+        self.ep.peer_node().to_string()
+    }
+
+    /// Handles one request; returns the reply and whether to close the link.
+    fn handle(&mut self, msg: Message) -> (Reply, bool) {
+        let op = msg.opcode;
+        let req = match Request::decode(op, &msg.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("{}: bad request: {e}", self.peer());
+                return (Err(proto_err(e)), false);
+            }
+        };
+        if let Request::Hello(h) = &req {
+            if h.token != self.lender.token {
+                log::warn!(
+                    "{}: hello from {:?} with a bad token, closing",
+                    self.peer(),
+                    h.client
+                );
+                return (Err(error(code::BAD_TOKEN, "bad token")), true);
+            }
+            if h.version != PROTOCOL_VERSION {
+                return (
+                    Err(error(
+                        code::VERSION,
+                        format!(
+                            "protocol version {} not supported (lender speaks {PROTOCOL_VERSION})",
+                            h.version
+                        ),
+                    )),
+                    true,
+                );
+            }
+            self.hello = true;
+            log::info!("{}: hello from {}", self.peer(), h.client);
+            let r = HelloReply {
+                version: PROTOCOL_VERSION,
+                node: self.lender.node.clone(),
+                max_bar_access: MAX_BAR_ACCESS as u32,
+                max_dma_maps: MAX_MAPPINGS as u32,
+            };
+            return (ok(op, &r), false);
+        }
+        if !self.hello {
+            return (
+                Err(error(code::NO_HELLO, "hello with the cluster token first")),
+                false,
+            );
+        }
+        (self.dispatch(op, req, msg.fds), false)
+    }
+
+    fn lease(&mut self, id: u64) -> Result<&mut SessionLease, ErrorReply> {
+        self.leases.get_mut(&id).ok_or_else(|| {
+            error(
+                code::UNKNOWN_LEASE,
+                format!("unknown lease {id} on this link"),
+            )
+        })
+    }
+
+    fn dispatch(&mut self, op: u16, req: Request, fds: Vec<OwnedFd>) -> Reply {
+        match req {
+            Request::Hello(_) => Err(error(code::INVALID, "hello already done")),
+            Request::List => ok(op, &self.lender.inventory.list()),
+            Request::Status => ok(
+                op,
+                &LenderStatus {
+                    node: self.lender.node.clone(),
+                    uptime_secs: self.lender.inventory.uptime_secs(),
+                    devices: self.lender.inventory.status(),
+                },
+            ),
+            Request::Borrow(b) => self.borrow(op, &b.device, &b.vm),
+            Request::DeviceInfo(l) => {
+                let sl = self.lease(l.lease)?;
+                let mut info = sl.lease.backend().describe(sl.lease.device().id());
+                for b in info.bars.iter_mut() {
+                    b.window = sl.bar_windows.get(&b.index).copied();
+                }
+                ok(op, &info)
+            }
+            Request::ConfigRead(r) => {
+                let sl = self.lease(r.lease)?;
+                let mut buf = vec![0u8; usize::from(r.len)];
+                sl.lease
+                    .backend()
+                    .config_read(r.offset, &mut buf)
+                    .map_err(backend_err)?;
+                ok(op, &buf)
+            }
+            Request::ConfigWrite(w) => {
+                let peer = self.peer();
+                let sl = self.lease(w.lease)?;
+                filtered_config_write(sl.lease.backend().as_ref(), w.offset, &w.data).map_err(
+                    |e| {
+                        log::warn!("{peer}: lease {}: {e}", w.lease);
+                        backend_err(e)
+                    },
+                )?;
+                ok(op, &())
+            }
+            Request::BarRead(r) => {
+                let sl = self.lease(r.lease)?;
+                let mut buf = vec![0u8; r.len as usize];
+                sl.lease
+                    .backend()
+                    .bar_read(r.bar, r.offset, &mut buf)
+                    .map_err(backend_err)?;
+                ok(op, &buf)
+            }
+            Request::BarWrite(w) => {
+                let sl = self.lease(w.lease)?;
+                sl.lease
+                    .backend()
+                    .bar_write(w.bar, w.offset, &w.data)
+                    .map_err(backend_err)?;
+                ok(op, &())
+            }
+            Request::DmaMap(m) => {
+                let ep = Arc::clone(&self.ep);
+                let sl = self.lease(m.lease)?;
+                let win = ep.map_peer_window(m.window).map_err(|e| {
+                    error(
+                        code::UNKNOWN_WINDOW,
+                        format!("borrower window {}: {e}", m.window),
+                    )
+                })?;
+                let backing = Arc::new(PeerWindowBacking { win });
+                let dom = sl.lease.backend().domain();
+                dom.map(m.iova, m.size, backing).map_err(iommu_err)?;
+                sl.maps.push(DmaEntry {
+                    iova: m.iova,
+                    size: m.size,
+                    window: m.window,
+                });
+                sl.lease
+                    .backend()
+                    .set_bus_master(true)
+                    .map_err(backend_err)?;
+                log::info!(
+                    "lease {}: dma window {} mapped at iova {:#x} size {:#x}",
+                    m.lease,
+                    m.window,
+                    m.iova,
+                    m.size
+                );
+                ok(op, &())
+            }
+            Request::DmaUnmap(u) => {
+                let sl = self.lease(u.lease)?;
+                sl.lease
+                    .backend()
+                    .domain()
+                    .unmap(u.iova, u.size)
+                    .map_err(iommu_err)?;
+                sl.maps.retain(|e| !(e.iova == u.iova && e.size == u.size));
+                if sl.maps.is_empty() {
+                    sl.lease
+                        .backend()
+                        .set_bus_master(false)
+                        .map_err(backend_err)?;
+                }
+                ok(op, &())
+            }
+            Request::SetIrqs(s) => self.set_irqs(op, s, fds),
+            Request::Reset(l) => {
+                let sl = self.lease(l.lease)?;
+                let b = sl.lease.backend();
+                b.reset().map_err(backend_err)?;
+                if !sl.maps.is_empty() {
+                    b.set_bus_master(true).map_err(backend_err)?;
+                }
+                ok(op, &())
+            }
+            Request::Return(l) => {
+                let mut sl = self.leases.remove(&l.lease).ok_or_else(|| {
+                    error(code::UNKNOWN_LEASE, format!("unknown lease {}", l.lease))
+                })?;
+                sl.lease.set_end_reason("returned by the borrower");
+                drop(sl);
+                ok(op, &())
+            }
+        }
+    }
+
+    fn borrow(&mut self, op: u16, device: &str, vm: &str) -> Reply {
+        let peer = self.peer();
+        let mut lease = self
+            .lender
+            .inventory
+            .acquire(device, &peer, vm)
+            .map_err(|e| {
+                log::info!("{peer}/{vm}: borrow {device} refused: {e}");
+                inv_err(e)
+            })?;
+        let id = lease.id();
+        let backend = Arc::clone(lease.backend());
+        let mut info = backend.describe(device);
+        let mut bar_windows = HashMap::new();
+        for b in info.bars.iter_mut() {
+            if let Some(x) = backend.bar_export(b.index) {
+                let label = format!("lease{id}-bar{}", b.index);
+                let w = self
+                    .ep
+                    .export_window(x.fd, x.offset, x.size, &label)
+                    .map_err(|e| {
+                        error(
+                            code::INTERNAL,
+                            format!("exporting bar {} as a fabric window: {e}", b.index),
+                        )
+                    })?;
+                b.window = Some(w.id());
+                bar_windows.insert(b.index, w.id());
+                lease.add_bar_window(w);
+            }
+        }
+        let mut fds = Vec::new();
+        let mut notify_fd = None;
+        if self.ep.kind() == FabricKind::Shm {
+            if let Some(n) = backend.notify_eventfd() {
+                // SAFETY: `into_raw_fd` hands over sole ownership of a valid eventfd.
+                fds.push(unsafe { OwnedFd::from_raw_fd(n.into_raw_fd()) });
+                notify_fd = Some(0);
+            }
+        }
+        let reply = Borrowed {
+            lease: id,
+            info,
+            notify_fd,
+            notify_doorbell: None,
+        };
+        let msg = protocol::encode_reply(op, &reply)
+            .map(|p| Message::raw(op, p).with_fds(fds))
+            .map_err(proto_err)?;
+        self.leases.insert(
+            id,
+            SessionLease {
+                lease,
+                maps: Vec::new(),
+                bar_windows,
+            },
+        );
+        Ok(msg)
+    }
+
+    fn set_irqs(&mut self, op: u16, s: protocol::SetIrqs, fds: Vec<OwnedFd>) -> Reply {
+        let weak = Arc::downgrade(&self.ep);
+        let doorbells = self.ep.doorbell_count();
+        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+        let mut targets: Vec<Option<Arc<dyn IrqTrigger>>> = Vec::new();
+        for (vector, t) in s.targets.iter().enumerate() {
+            let t: Option<Arc<dyn IrqTrigger>> = match *t {
+                IrqTarget::None => None,
+                IrqTarget::Fd(n) => {
+                    let fd =
+                        fds.get_mut(usize::from(n))
+                            .and_then(Option::take)
+                            .ok_or_else(|| {
+                                error(
+                            code::INVALID,
+                            format!("vector {vector}: eventfd #{n} not attached (or used twice)"),
+                        )
+                            })?;
+                    // SAFETY: the fd came from the borrower as an eventfd over SCM_RIGHTS; we
+                    // own it, and EventFd only reads/writes 8-byte counters on it.
+                    Some(Arc::new(unsafe { EventFd::from_raw_fd(fd.into_raw_fd()) }))
+                }
+                IrqTarget::Doorbell(bit) => {
+                    if u32::from(bit) >= doorbells.min(64) {
+                        return Err(error(
+                            code::INVALID,
+                            format!("vector {vector}: doorbell bit {bit} outside the link's {doorbells}"),
+                        ));
+                    }
+                    Some(Arc::new(DoorbellTrigger {
+                        ep: weak.clone(),
+                        bit,
+                    }))
+                }
+                IrqTarget::Event => Some(Arc::new(MessageTrigger {
+                    ep: weak.clone(),
+                    ev: IrqEvent {
+                        lease: s.lease,
+                        kind: s.kind,
+                        vector: vector as u32,
+                    },
+                })),
+            };
+            targets.push(t);
+        }
+        let sl = self.lease(s.lease)?;
+        sl.lease
+            .backend()
+            .set_irqs(s.kind, targets)
+            .map_err(backend_err)?;
+        log::info!(
+            "lease {}: {:?} wired to {} targets",
+            s.lease,
+            s.kind,
+            s.targets.len()
+        );
+        ok(op, &())
+    }
+
+    fn window_removed(&mut self, window: WindowId) {
+        for (id, sl) in self.leases.iter_mut() {
+            let dom = sl.lease.backend().domain();
+            sl.maps.retain(|e| {
+                if e.window != window {
+                    return true;
+                }
+                if let Err(err) = dom.unmap(e.iova, e.size) {
+                    log::warn!("lease {id}: unmapping revoked window {window}: {err}");
+                }
+                log::info!(
+                    "lease {id}: borrower revoked window {window}; iova {:#x} unmapped",
+                    e.iova
+                );
+                false
+            });
+        }
+    }
+
+    /// Ends every lease; optionally tells the borrower first.
+    fn end_all(&mut self, reason: &str, notify: bool) {
+        for (id, mut sl) in self.leases.drain() {
+            if notify {
+                let ev = Event::DeviceGone(DeviceGone {
+                    lease: id,
+                    reason: reason.to_string(),
+                });
+                if let Ok((op, p)) = ev.encode() {
+                    if let Err(e) = self.ep.send(Message::raw(op, p)) {
+                        log::debug!("device-gone event: {e}");
+                    }
+                }
+            }
+            sl.lease.set_end_reason(reason);
+        }
+    }
+}
+
+/// Shared flag set by SIGINT/SIGTERM handlers in `lenderd`.
+pub type StopFlag = Arc<AtomicBool>;
+
+/// A lender serving in a background thread (tests, embedding).
+pub struct BackgroundLender {
+    stop: StopFlag,
+    thread: Mutex<Option<JoinHandle<Result<(), ServerError>>>>,
+}
+
+impl BackgroundLender {
+    /// Serves `listener` on a new thread.
+    pub fn start(lender: Arc<Lender>, listener: Box<dyn Listener>) -> std::io::Result<Self> {
+        let stop = lender.stop_flag();
+        let thread = std::thread::Builder::new()
+            .name("lender".into())
+            .spawn(move || lender.serve(listener.as_ref()))?;
+        Ok(BackgroundLender {
+            stop,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+}
+
+impl Drop for BackgroundLender {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let t = match self.thread.lock() {
+            Ok(mut g) => g.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+    }
+}

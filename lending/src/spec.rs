@@ -1,0 +1,268 @@
+//! `--device` specifications of lenderd.
+//!
+//! ```text
+//! 0000:81:00.0=vfio
+//! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling]
+//! 0000:83:00.0=dmatest[:mode=interrupt|polling]
+//! ```
+
+use std::path::PathBuf;
+
+use emulated::NotifyMode;
+use thiserror::Error;
+
+/// A bad device specification; the message names the bad part.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("device spec {spec:?}: {msg}")]
+pub struct SpecError {
+    /// The whole spec.
+    pub spec: String,
+    /// What is wrong.
+    pub msg: String,
+}
+
+/// What backs a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// Real device bound to vfio-pci.
+    Vfio,
+    /// Emulated NVMe controller.
+    Nvme {
+        /// Backing file.
+        path: PathBuf,
+        /// Namespace size in bytes (`None`: the file's size).
+        size: Option<u64>,
+        /// LBA size.
+        lba: u32,
+        /// Doorbell notification.
+        mode: NotifyMode,
+    },
+    /// Emulated dmatest copy engine.
+    Dmatest {
+        /// Doorbell notification.
+        mode: NotifyMode,
+    },
+}
+
+/// One `--device` argument.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceSpec {
+    /// PCI address (`0000:81:00.0`), the device's id.
+    pub id: String,
+    /// Backend.
+    pub kind: DeviceKind,
+}
+
+/// Checks a PCI address `DDDD:BB:DD.F`.
+pub fn valid_bdf(s: &str) -> bool {
+    let b = s.as_bytes();
+    let hex = |r: std::ops::Range<usize>| b[r].iter().all(|c| c.is_ascii_hexdigit());
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && hex(0..4)
+        && hex(5..7)
+        && hex(8..10)
+        && (b'0'..=b'7').contains(&b[11])
+        && u8::from_str_radix(&s[8..10], 16).is_ok_and(|d| d < 32)
+}
+
+/// Parses `1G`, `512M`, `4096`, `64K`, `2T` (binary units).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let (num, mul) = match s.char_indices().last()? {
+        (i, 'K' | 'k') => (&s[..i], 1u64 << 10),
+        (i, 'M' | 'm') => (&s[..i], 1 << 20),
+        (i, 'G' | 'g') => (&s[..i], 1 << 30),
+        (i, 'T' | 't') => (&s[..i], 1 << 40),
+        _ => (s, 1),
+    };
+    num.parse::<u64>().ok()?.checked_mul(mul).filter(|&v| v > 0)
+}
+
+fn parse_mode(v: &str, err: &dyn Fn(String) -> SpecError) -> Result<NotifyMode, SpecError> {
+    match v {
+        "interrupt" => Ok(NotifyMode::Interrupt),
+        "polling" => Ok(NotifyMode::Polling),
+        other => Err(err(format!(
+            "mode {other:?} is not \"interrupt\" or \"polling\""
+        ))),
+    }
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = SpecError;
+
+    fn from_str(spec: &str) -> Result<Self, SpecError> {
+        let err = |msg: String| SpecError {
+            spec: spec.to_string(),
+            msg,
+        };
+        let (id, rest) = spec
+            .split_once('=')
+            .ok_or_else(|| err("expected BDF=KIND[:OPTIONS]".into()))?;
+        if !valid_bdf(id) {
+            return Err(err(format!(
+                "{id:?} is not a PCI address like 0000:81:00.0"
+            )));
+        }
+        let (kind, opts) = match rest.split_once(':') {
+            Some((k, o)) => (k, Some(o)),
+            None => (rest, None),
+        };
+        let mut pairs = Vec::new();
+        if let Some(o) = opts {
+            for part in o.split(',') {
+                let (k, v) = part
+                    .split_once('=')
+                    .ok_or_else(|| err(format!("option {part:?} is not key=value")))?;
+                pairs.push((k, v));
+            }
+        }
+        let kind = match kind {
+            "vfio" => {
+                if let Some((k, _)) = pairs.first() {
+                    return Err(err(format!("vfio takes no options, got {k:?}")));
+                }
+                DeviceKind::Vfio
+            }
+            "dmatest" => {
+                let mut mode = NotifyMode::Interrupt;
+                for (k, v) in pairs {
+                    match k {
+                        "mode" => mode = parse_mode(v, &err)?,
+                        other => return Err(err(format!("unknown dmatest option {other:?}"))),
+                    }
+                }
+                DeviceKind::Dmatest { mode }
+            }
+            "nvme" => {
+                let mut path = None;
+                let mut size = None;
+                let mut lba = 512;
+                let mut mode = NotifyMode::Interrupt;
+                for (k, v) in pairs {
+                    match k {
+                        "path" if !v.is_empty() => path = Some(PathBuf::from(v)),
+                        "path" => return Err(err("path is empty".into())),
+                        "size" => {
+                            size = Some(parse_size(v).ok_or_else(|| {
+                                err(format!("size {v:?} is not a size like 1G, 512M or 4096"))
+                            })?)
+                        }
+                        "lba" => {
+                            lba = match v {
+                                "512" => 512,
+                                "4096" => 4096,
+                                _ => return Err(err(format!("lba {v:?} is not 512 or 4096"))),
+                            }
+                        }
+                        "mode" => mode = parse_mode(v, &err)?,
+                        other => return Err(err(format!("unknown nvme option {other:?}"))),
+                    }
+                }
+                let path = path.ok_or_else(|| err("nvme needs path=FILE".into()))?;
+                if let Some(s) = size {
+                    if s % u64::from(lba) != 0 {
+                        return Err(err(format!(
+                            "size {s:#x} is not a multiple of the {lba}-byte lba"
+                        )));
+                    }
+                }
+                DeviceKind::Nvme {
+                    path,
+                    size,
+                    lba,
+                    mode,
+                }
+            }
+            other => {
+                return Err(err(format!(
+                    "unknown device kind {other:?} (vfio, nvme, dmatest)"
+                )))
+            }
+        };
+        Ok(DeviceSpec {
+            id: id.to_string(),
+            kind,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_forms() {
+        let s: DeviceSpec = "0000:81:00.0=vfio".parse().unwrap();
+        assert_eq!(s.kind, DeviceKind::Vfio);
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            s.kind,
+            DeviceKind::Nvme {
+                path: "/var/lib/lendvm/disk0.img".into(),
+                size: Some(1 << 30),
+                lba: 512,
+                mode: NotifyMode::Interrupt
+            }
+        );
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,size=64M,lba=4096,mode=polling"
+            .parse()
+            .unwrap();
+        assert!(matches!(
+            s.kind,
+            DeviceKind::Nvme {
+                lba: 4096,
+                mode: NotifyMode::Polling,
+                ..
+            }
+        ));
+        let s: DeviceSpec = "0000:83:00.0=dmatest".parse().unwrap();
+        assert_eq!(
+            s.kind,
+            DeviceKind::Dmatest {
+                mode: NotifyMode::Interrupt
+            }
+        );
+    }
+
+    #[test]
+    fn errors_name_the_bad_part() {
+        for (spec, needle) in [
+            ("0000:81:00.0", "BDF=KIND"),
+            ("81:00.0=vfio", "\"81:00.0\" is not a PCI address"),
+            ("0000:81:00.9=vfio", "not a PCI address"),
+            ("0000:81:00.0=gpu", "unknown device kind \"gpu\""),
+            ("0000:81:00.0=nvme:size=1G", "needs path"),
+            ("0000:81:00.0=nvme:path=x,size=1Q", "size \"1Q\""),
+            ("0000:81:00.0=nvme:path=x,lba=1024", "lba \"1024\""),
+            ("0000:81:00.0=nvme:path=x,mode=fast", "mode \"fast\""),
+            (
+                "0000:81:00.0=nvme:path=x,colour=red",
+                "unknown nvme option \"colour\"",
+            ),
+            ("0000:81:00.0=nvme:path", "\"path\" is not key=value"),
+            ("0000:81:00.0=vfio:x=1", "vfio takes no options"),
+            (
+                "0000:81:00.0=nvme:path=x,size=1000",
+                "multiple of the 512-byte lba",
+            ),
+        ] {
+            let e = spec.parse::<DeviceSpec>().unwrap_err().to_string();
+            assert!(e.contains(needle), "{spec}: {e}");
+        }
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("64K"), Some(65536));
+        assert_eq!(parse_size("2T"), Some(2 << 40));
+        assert_eq!(parse_size("0"), None);
+        assert_eq!(parse_size("G"), None);
+        assert_eq!(parse_size("99999999999T"), None);
+    }
+}

@@ -1,0 +1,525 @@
+//! Multi-process tests: the real `lenderd` binary on the shm fabric, the test process (or a
+//! re-executed copy of it) as the borrower, and a `dmatest` device.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use emulated::dmatest::{
+    CMD_START, REG_CMD, REG_DST, REG_FAULTS, REG_IRQ_VECTOR, REG_LEN, REG_SRC, REG_STATUS,
+    STATUS_DONE, STATUS_ERROR,
+};
+use lending::client::{ClientError, ClientIrq, LenderClient};
+use lending::protocol::{code, DeviceState, IrqKind};
+use ntb::{ClusterConfig, PeerWindow, SharedMemory};
+use vmm_sys_util::eventfd::EventFd;
+
+const TOKEN: &str = "s3cret-cluster-token";
+const DEV: &str = "0000:00:04.0";
+const PAGE: u64 = 0x1000;
+const GUARD: u8 = 0xA5;
+
+/// A running lenderd; killed on drop.
+struct Lenderd {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Lenderd {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Lenderd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    cfg: ClusterConfig,
+    path: PathBuf,
+}
+
+fn cluster() -> Cluster {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    // No [link] section: the default heartbeat/peer timeout is what is being tested.
+    let src = format!(
+        "version = 1\n\
+         [[node]]\nname = \"node3\"\nfabric = \"shm\"\ncontrol = \"{d}/node3.sock\"\n\
+         [[node]]\nname = \"node1\"\nfabric = \"shm\"\ncontrol = \"{d}/node1.sock\"\n\
+         [[node]]\nname = \"node2\"\nfabric = \"shm\"\ncontrol = \"{d}/node2.sock\"\n"
+    );
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, &src).unwrap();
+    let cfg = ClusterConfig::load(&path).unwrap();
+    Cluster { dir, cfg, path }
+}
+
+fn start_lenderd(c: &Cluster, tag: &str) -> Lenderd {
+    let log = c.dir.path().join(format!("lenderd-{tag}.log"));
+    let sock = c.dir.path().join("node3.sock");
+    let _ = std::fs::remove_file(&sock);
+    let child = Command::new(env!("CARGO_BIN_EXE_lenderd"))
+        .args(["--node", "node3", "--cluster"])
+        .arg(&c.path)
+        .args(["--device", &format!("{DEV}=dmatest"), "--token", TOKEN])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let d = Lenderd { child, log };
+    let t0 = Instant::now();
+    while !sock.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "lenderd did not listen: {}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+fn connect(c: &Cluster, node: &str) -> LenderClient {
+    let t0 = Instant::now();
+    loop {
+        match LenderClient::connect(&c.cfg, node, "node3", TOKEN, "test") {
+            Ok(cl) => return cl,
+            Err(e) if t0.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("connect: {e}"),
+        }
+    }
+}
+
+fn state(cl: &LenderClient) -> DeviceState {
+    cl.list().unwrap()[0].state.clone()
+}
+
+/// Waits for an eventfd to become readable (bounded).
+fn wait_fd(fd: &EventFd, timeout: Duration) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) };
+    n == 1
+}
+
+/// Guest RAM of 16 pages filled with the guard pattern; the window exported to the lender
+/// covers pages 4..12 only.
+struct GuestRam {
+    mem: SharedMemory,
+}
+
+const WIN_OFF: u64 = 4 * PAGE;
+const WIN_SIZE: u64 = 8 * PAGE;
+const IOVA: u64 = 0x10_0000;
+
+impl GuestRam {
+    fn new() -> Self {
+        let mem = SharedMemory::new("guest-ram", 16 * PAGE).unwrap();
+        mem.write_at(0, &vec![GUARD; 16 * PAGE as usize]).unwrap();
+        GuestRam { mem }
+    }
+
+    fn read(&self, off: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0; len];
+        self.mem.read_at(off, &mut v).unwrap();
+        v
+    }
+
+    fn assert_guards_intact(&self) {
+        let below = self.read(0, WIN_OFF as usize);
+        let above = self.read(
+            WIN_OFF + WIN_SIZE,
+            (16 * PAGE - WIN_OFF - WIN_SIZE) as usize,
+        );
+        assert!(
+            below.iter().all(|&b| b == GUARD),
+            "memory below the window touched"
+        );
+        assert!(
+            above.iter().all(|&b| b == GUARD),
+            "memory above the window touched"
+        );
+    }
+}
+
+fn w32(bar: &dyn PeerWindow, off: u64, v: u32) {
+    bar.write_at(off, &v.to_le_bytes()).unwrap();
+}
+fn w64(bar: &dyn PeerWindow, off: u64, v: u64) {
+    bar.write_at(off, &v.to_le_bytes()).unwrap();
+}
+fn r32(bar: &dyn PeerWindow, off: u64) -> u32 {
+    let mut b = [0u8; 4];
+    bar.read_at(off, &mut b).unwrap();
+    u32::from_le_bytes(b)
+}
+
+/// Programs a copy through the directly mapped BAR window and rings the notify eventfd. A
+/// previous completion is acknowledged first (and the ack waited for, bounded).
+fn start_copy(bar: &dyn PeerWindow, notify: &EventFd, src: u64, dst: u64, len: u32) {
+    if r32(bar, REG_STATUS) & (STATUS_DONE | STATUS_ERROR) != 0 {
+        w32(bar, REG_CMD, emulated::dmatest::CMD_ACK);
+        notify.write(1).unwrap();
+        let t0 = Instant::now();
+        while r32(bar, REG_STATUS) & (STATUS_DONE | STATUS_ERROR) != 0
+            && t0.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    w64(bar, REG_SRC, src);
+    w64(bar, REG_DST, dst);
+    w32(bar, REG_LEN, len);
+    w32(bar, REG_IRQ_VECTOR, 0);
+    w32(bar, REG_CMD, CMD_START);
+    notify.write(1).unwrap();
+}
+
+fn wait_status(bar: &dyn PeerWindow, bits: u32) -> u32 {
+    let t0 = Instant::now();
+    loop {
+        let s = r32(bar, REG_STATUS);
+        if s & bits != 0 || t0.elapsed() > Duration::from_secs(10) {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn borrow_copy_irq_return_and_borrow_again() {
+    let c = cluster();
+    let _d = start_lenderd(&c, "main");
+    let cl = connect(&c, "node1");
+    let list = cl.list().unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].id, DEV);
+    assert_eq!(list[0].kind, "dmatest");
+    assert_eq!(list[0].state, DeviceState::Available);
+
+    let lease = cl.borrow(DEV, "vm0").unwrap();
+    assert_eq!(
+        state(&cl),
+        DeviceState::Lent {
+            node: "node1".into(),
+            vm: "vm0".into()
+        }
+    );
+    // Config space over the protocol matches the snapshot and the dmatest identity.
+    let cfg = lease.config_read(0, 256).unwrap();
+    assert_eq!(cfg, lease.info().config);
+    assert_eq!(&cfg[0..4], &[0x36, 0x1b, 0x05, 0x11]);
+    assert!(lease.info().caps.iter().any(|c| c.id == 0x11));
+    assert_eq!(lease.info().irqs.msix, 2);
+
+    // Guest RAM window mapped at IOVA = GPA.
+    let ram = GuestRam::new();
+    let src: Vec<u8> = (0..PAGE as usize).map(|i| (i * 7 + 3) as u8).collect();
+    ram.mem.write_at(WIN_OFF, &src).unwrap();
+    let win = cl
+        .endpoint()
+        .export_window(ram.mem.fd(), WIN_OFF, WIN_SIZE, "vm0-ram")
+        .unwrap();
+    lease.map_dma(IOVA, WIN_SIZE, win.id()).unwrap();
+    let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    lease
+        .set_irqs(IrqKind::Msix, &[ClientIrq::EventFd(&irq), ClientIrq::None])
+        .unwrap();
+    // BME was set by the lender when the window was mapped.
+    assert_eq!(lease.config_read(4, 2).unwrap()[0] & 4, 4);
+
+    let bar = lease.bar_window(0).unwrap();
+    let notify = lease.notify_eventfd().unwrap();
+    start_copy(bar.as_ref(), notify, IOVA, IOVA + 4 * PAGE, PAGE as u32);
+    assert!(wait_fd(&irq, Duration::from_secs(10)), "no msi-x interrupt");
+    assert_eq!(irq.read().unwrap(), 1);
+    let s = r32(bar.as_ref(), REG_STATUS);
+    assert_eq!(
+        s & (STATUS_DONE | STATUS_ERROR),
+        STATUS_DONE,
+        "status {s:#x}"
+    );
+    assert_eq!(ram.read(WIN_OFF + 4 * PAGE, PAGE as usize), src);
+    ram.assert_guards_intact();
+
+    // The slow path reads the same registers.
+    let st = lease.bar_read(0, REG_STATUS, 4).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(st.try_into().unwrap()) & STATUS_DONE,
+        STATUS_DONE
+    );
+
+    lease.return_device().unwrap();
+    assert_eq!(state(&cl), DeviceState::Available);
+    let st = cl.status().unwrap();
+    assert!(st.devices[0].dma_maps.is_empty());
+
+    // A second client borrows it next.
+    let cl2 = connect(&c, "node2");
+    let l2 = cl2.borrow(DEV, "vm1").unwrap();
+    assert_eq!(
+        state(&cl2),
+        DeviceState::Lent {
+            node: "node2".into(),
+            vm: "vm1".into()
+        }
+    );
+    // The device came back reset: registers cleared, no mappings.
+    let st = l2.bar_read(0, REG_STATUS, 4).unwrap();
+    assert_eq!(u32::from_le_bytes(st.try_into().unwrap()), 0);
+    drop(l2);
+    assert_eq!(state(&cl2), DeviceState::Available);
+}
+
+#[test]
+fn exclusive_leases_bad_token_and_filtered_config() {
+    let c = cluster();
+    let _d = start_lenderd(&c, "excl");
+    let a = connect(&c, "node1");
+    let _lease = a.borrow(DEV, "vm0").unwrap();
+
+    let b = connect(&c, "node2");
+    let e = b.borrow(DEV, "vm7").err().unwrap();
+    assert_eq!(e.code(), Some(code::DEVICE_BUSY));
+    assert!(
+        e.to_string().contains("device busy, lent to node1/vm0"),
+        "{e}"
+    );
+    let e = b.borrow("0000:99:00.0", "vm7").err().unwrap();
+    assert_eq!(e.code(), Some(code::UNKNOWN_DEVICE));
+    assert!(e.to_string().contains("unknown device 0000:99:00.0"), "{e}");
+
+    let e = LenderClient::connect(&c.cfg, "node2", "node3", "wrong", "test")
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, ClientError::Remote { code: c, message, .. } if *c == code::BAD_TOKEN && message == "bad token"),
+        "{e}"
+    );
+
+    // The lender refuses config writes to BARs and the MSI-X capability.
+    let e = _lease.config_write(0x10, &[0xff; 4]).err().unwrap();
+    assert_eq!(e.code(), Some(code::FORBIDDEN), "{e}");
+    let msix = _lease
+        .info()
+        .caps
+        .iter()
+        .find(|c| c.id == 0x11)
+        .unwrap()
+        .offset;
+    let e = _lease.config_write(msix + 2, &[0, 0x80]).err().unwrap();
+    assert!(e.to_string().contains("SET_IRQS"), "{e}");
+    // Unknown lease ids are per link.
+    let e = b.borrow(DEV, "x").err().unwrap();
+    assert_eq!(e.code(), Some(code::DEVICE_BUSY));
+}
+
+#[test]
+fn dma_outside_the_window_is_refused_counted_and_logged() {
+    let c = cluster();
+    let d = start_lenderd(&c, "fault");
+    let cl = connect(&c, "node1");
+    let lease = cl.borrow(DEV, "vm0").unwrap();
+    let ram = GuestRam::new();
+    let win = cl
+        .endpoint()
+        .export_window(ram.mem.fd(), WIN_OFF, WIN_SIZE, "vm0-ram")
+        .unwrap();
+    lease.map_dma(IOVA, WIN_SIZE, win.id()).unwrap();
+    let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    lease
+        .set_irqs(IrqKind::Msix, &[ClientIrq::EventFd(&irq)])
+        .unwrap();
+    let bar = lease.bar_window(0).unwrap();
+    let notify = lease.notify_eventfd().unwrap();
+
+    // Destination straddles the end of the window; then a source below it; then a
+    // destination far away (where the guard pages would be if the IOMMU did not check).
+    let cases = [
+        (IOVA, IOVA + WIN_SIZE - 8, 64u32),
+        (IOVA - PAGE, IOVA, 64),
+        (IOVA, IOVA + WIN_SIZE + PAGE, 16),
+    ];
+    for (i, (src, dst, len)) in cases.into_iter().enumerate() {
+        start_copy(bar.as_ref(), notify, src, dst, len);
+        let s = wait_status(bar.as_ref(), STATUS_DONE | STATUS_ERROR);
+        assert_ne!(s & STATUS_ERROR, 0, "case {i}: status {s:#x}");
+        assert!(r32(bar.as_ref(), REG_FAULTS) as usize > i);
+    }
+    // The last bytes of the window were not written either (all-or-nothing).
+    assert!(ram
+        .read(WIN_OFF + WIN_SIZE - 8, 8)
+        .iter()
+        .all(|&b| b == GUARD));
+    ram.assert_guards_intact();
+    let st = cl.status().unwrap();
+    assert!(st.devices[0].iommu_faults >= 3, "{st:?}");
+    assert_eq!(st.devices[0].dma_maps, vec![(IOVA, WIN_SIZE)]);
+    let t0 = Instant::now();
+    while !d.log().contains("iommu fault") && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(d.log().contains("iommu fault"), "{}", d.log());
+
+    // A window the borrower never exported, and an overlapping map, are refused.
+    let e = lease.map_dma(0x9000_0000, PAGE, 999).err().unwrap();
+    assert_eq!(e.code(), Some(code::UNKNOWN_WINDOW), "{e}");
+    let e = lease.map_dma(IOVA + PAGE, PAGE, win.id()).err().unwrap();
+    assert_eq!(e.code(), Some(code::IOMMU), "{e}");
+}
+
+/// Not a test on its own: the borrower process for the SIGKILL/SIGSTOP tests (re-executed
+/// with LENDING_HELPER_DIR set). Borrows, maps a window, wires an interrupt, says READY and
+/// waits to be killed.
+#[test]
+fn helper_borrower() {
+    let Ok(dir) = std::env::var("LENDING_HELPER_DIR") else {
+        return;
+    };
+    let cfg = ClusterConfig::load(&Path::new(&dir).join("cluster.toml")).unwrap();
+    let cl = LenderClient::connect(&cfg, "node2", "node3", TOKEN, "helper").unwrap();
+    let lease = cl.borrow(DEV, "victim").unwrap();
+    let ram = GuestRam::new();
+    let win = cl
+        .endpoint()
+        .export_window(ram.mem.fd(), WIN_OFF, WIN_SIZE, "victim-ram")
+        .unwrap();
+    lease.map_dma(IOVA, WIN_SIZE, win.id()).unwrap();
+    let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    lease
+        .set_irqs(IrqKind::Msix, &[ClientIrq::EventFd(&irq)])
+        .unwrap();
+    println!("READY");
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+fn spawn_helper(c: &Cluster) -> Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "helper_borrower",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("LENDING_HELPER_DIR", c.dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if line.contains("READY") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .expect("helper borrower did not get ready");
+    child
+}
+
+/// Polls until the device is available with no DMA mappings; returns whether that happened
+/// before `deadline` elapsed.
+fn wait_freed(cl: &LenderClient, deadline: Duration) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < deadline {
+        let st = cl.status().unwrap();
+        if st.devices[0].summary.state == DeviceState::Available
+            && st.devices[0].dma_maps.is_empty()
+        {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    false
+}
+
+#[test]
+fn killed_borrower_loses_its_lease_within_two_seconds() {
+    let c = cluster();
+    let d = start_lenderd(&c, "kill");
+    let obs = connect(&c, "node1");
+    let mut helper = spawn_helper(&c);
+    let st = obs.status().unwrap();
+    assert_eq!(
+        st.devices[0].summary.state,
+        DeviceState::Lent {
+            node: "node2".into(),
+            vm: "victim".into()
+        }
+    );
+    assert_eq!(st.devices[0].dma_maps, vec![(IOVA, WIN_SIZE)]);
+    helper.kill().unwrap(); // SIGKILL
+    let _ = helper.wait();
+    assert!(
+        wait_freed(&obs, Duration::from_secs(2)),
+        "device not back within 2 s: {:?}\n{}",
+        obs.status().unwrap(),
+        d.log()
+    );
+    assert!(
+        d.log().contains("taken back from node2/victim"),
+        "{}",
+        d.log()
+    );
+    // And it can be borrowed again.
+    obs.borrow(DEV, "vm0").unwrap().return_device().unwrap();
+}
+
+#[test]
+fn stopped_borrower_loses_its_lease_after_missed_heartbeats() {
+    let c = cluster();
+    let d = start_lenderd(&c, "stop");
+    let obs = connect(&c, "node1");
+    let mut helper = spawn_helper(&c);
+    // SIGSTOP: the socket stays open but heartbeats stop.
+    // SAFETY: signalling our own child by pid.
+    unsafe { libc::kill(helper.id() as i32, libc::SIGSTOP) };
+    let freed = wait_freed(&obs, Duration::from_secs(4));
+    let _ = helper.kill();
+    let _ = helper.wait();
+    assert!(
+        freed,
+        "lease not dropped after missed heartbeats\n{}",
+        d.log()
+    );
+    assert!(
+        d.log().contains("taken back from node2/victim"),
+        "{}",
+        d.log()
+    );
+}
+
+#[test]
+fn restarted_lenderd_has_no_stale_leases() {
+    let c = cluster();
+    let d = start_lenderd(&c, "r1");
+    let cl = connect(&c, "node1");
+    let lease = cl.borrow(DEV, "vm0").unwrap();
+    drop(d); // SIGKILL, no cleanup
+    std::mem::forget(lease); // the link is dead; nothing to return
+    let _d2 = start_lenderd(&c, "r2");
+    let cl2 = connect(&c, "node1");
+    assert_eq!(state(&cl2), DeviceState::Available);
+    cl2.borrow(DEV, "vm0").unwrap().return_device().unwrap();
+}
