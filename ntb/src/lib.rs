@@ -1,1 +1,28 @@
-//! ntb
+//! The PCIe Non-Transparent-Bridge fabric of lendvm.
+//!
+//! A node exports local memory as inbound windows, maps its peers' windows, rings their
+//! doorbells and writes their scratchpads, like the Linux NTB API ([`fabric`] explains the
+//! mapping). Two backends run without NTB hardware: [`shm`] (same host, memfd windows and
+//! eventfd doorbells passed over a Unix socket: the data path is plain loads/stores) and
+//! [`tcp`] (across hosts: windows and doorbells as messages). Both carry the control
+//! protocol of the lender and borrower ([`Endpoint::request`], [`Endpoint::recv`], with fds on
+//! shm) in the [`wire`] format. [`config`] loads the cluster description.
+
+pub mod config;
+pub mod fabric;
+mod link;
+pub mod mem;
+pub mod node;
+pub mod shm;
+pub mod tcp;
+pub mod wire;
+
+pub use config::{ClusterConfig, ConfigError, ControlAddr, NodeConfig};
+pub use fabric::{
+    Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming, LinkConfig, LinkStats,
+    Listener, Message, NodeId, PeerInfo, PeerWindow, RequestId, WindowId, WindowInfo, WindowLimits,
+};
+pub use link::MAX_LABEL;
+pub use mem::{MemError, SharedMemory};
+pub use node::{connect_addr, listen_addr, SocketFabric};
+pub use wire::{ErrorReply, WireError};

@@ -1,0 +1,433 @@
+//! Cluster description (`resources/cluster.example.toml`): nodes, their control addresses and
+//! fabric kinds, optional per-node NTB limits, and link timers.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::fabric::{FabricKind, LinkConfig, NodeId, WindowLimits};
+
+/// Errors of the cluster description; they name the file, line and field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{origin}:{line}: {message}")]
+    Parse {
+        origin: String,
+        line: usize,
+        message: String,
+    },
+    #[error("{origin}:{line}: field `{field}`: {message}")]
+    Invalid {
+        origin: String,
+        line: usize,
+        field: String,
+        message: String,
+    },
+    #[error("{origin}: {message}")]
+    Cluster { origin: String, message: String },
+}
+
+/// Where a node listens for links.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlAddr {
+    /// A Unix socket path (shm nodes).
+    Unix(PathBuf),
+    /// `ip:port` (tcp nodes).
+    Tcp(SocketAddr),
+}
+
+impl ControlAddr {
+    /// The kind of fabric a link to this address uses.
+    pub fn kind(&self) -> FabricKind {
+        match self {
+            ControlAddr::Unix(_) => FabricKind::Shm,
+            ControlAddr::Tcp(_) => FabricKind::Tcp,
+        }
+    }
+
+    /// Parses an address for a node of `kind`.
+    pub fn parse(kind: FabricKind, s: &str) -> Result<ControlAddr, String> {
+        match kind {
+            FabricKind::Shm => {
+                if s.is_empty() || !s.starts_with('/') {
+                    Err(format!(
+                        "shm control address {s:?} must be an absolute Unix socket path"
+                    ))
+                } else if s.len() >= 108 {
+                    Err(format!("Unix socket path {s:?} is longer than 107 bytes"))
+                } else {
+                    Ok(ControlAddr::Unix(PathBuf::from(s)))
+                }
+            }
+            FabricKind::Tcp => s
+                .parse::<SocketAddr>()
+                .map(ControlAddr::Tcp)
+                .map_err(|_| format!("tcp control address {s:?} is not ip:port")),
+        }
+    }
+}
+
+impl fmt::Display for ControlAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ControlAddr::Unix(p) => write!(f, "{}", p.display()),
+            ControlAddr::Tcp(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// One node of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConfig {
+    pub name: NodeId,
+    pub fabric: FabricKind,
+    pub control: ControlAddr,
+    /// Local NTB resources and the cluster's link timers.
+    pub link: LinkConfig,
+}
+
+/// The whole cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    pub nodes: Vec<NodeConfig>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    version: Option<Spanned<u32>>,
+    #[serde(default)]
+    link: Option<RawLink>,
+    #[serde(default)]
+    node: Vec<RawNode>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLink {
+    heartbeat_ms: Option<Spanned<u64>>,
+    peer_timeout_ms: Option<Spanned<u64>>,
+    connect_timeout_ms: Option<Spanned<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNode {
+    name: Spanned<String>,
+    fabric: Spanned<String>,
+    control: Spanned<String>,
+    windows: Option<Spanned<u32>>,
+    window_align: Option<Spanned<u64>>,
+    max_window_size: Option<Spanned<u64>>,
+    doorbells: Option<Spanned<u32>>,
+    scratchpads: Option<Spanned<u32>>,
+}
+
+/// A field name, the span of its value if given, and the verdict.
+type Check<'a> = (&'a str, Option<std::ops::Range<usize>>, Result<(), String>);
+
+struct Ctx<'a> {
+    origin: &'a str,
+    src: &'a str,
+}
+
+impl Ctx<'_> {
+    fn line(&self, offset: usize) -> usize {
+        self.src
+            .get(..offset)
+            .map_or(0, |s| s.bytes().filter(|&b| b == b'\n').count())
+            + 1
+    }
+
+    fn invalid<T>(
+        &self,
+        field: &str,
+        span: std::ops::Range<usize>,
+        message: String,
+    ) -> Result<T, ConfigError> {
+        Err(ConfigError::Invalid {
+            origin: self.origin.to_string(),
+            line: self.line(span.start),
+            field: field.to_string(),
+            message,
+        })
+    }
+}
+
+impl ClusterConfig {
+    /// Loads and validates a cluster file.
+    pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
+        let src = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&src, &path.display().to_string())
+    }
+
+    /// Parses and validates a cluster description; `origin` names it in errors.
+    pub fn parse(src: &str, origin: &str) -> Result<ClusterConfig, ConfigError> {
+        let cx = Ctx { origin, src };
+        let raw: RawCluster = toml::from_str(src).map_err(|e| ConfigError::Parse {
+            origin: origin.to_string(),
+            line: e.span().map_or(0, |s| cx.line(s.start)),
+            message: e.message().to_string(),
+        })?;
+        if let Some(v) = &raw.version {
+            if *v.get_ref() != 1 {
+                return cx.invalid(
+                    "version",
+                    v.span(),
+                    format!("unsupported version {}", v.get_ref()),
+                );
+            }
+        }
+        let mut base = LinkConfig::default();
+        if let Some(l) = &raw.link {
+            let ms = |v: &Spanned<u64>| Duration::from_millis(*v.get_ref());
+            if let Some(v) = &l.heartbeat_ms {
+                if *v.get_ref() == 0 || *v.get_ref() > 60_000 {
+                    return cx.invalid(
+                        "link.heartbeat_ms",
+                        v.span(),
+                        format!("{} is not in 1..=60000", v.get_ref()),
+                    );
+                }
+                base.heartbeat = ms(v);
+            }
+            if let Some(v) = &l.peer_timeout_ms {
+                base.peer_timeout = ms(v);
+                if base.peer_timeout <= base.heartbeat * 2 {
+                    return cx.invalid(
+                        "link.peer_timeout_ms",
+                        v.span(),
+                        format!("{} must exceed twice heartbeat_ms", v.get_ref()),
+                    );
+                }
+            }
+            if let Some(v) = &l.connect_timeout_ms {
+                if *v.get_ref() == 0 {
+                    return cx.invalid("link.connect_timeout_ms", v.span(), "must not be 0".into());
+                }
+                base.connect_timeout = ms(v);
+            }
+            if base.peer_timeout <= base.heartbeat * 2 {
+                return Err(ConfigError::Cluster {
+                    origin: origin.into(),
+                    message: format!(
+                        "link: peer timeout {:?} must exceed twice the heartbeat {:?}",
+                        base.peer_timeout, base.heartbeat
+                    ),
+                });
+            }
+        }
+        if raw.node.is_empty() {
+            return Err(ConfigError::Cluster {
+                origin: origin.into(),
+                message: "no [[node]] entries".into(),
+            });
+        }
+        let mut seen_names: HashMap<String, usize> = HashMap::new();
+        let mut seen_addrs: HashMap<String, usize> = HashMap::new();
+        let mut nodes = Vec::new();
+        for n in &raw.node {
+            let name = NodeId::new(n.name.get_ref())
+                .or_else(|e| cx.invalid("name", n.name.span(), e.to_string()))?;
+            let line = cx.line(n.name.span().start);
+            if let Some(prev) = seen_names.insert(name.to_string(), line) {
+                return cx.invalid(
+                    "name",
+                    n.name.span(),
+                    format!("duplicate node {name} (first on line {prev})"),
+                );
+            }
+            let fabric = match n.fabric.get_ref().as_str() {
+                "shm" => FabricKind::Shm,
+                "tcp" => FabricKind::Tcp,
+                other => {
+                    return cx.invalid(
+                        "fabric",
+                        n.fabric.span(),
+                        format!("unknown fabric {other:?}, expected \"shm\" or \"tcp\""),
+                    )
+                }
+            };
+            let control = ControlAddr::parse(fabric, n.control.get_ref())
+                .or_else(|m| cx.invalid("control", n.control.span(), m))?;
+            if let Some(prev) =
+                seen_addrs.insert(control.to_string(), cx.line(n.control.span().start))
+            {
+                return cx.invalid(
+                    "control",
+                    n.control.span(),
+                    format!("address {control} already used on line {prev}"),
+                );
+            }
+            let mut link = base.clone();
+            let mut limits = WindowLimits::default();
+            if let Some(v) = &n.windows {
+                limits.max_windows = *v.get_ref();
+            }
+            if let Some(v) = &n.window_align {
+                limits.addr_align = *v.get_ref();
+                limits.size_align = *v.get_ref();
+            }
+            if let Some(v) = &n.max_window_size {
+                limits.max_size = *v.get_ref();
+            }
+            if let Some(v) = &n.doorbells {
+                link.doorbells = *v.get_ref();
+            }
+            if let Some(v) = &n.scratchpads {
+                link.scratchpads = *v.get_ref();
+            }
+            link.limits = limits;
+            // Name the first field that breaks a rule.
+            let checks: [Check<'_>; 4] = [
+                (
+                    "windows",
+                    n.windows.as_ref().map(|v| v.span()),
+                    WindowLimits {
+                        addr_align: 4096,
+                        size_align: 4096,
+                        max_size: u64::MAX,
+                        ..limits
+                    }
+                    .validate()
+                    .map_err(|e| e.to_string()),
+                ),
+                (
+                    "window_align",
+                    n.window_align.as_ref().map(|v| v.span()),
+                    WindowLimits {
+                        max_windows: 1,
+                        max_size: u64::MAX,
+                        ..limits
+                    }
+                    .validate()
+                    .map_err(|e| e.to_string()),
+                ),
+                (
+                    "max_window_size",
+                    n.max_window_size.as_ref().map(|v| v.span()),
+                    limits.validate().map_err(|e| e.to_string()),
+                ),
+                (
+                    "doorbells/scratchpads",
+                    n.doorbells
+                        .as_ref()
+                        .or(n.scratchpads.as_ref())
+                        .map(|v| v.span()),
+                    link.validate().map_err(|e| e.to_string()),
+                ),
+            ];
+            for (field, span, res) in checks {
+                if let Err(m) = res {
+                    return cx.invalid(field, span.unwrap_or_else(|| n.name.span()), m);
+                }
+            }
+            nodes.push(NodeConfig {
+                name,
+                fabric,
+                control,
+                link,
+            });
+        }
+        Ok(ClusterConfig { nodes })
+    }
+
+    /// The node called `name`.
+    pub fn node(&self, name: &str) -> Option<&NodeConfig> {
+        self.nodes.iter().find(|n| n.name.as_str() == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+version = 1
+[link]
+heartbeat_ms = 100
+peer_timeout_ms = 1000
+
+[[node]]
+name = "node1"
+fabric = "shm"
+control = "/run/lendvm/node1.sock"
+
+[[node]]
+name = "node3"
+fabric = "tcp"
+control = "169.254.77.1:7700"
+windows = 4
+window_align = 0x10000
+doorbells = 32
+"#;
+
+    #[test]
+    fn parses_good_cluster() {
+        let c = ClusterConfig::parse(GOOD, "t.toml").unwrap();
+        assert_eq!(c.nodes.len(), 2);
+        let n3 = c.node("node3").unwrap();
+        assert_eq!(n3.fabric, FabricKind::Tcp);
+        assert_eq!(n3.link.limits.max_windows, 4);
+        assert_eq!(n3.link.limits.addr_align, 0x10000);
+        assert_eq!(n3.link.doorbells, 32);
+        assert_eq!(n3.link.heartbeat, Duration::from_millis(100));
+        assert_eq!(
+            c.node("node1").unwrap().control,
+            ControlAddr::Unix("/run/lendvm/node1.sock".into())
+        );
+    }
+
+    fn err(src: &str) -> String {
+        ClusterConfig::parse(src, "c.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_line_and_field() {
+        let e = err(&GOOD.replace("\"169.254.77.1:7700\"", "\"nowhere\""));
+        assert!(e.starts_with("c.toml:15: field `control`"), "{e}");
+        let e = err(&GOOD.replace("fabric = \"tcp\"", "fabric = \"rdma\""));
+        assert!(e.starts_with("c.toml:14: field `fabric`"), "{e}");
+        let e = err(&GOOD.replace("0x10000", "3000"));
+        assert!(e.starts_with("c.toml:17: field `window_align`"), "{e}");
+        let e = err(&GOOD.replace("windows = 4", "windows = 0"));
+        assert!(e.starts_with("c.toml:16: field `windows`"), "{e}");
+        let e = err(&GOOD.replace("doorbells = 32", "doorbells = 65"));
+        assert!(e.contains("doorbells"), "{e}");
+        let e = err(&GOOD.replace("\"node3\"", "\"node1\""));
+        assert!(e.contains("duplicate node node1"), "{e}");
+        let e = err(&GOOD.replace("/run/lendvm/node1.sock", "relative.sock"));
+        assert!(e.contains("field `control`"), "{e}");
+        let e = err(&GOOD.replace("windows = 4", "windoze = 4"));
+        assert!(e.starts_with("c.toml:16:") && e.contains("windoze"), "{e}");
+        let e = err(&GOOD.replace("peer_timeout_ms = 1000", "peer_timeout_ms = 150"));
+        assert!(
+            e.starts_with("c.toml:5: field `link.peer_timeout_ms`"),
+            "{e}"
+        );
+        let e = err("version = 1\n");
+        assert!(e.contains("no [[node]]"), "{e}");
+    }
+
+    #[test]
+    fn example_file_is_valid() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../resources/cluster.example.toml");
+        let c = ClusterConfig::load(&p).unwrap();
+        assert!(c.node("node1").is_some());
+        assert!(c.node("node3").is_some());
+    }
+}

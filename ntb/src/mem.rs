@@ -1,0 +1,285 @@
+//! Shared memory: memfd regions and owned `mmap`s.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Errors of shared-memory handling.
+#[derive(Debug, thiserror::Error)]
+pub enum MemError {
+    #[error("memfd_create {name:?} of {size:#x} bytes: {source}")]
+    Create {
+        name: String,
+        size: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error("mmap of {len:#x} bytes at file offset {offset:#x}: {source}")]
+    Map {
+        offset: u64,
+        len: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error("fstat: {0}")]
+    Stat(#[source] io::Error),
+    #[error("access {offset:#x}+{len:#x} is outside the {size:#x}-byte region")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+    #[error("length {0:#x} does not fit the address space")]
+    TooLong(u64),
+}
+
+/// Checks that `offset..offset+len` lies within `size`.
+pub fn check_range(offset: u64, len: u64, size: u64) -> Result<(), MemError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(MemError::OutOfRange { offset, len, size }),
+    }
+}
+
+/// Size of the file behind `fd`.
+pub fn fd_size(fd: BorrowedFd<'_>) -> Result<u64, MemError> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: fstat writes into the valid, properly sized stat buffer; the fd is borrowed live.
+    let r = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
+    if r < 0 {
+        return Err(MemError::Stat(io::Error::last_os_error()));
+    }
+    // SAFETY: fstat succeeded, so the buffer is initialised.
+    let st = unsafe { st.assume_init() };
+    Ok(st.st_size.max(0) as u64)
+}
+
+/// An owned `MAP_SHARED` mapping; unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+    severed: AtomicBool,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; access goes through raw-pointer
+// copies that tolerate concurrent writers (like guest memory in a VMM).
+unsafe impl Send for Mapping {}
+// SAFETY: see above; no interior references are handed out.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` at `offset`, read/write, shared.
+    pub fn map_shared(fd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<Mapping, MemError> {
+        let ulen = usize::try_from(len).map_err(|_| MemError::TooLong(len))?;
+        let off = libc::off_t::try_from(offset).map_err(|_| MemError::TooLong(offset))?;
+        if ulen == 0 {
+            return Err(MemError::Map {
+                offset,
+                len,
+                source: io::Error::from_raw_os_error(libc::EINVAL),
+            });
+        }
+        // SAFETY: a fresh mapping at a kernel-chosen address; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                ulen,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                off,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(MemError::Map {
+                offset,
+                len,
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(Mapping {
+            ptr: p.cast(),
+            len: ulen,
+            severed: AtomicBool::new(false),
+        })
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether [`Mapping::sever`] has run.
+    pub fn is_severed(&self) -> bool {
+        self.severed.load(Ordering::Acquire)
+    }
+
+    /// Detaches the range from the shared memory: replaces it in place with private
+    /// anonymous zero pages, so the address stays valid but no longer reaches the peer.
+    pub fn sever(&self) {
+        if self.severed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // SAFETY: MAP_FIXED over our own mapping of exactly our range; nothing else owns it.
+        let p = unsafe {
+            libc::mmap(
+                self.ptr.cast(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            log::error!(
+                "cannot sever mapping at {:p}: {}",
+                self.ptr,
+                io::Error::last_os_error()
+            );
+        }
+    }
+
+    /// Copies out of the mapping.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        check_range(offset, buf.len() as u64, self.len as u64)?;
+        // SAFETY: the range was checked against the live mapping; buf is a distinct allocation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.add(offset as usize),
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies into the mapping.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
+        check_range(offset, data.len() as u64, self.len as u64)?;
+        // SAFETY: the range was checked against the live mapping; data is a distinct allocation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset as usize), data.len())
+        };
+        Ok(())
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the range this value mapped.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A memfd of a fixed size, mapped into this process.
+#[derive(Debug)]
+pub struct SharedMemory {
+    fd: OwnedFd,
+    map: Mapping,
+}
+
+impl SharedMemory {
+    /// Creates a zeroed memfd of `size` bytes and maps it.
+    pub fn new(name: &str, size: u64) -> Result<SharedMemory, MemError> {
+        let create_err = |source| MemError::Create {
+            name: name.to_string(),
+            size,
+            source,
+        };
+        let cname = CString::new(name.replace('\0', "_"))
+            .map_err(|_| create_err(io::Error::from_raw_os_error(libc::EINVAL)))?;
+        // SAFETY: valid NUL-terminated name; the result is checked.
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(create_err(io::Error::last_os_error()));
+        }
+        // SAFETY: memfd_create returned a new fd that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let len = libc::off_t::try_from(size).map_err(|_| MemError::TooLong(size))?;
+        // SAFETY: ftruncate on our own fd; checked.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } < 0 {
+            return Err(create_err(io::Error::last_os_error()));
+        }
+        let map = Mapping::map_shared(fd.as_fd(), 0, size)?;
+        Ok(SharedMemory { fd, map })
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        self.map.read_at(offset, buf)
+    }
+
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
+        self.map.write_at(offset, data)
+    }
+
+    /// Volatile 32-bit load (for scratchpad-like registers).
+    pub fn load_u32(&self, offset: u64) -> Result<u32, MemError> {
+        check_range(offset, 4, self.len())?;
+        if !offset.is_multiple_of(4) {
+            return Err(MemError::OutOfRange {
+                offset,
+                len: 4,
+                size: self.len(),
+            });
+        }
+        // SAFETY: in range and 4-byte aligned (mmap base is page aligned).
+        Ok(unsafe { std::ptr::read_volatile(self.as_ptr().add(offset as usize).cast::<u32>()) })
+    }
+}
+
+impl AsFd for SharedMemory {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_two_mappings_see_each_other() {
+        let m = SharedMemory::new("t", 8192).unwrap();
+        let other = Mapping::map_shared(m.fd(), 4096, 4096).unwrap();
+        other.write_at(10, b"abc").unwrap();
+        let mut b = [0u8; 3];
+        m.read_at(4096 + 10, &mut b).unwrap();
+        assert_eq!(&b, b"abc");
+        assert!(other.write_at(4095, b"ab").is_err());
+        assert_eq!(fd_size(m.fd()).unwrap(), 8192);
+    }
+
+    #[test]
+    fn severed_mapping_stays_valid_and_detached() {
+        let m = SharedMemory::new("t", 4096).unwrap();
+        let other = Mapping::map_shared(m.fd(), 0, 4096).unwrap();
+        other.sever();
+        assert!(other.is_severed());
+        other.write_at(0, b"zz").unwrap();
+        let mut b = [9u8; 2];
+        m.read_at(0, &mut b).unwrap();
+        assert_eq!(b, [0, 0]);
+    }
+}

@@ -1,0 +1,79 @@
+//! The tcp backend: the same link over TCP for hosts without NTB hardware.
+//!
+//! Window reads and writes become request/reply messages of at most
+//! [`MAX_DATA_CHUNK`](crate::wire::MAX_DATA_CHUNK) bytes, a few kept in flight (a slow path,
+//! like vfio-user without fds); doorbells and scratchpad writes become one-way messages.
+//! Direct mappings and fd passing fail with a clear error so the VMM can fall back to trapping.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use crate::config::ControlAddr;
+use crate::fabric::{Endpoint, FabricError, LinkConfig, Listener, NodeId, Result};
+use crate::link::{establish, Stream};
+use crate::shm::wait_readable;
+
+fn prepare(s: TcpStream) -> Result<Stream> {
+    s.set_nodelay(true)
+        .map_err(FabricError::io("set TCP_NODELAY"))?;
+    Ok(Stream::Tcp(s))
+}
+
+/// Connects to a node listening at `addr`.
+pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn Endpoint>> {
+    let s = TcpStream::connect_timeout(&addr, cfg.connect_timeout).map_err(|source| {
+        FabricError::Io {
+            op: "connect to tcp control address",
+            source,
+        }
+    })?;
+    Ok(Box::new(establish(prepare(s)?, local, cfg, true)?))
+}
+
+/// Listens on a TCP address.
+pub struct TcpFabricListener {
+    listener: TcpListener,
+    local: NodeId,
+    cfg: LinkConfig,
+}
+
+impl TcpFabricListener {
+    pub fn bind(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<TcpFabricListener> {
+        cfg.validate()?;
+        let listener = TcpListener::bind(addr).map_err(|source| FabricError::Io {
+            op: "bind tcp control address",
+            source,
+        })?;
+        Ok(TcpFabricListener {
+            listener,
+            local: local.clone(),
+            cfg: cfg.clone(),
+        })
+    }
+}
+
+impl Listener for TcpFabricListener {
+    fn local_addr(&self) -> ControlAddr {
+        match self.listener.local_addr() {
+            Ok(a) => ControlAddr::Tcp(a),
+            Err(_) => ControlAddr::Tcp(SocketAddr::from(([0, 0, 0, 0], 0))),
+        }
+    }
+
+    fn accept(&self, timeout: Option<Duration>) -> Result<Box<dyn Endpoint>> {
+        if !wait_readable(self.listener.as_fd(), timeout)? {
+            return Err(FabricError::Timeout(timeout.unwrap_or_default()));
+        }
+        let (s, _) = self.listener.accept().map_err(|source| FabricError::Io {
+            op: "accept tcp link",
+            source,
+        })?;
+        Ok(Box::new(establish(
+            prepare(s)?,
+            &self.local,
+            &self.cfg,
+            false,
+        )?))
+    }
+}
