@@ -1,1 +1,24 @@
-//! remote_pci
+//! `remote_pci`: the VMM-side model of a PCI device borrowed from a lender over the NTB
+//! fabric (device lending). [`RemotePciDevice`] implements [`pci::PciDevice`] against three
+//! seams: the lender ([`RemoteDeviceLink`]), the VM ([`pci::VmOps`]) and the interrupt
+//! controller ([`pci::InterruptManager`]). [`lending_link::LendingLink`] implements the
+//! link over `lending::client`.
+
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod device;
+pub mod lending_link;
+pub mod link;
+pub mod pin;
+
+#[cfg(test)]
+mod device_tests;
+#[cfg(test)]
+mod testing;
+
+pub use device::{RemoteDeviceStatus, RemotePciDevice, RemotePciDeviceParams, RemotePciError};
+pub use link::{
+    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError,
+    RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
+};
+pub use pin::{MlockPinner, PinError, PinStats, PinnedRange, Pinner};

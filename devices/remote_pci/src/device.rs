@@ -1,0 +1,1167 @@
+//! `RemotePciDevice`: a device borrowed from a lender, presented as a guest PCI function.
+//!
+//! * **Config space**: a shadow built from the lender's snapshot. The header (BARs, ROM,
+//!   interrupt line, cache line…) is owned by the VMM; of Command only
+//!   [`FORWARDED_COMMAND_BITS`] are forwarded (the lender itself enables decoding and bus
+//!   mastering of the real device); Status RW1C writes are forwarded and Status reads merge
+//!   the lender's live bits. The MSI and MSI-X capabilities are emulated here and never
+//!   forwarded. The PCIe capability is passed through, except Device Control's Initiate
+//!   FLR (bit 15), which performs a function reset (lender `reset()`, DMA torn down, MSI/MSI-X
+//!   reset); its Device Capabilities advertise FLR. Every other write is forwarded to the
+//!   lender and the touched dword is read back into the shadow.
+//! * **BARs**: allocated by the VMM. A `Direct` BAR (shm) is mapped as KVM memslots at the
+//!   guest address while Memory Space is enabled (read-only when stores must be notified),
+//!   minus the pages holding the MSI-X table/PBA, which stay trapped. Trapped accesses go to
+//!   `MsixConfig`, to the window through the host pointer, or to the lender (`Trapped`).
+//! * **DMA**: Bus Master Enable 0→1 pins guest RAM and asks the lender to map it at
+//!   IOVA = GPA; 1→0, FLR, reset and drop unmap first, then unpin. A failed pin or map leaves
+//!   the guest running with DMA unmapped, logs an error and sets Status *Received Master
+//!   Abort* (what a requester sees when its DMA is refused), visible to the guest.
+//! * **Interrupts**: MSI-X/MSI/INTx groups from the VMM's `InterruptManager`; the lender is
+//!   told (`set_irqs`) to signal the group's irqfd eventfds of the active mode: MSI-X if
+//!   enabled, else MSI if enabled, else INTx (with the resample eventfd).
+
+use std::any::Any;
+use std::sync::Arc;
+
+use log::{debug, error, info, warn};
+use pci::configuration::{
+    cap_id, command, status, PciBarConfiguration, PciBarRegionType, PciConfiguration, COMMAND_REG,
+};
+use pci::device::{BarRequest, ConfigWriteEffects, PciBarAllocators, PciDevice, PciDeviceError};
+use pci::interrupt::{InterruptError, InterruptManager, InterruptSourceGroup};
+use pci::msi::{MsiConfig, MsiError};
+use pci::msix::{MsixCap, MsixConfig, MsixError, MSIX_CTL_ENABLE, MSIX_CTL_FUNCTION_MASK};
+use pci::vm_ops::{IoEventAddress, IoEventGuard, MemslotGuard, VmOps};
+use pci::ConfigError;
+
+use crate::link::{
+    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError,
+    RemoteBar, RemoteDeviceInfo, RemoteDeviceLink,
+};
+use crate::pin::{pin_all, MlockPinner, PinStats, PinnedRange, Pinner};
+
+/// Granule of KVM memslots.
+pub const PAGE_SIZE: u64 = 4096;
+/// Command bits the guest may change on the real device.
+pub const FORWARDED_COMMAND_BITS: u16 =
+    command::PARITY_ERROR_RESPONSE | command::SERR_ENABLE | command::INTX_DISABLE;
+/// Status bits read live from the lender.
+const REMOTE_STATUS_BITS: u16 = status::INTERRUPT | status::RW1C;
+/// PCIe capability: Device Capabilities (offset) and its FLR Capable bit.
+const PCIE_DEVCAP: usize = 4;
+const PCIE_DEVCAP_FLR: u32 = 1 << 28;
+/// PCIe capability: Device Control (offset) and Initiate Function Level Reset.
+const PCIE_DEVCTL: usize = 8;
+const PCIE_DEVCTL_FLR: u16 = 1 << 15;
+/// Number of standard header registers (owned by the VMM).
+const HEADER_REGS: usize = 16;
+const MSIX_CAP_LEN: usize = 12;
+
+/// Errors of building the device.
+#[derive(Debug, thiserror::Error)]
+pub enum RemotePciError {
+    #[error("config snapshot of the lender's device {device}: {source}")]
+    Snapshot {
+        device: String,
+        #[source]
+        source: ConfigError,
+    },
+    #[error("bar {index} of {device}: {reason}")]
+    Bar {
+        device: String,
+        index: u8,
+        reason: String,
+    },
+    #[error("msi-x of {device}: {source}")]
+    Msix {
+        device: String,
+        #[source]
+        source: MsixError,
+    },
+    #[error("msi of {device}: {source}")]
+    Msi {
+        device: String,
+        #[source]
+        source: MsiError,
+    },
+    #[error("interrupt group for {device}: {source}")]
+    Interrupt {
+        device: String,
+        #[source]
+        source: InterruptError,
+    },
+}
+
+/// What the device manager passes when it creates the device.
+#[derive(Clone)]
+pub struct RemotePciDeviceParams {
+    /// API id of the device (`vm.add-remote-device`'s id).
+    pub id: String,
+    /// Requester id (bus << 8 | devfn) for MSI routes.
+    pub devid: u32,
+    /// IOAPIC pin for INTx, if the slot has one (ignored when the device has no pin).
+    pub intx_irq: Option<u32>,
+    /// How guest RAM is pinned on Bus Master Enable ([`MlockPinner`] by default).
+    pub pinner: Arc<dyn Pinner>,
+}
+
+impl RemotePciDeviceParams {
+    pub fn new(id: impl Into<String>, devid: u32, intx_irq: Option<u32>) -> Self {
+        Self {
+            id: id.into(),
+            devid,
+            intx_irq,
+            pinner: Arc::new(MlockPinner),
+        }
+    }
+}
+
+/// Counters and state for `vm.info` and leak checks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RemoteDeviceStatus {
+    pub id: String,
+    /// The lender's id of the device.
+    pub remote_id: String,
+    pub lease: LeaseState,
+    pub memory_enabled: bool,
+    pub bus_master: bool,
+    pub dma_mapped: bool,
+    pub dma_bytes: u64,
+    pub pinned_bytes: u64,
+    pub pinned_ranges: usize,
+    pub last_pin: Option<PinStats>,
+    /// DMA mappings made / failed since creation.
+    pub dma_maps: u64,
+    pub dma_map_failures: u64,
+    pub memslots: usize,
+    pub ioevents: usize,
+    /// Interrupt mode the lender was told to use.
+    pub irq_mode: Option<IrqKind>,
+    pub msix_enabled: bool,
+    pub msi_enabled: bool,
+    /// Interrupts per vector, when the link relays them.
+    pub irq_counts: Option<Vec<u64>>,
+    /// Function resets (FLR + device resets).
+    pub resets: u64,
+}
+
+struct BarState {
+    remote: RemoteBar,
+    region_type: PciBarRegionType,
+    /// Guest address the memslots/ioevents are installed at.
+    mapped_at: Option<u64>,
+    slots: Vec<MemslotGuard>,
+    ioevents: Vec<IoEventGuard>,
+}
+
+struct MsixState {
+    cap: MsixCap,
+    offset: usize,
+    config: MsixConfig,
+}
+
+struct DmaState {
+    mapping: Box<dyn DmaMapping>,
+    pins: Vec<PinnedRange>,
+}
+
+#[derive(Default)]
+struct Counters {
+    dma_maps: u64,
+    dma_map_failures: u64,
+    resets: u64,
+    last_pin: Option<PinStats>,
+}
+
+/// A borrowed PCI function (see the module docs).
+pub struct RemotePciDevice {
+    id: String,
+    remote_id: String,
+    config: PciConfiguration,
+    bars: Vec<BarState>,
+    allocated: bool,
+    msix: Option<MsixState>,
+    msi: Option<MsiConfig>,
+    msi_cap: Option<(usize, usize)>,
+    /// The MSI group (`MsiConfig` keeps its own reference private).
+    msi_group: Option<Arc<dyn InterruptSourceGroup>>,
+    intx: Option<Arc<dyn InterruptSourceGroup>>,
+    pcie_cap: Option<usize>,
+    /// (mode, vectors) the lender was last told.
+    wired: Option<(IrqKind, usize)>,
+    dma: Option<DmaState>,
+    counters: Counters,
+    pinner: Arc<dyn Pinner>,
+    vm: Arc<dyn VmOps>,
+    /// Dropped last: returns the lease.
+    link: Box<dyn RemoteDeviceLink>,
+}
+
+fn msi_cap_len(ctl: u16) -> usize {
+    let base = if ctl & pci::msi::MSI_CTL_64_BIT != 0 {
+        14
+    } else {
+        10
+    };
+    if ctl & pci::msi::MSI_CTL_PER_VECTOR_MASK != 0 {
+        base + 10
+    } else {
+        base
+    }
+}
+
+fn overlaps(a: usize, alen: usize, b: usize, blen: usize) -> bool {
+    a < b + blen && b < a + alen
+}
+
+/// Page-aligned `[start, end)` covering `[off, off+len)`.
+fn page_span(off: u64, len: u64) -> (u64, u64) {
+    (
+        off & !(PAGE_SIZE - 1),
+        (off + len).div_ceil(PAGE_SIZE) * PAGE_SIZE,
+    )
+}
+
+/// `[0, size)` minus the `holes`, as sorted non-empty ranges.
+fn subtract(size: u64, holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut holes: Vec<(u64, u64)> = holes.to_vec();
+    holes.sort_unstable();
+    let mut out = Vec::new();
+    let mut cur = 0;
+    for (s, e) in holes {
+        let s = s.min(size);
+        if s > cur {
+            out.push((cur, s));
+        }
+        cur = cur.max(e.min(size));
+    }
+    if cur < size {
+        out.push((cur, size));
+    }
+    out
+}
+
+fn window_read(w: &DirectWindow, offset: u64, data: &mut [u8]) -> bool {
+    let len = data.len() as u64;
+    if offset.checked_add(len).is_none_or(|end| end > w.len()) {
+        return false;
+    }
+    let p = (w.host_addr() + offset) as *const u8;
+    // SAFETY: `DirectWindow::new`'s contract: the range is mapped while the link lives,
+    // and the link outlives `self`; bounds checked above. Natural-width volatile accesses
+    // when aligned so device registers see one access.
+    unsafe {
+        match data.len() {
+            1 => data[0] = std::ptr::read_volatile(p),
+            2 if (p as usize).is_multiple_of(2) => {
+                data.copy_from_slice(&std::ptr::read_volatile(p as *const u16).to_le_bytes())
+            }
+            4 if (p as usize).is_multiple_of(4) => {
+                data.copy_from_slice(&std::ptr::read_volatile(p as *const u32).to_le_bytes())
+            }
+            8 if (p as usize).is_multiple_of(8) => {
+                data.copy_from_slice(&std::ptr::read_volatile(p as *const u64).to_le_bytes())
+            }
+            _ => {
+                for (i, b) in data.iter_mut().enumerate() {
+                    *b = std::ptr::read_volatile(p.add(i));
+                }
+            }
+        }
+    }
+    true
+}
+
+fn window_write(w: &DirectWindow, offset: u64, data: &[u8]) -> bool {
+    let len = data.len() as u64;
+    if offset.checked_add(len).is_none_or(|end| end > w.len()) {
+        return false;
+    }
+    let p = (w.host_addr() + offset) as *mut u8;
+    // SAFETY: as in `window_read`.
+    unsafe {
+        match data.len() {
+            1 => std::ptr::write_volatile(p, data[0]),
+            2 if (p as usize).is_multiple_of(2) => {
+                std::ptr::write_volatile(p as *mut u16, u16::from_le_bytes([data[0], data[1]]))
+            }
+            4 if (p as usize).is_multiple_of(4) => std::ptr::write_volatile(
+                p as *mut u32,
+                u32::from_le_bytes([data[0], data[1], data[2], data[3]]),
+            ),
+            8 if (p as usize).is_multiple_of(8) => {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(data);
+                std::ptr::write_volatile(p as *mut u64, u64::from_le_bytes(b))
+            }
+            _ => {
+                for (i, b) in data.iter().enumerate() {
+                    std::ptr::write_volatile(p.add(i), *b);
+                }
+            }
+        }
+    }
+    true
+}
+
+impl RemotePciDevice {
+    /// Builds the guest function for the lender's device behind `link`.
+    ///
+    /// Creates the interrupt groups (MSI-X, MSI, INTx as the device has them) and wires INTx
+    /// to the lender if the device has a pin and `params.intx_irq` is set. BARs get
+    /// addresses in [`PciDevice::allocate_bars`].
+    pub fn new(
+        params: RemotePciDeviceParams,
+        link: Box<dyn RemoteDeviceLink>,
+        vm: Arc<dyn VmOps>,
+        irqs: &dyn InterruptManager,
+    ) -> Result<Self, RemotePciError> {
+        let info: RemoteDeviceInfo = link.device_info();
+        let dev = info.id.clone();
+        let mut config = PciConfiguration::from_snapshot(&info.config).map_err(|source| {
+            RemotePciError::Snapshot {
+                device: dev.clone(),
+                source,
+            }
+        })?;
+        let bars = Self::check_bars(&dev, &info.bars)?;
+
+        // MSI-X: emulated from the snapshot's capability (or the lender's description).
+        let msix = match (config.find_capability(cap_id::MSIX), info.msix) {
+            (Some(offset), _) => Some((MsixCap::from_config(&config, offset), offset)),
+            (None, Some(m)) => {
+                let cap = MsixCap::new(
+                    m.vectors,
+                    m.table_bar,
+                    m.table_offset,
+                    m.pba_bar,
+                    m.pba_offset,
+                )
+                .map_err(|source| RemotePciError::Msix {
+                    device: dev.clone(),
+                    source,
+                })?;
+                let offset =
+                    cap.add_to(&mut config)
+                        .map_err(|source| RemotePciError::Snapshot {
+                            device: dev.clone(),
+                            source,
+                        })?;
+                Some((cap, offset))
+            }
+            (None, None) => None,
+        };
+        let msix = match msix {
+            Some((cap, offset)) => {
+                // Start disabled and unmasked; only Enable and Function Mask are writable.
+                let ctl = cap.msg_ctl & !(MSIX_CTL_ENABLE | MSIX_CTL_FUNCTION_MASK);
+                config.write_bytes_raw(offset + 2, &ctl.to_le_bytes());
+                let reg = offset / 4;
+                let w = config.writable_bits(reg)
+                    | u32::from(MSIX_CTL_ENABLE | MSIX_CTL_FUNCTION_MASK) << 16;
+                config.set_writable_bits(reg, w);
+                let cap = MsixCap {
+                    msg_ctl: ctl,
+                    ..cap
+                };
+                let group =
+                    irqs.create_msi_group(u32::from(cap.table_size()))
+                        .map_err(|source| RemotePciError::Interrupt {
+                            device: dev.clone(),
+                            source,
+                        })?;
+                let mc =
+                    MsixConfig::new(cap.table_size(), group, params.devid).map_err(|source| {
+                        RemotePciError::Msix {
+                            device: dev.clone(),
+                            source,
+                        }
+                    })?;
+                Some(MsixState {
+                    cap,
+                    offset,
+                    config: mc,
+                })
+            }
+            None => None,
+        };
+
+        let (msi, msi_cap, msi_group) = match config.find_capability(cap_id::MSI) {
+            Some(offset) => {
+                let ctl = u16::from_le_bytes([
+                    config.read_byte(offset + 2),
+                    config.read_byte(offset + 3),
+                ]);
+                let len = msi_cap_len(ctl);
+                // Start disabled with nothing programmed (keep the read-only bits).
+                let clean = ctl & !(pci::msi::MSI_CTL_ENABLE | 7 << pci::msi::MSI_CTL_MME_SHIFT);
+                config.write_bytes_raw(offset + 2, &clean.to_le_bytes());
+                config.write_bytes_raw(offset + 4, &vec![0u8; len - 4]);
+                let vectors = 1u32 << ((ctl >> pci::msi::MSI_CTL_MMC_SHIFT) & 7).min(5);
+                let group =
+                    irqs.create_msi_group(vectors)
+                        .map_err(|source| RemotePciError::Interrupt {
+                            device: dev.clone(),
+                            source,
+                        })?;
+                let m = MsiConfig::attach(&mut config, offset, group.clone(), params.devid)
+                    .map_err(|source| RemotePciError::Msi {
+                        device: dev.clone(),
+                        source,
+                    })?;
+                (Some(m), Some((offset, len)), Some(group))
+            }
+            None => (None, None, None),
+        };
+
+        let intx =
+            match (config.interrupt_pin(), params.intx_irq) {
+                (1..=4, Some(irq)) => Some(irqs.create_intx_group(irq).map_err(|source| {
+                    RemotePciError::Interrupt {
+                        device: dev.clone(),
+                        source,
+                    }
+                })?),
+                _ => None,
+            };
+
+        let pcie_cap = config.find_capability(cap_id::PCI_EXPRESS);
+        if let Some(off) = pcie_cap {
+            // We implement FLR (as a lender reset), so advertise it.
+            let reg = (off + PCIE_DEVCAP) / 4;
+            let devcap = config.read_reg(reg) | PCIE_DEVCAP_FLR;
+            config.write_bytes_raw(off + PCIE_DEVCAP, &devcap.to_le_bytes());
+        }
+
+        info!(
+            "{}: remote device {} ({:04x}:{:04x}), {} bars, msi-x {}, msi {}, intx {}",
+            params.id,
+            dev,
+            config.vendor_id(),
+            config.device_id(),
+            bars.len(),
+            msix.as_ref().map_or("no".to_string(), |m| format!(
+                "{} vectors",
+                m.cap.table_size()
+            )),
+            msi.is_some(),
+            intx.is_some()
+        );
+        let mut d = Self {
+            id: params.id,
+            remote_id: dev,
+            config,
+            bars,
+            allocated: false,
+            msix,
+            msi,
+            msi_cap,
+            msi_group,
+            intx,
+            pcie_cap,
+            wired: None,
+            dma: None,
+            counters: Counters::default(),
+            pinner: params.pinner,
+            vm,
+            link,
+        };
+        d.sync_irqs();
+        Ok(d)
+    }
+
+    fn check_bars(dev: &str, bars: &[RemoteBar]) -> Result<Vec<BarState>, RemotePciError> {
+        let mut out: Vec<BarState> = Vec::new();
+        for b in bars {
+            let err = |reason: String| RemotePciError::Bar {
+                device: dev.to_string(),
+                index: b.index,
+                reason,
+            };
+            let min = if b.kind == BarKind::Io { 4 } else { 16 };
+            if !b.size.is_power_of_two() || b.size < min {
+                return Err(err(format!(
+                    "size {:#x} is not a power of two of at least {min:#x}",
+                    b.size
+                )));
+            }
+            let last = if b.kind == BarKind::Mem64 { 4 } else { 5 };
+            if b.index > last {
+                return Err(err(format!("index is above {last} for a {:?} bar", b.kind)));
+            }
+            let used = |i: u8| {
+                out.iter().any(|o| {
+                    o.remote.index == i
+                        || (o.remote.kind == BarKind::Mem64 && o.remote.index + 1 == i)
+                })
+            };
+            if used(b.index) || (b.kind == BarKind::Mem64 && used(b.index + 1)) {
+                return Err(err("overlaps another bar".into()));
+            }
+            if let BarAccess::Direct(w) = &b.access {
+                if w.len() < b.size {
+                    return Err(err(format!(
+                        "window of {:#x} bytes is smaller than the bar ({:#x})",
+                        w.len(),
+                        b.size
+                    )));
+                }
+            }
+            out.push(BarState {
+                remote: b.clone(),
+                region_type: match b.kind {
+                    BarKind::Io => PciBarRegionType::Io,
+                    BarKind::Mem32 => PciBarRegionType::Memory32,
+                    BarKind::Mem64 => PciBarRegionType::Memory64,
+                },
+                mapped_at: None,
+                slots: Vec::new(),
+                ioevents: Vec::new(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// The device's API id.
+    pub fn device_id(&self) -> &str {
+        &self.id
+    }
+
+    /// The shadow configuration space (for tests and debugging).
+    pub fn configuration(&self) -> &PciConfiguration {
+        &self.config
+    }
+
+    /// Current counters and state.
+    pub fn status(&self) -> RemoteDeviceStatus {
+        RemoteDeviceStatus {
+            id: self.id.clone(),
+            remote_id: self.remote_id.clone(),
+            lease: self.link.lease_state(),
+            memory_enabled: self.config.memory_enabled(),
+            bus_master: self.config.bus_master_enabled(),
+            dma_mapped: self.dma.is_some(),
+            dma_bytes: self.dma.as_ref().map_or(0, |d| d.mapping.size()),
+            pinned_bytes: self
+                .dma
+                .as_ref()
+                .map_or(0, |d| d.pins.iter().map(PinnedRange::len).sum()),
+            pinned_ranges: self.dma.as_ref().map_or(0, |d| d.pins.len()),
+            last_pin: self.counters.last_pin,
+            dma_maps: self.counters.dma_maps,
+            dma_map_failures: self.counters.dma_map_failures,
+            memslots: self.bars.iter().map(|b| b.slots.len()).sum(),
+            ioevents: self.bars.iter().map(|b| b.ioevents.len()).sum(),
+            irq_mode: self.wired.map(|w| w.0),
+            msix_enabled: self.msix.as_ref().is_some_and(|m| m.config.enabled()),
+            msi_enabled: self.msi.as_ref().is_some_and(MsiConfig::enabled),
+            irq_counts: self.link.irq_counts(),
+            resets: self.counters.resets,
+        }
+    }
+
+    /// The MSI-X state (table, PBA), if the device has MSI-X.
+    pub fn msix(&self) -> Option<&MsixConfig> {
+        self.msix.as_ref().map(|m| &m.config)
+    }
+
+    /// Device-side MSI-X interrupt that came through the VMM (e.g. a relay without an
+    /// eventfd): injected, or recorded in the PBA while masked.
+    pub fn trigger_msix(&mut self, vector: usize) -> bool {
+        self.msix.as_mut().is_some_and(|m| m.config.trigger(vector))
+    }
+
+    // ---- BARs -------------------------------------------------------------------------
+
+    fn bar_index_at(&self, base: u64) -> Option<usize> {
+        self.bars.iter().position(|b| {
+            self.config
+                .bar(usize::from(b.remote.index))
+                .is_some_and(|c| c.addr == base)
+        })
+    }
+
+    /// MSI-X pages (BAR offsets, page aligned) inside BAR `idx`.
+    fn msix_holes(&self, idx: usize) -> Vec<(u64, u64)> {
+        let Some(m) = &self.msix else {
+            return Vec::new();
+        };
+        let mut holes = Vec::new();
+        if m.cap.table_bir() == idx {
+            holes.push(page_span(m.cap.table_offset(), m.cap.table_len()));
+        }
+        if m.cap.pba_bir() == idx {
+            holes.push(page_span(m.cap.pba_offset(), m.cap.pba_len()));
+        }
+        holes
+    }
+
+    /// Brings memslots and ioeventfds in line with Command and the BAR addresses.
+    fn sync_bar_mappings(&mut self) {
+        for i in 0..self.bars.len() {
+            let idx = usize::from(self.bars[i].remote.index);
+            let decoded = match self.bars[i].region_type {
+                PciBarRegionType::Io => self.config.io_enabled(),
+                _ => self.config.memory_enabled(),
+            };
+            let addr = self.config.bar(idx).map_or(0, |b| b.addr);
+            let want = (self.allocated && decoded && addr != 0).then_some(addr);
+            if self.bars[i].mapped_at == want {
+                continue;
+            }
+            let holes = self.msix_holes(idx);
+            let vm = Arc::clone(&self.vm);
+            let bar = &mut self.bars[i];
+            if let Some(old) = bar.mapped_at.take() {
+                debug!(
+                    "{}: bar {idx} unmapped from {old:#x} ({} slots)",
+                    self.id,
+                    bar.slots.len()
+                );
+                bar.ioevents.clear();
+                bar.slots.clear();
+            }
+            let Some(gpa) = want else {
+                continue;
+            };
+            bar.mapped_at = Some(gpa);
+            if let (BarAccess::Direct(w), false) =
+                (&bar.remote.access, bar.region_type == PciBarRegionType::Io)
+            {
+                if bar.remote.size < PAGE_SIZE || !w.host_addr().is_multiple_of(PAGE_SIZE) {
+                    debug!(
+                        "{}: bar {idx} ({:#x} bytes) stays trapped (not page granular)",
+                        self.id, bar.remote.size
+                    );
+                } else {
+                    let readonly = w.write_notify().is_some();
+                    for (start, end) in subtract(bar.remote.size, &holes) {
+                        match vm.map_guest_region(
+                            gpa + start,
+                            end - start,
+                            w.host_addr() + start,
+                            readonly,
+                        ) {
+                            Ok(slot) => bar.slots.push(slot),
+                            Err(e) => {
+                                error!(
+                                    "{}: mapping bar {idx} at {:#x}+{:#x}: {e}; the bar stays trapped",
+                                    self.id,
+                                    gpa + start,
+                                    end - start
+                                );
+                                bar.slots.clear();
+                                break;
+                            }
+                        }
+                    }
+                    debug!(
+                        "{}: bar {idx} mapped at {gpa:#x} in {} slots{}",
+                        self.id,
+                        bar.slots.len(),
+                        if readonly { " (read-only)" } else { "" }
+                    );
+                }
+            }
+            for ev in &bar.remote.ioevents {
+                let a = gpa + ev.offset;
+                let addr = if bar.region_type == PciBarRegionType::Io {
+                    IoEventAddress::Pio(a)
+                } else {
+                    IoEventAddress::Mmio(a)
+                };
+                match vm.register_ioevent(&ev.fd, addr, ev.datamatch) {
+                    Ok(g) => bar.ioevents.push(g),
+                    Err(e) => warn!(
+                        "{}: ioeventfd at bar {idx}+{:#x}: {e}; writes stay trapped",
+                        self.id, ev.offset
+                    ),
+                }
+            }
+        }
+    }
+
+    fn bar_access(&mut self, base: u64, offset: u64, read: Option<&mut [u8]>, write: &[u8]) {
+        let Some(i) = self.bar_index_at(base) else {
+            debug!("{}: access to unknown bar at {base:#x}", self.id);
+            if let Some(d) = read {
+                d.fill(0xff);
+            }
+            return;
+        };
+        let idx = usize::from(self.bars[i].remote.index);
+        if let Some(m) = &mut self.msix {
+            if let Some(o) = m.cap.table_hit(idx, offset) {
+                match read {
+                    Some(d) => m.config.read_table(o, d),
+                    None => m.config.write_table(o, write),
+                }
+                return;
+            }
+            if let Some(o) = m.cap.pba_hit(idx, offset) {
+                match read {
+                    Some(d) => m.config.read_pba(o, d),
+                    None => m.config.write_pba(o, write),
+                }
+                return;
+            }
+        }
+        let bar = &self.bars[i];
+        let ok = match (&bar.remote.access, read) {
+            (BarAccess::Direct(w), Some(d)) => {
+                let ok = window_read(w, offset, d);
+                if !ok {
+                    d.fill(0xff);
+                }
+                ok
+            }
+            (BarAccess::Direct(w), None) => {
+                let ok = window_write(w, offset, write);
+                if ok {
+                    if let Some(n) = w.write_notify() {
+                        if let Err(e) = n.write(1) {
+                            warn!("{}: bar {idx} write notify: {e}", self.id);
+                        }
+                    }
+                }
+                ok
+            }
+            (BarAccess::Trapped, Some(d)) => {
+                match self.link.bar_read(bar.remote.index, offset, d) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        warn!("{}: bar {idx} read at {offset:#x}: {e}", self.id);
+                        d.fill(0xff);
+                        true
+                    }
+                }
+            }
+            (BarAccess::Trapped, None) => {
+                if let Err(e) = self.link.bar_write(bar.remote.index, offset, write) {
+                    warn!("{}: bar {idx} write at {offset:#x}: {e}", self.id);
+                }
+                true
+            }
+        };
+        if !ok {
+            debug!(
+                "{}: bar {idx} access at {offset:#x} outside the window ignored",
+                self.id
+            );
+        }
+    }
+
+    // ---- DMA --------------------------------------------------------------------------
+
+    fn enable_dma(&mut self) {
+        if self.dma.is_some() {
+            return;
+        }
+        let regions = self.vm.guest_ram_regions();
+        let ranges: Vec<(u64, u64)> = regions.iter().map(|r| (r.host_addr, r.size)).collect();
+        let (pins, stats) = match pin_all(self.pinner.as_ref(), &ranges) {
+            Ok(p) => p,
+            Err(e) => {
+                self.dma_failed(&format!("pinning guest ram: {e}"));
+                return;
+            }
+        };
+        self.counters.last_pin = Some(stats);
+        match self.link.map_dma(&regions) {
+            Ok(mapping) => {
+                info!(
+                    "{}: dma enabled: {:#x} bytes of guest ram mapped at iova = gpa",
+                    self.id,
+                    mapping.size()
+                );
+                self.counters.dma_maps += 1;
+                self.dma = Some(DmaState { mapping, pins });
+            }
+            Err(e) => {
+                drop(pins);
+                self.dma_failed(&format!("lender dma map: {e}"));
+            }
+        }
+    }
+
+    fn dma_failed(&mut self, why: &str) {
+        error!(
+            "{}: bus master enabled but dma is not mapped ({why}); device dma will be \
+             refused, Status.ReceivedMasterAbort set",
+            self.id
+        );
+        self.counters.dma_map_failures += 1;
+        self.config.set_status_bits(status::RECEIVED_MASTER_ABORT);
+    }
+
+    /// Unmaps (lender first) then unpins.
+    fn disable_dma(&mut self) {
+        if let Some(DmaState { mapping, pins }) = self.dma.take() {
+            let size = mapping.size();
+            drop(mapping);
+            drop(pins);
+            info!(
+                "{}: dma disabled ({size:#x} bytes unmapped and unpinned)",
+                self.id
+            );
+        }
+    }
+
+    // ---- interrupts -------------------------------------------------------------------
+
+    fn desired_irqs(&self) -> Option<(IrqKind, usize)> {
+        if let Some(m) = self.msix.as_ref().filter(|m| m.config.enabled()) {
+            return Some((IrqKind::Msix, m.config.vectors()));
+        }
+        if let Some(m) = self.msi.as_ref().filter(|m| m.enabled()) {
+            return Some((IrqKind::Msi, m.enabled_vectors() as usize));
+        }
+        self.intx.as_ref().map(|_| (IrqKind::Intx, 1))
+    }
+
+    /// Tells the lender where interrupts go when the active mode changed.
+    fn sync_irqs(&mut self) {
+        let want = self.desired_irqs();
+        if want == self.wired {
+            return;
+        }
+        if let Some((kind, _)) = self.wired.take() {
+            let t = IrqTargets {
+                kind,
+                triggers: Vec::new(),
+                resample: None,
+            };
+            if let Err(e) = self.link.set_irqs(&t) {
+                warn!("{}: disabling {kind} on the lender: {e}", self.id);
+            }
+        }
+        let Some((kind, n)) = want else {
+            return;
+        };
+        let group: Option<&Arc<dyn InterruptSourceGroup>> = match kind {
+            IrqKind::Msix => self.msix.as_ref().map(|m| m.config.group()),
+            IrqKind::Msi => self.msi_group.as_ref(),
+            IrqKind::Intx => self.intx.as_ref(),
+        };
+        let Some(group) = group else {
+            return;
+        };
+        let triggers: Vec<_> = (0..n as u32).filter_map(|v| group.notifier(v)).collect();
+        let t = IrqTargets {
+            kind,
+            triggers,
+            resample: if kind == IrqKind::Intx {
+                group.resample_notifier(0)
+            } else {
+                None
+            },
+        };
+        match self.link.set_irqs(&t) {
+            Ok(()) => {
+                debug!("{}: lender signals {n} {kind} eventfds", self.id);
+                self.wired = Some((kind, n));
+            }
+            Err(e) => error!("{}: wiring {n} {kind} vectors on the lender: {e}", self.id),
+        }
+    }
+
+    // ---- reset ------------------------------------------------------------------------
+
+    /// Function reset: DMA torn down, MSI/MSI-X reset, Command cleared (memslots dropped),
+    /// the lender resets the real device, interrupts rewired (INTx). Returns the Command
+    /// change.
+    fn function_reset(&mut self, why: &str) -> ConfigWriteEffects {
+        info!("{}: function reset ({why})", self.id);
+        self.counters.resets += 1;
+        self.disable_dma();
+        if let Some(m) = &mut self.msix {
+            m.config.reset();
+            let ctl = m.cap.msg_ctl & !(MSIX_CTL_ENABLE | MSIX_CTL_FUNCTION_MASK);
+            self.config
+                .write_bytes_raw(m.offset + 2, &ctl.to_le_bytes());
+        }
+        if let (Some(m), Some((off, len))) = (&mut self.msi, self.msi_cap) {
+            let ctl = u16::from_le_bytes([
+                self.config.read_byte(off + 2),
+                self.config.read_byte(off + 3),
+            ]);
+            let clean = ctl & !(pci::msi::MSI_CTL_ENABLE | 7 << pci::msi::MSI_CTL_MME_SHIFT);
+            self.config.write_bytes_raw(off + 2, &clean.to_le_bytes());
+            self.config.write_bytes_raw(off + 4, &vec![0u8; len - 4]);
+            m.handle_config_write(&mut self.config, off / 4, 0, len);
+        }
+        let effects = self.config.reset();
+        self.sync_bar_mappings();
+        if let Err(e) = self.link.reset() {
+            error!("{}: lender reset: {e}", self.id);
+        }
+        self.sync_irqs();
+        effects
+    }
+
+    // ---- config space -----------------------------------------------------------------
+
+    fn forward_and_refresh(&mut self, abs: usize, data: &[u8]) {
+        let Ok(off) = u16::try_from(abs) else {
+            return;
+        };
+        if let Err(e) = self.link.config_write(off, data) {
+            warn!("{}: config write at {abs:#x}: {e}", self.id);
+        }
+        let dword = abs & !3;
+        let mut b = [0u8; 4];
+        match u16::try_from(dword)
+            .map_err(|_| LinkError::BadReply {
+                op: "config read",
+                reason: "offset".into(),
+            })
+            .and_then(|o| self.link.config_read(o, &mut b))
+        {
+            Ok(()) => self.config.write_bytes_raw(dword, &b),
+            Err(e) => warn!("{}: config read back at {dword:#x}: {e}", self.id),
+        }
+    }
+
+    fn write_header(&mut self, reg_idx: usize, offset: u64, data: &[u8]) -> ConfigWriteEffects {
+        let effects = self.config.write_config_register(reg_idx, offset, data);
+        if reg_idx == COMMAND_REG {
+            let start = offset as usize;
+            let end = start + data.len();
+            if start < 2 {
+                // Command: forward the bits the guest may change on the real device.
+                let cmd = self.config.command() & FORWARDED_COMMAND_BITS;
+                if let Err(e) = self.link.config_write(4, &cmd.to_le_bytes()) {
+                    warn!("{}: forwarding command {cmd:#x}: {e}", self.id);
+                }
+            }
+            if end > 2 {
+                // Status: write-1-to-clear on the real device too.
+                let mut b = [0u8; 4];
+                b[start..end].copy_from_slice(data);
+                let st = u16::from_le_bytes([b[2], b[3]]) & status::RW1C;
+                if st != 0 {
+                    if let Err(e) = self.link.config_write(6, &st.to_le_bytes()) {
+                        warn!("{}: forwarding status clear {st:#x}: {e}", self.id);
+                    }
+                }
+            }
+        }
+        effects
+    }
+
+    fn react_to_effects(&mut self, effects: &ConfigWriteEffects) {
+        if let Some(c) = effects.command {
+            if let Some(on) = c.bus_master() {
+                if on {
+                    self.enable_dma();
+                } else {
+                    self.disable_dma();
+                }
+            }
+        }
+        if effects.command.is_some() || !effects.bar_moves.is_empty() {
+            self.sync_bar_mappings();
+        }
+    }
+}
+
+impl PciDevice for RemotePciDevice {
+    fn id(&self) -> Option<String> {
+        Some(self.id.clone())
+    }
+
+    fn allocate_bars(
+        &mut self,
+        allocators: &mut PciBarAllocators,
+    ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
+        if self.allocated {
+            return Err(PciDeviceError::Device(format!(
+                "{}: bars already allocated",
+                self.id
+            )));
+        }
+        let requests: Vec<BarRequest> = self
+            .bars
+            .iter()
+            .map(|b| BarRequest {
+                idx: usize::from(b.remote.index),
+                size: b.remote.size,
+                region_type: b.region_type,
+                prefetchable: b.remote.prefetchable,
+            })
+            .collect();
+        let done = allocators.allocate_all(&requests)?;
+        for (i, bar) in done.iter().enumerate() {
+            if let Err(e) = self.config.add_pci_bar(bar) {
+                for b in &done[..i] {
+                    self.config.remove_pci_bar(b.idx);
+                }
+                if let Err(fe) = allocators.free_all(&done) {
+                    error!("{}: rollback of bar allocation: {fe}", self.id);
+                }
+                return Err(e.into());
+            }
+        }
+        for b in &done {
+            debug!(
+                "{}: bar {} at {:#x} ({:#x} bytes, {:?})",
+                self.id, b.idx, b.addr, b.size, b.region_type
+            );
+        }
+        self.allocated = true;
+        Ok(done)
+    }
+
+    fn free_bars(&mut self, allocators: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
+        if !self.allocated {
+            return Ok(());
+        }
+        let bars = self.config.bars();
+        self.allocated = false;
+        self.sync_bar_mappings();
+        for b in &bars {
+            self.config.remove_pci_bar(b.idx);
+        }
+        allocators.free_all(&bars)
+    }
+
+    fn read_config_register(&mut self, reg_idx: usize) -> u32 {
+        let v = self.config.read_reg(reg_idx);
+        if reg_idx != COMMAND_REG {
+            return v;
+        }
+        let mut b = [0u8; 2];
+        match self.link.config_read(6, &mut b) {
+            Ok(()) => {
+                let remote = u16::from_le_bytes(b) & REMOTE_STATUS_BITS;
+                v | u32::from(remote) << 16
+            }
+            Err(e) => {
+                debug!("{}: status read from the lender: {e}", self.id);
+                v
+            }
+        }
+    }
+
+    fn write_config_register(
+        &mut self,
+        reg_idx: usize,
+        offset: u64,
+        data: &[u8],
+    ) -> ConfigWriteEffects {
+        if !matches!(data.len(), 1 | 2 | 4) || offset as usize + data.len() > 4 {
+            warn!(
+                "{}: config write of {} bytes at register {reg_idx} offset {offset} ignored",
+                self.id,
+                data.len()
+            );
+            return ConfigWriteEffects::default();
+        }
+        let abs = reg_idx * 4 + offset as usize;
+        let dword = reg_idx * 4;
+        let mut effects = ConfigWriteEffects::default();
+        if reg_idx < HEADER_REGS {
+            effects = self.write_header(reg_idx, offset, data);
+        } else if let Some(m) = self
+            .msix
+            .as_mut()
+            .filter(|m| overlaps(dword, 4, m.offset, MSIX_CAP_LEN))
+        {
+            self.config.write_config_register(reg_idx, offset, data);
+            m.config
+                .handle_config_write(&self.config, m.offset, reg_idx, offset, data.len());
+            self.sync_irqs();
+        } else if let (Some(m), Some((off, len))) = (self.msi.as_mut(), self.msi_cap) {
+            if overlaps(dword, 4, off, len) {
+                self.config.write_config_register(reg_idx, offset, data);
+                m.handle_config_write(&mut self.config, reg_idx, offset, data.len());
+                self.sync_irqs();
+            } else {
+                effects = self.write_forwarded(abs, data);
+            }
+        } else {
+            effects = self.write_forwarded(abs, data);
+        }
+        self.react_to_effects(&effects);
+        effects
+    }
+
+    fn read_bar(&mut self, base: u64, offset: u64, data: &mut [u8]) {
+        self.bar_access(base, offset, Some(data), &[]);
+    }
+
+    fn write_bar(&mut self, base: u64, offset: u64, data: &[u8]) {
+        self.bar_access(base, offset, None, data);
+    }
+
+    fn move_bar(&mut self, old_base: u64, new_base: u64) -> Result<(), PciDeviceError> {
+        debug!("{}: bar moved {old_base:#x} -> {new_base:#x}", self.id);
+        self.sync_bar_mappings();
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Result<(), PciDeviceError> {
+        let effects = self.function_reset("device reset");
+        self.react_to_effects(&effects);
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl RemotePciDevice {
+    /// A write outside the header and the emulated capabilities: FLR is handled here,
+    /// everything else goes to the lender.
+    fn write_forwarded(&mut self, abs: usize, data: &[u8]) -> ConfigWriteEffects {
+        if let Some(cap) = self.pcie_cap {
+            let ctl = cap + PCIE_DEVCTL;
+            // Byte holding bit 15 of Device Control.
+            let hi = ctl + 1;
+            if (abs..abs + data.len()).contains(&hi) && data[hi - abs] & 0x80 != 0 {
+                let mut d = data.to_vec();
+                d[hi - abs] &= !((PCIE_DEVCTL_FLR >> 8) as u8);
+                self.forward_and_refresh(abs, &d);
+                return self.function_reset("guest flr");
+            }
+        }
+        self.forward_and_refresh(abs, data);
+        ConfigWriteEffects::default()
+    }
+}
+
+impl Drop for RemotePciDevice {
+    fn drop(&mut self) {
+        // DMA mapping, then pins.
+        self.disable_dma();
+        // The lender stops signalling our eventfds, then the groups (GSIs, irqfds) go.
+        if let Some((kind, _)) = self.wired.take() {
+            let t = IrqTargets {
+                kind,
+                triggers: Vec::new(),
+                resample: None,
+            };
+            if let Err(e) = self.link.set_irqs(&t) {
+                debug!("{}: disabling {kind} on the lender: {e}", self.id);
+            }
+        }
+        self.msix = None;
+        self.msi = None;
+        self.msi_group = None;
+        self.intx = None;
+        // Memslots and ioeventfds (before the link unmaps the windows they point into).
+        for b in &mut self.bars {
+            b.ioevents.clear();
+            b.slots.clear();
+            b.mapped_at = None;
+        }
+        info!("{}: released; returning {}", self.id, self.remote_id);
+        // `link` is dropped after this: the lease is returned.
+    }
+}

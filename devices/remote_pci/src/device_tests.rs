@@ -1,0 +1,800 @@
+//! Behaviour of `RemotePciDevice` against fakes of the link, the VM and the interrupt
+//! manager.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use pci::configuration::{
+    cap_id, class, command, status, PciConfiguration, PciConfigurationParams, PciInterruptPin,
+};
+use pci::device::{PciBarAllocators, PciDevice};
+use pci::interrupt::InterruptSourceGroup;
+use pci::msi::MsiCap;
+use pci::msix::{MsixCap, MSIX_CTL_ENABLE};
+use pci::vm_ops::{GuestRamRegion, IoEventAddress, VmOps};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::device::{RemotePciDevice, RemotePciDeviceParams, FORWARDED_COMMAND_BITS};
+use crate::link::{
+    BarAccess, BarKind, DirectWindow, IrqKind, RemoteBar, RemoteDeviceInfo, RemoteIoEvent,
+};
+use crate::testing::{
+    AnonMap, FakeIrqs, FakeLink, FakePinner, FakeVm, GroupCall, Journal, LinkCall, LinkState,
+};
+
+const RAM: u64 = 256 << 20;
+const BAR0_SIZE: u64 = 0x4000;
+
+struct Layout {
+    pm: usize,
+    pcie: usize,
+    msix: usize,
+    msi: usize,
+}
+
+fn snapshot() -> (Vec<u8>, Layout) {
+    let mut c = PciConfiguration::new(&PciConfigurationParams {
+        vendor_id: 0x1b36,
+        device_id: 0x0010,
+        class_code: class::MASS_STORAGE,
+        subclass: class::NVM_SUBCLASS,
+        prog_if: class::NVME_PROG_IF,
+        extended: true,
+        interrupt_pin: Some(PciInterruptPin::IntA),
+        ..Default::default()
+    });
+    let pm = c
+        .add_capability(&[cap_id::POWER_MANAGEMENT, 0, 3, 0, 0, 0, 0, 0])
+        .unwrap();
+    let mut pcie = vec![0u8; 0x3c];
+    pcie[0] = cap_id::PCI_EXPRESS;
+    pcie[2] = 2;
+    let pcie = c.add_capability(&pcie).unwrap();
+    // MSI-X table and PBA share the page at 0x1000 of BAR0.
+    let msix = MsixCap::new(8, 0, 0x1000, 0, 0x1800)
+        .unwrap()
+        .add_to(&mut c)
+        .unwrap();
+    let msi = c
+        .add_capability(&MsiCap::new(1, true, false).unwrap().to_bytes())
+        .unwrap();
+    c.add_extended_capability(1, 2, &[0u8; 0x44]).unwrap();
+    (
+        c.to_bytes(),
+        Layout {
+            pm,
+            pcie,
+            msix,
+            msi,
+        },
+    )
+}
+
+struct Fx {
+    dev: Option<RemotePciDevice>,
+    link: Arc<Mutex<LinkState>>,
+    dma_live: Arc<AtomicUsize>,
+    vm: Arc<FakeVm>,
+    irqs: Arc<FakeIrqs>,
+    pinned: Arc<AtomicUsize>,
+    journal: Journal,
+    notify: Arc<EventFd>,
+    ioevent: Arc<EventFd>,
+    alloc: PciBarAllocators,
+    lay: Layout,
+    bar0: AnonMap,
+}
+
+impl Drop for Fx {
+    fn drop(&mut self) {
+        // The device goes before the window memory it may point into.
+        self.dev.take();
+    }
+}
+
+struct Opts {
+    write_notify: bool,
+    fail_pin: bool,
+    intx: bool,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            write_notify: false,
+            fail_pin: false,
+            intx: true,
+        }
+    }
+}
+
+fn fixture(o: Opts) -> Fx {
+    let (config, lay) = snapshot();
+    let journal: Journal = Arc::default();
+    let bar0 = AnonMap::new(BAR0_SIZE);
+    let notify = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
+    let ioevent = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
+    // SAFETY: `bar0` outlives the device (Fx drops the device first).
+    let win =
+        unsafe { DirectWindow::new(bar0.addr, bar0.len, o.write_notify.then(|| notify.clone())) };
+    let info = RemoteDeviceInfo {
+        id: "nvme0".into(),
+        config,
+        bars: vec![
+            RemoteBar {
+                index: 0,
+                size: BAR0_SIZE,
+                kind: BarKind::Mem64,
+                prefetchable: false,
+                access: BarAccess::Direct(win),
+                ioevents: Vec::new(),
+            },
+            RemoteBar {
+                index: 2,
+                size: 0x1000,
+                kind: BarKind::Mem32,
+                prefetchable: false,
+                access: BarAccess::Trapped,
+                ioevents: vec![RemoteIoEvent {
+                    offset: 0x100,
+                    datamatch: None,
+                    fd: ioevent.clone(),
+                }],
+            },
+            RemoteBar {
+                index: 3,
+                size: 0x20,
+                kind: BarKind::Io,
+                prefetchable: false,
+                access: BarAccess::Trapped,
+                ioevents: Vec::new(),
+            },
+        ],
+        msix: None,
+    };
+    let link = FakeLink::new(info, journal.clone());
+    let link_state = link.state.clone();
+    let dma_live = link.dma_live.clone();
+    let vm = Arc::new(FakeVm::new(
+        vec![
+            GuestRamRegion {
+                gpa: 0,
+                size: RAM / 2,
+                host_addr: 0x7f00_0000_0000,
+                file: None,
+            },
+            GuestRamRegion {
+                gpa: 1 << 32,
+                size: RAM / 2,
+                host_addr: 0x7f10_0000_0000,
+                file: None,
+            },
+        ],
+        journal.clone(),
+    ));
+    let irqs = Arc::new(FakeIrqs::new(true, false));
+    let pinner = Arc::new(FakePinner {
+        fail: o.fail_pin,
+        journal: journal.clone(),
+        ..Default::default()
+    });
+    let pinned = pinner.live_bytes.clone();
+    let mut params = RemotePciDeviceParams::new("rd0", 0x18, o.intx.then_some(5));
+    params.pinner = pinner;
+    let vm_ops: Arc<dyn VmOps> = vm.clone();
+    let mut dev = RemotePciDevice::new(params, Box::new(link), vm_ops, irqs.as_ref()).unwrap();
+    let mut alloc = PciBarAllocators::x86_64(0x0010_0000_0000, 1 << 36).unwrap();
+    dev.allocate_bars(&mut alloc).unwrap();
+    Fx {
+        dev: Some(dev),
+        link: link_state,
+        dma_live,
+        vm,
+        irqs,
+        pinned,
+        journal,
+        notify,
+        ioevent,
+        alloc,
+        lay,
+        bar0,
+    }
+}
+
+impl Fx {
+    fn dev(&mut self) -> &mut RemotePciDevice {
+        self.dev.as_mut().unwrap()
+    }
+
+    fn write(&mut self, abs: usize, data: &[u8]) -> pci::ConfigWriteEffects {
+        self.dev()
+            .write_config_register(abs / 4, (abs % 4) as u64, data)
+    }
+
+    fn read32(&mut self, abs: usize) -> u32 {
+        self.dev().read_config_register(abs / 4)
+    }
+
+    fn read16(&mut self, abs: usize) -> u16 {
+        (self.read32(abs & !3) >> ((abs % 4) * 8)) as u16
+    }
+
+    fn calls(&self) -> Vec<LinkCall> {
+        std::mem::take(&mut self.link.lock().unwrap().calls)
+    }
+
+    fn bar_addr(&mut self, idx: usize) -> u64 {
+        self.dev().configuration().bar(idx).unwrap().addr
+    }
+
+    fn cmd(&mut self, bits: u16) -> pci::ConfigWriteEffects {
+        self.write(4, &bits.to_le_bytes())
+    }
+}
+
+fn config_writes(calls: &[LinkCall]) -> Vec<(u16, Vec<u8>)> {
+    calls
+        .iter()
+        .filter_map(|c| match c {
+            LinkCall::ConfigWrite(o, d) => Some((*o, d.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn shadow_identity_and_bar_sizing() {
+    let mut f = fixture(Opts::default());
+    assert_eq!(f.read32(0), 0x0010_1b36);
+    assert_eq!(f.read32(8) >> 8, 0x01_08_02);
+    let bar0 = f.bar_addr(0);
+    assert_eq!(bar0 % BAR0_SIZE, 0);
+    assert!(
+        bar0 >= 0x0010_0000_0000,
+        "64-bit bar from the 64-bit window"
+    );
+    assert_eq!(f.read32(0x10) & 0xf, 0x4, "64-bit non-prefetchable");
+    // Sizing BAR0 (both halves), then restoring it: no move, nothing forwarded.
+    let lo = f.read32(0x10);
+    let hi = f.read32(0x14);
+    assert!(f.write(0x10, &u32::MAX.to_le_bytes()).is_empty());
+    assert!(f.write(0x14, &u32::MAX.to_le_bytes()).is_empty());
+    assert_eq!(f.read32(0x10), !(BAR0_SIZE as u32 - 1) | 0x4);
+    assert_eq!(f.read32(0x14), u32::MAX);
+    assert!(f.write(0x10, &lo.to_le_bytes()).is_empty());
+    assert!(f.write(0x14, &hi.to_le_bytes()).is_empty());
+    assert_eq!(f.bar_addr(0), bar0);
+    // I/O BAR sizing.
+    f.write(0x1c, &u32::MAX.to_le_bytes());
+    assert_eq!(f.read32(0x1c), !0x1f | 0x1);
+    // ROM reads 0 (no ROM), writes dropped.
+    f.write(0x30, &u32::MAX.to_le_bytes());
+    assert_eq!(f.read32(0x30), 0);
+    assert!(
+        config_writes(&f.calls()).is_empty(),
+        "bar/rom never forwarded"
+    );
+    // Reads past a 4 KiB space are all-ones; a snapshot's BARs are not visible.
+    assert_eq!(f.read32(0x1000), u32::MAX);
+    // FLR is advertised.
+    let devcap = f.read32(f.lay.pcie + 4);
+    assert_ne!(devcap & (1 << 28), 0);
+}
+
+#[test]
+fn command_filtered_and_status_merged_from_lender() {
+    let mut f = fixture(Opts::default());
+    f.calls();
+    let fx = f.cmd(command::MEMORY_SPACE | command::INTX_DISABLE | command::SERR_ENABLE);
+    assert_eq!(
+        fx.command.unwrap().new,
+        command::MEMORY_SPACE | command::INTX_DISABLE | command::SERR_ENABLE
+    );
+    let fwd = (command::INTX_DISABLE | command::SERR_ENABLE) & FORWARDED_COMMAND_BITS;
+    assert_eq!(
+        config_writes(&f.calls()),
+        vec![(4, fwd.to_le_bytes().to_vec())]
+    );
+    // The lender's Interrupt Status and an error bit show through; the shadow's
+    // Capabilities List stays.
+    {
+        let mut s = f.link.lock().unwrap();
+        let st = status::INTERRUPT | status::DETECTED_PARITY_ERROR;
+        s.config[6..8].copy_from_slice(&st.to_le_bytes());
+    }
+    let st = f.read16(6);
+    assert_ne!(st & status::INTERRUPT, 0);
+    assert_ne!(st & status::DETECTED_PARITY_ERROR, 0);
+    assert_ne!(st & status::CAPABILITIES_LIST, 0);
+    // Write-1-to-clear of Status is forwarded (only the RW1C bits).
+    f.write(6, &0xffffu16.to_le_bytes());
+    assert_eq!(
+        config_writes(&f.calls()),
+        vec![(6, status::RW1C.to_le_bytes().to_vec())]
+    );
+}
+
+#[test]
+fn capability_writes_forwarded_and_read_back() {
+    let mut f = fixture(Opts::default());
+    f.calls();
+    let pm = f.lay.pm;
+    // The "lender" lets only the low two bits of PMCSR change.
+    {
+        let mut s = f.link.lock().unwrap();
+        s.writable[pm + 4] = 0x03;
+        s.writable[pm + 5] = 0;
+    }
+    f.write(pm + 4, &0xffffu16.to_le_bytes());
+    assert_eq!(
+        config_writes(&f.calls()),
+        vec![((pm + 4) as u16, vec![0xff, 0xff])]
+    );
+    assert_eq!(f.read16(pm + 4), 0x3, "shadow refreshed from the lender");
+    // Extended capability space is forwarded too.
+    f.write(0x104, &0x1234_5678u32.to_le_bytes());
+    assert_eq!(f.read32(0x104), 0x1234_5678);
+    assert_eq!(
+        config_writes(&f.calls()),
+        vec![(0x104, 0x1234_5678u32.to_le_bytes().to_vec())]
+    );
+    // Header registers other than Command/Status stay local.
+    f.write(0x3c, &[11]);
+    f.write(0x0c, &[0x10]);
+    assert_eq!(f.read32(0x3c) & 0xff, 11);
+    assert!(config_writes(&f.calls()).is_empty());
+}
+
+#[test]
+fn msix_emulated_locally_and_wired_to_lender() {
+    let mut f = fixture(Opts::default());
+    assert_eq!(f.dev().status().irq_mode, Some(IrqKind::Intx));
+    f.calls();
+    let msix = f.lay.msix;
+    let group = f.irqs.group("msix").unwrap();
+    // Program vector 0 through the table in BAR0 (trapped page).
+    let bar0 = f.bar_addr(0);
+    f.dev()
+        .write_bar(bar0, 0x1000, &0xfee0_0000u64.to_le_bytes());
+    f.dev().write_bar(bar0, 0x1008, &0x41u32.to_le_bytes());
+    f.dev().write_bar(bar0, 0x100c, &0u32.to_le_bytes());
+    let mut b = [0u8; 4];
+    f.dev().read_bar(bar0, 0x1008, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 0x41);
+    // Enable MSI-X with a 16-bit Message Control write.
+    f.write(msix + 2, &MSIX_CTL_ENABLE.to_le_bytes());
+    assert_ne!(f.read16(msix + 2) & MSIX_CTL_ENABLE, 0);
+    assert_eq!(f.read16(msix + 2) & 0x7ff, 7, "table size stays read-only");
+    let gc = group.take();
+    assert_eq!(gc[0], GroupCall::Enable);
+    assert!(matches!(gc[1], GroupCall::Update(0, _, false)));
+    let calls = f.calls();
+    assert!(config_writes(&calls).is_empty(), "msi-x never forwarded");
+    assert_eq!(
+        calls,
+        vec![
+            LinkCall::SetIrqs {
+                kind: IrqKind::Intx,
+                n: 0,
+                resample: false
+            },
+            LinkCall::SetIrqs {
+                kind: IrqKind::Msix,
+                n: 8,
+                resample: false
+            },
+        ]
+    );
+    // The lender got the group's own irqfds: a signal on its copy reaches the notifier.
+    f.link.lock().unwrap().irq_fds["msix"][3].write(1).unwrap();
+    assert_eq!(group.notifier(3).unwrap().read().unwrap(), 1);
+    let st = f.dev().status();
+    assert!(st.msix_enabled);
+    assert_eq!(st.irq_mode, Some(IrqKind::Msix));
+    // Mask vector 0: the PBA is honoured for interrupts that come through the VMM.
+    f.dev().write_bar(bar0, 0x100c, &1u32.to_le_bytes());
+    assert!(!f.dev().trigger_msix(0));
+    let mut q = [0u8; 8];
+    f.dev().read_bar(bar0, 0x1800, &mut q);
+    assert_eq!(u64::from_le_bytes(q), 1);
+    group.take();
+    f.dev().write_bar(bar0, 0x100c, &0u32.to_le_bytes());
+    assert_eq!(group.take().last(), Some(&GroupCall::Trigger(0)));
+    // Disable: back to INTx.
+    f.write(msix + 2, &0u16.to_le_bytes());
+    assert_eq!(
+        f.calls(),
+        vec![
+            LinkCall::SetIrqs {
+                kind: IrqKind::Msix,
+                n: 0,
+                resample: false
+            },
+            LinkCall::SetIrqs {
+                kind: IrqKind::Intx,
+                n: 1,
+                resample: true
+            },
+        ]
+    );
+}
+
+#[test]
+fn msi_emulated_locally() {
+    let mut f = fixture(Opts {
+        intx: false,
+        ..Default::default()
+    });
+    assert_eq!(f.dev().status().irq_mode, None);
+    f.calls();
+    let msi = f.lay.msi;
+    f.write(msi + 4, &0xfee0_0000u32.to_le_bytes());
+    f.write(msi + 12, &0x30u16.to_le_bytes());
+    f.write(msi + 2, &1u16.to_le_bytes());
+    let calls = f.calls();
+    assert!(config_writes(&calls).is_empty(), "msi never forwarded");
+    assert_eq!(
+        calls,
+        vec![LinkCall::SetIrqs {
+            kind: IrqKind::Msi,
+            n: 1,
+            resample: false
+        }]
+    );
+    let g = f.irqs.group("msi").unwrap();
+    assert!(g.take().contains(&GroupCall::Enable));
+    assert!(f.dev().status().msi_enabled);
+}
+
+#[test]
+fn bar_memslots_split_around_msix_pages_and_follow_moves() {
+    let mut f = fixture(Opts::default());
+    assert!(
+        f.vm.slots().is_empty(),
+        "nothing mapped before Memory Space Enable"
+    );
+    f.cmd(command::MEMORY_SPACE);
+    let bar0 = f.bar_addr(0);
+    let slots = f.vm.slots();
+    assert_eq!(slots.len(), 2, "{slots:?}");
+    assert_eq!((slots[0].gpa, slots[0].size), (bar0, 0x1000));
+    assert_eq!(slots[0].host, f.bar0.addr);
+    assert_eq!((slots[1].gpa, slots[1].size), (bar0 + 0x2000, 0x2000));
+    assert_eq!(slots[1].host, f.bar0.addr + 0x2000);
+    assert!(slots.iter().all(|s| !s.readonly));
+    // ioeventfd of the trapped BAR2 at its guest address.
+    let bar2 = f.bar_addr(2);
+    assert_eq!(f.vm.ioevents(), vec![IoEventAddress::Mmio(bar2 + 0x100)]);
+    assert_eq!(f.dev().status().memslots, 2);
+
+    // Guest moves BAR0 (low half) while decoding: old slots go, new ones appear.
+    let new = bar0 + 0x10_0000;
+    let fx = f.write(0x10, &((new as u32) | 4).to_le_bytes());
+    assert_eq!(fx.bar_moves.len(), 1);
+    f.dev().move_bar(bar0, new).unwrap();
+    let slots = f.vm.slots();
+    assert_eq!(slots.len(), 2);
+    assert_eq!(slots[0].gpa, new);
+    assert_eq!(slots[1].gpa, new + 0x2000);
+    // Move BAR2 with decoding off, then on.
+    f.cmd(0);
+    assert!(f.vm.slots().is_empty() && f.vm.ioevents().is_empty());
+    let new2 = bar2 + 0x10_0000;
+    f.write(0x18, &(new2 as u32).to_le_bytes());
+    f.dev().move_bar(bar2, new2).unwrap();
+    f.cmd(command::MEMORY_SPACE);
+    assert_eq!(f.vm.ioevents(), vec![IoEventAddress::Mmio(new2 + 0x100)]);
+    assert_eq!(f.vm.slots().len(), 2);
+    let _ = &f.ioevent;
+}
+
+#[test]
+fn write_notify_bar_is_readonly_and_trapped_writes_notify() {
+    let mut f = fixture(Opts {
+        write_notify: true,
+        ..Default::default()
+    });
+    f.cmd(command::MEMORY_SPACE);
+    assert!(f.vm.slots().iter().all(|s| s.readonly));
+    let bar0 = f.bar_addr(0);
+    // A guest store exits: stored into the shared register file, device notified.
+    f.dev().write_bar(bar0, 0x14, &0x0046_0001u32.to_le_bytes());
+    assert_eq!(f.bar0.read_u32(0x14), 0x0046_0001);
+    assert_eq!(f.notify.read().unwrap(), 1);
+    // Reads come from the shared memory.
+    f.bar0.write_u32(0x1c, 1);
+    let mut b = [0u8; 4];
+    f.dev().read_bar(bar0, 0x1c, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 1);
+    // Outside the window: all-ones, no notification.
+    let mut b = [0u8; 4];
+    f.dev().read_bar(bar0, BAR0_SIZE, &mut b);
+    assert_eq!(b, [0xff; 4]);
+}
+
+#[test]
+fn trapped_bars_forwarded_to_lender() {
+    let mut f = fixture(Opts::default());
+    f.calls();
+    let bar2 = f.bar_addr(2);
+    f.dev().write_bar(bar2, 0x40, &0xdead_beefu32.to_le_bytes());
+    let mut b = [0u8; 4];
+    f.dev().read_bar(bar2, 0x40, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 0xdead_beef);
+    let io = f.bar_addr(3);
+    f.dev().write_bar(io, 4, &[7]);
+    assert_eq!(
+        f.calls(),
+        vec![
+            LinkCall::BarWrite(2, 0x40, 0xdead_beefu32.to_le_bytes().to_vec()),
+            LinkCall::BarRead(2, 0x40, 4),
+            LinkCall::BarWrite(3, 4, vec![7]),
+        ]
+    );
+    // Unknown base: all-ones.
+    f.dev().read_bar(0x1234_0000, 0, &mut b);
+    assert_eq!(b, [0xff; 4]);
+}
+
+#[test]
+fn bus_master_pins_then_maps_and_unmaps_before_unpin() {
+    let mut f = fixture(Opts::default());
+    f.cmd(command::BUS_MASTER);
+    assert_eq!(f.pinned.load(Ordering::SeqCst) as u64, RAM);
+    assert_eq!(f.dma_live.load(Ordering::SeqCst), 1);
+    let st = f.dev().status();
+    assert!(st.dma_mapped && st.bus_master);
+    assert_eq!(
+        (st.dma_bytes, st.pinned_bytes, st.pinned_ranges),
+        (RAM, RAM, 2)
+    );
+    assert_eq!(st.last_pin.unwrap().bytes, RAM);
+    // Setting BME again (another bit changes) does not map twice.
+    f.cmd(command::BUS_MASTER | command::MEMORY_SPACE);
+    assert_eq!(f.dev().status().dma_maps, 1);
+    f.cmd(command::MEMORY_SPACE);
+    assert_eq!(f.pinned.load(Ordering::SeqCst), 0);
+    assert_eq!(f.dma_live.load(Ordering::SeqCst), 0);
+    let j = f.journal.lock().unwrap().clone();
+    let j: Vec<&str> = j
+        .iter()
+        .map(String::as_str)
+        .filter(|s| *s != "remove-slot")
+        .collect();
+    assert_eq!(
+        j,
+        vec!["pin", "pin", "map-dma", "unmap-dma", "unpin", "unpin"]
+    );
+}
+
+#[test]
+fn failed_dma_map_unpins_and_reports_master_abort() {
+    let mut f = fixture(Opts::default());
+    f.link.lock().unwrap().fail_map = true;
+    f.cmd(command::BUS_MASTER);
+    assert_eq!(f.pinned.load(Ordering::SeqCst), 0);
+    let st = f.dev().status();
+    assert!(!st.dma_mapped && st.bus_master);
+    assert_eq!(st.dma_map_failures, 1);
+    assert_ne!(f.read16(6) & status::RECEIVED_MASTER_ABORT, 0);
+    // The guest clears the bit (RW1C) and retries once the lender recovers.
+    f.write(6, &status::RECEIVED_MASTER_ABORT.to_le_bytes());
+    assert_eq!(f.read16(6) & status::RECEIVED_MASTER_ABORT, 0);
+    f.link.lock().unwrap().fail_map = false;
+    f.cmd(0);
+    f.cmd(command::BUS_MASTER);
+    assert!(f.dev().status().dma_mapped);
+}
+
+#[test]
+fn failed_pin_skips_the_map() {
+    let mut f = fixture(Opts {
+        fail_pin: true,
+        ..Default::default()
+    });
+    f.calls();
+    f.cmd(command::BUS_MASTER);
+    assert!(!f.calls().iter().any(|c| matches!(c, LinkCall::MapDma(_))));
+    assert_eq!(f.dev().status().dma_map_failures, 1);
+    assert_ne!(f.read16(6) & status::RECEIVED_MASTER_ABORT, 0);
+}
+
+#[test]
+fn guest_flr_resets_lender_dma_and_msix() {
+    let mut f = fixture(Opts::default());
+    let msix = f.lay.msix;
+    f.cmd(command::MEMORY_SPACE | command::BUS_MASTER);
+    f.write(msix + 2, &MSIX_CTL_ENABLE.to_le_bytes());
+    assert!(f.dev().status().msix_enabled);
+    f.calls();
+    let devctl = f.lay.pcie + 8;
+    let fx = f.write(devctl, &(0x8000u16 | 0x0010).to_le_bytes());
+    assert_eq!(fx.command.unwrap().new, 0);
+    let calls = f.calls();
+    assert_eq!(
+        config_writes(&calls),
+        vec![(devctl as u16, 0x0010u16.to_le_bytes().to_vec())],
+        "forwarded without the FLR bit"
+    );
+    assert!(calls.contains(&LinkCall::Reset));
+    assert!(calls.contains(&LinkCall::SetIrqs {
+        kind: IrqKind::Intx,
+        n: 1,
+        resample: true
+    }));
+    let st = f.dev().status();
+    assert!(!st.dma_mapped && !st.msix_enabled && !st.bus_master && !st.memory_enabled);
+    assert_eq!((st.memslots, st.pinned_bytes, st.resets), (0, 0, 1));
+    assert_eq!(f.read16(msix + 2) & MSIX_CTL_ENABLE, 0);
+    assert_eq!(f.dma_live.load(Ordering::SeqCst), 0);
+    assert_eq!(f.read16(devctl) & 0x8000, 0, "Initiate FLR reads 0");
+    // The BAR addresses survive; the guest restores Command and it all comes back.
+    f.cmd(command::MEMORY_SPACE | command::BUS_MASTER);
+    assert_eq!(f.vm.slots().len(), 2);
+    assert!(f.dev().status().dma_mapped);
+    // Device reset (VM reset) does the same.
+    f.dev().reset().unwrap();
+    let st = f.dev().status();
+    assert_eq!((st.memslots, st.dma_mapped, st.resets), (0, false, 2));
+}
+
+#[test]
+fn drop_releases_everything_after_moves_and_bme_cycles() {
+    let mut f = fixture(Opts {
+        write_notify: true,
+        ..Default::default()
+    });
+    let msix = f.lay.msix;
+    f.write(msix + 2, &MSIX_CTL_ENABLE.to_le_bytes());
+    let mut bar0 = f.bar_addr(0);
+    for i in 0..50u64 {
+        f.cmd(command::MEMORY_SPACE | command::BUS_MASTER);
+        assert_eq!(f.dma_live.load(Ordering::SeqCst), 1);
+        if i % 10 == 0 {
+            let new = bar0 + 0x10_0000;
+            f.write(0x10, &((new as u32) | 4).to_le_bytes());
+            f.dev().move_bar(bar0, new).unwrap();
+            bar0 = new;
+        }
+        f.cmd(command::MEMORY_SPACE);
+        assert_eq!(f.pinned.load(Ordering::SeqCst), 0);
+    }
+    assert_eq!(f.dev().status().dma_maps, 50);
+    f.cmd(command::MEMORY_SPACE | command::BUS_MASTER);
+    assert_eq!(f.vm.slots().len(), 2);
+    assert_eq!(f.vm.state.lock().unwrap().slots_made, 2 * 6);
+    assert_eq!(f.irqs.live_groups(), 3, "msi-x, msi and intx groups");
+    f.calls();
+    f.journal.lock().unwrap().clear();
+    drop(f.dev.take());
+    assert_eq!(f.dma_live.load(Ordering::SeqCst), 0);
+    assert_eq!(f.pinned.load(Ordering::SeqCst), 0);
+    assert!(f.vm.slots().is_empty());
+    assert!(f.vm.ioevents().is_empty());
+    assert_eq!(f.irqs.live_groups(), 0);
+    let s = f.link.lock().unwrap();
+    assert!(s.dropped, "lease returned");
+    assert_eq!(
+        s.calls,
+        vec![LinkCall::SetIrqs {
+            kind: IrqKind::Msix,
+            n: 0,
+            resample: false
+        }]
+    );
+    drop(s);
+    let j = f.journal.lock().unwrap().clone();
+    assert_eq!(j.first().map(String::as_str), Some("unmap-dma"));
+    assert_eq!(j.last().map(String::as_str), Some("return-lease"));
+    let unpin = j.iter().position(|s| s == "unpin").unwrap();
+    let slot = j.iter().position(|s| s == "remove-slot").unwrap();
+    assert!(unpin < slot, "{j:?}");
+}
+
+#[test]
+fn free_bars_returns_ranges_and_drops_slots() {
+    let mut f = fixture(Opts::default());
+    f.cmd(command::MEMORY_SPACE);
+    assert_eq!(f.vm.slots().len(), 2);
+    let mut alloc = f.alloc.clone();
+    f.dev().free_bars(&mut alloc).unwrap();
+    assert!(f.vm.slots().is_empty());
+    // The same ranges can be allocated again.
+    f.dev().allocate_bars(&mut alloc).unwrap();
+}
+
+#[test]
+fn bad_bars_are_refused() {
+    let (config, _) = snapshot();
+    let mk = |bars: Vec<RemoteBar>| {
+        let info = RemoteDeviceInfo {
+            id: "x".into(),
+            config: config.clone(),
+            bars,
+            msix: None,
+        };
+        let vm: Arc<dyn VmOps> = Arc::new(FakeVm::new(Vec::new(), Journal::default()));
+        RemotePciDevice::new(
+            RemotePciDeviceParams::new("rd", 0, None),
+            Box::new(FakeLink::new(info, Journal::default())),
+            vm,
+            &FakeIrqs::new(true, false),
+        )
+        .err()
+        .map(|e| e.to_string())
+    };
+    let bar = |index, size, kind| RemoteBar {
+        index,
+        size,
+        kind,
+        prefetchable: false,
+        access: BarAccess::Trapped,
+        ioevents: Vec::new(),
+    };
+    let e = mk(vec![bar(0, 0x3000, BarKind::Mem32)]).unwrap();
+    assert!(e.contains("0x3000"), "{e}");
+    assert!(mk(vec![bar(5, 0x1000, BarKind::Mem64)]).is_some());
+    assert!(mk(vec![
+        bar(0, 0x1000, BarKind::Mem64),
+        bar(1, 0x1000, BarKind::Mem32)
+    ])
+    .is_some());
+    assert!(mk(vec![bar(0, 0x1000, BarKind::Mem64)]).is_none());
+    assert!(mk(Vec::new()).is_none());
+    let info = RemoteDeviceInfo {
+        id: "x".into(),
+        config: vec![0; 100],
+        bars: Vec::new(),
+        msix: None,
+    };
+    let vm: Arc<dyn VmOps> = Arc::new(FakeVm::new(Vec::new(), Journal::default()));
+    let e = RemotePciDevice::new(
+        RemotePciDeviceParams::new("rd", 0, None),
+        Box::new(FakeLink::new(info, Journal::default())),
+        vm,
+        &FakeIrqs::new(false, false),
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("100 bytes"), "{e}");
+}
+
+#[test]
+fn real_pinning_of_guest_ram_on_bus_master() {
+    use crate::pin::{locked_bytes, VMLCK_TEST_LOCK};
+    let _g = VMLCK_TEST_LOCK.lock().unwrap();
+    let ram = AnonMap::new(4 << 20);
+    let (config, _) = snapshot();
+    let info = RemoteDeviceInfo {
+        id: "x".into(),
+        config,
+        bars: Vec::new(),
+        msix: None,
+    };
+    let link = FakeLink::new(info, Journal::default());
+    let dma_live = link.dma_live.clone();
+    let vm: Arc<dyn VmOps> = Arc::new(FakeVm::new(
+        vec![GuestRamRegion {
+            gpa: 0,
+            size: ram.len,
+            host_addr: ram.addr,
+            file: None,
+        }],
+        Journal::default(),
+    ));
+    let mut dev = RemotePciDevice::new(
+        RemotePciDeviceParams::new("rd", 0, None),
+        Box::new(link),
+        vm,
+        &FakeIrqs::new(true, false),
+    )
+    .unwrap();
+    let before = locked_bytes();
+    dev.write_config_register(1, 0, &command::BUS_MASTER.to_le_bytes());
+    assert!(locked_bytes() >= before + ram.len);
+    assert_eq!(dev.status().pinned_bytes, ram.len);
+    assert_eq!(dma_live.load(Ordering::SeqCst), 1);
+    dev.write_config_register(1, 0, &0u16.to_le_bytes());
+    assert!(locked_bytes() <= before);
+    drop(dev);
+}

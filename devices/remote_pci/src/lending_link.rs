@@ -1,0 +1,496 @@
+//! [`RemoteDeviceLink`] over `lending::client`: a [`Lease`] from a [`LenderClient`].
+//!
+//! * BARs with a fabric window are mapped into this process (shm) and reported as
+//!   `Direct`; the windows stay mapped until the link is dropped. On tcp (no direct
+//!   mappings) and for BARs without a window, accesses are `Trapped` (BAR_READ/BAR_WRITE).
+//! * Write notification: the protocol has no per-BAR flag yet, so a lease that came with a
+//!   notification eventfd (`Borrowed.notify_fd`, interrupt-mode device) makes every direct
+//!   BAR write-notified (read-only memslot, trapped stores + eventfd); without one the BARs
+//!   are mapped read-write (polling devices, VFIO BARs).
+//! * DMA: each guest RAM region (must be memfd backed) is exported as a fabric window and
+//!   mapped at IOVA = GPA; the returned handle unmaps and revokes on drop.
+//! * Interrupts: on shm the irqfd eventfds are passed (SCM_RIGHTS) so the device signals KVM
+//!   directly; on tcp the lender sends IRQ events that an event thread turns into eventfd
+//!   writes (counted per vector). The same thread watches for DeviceGone/Fatal.
+//!
+//! The event thread consumes all events of the client's connection, so use one
+//! [`LenderClient`] per borrowed device, or run your own pump with
+//! [`LendingLinkOptions::own_event_thread`] = false and feed [`LendingLink::event_sink`].
+
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use lending::client::{ClientError, ClientIrq, Lease, LenderClient};
+use lending::protocol::{self, Event};
+use log::{debug, error, info, warn};
+use ntb::{ExportedWindow, FabricError, FabricKind, PeerWindow};
+use pci::vm_ops::GuestRamRegion;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::link::{
+    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError,
+    RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteMsix,
+};
+
+/// How long the event thread waits per poll (bounds its exit time).
+const EVENT_POLL: Duration = Duration::from_millis(100);
+
+/// Errors of setting up the link.
+#[derive(Debug, thiserror::Error)]
+pub enum LendingLinkError {
+    #[error("mapping bar {bar} window of lease {lease}: {source}")]
+    BarWindow {
+        lease: u64,
+        bar: u8,
+        #[source]
+        source: ClientError,
+    },
+    #[error("starting the event thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("duplicating the notify eventfd: {0}")]
+    Notify(#[source] std::io::Error),
+}
+
+/// Options of [`LendingLink::new`].
+#[derive(Clone, Copy, Debug)]
+pub struct LendingLinkOptions {
+    /// Run a thread that receives the connection's events (IRQ relay, device gone).
+    pub own_event_thread: bool,
+}
+
+impl Default for LendingLinkOptions {
+    fn default() -> Self {
+        Self {
+            own_event_thread: true,
+        }
+    }
+}
+
+fn proto_kind(k: IrqKind) -> protocol::IrqKind {
+    match k {
+        IrqKind::Intx => protocol::IrqKind::Intx,
+        IrqKind::Msi => protocol::IrqKind::Msi,
+        IrqKind::Msix => protocol::IrqKind::Msix,
+    }
+}
+
+fn our_kind(k: protocol::IrqKind) -> IrqKind {
+    match k {
+        protocol::IrqKind::Intx => IrqKind::Intx,
+        protocol::IrqKind::Msi => IrqKind::Msi,
+        protocol::IrqKind::Msix => IrqKind::Msix,
+    }
+}
+
+fn link_err(op: &'static str, e: ClientError) -> LinkError {
+    match e {
+        ClientError::Remote { message, .. } => LinkError::Remote { op, message },
+        ClientError::Fabric(FabricError::PeerGone { reason, .. }) => LinkError::Down(reason),
+        ClientError::Fabric(FabricError::FdPassingUnsupported { .. }) => LinkError::Unsupported {
+            op,
+            reason: "no fd passing on this fabric".into(),
+        },
+        other => LinkError::BadReply {
+            op,
+            reason: other.to_string(),
+        },
+    }
+}
+
+/// Receives events of one lease (from the link's own thread or an external pump).
+#[derive(Clone)]
+pub struct LendingEventSink {
+    lease: u64,
+    state: Arc<Mutex<LeaseState>>,
+    /// Per kind: the eventfds to write on relayed interrupts (tcp).
+    relay: Arc<Mutex<HashMap<IrqKind, Vec<EventFd>>>>,
+    counts: Arc<Mutex<Vec<u64>>>,
+}
+
+impl LendingEventSink {
+    /// Handles `ev` if it belongs to this lease; returns whether it did.
+    pub fn handle(&self, ev: &Event) -> bool {
+        match ev {
+            Event::Irq(i) if i.lease == self.lease => {
+                let relay = self.relay.lock().unwrap_or_else(PoisonError::into_inner);
+                let v = i.vector as usize;
+                match relay.get(&our_kind(i.kind)).and_then(|fds| fds.get(v)) {
+                    Some(fd) => {
+                        if let Err(e) = fd.write(1) {
+                            warn!("lease {}: relaying irq {v}: {e}", self.lease);
+                        }
+                        let mut c = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+                        if c.len() <= v {
+                            c.resize(v + 1, 0);
+                        }
+                        c[v] += 1;
+                    }
+                    None => debug!(
+                        "lease {}: irq {:?}/{v} with no target dropped",
+                        self.lease, i.kind
+                    ),
+                }
+                true
+            }
+            Event::DeviceGone(g) if g.lease == self.lease => {
+                error!("lease {}: device gone: {}", self.lease, g.reason);
+                *self.state.lock().unwrap_or_else(PoisonError::into_inner) =
+                    LeaseState::Lost(g.reason.clone());
+                true
+            }
+            Event::Fatal(f) if f.lease == self.lease => {
+                error!("lease {}: fatal device error: {}", self.lease, f.message);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn lost(&self, why: String) {
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = LeaseState::Lost(why);
+    }
+}
+
+struct EventThread {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Drop for EventThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.handle.take() {
+            if h.join().is_err() {
+                error!("lending event thread panicked");
+            }
+        }
+    }
+}
+
+/// A lease as a [`RemoteDeviceLink`].
+pub struct LendingLink {
+    // Field order is drop order: the thread stops, BAR windows are unmapped, then the
+    // lease (last reference) is returned.
+    _events: Option<EventThread>,
+    _windows: Vec<Box<dyn PeerWindow>>,
+    sink: LendingEventSink,
+    info: RemoteDeviceInfo,
+    kind: FabricKind,
+    client: Arc<LenderClient>,
+    lease: Arc<Lease>,
+}
+
+impl LendingLink {
+    /// Wraps `lease` (borrowed through `client`): maps its BAR windows and starts the event
+    /// thread.
+    pub fn new(
+        client: Arc<LenderClient>,
+        lease: Lease,
+        opts: LendingLinkOptions,
+    ) -> Result<Self, LendingLinkError> {
+        let lease = Arc::new(lease);
+        let kind = client.endpoint().kind();
+        let pinfo = lease.info().clone();
+        let notify = match lease.notify_eventfd() {
+            Some(e) => Some(Arc::new(e.try_clone().map_err(LendingLinkError::Notify)?)),
+            None => None,
+        };
+        let mut windows: Vec<Box<dyn PeerWindow>> = Vec::new();
+        let mut bars = Vec::with_capacity(pinfo.bars.len());
+        for b in &pinfo.bars {
+            let bar_kind = if b.io {
+                BarKind::Io
+            } else if b.is_64bit {
+                BarKind::Mem64
+            } else {
+                BarKind::Mem32
+            };
+            let mut access = BarAccess::Trapped;
+            if kind == FabricKind::Shm && b.window.is_some() && !b.emulated_by_borrower && !b.io {
+                let w =
+                    lease
+                        .bar_window(b.index)
+                        .map_err(|source| LendingLinkError::BarWindow {
+                            lease: lease.id(),
+                            bar: b.index,
+                            source,
+                        })?;
+                match w.as_ptr() {
+                    Ok(p) if w.len() >= b.size => {
+                        // SAFETY: the window stays mapped in `self.windows` until the link
+                        // is dropped (and a severed window is replaced by zero memory, so
+                        // the range never becomes unmapped while we hold it).
+                        let dw = unsafe { DirectWindow::new(p as u64, w.len(), notify.clone()) };
+                        access = BarAccess::Direct(dw);
+                        windows.push(w);
+                    }
+                    Ok(_) => warn!(
+                        "lease {}: bar {} window ({:#x}) smaller than the bar ({:#x}); trapped",
+                        lease.id(),
+                        b.index,
+                        w.len(),
+                        b.size
+                    ),
+                    Err(e) => debug!("lease {}: bar {} trapped: {e}", lease.id(), b.index),
+                }
+            }
+            bars.push(RemoteBar {
+                index: b.index,
+                size: b.size,
+                kind: bar_kind,
+                prefetchable: b.prefetchable,
+                access,
+                ioevents: Vec::new(),
+            });
+        }
+        let info = RemoteDeviceInfo {
+            id: pinfo.id.clone(),
+            config: pinfo.config.clone(),
+            bars,
+            msix: pinfo.msix.map(|m| RemoteMsix {
+                vectors: m.vectors,
+                table_bar: m.table_bar,
+                table_offset: m.table_offset,
+                pba_bar: m.pba_bar,
+                pba_offset: m.pba_offset,
+            }),
+        };
+        let sink = LendingEventSink {
+            lease: lease.id(),
+            state: Arc::new(Mutex::new(LeaseState::Active)),
+            relay: Arc::default(),
+            counts: Arc::default(),
+        };
+        let events = if opts.own_event_thread {
+            let stop = Arc::new(AtomicBool::new(false));
+            let (s, c, st) = (sink.clone(), Arc::clone(&client), Arc::clone(&stop));
+            let handle = std::thread::Builder::new()
+                .name(format!("lease{}-events", lease.id()))
+                .spawn(move || event_loop(&c, &s, &st))
+                .map_err(LendingLinkError::Thread)?;
+            Some(EventThread {
+                stop,
+                handle: Some(handle),
+            })
+        } else {
+            None
+        };
+        info!(
+            "lease {}: {} on {kind:?}, {} bars ({} direct), notify eventfd {}",
+            lease.id(),
+            info.id,
+            info.bars.len(),
+            windows.len(),
+            notify.is_some()
+        );
+        Ok(Self {
+            _events: events,
+            _windows: windows,
+            sink,
+            info,
+            kind,
+            client,
+            lease,
+        })
+    }
+
+    /// For an external event pump: feed it every event of the connection.
+    pub fn event_sink(&self) -> LendingEventSink {
+        self.sink.clone()
+    }
+
+    /// The lease.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+}
+
+fn event_loop(client: &LenderClient, sink: &LendingEventSink, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        match client.next_event(EVENT_POLL) {
+            Ok(Some(ev)) => {
+                if !sink.handle(&ev) {
+                    debug!("lease {}: event for someone else: {ev:?}", sink.lease);
+                }
+            }
+            Ok(None) => {}
+            Err(ClientError::Fabric(FabricError::PeerGone { reason, .. })) => {
+                error!("lease {}: lender link down: {reason}", sink.lease);
+                sink.lost(reason);
+                return;
+            }
+            Err(e) => {
+                warn!("lease {}: event: {e}", sink.lease);
+                std::thread::sleep(EVENT_POLL);
+            }
+        }
+    }
+}
+
+/// Guest RAM exported and mapped at IOVA = GPA.
+struct LendingDma {
+    lease: Arc<Lease>,
+    maps: Vec<(u64, u64, ExportedWindow)>,
+}
+
+impl DmaMapping for LendingDma {
+    fn size(&self) -> u64 {
+        self.maps.iter().map(|m| m.1).sum()
+    }
+}
+
+impl Drop for LendingDma {
+    fn drop(&mut self) {
+        for (gpa, size, window) in self.maps.drain(..) {
+            if let Err(e) = self.lease.unmap_dma(gpa, size) {
+                warn!(
+                    "lease {}: unmap dma {gpa:#x}+{size:#x}: {e}",
+                    self.lease.id()
+                );
+            }
+            drop(window);
+        }
+    }
+}
+
+impl RemoteDeviceLink for LendingLink {
+    fn device_info(&self) -> RemoteDeviceInfo {
+        self.info.clone()
+    }
+
+    fn config_read(&self, offset: u16, data: &mut [u8]) -> Result<(), LinkError> {
+        let len = u16::try_from(data.len()).map_err(|_| LinkError::BadReply {
+            op: "config read",
+            reason: format!("{} bytes is too long", data.len()),
+        })?;
+        let v = self
+            .lease
+            .config_read(offset, len)
+            .map_err(|e| link_err("config read", e))?;
+        if v.len() != data.len() {
+            return Err(LinkError::BadReply {
+                op: "config read",
+                reason: format!("{} bytes for {} asked", v.len(), data.len()),
+            });
+        }
+        data.copy_from_slice(&v);
+        Ok(())
+    }
+
+    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), LinkError> {
+        self.lease
+            .config_write(offset, data)
+            .map_err(|e| link_err("config write", e))
+    }
+
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), LinkError> {
+        let v = self
+            .lease
+            .bar_read(bar, offset, data.len() as u32)
+            .map_err(|e| link_err("bar read", e))?;
+        if v.len() != data.len() {
+            return Err(LinkError::BadReply {
+                op: "bar read",
+                reason: format!("{} bytes for {} asked", v.len(), data.len()),
+            });
+        }
+        data.copy_from_slice(&v);
+        Ok(())
+    }
+
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError> {
+        self.lease
+            .bar_write(bar, offset, data)
+            .map_err(|e| link_err("bar write", e))
+    }
+
+    fn map_dma(&self, regions: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
+        let mut dma = LendingDma {
+            lease: Arc::clone(&self.lease),
+            maps: Vec::with_capacity(regions.len()),
+        };
+        for r in regions {
+            let Some((file, offset)) = &r.file else {
+                return Err(LinkError::Unsupported {
+                    op: "dma map",
+                    reason: format!("guest ram at {:#x} is not file backed", r.gpa),
+                });
+            };
+            let label = format!("lease{}-ram{:x}", self.lease.id(), r.gpa);
+            let w = self
+                .client
+                .endpoint()
+                .export_window(file.as_fd(), *offset, r.size, &label)
+                .map_err(|e| link_err("export guest ram", ClientError::Fabric(e)))?;
+            let id = w.id();
+            // Keep the window before mapping so a failure revokes it via `dma`'s drop.
+            self.lease
+                .map_dma(r.gpa, r.size, id)
+                .map_err(|e| link_err("dma map", e))?;
+            dma.maps.push((r.gpa, r.size, w));
+        }
+        Ok(Box::new(dma))
+    }
+
+    fn set_irqs(&self, t: &IrqTargets<'_>) -> Result<(), LinkError> {
+        let pk = proto_kind(t.kind);
+        if t.resample.is_some() {
+            debug!(
+                "lease {}: the protocol has no resample eventfd; intx re-assertion is up to the lender",
+                self.lease.id()
+            );
+        }
+        let res = if self.kind == FabricKind::Shm {
+            let targets: Vec<ClientIrq<'_>> =
+                t.triggers.iter().map(|e| ClientIrq::EventFd(e)).collect();
+            self.lease.set_irqs(pk, &targets)
+        } else {
+            let mut fds = Vec::with_capacity(t.triggers.len());
+            for e in &t.triggers {
+                fds.push(e.try_clone().map_err(|e| LinkError::Unsupported {
+                    op: "set irqs",
+                    reason: format!("duplicating an irqfd: {e}"),
+                })?);
+            }
+            self.sink
+                .relay
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(t.kind, fds);
+            let targets = vec![ClientIrq::Event; t.triggers.len()];
+            self.lease.set_irqs(pk, &targets)
+        };
+        res.map_err(|e| link_err("set irqs", e))
+    }
+
+    fn reset(&self) -> Result<(), LinkError> {
+        self.lease.reset().map_err(|e| link_err("reset", e))
+    }
+
+    fn lease_state(&self) -> LeaseState {
+        let s = self
+            .sink
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if s == LeaseState::Active && !self.client.endpoint().is_up() {
+            return LeaseState::Lost("link down".into());
+        }
+        s
+    }
+
+    fn irq_counts(&self) -> Option<Vec<u64>> {
+        (self.kind == FabricKind::Tcp).then(|| {
+            self.sink
+                .counts
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        })
+    }
+}

@@ -1,0 +1,238 @@
+//! The seam between [`RemotePciDevice`](crate::RemotePciDevice) and whatever reaches the
+//! lender: the [`RemoteDeviceLink`] trait and the plain data it describes a device with.
+//!
+//! `lending_link::LendingLink` implements it over `lending::client`; the unit tests use a
+//! fake. Keeping the device model behind this trait means protocol changes touch only the
+//! adapter.
+
+use std::fmt;
+use std::sync::Arc;
+
+use pci::vm_ops::GuestRamRegion;
+use vmm_sys_util::eventfd::EventFd;
+
+/// Errors reported by a link.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The lender refused or failed the request.
+    #[error("lender refused {op}: {message}")]
+    Remote { op: &'static str, message: String },
+    /// The link to the lender is down.
+    #[error("link to the lender is down: {0}")]
+    Down(String),
+    /// The request is not possible on this link (e.g. fd passing on tcp).
+    #[error("{op} is not supported by this link: {reason}")]
+    Unsupported { op: &'static str, reason: String },
+    /// The lender's answer did not make sense.
+    #[error("bad answer to {op}: {reason}")]
+    BadReply { op: &'static str, reason: String },
+}
+
+/// Address space and width of a BAR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BarKind {
+    Io,
+    Mem32,
+    Mem64,
+}
+
+/// A lender BAR window mapped into this process (shm fabric).
+///
+/// Built with the `unsafe` [`DirectWindow::new`]: the link guarantees the host range stays
+/// mapped (readable and writable) for as long as the link value lives. The device drops
+/// all memslots that point into it before it drops the link.
+#[derive(Clone)]
+pub struct DirectWindow {
+    host_addr: u64,
+    len: u64,
+    write_notify: Option<Arc<EventFd>>,
+}
+
+impl fmt::Debug for DirectWindow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DirectWindow")
+            .field("host_addr", &format_args!("{:#x}", self.host_addr))
+            .field("len", &format_args!("{:#x}", self.len))
+            .field("write_notify", &self.write_notify.is_some())
+            .finish()
+    }
+}
+
+impl DirectWindow {
+    /// A window of `len` bytes at `host_addr`. With `write_notify`, guest stores must be
+    /// seen by the device: the BAR is mapped read-only (stores exit to the VMM, which
+    /// stores the value and signals the eventfd); without, it is mapped read-write.
+    ///
+    /// # Safety
+    ///
+    /// `[host_addr, host_addr + len)` must be a readable and writable mapping that stays
+    /// valid until the link that reported it is dropped.
+    pub unsafe fn new(host_addr: u64, len: u64, write_notify: Option<Arc<EventFd>>) -> Self {
+        Self {
+            host_addr,
+            len,
+            write_notify,
+        }
+    }
+
+    pub fn host_addr(&self) -> u64 {
+        self.host_addr
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device's "register written" eventfd, if stores must be notified.
+    pub fn write_notify(&self) -> Option<&Arc<EventFd>> {
+        self.write_notify.as_ref()
+    }
+}
+
+/// How guest accesses to a BAR reach the device.
+#[derive(Clone, Debug)]
+pub enum BarAccess {
+    /// Loads/stores go straight to a mapped window (KVM memslot, no exits).
+    Direct(DirectWindow),
+    /// Every access exits to the VMM and is forwarded to the lender (`mode=trapped`).
+    Trapped,
+}
+
+/// A guest write that should kick an eventfd in the kernel (KVM ioeventfd), e.g. a
+/// doorbell whose value the device does not need (a "kick" register).
+#[derive(Clone)]
+pub struct RemoteIoEvent {
+    /// Offset in the BAR.
+    pub offset: u64,
+    /// Match only writes of this value (and width); `None`: any write.
+    pub datamatch: Option<pci::vm_ops::IoEventDatamatch>,
+    /// The device's eventfd (received from the lender).
+    pub fd: Arc<EventFd>,
+}
+
+impl fmt::Debug for RemoteIoEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteIoEvent")
+            .field("offset", &format_args!("{:#x}", self.offset))
+            .field("datamatch", &self.datamatch)
+            .finish()
+    }
+}
+
+/// One BAR of the remote device.
+#[derive(Clone, Debug)]
+pub struct RemoteBar {
+    /// BAR index (0..=5).
+    pub index: u8,
+    /// Size in bytes (power of two).
+    pub size: u64,
+    pub kind: BarKind,
+    pub prefetchable: bool,
+    pub access: BarAccess,
+    /// ioeventfds to register at BAR offsets while the BAR is decoded.
+    pub ioevents: Vec<RemoteIoEvent>,
+}
+
+/// Where the MSI-X table and PBA live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteMsix {
+    pub vectors: u16,
+    pub table_bar: u8,
+    pub table_offset: u32,
+    pub pba_bar: u8,
+    pub pba_offset: u32,
+}
+
+/// Everything the VMM needs to present the device.
+#[derive(Clone, Debug)]
+pub struct RemoteDeviceInfo {
+    /// Lender-side device id (for logs).
+    pub id: String,
+    /// Config space snapshot (256 or 4096 bytes).
+    pub config: Vec<u8>,
+    pub bars: Vec<RemoteBar>,
+    /// MSI-X placement; when `None` it is read from the snapshot's MSI-X capability.
+    pub msix: Option<RemoteMsix>,
+}
+
+/// Interrupt delivery mode the device is told to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IrqKind {
+    Intx,
+    Msi,
+    Msix,
+}
+
+impl fmt::Display for IrqKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            IrqKind::Intx => "intx",
+            IrqKind::Msi => "msi",
+            IrqKind::Msix => "msi-x",
+        })
+    }
+}
+
+/// Where the device's interrupts go: one eventfd per vector (KVM irqfds), and for INTx
+/// the resample eventfd KVM signals after the guest's EOI.
+pub struct IrqTargets<'a> {
+    pub kind: IrqKind,
+    /// Per vector, from vector 0. Empty: the kind is disabled.
+    pub triggers: Vec<&'a EventFd>,
+    pub resample: Option<&'a EventFd>,
+}
+
+/// State of the lease behind the link.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeaseState {
+    Active,
+    /// The lender reported the device gone or the link went down.
+    Lost(String),
+    Returned,
+}
+
+/// The device's DMA window onto guest RAM (IOVA = GPA). Dropping it unmaps it on the
+/// lender (and revokes any fabric window it exported).
+pub trait DmaMapping: Send {
+    /// Bytes mapped.
+    fn size(&self) -> u64;
+}
+
+/// The lender, as the device model sees it.
+pub trait RemoteDeviceLink: Send {
+    /// What the lender told us about the device at borrow time.
+    fn device_info(&self) -> RemoteDeviceInfo;
+
+    /// Reads `data.len()` bytes of the real config space at `offset`.
+    fn config_read(&self, offset: u16, data: &mut [u8]) -> Result<(), LinkError>;
+
+    /// Writes the real config space (the lender filters too).
+    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), LinkError>;
+
+    /// Slow-path BAR read.
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), LinkError>;
+
+    /// Slow-path BAR write.
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError>;
+
+    /// Makes guest RAM `regions` reachable by the device at IOVA = GPA.
+    fn map_dma(&self, regions: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError>;
+
+    /// Tells the lender where the device's interrupts of `targets.kind` go (replacing the
+    /// previous targets of that kind; empty triggers disable the kind).
+    fn set_irqs(&self, targets: &IrqTargets<'_>) -> Result<(), LinkError>;
+
+    /// Function-level reset of the real device (the lease stays).
+    fn reset(&self) -> Result<(), LinkError>;
+
+    fn lease_state(&self) -> LeaseState;
+
+    /// Interrupts delivered per vector, when the link sees them (tcp relay).
+    fn irq_counts(&self) -> Option<Vec<u64>> {
+        None
+    }
+}
