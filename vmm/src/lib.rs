@@ -1,1 +1,21 @@
-//! vmm
+//! lendvm's VMM: a KVM VM with guest RAM in a memfd, vCPU threads, legacy devices, the PCI root
+//! complex and the interrupt / VM-operation services that PCI device models (the remote PCI
+//! device in particular) plug into.
+
+pub mod arch;
+pub mod config;
+pub mod cpuid;
+pub mod device_manager;
+pub mod exit;
+pub mod interrupt;
+pub mod layout;
+pub mod legacy;
+pub mod loader;
+pub mod memory;
+pub mod vcpu;
+pub mod vm;
+pub mod vm_ops;
+
+pub use config::{SerialConfig, VmConfig};
+pub use exit::VmExit;
+pub use vm::{Vm, VmError};

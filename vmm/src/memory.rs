@@ -83,7 +83,7 @@ impl GuestRam {
                 min: MIN_RAM_SIZE,
             });
         }
-        if size % 4096 != 0 {
+        if !size.is_multiple_of(4096) {
             return Err(MemoryError::Unaligned(size));
         }
         let name = CString::new("lendvm-guest-ram").unwrap_or_default();
@@ -139,7 +139,11 @@ impl GuestRam {
 
     /// First guest physical address after the highest RAM byte.
     pub fn end(&self) -> u64 {
-        self.regions.iter().map(|r| r.gpa + r.size).max().unwrap_or(0)
+        self.regions
+            .iter()
+            .map(|r| r.gpa + r.size)
+            .max()
+            .unwrap_or(0)
     }
 }
 

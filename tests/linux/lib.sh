@@ -1,0 +1,78 @@
+# Shared helpers for the QEMU-based guest-kernel checks (sourced, not run).
+# shellcheck shell=bash
+
+LINUX_TESTS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$LINUX_TESTS_DIR/../.." && pwd)
+
+# Kernel command line that gets a non-PVM Linux through KVM's instruction
+# emulator on a PVM host (see docs/linux-guest-on-pvm.md). lendvm masks the
+# CPUID bits itself, so `clearcpuid=`/`noxsave` are only needed under QEMU.
+LENDVM_BASE_CMDLINE="console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000"
+QEMU_CPU_CMDLINE="noxsave clearcpuid=smap,smep,pcid,popcnt"
+# QEMU's qemu64 still has POPCNT; the other unhandled features are absent.
+QEMU_CPU="qemu64,-popcnt"
+
+log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
+die() { echo "error: $*" >&2; exit 1; }
+
+ensure_pkgs() {
+	local missing=() p
+	for p in "$@"; do
+		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+	done
+	[ ${#missing[@]} -eq 0 ] && return 0
+	[ "$(id -u)" = 0 ] || die "missing packages ${missing[*]}; run as root"
+	log "installing ${missing[*]}"
+	apt-get update -qq >&2 || die "apt-get update failed"
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 \
+		|| die "apt-get install ${missing[*]} failed"
+}
+
+# Sets BZIMAGE/VMLINUX (build-guest-kernel.sh is cached, so this is instant
+# after the first build) unless BZIMAGE is already set.
+ensure_kernel() {
+	if [ -n "${BZIMAGE:-}" ]; then
+		[ -f "$BZIMAGE" ] || die "kernel $BZIMAGE not found"
+		return 0
+	fi
+	local out
+	out=$("$REPO/scripts/build-guest-kernel.sh") || die "guest kernel build failed"
+	BZIMAGE=$(sed -n 's/^BZIMAGE=//p' <<<"$out")
+	VMLINUX=$(sed -n 's/^VMLINUX=//p' <<<"$out")
+	[ -f "$BZIMAGE" ] || die "build-guest-kernel.sh printed no bzImage"
+}
+
+le32() { # value -> printf escape string, little endian
+	local v=$1
+	printf '\\x%02x\\x%02x\\x%02x\\x%02x' $((v & 255)) $((v >> 8 & 255)) $((v >> 16 & 255)) $((v >> 24 & 255))
+}
+
+# make_disk IMG SIZE_MIB: a raw image with an MBR holding one Linux partition
+# from sector 2048 to the end.
+make_disk() {
+	local img=$1 mib=$2 sectors start=2048 entry
+	sectors=$((mib * 2048))
+	rm -f "$img"
+	truncate -s "${mib}M" "$img"
+	# status, CHS first (LBA mode), type 0x83, CHS last, first LBA, sector count
+	entry="\\x00\\xfe\\xff\\xff\\x83\\xfe\\xff\\xff$(le32 $start)$(le32 $((sectors - start)))"
+	# shellcheck disable=SC2059
+	printf "$(le32 0x4c454e44)" | dd of="$img" bs=1 seek=440 conv=notrunc status=none
+	# shellcheck disable=SC2059
+	printf "$entry" | dd of="$img" bs=1 seek=446 conv=notrunc status=none
+	printf '\x55\xaa' | dd of="$img" bs=1 seek=510 conv=notrunc status=none
+}
+
+# run_qemu LOG TIMEOUT_S CMDLINE [extra qemu args...]; returns QEMU's exit code
+# (124 on timeout).
+run_qemu() {
+	local logf=$1 tmo=$2 cmdline=$3
+	shift 3
+	local rc=0
+	timeout --foreground -k 10 "$tmo" qemu-system-x86_64 \
+		-enable-kvm -cpu "$QEMU_CPU" -machine "${QEMU_MACHINE:-q35}" -m 256M -smp 1 \
+		-nographic -no-reboot -monitor none -net none -serial "file:$logf" \
+		-device isa-debug-exit,iobase=0xf4,iosize=0x04 \
+		-kernel "$BZIMAGE" -append "$cmdline" "$@" </dev/null >"$logf.qemu" 2>&1 || rc=$?
+	return $rc
+}

@@ -1,0 +1,170 @@
+//! Boots the bare-metal test guest in the real `lendvm` binary and checks the serial protocol
+//! (`TEST <name> ok|fail ...`, `EXIT <code>`) and the process exit code; plus CLI errors.
+//!
+//! Needs `cargo build --workspace --bins` first (the binary is looked up next to this test).
+
+use std::time::Duration;
+
+use lendvm_tests::{run_lendvm, Run, TEST_GUEST};
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+fn boot(extra: &[&str]) -> Run {
+    let mut args = vec!["--kernel", TEST_GUEST, "--serial", "stdout"];
+    if !extra.contains(&"--memory") {
+        args.extend_from_slice(&["--memory", "256M"]);
+    }
+    args.extend_from_slice(extra);
+    let run = run_lendvm(&args, TIMEOUT);
+    eprintln!(
+        "lendvm {:?}: boot-to-exit {:.3} s, status {:?}\n--- stdout\n{}--- stderr\n{}",
+        extra,
+        run.elapsed.as_secs_f64(),
+        run.status,
+        run.stdout,
+        run.stderr
+    );
+    assert!(
+        run.status.is_some(),
+        "lendvm did not exit within {TIMEOUT:?}"
+    );
+    run
+}
+
+#[test]
+fn test_guest_passes_all_tests() {
+    let run = boot(&["--cmdline", "console=ttyS0"]);
+    assert!(
+        run.has_line("TEST pci-ecam ok 00:00.0 8086:0d57"),
+        "host bridge not seen at 00:00.0 via ECAM"
+    );
+    assert!(run.has_line("PCI 00:00.0 8086:0d57 class 060000"));
+    assert!(run.has_line("TEST pci-cf8 ok"));
+    assert!(run.has_line("TEST cpuid ok hypervisor yes"));
+    assert!(run.has_line("TEST bootinfo ok e820 "));
+    assert!(run.has_line("TEST mmio-unclaimed ok"));
+    assert!(
+        run.has_line("TEST irq-lapic-timer ok vector 0x30"),
+        "LAPIC timer interrupt not delivered through the IDT"
+    );
+    assert!(run.has_line("TEST irq-self-ipi ok vector 0x31"));
+    assert!(
+        run.has_line("TEST irq-ioapic-serial ok irq 4 vector 0x32"),
+        "COM1 IRQ 4 (irqfd -> IOAPIC) not delivered"
+    );
+    assert!(
+        !run.stdout.lines().any(|l| l.contains(" fail ")),
+        "a guest test failed"
+    );
+    assert!(run.has_line("EXIT 0"));
+    assert_eq!(run.code(), Some(0));
+}
+
+#[test]
+fn guest_exit_code_is_the_process_exit_code() {
+    let run = boot(&["--cmdline", "tests=none exit=7"]);
+    assert!(run.has_line("EXIT 7"));
+    assert_eq!(run.code(), Some(7));
+}
+
+#[test]
+fn two_vcpus_and_high_memory_boot() {
+    let run = boot(&["--cpus", "2", "--memory", "5G", "--cmdline", "tests=pci"]);
+    assert!(
+        run.has_line("e820 0x100000000 0x80000000 type 1"),
+        "high RAM at 4 GiB"
+    );
+    assert!(run.has_line("TEST pci-ecam ok"));
+    assert_eq!(run.code(), Some(0));
+}
+
+#[test]
+fn serial_can_go_to_a_file() {
+    let path = std::env::temp_dir().join(format!("lendvm-serial-{}.log", std::process::id()));
+    let arg = format!("file={}", path.display());
+    let run = run_lendvm(
+        &[
+            "--kernel",
+            TEST_GUEST,
+            "--serial",
+            &arg,
+            "--cmdline",
+            "tests=none exit=3",
+        ],
+        TIMEOUT,
+    );
+    let log = std::fs::read_to_string(&path).unwrap_or_default();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(run.code(), Some(3), "stderr: {}", run.stderr);
+    assert!(run.stdout.is_empty(), "stdout: {}", run.stdout);
+    assert!(log.lines().any(|l| l == "EXIT 3"), "serial file: {log}");
+}
+
+#[test]
+fn emulation_failure_reports_rip_and_instruction_bytes() {
+    // `popcnt eax, ecx` (f3 0f b8 c1) is not implemented by KVM's emulator on this host.
+    let run = boot(&["--cmdline", "tests=none fault=popcnt"]);
+    assert_eq!(run.code(), Some(1));
+    assert!(
+        run.stderr.contains("KVM_EXIT_INTERNAL_ERROR"),
+        "{}",
+        run.stderr
+    );
+    assert!(run.stderr.contains("RIP 0x"), "{}", run.stderr);
+    assert!(run.stderr.contains("bytes [f3 0f b8 c1"), "{}", run.stderr);
+}
+
+#[test]
+fn guest_exception_is_reported_by_the_guest() {
+    let run = boot(&["--cmdline", "tests=none fault=ud2"]);
+    assert!(run.has_line("TEST exception fail vector 6"));
+    assert_eq!(run.code(), Some(3));
+}
+
+fn cli_error(args: &[&str], needle: &str) {
+    let run = run_lendvm(args, TIMEOUT);
+    assert_eq!(run.code(), Some(2), "{args:?}: stderr {}", run.stderr);
+    let lines: Vec<&str> = run.stderr.lines().collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "{args:?}: want one error line, got {lines:?}"
+    );
+    assert!(lines[0].contains(needle), "{args:?}: {}", lines[0]);
+}
+
+#[test]
+fn cli_rejects_bad_values_with_one_line_and_status_2() {
+    cli_error(
+        &["--kernel", TEST_GUEST, "--memory", "lots"],
+        "invalid size 'lots'",
+    );
+    cli_error(
+        &["--kernel", "/nonexistent/vmlinux"],
+        "kernel file /nonexistent/vmlinux does not exist",
+    );
+    cli_error(
+        &["--kernel", TEST_GUEST, "--cpus", "0"],
+        "invalid CPU count 0",
+    );
+    cli_error(
+        &["--kernel", TEST_GUEST, "--memory", "1M"],
+        "below the minimum",
+    );
+    cli_error(
+        &["--kernel", TEST_GUEST, "--serial", "tty"],
+        "invalid serial 'tty'",
+    );
+    cli_error(
+        &["--kernel", TEST_GUEST, "--api-socket", "/tmp/x.sock"],
+        "--api-socket is not yet supported",
+    );
+    cli_error(
+        &["--kernel", TEST_GUEST, "--remote-device", "n1:01:00.0"],
+        "--remote-device is not yet supported",
+    );
+    cli_error(
+        &["--kernel", TEST_GUEST, "--cluster", "c.toml"],
+        "--cluster is not yet supported",
+    );
+}

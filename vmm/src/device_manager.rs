@@ -1,0 +1,498 @@
+//! Device manager: the PIO and MMIO buses, legacy devices and the PCI root complex.
+//!
+//! PCI: bus 0 (`pci::PciBus`, host bridge at 00:00.0) is reachable through config mechanism
+//! #1 (ports 0xcf8..0xcff) and ECAM (0xE000_0000). [`DeviceManager::add_pci_device`] gives a
+//! device its BARs from the VM's windows, puts every BAR on the MMIO (or PIO) bus so trapped
+//! accesses reach `PciDevice::read_bar`/`write_bar`, and plugs it into a slot;
+//! [`DeviceManager::remove_pci_device`] undoes all of it. Guest BAR moves arrive through
+//! [`BarRelocator`] (the root complex's `DeviceRelocation`).
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use kvm_ioctls::VmFd;
+use pci::device::{BarMove, DeviceRelocation, PciBarAllocators, PciDeviceError};
+use pci::root::PciRootError;
+use pci::{
+    Bus, BusDevice, BusError, PciBarConfiguration, PciBarRegionType, PciBdf, PciBus, PciConfigIo,
+    PciConfigMmio, PciDevice, SharedPciDevice,
+};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::config::SerialConfig;
+use crate::exit::ExitNotifier;
+use crate::layout::{
+    DEBUG_EXIT_PORT, PCI_CONFIG_IO_PORT, PCI_CONFIG_IO_PORT_SIZE, PCI_ECAM_SIZE, PCI_ECAM_START,
+    SERIAL_IRQ, SERIAL_PORT,
+};
+use crate::legacy::{DebugExit, SerialDevice};
+
+/// Size of the 64-bit PCI BAR window placed after guest RAM.
+pub const PCI_MMIO64_SIZE: u64 = 64 << 30;
+
+/// Errors of device set-up.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("cannot open serial output file {path}")]
+    SerialFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot create the {what} eventfd")]
+    EventFd {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot register the irqfd of GSI {gsi}")]
+    Irqfd {
+        gsi: u32,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("cannot place {what} on the bus")]
+    Bus {
+        what: &'static str,
+        #[source]
+        source: BusError,
+    },
+    #[error(transparent)]
+    Pci(#[from] PciDeviceError),
+    #[error(transparent)]
+    Slot(#[from] PciRootError),
+}
+
+/// Routes trapped BAR accesses on a bus range to the device's `read_bar`/`write_bar`.
+pub struct BarBusDevice {
+    device: SharedPciDevice,
+}
+
+impl BusDevice for BarBusDevice {
+    fn read(&mut self, base: u64, offset: u64, data: &mut [u8]) {
+        self.device
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .read_bar(base, offset, data)
+    }
+
+    fn write(&mut self, base: u64, offset: u64, data: &[u8]) {
+        self.device
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .write_bar(base, offset, data)
+    }
+}
+
+/// BAR ranges currently on the buses, per slot.
+type BarTable = Arc<Mutex<BTreeMap<u8, Vec<PciBarConfiguration>>>>;
+
+/// Moves bus ranges and allocator reservations when the guest reprograms a BAR.
+pub struct BarRelocator {
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+    allocators: Arc<Mutex<PciBarAllocators>>,
+    bars: BarTable,
+}
+
+impl DeviceRelocation for BarRelocator {
+    fn move_bar(
+        &self,
+        bdf: PciBdf,
+        mv: &BarMove,
+        _device: &mut dyn PciDevice,
+    ) -> Result<(), PciDeviceError> {
+        let bus = if mv.region_type == PciBarRegionType::Io {
+            &self.pio
+        } else {
+            &self.mmio
+        };
+        bus.relocate(mv.old, mv.new)
+            .map_err(|e| PciDeviceError::MoveBar {
+                old: mv.old,
+                new: mv.new,
+                reason: e.to_string(),
+            })?;
+        let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = alloc.free(mv.region_type, mv.old, mv.len) {
+            log::warn!("{bdf}: freeing old bar range {:#x}: {e}", mv.old);
+        }
+        if let Err(e) = alloc.allocate_at(mv.region_type, mv.new, mv.len) {
+            log::warn!(
+                "{bdf}: bar moved to {:#x} outside the managed window: {e}",
+                mv.new
+            );
+        }
+        let mut bars = self.bars.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = bars
+            .get_mut(&bdf.device())
+            .and_then(|v| v.iter_mut().find(|b| b.addr == mv.old))
+        {
+            b.addr = mv.new;
+        }
+        log::debug!(
+            "{bdf}: bar {} moved {:#x} -> {:#x}",
+            mv.bar_idx,
+            mv.old,
+            mv.new
+        );
+        Ok(())
+    }
+}
+
+/// Owns the buses and the devices on them.
+pub struct DeviceManager {
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+    serial: Option<Arc<Mutex<SerialDevice>>>,
+    pci_bus: Arc<PciBus>,
+    allocators: Arc<Mutex<PciBarAllocators>>,
+    bars: BarTable,
+}
+
+impl DeviceManager {
+    /// Creates the buses with COM1, the debug-exit port and the PCI root complex; the
+    /// 64-bit BAR window starts at `mmio64_start`.
+    pub fn new(
+        vm: &VmFd,
+        serial: &SerialConfig,
+        exit: Arc<ExitNotifier>,
+        mmio64_start: u64,
+    ) -> Result<Self, DeviceError> {
+        let pio = Arc::new(Bus::new());
+        let mmio = Arc::new(Bus::new());
+        let out: Option<Box<dyn Write + Send>> = match serial {
+            SerialConfig::Stdout => Some(Box::new(std::io::stdout())),
+            SerialConfig::File(path) => Some(Box::new(File::create(path).map_err(|source| {
+                DeviceError::SerialFile {
+                    path: path.clone(),
+                    source,
+                }
+            })?)),
+            SerialConfig::Off => None,
+        };
+        let serial = match out {
+            Some(out) => {
+                let evt =
+                    EventFd::new(libc::EFD_NONBLOCK).map_err(|source| DeviceError::EventFd {
+                        what: "serial IRQ",
+                        source,
+                    })?;
+                vm.register_irqfd(&evt, SERIAL_IRQ)
+                    .map_err(|source| DeviceError::Irqfd {
+                        gsi: SERIAL_IRQ,
+                        source,
+                    })?;
+                let dev = Arc::new(Mutex::new(SerialDevice::new(evt, out)));
+                pio.insert(dev.clone(), SERIAL_PORT, 8)
+                    .map_err(|source| DeviceError::Bus {
+                        what: "COM1",
+                        source,
+                    })?;
+                Some(dev)
+            }
+            None => None,
+        };
+        pio.insert(
+            Arc::new(Mutex::new(DebugExit::new(exit))),
+            DEBUG_EXIT_PORT,
+            4,
+        )
+        .map_err(|source| DeviceError::Bus {
+            what: "debug exit port",
+            source,
+        })?;
+        let allocators = Arc::new(Mutex::new(PciBarAllocators::x86_64(
+            mmio64_start,
+            PCI_MMIO64_SIZE,
+        )?));
+        let bars: BarTable = Arc::default();
+        let pci_bus = Arc::new(PciBus::new(Arc::new(BarRelocator {
+            pio: pio.clone(),
+            mmio: mmio.clone(),
+            allocators: allocators.clone(),
+            bars: bars.clone(),
+        })));
+        pio.insert(
+            Arc::new(Mutex::new(PciConfigIo::new(pci_bus.clone()))),
+            PCI_CONFIG_IO_PORT,
+            PCI_CONFIG_IO_PORT_SIZE,
+        )
+        .map_err(|source| DeviceError::Bus {
+            what: "PCI config ports",
+            source,
+        })?;
+        mmio.insert(
+            Arc::new(Mutex::new(PciConfigMmio::new(pci_bus.clone()))),
+            PCI_ECAM_START,
+            PCI_ECAM_SIZE,
+        )
+        .map_err(|source| DeviceError::Bus {
+            what: "PCI ECAM",
+            source,
+        })?;
+        Ok(Self {
+            pio,
+            mmio,
+            serial,
+            pci_bus,
+            allocators,
+            bars,
+        })
+    }
+
+    /// PCI bus 0.
+    pub fn pci_bus(&self) -> &Arc<PciBus> {
+        &self.pci_bus
+    }
+
+    /// The BAR allocators (I/O, 32-bit and 64-bit MMIO windows).
+    pub fn bar_allocators(&self) -> &Arc<Mutex<PciBarAllocators>> {
+        &self.allocators
+    }
+
+    /// Gives `device` its BARs, puts them on the buses and plugs it into `slot` (or the lowest
+    /// free one). Everything is rolled back on failure.
+    pub fn add_pci_device(
+        &self,
+        device: SharedPciDevice,
+        slot: Option<u8>,
+    ) -> Result<PciBdf, DeviceError> {
+        let slot = match slot {
+            Some(s) => s,
+            None => self
+                .pci_bus
+                .next_free_slot()
+                .ok_or(PciRootError::NoFreeSlot)?,
+        };
+        if slot == 0 {
+            return Err(PciRootError::HostBridgeSlot.into());
+        }
+        if self.pci_bus.device(slot).is_some() {
+            return Err(PciRootError::SlotInUse(slot).into());
+        }
+        let bars = {
+            let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
+            device
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .allocate_bars(&mut alloc)?
+        };
+        let mut placed: Vec<&PciBarConfiguration> = Vec::new();
+        let mut result = Ok(());
+        for bar in &bars {
+            let bus = self.bus_for(bar.region_type);
+            let dev = Arc::new(Mutex::new(BarBusDevice {
+                device: device.clone(),
+            }));
+            if let Err(source) = bus.insert(dev, bar.addr, bar.size) {
+                result = Err(DeviceError::Bus {
+                    what: "a PCI BAR",
+                    source,
+                });
+                break;
+            }
+            placed.push(bar);
+        }
+        let result = result.and_then(|()| {
+            self.pci_bus
+                .add_device(Some(slot), device.clone())
+                .map_err(DeviceError::from)
+        });
+        match result {
+            Ok(bdf) => {
+                self.bars
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(slot, bars);
+                Ok(bdf)
+            }
+            Err(e) => {
+                for bar in placed {
+                    let _ = self.bus_for(bar.region_type).remove(bar.addr);
+                }
+                let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
+                if let Err(fe) = device
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .free_bars(&mut alloc)
+                {
+                    log::error!("rollback of bars for slot {slot}: {fe}");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Unplugs the device in `slot`: removes its BAR ranges and frees its BARs.
+    pub fn remove_pci_device(&self, slot: u8) -> Result<SharedPciDevice, DeviceError> {
+        let device = self.pci_bus.remove_device(slot)?;
+        let bars = self
+            .bars
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&slot)
+            .unwrap_or_default();
+        for bar in &bars {
+            if let Err(e) = self.bus_for(bar.region_type).remove(bar.addr) {
+                log::warn!("slot {slot}: bar {} range: {e}", bar.idx);
+            }
+        }
+        let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
+        device
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_bars(&mut alloc)?;
+        Ok(device)
+    }
+
+    fn bus_for(&self, t: PciBarRegionType) -> &Arc<Bus> {
+        if t == PciBarRegionType::Io {
+            &self.pio
+        } else {
+            &self.mmio
+        }
+    }
+
+    /// The port I/O bus.
+    pub fn pio_bus(&self) -> &Arc<Bus> {
+        &self.pio
+    }
+
+    /// The MMIO bus (guest-physical addresses not backed by a memslot).
+    pub fn mmio_bus(&self) -> &Arc<Bus> {
+        &self.mmio
+    }
+
+    /// Writes out buffered serial output.
+    pub fn flush_serial(&self) {
+        if let Some(s) = &self.serial {
+            s.lock().unwrap_or_else(|e| e.into_inner()).flush();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pci::device::{BarRequest, ConfigWriteEffects};
+    use pci::{PciConfiguration, PciConfigurationParams};
+    use std::any::Any;
+
+    struct TestDev {
+        config: PciConfiguration,
+        bar: Option<PciBarConfiguration>,
+    }
+
+    impl PciDevice for TestDev {
+        fn allocate_bars(
+            &mut self,
+            alloc: &mut PciBarAllocators,
+        ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
+            let bar = alloc.allocate(&BarRequest {
+                idx: 0,
+                size: 0x4000,
+                region_type: PciBarRegionType::Memory32,
+                prefetchable: false,
+            })?;
+            self.config.add_pci_bar(&bar)?;
+            self.bar = Some(bar);
+            Ok(vec![bar])
+        }
+        fn free_bars(&mut self, alloc: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
+            if let Some(b) = self.bar.take() {
+                alloc.free(b.region_type, b.addr, b.size)?;
+            }
+            Ok(())
+        }
+        fn read_config_register(&mut self, reg_idx: usize) -> u32 {
+            self.config.read_reg(reg_idx)
+        }
+        fn write_config_register(
+            &mut self,
+            reg_idx: usize,
+            offset: u64,
+            data: &[u8],
+        ) -> ConfigWriteEffects {
+            self.config.write_config_register(reg_idx, offset, data)
+        }
+        fn read_bar(&mut self, _base: u64, offset: u64, data: &mut [u8]) {
+            data.fill(offset as u8 ^ 0xa5);
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+
+    fn test_dev() -> SharedPciDevice {
+        Arc::new(Mutex::new(TestDev {
+            config: PciConfiguration::new(&PciConfigurationParams {
+                vendor_id: 0x1b36,
+                device_id: 0x0010,
+                ..Default::default()
+            }),
+            bar: None,
+        }))
+    }
+
+    /// Hot-add and remove a device through the hooks other crates use (skips without KVM).
+    #[test]
+    fn add_and_remove_pci_device() {
+        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
+            eprintln!("no /dev/kvm: skipped");
+            return;
+        };
+        let vm = kvm.create_vm().unwrap();
+        let dm = DeviceManager::new(
+            &vm,
+            &SerialConfig::Off,
+            Arc::new(ExitNotifier::new()),
+            1 << 32,
+        )
+        .unwrap();
+        let ranges = dm.mmio_bus().len();
+        let bdf = dm.add_pci_device(test_dev(), None).unwrap();
+        assert_eq!((bdf.bus(), bdf.device(), bdf.function()), (0, 1, 0));
+        // Config space through ECAM, as the guest sees it.
+        let mut id = [0u8; 4];
+        dm.mmio_bus()
+            .read(PCI_ECAM_START | (1 << 15), &mut id)
+            .unwrap();
+        assert_eq!(u32::from_le_bytes(id), 0x0010_1b36);
+        let mut bar0 = [0u8; 4];
+        dm.mmio_bus()
+            .read(PCI_ECAM_START | (1 << 15) | 0x10, &mut bar0)
+            .unwrap();
+        let base = u64::from(u32::from_le_bytes(bar0) & !0xf);
+        assert_eq!(base, crate::layout::PCI_MMIO32_START);
+        let mut b = [0u8; 1];
+        dm.mmio_bus().read(base + 3, &mut b).unwrap();
+        assert_eq!(b[0], 3 ^ 0xa5, "BAR access reaches read_bar");
+        assert!(
+            dm.add_pci_device(test_dev(), Some(1)).is_err(),
+            "slot in use"
+        );
+        assert!(
+            dm.add_pci_device(test_dev(), Some(0)).is_err(),
+            "host bridge slot"
+        );
+        dm.remove_pci_device(1).unwrap();
+        assert_eq!(dm.mmio_bus().len(), ranges, "BAR range removed");
+        assert!(
+            dm.remove_pci_device(1).is_err(),
+            "double remove is an error"
+        );
+        // The BAR window was freed: the next device gets the same address.
+        dm.add_pci_device(test_dev(), Some(2)).unwrap();
+        let mut bar0 = [0u8; 4];
+        dm.mmio_bus()
+            .read(PCI_ECAM_START | (2 << 15) | 0x10, &mut bar0)
+            .unwrap();
+        assert_eq!(u64::from(u32::from_le_bytes(bar0) & !0xf), base);
+    }
+}

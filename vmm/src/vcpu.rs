@@ -1,0 +1,308 @@
+//! vCPUs: creation and boot state, one thread per vCPU running `KVM_RUN`, exit dispatch to the
+//! PIO/MMIO buses, and the signal kick that gets a vCPU out of `KVM_RUN`.
+//!
+//! With the in-kernel irqchip a guest `hlt` blocks inside `KVM_RUN`, so a stop request alone
+//! cannot reach a halted vCPU. [`Vcpus::stop`] therefore raises the stop flag and sends
+//! [`kick_signal`] to each vCPU thread repeatedly until the thread has left its loop: the signal
+//! makes `KVM_RUN` return `EINTR` (or, if it lands just before the ioctl, the next kick does),
+//! and the loop checks the flag before every entry.
+
+use std::sync::{Arc, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{CpuId, KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_CRASH};
+use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
+use pci::Bus;
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::arch::{self, ArchError};
+use crate::cpuid::{self, CpuidError};
+use crate::exit::{ExitNotifier, VmExit};
+use crate::memory::GuestMemory;
+
+/// Errors of vCPU creation.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("cannot create vCPU {id}")]
+    Create {
+        id: u8,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("vCPU {id}: CPUID")]
+    Cpuid {
+        id: u8,
+        #[source]
+        source: CpuidError,
+    },
+    #[error("vCPU {id}: KVM rejected the CPUID table")]
+    SetCpuid {
+        id: u8,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("vCPU {id}: boot state")]
+    Arch {
+        id: u8,
+        #[source]
+        source: ArchError,
+    },
+    #[error("cannot spawn the thread of vCPU {id}")]
+    Spawn {
+        id: u8,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot install the vCPU kick signal handler")]
+    Signal(#[source] vmm_sys_util::errno::Error),
+}
+
+/// Real-time signal used to kick vCPU threads out of `KVM_RUN`.
+pub fn kick_signal() -> i32 {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+fn install_kick_handler() -> Result<(), VcpuError> {
+    static ONCE: Once = Once::new();
+    let mut result = Ok(());
+    ONCE.call_once(|| {
+        result = vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
+            .map_err(VcpuError::Signal);
+    });
+    result
+}
+
+/// Creates vCPU `id` of `count` with filtered CPUID and the 64-bit boot state at `entry`.
+pub fn create_vcpu(
+    vm: &VmFd,
+    supported: &CpuId,
+    id: u8,
+    count: u8,
+    entry: u64,
+) -> Result<VcpuFd, VcpuError> {
+    let fd = vm
+        .create_vcpu(u64::from(id))
+        .map_err(|source| VcpuError::Create { id, source })?;
+    let cpuid =
+        cpuid::filter(supported, id, count).map_err(|source| VcpuError::Cpuid { id, source })?;
+    fd.set_cpuid2(&cpuid)
+        .map_err(|source| VcpuError::SetCpuid { id, source })?;
+    if id == 0 {
+        if let Ok(back) = fd.get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES) {
+            let visible = cpuid::overridden(back.as_slice());
+            if !visible.is_empty() {
+                log::info!(
+                    "KVM kept these CPUID features visible despite the VMM's mask \
+                     (PVM overrides leaves 1, 7 and 0xD): {}",
+                    visible.join(" ")
+                );
+            }
+        }
+    }
+    let arch = |source| VcpuError::Arch { id, source };
+    let msrs = arch::setup_msrs(&fd).map_err(arch)?;
+    log::debug!("vCPU {id}: boot MSRs accepted: {msrs:?}");
+    arch::setup_regs(&fd, entry).map_err(arch)?;
+    arch::setup_sregs(&fd).map_err(arch)?;
+    arch::setup_fpu(&fd).map_err(arch)?;
+    arch::setup_lapic(&fd).map_err(arch)?;
+    Ok(fd)
+}
+
+/// What a vCPU thread needs besides its fd.
+#[derive(Clone)]
+pub struct VcpuContext {
+    pub pio: Arc<Bus>,
+    pub mmio: Arc<Bus>,
+    pub memory: GuestMemory,
+    pub exit: Arc<ExitNotifier>,
+}
+
+/// Running vCPU threads.
+pub struct Vcpus {
+    threads: Vec<JoinHandle<()>>,
+    exit: Arc<ExitNotifier>,
+}
+
+impl Vcpus {
+    /// Starts one thread per vCPU fd.
+    pub fn start(fds: Vec<VcpuFd>, ctx: VcpuContext) -> Result<Self, VcpuError> {
+        install_kick_handler()?;
+        let mut threads = Vec::new();
+        let exit = ctx.exit.clone();
+        for (id, fd) in fds.into_iter().enumerate() {
+            let ctx = ctx.clone();
+            let id = id as u8;
+            let t = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || run_loop(id, fd, ctx))
+                .map_err(|source| VcpuError::Spawn { id, source })?;
+            threads.push(t);
+        }
+        Ok(Self { threads, exit })
+    }
+
+    /// Raises the stop flag and kicks every vCPU thread until it exits, then joins them.
+    pub fn stop(self) {
+        use std::os::unix::thread::JoinHandleExt;
+        self.exit
+            .request(VmExit::Shutdown("stopped by the VMM".into()));
+        for t in self.threads {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !t.is_finished() && Instant::now() < deadline {
+                // SAFETY: the thread has not been joined, so its pthread_t is valid; the signal
+                // has a no-op handler installed.
+                unsafe { libc::pthread_kill(t.as_pthread_t(), kick_signal()) };
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                log::error!("a vCPU thread did not stop within 10 s; leaving it");
+            }
+        }
+    }
+}
+
+enum Next {
+    Continue,
+    Stop(VmExit),
+    InternalError,
+    FailEntry(u64),
+}
+
+fn run_loop(id: u8, mut fd: VcpuFd, ctx: VcpuContext) {
+    log::debug!("vCPU {id} running");
+    while !ctx.exit.should_stop() {
+        let next = match fd.run() {
+            Ok(VcpuExit::IoOut(port, data)) => {
+                if ctx.pio.write(u64::from(port), data).is_err() {
+                    log::trace!("vCPU {id}: out to unclaimed port {port:#x}");
+                }
+                Next::Continue
+            }
+            Ok(VcpuExit::IoIn(port, data)) => {
+                if ctx.pio.read(u64::from(port), data).is_err() {
+                    data.fill(0xff);
+                }
+                Next::Continue
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                if ctx.mmio.write(addr, data).is_err() {
+                    log::trace!("vCPU {id}: write to unclaimed MMIO {addr:#x}");
+                }
+                Next::Continue
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                if ctx.mmio.read(addr, data).is_err() {
+                    data.fill(0xff);
+                }
+                Next::Continue
+            }
+            Ok(VcpuExit::Shutdown) => Next::Stop(VmExit::Shutdown(format!(
+                "vCPU {id}: guest shut down (KVM_EXIT_SHUTDOWN: triple fault or reset)"
+            ))),
+            Ok(VcpuExit::SystemEvent(kind, _)) if kind == KVM_SYSTEM_EVENT_CRASH => Next::Stop(
+                VmExit::Error(format!("vCPU {id}: guest crashed (system event {kind})")),
+            ),
+            Ok(VcpuExit::SystemEvent(kind, _)) => Next::Stop(VmExit::Shutdown(format!(
+                "vCPU {id}: guest system event {kind} (shutdown/reset)"
+            ))),
+            Ok(VcpuExit::Hlt) => Next::Stop(VmExit::Shutdown(format!("vCPU {id}: guest halted"))),
+            Ok(VcpuExit::InternalError) => Next::InternalError,
+            Ok(VcpuExit::FailEntry(reason, _)) => Next::FailEntry(reason),
+            Ok(VcpuExit::Intr) => Next::Continue,
+            Ok(other) => {
+                log::warn!("vCPU {id}: unhandled exit {other:?}");
+                Next::Continue
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Next::Continue,
+            Err(e) => Next::Stop(VmExit::Error(format!("vCPU {id}: KVM_RUN failed: {e}"))),
+        };
+        match next {
+            Next::Continue => {}
+            Next::Stop(reason) => ctx.exit.request(reason),
+            Next::InternalError => {
+                let msg = internal_error_report(id, &mut fd, &ctx.memory);
+                ctx.exit.request(VmExit::Error(msg));
+            }
+            Next::FailEntry(reason) => {
+                let msg = format!(
+                    "vCPU {id}: KVM_EXIT_FAIL_ENTRY (hardware reason {reason:#x}); {}",
+                    describe_state(&fd, &ctx.memory)
+                );
+                ctx.exit.request(VmExit::Error(msg));
+            }
+        }
+    }
+    log::debug!("vCPU {id} stopped");
+}
+
+fn internal_error_report(id: u8, fd: &mut VcpuFd, mem: &GuestMemory) -> String {
+    let run = fd.get_kvm_run();
+    // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so `internal` is the live union field.
+    let internal = unsafe { run.__bindgen_anon_1.internal };
+    let n = (internal.ndata as usize).min(internal.data.len());
+    let data: Vec<String> = internal.data[..n]
+        .iter()
+        .map(|d| format!("{d:#x}"))
+        .collect();
+    let what = if internal.suberror == KVM_INTERNAL_ERROR_EMULATION {
+        "emulation failure: KVM's instruction emulator cannot run the instruction at RIP"
+    } else {
+        "internal error"
+    };
+    format!(
+        "vCPU {id}: KVM_EXIT_INTERNAL_ERROR suberror {} ({what}); data [{}]; {}",
+        internal.suberror,
+        data.join(", "),
+        describe_state(fd, mem)
+    )
+}
+
+/// RIP, its physical address and the instruction bytes there, plus key registers.
+pub fn describe_state(fd: &VcpuFd, mem: &GuestMemory) -> String {
+    let (Ok(regs), Ok(sregs)) = (fd.get_regs(), fd.get_sregs()) else {
+        return "registers unavailable".into();
+    };
+    let linear = sregs.cs.base.wrapping_add(regs.rip);
+    let paging = sregs.cr0 & (1 << 31) != 0;
+    let phys = if paging {
+        arch::translate(mem, sregs.cr3, linear)
+    } else {
+        Some(linear)
+    };
+    let bytes = match phys {
+        Some(p) => {
+            let mut b = [0u8; 16];
+            match mem.read_slice(&mut b, GuestAddress(p)) {
+                Ok(()) => b
+                    .iter()
+                    .map(|x| format!("{x:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                Err(_) => "not in guest RAM".into(),
+            }
+        }
+        None => "RIP not mapped".into(),
+    };
+    format!(
+        "RIP {:#x} (physical {}) bytes [{bytes}]; RSP {:#x} RAX {:#x} RCX {:#x} RDX {:#x} \
+         RFLAGS {:#x} CR0 {:#x} CR3 {:#x} CR4 {:#x} EFER {:#x}",
+        regs.rip,
+        phys.map(|p| format!("{p:#x}"))
+            .unwrap_or_else(|| "?".into()),
+        regs.rsp,
+        regs.rax,
+        regs.rcx,
+        regs.rdx,
+        regs.rflags,
+        sregs.cr0,
+        sregs.cr3,
+        sregs.cr4,
+        sregs.efer
+    )
+}

@@ -1,0 +1,211 @@
+//! A VM: KVM VM with in-kernel irqchip and PIT, guest RAM, devices, loaded kernel, vCPUs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
+};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vm_memory::{GuestAddress, GuestMemoryBackend};
+
+use crate::arch::{self, ArchError};
+use crate::config::VmConfig;
+use crate::device_manager::{DeviceError, DeviceManager};
+use crate::exit::{ExitNotifier, VmExit};
+use crate::interrupt::KvmInterruptManager;
+use crate::layout::pci_mmio64_start;
+use crate::loader::{self, BootSource, LoadedKernel, LoaderError};
+use crate::memory::{GuestRam, MemoryError};
+use crate::vcpu::{self, VcpuContext, VcpuError, Vcpus};
+use crate::vm_ops::KvmVmOps;
+
+/// KVM's TSS address on Intel (three pages below the BIOS area).
+const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
+
+/// Errors of VM creation and running.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("cannot open /dev/kvm")]
+    KvmOpen(#[source] kvm_ioctls::Error),
+    #[error("/dev/kvm is not a usable KVM device (API version {0}, expected 12)")]
+    KvmApi(i32),
+    #[error("KVM operation {op} failed")]
+    Kvm {
+        op: &'static str,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Loader(#[from] LoaderError),
+    #[error(transparent)]
+    Arch(#[from] ArchError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    #[error("interrupt set-up failed")]
+    Interrupt(#[from] pci::interrupt::InterruptError),
+}
+
+fn kvm_op(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |source| VmError::Kvm { op, source }
+}
+
+/// A built, not yet running VM.
+pub struct Vm {
+    vm: Arc<VmFd>,
+    ram: Arc<GuestRam>,
+    devices: Arc<DeviceManager>,
+    interrupts: Arc<KvmInterruptManager>,
+    vm_ops: Arc<KvmVmOps>,
+    exit: Arc<ExitNotifier>,
+    vcpus: Vec<VcpuFd>,
+    kernel: LoadedKernel,
+}
+
+impl Vm {
+    /// Builds the VM and loads the kernel; vCPUs are created but not started.
+    pub fn new(cfg: &VmConfig) -> Result<Self, VmError> {
+        let kvm = Kvm::new().map_err(VmError::KvmOpen)?;
+        let api = kvm.get_api_version();
+        if api != kvm_bindings::KVM_API_VERSION as i32 {
+            return Err(VmError::KvmApi(api));
+        }
+        let vm = Arc::new(kvm.create_vm().map_err(kvm_op("KVM_CREATE_VM"))?);
+        if let Err(e) = vm.set_tss_address(KVM_TSS_ADDRESS) {
+            log::debug!("KVM_SET_TSS_ADDR not accepted ({e}); continuing");
+        }
+        vm.create_irq_chip().map_err(kvm_op("KVM_CREATE_IRQCHIP"))?;
+        vm.create_pit2(kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        })
+        .map_err(kvm_op("KVM_CREATE_PIT2"))?;
+
+        let ram = Arc::new(GuestRam::new(cfg.memory_size)?);
+        let mem = ram.memory();
+        for (slot, region) in ram.regions().iter().enumerate() {
+            let host = mem
+                .get_host_address(GuestAddress(region.gpa))
+                .map_err(|_| MemoryError::TooSmall { size: 0, min: 0 })?;
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: region.gpa,
+                memory_size: region.size,
+                userspace_addr: host as u64,
+            };
+            // SAFETY: `host` maps `region.size` bytes of guest RAM that live as long as `ram`,
+            // which the VM owns for its whole life.
+            unsafe { vm.set_user_memory_region(r) }
+                .map_err(kvm_op("KVM_SET_USER_MEMORY_REGION"))?;
+        }
+
+        let exit = Arc::new(ExitNotifier::new());
+        let interrupts = Arc::new(KvmInterruptManager::new(vm.clone())?);
+        let devices = Arc::new(DeviceManager::new(
+            &vm,
+            &cfg.serial,
+            exit.clone(),
+            pci_mmio64_start(ram.end()),
+        )?);
+
+        arch::setup_boot_tables(mem)?;
+        let kernel = loader::load(
+            mem,
+            ram.regions(),
+            &BootSource {
+                kernel: &cfg.kernel,
+                cmdline: &cfg.cmdline,
+                initramfs: cfg.initramfs.as_deref(),
+            },
+        )?;
+
+        let supported = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm_op("KVM_GET_SUPPORTED_CPUID"))?;
+        let mut vcpus = Vec::new();
+        for id in 0..cfg.cpus {
+            vcpus.push(vcpu::create_vcpu(
+                &vm,
+                &supported,
+                id,
+                cfg.cpus,
+                kernel.entry,
+            )?);
+        }
+        let max_slots = kvm.get_nr_memslots() as u32;
+        let vm_ops = Arc::new(KvmVmOps::new(
+            vm.clone(),
+            ram.clone(),
+            ram.regions().len() as u32,
+            max_slots,
+        ));
+        Ok(Self {
+            vm,
+            ram,
+            devices,
+            interrupts,
+            vm_ops,
+            exit,
+            vcpus,
+            kernel,
+        })
+    }
+
+    /// The KVM VM fd.
+    pub fn vm_fd(&self) -> &Arc<VmFd> {
+        &self.vm
+    }
+
+    /// Guest RAM (memfd + regions).
+    pub fn ram(&self) -> &Arc<GuestRam> {
+        &self.ram
+    }
+
+    /// The device manager (buses, PCI root); clone the `Arc` to add devices later.
+    pub fn devices(&self) -> &Arc<DeviceManager> {
+        &self.devices
+    }
+
+    /// The interrupt manager for device models.
+    pub fn interrupt_manager(&self) -> Arc<KvmInterruptManager> {
+        self.interrupts.clone()
+    }
+
+    /// The VM operations for device models.
+    pub fn vm_ops(&self) -> Arc<KvmVmOps> {
+        self.vm_ops.clone()
+    }
+
+    /// Where the kernel was loaded.
+    pub fn kernel(&self) -> LoadedKernel {
+        self.kernel
+    }
+
+    /// The stop notifier (request a stop from outside, e.g. the API).
+    pub fn exit_notifier(&self) -> &Arc<ExitNotifier> {
+        &self.exit
+    }
+
+    /// Runs the guest until it exits (or `timeout` passes); returns why it stopped.
+    pub fn run(mut self, timeout: Option<Duration>) -> Result<VmExit, VmError> {
+        let ctx = VcpuContext {
+            pio: self.devices.pio_bus().clone(),
+            mmio: self.devices.mmio_bus().clone(),
+            memory: self.ram.memory().clone(),
+            exit: self.exit.clone(),
+        };
+        let vcpus = Vcpus::start(std::mem::take(&mut self.vcpus), ctx)?;
+        let reason = self
+            .exit
+            .wait(timeout)
+            .unwrap_or_else(|| VmExit::Error("timed out waiting for the guest".into()));
+        vcpus.stop();
+        self.devices.flush_serial();
+        Ok(reason)
+    }
+}
