@@ -8,11 +8,13 @@
 //! * [`server`]: [`server::ApiServer`] (axum on its own thread, Unix socket).
 //! * [`client`]: [`client::ApiClient`], blocking HTTP/1.1 over a Unix socket.
 //! * [`fake`]: [`fake::FakeVmm`], the reference semantics, for tests.
+//! * [`lenders`]: `lendctl`'s lender commands (`lenders`, `list`, `status`) over the fabric.
 //!
 //! The endpoints are described in `api/openapi.yaml`.
 
 pub mod client;
 pub mod fake;
+pub mod lenders;
 pub mod request;
 pub mod server;
 pub mod types;

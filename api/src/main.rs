@@ -3,18 +3,24 @@
 //! ```text
 //! lendctl --api-socket S ping|info|add-remote-device node3:0000:81:00.0 [--id X] [--mode M]
 //!                        |remove-device X [--force]|shutdown
-//! lendctl --cluster F lenders|list
-//! lendctl --lender NODE list|status
+//! lendctl --cluster F [--token T] [--node NAME] lenders|list
+//! lendctl --cluster F --lender NODE list|status
 //! ```
 //!
-//! Tables by default, `--json` prints the server's JSON. Exit codes: 0 ok, 1 the server (or the
-//! connection) reported an error, 2 usage error.
+//! Tables by default, `--json` prints the server's JSON (lender commands: see
+//! [`api::lenders`]). Exit codes: 0 ok, 1 the server (or the connection, or a lender) reported
+//! an error, 2 usage error. `lenders` lists unreachable lenders and still exits 0; `list`
+//! exits 1 if any lender was unreachable (after printing the devices of the others).
+//!
+//! The cluster token comes from `--token`, else `$LENDVM_TOKEN`, else the cluster file's
+//! `token`/`token_file`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use api::client::{ApiClient, ClientError};
+use api::lenders::{self, table, DeviceList, LenderRow, Session};
 use api::types::{
     validate_device_id, RemoteDeviceMode, RemoteDeviceSpec, VmAddRemoteDeviceData, VmInfo,
     VmRemoveDeviceData,
@@ -38,6 +44,13 @@ struct Cli {
     /// Talk to one lender (node name from the cluster config).
     #[arg(long, global = true, value_name = "NODE")]
     lender: Option<String>,
+    /// Cluster auth token for lenders (else $LENDVM_TOKEN, else the cluster file's token).
+    #[arg(long, global = true, value_name = "TOKEN")]
+    token: Option<String>,
+    /// Our node name on the fabric when talking to lenders (default lendctl-<pid>; need not
+    /// be in the cluster file).
+    #[arg(long, global = true, value_name = "NAME")]
+    node: Option<String>,
     /// Print raw JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -112,33 +125,6 @@ impl From<ClientError> for Failure {
 
 fn print_json(body: &[u8]) {
     println!("{}", String::from_utf8_lossy(body).trim_end());
-}
-
-/// Renders rows as space-separated columns padded to the widest cell.
-fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
-    for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.len());
-        }
-    }
-    let line = |cells: Vec<&str>| {
-        let mut s = String::new();
-        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
-            if i + 1 == cells.len() {
-                s.push_str(cell);
-            } else {
-                s.push_str(&format!("{cell:<w$}  "));
-            }
-        }
-        s
-    };
-    let mut out = line(header.to_vec());
-    for row in rows {
-        out.push('\n');
-        out.push_str(&line(row.iter().map(String::as_str).collect()));
-    }
-    out
 }
 
 fn human_size(bytes: u64) -> String {
@@ -287,21 +273,130 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
 }
 
 fn lender_command(cli: &Cli) -> Result<(), Failure> {
-    let name = match cli.command {
-        Command::Lenders => "lenders",
-        Command::List => "list",
-        _ => "status",
-    };
-    match (&cli.command, &cli.cluster, &cli.lender) {
+    let cluster_path = match (&cli.command, &cli.cluster, &cli.lender) {
         (Command::Lenders, None, _) => usage_error("`lenders` needs --cluster FILE"),
         (Command::List, None, None) => usage_error("`list` needs --cluster FILE or --lender NODE"),
         (Command::Status, _, None) => usage_error("`status` needs --lender NODE"),
-        _ => {}
+        (_, None, Some(_)) => {
+            usage_error("--lender needs --cluster FILE (the lender's address comes from it)")
+        }
+        (_, Some(p), _) => p,
+        (_, None, None) => usage_error("lender commands need --cluster FILE"),
+    };
+    let local = match &cli.node {
+        Some(n) => ntb::NodeId::new(n).unwrap_or_else(|e| usage_error(&format!("--node: {e}"))),
+        None => ntb::NodeId::new(&format!("lendctl-{}", std::process::id()))
+            .map_err(|e| Failure(e.to_string()))?,
+    };
+    let cluster =
+        ntb::ClusterConfig::load(cluster_path).map_err(|e| Failure(format!("cluster file {e}")))?;
+    let token = cluster_token(cli, &cluster, cluster_path)?;
+    let session = Session {
+        local,
+        token,
+        connect_timeout: Duration::from_secs(cli.timeout.max(1)),
+    };
+    let fail = |e: lenders::LendersError| Failure(e.to_string());
+    match (&cli.command, &cli.lender) {
+        (Command::Status, Some(name)) => {
+            let node = lenders::lender(&cluster, name).map_err(fail)?;
+            let st = session.status(&cluster, node).map_err(fail)?;
+            if cli.json {
+                print_value(&st)?;
+            } else {
+                println!("{}", lenders::render_status(&st));
+            }
+            Ok(())
+        }
+        (Command::Lenders, _) => {
+            let probes = match &cli.lender {
+                Some(name) => {
+                    let node = lenders::lender(&cluster, name).map_err(fail)?;
+                    vec![lenders::Probe {
+                        node,
+                        result: session.probe(&cluster, node),
+                    }]
+                }
+                None => session.probe_all(&cluster),
+            };
+            let rows: Vec<LenderRow> = probes.iter().map(LenderRow::new).collect();
+            if cli.json {
+                print_value(&rows)?;
+            } else {
+                println!("{}", lenders::render_lenders(&rows));
+            }
+            Ok(())
+        }
+        (Command::List, Some(name)) => {
+            let node = lenders::lender(&cluster, name).map_err(fail)?;
+            let devices = session.probe(&cluster, node).map_err(fail)?;
+            let list = DeviceList::new(&[lenders::Probe {
+                node,
+                result: Ok(devices),
+            }]);
+            if cli.json {
+                print_value(&list)?;
+            } else {
+                println!("{}", lenders::render_devices(&list.devices));
+            }
+            Ok(())
+        }
+        (Command::List, None) => {
+            let list = DeviceList::new(&session.probe_all(&cluster));
+            if cli.json {
+                print_value(&list)?;
+            } else {
+                println!("{}", lenders::render_devices(&list.devices));
+            }
+            match list.unreachable.as_slice() {
+                [] => Ok(()),
+                down => {
+                    for u in down {
+                        eprintln!("lendctl: lender {} is unreachable: {}", u.node, u.error);
+                    }
+                    Err(Failure(format!(
+                        "{} of {} lenders unreachable; the list is incomplete",
+                        down.len(),
+                        cluster.nodes.len()
+                    )))
+                }
+            }
+        }
+        _ => Err(Failure("internal: not a lender command".into())),
     }
-    Err(Failure(format!(
-        "`{name}` is not yet supported: it needs the lender client library (lending::client), \
-         which this build does not have yet"
-    )))
+}
+
+/// `--token`, else `$LENDVM_TOKEN` (if not empty), else the cluster file's token.
+fn cluster_token(
+    cli: &Cli,
+    cluster: &ntb::ClusterConfig,
+    path: &std::path::Path,
+) -> Result<String, Failure> {
+    if let Some(t) = &cli.token {
+        return Ok(t.clone());
+    }
+    if let Ok(t) = std::env::var("LENDVM_TOKEN") {
+        if !t.is_empty() {
+            return Ok(t);
+        }
+    }
+    cluster
+        .auth_token()
+        .map_err(|e| Failure(e.to_string()))?
+        .ok_or_else(|| {
+            Failure(format!(
+                "no cluster token: pass --token, set LENDVM_TOKEN, or set token/token_file in {}",
+                path.display()
+            ))
+        })
+}
+
+/// Prints a lender view as pretty JSON.
+fn print_value<T: serde::Serialize>(v: &T) -> Result<(), Failure> {
+    let text =
+        serde_json::to_string_pretty(v).map_err(|e| Failure(format!("encoding JSON: {e}")))?;
+    println!("{text}");
+    Ok(())
 }
 
 fn main() -> ExitCode {

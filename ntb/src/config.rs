@@ -1,5 +1,6 @@
 //! Cluster description (`resources/cluster.example.toml`): nodes, their control addresses and
-//! fabric kinds, optional per-node NTB limits, and link timers.
+//! fabric kinds, optional per-node NTB limits, link timers and policies, and the cluster auth
+//! token (`token = "..."` or `token_file = "path"`, relative to the cluster file).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -36,6 +37,46 @@ pub enum ConfigError {
     },
     #[error("{origin}: {message}")]
     Cluster { origin: String, message: String },
+    #[error("token file {path} is empty")]
+    EmptyToken { path: String },
+}
+
+/// Where the cluster auth token comes from.
+#[derive(Clone, PartialEq, Eq)]
+pub enum ClusterToken {
+    /// `token = "..."` in the cluster file.
+    Inline(String),
+    /// `token_file = "path"`; a relative path is already resolved against the directory of
+    /// the cluster file (by [`ClusterConfig::load`]).
+    File(PathBuf),
+}
+
+impl fmt::Debug for ClusterToken {
+    /// Never prints the secret.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClusterToken::Inline(_) => f.write_str("Inline(<redacted>)"),
+            ClusterToken::File(p) => f.debug_tuple("File").field(p).finish(),
+        }
+    }
+}
+
+/// Longest accepted token.
+pub const MAX_TOKEN_LEN: usize = 4096;
+
+/// Checks a token's text; `None` if it is fine.
+fn token_problem(t: &str) -> Option<String> {
+    if t.trim().is_empty() {
+        Some("must not be empty".into())
+    } else if t.len() > MAX_TOKEN_LEN {
+        Some(format!("is {} bytes, longer than {MAX_TOKEN_LEN}", t.len()))
+    } else if t.trim() != t {
+        Some("has leading or trailing whitespace".into())
+    } else if t.chars().any(char::is_control) {
+        Some("contains control characters".into())
+    } else {
+        None
+    }
 }
 
 /// Where a node listens for links.
@@ -101,12 +142,17 @@ pub struct NodeConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterConfig {
     pub nodes: Vec<NodeConfig>,
+    /// The cluster auth token setting, if the file has one; read it with
+    /// [`ClusterConfig::auth_token`].
+    pub token: Option<ClusterToken>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawCluster {
     version: Option<Spanned<u32>>,
+    token: Option<Spanned<String>>,
+    token_file: Option<Spanned<String>>,
     #[serde(default)]
     link: Option<RawLink>,
     #[serde(default)]
@@ -119,6 +165,7 @@ struct RawLink {
     heartbeat_ms: Option<Spanned<u64>>,
     peer_timeout_ms: Option<Spanned<u64>>,
     connect_timeout_ms: Option<Spanned<u64>>,
+    require_sealed_windows: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -172,11 +219,19 @@ impl ClusterConfig {
             path: path.display().to_string(),
             source,
         })?;
-        Self::parse(&src, &path.display().to_string())
+        let dir = path.parent().unwrap_or(Path::new(""));
+        Self::parse_in(&src, &path.display().to_string(), dir)
     }
 
-    /// Parses and validates a cluster description; `origin` names it in errors.
+    /// Parses and validates a cluster description; `origin` names it in errors. A relative
+    /// `token_file` stays relative (to the current directory); [`ClusterConfig::load`]
+    /// resolves it against the cluster file's directory.
     pub fn parse(src: &str, origin: &str) -> Result<ClusterConfig, ConfigError> {
+        Self::parse_in(src, origin, Path::new(""))
+    }
+
+    /// Like [`ClusterConfig::parse`], resolving a relative `token_file` against `dir`.
+    pub fn parse_in(src: &str, origin: &str, dir: &Path) -> Result<ClusterConfig, ConfigError> {
         let cx = Ctx { origin, src };
         let raw: RawCluster = toml::from_str(src).map_err(|e| ConfigError::Parse {
             origin: origin.to_string(),
@@ -192,8 +247,33 @@ impl ClusterConfig {
                 );
             }
         }
+        let token = match (&raw.token, &raw.token_file) {
+            (Some(_), Some(f)) => {
+                return cx.invalid(
+                    "token_file",
+                    f.span(),
+                    "set either `token` or `token_file`, not both".into(),
+                )
+            }
+            (Some(t), None) => {
+                if let Some(m) = token_problem(t.get_ref()) {
+                    return cx.invalid("token", t.span(), m);
+                }
+                Some(ClusterToken::Inline(t.get_ref().clone()))
+            }
+            (None, Some(f)) => {
+                if f.get_ref().trim().is_empty() {
+                    return cx.invalid("token_file", f.span(), "must not be empty".into());
+                }
+                Some(ClusterToken::File(dir.join(f.get_ref())))
+            }
+            (None, None) => None,
+        };
         let mut base = LinkConfig::default();
         if let Some(l) = &raw.link {
+            if let Some(v) = l.require_sealed_windows {
+                base.require_sealed_windows = v;
+            }
             let ms = |v: &Spanned<u64>| Duration::from_millis(*v.get_ref());
             if let Some(v) = &l.heartbeat_ms {
                 if *v.get_ref() == 0 || *v.get_ref() > 60_000 {
@@ -343,7 +423,44 @@ impl ClusterConfig {
                 link,
             });
         }
-        Ok(ClusterConfig { nodes })
+        Ok(ClusterConfig { nodes, token })
+    }
+
+    /// The cluster auth token: the inline `token`, or the trimmed contents of `token_file`
+    /// (read now, so a rotated file is picked up); `None` if the file sets neither.
+    pub fn auth_token(&self) -> Result<Option<String>, ConfigError> {
+        let path = match &self.token {
+            None => return Ok(None),
+            Some(ClusterToken::Inline(t)) => return Ok(Some(t.clone())),
+            Some(ClusterToken::File(p)) => p,
+        };
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: format!("token file {shown}"),
+            source,
+        })?;
+        let t = text.trim();
+        if t.is_empty() {
+            return Err(ConfigError::EmptyToken { path: shown });
+        }
+        if let Some(m) = token_problem(t) {
+            return Err(ConfigError::Cluster {
+                origin: format!("token file {shown}"),
+                message: format!("the token {m}"),
+            });
+        }
+        {
+            use std::os::unix::fs::PermissionsExt;
+            if let Ok(meta) = std::fs::metadata(path) {
+                if meta.permissions().mode() & 0o077 != 0 {
+                    log::warn!(
+                        "token file {shown} is readable by group or others (mode {:o})",
+                        meta.permissions().mode() & 0o777
+                    );
+                }
+            }
+        }
+        Ok(Some(t.to_string()))
     }
 
     /// The node called `name`.
@@ -429,5 +546,84 @@ doorbells = 32
         let c = ClusterConfig::load(&p).unwrap();
         assert!(c.node("node1").is_some());
         assert!(c.node("node3").is_some());
+        // token_file is resolved against the directory of the cluster file.
+        let dir = p.parent().unwrap();
+        assert_eq!(c.token, Some(ClusterToken::File(dir.join("cluster.token"))));
+        assert!(!c.nodes[0].link.require_sealed_windows);
+    }
+
+    fn with_top(line: &str) -> String {
+        GOOD.replace("version = 1\n", &format!("version = 1\n{line}\n"))
+    }
+
+    #[test]
+    fn inline_token_is_returned_and_never_printed() {
+        let c = ClusterConfig::parse(&with_top("token = \"s3cret\""), "t.toml").unwrap();
+        assert_eq!(c.auth_token().unwrap().as_deref(), Some("s3cret"));
+        assert!(!format!("{c:?}").contains("s3cret"));
+        let c = ClusterConfig::parse(GOOD, "t.toml").unwrap();
+        assert_eq!(c.token, None);
+        assert_eq!(c.auth_token().unwrap(), None);
+    }
+
+    #[test]
+    fn token_file_is_relative_to_the_cluster_file_and_trimmed() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("etc")).unwrap();
+        let cluster = dir.path().join("etc/cluster.toml");
+        std::fs::write(&cluster, with_top("token_file = \"secrets/token\"")).unwrap();
+        let c = ClusterConfig::load(&cluster).unwrap();
+        let tok = dir.path().join("etc/secrets/token");
+        assert_eq!(c.token, Some(ClusterToken::File(tok.clone())));
+        // Missing file: the error names it.
+        let e = c.auth_token().unwrap_err().to_string();
+        assert!(e.contains(&tok.display().to_string()), "{e}");
+        std::fs::create_dir(dir.path().join("etc/secrets")).unwrap();
+        std::fs::write(&tok, "  \n\t\n").unwrap();
+        let e = c.auth_token().unwrap_err().to_string();
+        assert_eq!(e, format!("token file {} is empty", tok.display()));
+        std::fs::write(&tok, "abc\ndef\n").unwrap();
+        let e = c.auth_token().unwrap_err().to_string();
+        assert!(e.contains("control characters"), "{e}");
+        std::fs::write(&tok, "\n  t0ken-1  \n").unwrap();
+        assert_eq!(c.auth_token().unwrap().as_deref(), Some("t0ken-1"));
+        // An absolute path stays as given.
+        let c = ClusterConfig::parse_in(
+            &with_top("token_file = \"/etc/lendvm/token\""),
+            "c.toml",
+            dir.path(),
+        )
+        .unwrap();
+        assert_eq!(
+            c.token,
+            Some(ClusterToken::File("/etc/lendvm/token".into()))
+        );
+    }
+
+    #[test]
+    fn token_settings_are_validated_with_line_and_field() {
+        let e = err(&with_top("token = \"a\"\ntoken_file = \"t\""));
+        assert!(e.starts_with("c.toml:4: field `token_file`"), "{e}");
+        assert!(e.contains("not both"), "{e}");
+        let e = err(&with_top("token = \"  \""));
+        assert!(
+            e.starts_with("c.toml:3: field `token`: must not be empty"),
+            "{e}"
+        );
+        let e = err(&with_top("token = \" x\""));
+        assert!(e.contains("whitespace"), "{e}");
+        let e = err(&with_top("token_file = \"\""));
+        assert!(e.starts_with("c.toml:3: field `token_file`"), "{e}");
+        let e = err(&with_top("token = 5"));
+        assert!(e.starts_with("c.toml:3:"), "{e}");
+    }
+
+    #[test]
+    fn require_sealed_windows_is_a_link_setting() {
+        let src = GOOD.replace("[link]\n", "[link]\nrequire_sealed_windows = true\n");
+        let c = ClusterConfig::parse(&src, "t.toml").unwrap();
+        assert!(c.nodes.iter().all(|n| n.link.require_sealed_windows));
+        let e = err(&GOOD.replace("[link]\n", "[link]\nrequire_sealed_windows = 1\n"));
+        assert!(e.starts_with("c.toml:4:"), "{e}");
     }
 }

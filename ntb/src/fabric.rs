@@ -172,6 +172,11 @@ pub struct LinkConfig {
     pub peer_timeout: Duration,
     /// Bound on connecting and on the handshake.
     pub connect_timeout: Duration,
+    /// Refuse to map a peer's window (or scratchpad) memfd that is not sealed against
+    /// shrinking (`F_SEAL_SHRINK`); when false such a mapping is only logged as a warning.
+    /// An unsealed memfd can be truncated by its exporter after the size check, and a later
+    /// access through the mapping would then raise SIGBUS in this process.
+    pub require_sealed_windows: bool,
 }
 
 impl Default for LinkConfig {
@@ -183,6 +188,7 @@ impl Default for LinkConfig {
             heartbeat: Duration::from_millis(250),
             peer_timeout: Duration::from_millis(1500),
             connect_timeout: Duration::from_secs(5),
+            require_sealed_windows: false,
         }
     }
 }
@@ -320,6 +326,17 @@ pub enum FabricError {
     ZeroSizeWindow,
     #[error("memory region of {have:#x} bytes is smaller than window end {need:#x}")]
     RegionTooSmall { have: u64, need: u64 },
+    #[error(
+        "{what} from {peer} is {problem}; refusing to map it (the exporter must create it \
+         with MFD_ALLOW_SEALING and add F_SEAL_SHRINK, see ntb::SharedMemory)"
+    )]
+    UnsealedWindow {
+        /// `window 3 ("lease1-bar0")`, `scratchpad memfd`.
+        what: String,
+        peer: String,
+        /// `a memfd without F_SEAL_SHRINK (seals 0x1)`, `a file that cannot be sealed and …`.
+        problem: String,
+    },
     #[error("unknown peer {0}")]
     UnknownPeer(String),
     #[error("peer {peer} is gone: {reason}")]

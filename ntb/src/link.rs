@@ -23,7 +23,7 @@ use crate::fabric::{
     Endpoint, ExportedWindow, FabricError, FabricKind, Incoming, LinkConfig, LinkStats, Message,
     NodeId, PeerWindow, RequestId, Result, WindowId, WindowInfo, WindowLimits,
 };
-use crate::mem::{fd_size, Mapping, SharedMemory};
+use crate::mem::{fd_has_fixed_extent, fd_seals, fd_size, Mapping, SharedMemory};
 use crate::wire::{
     self, code, msg, op, ErrorReply, Header, FLAG_ERROR, FLAG_REPLY, HEADER_LEN, MAX_FDS, VERSION,
 };
@@ -671,6 +671,7 @@ fn check_hello(
         heartbeat: Duration::from_millis(u64::from(h.heartbeat_ms)),
         peer_timeout: Duration::from_millis(u64::from(h.heartbeat_ms) * 2 + 1),
         connect_timeout: cfg.connect_timeout,
+        require_sealed_windows: cfg.require_sealed_windows,
     };
     peer_cfg.validate().map_err(|e| e.to_string())?;
     if peer_cfg.heartbeat * 2 >= cfg.peer_timeout {
@@ -687,6 +688,36 @@ fn check_hello(
         return Err(format!("hello carries {nfds} fds, expected {want}"));
     }
     Ok(node)
+}
+
+/// Checks that a peer's memory fd cannot shrink under a mapping of it: a memfd must carry
+/// `F_SEAL_SHRINK`; fds that cannot be sealed pass only if their extent is fixed (VFIO device
+/// fds, character devices). Otherwise the mapping is refused when
+/// [`LinkConfig::require_sealed_windows`] is set, and logged as a warning when not.
+pub(crate) fn check_sealed(
+    fd: BorrowedFd<'_>,
+    cfg: &LinkConfig,
+    peer: &NodeId,
+    what: &str,
+) -> Result<()> {
+    let problem = match fd_seals(fd)? {
+        Some(s) if s & libc::F_SEAL_SHRINK != 0 => return Ok(()),
+        Some(s) => format!("a memfd without F_SEAL_SHRINK (seals {s:#x})"),
+        None if fd_has_fixed_extent(fd)? => return Ok(()),
+        None => "a file that cannot be sealed and can be truncated".to_string(),
+    };
+    if cfg.require_sealed_windows {
+        return Err(FabricError::UnsealedWindow {
+            what: what.to_string(),
+            peer: peer.to_string(),
+            problem,
+        });
+    }
+    log::warn!(
+        "mapping {what} from {peer}, {problem}: if the exporter shrinks it, accesses raise \
+         SIGBUS here (set require_sealed_windows to refuse such windows)"
+    );
+    Ok(())
 }
 
 /// Runs the handshake on a connected stream and starts the link.
@@ -785,6 +816,7 @@ pub(crate) fn establish(
             let mut fds = peer_fds;
             let spad_fd = fds.pop().ok_or_else(|| hs_err("no scratchpad fd".into()))?;
             let spad_len = spad_bytes(peer_hello.scratchpads);
+            check_sealed(spad_fd.as_fd(), cfg, &peer, "scratchpad memfd")?;
             let have = fd_size(spad_fd.as_fd())?;
             if have < spad_len {
                 return Err(hs_err(format!(
@@ -1217,6 +1249,10 @@ impl Endpoint for LinkEndpoint {
                 info,
             }));
         };
+        // Seals first: once F_SEAL_SHRINK is seen it cannot go away, so the size checked next
+        // stays valid for the life of the mapping.
+        let what = format!("window {id} ({:?})", info.label);
+        check_sealed(fd.as_fd(), &inner.cfg, &inner.peer, &what)?;
         let need = fd_offset.saturating_add(info.size);
         let have = fd_size(fd.as_fd())?;
         if have < need {

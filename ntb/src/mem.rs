@@ -28,6 +28,61 @@ pub enum MemError {
     OutOfRange { offset: u64, len: u64, size: u64 },
     #[error("length {0:#x} does not fit the address space")]
     TooLong(u64),
+    #[error("sealing memfd {name:?}: {source}")]
+    Seal {
+        name: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("F_GET_SEALS: {0}")]
+    GetSeals(#[source] io::Error),
+}
+
+/// Seals every [`SharedMemory`] carries: its size is fixed (a peer that maps it can never hit
+/// SIGBUS past a shrunken end) and no further seals can be added (a peer that receives the fd
+/// cannot, e.g., forbid future writable mappings of our memory with `F_SEAL_FUTURE_WRITE`).
+pub const WINDOW_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// The seals (`F_SEAL_*`) of `fd`, or `None` if the file cannot carry seals (not shmem/memfd,
+/// e.g. a VFIO device fd or a file on disk).
+pub fn fd_seals(fd: BorrowedFd<'_>) -> Result<Option<libc::c_int>, MemError> {
+    // SAFETY: F_GET_SEALS takes no argument and only reads the borrowed, live fd's state.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if r >= 0 {
+        return Ok(Some(r));
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EINVAL) {
+        Ok(None)
+    } else {
+        Err(MemError::GetSeals(e))
+    }
+}
+
+/// Whether `fd` is a file whose size cannot change under a mapping even though it carries no
+/// seals: character devices and anonymous-inode files (VFIO device fds). Regular files (on
+/// disk, tmpfs without seals) can be truncated by whoever holds them, so they are not.
+pub fn fd_has_fixed_extent(fd: BorrowedFd<'_>) -> Result<bool, MemError> {
+    const ANON_INODE_FS_MAGIC: i64 = 0x0904_1934;
+    let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: fstat writes into the valid, properly sized stat buffer; the fd is borrowed live.
+    if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } < 0 {
+        return Err(MemError::Stat(io::Error::last_os_error()));
+    }
+    // SAFETY: fstat succeeded, so the buffer is initialised.
+    let st = unsafe { st.assume_init() };
+    if st.st_mode & libc::S_IFMT == libc::S_IFCHR {
+        return Ok(true);
+    }
+    let mut sfs = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: fstatfs writes into the valid, properly sized statfs buffer; the fd is live.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), sfs.as_mut_ptr()) } < 0 {
+        return Err(MemError::Stat(io::Error::last_os_error()));
+    }
+    // SAFETY: fstatfs succeeded, so the buffer is initialised.
+    let sfs = unsafe { sfs.assume_init() };
+    #[allow(clippy::unnecessary_cast)] // f_type's integer type differs between libcs
+    Ok(sfs.f_type as i64 == ANON_INODE_FS_MAGIC)
 }
 
 /// Checks that `offset..offset+len` lies within `size`.
@@ -177,7 +232,8 @@ impl Drop for Mapping {
     }
 }
 
-/// A memfd of a fixed size, mapped into this process.
+/// A memfd of a fixed size, mapped into this process. The memfd is sealed with
+/// [`WINDOW_SEALS`], so it can be exported as a fabric window that peers map safely.
 #[derive(Debug)]
 pub struct SharedMemory {
     fd: OwnedFd,
@@ -185,7 +241,7 @@ pub struct SharedMemory {
 }
 
 impl SharedMemory {
-    /// Creates a zeroed memfd of `size` bytes and maps it.
+    /// Creates a zeroed memfd of `size` bytes, seals its size ([`WINDOW_SEALS`]) and maps it.
     pub fn new(name: &str, size: u64) -> Result<SharedMemory, MemError> {
         let create_err = |source| MemError::Create {
             name: name.to_string(),
@@ -195,7 +251,9 @@ impl SharedMemory {
         let cname = CString::new(name.replace('\0', "_"))
             .map_err(|_| create_err(io::Error::from_raw_os_error(libc::EINVAL)))?;
         // SAFETY: valid NUL-terminated name; the result is checked.
-        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if raw < 0 {
             return Err(create_err(io::Error::last_os_error()));
         }
@@ -205,6 +263,13 @@ impl SharedMemory {
         // SAFETY: ftruncate on our own fd; checked.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } < 0 {
             return Err(create_err(io::Error::last_os_error()));
+        }
+        // SAFETY: F_ADD_SEALS on our own memfd with an integer argument; checked.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, WINDOW_SEALS) } < 0 {
+            return Err(MemError::Seal {
+                name: name.to_string(),
+                source: io::Error::last_os_error(),
+            });
         }
         let map = Mapping::map_shared(fd.as_fd(), 0, size)?;
         Ok(SharedMemory { fd, map })
@@ -269,6 +334,37 @@ mod tests {
         assert_eq!(&b, b"abc");
         assert!(other.write_at(4095, b"ab").is_err());
         assert_eq!(fd_size(m.fd()).unwrap(), 8192);
+    }
+
+    #[test]
+    fn shared_memory_is_sealed_against_resizing() {
+        let m = SharedMemory::new("t", 8192).unwrap();
+        let seals = fd_seals(m.fd()).unwrap().unwrap();
+        assert_eq!(seals & WINDOW_SEALS, WINDOW_SEALS, "{seals:#x}");
+        for len in [4096, 0, 16384] {
+            // SAFETY: ftruncate on the test's own memfd.
+            let r = unsafe { libc::ftruncate(m.fd().as_raw_fd(), len) };
+            assert_eq!(r, -1, "resize to {len} must fail");
+            assert_eq!(io::Error::last_os_error().raw_os_error(), Some(libc::EPERM));
+        }
+        // SAFETY: F_ADD_SEALS on the test's own memfd.
+        let r = unsafe { libc::fcntl(m.fd().as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+        assert_eq!(r, -1, "F_SEAL_SEAL forbids more seals");
+        assert_eq!(fd_size(m.fd()).unwrap(), 8192);
+        m.write_at(8190, b"ok").unwrap();
+    }
+
+    #[test]
+    fn unsealable_files_report_no_seals() {
+        let f = tempfile::tempfile().unwrap();
+        assert_eq!(fd_seals(f.as_fd()).unwrap(), None);
+        assert!(!fd_has_fixed_extent(f.as_fd()).unwrap());
+        let null = std::fs::File::open("/dev/null").unwrap();
+        assert!(fd_has_fixed_extent(null.as_fd()).unwrap());
+        let e = vmm_sys_util::eventfd::EventFd::new(0).unwrap();
+        // SAFETY: the eventfd outlives the borrow.
+        let b = unsafe { BorrowedFd::borrow_raw(e.as_raw_fd()) };
+        assert!(fd_has_fixed_extent(b).unwrap(), "anon inode");
     }
 
     #[test]
