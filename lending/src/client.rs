@@ -10,14 +10,22 @@
 //! lease.set_irqs(IrqKind::Msix, &[ClientIrq::EventFd(&irqfd)])?;
 //! drop(lease);                                           // RETURN
 //! ```
+//!
+//! On links that cannot pass file descriptors (tcp), [`ClientIrq::EventFd`] targets are sent
+//! as [`IrqTarget::Event`] and the client starts one relay thread per session that takes the
+//! lender's IRQ event messages off the link and signals the right eventfd; other events are
+//! queued for [`LenderClient::next_event`]. Callers use the same code on both fabrics.
 
+use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ntb::{
-    ClusterConfig, Endpoint, Fabric, FabricError, Incoming, Message, NodeId, PeerWindow,
-    SocketFabric,
+    ClusterConfig, Endpoint, Fabric, FabricError, FabricKind, Incoming, Message, NodeId,
+    PeerWindow, SocketFabric,
 };
 use serde::de::DeserializeOwned;
 use thiserror::Error;
@@ -74,13 +82,122 @@ impl ClientError {
     }
 }
 
+/// (lease, kind, vector) → eventfd signalled when the lender relays that vector as a message.
+type IrqRoutes = Arc<Mutex<HashMap<(u64, IrqKind, u32), EventFd>>>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// The relay thread of a session whose link cannot carry eventfds: the only reader of the
+/// link's incoming queue once started.
+struct EventPump {
+    stop: Arc<AtomicBool>,
+    events: Mutex<mpsc::Receiver<Event>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// How long the relay thread sleeps in one `recv` before it looks at its stop flag.
+const PUMP_POLL: Duration = Duration::from_millis(50);
+
+fn pump_loop(
+    ep: &Arc<dyn Endpoint>,
+    routes: &IrqRoutes,
+    stop: &AtomicBool,
+    tx: &mpsc::Sender<Event>,
+) {
+    while !stop.load(Ordering::Acquire) {
+        match ep.recv(PUMP_POLL) {
+            Ok(Incoming::Event(m)) => match Event::decode(m.opcode, &m.payload) {
+                Ok(Event::Irq(ev)) => {
+                    let routes = lock(routes);
+                    match routes.get(&(ev.lease, ev.kind, ev.vector)) {
+                        Some(fd) => {
+                            if let Err(e) = fd.write(1) {
+                                log::warn!(
+                                    "lease {}: {:?} vector {} eventfd write failed: {e}",
+                                    ev.lease,
+                                    ev.kind,
+                                    ev.vector
+                                );
+                            }
+                        }
+                        None => {
+                            drop(routes);
+                            let _ = tx.send(Event::Irq(ev));
+                        }
+                    }
+                }
+                Ok(other) => {
+                    let _ = tx.send(other);
+                }
+                Err(e) => log::warn!("{}: undecodable event: {e}", ep.peer_node()),
+            },
+            Ok(_) | Err(FabricError::Timeout(_)) => {}
+            Err(e) => {
+                log::debug!("irq relay from {}: {e}", ep.peer_node());
+                return;
+            }
+        }
+    }
+}
+
 struct Inner {
     ep: Arc<dyn Endpoint>,
     lender: String,
     timeout: Duration,
+    routes: IrqRoutes,
+    pump: Mutex<Option<EventPump>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let pump = lock(&self.pump).take();
+        if let Some(mut p) = pump {
+            p.stop.store(true, Ordering::Release);
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
 }
 
 impl Inner {
+    /// Starts the relay thread once.
+    fn start_pump(&self) -> Result<(), ClientError> {
+        let mut g = lock(&self.pump);
+        if g.is_some() {
+            return Ok(());
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let (ep, routes, stop2) = (
+            Arc::clone(&self.ep),
+            Arc::clone(&self.routes),
+            Arc::clone(&stop),
+        );
+        let thread = std::thread::Builder::new()
+            .name(format!("irq-events-{}", self.lender))
+            .spawn(move || pump_loop(&ep, &routes, &stop2, &tx))
+            .map_err(|source| ClientError::Os {
+                what: "starting the irq event relay thread",
+                source,
+            })?;
+        *g = Some(EventPump {
+            stop,
+            events: Mutex::new(rx),
+            thread: Some(thread),
+        });
+        Ok(())
+    }
+
+    fn forget_routes(&self, lease: u64, kind: Option<IrqKind>) {
+        lock(&self.routes).retain(|&(l, k, _), _| l != lease || kind.is_some_and(|x| x != k));
+    }
+
     fn call<T: DeserializeOwned>(
         &self,
         req: &Request,
@@ -134,6 +251,8 @@ impl LenderClient {
             lender: ep.peer_node().to_string(),
             ep,
             timeout: DEFAULT_TIMEOUT,
+            routes: Arc::default(),
+            pump: Mutex::new(None),
         });
         let req = Request::Hello(Hello {
             version: PROTOCOL_VERSION,
@@ -193,9 +312,21 @@ impl LenderClient {
         })
     }
 
-    /// Next event from the lender (device gone, fatal error, relayed irq), if one arrives
-    /// within `timeout`. Window changes are skipped.
+    /// Next event from the lender (device gone, fatal error, relayed irq not routed to an
+    /// eventfd), if one arrives within `timeout`. Window changes are skipped.
     pub fn next_event(&self, timeout: Duration) -> Result<Option<Event>, ClientError> {
+        if let Some(p) = lock(&self.inner.pump).as_ref() {
+            return match lock(&p.events).recv_timeout(timeout) {
+                Ok(e) => Ok(Some(e)),
+                Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    Err(ClientError::Fabric(FabricError::PeerGone {
+                        peer: self.inner.lender.clone(),
+                        reason: "link down".into(),
+                    }))
+                }
+            };
+        }
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -217,7 +348,9 @@ impl LenderClient {
 pub enum ClientIrq<'a> {
     /// Not wired.
     None,
-    /// Signal this eventfd (shm: e.g. a KVM irqfd; a duplicate is sent).
+    /// Signal this eventfd (shm: e.g. a KVM irqfd; a duplicate is sent and the lender signals
+    /// it directly; tcp: the lender sends an IRQ event and this client's relay thread signals
+    /// a duplicate).
     EventFd(&'a EventFd),
     /// Ring this doorbell bit of ours.
     Doorbell(u8),
@@ -337,33 +470,58 @@ impl Lease {
 
     /// Sets where the vectors of `kind` go (empty: disable).
     pub fn set_irqs(&self, kind: IrqKind, targets: &[ClientIrq<'_>]) -> Result<(), ClientError> {
+        let dup = |e: &EventFd| {
+            e.try_clone().map_err(|source| ClientError::Os {
+                what: "duplicating an interrupt eventfd",
+                source,
+            })
+        };
+        let pass_fds = self.inner.ep.kind() == FabricKind::Shm;
         let mut fds = Vec::new();
+        let mut relayed = Vec::new();
         let mut t = Vec::with_capacity(targets.len());
-        for x in targets {
+        for (vector, x) in targets.iter().enumerate() {
             t.push(match x {
                 ClientIrq::None => IrqTarget::None,
                 ClientIrq::Doorbell(b) => IrqTarget::Doorbell(*b),
                 ClientIrq::Event => IrqTarget::Event,
+                ClientIrq::EventFd(e) if !pass_fds => {
+                    relayed.push((vector as u32, dup(e)?));
+                    IrqTarget::Event
+                }
                 ClientIrq::EventFd(e) => {
                     let i = u8::try_from(fds.len()).map_err(|_| {
                         ClientError::BadReply("more than 255 eventfds in one set_irqs".into())
                     })?;
-                    let dup = e.try_clone().map_err(|source| ClientError::Os {
-                        what: "duplicating an interrupt eventfd",
-                        source,
-                    })?;
+                    let dup = dup(e)?;
                     // SAFETY: `dup` is a fresh eventfd we own; ownership moves to the OwnedFd.
                     fds.push(unsafe { OwnedFd::from_raw_fd(dup.into_raw_fd()) });
                     IrqTarget::Fd(i)
                 }
             });
         }
+        if !relayed.is_empty() {
+            self.inner.start_pump()?;
+        }
         let r = Request::SetIrqs(SetIrqs {
             lease: self.id,
             kind,
             targets: t,
         });
-        self.inner.call::<()>(&r, fds).map(|_| ())
+        // Routes go in before the request so an event sent right after the lender switched
+        // cannot miss its eventfd.
+        self.inner.forget_routes(self.id, Some(kind));
+        {
+            let mut routes = lock(&self.inner.routes);
+            for (vector, fd) in relayed {
+                routes.insert((self.id, kind, vector), fd);
+            }
+        }
+        let r = self.inner.call::<()>(&r, fds).map(|_| ());
+        if r.is_err() {
+            self.inner.forget_routes(self.id, Some(kind));
+        }
+        r
     }
 
     /// Resets the device (the lease stays).
@@ -375,6 +533,7 @@ impl Lease {
     /// Returns the device now and reports errors (dropping does it silently).
     pub fn return_device(mut self) -> Result<(), ClientError> {
         self.returned = true;
+        self.inner.forget_routes(self.id, None);
         let r = Request::Return(LeaseRef { lease: self.id });
         self.inner.call::<()>(&r, Vec::new()).map(|_| ())
     }
@@ -385,6 +544,7 @@ impl Drop for Lease {
         if self.returned {
             return;
         }
+        self.inner.forget_routes(self.id, None);
         let r = Request::Return(LeaseRef { lease: self.id });
         if let Err(e) = self.inner.call::<()>(&r, Vec::new()) {
             log::warn!("returning lease {} to {}: {e}", self.id, self.inner.lender);

@@ -24,10 +24,10 @@ struct Args {
     /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling] | BDF=dmatest[:mode=...]
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
-    /// Cluster auth token (else $LENDVM_TOKEN, else the contents of --token-file).
-    #[arg(long)]
+    /// Cluster auth token (visible in `ps`; prefer --token-file or $LENDVM_TOKEN).
+    #[arg(long, conflicts_with = "token_file")]
     token: Option<String>,
-    /// File holding the cluster auth token.
+    /// File holding the cluster auth token (surrounding whitespace is ignored).
     #[arg(long)]
     token_file: Option<PathBuf>,
 }
@@ -38,19 +38,23 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
+/// The cluster token: `--token`, else `--token-file`, else `$LENDVM_TOKEN`; never empty.
 fn token(args: &Args) -> Result<String, String> {
-    if let Some(t) = &args.token {
-        return Ok(t.clone());
+    let (t, from) = if let Some(t) = &args.token {
+        (t.clone(), "--token".to_string())
+    } else if let Some(p) = &args.token_file {
+        let t =
+            std::fs::read_to_string(p).map_err(|e| format!("token file {}: {e}", p.display()))?;
+        (t.trim().to_string(), format!("token file {}", p.display()))
+    } else if let Ok(t) = std::env::var("LENDVM_TOKEN") {
+        (t, "$LENDVM_TOKEN".to_string())
+    } else {
+        return Err("no cluster token: pass --token, --token-file or set LENDVM_TOKEN".into());
+    };
+    if t.trim().is_empty() {
+        return Err(format!("the cluster token from {from} is empty"));
     }
-    if let Ok(t) = std::env::var("LENDVM_TOKEN") {
-        return Ok(t);
-    }
-    if let Some(p) = &args.token_file {
-        return std::fs::read_to_string(p)
-            .map(|s| s.trim().to_string())
-            .map_err(|e| format!("token file {}: {e}", p.display()));
-    }
-    Err("no cluster token: pass --token, --token-file or set LENDVM_TOKEN".into())
+    Ok(t)
 }
 
 fn run(args: Args) -> Result<(), String> {

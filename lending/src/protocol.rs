@@ -400,7 +400,7 @@ pub struct DmaUnmap {
 }
 
 /// Interrupt kind (the vfio-pci IRQ indexes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum IrqKind {
     /// Legacy INTx.
     Intx,

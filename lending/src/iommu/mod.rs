@@ -15,7 +15,7 @@ pub mod vfio;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use thiserror::Error;
 
@@ -207,6 +207,14 @@ impl MapTable {
             .collect()
     }
 
+    /// The mapping that covers all of `[iova, iova+len)` and the offset into its backing (the
+    /// common case: no allocation, no reference counting).
+    fn covering(&self, iova: u64, len: u64) -> Option<(&dyn DmaBacking, u64)> {
+        let end = iova.checked_add(len)?;
+        let (&start, e) = self.map.range(..=iova).next_back()?;
+        (end <= start + e.size).then(|| (e.backing.as_ref(), iova - start))
+    }
+
     /// Splits `[iova, iova+len)` into (backing, offset, start-in-buffer, length) pieces, or
     /// `None` if any byte is not covered.
     #[allow(clippy::type_complexity)]
@@ -244,10 +252,27 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
+fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    match l.read() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    match l.write() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
 /// Software IOMMU for emulated devices: every DMA is translated and bounds-checked.
+///
+/// DMA holds the table's read lock while it copies (DMAs do not wait for each other), so
+/// once `unmap` returns no transfer into the removed window is still in progress.
 pub struct SoftIommu {
     name: String,
-    table: Mutex<MapTable>,
+    table: RwLock<MapTable>,
     faults: AtomicU64,
 }
 
@@ -256,7 +281,7 @@ impl SoftIommu {
     pub fn new(name: impl Into<String>) -> Self {
         SoftIommu {
             name: name.into(),
-            table: Mutex::new(MapTable::default()),
+            table: RwLock::new(MapTable::default()),
             faults: AtomicU64::new(0),
         }
     }
@@ -276,8 +301,13 @@ impl SoftIommu {
     /// Device read of guest memory at `iova` (the whole range must be mapped).
     pub fn dma_read(&self, iova: u64, buf: &mut [u8]) -> Result<(), IommuFault> {
         let len = buf.len() as u64;
-        let pieces = lock(&self.table).translate(iova, len);
-        let Some(pieces) = pieces else {
+        let t = read(&self.table);
+        if let Some((b, off)) = t.covering(iova, len) {
+            return b
+                .read_at(off, buf)
+                .map_err(|_| self.fault(iova, len, false));
+        }
+        let Some(pieces) = t.translate(iova, len) else {
             return Err(self.fault(iova, len, false));
         };
         for (backing, off, at, n) in pieces {
@@ -292,8 +322,13 @@ impl SoftIommu {
     /// written otherwise).
     pub fn dma_write(&self, iova: u64, data: &[u8]) -> Result<(), IommuFault> {
         let len = data.len() as u64;
-        let pieces = lock(&self.table).translate(iova, len);
-        let Some(pieces) = pieces else {
+        let t = read(&self.table);
+        if let Some((b, off)) = t.covering(iova, len) {
+            return b
+                .write_at(off, data)
+                .map_err(|_| self.fault(iova, len, true));
+        }
+        let Some(pieces) = t.translate(iova, len) else {
             return Err(self.fault(iova, len, true));
         };
         for (backing, off, at, n) in pieces {
@@ -307,7 +342,7 @@ impl SoftIommu {
 
 impl IommuDomain for SoftIommu {
     fn map(&self, iova: u64, size: u64, backing: Arc<dyn DmaBacking>) -> Result<(), IommuError> {
-        let mut t = lock(&self.table);
+        let mut t = write(&self.table);
         t.check_new(iova, size, backing.size())?;
         t.map.insert(iova, Entry { size, backing });
         log::info!(
@@ -318,7 +353,7 @@ impl IommuDomain for SoftIommu {
     }
 
     fn unmap(&self, iova: u64, size: u64) -> Result<(), IommuError> {
-        lock(&self.table).remove_exact(iova, size)?;
+        write(&self.table).remove_exact(iova, size)?;
         log::info!(
             "{}: unmapped dma window iova {iova:#x} size {size:#x}",
             self.name
@@ -327,7 +362,7 @@ impl IommuDomain for SoftIommu {
     }
 
     fn unmap_all(&self) -> usize {
-        let old = std::mem::take(&mut lock(&self.table).map);
+        let old = std::mem::take(&mut write(&self.table).map);
         if !old.is_empty() {
             log::info!("{}: unmapped all {} dma windows", self.name, old.len());
         }
@@ -335,7 +370,7 @@ impl IommuDomain for SoftIommu {
     }
 
     fn mappings(&self) -> Vec<MappingInfo> {
-        lock(&self.table).list()
+        read(&self.table).list()
     }
 
     fn fault_count(&self) -> u64 {

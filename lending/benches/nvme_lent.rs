@@ -1,0 +1,583 @@
+//! NVMe "local vs lent" benchmark.
+//!
+//! The same guest-role driver (`emulated::testing::NvmeDriver`) and the same parameters drive
+//! (a) the controller in-process ("local": heap registers, test RAM, MSI-X on eventfds) and (b) the
+//! controller inside a real `lenderd`, borrowed over the shm fabric ("lent": direct BAR window
+//! plus the lease's notify eventfd, guest RAM as a memfd fabric window mapped at IOVA = GPA,
+//! MSI-X vectors on eventfds), in interrupt and in polling mode. Cases run back to back,
+//! local and lent interleaved per repetition, so drift hits both alike.
+//!
+//! `cargo bench -p lending` writes `target/bench/nvme-lent.json` and `nvme-lent.svg` at the
+//! workspace root (override the JSON path with `NVME_LENT_BENCH_OUT`; the SVG goes next to
+//! it). `NVME_LENT_BENCH_SECS` sets the seconds per case and side (default 1.5, split over
+//! `NVME_LENT_BENCH_REPS` repetitions, default 6). IOPS and bandwidth are medians over the
+//! repetitions; ratios are medians of per-repetition lent/local pairs; latency percentiles
+//! pool every command; `NVME_LENT_BENCH_DIR` where the backing
+//! files live.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // bench code
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use common::{lent_rig, nvme_spec, start_lenderd, BarPath, FdIrq, TokenVia};
+use emulated::nvme::{NvmeConfig, NvmeController, BAR0_SIZE};
+use emulated::testing::{DataBuf, DirectBar, DriverConfig, NvmeDriver, TestMemory};
+use emulated::{DeviceModel, HeapRegisters, InterruptMode, InterruptSink, NotifyMode};
+use ntb::FabricKind;
+use std::sync::Arc;
+use vmm_sys_util::eventfd::EventFd;
+
+/// The local side's interrupts: one eventfd per vector, signalled by the controller and waited
+/// on by the same [`FdIrq`] the lent side uses (like a KVM irqfd; no lender in between).
+struct EventFdSink(Vec<EventFd>);
+
+impl InterruptSink for EventFdSink {
+    fn signal_msix(&self, vector: u16) {
+        if let Some(e) = self.0.get(usize::from(vector)) {
+            let _ = e.write(1);
+        }
+    }
+    fn set_intx(&self, _asserted: bool) {}
+    fn mode(&self) -> InterruptMode {
+        InterruptMode::MsiX {
+            vectors: self.0.len() as u16,
+        }
+    }
+}
+
+/// The controller in this process: heap registers, test RAM, eventfd interrupts, and the
+/// driver with the same BAR access (direct stores + doorbell eventfd in interrupt mode).
+struct Local {
+    driver: NvmeDriver,
+    ctrl: Arc<NvmeController>,
+}
+
+fn local_rig(cfg: NvmeConfig, polling: bool) -> Local {
+    let vectors = cfg.msix_vectors;
+    let fds: Vec<EventFd> = (0..vectors)
+        .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
+        .collect();
+    let sink = EventFdSink(fds.iter().map(|e| e.try_clone().unwrap()).collect());
+    let regs = Arc::new(HeapRegisters::new(BAR0_SIZE as usize));
+    let mem = TestMemory::new(RAM as usize);
+    let ctrl =
+        Arc::new(NvmeController::new(cfg, regs.clone(), mem.clone(), Arc::new(sink)).unwrap());
+    ctrl.start().unwrap();
+    let doorbell = (!polling).then(|| ctrl.doorbell_event());
+    let bar = DirectBar::new(regs, doorbell).unwrap();
+    let driver = NvmeDriver::new(
+        Arc::new(bar),
+        mem,
+        FdIrq::new(fds),
+        DriverConfig {
+            ram_base: common::RAM_BASE,
+            ram_len: RAM - common::RAM_BASE,
+            use_interrupts: !polling,
+            timeout: Duration::from_secs(10),
+        },
+    );
+    Local { driver, ctrl }
+}
+
+const DEV: &str = "0000:82:00.0";
+const NS_BYTES: u64 = 256 << 20;
+const SPAN_BLOCKS: u64 = (64 << 20) / 512;
+const RAM: u64 = 128 << 20;
+
+struct Case {
+    name: &'static str,
+    write: bool,
+    random: bool,
+    bs: usize,
+    qd: usize,
+}
+
+const CASES: [Case; 6] = [
+    Case {
+        name: "randread-4k-qd1",
+        write: false,
+        random: true,
+        bs: 4096,
+        qd: 1,
+    },
+    Case {
+        name: "randwrite-4k-qd1",
+        write: true,
+        random: true,
+        bs: 4096,
+        qd: 1,
+    },
+    Case {
+        name: "randread-4k-qd32",
+        write: false,
+        random: true,
+        bs: 4096,
+        qd: 32,
+    },
+    Case {
+        name: "randwrite-4k-qd32",
+        write: true,
+        random: true,
+        bs: 4096,
+        qd: 32,
+    },
+    Case {
+        name: "seqread-128k-qd8",
+        write: false,
+        random: false,
+        bs: 128 << 10,
+        qd: 8,
+    },
+    Case {
+        name: "seqwrite-128k-qd8",
+        write: true,
+        random: false,
+        bs: 128 << 10,
+        qd: 8,
+    },
+];
+
+/// Operations and per-command latencies (ns) of one side of a case, over all repetitions.
+#[derive(Default)]
+struct Acc {
+    /// IOPS of each repetition.
+    reps: Vec<f64>,
+    lat_ns: Vec<u32>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+impl Acc {
+    /// Median IOPS over the repetitions (robust to a burst of load from other processes).
+    fn iops(&self) -> f64 {
+        median(&self.reps)
+    }
+    fn mibps(&self, bs: usize) -> f64 {
+        self.iops() * bs as f64 / f64::from(1u32 << 20)
+    }
+    fn pct_us(&mut self, p: f64) -> f64 {
+        if self.lat_ns.is_empty() {
+            return 0.0;
+        }
+        self.lat_ns.sort_unstable();
+        let i = ((self.lat_ns.len() - 1) as f64 * p).round() as usize;
+        f64::from(self.lat_ns[i]) / 1000.0
+    }
+}
+
+fn xorshift(s: &mut u64) -> u64 {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    *s
+}
+
+/// One timed run of `c` on queue 1 (buffers preallocated), added to `acc`.
+fn run_case(d: &mut NvmeDriver, bufs: &[DataBuf], c: &Case, secs: f64, seed: u64, acc: &mut Acc) {
+    let nlb = (c.bs / 512) as u32;
+    let mut seed = seed | 1;
+    let mut seq = (xorshift(&mut seed) % (SPAN_BLOCKS / u64::from(nlb))) * u64::from(nlb);
+    let mut next_lba = |seed: &mut u64| {
+        if c.random {
+            (xorshift(seed) % (SPAN_BLOCKS / u64::from(nlb))) * u64::from(nlb)
+        } else {
+            let l = seq;
+            seq = (seq + u64::from(nlb)) % SPAN_BLOCKS;
+            l
+        }
+    };
+    let mut owner: HashMap<u16, (usize, Instant)> = HashMap::new();
+    for (i, b) in bufs.iter().take(c.qd).enumerate() {
+        let cid = d
+            .push(1, NvmeDriver::rw_sqe(c.write, next_lba(&mut seed), nlb, b))
+            .unwrap();
+        owner.insert(cid, (i, Instant::now()));
+    }
+    d.ring(1).unwrap();
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(secs);
+    let mut out = Vec::new();
+    let mut ops = 0u64;
+    loop {
+        out.clear();
+        d.wait(1, &mut out, 1).unwrap();
+        let now = Instant::now();
+        let stop = now >= end;
+        for e in &out {
+            assert_eq!(e.code(), 0, "{} failed: {e:?}", c.name);
+            let (i, t) = owner.remove(&e.cid).unwrap();
+            ops += 1;
+            acc.lat_ns
+                .push(u32::try_from((now - t).as_nanos()).unwrap_or(u32::MAX));
+            if !stop {
+                let cid = d
+                    .push(
+                        1,
+                        NvmeDriver::rw_sqe(c.write, next_lba(&mut seed), nlb, &bufs[i]),
+                    )
+                    .unwrap();
+                owner.insert(cid, (i, Instant::now()));
+            }
+        }
+        if stop {
+            let n = d.outstanding(1);
+            if n > 0 {
+                let mut rest = Vec::new();
+                d.wait(1, &mut rest, n).unwrap();
+            }
+            break;
+        }
+        d.ring(1).unwrap();
+    }
+    acc.reps
+        .push(ops as f64 / start.elapsed().as_secs_f64().max(1e-9));
+}
+
+/// Same bring-up for both sides: one I/O queue pair of 128 entries on vector 1, the 64 MiB
+/// span prefilled (so reads hit written blocks), and 32 data buffers of 128 KiB.
+fn prepare(d: &mut NvmeDriver) -> Vec<DataBuf> {
+    d.enable(32).unwrap();
+    d.set_num_queues(1).unwrap();
+    d.create_io_queue_pair(1, 128, 1).unwrap();
+    let fill = d.alloc_data(128 << 10, 0, false).unwrap();
+    fill.fill(d.ram(), &vec![0x5a; 128 << 10]);
+    for i in 0..(SPAN_BLOCKS / 256) {
+        d.rw(1, true, i * 256, 256, &fill).unwrap();
+    }
+    d.flush(1).unwrap();
+    (0..32)
+        .map(|_| d.alloc_data(128 << 10, 0, false).unwrap())
+        .collect()
+}
+
+struct Row {
+    mode: &'static str,
+    case: &'static Case,
+    /// Median over repetitions of lent/local IOPS of the same repetition (paired, so load
+    /// from other processes that hits one repetition hits both sides).
+    ratio: f64,
+    local: (f64, f64, f64, f64), // iops, MiB/s, p50 us, p99 us
+    lent: (f64, f64, f64, f64),
+}
+
+fn summarize(a: &mut Acc, bs: usize) -> (f64, f64, f64, f64) {
+    (a.iops(), a.mibps(bs), a.pct_us(0.50), a.pct_us(0.99))
+}
+
+struct Check {
+    mode: &'static str,
+    what: String,
+    value: f64,
+    target: String,
+    pass: bool,
+}
+
+fn checks(rows: &[Row]) -> Vec<Check> {
+    let mut v = Vec::new();
+    for r in rows {
+        let ratio = r.ratio;
+        if r.case.bs == 4096 {
+            v.push(Check {
+                mode: r.mode,
+                what: format!("{} IOPS lent/local", r.case.name),
+                value: ratio,
+                target: ">= 0.90".into(),
+                pass: ratio >= 0.90,
+            });
+        } else {
+            v.push(Check {
+                mode: r.mode,
+                what: format!("{} bandwidth lent/local", r.case.name),
+                value: ratio,
+                target: ">= 0.95".into(),
+                pass: ratio >= 0.95,
+            });
+        }
+        if r.case.qd == 1 {
+            let added = r.lent.2 - r.local.2;
+            let max = if r.mode == "interrupt" { 5.0 } else { 1.0 };
+            v.push(Check {
+                mode: r.mode,
+                what: format!("{} p50 added latency (us)", r.case.name),
+                value: added,
+                target: format!("<= {max:.1}"),
+                pass: added <= max,
+            });
+        }
+    }
+    v
+}
+
+fn svg(rows: &[Row]) -> String {
+    let (w, h) = (960.0, 420.0);
+    let (left, top, bottom) = (60.0, 40.0, 120.0);
+    let plot_h = h - top - bottom;
+    let n = rows.len() as f64;
+    let group = (w - left - 20.0) / n;
+    let bar = group * 0.35;
+    let max = 1.2f64;
+    let y = |r: f64| top + plot_h * (1.0 - (r / max).min(1.0));
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"11\">"
+    );
+    let _ = writeln!(s, "<rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>");
+    let _ = writeln!(
+        s,
+        "<text x=\"{left}\" y=\"20\" font-size=\"14\">NVMe lent (shm fabric) vs local: throughput relative to local (local = 1.0)</text>"
+    );
+    for t in [0.0, 0.5, 0.9, 0.95, 1.0] {
+        let _ = writeln!(
+            s,
+            "<line x1=\"{left}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"{}\" stroke-dasharray=\"{}\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{t:.2}</text>",
+            w - 20.0,
+            if t == 0.9 || t == 0.95 { "#c00" } else { "#ccc" },
+            if t == 0.9 || t == 0.95 { "4 3" } else { "" },
+            left - 4.0,
+            y(t) + 4.0,
+            y = y(t),
+        );
+    }
+    for (i, r) in rows.iter().enumerate() {
+        let x0 = left + group * i as f64 + group * 0.15;
+        let ratio = r.ratio;
+        for (k, (val, color)) in [(1.0, "#7a9cc6"), (ratio, "#e08a3c")].iter().enumerate() {
+            let x = x0 + bar * k as f64;
+            let _ = writeln!(
+                s,
+                "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{color}\"/>",
+                y(*val),
+                bar - 2.0,
+                y(0.0) - y(*val)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{ratio:.2}</text>",
+            x0 + bar * 1.5,
+            y(ratio) - 3.0
+        );
+        let lx = x0 + bar;
+        let ly = h - bottom + 10.0;
+        let metric = if r.case.bs == 4096 {
+            format!("{:.0}/{:.0} IOPS", r.local.0, r.lent.0)
+        } else {
+            format!("{:.0}/{:.0} MiB/s", r.local.1, r.lent.1)
+        };
+        let _ = writeln!(
+            s,
+            "<text transform=\"translate({lx:.1},{ly:.1}) rotate(40)\">{} {}</text><text transform=\"translate({:.1},{ly:.1}) rotate(40)\" fill=\"#666\">{metric}</text>",
+            r.mode,
+            r.case.name,
+            lx - 11.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        "<rect x=\"{}\" y=\"28\" width=\"10\" height=\"10\" fill=\"#7a9cc6\"/><text x=\"{}\" y=\"37\">local</text><rect x=\"{}\" y=\"28\" width=\"10\" height=\"10\" fill=\"#e08a3c\"/><text x=\"{}\" y=\"37\">lent</text>",
+        w - 150.0,
+        w - 136.0,
+        w - 90.0,
+        w - 76.0
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; nothing to filter.
+    let env_f = |k: &str, d: f64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let secs = env_f("NVME_LENT_BENCH_SECS", 1.5);
+    let reps = env_f("NVME_LENT_BENCH_REPS", 6.0).max(1.0) as usize;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let out = std::env::var("NVME_LENT_BENCH_OUT")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| root.join("target/bench/nvme-lent.json"));
+    let svg_path = out.with_extension("svg");
+    let dir = match std::env::var("NVME_LENT_BENCH_DIR") {
+        Ok(d) => tempfile::tempdir_in(d).unwrap(),
+        Err(_) => tempfile::tempdir().unwrap(),
+    };
+    let t_all = Instant::now();
+    let mut rows = Vec::new();
+    let mut engines = Vec::new();
+    for mode in [NotifyMode::Interrupt, NotifyMode::Polling] {
+        let polling = mode == NotifyMode::Polling;
+        let mname = if polling { "polling" } else { "interrupt" };
+        // Local: the controller in this process, NvmeConfig as lenderd builds it.
+        let cfg = NvmeConfig {
+            backing: dir.path().join(format!("local-{mname}.img")),
+            size: Some(NS_BYTES),
+            notify: mode,
+            ..NvmeConfig::default()
+        };
+        let mut local = local_rig(cfg, polling);
+        engines.push(local.ctrl.engine_name());
+        // Lent: lenderd on the shm fabric, one lenderd per mode so an idle polling device
+        // never competes with the interrupt-mode runs.
+        let cdir = tempfile::tempdir_in(dir.path()).unwrap();
+        let c = common::cluster_in(cdir, FabricKind::Shm);
+        let disk = dir.path().join(format!("lent-{mname}.img"));
+        let size = format!("{}M", NS_BYTES >> 20);
+        let _lenderd = start_lenderd(
+            &c,
+            mname,
+            &[nvme_spec(DEV, &disk, &size, polling)],
+            TokenVia::File,
+        );
+        let mut lent = lent_rig(
+            &c,
+            DEV,
+            RAM,
+            BarPath::Direct { notify: !polling },
+            &[],
+            2,
+            !polling,
+        );
+        let lbufs = prepare(&mut local.driver);
+        let rbufs = prepare(&mut lent.driver);
+        for case in CASES.iter() {
+            let (mut a, mut b) = (Acc::default(), Acc::default());
+            let per = secs / reps as f64;
+            for r in 0..reps {
+                let seed = 0x9e37_79b9_7f4a_7c15u64 ^ (r as u64) << 32;
+                // Alternate who goes first.
+                if r % 2 == 0 {
+                    run_case(&mut local.driver, &lbufs, case, per, seed, &mut a);
+                    run_case(&mut lent.driver, &rbufs, case, per, seed, &mut b);
+                } else {
+                    run_case(&mut lent.driver, &rbufs, case, per, seed, &mut b);
+                    run_case(&mut local.driver, &lbufs, case, per, seed, &mut a);
+                }
+            }
+            let paired: Vec<f64> = a
+                .reps
+                .iter()
+                .zip(&b.reps)
+                .map(|(l, r)| r / l.max(1e-9))
+                .collect();
+            let row = Row {
+                mode: mname,
+                case,
+                ratio: median(&paired),
+                local: summarize(&mut a, case.bs),
+                lent: summarize(&mut b, case.bs),
+            };
+            println!(
+                "{mname:9} {:18} local {:>8.0} IOPS {:>7.1} MiB/s p50 {:>6.1} p99 {:>7.1} us | lent {:>8.0} IOPS {:>7.1} MiB/s p50 {:>6.1} p99 {:>7.1} us | ratio {:.3}",
+                case.name,
+                row.local.0,
+                row.local.1,
+                row.local.2,
+                row.local.3,
+                row.lent.0,
+                row.lent.1,
+                row.lent.2,
+                row.lent.3,
+                row.ratio
+            );
+            rows.push(row);
+        }
+        lent.driver.shutdown().unwrap();
+        local.driver.shutdown().unwrap();
+    }
+    let checks = checks(&rows);
+    println!(
+        "\n{:9} {:48} {:>9} {:>8}  result",
+        "mode", "target", "value", "goal"
+    );
+    for c in &checks {
+        println!(
+            "{:9} {:48} {:>9.3} {:>8}  {}",
+            c.mode,
+            c.what,
+            c.value,
+            c.target,
+            if c.pass { "PASS" } else { "MISS" }
+        );
+    }
+    // JSON by hand (no serde dependency for one file).
+    let mut j = String::new();
+    let _ = writeln!(j, "{{\n  \"bench\": \"nvme-lent\",\n  \"fabric\": \"shm\",");
+    let _ = writeln!(
+        j,
+        "  \"secs_per_case_and_side\": {secs},\n  \"repetitions\": {reps},\n  \"engine\": \"{}\",\n  \"host_cpus\": {},",
+        engines.first().copied().unwrap_or("?"),
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let _ = writeln!(j, "  \"cases\": [");
+    for (i, r) in rows.iter().enumerate() {
+        let side = |t: (f64, f64, f64, f64)| {
+            format!(
+                "{{\"iops\": {:.0}, \"mib_per_s\": {:.1}, \"p50_us\": {:.2}, \"p99_us\": {:.2}}}",
+                t.0, t.1, t.2, t.3
+            )
+        };
+        let _ = writeln!(
+            j,
+            "    {{\"mode\": \"{}\", \"name\": \"{}\", \"bs\": {}, \"qd\": {}, \"local\": {}, \"lent\": {}, \"ratio_iops\": {:.4}, \"ratio_bandwidth\": {:.4}, \"p50_added_us\": {:.2}}}{}",
+            r.mode,
+            r.case.name,
+            r.case.bs,
+            r.case.qd,
+            side(r.local),
+            side(r.lent),
+            r.ratio,
+            r.ratio,
+            r.lent.2 - r.local.2,
+            if i + 1 < rows.len() { "," } else { "" }
+        );
+    }
+    let _ = writeln!(j, "  ],\n  \"targets\": [");
+    for (i, c) in checks.iter().enumerate() {
+        let _ = writeln!(
+            j,
+            "    {{\"mode\": \"{}\", \"what\": \"{}\", \"value\": {:.4}, \"target\": \"{}\", \"pass\": {}}}{}",
+            c.mode,
+            c.what,
+            c.value,
+            c.target,
+            c.pass,
+            if i + 1 < checks.len() { "," } else { "" }
+        );
+    }
+    let _ = writeln!(
+        j,
+        "  ],\n  \"all_targets_met\": {},\n  \"wall_secs\": {:.1}\n}}",
+        checks.iter().all(|c| c.pass),
+        t_all.elapsed().as_secs_f64()
+    );
+    if let Some(p) = out.parent() {
+        std::fs::create_dir_all(p).unwrap();
+    }
+    std::fs::write(&out, j).unwrap();
+    std::fs::write(&svg_path, svg(&rows)).unwrap();
+    println!(
+        "wrote {} and {} in {:.0} s",
+        out.display(),
+        svg_path.display(),
+        t_all.elapsed().as_secs_f64()
+    );
+}

@@ -1,0 +1,418 @@
+//! Shared by `tests/nvme_lent.rs` and `benches/nvme_lent.rs`: runs the real `lenderd`, borrows
+//! its emulated NVMe controller and drives it with `emulated::testing::NvmeDriver` through
+//! adapters that play the guest's role on the borrower side:
+//!
+//! * [`MemfdRam`]: "guest RAM" in a memfd, exported as a fabric window mapped at IOVA = GPA.
+//! * [`WindowRegs`] (+ `emulated::testing::DirectBar`): BAR0 as the lender's fabric window,
+//!   direct loads/stores (shm), each store followed by a write to the lease's notify eventfd in
+//!   interrupt mode (what a KVM ioeventfd does for a guest).
+//! * [`TrappedBar`]: every register access is a BAR_READ/BAR_WRITE message (tcp, or the shm
+//!   slow path).
+//! * [`FdIrq`]: one eventfd per vector, as a VMM's irqfds.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use emulated::testing::{DirectBar, DriverConfig, GuestBar, GuestIrq, GuestRam, NvmeDriver};
+use emulated::{RawRegisters, RegisterMemory};
+use lending::client::{ClientIrq, Lease, LenderClient};
+use lending::protocol::IrqKind;
+use ntb::{ClusterConfig, ExportedWindow, FabricKind, PeerWindow, SharedMemory};
+use vmm_sys_util::eventfd::EventFd;
+
+pub const TOKEN: &str = "nvme-lent-cluster-token";
+pub const LENDER: &str = "node3";
+pub const BORROWER: &str = "node1";
+/// Where the driver allocates queues and buffers from (below: nothing, like low guest RAM).
+pub const RAM_BASE: u64 = 1 << 20;
+
+/// How lenderd gets the cluster token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenVia {
+    Flag,
+    File,
+    Env,
+}
+
+/// A running lenderd; SIGKILLed on drop.
+pub struct Lenderd {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Lenderd {
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Lenderd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A two-node cluster (lender node3, borrower node1) in a temp dir.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub cfg: ClusterConfig,
+    pub path: PathBuf,
+    pub kind: FabricKind,
+}
+
+fn free_tcp_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn cluster(kind: FabricKind) -> Cluster {
+    cluster_in(tempfile::tempdir().unwrap(), kind)
+}
+
+pub fn cluster_in(dir: tempfile::TempDir, kind: FabricKind) -> Cluster {
+    let d = dir.path().display();
+    let node = |name: &str| match kind {
+        FabricKind::Shm => {
+            format!(
+                "[[node]]\nname = \"{name}\"\nfabric = \"shm\"\ncontrol = \"{d}/{name}.sock\"\n"
+            )
+        }
+        FabricKind::Tcp => format!(
+            "[[node]]\nname = \"{name}\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{}\"\n",
+            free_tcp_port()
+        ),
+    };
+    let src = format!("version = 1\n{}{}", node(LENDER), node(BORROWER));
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, &src).unwrap();
+    let cfg = ClusterConfig::load(&path).unwrap();
+    Cluster {
+        dir,
+        cfg,
+        path,
+        kind,
+    }
+}
+
+/// Starts lenderd lending `devices` (`BDF=SPEC`), passing the token `via`.
+pub fn start_lenderd(c: &Cluster, tag: &str, devices: &[String], via: TokenVia) -> Lenderd {
+    let log = c.dir.path().join(format!("lenderd-{tag}.log"));
+    let sock = c.dir.path().join(format!("{LENDER}.sock"));
+    let _ = std::fs::remove_file(&sock);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lenderd"));
+    cmd.args(["--node", LENDER, "--cluster"]).arg(&c.path);
+    for d in devices {
+        cmd.args(["--device", d]);
+    }
+    cmd.env_remove("LENDVM_TOKEN");
+    match via {
+        TokenVia::Flag => {
+            cmd.args(["--token", TOKEN]);
+        }
+        TokenVia::File => {
+            let f = c.dir.path().join("token");
+            std::fs::write(&f, format!("{TOKEN}\n")).unwrap();
+            cmd.arg("--token-file").arg(f);
+        }
+        TokenVia::Env => {
+            cmd.env("LENDVM_TOKEN", TOKEN);
+        }
+    }
+    let child = cmd
+        .env(
+            "RUST_LOG",
+            std::env::var("LENDERD_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut d = Lenderd { child, log };
+    let t0 = Instant::now();
+    while !d.log().contains("listening at") {
+        if let Ok(Some(st)) = d.child.try_wait() {
+            panic!("lenderd exited with {st}: {}", d.log());
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "lenderd did not listen: {}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    d
+}
+
+pub fn connect(c: &Cluster) -> LenderClient {
+    let t0 = Instant::now();
+    loop {
+        match LenderClient::connect(&c.cfg, BORROWER, LENDER, TOKEN, "nvme-lent") {
+            Ok(cl) => return cl,
+            Err(e) if t0.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("connect: {e}"),
+        }
+    }
+}
+
+/// `BDF=nvme:path=…,size=…,mode=…`.
+pub fn nvme_spec(bdf: &str, path: &std::path::Path, size: &str, polling: bool) -> String {
+    format!(
+        "{bdf}=nvme:path={},size={size},mode={}",
+        path.display(),
+        if polling { "polling" } else { "interrupt" }
+    )
+}
+
+// ---- guest-role adapters ----------------------------------------------------------------------
+
+/// Guest RAM in a memfd (file offset = GPA).
+pub struct MemfdRam {
+    pub mem: SharedMemory,
+}
+
+impl MemfdRam {
+    pub fn new(len: u64) -> Arc<Self> {
+        Arc::new(MemfdRam {
+            mem: SharedMemory::new("guest-ram", len).unwrap(),
+        })
+    }
+}
+
+impl GuestRam for MemfdRam {
+    fn read(&self, addr: u64, buf: &mut [u8]) {
+        self.mem.read_at(addr, buf).unwrap();
+    }
+    fn write(&self, addr: u64, buf: &[u8]) {
+        self.mem.write_at(addr, buf).unwrap();
+    }
+}
+
+/// The lender's BAR window mapped here, as register memory (atomic loads/stores).
+pub struct WindowRegs {
+    raw: RawRegisters,
+    _win: Box<dyn PeerWindow>,
+}
+
+impl WindowRegs {
+    pub fn new(win: Box<dyn PeerWindow>) -> Self {
+        let ptr = win.as_ptr().unwrap();
+        // SAFETY: the shm peer window is a page-aligned shared mapping of `len` bytes that lives
+        // as long as `_win` (same value); the lender's device accesses it atomically too.
+        let raw = unsafe { RawRegisters::new(ptr, win.len() as usize) };
+        WindowRegs { raw, _win: win }
+    }
+}
+
+impl RegisterMemory for WindowRegs {
+    fn len(&self) -> usize {
+        self.raw.len()
+    }
+    fn read32(&self, offset: u64) -> u32 {
+        self.raw.read32(offset)
+    }
+    fn write32(&self, offset: u64, value: u32) {
+        self.raw.write32(offset, value)
+    }
+    fn read64(&self, offset: u64) -> u64 {
+        self.raw.read64(offset)
+    }
+    fn write64(&self, offset: u64, value: u64) {
+        self.raw.write64(offset, value)
+    }
+}
+
+/// BAR0 through BAR_READ/BAR_WRITE messages.
+pub struct TrappedBar(pub Arc<Lease>);
+
+impl GuestBar for TrappedBar {
+    fn read32(&self, off: u64) -> u32 {
+        u32::from_le_bytes(self.0.bar_read(0, off, 4).unwrap().try_into().unwrap())
+    }
+    fn write32(&self, off: u64, v: u32) {
+        self.0.bar_write(0, off, &v.to_le_bytes()).unwrap();
+    }
+    fn read64(&self, off: u64) -> u64 {
+        u64::from_le_bytes(self.0.bar_read(0, off, 8).unwrap().try_into().unwrap())
+    }
+    fn write64(&self, off: u64, v: u64) {
+        self.0.bar_write(0, off, &v.to_le_bytes()).unwrap();
+    }
+}
+
+/// One eventfd per vector; counts what the driver consumed.
+pub struct FdIrq {
+    pub fds: Vec<EventFd>,
+    seen: Vec<AtomicU64>,
+}
+
+impl FdIrq {
+    pub fn new(fds: Vec<EventFd>) -> Arc<Self> {
+        let seen = fds.iter().map(|_| AtomicU64::new(0)).collect();
+        Arc::new(FdIrq { fds, seen })
+    }
+
+    /// Signals seen on `vector` so far (consumed by the driver or still pending).
+    pub fn total(&self, vector: usize) -> u64 {
+        if let Ok(n) = self.fds[vector].read() {
+            self.seen[vector].fetch_add(n, Ordering::Relaxed);
+        }
+        self.seen[vector].load(Ordering::Relaxed)
+    }
+}
+
+impl GuestIrq for FdIrq {
+    fn wait(&self, vector: u16, timeout: Duration) -> bool {
+        let v = usize::from(vector);
+        let Some(fd) = self.fds.get(v) else {
+            std::thread::sleep(timeout);
+            return false;
+        };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(n) = fd.read() {
+                self.seen[v].fetch_add(n, Ordering::Relaxed);
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            let mut p = libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX);
+            // SAFETY: one valid pollfd for the duration of the call.
+            unsafe { libc::poll(&mut p, 1, ms) };
+        }
+    }
+}
+
+/// How the borrower reaches BAR0 and gets interrupts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BarPath {
+    /// Direct window (shm); notify eventfd after each store when `notify`.
+    Direct { notify: bool },
+    /// BAR_READ/BAR_WRITE messages.
+    Trapped,
+}
+
+/// Interrupt target per vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IrqVia {
+    /// `ClientIrq::EventFd` (shm: the lender signals it; tcp: relayed event messages).
+    EventFd,
+    /// A fabric doorbell bit of the borrower = vector + 1, waited on through its eventfd.
+    Doorbell,
+}
+
+/// A borrowed controller with guest RAM mapped for DMA and interrupts wired, and a driver.
+pub struct LentRig {
+    pub driver: NvmeDriver,
+    pub irq: Arc<FdIrq>,
+    pub ram: Arc<MemfdRam>,
+    pub lease: Arc<Lease>,
+    pub window: ExportedWindow,
+    pub client: LenderClient,
+}
+
+/// Borrows `dev`, exports `ram_len` bytes of guest RAM mapped at IOVA 0, wires `vectors` MSI-X
+/// vectors (each `irq_via[i]`, default EventFd) and builds a driver (controller not enabled).
+pub fn lent_rig(
+    c: &Cluster,
+    dev: &str,
+    ram_len: u64,
+    bar: BarPath,
+    irq_via: &[IrqVia],
+    vectors: usize,
+    use_interrupts: bool,
+) -> LentRig {
+    let client = connect(c);
+    let lease = Arc::new(client.borrow(dev, "vm0").unwrap());
+    assert_eq!(lease.info().kind, "nvme");
+    let ram = MemfdRam::new(ram_len);
+    let window = client
+        .endpoint()
+        .export_window(ram.mem.fd(), 0, ram_len, "vm0-ram")
+        .unwrap();
+    lease.map_dma(0, ram_len, window.id()).unwrap();
+    let mut fds = Vec::new();
+    let mut owned = Vec::new();
+    for v in 0..vectors {
+        match irq_via.get(v).copied().unwrap_or(IrqVia::EventFd) {
+            IrqVia::EventFd => {
+                fds.push(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+                owned.push(None);
+            }
+            IrqVia::Doorbell => {
+                let bit = u8::try_from(v + 1).unwrap();
+                fds.push(client.endpoint().doorbell_eventfd(u32::from(bit)).unwrap());
+                owned.push(Some(bit));
+            }
+        }
+    }
+    let targets: Vec<ClientIrq<'_>> = fds
+        .iter()
+        .zip(&owned)
+        .map(|(fd, bit)| match bit {
+            Some(b) => ClientIrq::Doorbell(*b),
+            None => ClientIrq::EventFd(fd),
+        })
+        .collect();
+    lease.set_irqs(IrqKind::Msix, &targets).unwrap();
+    let gbar: Arc<dyn GuestBar> = match bar {
+        BarPath::Direct { notify } => {
+            let regs = Arc::new(WindowRegs::new(lease.bar_window(0).unwrap()));
+            let n = if notify {
+                Some(
+                    lease
+                        .notify_eventfd()
+                        .expect("shm lease has a notify eventfd"),
+                )
+            } else {
+                None
+            };
+            Arc::new(DirectBar::new(regs, n).unwrap())
+        }
+        BarPath::Trapped => Arc::new(TrappedBar(Arc::clone(&lease))),
+    };
+    let irq = FdIrq::new(fds);
+    let driver = NvmeDriver::new(
+        gbar,
+        ram.clone(),
+        irq.clone(),
+        DriverConfig {
+            ram_base: RAM_BASE,
+            ram_len: ram_len - RAM_BASE,
+            use_interrupts,
+            timeout: Duration::from_secs(10),
+        },
+    );
+    LentRig {
+        driver,
+        irq,
+        ram,
+        lease,
+        window,
+        client,
+    }
+}
