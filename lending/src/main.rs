@@ -38,8 +38,9 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
-/// The cluster token: `--token`, else `--token-file`, else `$LENDVM_TOKEN`; never empty.
-fn token(args: &Args) -> Result<String, String> {
+/// The cluster token: `--token`, else `--token-file`, else `$LENDVM_TOKEN`, else the cluster
+/// file's `token`/`token_file`; never empty.
+fn token(args: &Args, cluster: &ClusterConfig) -> Result<String, String> {
     let (t, from) = if let Some(t) = &args.token {
         (t.clone(), "--token".to_string())
     } else if let Some(p) = &args.token_file {
@@ -48,8 +49,13 @@ fn token(args: &Args) -> Result<String, String> {
         (t.trim().to_string(), format!("token file {}", p.display()))
     } else if let Ok(t) = std::env::var("LENDVM_TOKEN") {
         (t, "$LENDVM_TOKEN".to_string())
+    } else if let Some(t) = cluster.auth_token().map_err(|e| e.to_string())? {
+        (t, format!("cluster file {}", args.cluster.display()))
     } else {
-        return Err("no cluster token: pass --token, --token-file or set LENDVM_TOKEN".into());
+        return Err(
+            "no cluster token: pass --token, --token-file, set LENDVM_TOKEN or put token_file in the cluster file"
+                .into(),
+        );
     };
     if t.trim().is_empty() {
         return Err(format!("the cluster token from {from} is empty"));
@@ -58,8 +64,8 @@ fn token(args: &Args) -> Result<String, String> {
 }
 
 fn run(args: Args) -> Result<(), String> {
-    let token = token(&args)?;
     let cluster = ClusterConfig::load(&args.cluster).map_err(|e| e.to_string())?;
+    let token = token(&args, &cluster)?;
     let fabric = SocketFabric::from_cluster(&cluster, &args.node)
         .map_err(|e| format!("node {}: {e}", args.node))?;
     let mut devices = Vec::new();

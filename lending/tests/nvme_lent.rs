@@ -356,3 +356,32 @@ fn lenderd_token_sources() {
     let cl = connect(&c);
     assert_eq!(cl.list().unwrap().len(), 1);
 }
+
+#[test]
+fn lenderd_reads_the_token_from_the_cluster_file() {
+    let c = cluster(FabricKind::Shm);
+    let tok = c.dir.path().join("tok");
+    std::fs::write(&tok, format!("{TOKEN}\n")).unwrap();
+    // Top-level keys must precede the tables: put token_file first.
+    let original = std::fs::read_to_string(&c.path).unwrap();
+    std::fs::write(&c.path, format!("token_file = \"tok\"\n{original}")).unwrap();
+    let log = c.dir.path().join("lenderd-cluster-token.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_lenderd"))
+        .args(["--node", LENDER, "--cluster"])
+        .arg(&c.path)
+        .args(["--device", "0000:00:04.0=dmatest"])
+        .env_remove("LENDVM_TOKEN")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let _d = Lenderd { child, log };
+    let cl = connect(&c);
+    assert_eq!(cl.list().unwrap().len(), 1);
+
+    // A cluster file naming a missing token file is refused with its path.
+    std::fs::remove_file(&tok).unwrap();
+    let (ok, err) = lenderd_status(&c, &[], None);
+    assert!(!ok);
+    assert!(err.contains("tok"), "{err}");
+}
