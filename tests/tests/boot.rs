@@ -156,15 +156,20 @@ fn cli_rejects_bad_values_with_one_line_and_status_2() {
         "invalid serial 'tty'",
     );
     cli_error(
-        &["--kernel", TEST_GUEST, "--api-socket", "/tmp/x.sock"],
-        "--api-socket is not yet supported",
-    );
-    cli_error(
         &["--kernel", TEST_GUEST, "--remote-device", "n1:01:00.0"],
-        "--remote-device is not yet supported",
+        "--remote-device n1:0000:01:00.0 needs --cluster FILE to find node n1",
     );
     cli_error(
-        &["--kernel", TEST_GUEST, "--cluster", "c.toml"],
-        "--cluster is not yet supported",
+        &["--kernel", TEST_GUEST, "--cluster", "/nonexistent/c.toml"],
+        "/nonexistent/c.toml",
+    );
+    cli_error(
+        &[
+            "--kernel",
+            TEST_GUEST,
+            "--remote-device",
+            "n1:0000:01:00.0,mode=fast",
+        ],
+        "device mode \"fast\" is invalid",
     );
 }

@@ -47,6 +47,28 @@ fn parse_u8(s: &[u8]) -> Option<u8> {
     (v <= 255).then_some(v as u8)
 }
 
+/// Parses a decimal or `0x`-prefixed hex number.
+pub fn parse_u64(s: &[u8]) -> Option<u64> {
+    let (digits, radix) = match s.strip_prefix(b"0x") {
+        Some(h) => (h, 16u64),
+        None => (s, 10u64),
+    };
+    if digits.is_empty() || digits.len() > 16 {
+        return None;
+    }
+    let mut v: u64 = 0;
+    for &c in digits {
+        let d = match c {
+            b'0'..=b'9' => c - b'0',
+            b'a'..=b'f' if radix == 16 => c - b'a' + 10,
+            b'A'..=b'F' if radix == 16 => c - b'A' + 10,
+            _ => return None,
+        };
+        v = v.checked_mul(radix)?.checked_add(d as u64)?;
+    }
+    Some(v)
+}
+
 impl BootInfo {
     pub fn read(zero_page: u64) -> Self {
         let mut info = BootInfo {
@@ -93,8 +115,35 @@ impl BootInfo {
     pub fn wants(&self, name: &str) -> bool {
         match self.tests {
             None => true,
+            Some(_) => self.wants_explicitly(name),
+        }
+    }
+
+    /// Whether `tests=` names group `name` (for groups that need a device or the host's
+    /// cooperation and so never run by default).
+    pub fn wants_explicitly(&self, name: &str) -> bool {
+        match self.tests {
+            None => false,
             Some(list) => list.split(|&c| c == b',').any(|t| t == name.as_bytes()),
         }
+    }
+
+    /// The value of `key=VALUE` on the command line (the last one wins).
+    pub fn param(&self, key: &str) -> Option<&'static [u8]> {
+        let mut found = None;
+        for word in self.cmdline.split(|&c| c == b' ') {
+            if let Some(rest) = word.strip_prefix(key.as_bytes()) {
+                if let Some(v) = rest.strip_prefix(b"=") {
+                    found = Some(v);
+                }
+            }
+        }
+        found
+    }
+
+    /// A numeric parameter (decimal or `0x` hex), or `default` if absent or malformed.
+    pub fn param_u64(&self, key: &str, default: u64) -> u64 {
+        self.param(key).and_then(parse_u64).unwrap_or(default)
     }
 
     /// The valid e820 entries (iterator: no bounds-check panics, see `tests/build.rs`).

@@ -25,6 +25,20 @@ pub const TIMER_VECTOR: u8 = 0x30;
 pub const IPI_VECTOR: u8 = 0x31;
 pub const SERIAL_VECTOR: u8 = 0x32;
 pub const SPURIOUS_VECTOR: u8 = 0xff;
+/// Counted device vectors: `DEVICE_VECTOR_BASE + i` bumps `IRQ_COUNTS[i]` (i < 16).
+pub const DEVICE_VECTOR_BASE: u8 = 0x40;
+/// NVMe MSI-X table entry 0 (admin queue).
+pub const NVME_ADMIN_VECTOR: u8 = 0x40;
+/// NVMe MSI-X table entry 1 (the I/O completion queue).
+pub const NVME_IO_VECTOR: u8 = 0x41;
+/// dmatest MSI-X table entry 0.
+pub const DMATEST_VECTOR: u8 = 0x42;
+/// ACPI GED (IOAPIC pin 5, edge).
+pub const GED_VECTOR: u8 = 0x48;
+/// The periodic LAPIC tick that bounds every `wait_until` in real time.
+pub const TICK_VECTOR: u8 = 0x4f;
+/// Tick period: the LAPIC timer counts at 1 GHz under KVM (divide by 1).
+const TICK_COUNT: u32 = 1_000_000;
 
 pub const IOAPIC_BASE: u64 = 0xfec0_0000;
 const IOAPIC_REGSEL: u64 = 0x00;
@@ -38,6 +52,9 @@ static mut IRQ_COUNT_TIMER: u64 = 0;
 static mut IRQ_COUNT_IPI: u64 = 0;
 #[no_mangle]
 static mut IRQ_COUNT_SERIAL: u64 = 0;
+/// Counters of the device vectors 0x40..0x4f.
+#[no_mangle]
+static mut IRQ_COUNTS: [u64; 16] = [0; 16];
 
 #[repr(C, packed)]
 #[derive(Clone, Copy)]
@@ -110,6 +127,15 @@ core::arch::global_asm!(
     "    mov dword ptr [rax], 0",
     "    pop rax",
     "    iretq",
+    ".irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+    "irq_stub_dev_\\n:",
+    "    push rax",
+    "    add qword ptr [rip + IRQ_COUNTS + 8 * \\n], 1",
+    "    mov eax, 0xfee000b0",
+    "    mov dword ptr [rax], 0",
+    "    pop rax",
+    "    iretq",
+    ".endr",
     ".global irq_stub_spurious",
     "irq_stub_spurious:",
     "    iretq",
@@ -120,10 +146,16 @@ core::arch::global_asm!(
     ".irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31",
     "    .quad exc_stub_\\n",
     ".endr",
+    ".global dev_stub_table",
+    "dev_stub_table:",
+    ".irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+    "    .quad irq_stub_dev_\\n",
+    ".endr",
 );
 
 extern "C" {
     static exc_stub_table: [u64; 32];
+    static dev_stub_table: [u64; 16];
     fn irq_stub_timer();
     fn irq_stub_ipi();
     fn irq_stub_serial();
@@ -171,6 +203,11 @@ pub fn init() {
     set_gate(IPI_VECTOR, irq_stub_ipi as *const () as u64);
     set_gate(SERIAL_VECTOR, irq_stub_serial as *const () as u64);
     set_gate(SPURIOUS_VECTOR, irq_stub_spurious as *const () as u64);
+    for i in 0..16u8 {
+        // SAFETY: the table is a static array of 16 code addresses.
+        let h = unsafe { (*addr_of!(dev_stub_table))[i as usize] };
+        set_gate(DEVICE_VECTOR_BASE + i, h);
+    }
     // Mask both 8259s: with LINT0 in ExtINT mode an unprogrammed PIC would deliver legacy
     // IRQs on vectors 0..15 (the exception vectors).
     crate::io::outb(0x21, 0xff);
@@ -181,6 +218,85 @@ pub fn init() {
     };
     // SAFETY: `idtr` describes the static IDT, which lives forever.
     unsafe { core::arch::asm!("lidt [{}]", in(reg) &idtr, options(nostack, readonly)) };
+    // Software-enable the LAPIC (device MSIs and the tick need it; the irq test does it too).
+    lapic_write(LAPIC_TPR, 0);
+    lapic_write(LAPIC_SVR, 0x100 | SPURIOUS_VECTOR as u32);
+}
+
+/// This CPU's APIC id (MSI destination, IOAPIC destination).
+pub fn apic_id() -> u32 {
+    lapic_read(LAPIC_ID) >> 24
+}
+
+/// Interrupts taken so far on device vector `vector` (0x40..=0x4f; others read 0).
+pub fn irq_count(vector: u8) -> u64 {
+    let i = vector.wrapping_sub(DEVICE_VECTOR_BASE) as usize;
+    // SAFETY: the counters are only written by the interrupt stubs; `get` bounds the index.
+    unsafe {
+        (*addr_of!(IRQ_COUNTS))
+            .get(i)
+            .map_or(0, |c| read_volatile(c))
+    }
+}
+
+/// Routes IOAPIC pin `pin` to `vector` on this CPU (fixed, physical, active high, edge).
+pub fn ioapic_route_edge(pin: u32, vector: u8) {
+    ioapic_write(0x10 + 2 * pin + 1, apic_id() << 24);
+    ioapic_write(0x10 + 2 * pin, vector as u32);
+}
+
+/// Masks IOAPIC pin `pin`.
+pub fn ioapic_mask(pin: u32) {
+    ioapic_write(0x10 + 2 * pin, 1 << 16);
+}
+
+/// Milliseconds of ticks taken so far (a lower bound of elapsed time: ticks that arrive
+/// while interrupts are off coalesce).
+pub fn ticks() -> u64 {
+    irq_count(TICK_VECTOR)
+}
+
+/// Starts the periodic 1 ms LAPIC tick (idempotent); it bounds every [`wait_until`].
+pub fn start_ticks() {
+    if lapic_read(LAPIC_LVT_TIMER) == (1 << 17) | TICK_VECTOR as u32
+        && lapic_read(LAPIC_TIMER_INITIAL) == TICK_COUNT
+    {
+        return;
+    }
+    lapic_write(LAPIC_TIMER_DIVIDE, 0xb); // divide by 1
+    lapic_write(LAPIC_LVT_TIMER, (1 << 17) | TICK_VECTOR as u32); // periodic
+    lapic_write(LAPIC_TIMER_INITIAL, TICK_COUNT);
+}
+
+/// Halts (interrupts on) until `cond()` holds or about `timeout_ms` ticks pass. `cond` runs
+/// with interrupts off, before every `hlt` and after every wake-up (any interrupt: the tick,
+/// a device MSI, the GED). Returns whether `cond` held. Interrupts are off on return.
+pub fn wait_until(mut cond: impl FnMut() -> bool, timeout_ms: u64) -> bool {
+    start_ticks();
+    let start = ticks();
+    loop {
+        cli();
+        if cond() {
+            return true;
+        }
+        if ticks().wrapping_sub(start) >= timeout_ms {
+            return false;
+        }
+        // SAFETY: `sti; hlt` is atomic with respect to interrupts (STI shadow): a pending
+        // interrupt wakes the `hlt` instead of being taken before it. The IDT is installed.
+        unsafe { core::arch::asm!("sti", "hlt", options(nomem, nostack)) };
+    }
+}
+
+/// Spins (interrupts off) up to `spins` times for `cond()`, then falls back to
+/// [`wait_until`]: cheap for completions that are already there, bounded otherwise.
+pub fn poll_then_wait(mut cond: impl FnMut() -> bool, spins: u32, timeout_ms: u64) -> bool {
+    for _ in 0..spins {
+        if cond() {
+            return true;
+        }
+    }
+    wait_until(cond, timeout_ms)
 }
 
 fn lapic_write(reg: u64, v: u32) {

@@ -2,9 +2,19 @@
 //!
 //! Entered by the VMM in 64-bit long mode (identity-mapped first 4 GiB, interrupts off) with
 //! RSI = the Linux zero page (`docs/CONTRACTS.md`). It runs the tests selected by the command
-//! line (`tests=cpuid,mmio,pci,irq` or `tests=none`; default all; `exit=N` sets the code
+//! line (`tests=cpuid,mmio,pci,irq` or `tests=none`; default those four; `exit=N` sets the code
 //! on success; `fault=rdrand|ud2` provokes a failure), prints `TEST <name> ok|fail <detail>` lines on
 //! COM1, then `EXIT <code>` and writes the code to the debug-exit port 0xf4.
+//!
+//! Device groups run only when named in `tests=` (they need a borrowed device or the host):
+//!
+//! | group | what | parameters |
+//! |---|---|---|
+//! | `nvme` | NVMe driver test on the first class 01:08:02 function | `seed=` (pattern, default 0x4c454e44), `lba=` (first LBA, 0) |
+//! | `dmatest` | one-page copy through the first 1b36:1105 function | `seed=` |
+//! | `bme-steps` | Memory → Bus Master on → off, each step acknowledged by the host through a mailbox | `wait_ms=` |
+//! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0) |
+//! | `idle` | the same loop without I/O, for `total_ms=` (default 600000), then exit 0 | `total_ms=` |
 //!
 //! Built without SSE (the host's KVM runs this guest in its instruction emulator, which cannot
 //! decode vector instructions) and without `core::fmt`; see `tests/build.rs`.
@@ -12,14 +22,19 @@
 #![no_std]
 #![no_main]
 
+mod bme;
 mod bootinfo;
 mod cpuid;
+mod dma;
+mod dmatest;
 mod exit;
 mod fault;
+mod hotplug;
 mod interrupts;
 mod io;
 mod mem;
 mod mmio;
+mod nvme;
 mod pci;
 mod serial;
 
@@ -41,6 +56,9 @@ core::arch::global_asm!(
     "    .skip 65536",
     "__stack_top:",
 );
+
+/// Default pattern seed ("LEND").
+const DEFAULT_SEED: u64 = 0x4c45_4e44;
 
 /// Test outcome bookkeeping.
 pub struct Results {
@@ -85,6 +103,43 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
     }
     if info.wants("irq") {
         interrupts::test(&mut r);
+    }
+    let params = nvme::Params {
+        seed: info.param_u64("seed", DEFAULT_SEED) as u32,
+        slba: info.param_u64("lba", 0),
+    };
+    if info.wants_explicitly("nvme") {
+        nvme::test(&mut r, params);
+    }
+    if info.wants_explicitly("dmatest") {
+        dmatest::test(&mut r, params.seed);
+    }
+    if info.wants_explicitly("bme-steps") {
+        bme::run(&mut r, info.param_u64("wait_ms", 30_000), params.seed);
+    }
+    if info.wants_explicitly("hotplug") {
+        let mode = hotplug::Mode {
+            name: "hotplug",
+            rounds: info.param_u64("rounds", 1),
+            io: true,
+            wait_ms: info.param_u64("wait_ms", 30_000),
+            total_ms: info.param_u64("total_ms", 600_000),
+            eject_delay_ms: info.param_u64("eject_delay_ms", 0),
+            nvme: params,
+        };
+        hotplug::run(&mut r, &mode);
+    }
+    if info.wants_explicitly("idle") {
+        let mode = hotplug::Mode {
+            name: "idle",
+            rounds: u64::MAX,
+            io: false,
+            wait_ms: u64::MAX,
+            total_ms: info.param_u64("total_ms", 600_000),
+            eject_delay_ms: info.param_u64("eject_delay_ms", 0),
+            nvme: params,
+        };
+        hotplug::run(&mut r, &mode);
     }
     let code = if r.failed > 0 {
         1

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The main job: a local demo cluster on the embedded defaults.
+#
+# Two lenders (node1, node2) on the shm fabric each lend an emulated NVMe disk backed by a
+# small sparse image file. A VM boots the bare-metal test guest with node1's disk attached at
+# launch, the guest drives it with its own NVMe driver, then node2's disk is hot-added through
+# the REST API, used by the guest, removed (the guest ejects it) and the VM is shut down.
+#
+# Everything lives in a temporary state directory that is removed at the end, also on Ctrl-C.
+# Set LENDVM_DEMO_KEEP=1 to keep it (logs, images) for a look afterwards.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+scripts/setup.sh
+echo "== building lendvm, lenderd, lendctl and the test guest"
+cargo build --quiet --workspace --bins
+guest=$(cargo run --quiet -p lendvm-tests --bin lendvm-test-guest-path)
+bin="$root/target/debug"
+
+state=$(mktemp -d /tmp/lendvm-demo.XXXXXX)
+pids=()
+cleanup() {
+  local rc=$?
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  if [ "${LENDVM_DEMO_KEEP:-0}" = 1 ]; then
+    echo "state kept in $state"
+  else
+    rm -rf "$state"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'echo; echo "interrupted: cleaning up"; exit 130' INT TERM
+
+# Polls until FILE has COUNT lines matching PATTERN; bounded by SECONDS.
+wait_for() {
+  local file=$1 pattern=$2 count=$3 seconds=$4 what=$5
+  local deadline=$((SECONDS + seconds)) n
+  while :; do
+    n=$(grep -c -- "$pattern" "$file" 2>/dev/null) || n=${n:-0}
+    [ "${n:-0}" -lt "$count" ] || break
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "demo: timed out after ${seconds}s waiting for $what (see $file)" >&2
+      tail -n 20 "$file" >&2 || true
+      exit 1
+    fi
+    sleep 0.1
+  done
+}
+
+# Embedded defaults: the cluster file, token and disks.
+umask 077
+head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$state/cluster.token"
+cat >"$state/cluster.toml" <<EOF
+version = 1
+token_file = "cluster.token"
+
+[link]
+heartbeat_ms = 250
+peer_timeout_ms = 1500
+
+[[node]]
+name = "node1"
+fabric = "shm"
+control = "$state/node1.sock"
+
+[[node]]
+name = "node2"
+fabric = "shm"
+control = "$state/node2.sock"
+EOF
+truncate -s 64M "$state/disk1.img" "$state/disk2.img"
+
+echo "== starting lenderd on node1 and node2 (emulated NVMe, 64 MiB sparse images)"
+RUST_LOG=${RUST_LOG:-info} "$bin/lenderd" --node node1 --cluster "$state/cluster.toml" \
+  --device "0000:01:00.0=nvme:path=$state/disk1.img,size=64M" 2>"$state/node1.log" &
+pids+=($!)
+RUST_LOG=${RUST_LOG:-info} "$bin/lenderd" --node node2 --cluster "$state/cluster.toml" \
+  --device "0000:02:00.0=nvme:path=$state/disk2.img,size=64M" 2>"$state/node2.log" &
+pids+=($!)
+for n in node1 node2; do
+  deadline=$((SECONDS + 20))
+  until [ -S "$state/$n.sock" ]; do
+    [ "$SECONDS" -lt "$deadline" ] || { echo "demo: $n did not start" >&2; cat "$state/$n.log" >&2; exit 1; }
+    sleep 0.1
+  done
+done
+ctl=("$bin/lendctl" --cluster "$state/cluster.toml")
+"${ctl[@]}" list
+
+echo "== booting the test guest with node1:0000:01:00.0 attached at launch"
+api="$state/api.sock"
+serial="$state/serial.log"
+start=$SECONDS
+RUST_LOG=${RUST_LOG:-info} "$bin/lendvm" --kernel "$guest" --memory 256M --cpus 1 \
+  --cmdline "tests=nvme,hotplug rounds=2 seed=0x44454d4f" \
+  --serial "file=$serial" --cluster "$state/cluster.toml" --name demo-vm \
+  --remote-device node1:0000:01:00.0,id=nvme0 --api-socket "$api" 2>"$state/lendvm.log" &
+vmm=$!
+pids+=("$vmm")
+wait_for "$serial" "^TEST nvme-msix" 1 180 "the guest's NVMe test on nvme0"
+grep -E '^TEST nvme' "$serial" | sed 's/^/  guest: /'
+api_ctl=("$bin/lendctl" --api-socket "$api")
+"${api_ctl[@]}" info
+
+echo "== hot-adding node2:0000:02:00.0 as nvme1 through the REST API"
+"${api_ctl[@]}" add-remote-device node2:0000:02:00.0 --id nvme1
+wait_for "$serial" "^HOTPLUG add" 1 60 "the guest to see the hot-added device"
+wait_for "$serial" "^TEST nvme-msix" 2 180 "the guest's I/O on nvme1"
+grep -E '^(HOTPLUG|TEST nvme)' "$serial" | tail -n 6 | sed 's/^/  guest: /'
+"${api_ctl[@]}" info
+"${ctl[@]}" list
+
+echo "== removing nvme1 (the guest ejects it)"
+"${api_ctl[@]}" remove-device nvme1
+wait_for "$serial" "^HOTPLUG eject" 1 60 "the guest to eject nvme1"
+"${api_ctl[@]}" info
+"${ctl[@]}" list
+
+echo "== shutting the VM down"
+"${api_ctl[@]}" shutdown
+rc=0
+wait "$vmm" || rc=$?
+elapsed=$((SECONDS - start))
+
+echo
+echo "== summary"
+echo "  guest results: $(grep -c ' ok' "$serial" || true) ok, $(grep -c ' fail' "$serial" || true) failed"
+echo "  lendvm exit status: $rc, guest ran ${elapsed}s"
+for d in disk1 disk2; do
+  used=$(du -k "$state/$d.img" | cut -f1)
+  echo "  $d.img: ${used} KiB written by the guest through the lender (sparse 64 MiB)"
+done
+if grep -q ' fail' "$serial"; then
+  echo "demo: the guest reported failures" >&2
+  exit 1
+fi

@@ -1,0 +1,535 @@
+//! Process harness shared by `remote_nvme.rs` and `hotplug.rs`: a temporary cluster file, the
+//! real `lenderd` and `lendvm` binaries (found next to the test executable, built by
+//! `cargo build --workspace --bins`), line-by-line access to the guest's console, the lender's
+//! status, the VMM's REST API, and the `/proc` numbers leak checks need.
+//!
+//! Every wait is bounded; every child is SIGKILLed and reaped on drop.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use api::client::ApiClient;
+use lending::protocol::{DeviceState, DeviceStatus, LenderStatus};
+use ntb::ClusterConfig;
+
+pub use lendvm_tests::TEST_GUEST;
+
+/// The cluster token every process of a test uses.
+pub const TOKEN: &str = "lendvm-tests-cluster-token";
+/// The lender's node name.
+pub const LENDER: &str = "node1";
+/// Lender-local PCI addresses of the devices it lends.
+pub const NVME_BDF: &str = "0000:82:00.0";
+pub const DMATEST_BDF: &str = "0000:83:00.0";
+/// Identify data the lender's emulated NVMe reports (`lending::open_backend`): the default
+/// model, and `LENDVM` + the lender-local address without separators as the serial.
+pub const NVME_MODEL: &str = "lendvm NVMe Ctrl";
+pub const NVME_SERIAL: &str = "LENDVM000082000";
+/// Guest pattern seed used by the tests ("TEST").
+pub const SEED: u32 = 0x5445_5354;
+/// Generous bound for anything that involves booting the emulated guest.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A binary of this workspace next to the running test executable.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let bin = dir.join(name);
+    assert!(
+        bin.is_file(),
+        "{} not found: run `cargo build --workspace --bins` (same profile and target dir) first",
+        bin.display()
+    );
+    bin
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, for at most `timeout`.
+pub fn poll<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if t0.elapsed() > timeout {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Fabric of the lender node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fabric {
+    Shm,
+    Tcp,
+}
+
+/// A temporary directory with `cluster.toml` (inline token) describing one lender node.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub path: PathBuf,
+    pub cfg: ClusterConfig,
+    pub fabric: Fabric,
+}
+
+fn free_tcp_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Cluster {
+    /// One lender, `node1`, on `fabric`; plus `node9`, a node nobody serves (unreachable).
+    pub fn new(fabric: Fabric) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let node1 = match fabric {
+            Fabric::Shm => format!("fabric = \"shm\"\ncontrol = \"{d}/node1.sock\""),
+            Fabric::Tcp => format!(
+                "fabric = \"tcp\"\ncontrol = \"127.0.0.1:{}\"",
+                free_tcp_port()
+            ),
+        };
+        let src = format!(
+            "version = 1\ntoken = \"{TOKEN}\"\n\
+             [link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n\
+             [[node]]\nname = \"{LENDER}\"\n{node1}\n\
+             [[node]]\nname = \"node9\"\nfabric = \"shm\"\ncontrol = \"{d}/node9.sock\"\n"
+        );
+        let path = dir.path().join("cluster.toml");
+        std::fs::write(&path, src).unwrap();
+        let cfg = ClusterConfig::load(&path).unwrap();
+        Cluster {
+            dir,
+            path,
+            cfg,
+            fabric,
+        }
+    }
+
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// `lenderd --node node1` lending `devices` (`BDF=KIND[:OPTIONS]`), once it listens.
+    pub fn start_lenderd(&self, devices: &[String]) -> Lenderd {
+        let log = self.file("lenderd.log");
+        let sock = self.file("node1.sock");
+        let _ = std::fs::remove_file(&sock);
+        let mut cmd = Command::new(binary("lenderd"));
+        cmd.args(["--node", LENDER, "--cluster"])
+            .arg(&self.path)
+            .args(["--token", TOKEN]);
+        for d in devices {
+            cmd.args(["--device", d]);
+        }
+        let child = cmd
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut l = Lenderd { child, log };
+        let up = poll(Duration::from_secs(20), || {
+            if let Ok(Some(s)) = l.child.try_wait() {
+                panic!("lenderd exited with {s}: {}", l.log());
+            }
+            self.status().ok().map(|_| ())
+        });
+        assert!(up.is_some(), "lenderd did not answer: {}", l.log());
+        l
+    }
+
+    /// The lender's status (a fresh control connection each time).
+    pub fn status(&self) -> Result<LenderStatus, String> {
+        let session = api::lenders::Session {
+            local: ntb::NodeId::new("lendvm-tests").unwrap(),
+            token: TOKEN.to_string(),
+            connect_timeout: Duration::from_secs(2),
+        };
+        let node = api::lenders::lender(&self.cfg, LENDER).map_err(|e| e.to_string())?;
+        let c = session
+            .connect(&self.cfg, node)
+            .map_err(|e| e.to_string())?;
+        c.status().map_err(|e| e.to_string())
+    }
+
+    /// Status of the lender's device `bdf`.
+    pub fn device(&self, bdf: &str) -> DeviceStatus {
+        let st = self.status().unwrap();
+        st.devices
+            .into_iter()
+            .find(|d| d.summary.id == bdf)
+            .unwrap_or_else(|| panic!("lender has no device {bdf}"))
+    }
+
+    /// Waits until device `bdf` is in a state `pred` accepts.
+    pub fn wait_device(&self, bdf: &str, what: &str, pred: impl Fn(&DeviceStatus) -> bool) {
+        let mut last = None;
+        let ok = poll(Duration::from_secs(10), || {
+            let d = self.device(bdf);
+            let ok = pred(&d);
+            last = Some(d);
+            ok.then_some(())
+        });
+        assert!(ok.is_some(), "device {bdf} not {what}: last {last:?}");
+    }
+
+    pub fn wait_available(&self, bdf: &str) {
+        self.wait_device(bdf, "available", |d| {
+            d.summary.state == DeviceState::Available
+        });
+    }
+}
+
+/// A running lenderd; SIGKILLed on drop.
+pub struct Lenderd {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Lenderd {
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Lenderd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The console lines seen so far and whether stdout has closed.
+#[derive(Default)]
+struct Console {
+    lines: Vec<String>,
+    closed: bool,
+}
+
+/// A running `lendvm`: console lines as they arrive, stderr, the API socket. SIGKILLed on
+/// drop.
+pub struct Vm {
+    pub child: Child,
+    console: Arc<(Mutex<Console>, Condvar)>,
+    stderr: Arc<Mutex<String>>,
+    pub api_socket: Option<PathBuf>,
+    status: Option<ExitStatus>,
+}
+
+impl Vm {
+    /// Starts `lendvm --kernel <test guest> --serial stdout --memory <mem>` plus `args`, with
+    /// `RUST_LOG=warn` (stderr then holds only problems).
+    pub fn start(memory: &str, args: &[&str]) -> Vm {
+        Self::start_with_log(memory, args, "warn")
+    }
+
+    /// [`Vm::start`] with `RUST_LOG=<log>`.
+    pub fn start_with_log(memory: &str, args: &[&str], log: &str) -> Vm {
+        let mut full = vec![
+            "--kernel", TEST_GUEST, "--serial", "stdout", "--memory", memory,
+        ];
+        full.extend_from_slice(args);
+        let api_socket = full
+            .iter()
+            .position(|a| *a == "--api-socket")
+            .and_then(|i| full.get(i + 1))
+            .map(PathBuf::from);
+        let mut child = Command::new(binary("lendvm"))
+            .args(&full)
+            .env("RUST_LOG", log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let console = Arc::new((Mutex::new(Console::default()), Condvar::new()));
+        let out = child.stdout.take().unwrap();
+        let c = console.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let (m, cv) = &*c;
+                m.lock().unwrap().lines.push(line);
+                cv.notify_all();
+            }
+            let (m, cv) = &*c;
+            m.lock().unwrap().closed = true;
+            cv.notify_all();
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut err = child.stderr.take().unwrap();
+        let s = stderr.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                s.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Vm {
+            child,
+            console,
+            stderr,
+            api_socket,
+            status: None,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Everything the guest printed so far.
+    pub fn stdout(&self) -> String {
+        let c = self.console.0.lock().unwrap();
+        let mut s = c.lines.join("\n");
+        s.push('\n');
+        s
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Console lines so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.console.0.lock().unwrap().lines.clone()
+    }
+
+    /// Waits for the `nth` (0-based) line starting with `prefix`; `None` on timeout or if the
+    /// console closed first.
+    pub fn wait_nth_line(&self, prefix: &str, nth: usize, timeout: Duration) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        let (m, cv) = &*self.console;
+        let mut c = m.lock().unwrap();
+        loop {
+            if let Some(l) = c.lines.iter().filter(|l| l.starts_with(prefix)).nth(nth) {
+                return Some(l.clone());
+            }
+            let now = Instant::now();
+            if c.closed || now >= deadline {
+                return None;
+            }
+            c = cv.wait_timeout(c, deadline - now).unwrap().0;
+        }
+    }
+
+    /// Waits for the first line starting with `prefix`, failing the test with the console and
+    /// stderr if it does not come.
+    pub fn expect_line(&self, prefix: &str, timeout: Duration) -> String {
+        self.expect_nth_line(prefix, 0, timeout)
+    }
+
+    pub fn expect_nth_line(&self, prefix: &str, nth: usize, timeout: Duration) -> String {
+        match self.wait_nth_line(prefix, nth, timeout) {
+            Some(l) => l,
+            None => panic!(
+                "no line #{nth} starting with {prefix:?} within {timeout:?}\n--- console\n{}--- stderr\n{}",
+                self.stdout(),
+                self.stderr()
+            ),
+        }
+    }
+
+    pub fn count_lines(&self, prefix: &str) -> usize {
+        let c = self.console.0.lock().unwrap();
+        c.lines.iter().filter(|l| l.starts_with(prefix)).count()
+    }
+
+    /// Waits for the process to exit (bounded); kills it on timeout.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        if self.status.is_some() {
+            return self.status;
+        }
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                self.status = Some(s);
+                // Let the reader threads drain the pipes.
+                let (m, cv) = &*self.console;
+                let c = m.lock().unwrap();
+                let _ = cv.wait_timeout_while(c, Duration::from_secs(2), |c| !c.closed);
+                return self.status;
+            }
+            if t0.elapsed() > timeout {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Asserts the process exits with `code` in time and the guest reported no failure.
+    pub fn expect_exit(&mut self, code: i32, timeout: Duration) {
+        let st = self.wait_exit(timeout);
+        let out = self.stdout();
+        assert_eq!(
+            st.and_then(|s| s.code()),
+            Some(code),
+            "lendvm status {st:?}\n--- console\n{out}--- stderr\n{}",
+            self.stderr()
+        );
+        if code == 0 {
+            assert!(
+                !out.lines()
+                    .any(|l| l.starts_with("TEST ") && l.contains(" fail ")),
+                "a guest test failed:\n{out}"
+            );
+        }
+    }
+
+    /// Fails the test (with the console) unless the guest printed `TEST <name> ok`.
+    pub fn expect_ok(&self, name: &str, timeout: Duration) -> String {
+        let l = self.expect_line(&format!("TEST {name} "), timeout);
+        assert!(
+            l.starts_with(&format!("TEST {name} ok")),
+            "{l}\n--- console\n{}--- stderr\n{}",
+            self.stdout(),
+            self.stderr()
+        );
+        l
+    }
+
+    /// Whether the process is still running.
+    pub fn running(&mut self) -> bool {
+        self.status.is_none() && self.child.try_wait().unwrap().is_none()
+    }
+
+    /// REST client of this VM (`--api-socket`).
+    pub fn api(&self) -> ApiClient {
+        ApiClient::new(
+            self.api_socket
+                .clone()
+                .expect("started without --api-socket"),
+            Duration::from_secs(30),
+        )
+    }
+
+    /// Waits until the API socket answers `vmm.ping`.
+    pub fn wait_api(&self) {
+        let api = self.api();
+        let up = poll(Duration::from_secs(20), || api.ping().ok());
+        assert!(
+            up.is_some(),
+            "API socket never answered\n--- stderr\n{}",
+            self.stderr()
+        );
+    }
+
+    /// A `kB` field of `/proc/<pid>/status` (`VmLck`, `VmRSS`, ...).
+    pub fn proc_status_kb(&self, field: &str) -> u64 {
+        proc_status_kb(self.pid(), field)
+    }
+
+    /// Open file descriptors of the VMM process.
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .unwrap()
+            .count()
+    }
+
+    /// `fd -> link target` of every open descriptor of the VMM process, sorted.
+    pub fn fds(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| {
+                let t = std::fs::read_link(e.path()).unwrap_or_default();
+                format!("{} -> {}", e.file_name().to_string_lossy(), t.display())
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Writes a little-endian u64 into guest RAM at `gpa` (below 3 GiB) through the VMM's
+    /// guest-RAM memfd (`/proc/<pid>/fd/N` → `/memfd:lendvm-guest-ram`; file offset = GPA).
+    pub fn write_guest_u64(&self, gpa: u64, v: u64) {
+        let dir = format!("/proc/{}/fd", self.pid());
+        let fd = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .find(|e| {
+                std::fs::read_link(e.path())
+                    .map(|t| t.to_string_lossy().starts_with("/memfd:lendvm-guest-ram"))
+                    .unwrap_or(false)
+            })
+            .unwrap_or_else(|| panic!("no guest-ram memfd in {dir}"));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(fd.path())
+            .unwrap();
+        f.write_all_at(&v.to_le_bytes(), gpa).unwrap();
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A `kB` field of `/proc/<pid>/status`.
+pub fn proc_status_kb(pid: u32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// The guest's test pattern (`tests/guest/src/dma.rs`): u64 word `w` is `seed << 32 | w`.
+pub fn pattern(seed: u32, bytes: usize) -> Vec<u8> {
+    (0..bytes as u64 / 8)
+        .flat_map(|w| ((u64::from(seed) << 32) | w).to_le_bytes())
+        .collect()
+}
+
+/// Asserts `file` holds the guest's pattern for `lbas` 512-byte blocks from `slba`.
+pub fn assert_backing_has_pattern(file: &Path, slba: u64, lbas: u64, seed: u32) {
+    let data = std::fs::read(file).unwrap();
+    let start = (slba * 512) as usize;
+    let len = (lbas * 512) as usize;
+    assert!(data.len() >= start + len, "backing file too short");
+    let want = pattern(seed, len);
+    let got = &data[start..start + len];
+    if let Some(i) = (0..len).find(|&i| got[i] != want[i]) {
+        panic!(
+            "backing file differs from the guest's pattern at byte {:#x} of LBA {slba}+: got {:02x?}, want {:02x?}",
+            i,
+            &got[i..(i + 8).min(len)],
+            &want[i..(i + 8).min(len)]
+        );
+    }
+}
+
+/// Parses `key=value` out of a console line.
+pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
