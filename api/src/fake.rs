@@ -271,6 +271,7 @@ impl ApiHandler for FakeVmm {
                 config: self.config.vm.clone(),
                 state: self.state,
                 remote_devices: self.devices.values().cloned().collect(),
+                counters: None,
             })),
             ApiRequest::VmAddRemoteDevice(data) => self.add(data).map(ApiResponse::DeviceAdded),
             ApiRequest::VmRemoveDevice(data) => self.remove(data).map(|()| ApiResponse::Empty),

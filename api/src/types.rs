@@ -453,6 +453,26 @@ pub struct RemoteDeviceInfo {
     pub interrupts: InterruptCounts,
 }
 
+/// VMM-wide resources held for remote devices (`vm.info`'s optional `counters`), for leak
+/// checks: after every device is removed all of them are 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmCounters {
+    /// Remote devices in the device table (any lease state).
+    pub devices: u64,
+    /// Leases held (links to a lender not yet dropped).
+    pub leases: u64,
+    /// KVM memslots used by devices (guest RAM slots not counted).
+    pub memslots: u64,
+    /// MSI GSIs allocated (legacy GSIs 0..23 not counted).
+    pub gsis: u64,
+    /// Irqfds registered by device interrupt groups.
+    pub irqfds: u64,
+    /// Ioeventfds registered for device BARs.
+    pub ioeventfds: u64,
+    /// Bytes of guest RAM pinned for device DMA.
+    pub pinned_bytes: u64,
+}
+
 /// Body of `GET /api/v1/vm.info`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmInfo {
@@ -460,6 +480,9 @@ pub struct VmInfo {
     pub state: VmState,
     #[serde(default)]
     pub remote_devices: Vec<RemoteDeviceInfo>,
+    /// Resource counters; absent when the VMM does not report them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<VmCounters>,
 }
 
 #[cfg(test)]

@@ -9,8 +9,8 @@ use kvm_ioctls::VcpuFd;
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::layout::{
-    BOOT_STACK_POINTER, GDT_START, IDT_START, PDPT_START, PD_COUNT, PD_START, PML4_START,
-    ZERO_PAGE_START,
+    BOOT_STACK_POINTER, GDT_START, IDT_START, PDPT_START, PD_COUNT, PD_MMIO64_START, PD_START,
+    PML4_START, ZERO_PAGE_START,
 };
 use crate::memory::GuestMemory;
 
@@ -87,8 +87,10 @@ fn write<T: vm_memory::ByteValued>(
         .map_err(|_| ArchError::GuestWrite { what, addr })
 }
 
-/// Writes the GDT, an empty IDT and identity page tables for the first 4 GiB (2 MiB pages).
-pub fn setup_boot_tables(mem: &GuestMemory) -> Result<(), ArchError> {
+/// Writes the GDT, an empty IDT and identity page tables (2 MiB pages) for the first 4 GiB and
+/// for the first GiB of the 64-bit PCI BAR window at `mmio64_start` (1 GiB aligned, below
+/// 512 GiB), so a guest that does not build its own page tables reaches 64-bit BARs.
+pub fn setup_boot_tables(mem: &GuestMemory, mmio64_start: u64) -> Result<(), ArchError> {
     for (i, e) in GDT.iter().enumerate() {
         write(mem, *e, GDT_START + 8 * i as u64, "GDT")?;
     }
@@ -101,6 +103,14 @@ pub fn setup_boot_tables(mem: &GuestMemory) -> Result<(), ArchError> {
             let phys = ((pd << 9) | i) << 21;
             // Present | writable | page size (2 MiB).
             write(mem, phys | 0x83, pd_base + i * 8, "page directory")?;
+        }
+    }
+    let gib = mmio64_start >> 30;
+    if mmio64_start.is_multiple_of(1 << 30) && (PD_COUNT..512).contains(&gib) {
+        write(mem, PD_MMIO64_START | 0x3, PDPT_START + gib * 8, "PDPT")?;
+        for i in 0..512u64 {
+            let phys = mmio64_start + (i << 21);
+            write(mem, phys | 0x83, PD_MMIO64_START + i * 8, "page directory")?;
         }
     }
     Ok(())
@@ -263,7 +273,7 @@ mod tests {
     #[test]
     fn identity_tables_translate_to_themselves() {
         let ram = GuestRam::new(32 << 20).unwrap();
-        setup_boot_tables(ram.memory()).unwrap();
+        setup_boot_tables(ram.memory(), 1 << 32).unwrap();
         for gva in [
             0u64,
             0x7000,
@@ -274,7 +284,14 @@ mod tests {
         ] {
             assert_eq!(translate(ram.memory(), PML4_START, gva), Some(gva));
         }
-        assert_eq!(translate(ram.memory(), PML4_START, 1 << 32), None);
+        // The first GiB of the 64-bit BAR window, nothing after it.
+        assert_eq!(translate(ram.memory(), PML4_START, 1 << 32), Some(1 << 32));
+        let top = (1u64 << 32) + (1 << 30) - 8;
+        assert_eq!(translate(ram.memory(), PML4_START, top), Some(top));
+        assert_eq!(
+            translate(ram.memory(), PML4_START, (1 << 32) + (1 << 30)),
+            None
+        );
     }
 
     #[test]

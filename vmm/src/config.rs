@@ -72,6 +72,9 @@ pub struct VmConfig {
     pub cmdline: String,
     pub initramfs: Option<PathBuf>,
     pub serial: SerialConfig,
+    /// Append `noxsave clearcpuid=...` to a Linux kernel's command line when KVM ignores the
+    /// VMM's CPUID masks (see `cmdline`).
+    pub cpuid_cmdline: bool,
 }
 
 /// Validates a CPU count.

@@ -4,6 +4,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
+use vmm_sys_util::eventfd::EventFd;
+
 /// Why the VM stopped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum VmExit {
@@ -26,17 +28,49 @@ impl VmExit {
     }
 }
 
-/// Shared stop flag plus the first exit reason.
-#[derive(Default)]
+/// Shared stop flag plus the first exit reason. The VMM's event loop also polls
+/// [`ExitNotifier::eventfd`], which becomes readable when an exit is requested.
 pub struct ExitNotifier {
     stop: AtomicBool,
     reason: Mutex<Option<VmExit>>,
     cv: Condvar,
+    evt: Option<EventFd>,
+}
+
+impl Default for ExitNotifier {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl ExitNotifier {
     pub fn new() -> Self {
-        Self::default()
+        let evt = match EventFd::new(libc::EFD_NONBLOCK) {
+            Ok(e) => Some(e),
+            Err(e) => {
+                log::warn!("exit notifier eventfd: {e}; the event loop polls instead");
+                None
+            }
+        };
+        Self {
+            stop: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            cv: Condvar::new(),
+            evt,
+        }
+    }
+
+    /// Readable once an exit was requested (never reset), if the eventfd could be created.
+    pub fn eventfd(&self) -> Option<&EventFd> {
+        self.evt.as_ref()
+    }
+
+    /// The recorded exit reason, if any (non-blocking).
+    pub fn reason(&self) -> Option<VmExit> {
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Records `reason` unless one is already recorded, and raises the stop flag.
@@ -48,6 +82,9 @@ impl ExitNotifier {
         }
         self.stop.store(true, Ordering::SeqCst);
         self.cv.notify_all();
+        if let Some(e) = &self.evt {
+            let _ = e.write(1);
+        }
     }
 
     /// Whether vCPUs must stop.

@@ -7,7 +7,7 @@
 //! vector's first unmask, and freed when their group is dropped.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{
@@ -284,6 +284,7 @@ pub struct KvmInterruptManager {
     gsis: Arc<Mutex<GsiAllocator>>,
     routes: Arc<RouteTable>,
     use_devid: bool,
+    irqfds: Arc<AtomicUsize>,
 }
 
 impl KvmInterruptManager {
@@ -297,7 +298,13 @@ impl KvmInterruptManager {
             gsis: Arc::new(Mutex::new(GsiAllocator::new(IOAPIC_PINS, MAX_ROUTES))),
             routes,
             use_devid,
+            irqfds: Arc::default(),
         })
+    }
+
+    /// Irqfds currently registered with KVM by the groups of this manager (leak accounting).
+    pub fn irqfds_registered(&self) -> usize {
+        self.irqfds.load(Ordering::SeqCst)
     }
 
     /// The routing table (for inspection in tests).
@@ -330,6 +337,7 @@ impl InterruptManager for KvmInterruptManager {
             gsis: self.gsis.clone(),
             routes: self.routes.clone(),
             use_devid: self.use_devid,
+            registered: self.irqfds.clone(),
             irqfds,
             state: Mutex::new((0..count).map(|_| VectorState::masked()).collect()),
             enabled: AtomicBool::new(false),
@@ -349,6 +357,7 @@ impl InterruptManager for KvmInterruptManager {
             irqfd: EventFd::new(libc::EFD_NONBLOCK).map_err(|e| backend("eventfd", e))?,
             resample: EventFd::new(libc::EFD_NONBLOCK).map_err(|e| backend("eventfd", e))?,
             registered: Mutex::new(false),
+            count: self.irqfds.clone(),
         };
         group.enable()?;
         Ok(Arc::new(group))
@@ -381,6 +390,8 @@ pub struct KvmMsiGroup {
     gsis: Arc<Mutex<GsiAllocator>>,
     routes: Arc<RouteTable>,
     use_devid: bool,
+    /// The manager's count of registered irqfds.
+    registered: Arc<AtomicUsize>,
     irqfds: Vec<EventFd>,
     state: Mutex<Vec<VectorState>>,
     enabled: AtomicBool,
@@ -416,6 +427,7 @@ impl KvmMsiGroup {
                 .register_irqfd(&self.irqfds[i], gsi)
                 .map_err(|e| backend("KVM_IRQFD", kvm_err(e)))?;
             v.registered = true;
+            self.registered.fetch_add(1, Ordering::SeqCst);
         }
         Ok(())
     }
@@ -426,6 +438,7 @@ impl KvmMsiGroup {
                 .unregister_irqfd(&self.irqfds[i], gsi.raw())
                 .map_err(|e| backend("KVM_IRQFD deassign", kvm_err(e)))?;
             v.registered = false;
+            self.registered.fetch_sub(1, Ordering::SeqCst);
         }
         Ok(())
     }
@@ -520,6 +533,8 @@ pub struct KvmIntxGroup {
     irqfd: EventFd,
     resample: EventFd,
     registered: Mutex<bool>,
+    /// The manager's count of registered irqfds.
+    count: Arc<AtomicUsize>,
 }
 
 impl InterruptSourceGroup for KvmIntxGroup {
@@ -550,6 +565,7 @@ impl InterruptSourceGroup for KvmIntxGroup {
                 .register_irqfd_with_resample(&self.irqfd, &self.resample, self.irq)
                 .map_err(|e| backend("KVM_IRQFD resample", kvm_err(e)))?;
             *reg = true;
+            self.count.fetch_add(1, Ordering::SeqCst);
         }
         Ok(())
     }
@@ -561,6 +577,7 @@ impl InterruptSourceGroup for KvmIntxGroup {
                 .unregister_irqfd(&self.irqfd, self.irq)
                 .map_err(|e| backend("KVM_IRQFD deassign", kvm_err(e)))?;
             *reg = false;
+            self.count.fetch_sub(1, Ordering::SeqCst);
         }
         Ok(())
     }

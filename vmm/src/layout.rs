@@ -16,6 +16,8 @@ pub const PDPT_START: u64 = 0xa000;
 pub const PD_START: u64 = 0xb000;
 /// Number of page directories (one per GiB).
 pub const PD_COUNT: u64 = 4;
+/// Extra page directory identity-mapping the first GiB of the 64-bit PCI BAR window.
+pub const PD_MMIO64_START: u64 = 0xf000;
 /// Kernel command line.
 pub const CMDLINE_START: u64 = 0x20000;
 /// Maximum command line size including the NUL.

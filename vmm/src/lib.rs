@@ -3,7 +3,9 @@
 //! device in particular) plug into.
 
 pub mod arch;
+pub mod cmdline;
 pub mod config;
+pub mod control;
 pub mod cpuid;
 pub mod device_manager;
 pub mod exit;
@@ -12,6 +14,8 @@ pub mod layout;
 pub mod legacy;
 pub mod loader;
 pub mod memory;
+pub mod platform;
+pub mod remote;
 pub mod vcpu;
 pub mod vm;
 pub mod vm_ops;

@@ -84,6 +84,8 @@ pub struct BootSource<'a> {
     pub kernel: &'a Path,
     pub cmdline: &'a str,
     pub initramfs: Option<&'a Path>,
+    /// Written to `boot_params.acpi_rsdp_addr` (boot protocol 2.14) when set.
+    pub acpi_rsdp_addr: Option<u64>,
 }
 
 /// e820 map for the RAM regions: low RAM minus the EBDA/legacy hole, high RAM, ECAM reserved.
@@ -215,6 +217,9 @@ pub fn load(
         hdr,
         ..Default::default()
     };
+    if let Some(rsdp) = src.acpi_rsdp_addr {
+        params.acpi_rsdp_addr = rsdp;
+    }
     let map = e820_map(regions);
     for (slot, e) in params.e820_table.iter_mut().zip(map.iter()) {
         *slot = *e;
@@ -269,6 +274,7 @@ mod tests {
                 kernel: &dir,
                 cmdline: "",
                 initramfs: None,
+                acpi_rsdp_addr: None,
             },
         )
         .unwrap_err();

@@ -5,10 +5,18 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::mpsc::channel;
 
+use api::request::serve_pending;
+use api::server::{ApiServer, ApiServerConfig};
+use api::types::{RemoteDeviceConfig, VmConfigInfo};
 use clap::Parser;
+use ntb::ClusterConfig;
 use vmm::config::{self, SerialConfig, VmConfig};
+use vmm::control::{run_event_loop, ApiChannel, Controller, VmHandles};
+use vmm::remote::{AttachError, FabricIdentity, LenderSource, LinkSource};
 use vmm::{Vm, VmError, VmExit};
+use vmm_sys_util::eventfd::EventFd;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,15 +43,28 @@ struct Cli {
     /// Serial console: stdout, off or file=PATH.
     #[arg(long, value_name = "stdout|file=PATH|off", default_value = "stdout")]
     serial: SerialConfig,
-    /// REST API socket (not yet supported).
+    /// REST API socket (Unix socket, root /api/v1).
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
-    /// Borrow a remote device NODE:BDF (not yet supported).
-    #[arg(long, value_name = "NODE:BDF")]
-    remote_device: Vec<String>,
-    /// Cluster description (not yet supported).
+    /// Borrow a remote device at boot (repeatable): NODE:BDF[,id=ID][,mode=direct|trapped].
+    #[arg(long, value_name = "NODE:BDF[,id=ID][,mode=direct|trapped]")]
+    remote_device: Vec<RemoteDeviceConfig>,
+    /// Cluster description (nodes, control addresses, token); needed to borrow devices.
     #[arg(long, value_name = "FILE")]
     cluster: Option<PathBuf>,
+    /// This VMM's node name on the fabric (default lendvm-<pid>; need not be in the cluster).
+    #[arg(long, value_name = "NAME")]
+    node: Option<String>,
+    /// VM name given to lenders (default vm-<pid>).
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
+    /// Cluster auth token (visible in `ps`; prefer $LENDVM_TOKEN or the cluster file's token).
+    #[arg(long, value_name = "TOKEN")]
+    token: Option<String>,
+    /// Do not append `noxsave clearcpuid=...` to a Linux kernel's command line when KVM
+    /// ignores the VMM's CPUID masks.
+    #[arg(long)]
+    no_cpuid_cmdline: bool,
 }
 
 fn parse_cpus(s: &str) -> Result<u8, String> {
@@ -71,6 +92,42 @@ fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// Devices cannot be borrowed without a cluster file.
+struct NoCluster;
+
+impl LinkSource for NoCluster {
+    fn check_node(&self, node: &str) -> Result<(), AttachError> {
+        Err(AttachError::UnknownNode {
+            node: node.to_string(),
+            known: "none: lendvm was started without --cluster".into(),
+        })
+    }
+
+    fn borrow(
+        &self,
+        spec: &api::types::RemoteDeviceSpec,
+    ) -> Result<Box<dyn remote_pci::RemoteDeviceLink>, AttachError> {
+        self.check_node(&spec.node)?;
+        Err(AttachError::UnknownNode {
+            node: spec.node.clone(),
+            known: String::new(),
+        })
+    }
+}
+
+/// The cluster token: `--token`, else `$LENDVM_TOKEN`, else the cluster file's.
+fn token(cli: &Cli, cluster: &ClusterConfig) -> Result<Option<String>, String> {
+    if let Some(t) = &cli.token {
+        return Ok(Some(t.clone()));
+    }
+    if let Ok(t) = std::env::var("LENDVM_TOKEN") {
+        if !t.trim().is_empty() {
+            return Ok(Some(t));
+        }
+    }
+    cluster.auth_token().map_err(|e| e.to_string())
+}
+
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = match Cli::try_parse() {
@@ -86,15 +143,6 @@ fn main() -> ExitCode {
             return usage_error(first.strip_prefix("error: ").unwrap_or(first));
         }
     };
-    if cli.api_socket.is_some() {
-        return usage_error("--api-socket is not yet supported");
-    }
-    if !cli.remote_device.is_empty() {
-        return usage_error("--remote-device is not yet supported");
-    }
-    if cli.cluster.is_some() {
-        return usage_error("--cluster is not yet supported");
-    }
     if !cli.kernel.is_file() {
         return usage_error(format!(
             "kernel file {} does not exist or is not a file",
@@ -109,15 +157,64 @@ fn main() -> ExitCode {
             ));
         }
     }
+    let pid = std::process::id();
+    let source: Box<dyn LinkSource> = match &cli.cluster {
+        None => {
+            if let Some(d) = cli.remote_device.first() {
+                return usage_error(format!(
+                    "--remote-device {} needs --cluster FILE to find node {}",
+                    d.device, d.device.node
+                ));
+            }
+            Box::new(NoCluster)
+        }
+        Some(path) => {
+            let cluster = match ClusterConfig::load(path) {
+                Ok(c) => c,
+                Err(e) => return usage_error(format!("cluster file: {e}")),
+            };
+            let token =
+                match token(&cli, &cluster) {
+                    Ok(Some(t)) => t,
+                    Ok(None) if cli.remote_device.is_empty() => {
+                        log::warn!(
+                            "no cluster token (--token, $LENDVM_TOKEN or the cluster file's \
+                         token/token_file): lenders will refuse hot-added devices"
+                        );
+                        String::new()
+                    }
+                    Ok(None) => return usage_error(
+                        "no cluster token: pass --token, set LENDVM_TOKEN or put token/token_file \
+                         in the cluster file",
+                    ),
+                    Err(e) => return usage_error(e),
+                };
+            let source = LenderSource::new(
+                cluster,
+                FabricIdentity {
+                    local: cli.node.clone().unwrap_or_else(|| format!("lendvm-{pid}")),
+                    vm_name: cli.name.clone().unwrap_or_else(|| format!("vm-{pid}")),
+                    token,
+                },
+            );
+            for d in &cli.remote_device {
+                if let Err(e) = source.check_node(&d.device.node) {
+                    return usage_error(e);
+                }
+            }
+            Box::new(source)
+        }
+    };
     let cfg = VmConfig {
         memory_size: cli.memory,
         cpus: cli.cpus,
-        kernel: cli.kernel,
-        cmdline: cli.cmdline,
-        initramfs: cli.initramfs,
-        serial: cli.serial,
+        kernel: cli.kernel.clone(),
+        cmdline: cli.cmdline.clone(),
+        initramfs: cli.initramfs.clone(),
+        serial: cli.serial.clone(),
+        cpuid_cmdline: !cli.no_cpuid_cmdline,
     };
-    let vm = match Vm::new(&cfg) {
+    let mut vm = match Vm::new(&cfg) {
         Ok(vm) => vm,
         Err(
             e
@@ -130,20 +227,74 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let started = std::time::Instant::now();
-    match vm.run(None) {
-        Ok(exit) => {
-            log::info!("guest ran {:?}: {exit:?}", started.elapsed());
-            match &exit {
-                VmExit::DebugExit(_) => {}
-                VmExit::Shutdown(why) => eprintln!("lendvm: {why}"),
-                VmExit::Error(why) => eprintln!("lendvm: error: {why}"),
+    let Some(ejects) = vm.platform_mut().take_ejects() else {
+        eprintln!("lendvm: internal error: the eject channel is gone");
+        return ExitCode::from(1);
+    };
+    let handles = VmHandles {
+        devices: vm.devices().clone(),
+        interrupts: vm.interrupt_manager(),
+        vm_ops: vm.vm_ops(),
+        hotplug: vm.platform().hotplug().clone(),
+        exit: vm.exit_notifier().clone(),
+    };
+    let info = VmConfigInfo {
+        cpus: u32::from(cli.cpus),
+        memory_size: cli.memory,
+        kernel: cli.kernel.display().to_string(),
+        cmdline: vm.cmdline().to_string(),
+        initramfs: cli.initramfs.as_ref().map(|p| p.display().to_string()),
+        remote_devices: cli.remote_device.clone(),
+    };
+    let mut ctl = Controller::new(handles, source, info);
+    if let Err(e) = ctl.attach_boot_devices(&cli.remote_device) {
+        ctl.teardown_all();
+        return usage_error(e.message);
+    }
+    let mut api = None;
+    let mut server = None;
+    if let Some(path) = &cli.api_socket {
+        let evt = match EventFd::new(libc::EFD_NONBLOCK).and_then(|e| Ok((e.try_clone()?, e))) {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!("lendvm: api eventfd: {e}");
+                return ExitCode::from(1);
             }
-            ExitCode::from(exit.exit_code() as u8)
+        };
+        let (tx, rx) = channel();
+        match ApiServer::start(ApiServerConfig::new(path), tx, evt.0) {
+            Ok(s) => server = Some(s),
+            Err(e) => {
+                ctl.teardown_all();
+                return usage_error(e);
+            }
         }
-        Err(e) => {
-            eprintln!("lendvm: {}", chain(&e));
-            ExitCode::from(1)
+        api = Some(ApiChannel { rx, evt: evt.1 });
+    }
+    let started = std::time::Instant::now();
+    if let Err(e) = vm.start() {
+        ctl.teardown_all();
+        eprintln!("lendvm: {}", chain(&e));
+        return ExitCode::from(1);
+    }
+    ctl.set_running();
+    let exit = run_event_loop(&mut ctl, api.as_ref(), &ejects, vm.exit_notifier());
+    vm.stop();
+    ctl.teardown_all();
+    if let Some(a) = &api {
+        // Requests that came in while the VM stopped get the shut-down answers.
+        serve_pending(&a.rx, &a.evt, &mut ctl);
+    }
+    if let Some(s) = server {
+        if let Err(e) = s.shutdown() {
+            log::warn!("api server: {e}");
         }
     }
+    log::info!("guest ran {:?}: {exit:?}", started.elapsed());
+    match &exit {
+        VmExit::DebugExit(_) => {}
+        VmExit::Shutdown(why) => eprintln!("lendvm: {why}"),
+        VmExit::Error(why) => eprintln!("lendvm: error: {why}"),
+    }
+    ExitCode::from(exit.exit_code() as u8)
 }

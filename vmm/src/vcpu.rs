@@ -75,14 +75,15 @@ fn install_kick_handler() -> Result<(), VcpuError> {
     result
 }
 
-/// Creates vCPU `id` of `count` with filtered CPUID and the 64-bit boot state at `entry`.
+/// Creates vCPU `id` of `count` with the filtered CPUID. Returns the fd and the names of
+/// masked features KVM still reports after `KVM_SET_CPUID2` (read back on vCPU 0 only; PVM
+/// overrides leaves 1 and 7). Boot registers are set later by [`setup_boot_state`].
 pub fn create_vcpu(
     vm: &VmFd,
     supported: &CpuId,
     id: u8,
     count: u8,
-    entry: u64,
-) -> Result<VcpuFd, VcpuError> {
+) -> Result<(VcpuFd, Vec<&'static str>), VcpuError> {
     let fd = vm
         .create_vcpu(u64::from(id))
         .map_err(|source| VcpuError::Create { id, source })?;
@@ -90,9 +91,10 @@ pub fn create_vcpu(
         cpuid::filter(supported, id, count).map_err(|source| VcpuError::Cpuid { id, source })?;
     fd.set_cpuid2(&cpuid)
         .map_err(|source| VcpuError::SetCpuid { id, source })?;
+    let mut visible = Vec::new();
     if id == 0 {
         if let Ok(back) = fd.get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES) {
-            let visible = cpuid::overridden(back.as_slice());
+            visible = cpuid::overridden(back.as_slice());
             if !visible.is_empty() {
                 log::info!(
                     "KVM kept these CPUID features visible despite the VMM's mask \
@@ -102,14 +104,19 @@ pub fn create_vcpu(
             }
         }
     }
+    Ok((fd, visible))
+}
+
+/// MSRs, registers (entry at `entry`), sregs, FPU and LAPIC of the 64-bit boot state.
+pub fn setup_boot_state(fd: &VcpuFd, id: u8, entry: u64) -> Result<(), VcpuError> {
     let arch = |source| VcpuError::Arch { id, source };
-    let msrs = arch::setup_msrs(&fd).map_err(arch)?;
+    let msrs = arch::setup_msrs(fd).map_err(arch)?;
     log::debug!("vCPU {id}: boot MSRs accepted: {msrs:?}");
-    arch::setup_regs(&fd, entry).map_err(arch)?;
-    arch::setup_sregs(&fd).map_err(arch)?;
-    arch::setup_fpu(&fd).map_err(arch)?;
-    arch::setup_lapic(&fd).map_err(arch)?;
-    Ok(fd)
+    arch::setup_regs(fd, entry).map_err(arch)?;
+    arch::setup_sregs(fd).map_err(arch)?;
+    arch::setup_fpu(fd).map_err(arch)?;
+    arch::setup_lapic(fd).map_err(arch)?;
+    Ok(())
 }
 
 /// What a vCPU thread needs besides its fd.

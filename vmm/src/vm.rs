@@ -10,6 +10,7 @@ use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 
 use crate::arch::{self, ArchError};
+use crate::cmdline;
 use crate::config::VmConfig;
 use crate::device_manager::{DeviceError, DeviceManager};
 use crate::exit::{ExitNotifier, VmExit};
@@ -17,6 +18,7 @@ use crate::interrupt::KvmInterruptManager;
 use crate::layout::pci_mmio64_start;
 use crate::loader::{self, BootSource, LoadedKernel, LoaderError};
 use crate::memory::{GuestRam, MemoryError};
+use crate::platform::{Platform, PlatformError};
 use crate::vcpu::{self, VcpuContext, VcpuError, Vcpus};
 use crate::vm_ops::KvmVmOps;
 
@@ -48,13 +50,15 @@ pub enum VmError {
     Vcpu(#[from] VcpuError),
     #[error("interrupt set-up failed")]
     Interrupt(#[from] pci::interrupt::InterruptError),
+    #[error("hotplug platform set-up failed")]
+    Platform(#[from] PlatformError),
 }
 
 fn kvm_op(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::Kvm { op, source }
 }
 
-/// A built, not yet running VM.
+/// A built VM: vCPUs are created with their boot state but run only after [`Vm::start`].
 pub struct Vm {
     vm: Arc<VmFd>,
     ram: Arc<GuestRam>,
@@ -62,12 +66,16 @@ pub struct Vm {
     interrupts: Arc<KvmInterruptManager>,
     vm_ops: Arc<KvmVmOps>,
     exit: Arc<ExitNotifier>,
+    platform: Platform,
     vcpus: Vec<VcpuFd>,
+    running: Option<Vcpus>,
     kernel: LoadedKernel,
+    cmdline: String,
 }
 
 impl Vm {
-    /// Builds the VM and loads the kernel; vCPUs are created but not started.
+    /// Builds the VM, the hotplug platform and ACPI tables, and loads the kernel; vCPUs are
+    /// created but not started.
     pub fn new(cfg: &VmConfig) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::KvmOpen)?;
         let api = kvm.get_api_version();
@@ -106,36 +114,51 @@ impl Vm {
 
         let exit = Arc::new(ExitNotifier::new());
         let interrupts = Arc::new(KvmInterruptManager::new(vm.clone())?);
+        let mmio64_start = pci_mmio64_start(ram.end());
         let devices = Arc::new(DeviceManager::new(
             &vm,
             &cfg.serial,
             exit.clone(),
-            pci_mmio64_start(ram.end()),
+            mmio64_start,
         )?);
+        let platform = Platform::new(&vm, devices.mmio_bus(), mem, cfg.cpus, mmio64_start)?;
 
-        arch::setup_boot_tables(mem)?;
-        let kernel = loader::load(
-            mem,
-            ram.regions(),
-            &BootSource {
-                kernel: &cfg.kernel,
-                cmdline: &cfg.cmdline,
-                initramfs: cfg.initramfs.as_deref(),
-            },
-        )?;
+        arch::setup_boot_tables(mem, mmio64_start)?;
 
         let supported = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm_op("KVM_GET_SUPPORTED_CPUID"))?;
         let mut vcpus = Vec::new();
+        let mut visible = Vec::new();
         for id in 0..cfg.cpus {
-            vcpus.push(vcpu::create_vcpu(
-                &vm,
-                &supported,
-                id,
-                cfg.cpus,
-                kernel.entry,
-            )?);
+            let (fd, v) = vcpu::create_vcpu(&vm, &supported, id, cfg.cpus)?;
+            if id == 0 {
+                visible = v;
+            }
+            vcpus.push(fd);
+        }
+        let mut line = cfg.cmdline.clone();
+        if cfg.cpuid_cmdline && !visible.is_empty() && cmdline::is_linux_kernel(&cfg.kernel) {
+            if let Some(l) = cmdline::augment(&line, &visible) {
+                log::info!(
+                    "Linux kernel on a KVM that ignores CPUID masking: command line is now \
+                     '{l}' (--no-cpuid-cmdline turns this off)"
+                );
+                line = l;
+            }
+        }
+        let kernel = loader::load(
+            mem,
+            ram.regions(),
+            &BootSource {
+                kernel: &cfg.kernel,
+                cmdline: &line,
+                initramfs: cfg.initramfs.as_deref(),
+                acpi_rsdp_addr: Some(platform.rsdp_addr()),
+            },
+        )?;
+        for (id, fd) in vcpus.iter().enumerate() {
+            vcpu::setup_boot_state(fd, id as u8, kernel.entry)?;
         }
         let max_slots = kvm.get_nr_memslots() as u32;
         let vm_ops = Arc::new(KvmVmOps::new(
@@ -151,9 +174,27 @@ impl Vm {
             interrupts,
             vm_ops,
             exit,
+            platform,
             vcpus,
+            running: None,
             kernel,
+            cmdline: line,
         })
+    }
+
+    /// The command line the kernel got (after CPUID augmentation).
+    pub fn cmdline(&self) -> &str {
+        &self.cmdline
+    }
+
+    /// The hotplug platform (GED, hotplug controller, eject channel).
+    pub fn platform_mut(&mut self) -> &mut Platform {
+        &mut self.platform
+    }
+
+    /// The hotplug platform.
+    pub fn platform(&self) -> &Platform {
+        &self.platform
     }
 
     /// The KVM VM fd.
@@ -191,21 +232,43 @@ impl Vm {
         &self.exit
     }
 
-    /// Runs the guest until it exits (or `timeout` passes); returns why it stopped.
-    pub fn run(mut self, timeout: Option<Duration>) -> Result<VmExit, VmError> {
+    /// Starts one thread per vCPU.
+    pub fn start(&mut self) -> Result<(), VmError> {
+        if self.running.is_some() {
+            return Ok(());
+        }
         let ctx = VcpuContext {
             pio: self.devices.pio_bus().clone(),
             mmio: self.devices.mmio_bus().clone(),
             memory: self.ram.memory().clone(),
             exit: self.exit.clone(),
         };
-        let vcpus = Vcpus::start(std::mem::take(&mut self.vcpus), ctx)?;
+        self.running = Some(Vcpus::start(std::mem::take(&mut self.vcpus), ctx)?);
+        Ok(())
+    }
+
+    /// Stops and joins the vCPU threads (if running) and flushes the serial output.
+    pub fn stop(&mut self) {
+        if let Some(v) = self.running.take() {
+            v.stop();
+        }
+        self.devices.flush_serial();
+    }
+
+    /// Runs the guest until it exits (or `timeout` passes); returns why it stopped.
+    pub fn run(mut self, timeout: Option<Duration>) -> Result<VmExit, VmError> {
+        self.start()?;
         let reason = self
             .exit
             .wait(timeout)
             .unwrap_or_else(|| VmExit::Error("timed out waiting for the guest".into()));
-        vcpus.stop();
-        self.devices.flush_serial();
+        self.stop();
         Ok(reason)
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.stop();
     }
 }

@@ -1,6 +1,7 @@
 //! `pci::vm_ops::VmOps` with KVM: memslots and ioeventfds owned by guards, guest RAM access.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_READONLY};
@@ -16,6 +17,7 @@ use crate::memory::GuestRam;
 /// Hands out KVM memslot numbers in `[first, end)`, reusing freed ones.
 #[derive(Debug)]
 pub struct SlotAllocator {
+    first: u32,
     next: u32,
     end: u32,
     free: BTreeSet<u32>,
@@ -24,10 +26,16 @@ pub struct SlotAllocator {
 impl SlotAllocator {
     pub fn new(first: u32, end: u32) -> Self {
         Self {
+            first,
             next: first,
             end,
             free: BTreeSet::new(),
         }
+    }
+
+    /// Slots currently handed out.
+    pub fn in_use(&self) -> usize {
+        (self.next - self.first) as usize - self.free.len()
     }
 
     pub fn allocate(&mut self) -> Option<u32> {
@@ -90,6 +98,7 @@ pub struct KvmVmOps {
     vm: Arc<VmFd>,
     ram: Arc<GuestRam>,
     slots: Arc<Mutex<SlotAllocator>>,
+    ioevents: Arc<AtomicUsize>,
 }
 
 impl KvmVmOps {
@@ -99,7 +108,18 @@ impl KvmVmOps {
             vm,
             ram,
             slots: Arc::new(Mutex::new(SlotAllocator::new(first_free_slot, max_slots))),
+            ioevents: Arc::default(),
         }
+    }
+
+    /// Device memslots in use (guest RAM slots not counted).
+    pub fn memslots_in_use(&self) -> usize {
+        self.slots.lock().map(|s| s.in_use()).unwrap_or(0)
+    }
+
+    /// Ioeventfds registered through this object and not yet unregistered.
+    pub fn ioevents_registered(&self) -> usize {
+        self.ioevents.load(Ordering::SeqCst)
     }
 }
 
@@ -182,10 +202,15 @@ impl VmOps for KvmVmOps {
             source,
         })?;
         ioevent(&self.vm, &fd, addr, datamatch, true).map_err(|e| io_err("KVM_IOEVENTFD", e))?;
+        self.ioevents.fetch_add(1, Ordering::SeqCst);
         let vm = self.vm.clone();
+        let count = self.ioevents.clone();
         Ok(IoEventGuard::new(addr, datamatch, move || {
-            if let Err(e) = ioevent(&vm, &fd, addr, datamatch, false) {
-                log::warn!("unregistering ioeventfd at {addr:?} failed: {e}");
+            match ioevent(&vm, &fd, addr, datamatch, false) {
+                Ok(()) => {
+                    count.fetch_sub(1, Ordering::SeqCst);
+                }
+                Err(e) => log::warn!("unregistering ioeventfd at {addr:?} failed: {e}"),
             }
         }))
     }

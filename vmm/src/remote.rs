@@ -1,0 +1,412 @@
+//! Borrowing remote devices: cluster-file resolution, one lender connection per device, the
+//! link wrapper the VMM hands to `remote_pci::RemotePciDevice`, and the VMM-wide resource
+//! counters used for leak accounting.
+//!
+//! * [`LenderSource`] resolves `node3:0000:81:00.0` through the cluster file, opens a fabric
+//!   link straight to the node's control address under the VMM's own node name (`--node`,
+//!   default `lendvm-<pid>`; the VMM need not be in the cluster file, like `lendctl`), says
+//!   hello with the cluster token, borrows the device for the VM (`--name`, default
+//!   `vm-<pid>`) and wraps the lease in a [`LendingLink`]. `LendingLink`'s event thread
+//!   consumes every event of its connection, so every borrowed device gets its own
+//!   [`LenderClient`].
+//! * [`VmmLink`] wraps any [`RemoteDeviceLink`]: `mode=trapped` turns every BAR into a
+//!   trapped one, and the wrapper counts live leases in [`ResourceCounters`] until it is
+//!   dropped (after the inner link has returned the lease).
+//! * [`CountingPinner`] wraps the pinner so pinned bytes are counted VMM-wide.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use api::types::{RemoteDeviceMode, RemoteDeviceSpec};
+use lending::client::{ClientError, LenderClient};
+use lending::protocol::code;
+use ntb::{connect_addr, ClusterConfig, NodeId};
+use pci::vm_ops::GuestRamRegion;
+use remote_pci::lending_link::{LendingLink, LendingLinkOptions};
+use remote_pci::{
+    BarAccess, DmaMapping, IrqTargets, LeaseState, LinkError, PinError, PinnedRange, Pinner,
+    RemoteDeviceInfo, RemoteDeviceLink,
+};
+
+/// Client name given in the lender hello (lenderd logs it).
+pub const CLIENT_NAME: &str = "lendvm";
+
+/// Upper bound on connecting to a lender.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a remote device could not be borrowed. Each names the node and the cause in one line.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("unknown node {node} (known: {known})")]
+    UnknownNode { node: String, known: String },
+    #[error("lender {node} is unreachable at {addr}: {reason}")]
+    Unreachable {
+        node: String,
+        addr: String,
+        reason: String,
+    },
+    #[error("lender {node} refused the connection: {reason}")]
+    Refused { node: String, reason: String },
+    #[error("node {node} has no device {bdf} to lend")]
+    UnknownDevice { node: String, bdf: String },
+    #[error("{node}:{bdf}: {message}")]
+    Busy {
+        node: String,
+        bdf: String,
+        message: String,
+    },
+    #[error("borrowing {node}:{bdf}: {reason}")]
+    Borrow {
+        node: String,
+        bdf: String,
+        reason: String,
+    },
+    #[error("setting up the link to {node}:{bdf}: {reason}")]
+    Link {
+        node: String,
+        bdf: String,
+        reason: String,
+    },
+}
+
+/// Where remote devices come from (the real lenders, or a fake in tests).
+pub trait LinkSource: Send {
+    /// Checks, without network traffic, that `node` is known.
+    fn check_node(&self, node: &str) -> Result<(), AttachError> {
+        let _ = node;
+        Ok(())
+    }
+
+    /// Borrows `spec` for this VM; the returned link holds the lease.
+    fn borrow(&self, spec: &RemoteDeviceSpec) -> Result<Box<dyn RemoteDeviceLink>, AttachError>;
+}
+
+/// Who this VMM is on the fabric.
+#[derive(Clone, Debug)]
+pub struct FabricIdentity {
+    /// Our node name in link handshakes.
+    pub local: String,
+    /// VM name given to lenders (shown in `device busy, lent to NODE/VM`).
+    pub vm_name: String,
+    /// Cluster auth token.
+    pub token: String,
+}
+
+/// Borrows from the lenders of a cluster file.
+pub struct LenderSource {
+    cluster: ClusterConfig,
+    id: FabricIdentity,
+}
+
+impl LenderSource {
+    pub fn new(cluster: ClusterConfig, id: FabricIdentity) -> Self {
+        Self { cluster, id }
+    }
+}
+
+fn unknown_node(cluster: &ClusterConfig, node: &str) -> AttachError {
+    AttachError::UnknownNode {
+        node: node.to_string(),
+        known: cluster
+            .nodes
+            .iter()
+            .map(|n| n.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    }
+}
+
+/// Lender device ids are the lender-local BDF strings (`0000:81:00.0`).
+pub fn lender_device_id(spec: &RemoteDeviceSpec) -> String {
+    spec.bdf.to_string()
+}
+
+impl LinkSource for LenderSource {
+    fn check_node(&self, node: &str) -> Result<(), AttachError> {
+        self.cluster
+            .node(node)
+            .map(|_| ())
+            .ok_or_else(|| unknown_node(&self.cluster, node))
+    }
+
+    fn borrow(&self, spec: &RemoteDeviceSpec) -> Result<Box<dyn RemoteDeviceLink>, AttachError> {
+        let node = spec.node.as_str();
+        let bdf = lender_device_id(spec);
+        let lender = self
+            .cluster
+            .node(node)
+            .ok_or_else(|| unknown_node(&self.cluster, node))?;
+        let unreachable = |reason: String| AttachError::Unreachable {
+            node: node.to_string(),
+            addr: lender.control.to_string(),
+            reason,
+        };
+        let local = NodeId::new(&self.id.local).map_err(|e| unreachable(e.to_string()))?;
+        let mut cfg = self
+            .cluster
+            .node(&self.id.local)
+            .map_or_else(|| lender.link.clone(), |n| n.link.clone());
+        cfg.connect_timeout = cfg.connect_timeout.min(CONNECT_TIMEOUT);
+        let ep =
+            connect_addr(&lender.control, &local, &cfg).map_err(|e| unreachable(e.to_string()))?;
+        if ep.peer_node() != &lender.name {
+            return Err(unreachable(format!("it answered as {}", ep.peer_node())));
+        }
+        let client =
+            LenderClient::from_endpoint(ep, &self.id.token, CLIENT_NAME).map_err(|e| match e {
+                ClientError::Remote { message, .. } => AttachError::Refused {
+                    node: node.to_string(),
+                    reason: message,
+                },
+                other => unreachable(other.to_string()),
+            })?;
+        let client = Arc::new(client);
+        let lease = client.borrow(&bdf, &self.id.vm_name).map_err(|e| match e {
+            ClientError::Remote {
+                code: c, message, ..
+            } if c == code::UNKNOWN_DEVICE => {
+                log::debug!("{node}: {message}");
+                AttachError::UnknownDevice {
+                    node: node.to_string(),
+                    bdf: bdf.clone(),
+                }
+            }
+            ClientError::Remote {
+                code: c, message, ..
+            } if c == code::DEVICE_BUSY || c == code::DEVICE_UNAVAILABLE => AttachError::Busy {
+                node: node.to_string(),
+                bdf: bdf.clone(),
+                message,
+            },
+            other => AttachError::Borrow {
+                node: node.to_string(),
+                bdf: bdf.clone(),
+                reason: other.to_string(),
+            },
+        })?;
+        let lease_id = lease.id();
+        let link = LendingLink::new(client, lease, LendingLinkOptions::default()).map_err(|e| {
+            AttachError::Link {
+                node: node.to_string(),
+                bdf: bdf.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        log::info!(
+            "borrowed {spec} (lease {lease_id}) for vm {}",
+            self.id.vm_name
+        );
+        Ok(Box::new(link))
+    }
+}
+
+/// VMM-wide counters of resources owned by remote devices (leak accounting). Memslots,
+/// GSIs, irqfds and ioeventfds are counted by the KVM objects themselves
+/// (`KvmVmOps`, `KvmInterruptManager`); these are the rest.
+#[derive(Debug, Default)]
+pub struct ResourceCounters {
+    /// Bytes of guest RAM pinned for device DMA.
+    pub pinned_bytes: AtomicU64,
+    /// Leases held (links not yet dropped).
+    pub leases: AtomicUsize,
+}
+
+/// Releases one lease count on drop.
+struct LeaseToken(Arc<ResourceCounters>);
+
+impl Drop for LeaseToken {
+    fn drop(&mut self) {
+        self.0.leases.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The link the VMM gives a `RemotePciDevice`: optional forced trapping and lease counting.
+pub struct VmmLink {
+    // Field order is drop order: the inner link returns the lease, then the count drops.
+    inner: Box<dyn RemoteDeviceLink>,
+    trapped: bool,
+    _token: LeaseToken,
+}
+
+impl VmmLink {
+    pub fn new(
+        inner: Box<dyn RemoteDeviceLink>,
+        mode: RemoteDeviceMode,
+        counters: &Arc<ResourceCounters>,
+    ) -> Self {
+        counters.leases.fetch_add(1, Ordering::SeqCst);
+        Self {
+            inner,
+            trapped: mode == RemoteDeviceMode::Trapped,
+            _token: LeaseToken(counters.clone()),
+        }
+    }
+}
+
+/// The mode the guest actually gets: `Direct` if at least one BAR is mapped directly.
+pub fn effective_mode(info: &RemoteDeviceInfo) -> RemoteDeviceMode {
+    if info
+        .bars
+        .iter()
+        .any(|b| matches!(b.access, BarAccess::Direct(_)))
+    {
+        RemoteDeviceMode::Direct
+    } else {
+        RemoteDeviceMode::Trapped
+    }
+}
+
+impl RemoteDeviceLink for VmmLink {
+    fn device_info(&self) -> RemoteDeviceInfo {
+        let mut info = self.inner.device_info();
+        if self.trapped {
+            for b in &mut info.bars {
+                b.access = BarAccess::Trapped;
+                b.ioevents.clear();
+            }
+        }
+        info
+    }
+
+    fn config_read(&self, offset: u16, data: &mut [u8]) -> Result<(), LinkError> {
+        self.inner.config_read(offset, data)
+    }
+
+    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), LinkError> {
+        self.inner.config_write(offset, data)
+    }
+
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), LinkError> {
+        self.inner.bar_read(bar, offset, data)
+    }
+
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError> {
+        self.inner.bar_write(bar, offset, data)
+    }
+
+    fn map_dma(&self, regions: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
+        self.inner.map_dma(regions)
+    }
+
+    fn set_irqs(&self, targets: &IrqTargets<'_>) -> Result<(), LinkError> {
+        self.inner.set_irqs(targets)
+    }
+
+    fn reset(&self) -> Result<(), LinkError> {
+        self.inner.reset()
+    }
+
+    fn lease_state(&self) -> LeaseState {
+        self.inner.lease_state()
+    }
+
+    fn irq_counts(&self) -> Option<Vec<u64>> {
+        self.inner.irq_counts()
+    }
+}
+
+/// A [`Pinner`] that counts pinned bytes in [`ResourceCounters`].
+pub struct CountingPinner {
+    inner: Arc<dyn Pinner>,
+    counters: Arc<ResourceCounters>,
+}
+
+impl CountingPinner {
+    pub fn new(inner: Arc<dyn Pinner>, counters: Arc<ResourceCounters>) -> Self {
+        Self { inner, counters }
+    }
+}
+
+impl Pinner for CountingPinner {
+    fn check(&self, total: u64) -> Result<(), PinError> {
+        self.inner.check(total)
+    }
+
+    fn pin(&self, addr: u64, len: u64) -> Result<PinnedRange, PinError> {
+        let range = self.inner.pin(addr, len)?;
+        self.counters.pinned_bytes.fetch_add(len, Ordering::SeqCst);
+        let counters = self.counters.clone();
+        Ok(PinnedRange::new(addr, len, move || {
+            drop(range);
+            counters.pinned_bytes.fetch_sub(len, Ordering::SeqCst);
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster() -> ClusterConfig {
+        ClusterConfig::parse(
+            "version = 1\n[[node]]\nname = \"node1\"\nfabric = \"shm\"\ncontrol = \"/nonexistent/lendvm-test/node1.sock\"\n\
+             [[node]]\nname = \"node3\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:1\"\n",
+            "test",
+        )
+        .unwrap()
+    }
+
+    fn source() -> LenderSource {
+        LenderSource::new(
+            cluster(),
+            FabricIdentity {
+                local: "lendvm-test".into(),
+                vm_name: "vm0".into(),
+                token: "t".into(),
+            },
+        )
+    }
+
+    fn err(spec: &str) -> String {
+        match source().borrow(&spec.parse().unwrap()) {
+            Ok(_) => panic!("{spec}: borrowed from nowhere"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn unknown_node_names_the_known_ones() {
+        let e = err("node9:0000:81:00.0");
+        assert_eq!(e, "unknown node node9 (known: node1, node3)");
+        assert!(source().check_node("node9").is_err());
+        assert!(source().check_node("node1").is_ok());
+    }
+
+    #[test]
+    fn unreachable_lender_names_node_and_address() {
+        let e = err("node1:0000:81:00.0");
+        assert!(
+            e.starts_with("lender node1 is unreachable at /nonexistent/lendvm-test/node1.sock"),
+            "{e}"
+        );
+        let e = err("node3:0000:81:00.0");
+        assert!(
+            e.starts_with("lender node3 is unreachable at 127.0.0.1:1"),
+            "{e}"
+        );
+    }
+
+    struct NullPinner;
+    impl Pinner for NullPinner {
+        fn check(&self, _: u64) -> Result<(), PinError> {
+            Ok(())
+        }
+        fn pin(&self, addr: u64, len: u64) -> Result<PinnedRange, PinError> {
+            Ok(PinnedRange::new(addr, len, || {}))
+        }
+    }
+
+    #[test]
+    fn counting_pinner_counts_until_drop() {
+        let c = Arc::new(ResourceCounters::default());
+        let p = CountingPinner::new(Arc::new(NullPinner), c.clone());
+        let a = p.pin(0x1000, 0x2000).unwrap();
+        let b = p.pin(0x8000, 0x1000).unwrap();
+        assert_eq!(c.pinned_bytes.load(Ordering::SeqCst), 0x3000);
+        drop(a);
+        assert_eq!(c.pinned_bytes.load(Ordering::SeqCst), 0x1000);
+        drop(b);
+        assert_eq!(c.pinned_bytes.load(Ordering::SeqCst), 0);
+    }
+}
