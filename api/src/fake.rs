@@ -7,6 +7,7 @@
 //! |---|---|
 //! | add: VM shut down | 409 `cannot add a device: the vm is Shutdown` |
 //! | add: unknown node | 400 `unknown node node9 (known: node1, node3)` |
+//! | add: node's lender unreachable ([`FakeVmmConfig::unreachable`]) | 502 `lender node5 is unreachable at fake:node5: connection refused` |
 //! | add: node has no such device | 400 `node node3 has no device 0000:99:00.0 to lend` |
 //! | add: id already in use | 409 `device id nvme1 is already in use` |
 //! | add: same lender device attached twice | 409 `node3:0000:81:00.0 is already attached as nvme1` |
@@ -55,6 +56,9 @@ pub enum FakeBehaviour {
 pub struct FakeVmmConfig {
     /// Lendable devices per node.
     pub lenders: BTreeMap<String, Vec<PciBdf>>,
+    /// Nodes in the cluster whose lender does not answer: adding any device of theirs is a
+    /// 502 (the real VMM's answer when the connection to the lender fails).
+    pub unreachable: BTreeSet<String>,
     /// The guest ejects removed devices immediately.
     pub auto_eject: bool,
     pub behaviour: FakeBehaviour,
@@ -76,6 +80,7 @@ impl Default for FakeVmmConfig {
         lenders.insert("node3".to_string(), vec![bdf(0x81), bdf(0x82)]);
         FakeVmmConfig {
             lenders,
+            unreachable: BTreeSet::new(),
             auto_eject: true,
             behaviour: FakeBehaviour::Serve,
             vm: VmConfigInfo {
@@ -174,14 +179,26 @@ impl FakeVmm {
             )));
         }
         let RemoteDeviceSpec { node, bdf } = &data.device;
-        let inventory = self.config.lenders.get(node).ok_or_else(|| {
-            let known: Vec<&str> = self.config.lenders.keys().map(String::as_str).collect();
-            ApiError::bad_request(format!("unknown node {node} (known: {})", known.join(", ")))
-        })?;
-        if !inventory.contains(bdf) {
-            return Err(ApiError::bad_request(format!(
-                "node {node} has no device {bdf} to lend"
-            )));
+        // An unreachable lender cannot say what it lends: like the real VMM, the add gets as
+        // far as the borrow (after the local checks) and fails there.
+        let unreachable = self.config.unreachable.contains(node);
+        if !unreachable {
+            let inventory = self.config.lenders.get(node).ok_or_else(|| {
+                let known: BTreeSet<&str> = self
+                    .config
+                    .lenders
+                    .keys()
+                    .chain(&self.config.unreachable)
+                    .map(String::as_str)
+                    .collect();
+                let known: Vec<&str> = known.into_iter().collect();
+                ApiError::bad_request(format!("unknown node {node} (known: {})", known.join(", ")))
+            })?;
+            if !inventory.contains(bdf) {
+                return Err(ApiError::bad_request(format!(
+                    "node {node} has no device {bdf} to lend"
+                )));
+            }
         }
         if let Some(id) = &data.id {
             if self.devices.contains_key(id) {
@@ -203,6 +220,11 @@ impl FakeVmm {
         let slot = self
             .free_slot()
             .ok_or_else(|| ApiError::conflict("no free pci slot on bus 0"))?;
+        if unreachable {
+            return Err(ApiError::bad_gateway(format!(
+                "lender {node} is unreachable at fake:{node}: connection refused"
+            )));
+        }
         let id = match data.id {
             Some(id) => id,
             None => self.auto_id(),

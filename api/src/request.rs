@@ -98,7 +98,10 @@ pub enum ApiErrorKind {
     Conflict,
     /// 503: the VMM cannot serve requests right now.
     ServiceUnavailable,
-    /// 500: the VMM failed (lender refused, fabric error, ...).
+    /// 502: the lender the request needs failed: unreachable, refused the connection, went
+    /// away or failed mid-request (the VMM itself is fine; retrying may help).
+    BadGateway,
+    /// 500: the VMM itself failed (cannot create or plug the device, ...).
     Internal,
 }
 
@@ -110,6 +113,7 @@ impl ApiErrorKind {
             ApiErrorKind::NotFound => 404,
             ApiErrorKind::Conflict => 409,
             ApiErrorKind::ServiceUnavailable => 503,
+            ApiErrorKind::BadGateway => 502,
             ApiErrorKind::Internal => 500,
         }
     }
@@ -142,6 +146,9 @@ impl ApiError {
     }
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(ApiErrorKind::ServiceUnavailable, message)
+    }
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        Self::new(ApiErrorKind::BadGateway, message)
     }
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ApiErrorKind::Internal, message)

@@ -24,11 +24,14 @@
 //! | body not delivered within `body_timeout` (10 s) | 408 | text |
 //! | body larger than the limit (64 KiB by default), declared or actual | 413 | text |
 //! | VMM internal error, or a response that does not fit the request | 500 | text |
+//! | the lender a hot-add needs failed (unreachable, refused the connection, gone mid-borrow) | 502 | text |
 //! | VMM gone (channel closed, message dropped) or said unavailable | 503 | text |
 //! | VMM did not answer within `request_timeout` | 504 | text |
 //!
 //! Cloud Hypervisor answers every VMM-side failure with 500; lendvm refines that into
-//! 400/404/409/503 so clients can tell a typo from a failure, and keeps 500 for real failures.
+//! 400/404/409/502/503 so clients can tell a typo or a failed lender (a gateway-type failure:
+//! the VMM is fine, the upstream lender is not) from a failure of the VMM, and keeps 500 for
+//! real VMM-internal failures.
 
 use std::fs;
 use std::io;

@@ -261,6 +261,33 @@ fn unknown_node_is_400() {
 }
 
 #[test]
+fn unreachable_lender_is_502() {
+    let cfg = FakeVmmConfig {
+        unreachable: ["node5".to_string()].into(),
+        ..Default::default()
+    };
+    let h = Harness::with(cfg, Duration::from_secs(10));
+    h.expect_error(
+        "PUT",
+        ADD,
+        Some(r#"{"device":"node5:0000:81:00.0","id":"nvme1"}"#),
+        502,
+        "lender node5 is unreachable",
+    );
+    assert_eq!(h.info()["remote_devices"], json!([]));
+    // A node outside the cluster is still the client's mistake.
+    h.expect_error(
+        "PUT",
+        ADD,
+        Some(r#"{"device":"node9:0000:81:00.0"}"#),
+        400,
+        "unknown node node9 (known: node1, node3, node5)",
+    );
+    // Other lenders are unaffected, and the id was not taken by the failed add.
+    add(&h, r#"{"device":"node3:0000:81:00.0","id":"nvme1"}"#);
+}
+
+#[test]
 fn bad_bdf_is_400_naming_the_bad_part() {
     let h = Harness::start();
     let cases = [

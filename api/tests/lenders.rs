@@ -7,34 +7,17 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use lending::client::LenderClient;
+use lending::testing::{lenderd_binary, Lenderd};
 use ntb::ClusterConfig;
 use serde_json::Value;
 
 const TOKEN: &str = "lendctl-test-token";
 const DEV: &str = "0000:00:04.0";
-
-/// `lenderd` next to the test executable (`target/<profile>/deps/..`).
-fn lenderd_path() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test executable has no target/<profile> directory");
-    let p = profile_dir.join("lenderd");
-    assert!(
-        p.is_file(),
-        "{} is missing: lenderd is a binary of the lending crate that `cargo test -p api` does \
-         not build; run `cargo build --workspace --bins` (with the same CARGO_TARGET_DIR and \
-         profile) first",
-        p.display()
-    );
-    p
-}
 
 /// A cluster in a temp dir: node3 runs lenderd, node1 is the test's borrower, node2 runs
 /// nothing. The cluster file carries the token as a relative `token_file`.
@@ -62,44 +45,13 @@ fn cluster(token_line: &str) -> Cluster {
     Cluster { dir, path, cfg }
 }
 
-/// A running lenderd on node3; killed on drop.
-struct Lenderd {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Lenderd {
-    fn start(c: &Cluster) -> Lenderd {
-        let log = c.dir.path().join("lenderd.log");
-        let sock = c.dir.path().join("node3.sock");
-        let child = Command::new(lenderd_path())
-            .args(["--node", "node3", "--cluster"])
-            .arg(&c.path)
-            .args(["--device", &format!("{DEV}=dmatest"), "--token", TOKEN])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let d = Lenderd { child, log };
-        let t0 = Instant::now();
-        while !sock.exists() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "lenderd did not listen: {}",
-                std::fs::read_to_string(&d.log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d
-    }
-}
-
-impl Drop for Lenderd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// lenderd on node3 lending a dmatest device, once its socket is bound; killed on drop.
+fn start_lenderd(c: &Cluster) -> Lenderd {
+    Lenderd::command(lenderd_binary(), "node3", &c.path)
+        .log(c.dir.path().join("lenderd.log"))
+        .device(format!("{DEV}=dmatest"))
+        .token(TOKEN)
+        .spawn_until_listening(&c.dir.path().join("node3.sock"))
 }
 
 fn lendctl(c: &Cluster, args: &[&str], env_token: Option<&str>) -> Output {
@@ -140,7 +92,7 @@ fn row<'a>(text: &'a str, first: &str) -> &'a str {
 #[test]
 fn lenders_shows_reachable_and_unreachable_nodes() {
     let c = cluster("token_file = \"cluster.token\"");
-    let _d = Lenderd::start(&c);
+    let _d = start_lenderd(&c);
     let o = lendctl(&c, &["lenders"], None);
     let t = ok(&o);
     let header = t.lines().next().unwrap();
@@ -182,7 +134,7 @@ fn lenders_shows_reachable_and_unreachable_nodes() {
 #[test]
 fn list_and_status_follow_a_borrow() {
     let c = cluster("token_file = \"cluster.token\"");
-    let _d = Lenderd::start(&c);
+    let _d = start_lenderd(&c);
     let t = ok(&lendctl(
         &c,
         &["--lender", "node3", "--node", "ops-console", "list"],
@@ -295,7 +247,7 @@ fn unreachable_or_unknown_lender_exits_1() {
 #[test]
 fn token_sources_and_refusals() {
     let c = cluster("");
-    let _d = Lenderd::start(&c);
+    let _d = start_lenderd(&c);
     // No token anywhere.
     let o = lendctl(&c, &["--lender", "node3", "list"], None);
     assert_eq!(o.status.code(), Some(1));
@@ -316,7 +268,7 @@ fn token_sources_and_refusals() {
 
     // Inline token in the cluster file.
     let c2 = cluster(&format!("token = \"{TOKEN}\""));
-    let _d2 = Lenderd::start(&c2);
+    let _d2 = start_lenderd(&c2);
     ok(&lendctl(&c2, &["--lender", "node3", "list"], None));
     // A token file that is missing is named.
     let c3 = cluster("token_file = \"missing.token\"");

@@ -14,11 +14,18 @@
 //! On links that cannot pass file descriptors (tcp), [`ClientIrq::EventFd`] targets are sent
 //! as [`IrqTarget::Event`] and the client starts one relay thread per session that takes the
 //! lender's IRQ event messages off the link and signals the right eventfd; other events are
-//! queued for [`LenderClient::next_event`]. Callers use the same code on both fabrics.
+//! queued for [`LenderClient::next_event`]. An INTx resample eventfd
+//! ([`Lease::set_irqs_resample`]) is passed on shm and watched by a forwarding thread that
+//! sends [`Event::Resample`] on tcp. Callers use the same code on both fabrics.
+//!
+//! The relay thread is the only reader of the link once started ([`LenderClient::event_waker`]
+//! starts it too); a thread blocked in [`LenderClient::wait_event`] returns at once when
+//! woken, and dropping the last handle of the client closes the link, which ends the relay
+//! thread at once (no polling interval on any teardown path).
 
 use std::collections::HashMap;
-use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,9 +39,9 @@ use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::protocol::{
-    self, BarRead, BarWrite, Borrow, Borrowed, ConfigRead, ConfigWrite, DeviceInfo, DeviceSummary,
-    DmaMap, DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqTarget, LeaseRef, LenderStatus,
-    ProtocolError, Request, SetIrqs, PROTOCOL_VERSION,
+    self, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite, DeviceInfo, DeviceSummary, DmaMap,
+    DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample, IrqTarget, LeaseRef, LenderStatus,
+    ProtocolError, Request, SetIrqs, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 
 /// Default bound on one request.
@@ -92,22 +99,42 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
-/// The relay thread of a session whose link cannot carry eventfds: the only reader of the
-/// link's incoming queue once started.
+/// What the relay thread hands to [`LenderClient::next_event`] / [`LenderClient::wait_event`].
+enum PumpMsg {
+    Event(Event),
+    /// An [`EventWaker`] asked the waiting thread to return.
+    Wake,
+    /// The link is down (the relay thread has ended).
+    Down(String),
+}
+
+/// The receiving end of the relay thread's messages (waiters clone the `Arc` so they do not
+/// hold the pump's lock while they block).
+struct PumpRx {
+    events: Mutex<mpsc::Receiver<PumpMsg>>,
+    /// Why the link went down, once the relay thread saw it.
+    down: Mutex<Option<String>>,
+}
+
+/// The relay thread of a session: the only reader of the link's incoming queue once started.
 struct EventPump {
     stop: Arc<AtomicBool>,
-    events: Mutex<mpsc::Receiver<Event>>,
+    rx: Arc<PumpRx>,
+    /// For wakers.
+    tx: mpsc::Sender<PumpMsg>,
     thread: Option<JoinHandle<()>>,
 }
 
-/// How long the relay thread sleeps in one `recv` before it looks at its stop flag.
-const PUMP_POLL: Duration = Duration::from_millis(50);
+/// How long the relay thread sleeps in one `recv` before it looks at its stop flag. Only a
+/// safety net: teardown closes the link, which ends the `recv` at once.
+const PUMP_POLL: Duration = Duration::from_millis(500);
 
 fn pump_loop(
     ep: &Arc<dyn Endpoint>,
     routes: &IrqRoutes,
     stop: &AtomicBool,
-    tx: &mpsc::Sender<Event>,
+    tx: &mpsc::Sender<PumpMsg>,
+    rx: &PumpRx,
 ) {
     while !stop.load(Ordering::Acquire) {
         match ep.recv(PUMP_POLL) {
@@ -127,20 +154,116 @@ fn pump_loop(
                         }
                         None => {
                             drop(routes);
-                            let _ = tx.send(Event::Irq(ev));
+                            let _ = tx.send(PumpMsg::Event(Event::Irq(ev)));
                         }
                     }
                 }
                 Ok(other) => {
-                    let _ = tx.send(other);
+                    let _ = tx.send(PumpMsg::Event(other));
                 }
                 Err(e) => log::warn!("{}: undecodable event: {e}", ep.peer_node()),
             },
             Ok(_) | Err(FabricError::Timeout(_)) => {}
             Err(e) => {
                 log::debug!("irq relay from {}: {e}", ep.peer_node());
+                let reason = match e {
+                    FabricError::PeerGone { reason, .. } => reason,
+                    other => other.to_string(),
+                };
+                *lock(&rx.down) = Some(reason.clone());
+                let _ = tx.send(PumpMsg::Down(reason));
                 return;
             }
+        }
+    }
+}
+
+/// Makes a [`LenderClient::wait_event`] (or `next_event`) blocked in another thread return
+/// `Ok(None)` at once. Cheap to clone; outliving the client is harmless.
+#[derive(Clone)]
+pub struct EventWaker {
+    tx: mpsc::Sender<PumpMsg>,
+}
+
+impl EventWaker {
+    /// Wakes the thread waiting for events (or the next one to wait).
+    pub fn wake(&self) {
+        // The receiver is gone only when the client is: nothing left to wake.
+        let _ = self.tx.send(PumpMsg::Wake);
+    }
+}
+
+/// Watches an INTx resample eventfd and sends [`Event::Resample`] for its lease (links
+/// without fd passing). Dropping it stops and joins the thread at once.
+struct ResampleForwarder {
+    stop: Arc<EventFd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ResampleForwarder {
+    fn start(ep: Arc<dyn Endpoint>, lease: u64, fd: EventFd) -> Result<Self, ClientError> {
+        let os = |what| move |source| ClientError::Os { what, source };
+        let stop = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(os("resample stop eventfd"))?);
+        let stop2 = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name(format!("resample{lease}"))
+            .spawn(move || forward_resamples(&*ep, lease, &fd, &stop2))
+            .map_err(os("starting the resample forwarding thread"))?;
+        Ok(ResampleForwarder {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn forward_resamples(ep: &dyn Endpoint, lease: u64, fd: &EventFd, stop: &EventFd) {
+    let mut pfds = [stop.as_raw_fd(), fd.as_raw_fd()].map(|fd| libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    });
+    loop {
+        // SAFETY: `pfds` is a valid array of two initialised pollfd structures.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            log::error!("lease {lease}: resample poll failed: {e}");
+            return;
+        }
+        if pfds[0].revents != 0 {
+            return;
+        }
+        if pfds[1].revents & libc::POLLIN != 0 {
+            let _ = fd.read();
+            let msg = Event::Resample(IrqResample { lease })
+                .encode()
+                .map(|(op, p)| Message::raw(op, p));
+            match msg {
+                Ok(m) => {
+                    if let Err(e) = ep.send(m) {
+                        log::debug!("lease {lease}: resample to {}: {e}", ep.peer_node());
+                        if e.is_peer_gone() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => log::error!("lease {lease}: resample event encode: {e}"),
+            }
+        }
+        pfds[1].revents = 0;
+    }
+}
+
+impl Drop for ResampleForwarder {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop.write(1) {
+            log::error!("resample forwarder stop failed: {e}");
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }
@@ -149,15 +272,23 @@ struct Inner {
     ep: Arc<dyn Endpoint>,
     lender: String,
     timeout: Duration,
+    /// Protocol version agreed at hello.
+    version: AtomicU32,
     routes: IrqRoutes,
+    /// Per lease: the INTx resample forwarder (tcp).
+    resamplers: Mutex<HashMap<u64, ResampleForwarder>>,
     pump: Mutex<Option<EventPump>>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        lock(&self.resamplers).clear();
         let pump = lock(&self.pump).take();
         if let Some(mut p) = pump {
             p.stop.store(true, Ordering::Release);
+            // No lease is left (each holds this value): end the session now, which also
+            // ends the relay thread's `recv` at once.
+            self.ep.close();
             if let Some(t) = p.thread.take() {
                 let _ = t.join();
             }
@@ -173,22 +304,29 @@ impl Inner {
             return Ok(());
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::channel();
-        let (ep, routes, stop2) = (
+        let (tx, events) = mpsc::channel();
+        let rx = Arc::new(PumpRx {
+            events: Mutex::new(events),
+            down: Mutex::new(None),
+        });
+        let (ep, routes, stop2, tx2, rx2) = (
             Arc::clone(&self.ep),
             Arc::clone(&self.routes),
             Arc::clone(&stop),
+            tx.clone(),
+            Arc::clone(&rx),
         );
         let thread = std::thread::Builder::new()
             .name(format!("irq-events-{}", self.lender))
-            .spawn(move || pump_loop(&ep, &routes, &stop2, &tx))
+            .spawn(move || pump_loop(&ep, &routes, &stop2, &tx2, &rx2))
             .map_err(|source| ClientError::Os {
                 what: "starting the irq event relay thread",
                 source,
             })?;
         *g = Some(EventPump {
             stop,
-            events: Mutex::new(rx),
+            rx,
+            tx,
             thread: Some(thread),
         });
         Ok(())
@@ -196,6 +334,57 @@ impl Inner {
 
     fn forget_routes(&self, lease: u64, kind: Option<IrqKind>) {
         lock(&self.routes).retain(|&(l, k, _), _| l != lease || kind.is_some_and(|x| x != k));
+        if kind.is_none_or(|k| k == IrqKind::Intx) {
+            let fwd = lock(&self.resamplers).remove(&lease);
+            drop(fwd);
+        }
+    }
+
+    fn version(&self) -> u32 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    fn gone(&self, reason: String) -> ClientError {
+        ClientError::Fabric(FabricError::PeerGone {
+            peer: self.lender.clone(),
+            reason,
+        })
+    }
+
+    /// The relay thread's receiving end, if it runs.
+    fn pump_rx(&self) -> Option<Arc<PumpRx>> {
+        lock(&self.pump).as_ref().map(|p| Arc::clone(&p.rx))
+    }
+
+    /// Takes the next message from the relay thread, blocking up to `timeout` (`None`: until
+    /// one comes).
+    fn pump_recv(
+        &self,
+        p: &PumpRx,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Event>, ClientError> {
+        if let Some(r) = lock(&p.down).clone() {
+            return Err(self.gone(r));
+        }
+        let rx = lock(&p.events);
+        let m = match timeout {
+            Some(t) => match rx.recv_timeout(t) {
+                Ok(m) => m,
+                Err(mpsc::RecvTimeoutError::Timeout) => return Ok(None),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(self.gone("link down".into()))
+                }
+            },
+            None => match rx.recv() {
+                Ok(m) => m,
+                Err(mpsc::RecvError) => return Err(self.gone("link down".into())),
+            },
+        };
+        match m {
+            PumpMsg::Event(e) => Ok(Some(e)),
+            PumpMsg::Wake => Ok(None),
+            PumpMsg::Down(r) => Err(self.gone(r)),
+        }
     }
 
     fn call<T: DeserializeOwned>(
@@ -203,7 +392,18 @@ impl Inner {
         req: &Request,
         fds: Vec<OwnedFd>,
     ) -> Result<(T, Vec<OwnedFd>), ClientError> {
-        let (op, payload) = req.encode()?;
+        let (op, payload, fds) = self.call_raw(req, fds)?;
+        let v = protocol::decode_reply(op, &payload)?;
+        Ok((v, fds))
+    }
+
+    /// A request in the agreed version; the reply's opcode, payload and fds.
+    fn call_raw(
+        &self,
+        req: &Request,
+        fds: Vec<OwnedFd>,
+    ) -> Result<(u16, Vec<u8>, Vec<OwnedFd>), ClientError> {
+        let (op, payload) = req.encode_versioned(self.version())?;
         let reply = self
             .ep
             .request(Message::raw(op, payload).with_fds(fds), self.timeout)
@@ -215,8 +415,7 @@ impl Inner {
                 },
                 other => ClientError::Fabric(other),
             })?;
-        let v = protocol::decode_reply(op, &reply.payload)?;
-        Ok((v, reply.fds))
+        Ok((op, reply.payload, reply.fds))
     }
 }
 
@@ -251,7 +450,9 @@ impl LenderClient {
             lender: ep.peer_node().to_string(),
             ep,
             timeout: DEFAULT_TIMEOUT,
+            version: AtomicU32::new(PROTOCOL_VERSION),
             routes: Arc::default(),
+            resamplers: Mutex::default(),
             pump: Mutex::new(None),
         });
         let req = Request::Hello(Hello {
@@ -260,7 +461,20 @@ impl LenderClient {
             client: client.to_string(),
         });
         let (hello, _): (HelloReply, _) = inner.call(&req, Vec::new())?;
+        if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&hello.version) {
+            return Err(ClientError::BadReply(format!(
+                "lender {} answered protocol version {}, this client speaks \
+                 {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION}",
+                hello.node, hello.version
+            )));
+        }
+        inner.version.store(hello.version, Ordering::Release);
         Ok(LenderClient { inner, hello })
+    }
+
+    /// The protocol version agreed with the lender.
+    pub fn protocol_version(&self) -> u32 {
+        self.inner.version()
     }
 
     /// What the lender said at hello.
@@ -289,7 +503,8 @@ impl LenderClient {
             device: device.to_string(),
             vm: vm.to_string(),
         });
-        let (b, mut fds): (Borrowed, _) = self.inner.call(&req, Vec::new())?;
+        let (_, payload, mut fds) = self.inner.call_raw(&req, Vec::new())?;
+        let b = protocol::decode_borrowed(&payload, self.inner.version())?;
         let notify = match b.notify_fd {
             Some(i) if usize::from(i) < fds.len() => {
                 let fd = fds.swap_remove(usize::from(i));
@@ -314,18 +529,11 @@ impl LenderClient {
 
     /// Next event from the lender (device gone, fatal error, relayed irq not routed to an
     /// eventfd), if one arrives within `timeout`. Window changes are skipped.
+    ///
+    /// Returns `Ok(None)` early when an [`EventWaker`] wakes it.
     pub fn next_event(&self, timeout: Duration) -> Result<Option<Event>, ClientError> {
-        if let Some(p) = lock(&self.inner.pump).as_ref() {
-            return match lock(&p.events).recv_timeout(timeout) {
-                Ok(e) => Ok(Some(e)),
-                Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    Err(ClientError::Fabric(FabricError::PeerGone {
-                        peer: self.inner.lender.clone(),
-                        reason: "link down".into(),
-                    }))
-                }
-            };
+        if let Some(p) = self.inner.pump_rx() {
+            return self.inner.pump_recv(&p, Some(timeout));
         }
         let deadline = Instant::now() + timeout;
         loop {
@@ -340,6 +548,31 @@ impl LenderClient {
                 return Ok(None);
             }
         }
+    }
+}
+
+impl LenderClient {
+    /// A handle that makes [`LenderClient::wait_event`] return in another thread. Starts the
+    /// relay thread (the link's only reader from then on) if it is not running.
+    pub fn event_waker(&self) -> Result<EventWaker, ClientError> {
+        self.inner.start_pump()?;
+        let g = lock(&self.inner.pump);
+        let p = g
+            .as_ref()
+            .ok_or_else(|| ClientError::BadReply("event relay thread not running".into()))?;
+        Ok(EventWaker { tx: p.tx.clone() })
+    }
+
+    /// Waits, without a timeout, for the next event from the lender: `Ok(Some(event))`,
+    /// `Ok(None)` when an [`EventWaker`] woke it, an error once the link is down. Starts the
+    /// relay thread if it is not running.
+    pub fn wait_event(&self) -> Result<Option<Event>, ClientError> {
+        self.inner.start_pump()?;
+        let p = self
+            .inner
+            .pump_rx()
+            .ok_or_else(|| ClientError::BadReply("event relay thread not running".into()))?;
+        self.inner.pump_recv(&p, None)
     }
 }
 
@@ -386,7 +619,12 @@ impl Lease {
     /// Fresh device information (config snapshot etc.).
     pub fn device_info(&self) -> Result<DeviceInfo, ClientError> {
         let r = Request::DeviceInfo(LeaseRef { lease: self.id });
-        Ok(self.inner.call(&r, Vec::new())?.0)
+        let (_, payload, _) = self.inner.call_raw(&r, Vec::new())?;
+        Ok(protocol::decode_device_info(
+            &payload,
+            self.inner.version(),
+            self.notify.is_some(),
+        )?)
     }
 
     /// Reads `len` bytes of config space.
@@ -470,6 +708,20 @@ impl Lease {
 
     /// Sets where the vectors of `kind` go (empty: disable).
     pub fn set_irqs(&self, kind: IrqKind, targets: &[ClientIrq<'_>]) -> Result<(), ClientError> {
+        self.set_irqs_resample(kind, targets, None)
+    }
+
+    /// As [`Lease::set_irqs`], plus (INTx with a target) the resample eventfd the borrower's
+    /// interrupt controller signals after the guest's EOI, so the lender asserts INTx again
+    /// while the device's condition is still pending. shm: a duplicate is sent; tcp: a thread
+    /// of this client forwards each signal as an event. Ignored (logged) with a version 1
+    /// lender, which cannot resample.
+    pub fn set_irqs_resample(
+        &self,
+        kind: IrqKind,
+        targets: &[ClientIrq<'_>],
+        resample: Option<&EventFd>,
+    ) -> Result<(), ClientError> {
         let dup = |e: &EventFd| {
             e.try_clone().map_err(|source| ClientError::Os {
                 what: "duplicating an interrupt eventfd",
@@ -500,6 +752,38 @@ impl Lease {
                 }
             });
         }
+        let resample = match resample {
+            Some(_) if self.inner.version() < 2 => {
+                log::debug!(
+                    "lease {}: lender speaks protocol version 1, no intx resample",
+                    self.id
+                );
+                None
+            }
+            Some(_) if kind != IrqKind::Intx || targets.is_empty() => None,
+            other => other,
+        };
+        let mut forwarder = None;
+        let resample_target = match resample {
+            None => IrqTarget::None,
+            Some(e) if pass_fds => {
+                let i = u8::try_from(fds.len()).map_err(|_| {
+                    ClientError::BadReply("more than 255 eventfds in one set_irqs".into())
+                })?;
+                let dup = dup(e)?;
+                // SAFETY: `dup` is a fresh eventfd we own; ownership moves to the OwnedFd.
+                fds.push(unsafe { OwnedFd::from_raw_fd(dup.into_raw_fd()) });
+                IrqTarget::Fd(i)
+            }
+            Some(e) => {
+                forwarder = Some(ResampleForwarder::start(
+                    Arc::clone(&self.inner.ep),
+                    self.id,
+                    dup(e)?,
+                )?);
+                IrqTarget::Event
+            }
+        };
         if !relayed.is_empty() {
             self.inner.start_pump()?;
         }
@@ -507,6 +791,7 @@ impl Lease {
             lease: self.id,
             kind,
             targets: t,
+            resample: resample_target,
         });
         // Routes go in before the request so an event sent right after the lender switched
         // cannot miss its eventfd.
@@ -520,6 +805,8 @@ impl Lease {
         let r = self.inner.call::<()>(&r, fds).map(|_| ());
         if r.is_err() {
             self.inner.forget_routes(self.id, Some(kind));
+        } else if let Some(f) = forwarder {
+            lock(&self.inner.resamplers).insert(self.id, f);
         }
         r
     }

@@ -10,6 +10,7 @@
 //!   device back.
 //! * [`server`]: the per-link protocol server; [`client`]: the borrower's [`client::LenderClient`].
 //! * [`spec`]: `--device` parsing.
+//! * `testing` (cargo feature `testing`): the real `lenderd` as a child process of a test.
 
 pub mod backend;
 pub mod client;
@@ -18,6 +19,8 @@ pub mod iommu;
 pub mod protocol;
 pub mod server;
 pub mod spec;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 use std::sync::Arc;
 

@@ -20,10 +20,24 @@
 //! | 0x10c | [`LeaseRef`] | `()` | — (return the lease) |
 //! | 0x10d | `Status` | [`LenderStatus`] | — |
 //!
-//! Events (lender → borrower, one-way): 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
-//! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it).
+//! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
+//! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it); borrower → lender
+//! 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it, version 2).
 //!
 //! Errors are wire error replies with the codes in [`code`]. Decoding never panics.
+//!
+//! ## Versions
+//!
+//! The borrower's HELLO names its version; the lender answers with the version the session
+//! speaks, `min(borrower, lender)`, and refuses versions below [`MIN_PROTOCOL_VERSION`].
+//! Payloads are positional (postcard), so every message whose layout changed has a frozen
+//! copy of its older layout and is encoded/decoded by session version
+//! ([`Request::decode_versioned`], [`encode_borrowed`], [`decode_borrowed`], ...):
+//!
+//! | version | change |
+//! |---|---|
+//! | 1 | first |
+//! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -31,7 +45,9 @@ use thiserror::Error;
 use ntb::wire::{self, ErrorReply, WireError};
 
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
+/// Oldest version a lender still serves.
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// Largest config space (PCIe extended).
 pub const CONFIG_SPACE_SIZE: usize = 4096;
 /// Largest single BAR slow-path access.
@@ -77,6 +93,8 @@ pub mod opcode {
     pub const EVT_FATAL: u16 = 0x181;
     /// Event: interrupt relayed as a message.
     pub const EVT_IRQ: u16 = 0x182;
+    /// Event (borrower → lender): INTx resample relayed as a message.
+    pub const EVT_RESAMPLE: u16 = 0x183;
 }
 
 /// Error codes of error replies (the wire's generic codes are below 0x100).
@@ -237,6 +255,45 @@ pub struct LeaseRef {
     pub lease: u64,
 }
 
+/// How stores into a directly mapped BAR reach the device (version 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NotifyWrites {
+    /// The device sees stores by itself (real device memory, polling models): map the window
+    /// read-write; nothing to signal.
+    None,
+    /// Every store: store it into the window, then signal the lease's notify eventfd. What a
+    /// version 1 borrower does with every direct BAR of a lease that has a notify eventfd;
+    /// a version 2 lender never asks for it (it loses writes to control registers that do not
+    /// change the stored value).
+    All,
+    /// Stores entirely inside `[offset, offset + len)` are doorbells (absolute values):
+    /// store + notify is exact. Every other store must be sent as BAR_WRITE, the device's
+    /// exact write path. `len` 0: every store is a BAR_WRITE.
+    Doorbells {
+        /// First byte of the doorbell range within the BAR.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+    },
+}
+
+impl NotifyWrites {
+    /// True when a store of `len` bytes at `offset` may be stored into the window directly
+    /// (followed by a notify for [`NotifyWrites::All`] and doorbells); false when it must be
+    /// a BAR_WRITE.
+    pub fn is_doorbell(&self, offset: u64, len: u64) -> bool {
+        match *self {
+            NotifyWrites::None | NotifyWrites::All => true,
+            NotifyWrites::Doorbells { offset: o, len: l } => {
+                offset >= o
+                    && offset
+                        .checked_add(len)
+                        .is_some_and(|end| end <= o.saturating_add(l))
+            }
+        }
+    }
+}
+
 /// BAR description.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BarDesc {
@@ -255,6 +312,55 @@ pub struct BarDesc {
     pub window: Option<u32>,
     /// The borrower's VMM emulates this BAR itself (MSI-X table/PBA).
     pub emulated_by_borrower: bool,
+    /// How stores into the BAR's window reach the device (meaningful with a `window`).
+    /// Version 1 sessions do not carry it: a version 1 borrower treats every window as
+    /// [`NotifyWrites::All`] when the lease has a notify eventfd, else [`NotifyWrites::None`].
+    pub notify: NotifyWrites,
+}
+
+/// [`BarDesc`] as version 1 encodes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct BarDescV1 {
+    index: u8,
+    size: u64,
+    is_64bit: bool,
+    prefetchable: bool,
+    io: bool,
+    window: Option<u32>,
+    emulated_by_borrower: bool,
+}
+
+impl BarDescV1 {
+    fn from_v2(b: &BarDesc) -> Self {
+        BarDescV1 {
+            index: b.index,
+            size: b.size,
+            is_64bit: b.is_64bit,
+            prefetchable: b.prefetchable,
+            io: b.io,
+            window: b.window,
+            emulated_by_borrower: b.emulated_by_borrower,
+        }
+    }
+
+    /// The version 1 meaning: every window is write-notified iff the lease has a notify fd.
+    fn into_v2(self, has_notify: bool) -> BarDesc {
+        let notify = if has_notify && self.window.is_some() {
+            NotifyWrites::All
+        } else {
+            NotifyWrites::None
+        };
+        BarDesc {
+            index: self.index,
+            size: self.size,
+            is_64bit: self.is_64bit,
+            prefetchable: self.prefetchable,
+            io: self.io,
+            window: self.window,
+            emulated_by_borrower: self.emulated_by_borrower,
+            notify,
+        }
+    }
 }
 
 /// A capability found in config space.
@@ -311,6 +417,57 @@ pub struct DeviceInfo {
     pub irqs: IrqCounts,
     /// MSI-X placement.
     pub msix: Option<MsixDesc>,
+}
+
+/// [`DeviceInfo`] as version 1 encodes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct DeviceInfoV1 {
+    id: String,
+    kind: String,
+    config: Vec<u8>,
+    bars: Vec<BarDescV1>,
+    caps: Vec<CapDesc>,
+    irqs: IrqCounts,
+    msix: Option<MsixDesc>,
+}
+
+impl DeviceInfoV1 {
+    fn from_v2(i: &DeviceInfo) -> Self {
+        DeviceInfoV1 {
+            id: i.id.clone(),
+            kind: i.kind.clone(),
+            config: i.config.clone(),
+            bars: i.bars.iter().map(BarDescV1::from_v2).collect(),
+            caps: i.caps.clone(),
+            irqs: i.irqs,
+            msix: i.msix,
+        }
+    }
+
+    fn into_v2(self, has_notify: bool) -> DeviceInfo {
+        DeviceInfo {
+            id: self.id,
+            kind: self.kind,
+            config: self.config,
+            bars: self
+                .bars
+                .into_iter()
+                .map(|b| b.into_v2(has_notify))
+                .collect(),
+            caps: self.caps,
+            irqs: self.irqs,
+            msix: self.msix,
+        }
+    }
+}
+
+/// [`Borrowed`] as version 1 encodes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct BorrowedV1 {
+    lease: u64,
+    info: DeviceInfoV1,
+    notify_fd: Option<u8>,
+    notify_doorbell: Option<u8>,
 }
 
 /// Reply to [`Borrow`].
@@ -432,6 +589,21 @@ pub struct SetIrqs {
     pub kind: IrqKind,
     /// One target per vector, from vector 0.
     pub targets: Vec<IrqTarget>,
+    /// INTx only (version 2): where the borrower signals the resample after the guest's EOI
+    /// (its interrupt controller lowered the level-triggered line), so the lender re-checks
+    /// the device's interrupt condition and asserts again if it is still pending.
+    /// [`IrqTarget::Fd`]: an attached eventfd the lender watches (shm);
+    /// [`IrqTarget::Event`]: the borrower sends [`IrqResample`] events; [`IrqTarget::None`]:
+    /// no resample. [`IrqTarget::Doorbell`] is refused.
+    pub resample: IrqTarget,
+}
+
+/// [`SetIrqs`] as version 1 encodes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct SetIrqsV1 {
+    lease: u64,
+    kind: IrqKind,
+    targets: Vec<IrqTarget>,
 }
 
 /// Event: lease ended by the lender.
@@ -461,6 +633,13 @@ pub struct IrqEvent {
     pub kind: IrqKind,
     /// Vector.
     pub vector: u32,
+}
+
+/// Event (borrower → lender, version 2): the guest EOIed the device's INTx.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IrqResample {
+    /// Lease.
+    pub lease: u64,
 }
 
 /// A request, decoded.
@@ -505,6 +684,8 @@ pub enum Event {
     Fatal(FatalError),
     /// Relayed interrupt.
     Irq(IrqEvent),
+    /// Relayed INTx resample (borrower → lender).
+    Resample(IrqResample),
 }
 
 fn wire_err(opcode: u16) -> impl FnOnce(WireError) -> ProtocolError {
@@ -569,9 +750,31 @@ impl Request {
         }
     }
 
-    /// Encodes to (opcode, payload).
+    /// Encodes to (opcode, payload) in the current version.
     pub fn encode(&self) -> Result<(u16, Vec<u8>), ProtocolError> {
+        self.encode_versioned(PROTOCOL_VERSION)
+    }
+
+    /// Encodes to (opcode, payload) in the layout of protocol `version`. Version 1 has no
+    /// resample target: a SET_IRQS with one is refused rather than silently dropped.
+    pub fn encode_versioned(&self, version: u32) -> Result<(u16, Vec<u8>), ProtocolError> {
         let op = self.opcode();
+        if version < 2 {
+            if let Request::SetIrqs(v) = self {
+                if v.resample != IrqTarget::None {
+                    return Err(invalid(
+                        op,
+                        "an intx resample target needs protocol version 2".into(),
+                    ));
+                }
+                let v1 = SetIrqsV1 {
+                    lease: v.lease,
+                    kind: v.kind,
+                    targets: v.targets.clone(),
+                };
+                return Ok((op, enc(op, &v1)?));
+            }
+        }
         let payload = match self {
             Request::Hello(v) => enc(op, v)?,
             Request::List | Request::Status => enc(op, &())?,
@@ -588,8 +791,18 @@ impl Request {
         Ok((op, payload))
     }
 
-    /// Decodes and validates a request. Never panics.
+    /// Decodes and validates a request in the current version. Never panics.
     pub fn decode(op: u16, payload: &[u8]) -> Result<Request, ProtocolError> {
+        Self::decode_versioned(op, payload, PROTOCOL_VERSION)
+    }
+
+    /// Decodes and validates a request sent in the layout of protocol `version`. Never
+    /// panics.
+    pub fn decode_versioned(
+        op: u16,
+        payload: &[u8],
+        version: u32,
+    ) -> Result<Request, ProtocolError> {
         let r = match op {
             opcode::HELLO => {
                 let h: Hello = dec(op, payload)?;
@@ -649,7 +862,17 @@ impl Request {
             }
             opcode::DMA_UNMAP => Request::DmaUnmap(dec(op, payload)?),
             opcode::SET_IRQS => {
-                let s: SetIrqs = dec(op, payload)?;
+                let s: SetIrqs = if version < 2 {
+                    let v1: SetIrqsV1 = dec(op, payload)?;
+                    SetIrqs {
+                        lease: v1.lease,
+                        kind: v1.kind,
+                        targets: v1.targets,
+                        resample: IrqTarget::None,
+                    }
+                } else {
+                    dec(op, payload)?
+                };
                 if s.targets.len() > MAX_IRQS {
                     return Err(invalid(
                         op,
@@ -661,6 +884,24 @@ impl Request {
                 }
                 if s.kind == IrqKind::Intx && s.targets.len() > 1 {
                     return Err(invalid(op, "intx has a single vector".into()));
+                }
+                if s.resample != IrqTarget::None
+                    && (s.kind != IrqKind::Intx || s.targets.is_empty())
+                {
+                    return Err(invalid(
+                        op,
+                        format!(
+                            "a resample target needs wired intx, not {:?} with {} targets",
+                            s.kind,
+                            s.targets.len()
+                        ),
+                    ));
+                }
+                if let IrqTarget::Doorbell(bit) = s.resample {
+                    return Err(invalid(
+                        op,
+                        format!("resample via doorbell bit {bit}: only an eventfd or events"),
+                    ));
                 }
                 Request::SetIrqs(s)
             }
@@ -701,6 +942,7 @@ impl Event {
             Event::DeviceGone(v) => Ok((opcode::EVT_DEVICE_GONE, enc(opcode::EVT_DEVICE_GONE, v)?)),
             Event::Fatal(v) => Ok((opcode::EVT_FATAL, enc(opcode::EVT_FATAL, v)?)),
             Event::Irq(v) => Ok((opcode::EVT_IRQ, enc(opcode::EVT_IRQ, v)?)),
+            Event::Resample(v) => Ok((opcode::EVT_RESAMPLE, enc(opcode::EVT_RESAMPLE, v)?)),
         }
     }
 
@@ -710,6 +952,7 @@ impl Event {
             opcode::EVT_DEVICE_GONE => Ok(Event::DeviceGone(dec(op, payload)?)),
             opcode::EVT_FATAL => Ok(Event::Fatal(dec(op, payload)?)),
             opcode::EVT_IRQ => Ok(Event::Irq(dec(op, payload)?)),
+            opcode::EVT_RESAMPLE => Ok(Event::Resample(dec(op, payload)?)),
             other => Err(ProtocolError::UnknownOpcode(other)),
         }
     }
@@ -725,6 +968,68 @@ pub fn decode_reply<T: serde::de::DeserializeOwned>(
     op: u16,
     payload: &[u8],
 ) -> Result<T, ProtocolError> {
+    dec(op, payload)
+}
+
+/// The version a lender serving `ours` speaks with a borrower asking for `theirs`, or `None`
+/// when the borrower is too old.
+pub fn negotiate(theirs: u32, ours: u32) -> Option<u32> {
+    (theirs >= MIN_PROTOCOL_VERSION).then(|| theirs.min(ours))
+}
+
+/// Encodes a [`Borrowed`] reply in the layout of `version`.
+pub fn encode_borrowed(b: &Borrowed, version: u32) -> Result<Vec<u8>, ProtocolError> {
+    let op = opcode::BORROW;
+    if version < 2 {
+        let v1 = BorrowedV1 {
+            lease: b.lease,
+            info: DeviceInfoV1::from_v2(&b.info),
+            notify_fd: b.notify_fd,
+            notify_doorbell: b.notify_doorbell,
+        };
+        return enc(op, &v1);
+    }
+    enc(op, b)
+}
+
+/// Decodes a [`Borrowed`] reply sent in the layout of `version` (version 1 BARs get the
+/// version 1 meaning of their window, see [`BarDesc::notify`]).
+pub fn decode_borrowed(payload: &[u8], version: u32) -> Result<Borrowed, ProtocolError> {
+    let op = opcode::BORROW;
+    if version < 2 {
+        let v1: BorrowedV1 = dec(op, payload)?;
+        let has_notify = v1.notify_fd.is_some() || v1.notify_doorbell.is_some();
+        return Ok(Borrowed {
+            lease: v1.lease,
+            info: v1.info.into_v2(has_notify),
+            notify_fd: v1.notify_fd,
+            notify_doorbell: v1.notify_doorbell,
+        });
+    }
+    dec(op, payload)
+}
+
+/// Encodes a DEVICE_INFO reply in the layout of `version`.
+pub fn encode_device_info(i: &DeviceInfo, version: u32) -> Result<Vec<u8>, ProtocolError> {
+    let op = opcode::DEVICE_INFO;
+    if version < 2 {
+        return enc(op, &DeviceInfoV1::from_v2(i));
+    }
+    enc(op, i)
+}
+
+/// Decodes a DEVICE_INFO reply sent in the layout of `version`; `has_notify`: whether the
+/// lease came with a notify eventfd or doorbell (version 1 meaning of the windows).
+pub fn decode_device_info(
+    payload: &[u8],
+    version: u32,
+    has_notify: bool,
+) -> Result<DeviceInfo, ProtocolError> {
+    let op = opcode::DEVICE_INFO;
+    if version < 2 {
+        let v1: DeviceInfoV1 = dec(op, payload)?;
+        return Ok(v1.into_v2(has_notify));
+    }
     dec(op, payload)
 }
 
@@ -789,6 +1094,7 @@ mod tests {
                 lease: 7,
                 kind: IrqKind::Msix,
                 targets: vec![IrqTarget::Fd(0), IrqTarget::Doorbell(3), IrqTarget::None],
+                resample: IrqTarget::None,
             }),
             Request::Reset(LeaseRef { lease: 7 }),
             Request::Return(LeaseRef { lease: 7 }),
@@ -819,6 +1125,7 @@ mod tests {
                 kind: IrqKind::Msix,
                 vector: 3,
             }),
+            Event::Resample(IrqResample { lease: 1 }),
         ] {
             let (op, p) = e.encode().unwrap();
             assert_eq!(Event::decode(op, &p).unwrap(), e);
@@ -860,6 +1167,19 @@ mod tests {
                 lease: 1,
                 kind: IrqKind::Intx,
                 targets: vec![IrqTarget::None; 2],
+                resample: IrqTarget::None,
+            }),
+            Request::SetIrqs(SetIrqs {
+                lease: 1,
+                kind: IrqKind::Msix,
+                targets: vec![IrqTarget::Fd(0)],
+                resample: IrqTarget::Fd(1),
+            }),
+            Request::SetIrqs(SetIrqs {
+                lease: 1,
+                kind: IrqKind::Intx,
+                targets: vec![IrqTarget::Fd(0)],
+                resample: IrqTarget::Doorbell(2),
             }),
         ];
         for r in bad {
@@ -875,6 +1195,119 @@ mod tests {
         let (op, mut p) = Request::List.encode().unwrap();
         p.push(0);
         assert!(Request::decode(op, &p).is_err());
+    }
+
+    fn sample_info() -> DeviceInfo {
+        let bar = |index, window, notify| BarDesc {
+            index,
+            size: 0x4000,
+            is_64bit: true,
+            prefetchable: false,
+            io: false,
+            window,
+            emulated_by_borrower: false,
+            notify,
+        };
+        DeviceInfo {
+            id: "0000:81:00.0".into(),
+            kind: "nvme".into(),
+            config: vec![0x36, 0x1b, 0x10, 0],
+            bars: vec![
+                bar(
+                    0,
+                    Some(3),
+                    NotifyWrites::Doorbells {
+                        offset: 0x1000,
+                        len: 0x3000,
+                    },
+                ),
+                bar(4, None, NotifyWrites::None),
+            ],
+            caps: vec![],
+            irqs: IrqCounts {
+                intx: 1,
+                msi: 0,
+                msix: 17,
+            },
+            msix: None,
+        }
+    }
+
+    #[test]
+    fn version_2_roundtrips_notify_and_resample() {
+        let b = Borrowed {
+            lease: 9,
+            info: sample_info(),
+            notify_fd: Some(0),
+            notify_doorbell: None,
+        };
+        let p = encode_borrowed(&b, 2).unwrap();
+        assert_eq!(decode_borrowed(&p, 2).unwrap(), b);
+        let p = encode_device_info(&b.info, 2).unwrap();
+        assert_eq!(decode_device_info(&p, 2, true).unwrap(), b.info);
+        let r = Request::SetIrqs(SetIrqs {
+            lease: 9,
+            kind: IrqKind::Intx,
+            targets: vec![IrqTarget::Fd(0)],
+            resample: IrqTarget::Fd(1),
+        });
+        let (op, p) = r.encode().unwrap();
+        assert_eq!(Request::decode(op, &p).unwrap(), r);
+    }
+
+    #[test]
+    fn version_1_layouts_keep_their_meaning() {
+        assert_eq!(negotiate(1, PROTOCOL_VERSION), Some(1));
+        assert_eq!(negotiate(7, PROTOCOL_VERSION), Some(PROTOCOL_VERSION));
+        assert_eq!(negotiate(0, PROTOCOL_VERSION), None);
+        // A version 1 borrower reads the borrow reply without notify modes; decoded back, a
+        // window of a lease with a notify fd is write-notified as a whole, as in version 1.
+        let b = Borrowed {
+            lease: 9,
+            info: sample_info(),
+            notify_fd: Some(0),
+            notify_doorbell: None,
+        };
+        let p1 = encode_borrowed(&b, 1).unwrap();
+        assert!(decode_borrowed(&p1, 2).is_err(), "layouts differ");
+        let back = decode_borrowed(&p1, 1).unwrap();
+        assert_eq!(back.info.bars[0].notify, NotifyWrites::All);
+        assert_eq!(back.info.bars[1].notify, NotifyWrites::None);
+        let p1 = encode_device_info(&b.info, 1).unwrap();
+        let back = decode_device_info(&p1, 1, false).unwrap();
+        assert!(back.bars.iter().all(|b| b.notify == NotifyWrites::None));
+        // SET_IRQS: version 1 has no resample; one is refused, not dropped.
+        let mut s = SetIrqs {
+            lease: 9,
+            kind: IrqKind::Intx,
+            targets: vec![IrqTarget::Fd(0)],
+            resample: IrqTarget::Fd(1),
+        };
+        assert!(Request::SetIrqs(s.clone()).encode_versioned(1).is_err());
+        s.resample = IrqTarget::None;
+        let (op, p) = Request::SetIrqs(s.clone()).encode_versioned(1).unwrap();
+        assert_eq!(
+            Request::decode_versioned(op, &p, 1).unwrap(),
+            Request::SetIrqs(s)
+        );
+        assert!(Request::decode_versioned(op, &p, 2).is_err());
+    }
+
+    #[test]
+    fn notify_doorbell_range_is_whole_accesses_only() {
+        let n = NotifyWrites::Doorbells {
+            offset: 0x1000,
+            len: 0x3000,
+        };
+        assert!(n.is_doorbell(0x1000, 4));
+        assert!(n.is_doorbell(0x3ffc, 4));
+        assert!(!n.is_doorbell(0x3ffc, 8));
+        assert!(!n.is_doorbell(0xffc, 8));
+        assert!(!n.is_doorbell(0x14, 4));
+        assert!(!n.is_doorbell(u64::MAX, 8));
+        assert!(NotifyWrites::All.is_doorbell(0x14, 4));
+        let empty = NotifyWrites::Doorbells { offset: 0, len: 0 };
+        assert!(!empty.is_doorbell(0, 4));
     }
 
     /// Number of proptest cases: `PROPTEST_CASES` if set (CI-short: 100000), else 20000.
@@ -894,6 +1327,10 @@ mod tests {
             let _ = Request::decode(op, &payload);
             let _ = Event::decode(op, &payload);
             let _ = decode_reply::<DeviceInfo>(op, &payload);
+            let _ = Request::decode_versioned(op, &payload, 1);
+            let _ = decode_borrowed(&payload, 1);
+            let _ = decode_borrowed(&payload, 2);
+            let _ = decode_device_info(&payload, 1, true);
             let _ = decode_reply::<Vec<DeviceSummary>>(op, &payload);
         }
 

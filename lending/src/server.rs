@@ -19,12 +19,13 @@ use ntb::{Endpoint, FabricError, FabricKind, Incoming, Listener, Message, PeerWi
 use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::backend::{filtered_config_write, BackendError, IrqTrigger};
+use crate::backend::irq::IrqRelay;
+use crate::backend::{filtered_config_write, BackendError, DeviceBackend, IrqTrigger};
 use crate::inventory::{Inventory, InventoryError, Lease};
 use crate::iommu::{BackingError, DmaBacking, IommuError, MAX_MAPPINGS};
 use crate::protocol::{
-    self, code, error, Borrowed, DeviceGone, Event, HelloReply, IrqEvent, IrqTarget, LenderStatus,
-    ProtocolError, Request, MAX_BAR_ACCESS, PROTOCOL_VERSION,
+    self, code, error, Borrowed, DeviceGone, Event, HelloReply, IrqEvent, IrqKind, IrqTarget,
+    LenderStatus, ProtocolError, Request, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 
 /// How often idle loops look at the stop flag.
@@ -106,6 +107,7 @@ impl Lender {
             lender: Arc::clone(&self),
             ep: Arc::clone(&ep),
             hello: false,
+            version: PROTOCOL_VERSION,
             leases: HashMap::new(),
         };
         let peer = ep.peer_node().to_string();
@@ -128,7 +130,7 @@ impl Lender {
                         break "closed after a rejected hello".into();
                     }
                 }
-                Ok(Incoming::Event(m)) => log::debug!("{peer}: ignoring event {:#x}", m.opcode),
+                Ok(Incoming::Event(m)) => s.event(m),
                 Ok(Incoming::WindowAdded(w)) => {
                     log::debug!("{peer}: window {} ({}) added", w.id, w.label)
                 }
@@ -151,6 +153,8 @@ struct DmaEntry {
 }
 
 struct SessionLease {
+    /// INTx resample eventfd watcher (shm); dropped (joined) before the lease ends.
+    resample: Option<IrqRelay>,
     lease: Lease,
     maps: Vec<DmaEntry>,
     /// BAR index -> fabric window id exported for it.
@@ -161,6 +165,8 @@ struct Session {
     lender: Arc<Lender>,
     ep: Arc<dyn Endpoint>,
     hello: bool,
+    /// Protocol version agreed at hello (layouts of versioned messages).
+    version: u32,
     leases: HashMap<u64, SessionLease>,
 }
 
@@ -249,6 +255,17 @@ impl IrqTrigger for DoorbellTrigger {
     }
 }
 
+/// Re-checks a device's INTx after the borrower's resample.
+struct ResampleTrigger {
+    backend: Arc<dyn DeviceBackend>,
+}
+
+impl IrqTrigger for ResampleTrigger {
+    fn trigger(&self) {
+        self.backend.intx_resample();
+    }
+}
+
 /// Sends an IRQ event message.
 struct MessageTrigger {
     ep: Weak<dyn Endpoint>,
@@ -275,10 +292,23 @@ impl Session {
         self.ep.peer_node().to_string()
     }
 
+    /// Handles one event from the borrower.
+    fn event(&mut self, m: Message) {
+        match Event::decode(m.opcode, &m.payload) {
+            Ok(Event::Resample(r)) if self.hello => match self.leases.get(&r.lease) {
+                Some(sl) => sl.lease.backend().intx_resample(),
+                None => log::debug!("{}: resample for unknown lease {}", self.peer(), r.lease),
+            },
+            Ok(other) => log::debug!("{}: ignoring event {other:?}", self.peer()),
+            Err(e) => log::debug!("{}: ignoring event {:#x}: {e}", self.peer(), m.opcode),
+        }
+    }
+
     /// Handles one request; returns the reply and whether to close the link.
     fn handle(&mut self, msg: Message) -> (Reply, bool) {
         let op = msg.opcode;
-        let req = match Request::decode(op, &msg.payload) {
+        // HELLO's layout never changes; everything else is read in the agreed version.
+        let req = match Request::decode_versioned(op, &msg.payload, self.version) {
             Ok(r) => r,
             Err(e) => {
                 log::warn!("{}: bad request: {e}", self.peer());
@@ -294,22 +324,28 @@ impl Session {
                 );
                 return (Err(error(code::BAD_TOKEN, "bad token")), true);
             }
-            if h.version != PROTOCOL_VERSION {
+            let Some(version) = protocol::negotiate(h.version, PROTOCOL_VERSION) else {
                 return (
                     Err(error(
                         code::VERSION,
                         format!(
-                            "protocol version {} not supported (lender speaks {PROTOCOL_VERSION})",
+                            "protocol version {} not supported (lender speaks \
+                             {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION})",
                             h.version
                         ),
                     )),
                     true,
                 );
-            }
+            };
             self.hello = true;
-            log::info!("{}: hello from {}", self.peer(), h.client);
+            self.version = version;
+            log::info!(
+                "{}: hello from {} (protocol version {version})",
+                self.peer(),
+                h.client
+            );
             let r = HelloReply {
-                version: PROTOCOL_VERSION,
+                version,
                 node: self.lender.node.clone(),
                 max_bar_access: MAX_BAR_ACCESS as u32,
                 max_dma_maps: MAX_MAPPINGS as u32,
@@ -348,12 +384,15 @@ impl Session {
             ),
             Request::Borrow(b) => self.borrow(op, &b.device, &b.vm),
             Request::DeviceInfo(l) => {
+                let version = self.version;
                 let sl = self.lease(l.lease)?;
                 let mut info = sl.lease.backend().describe(sl.lease.device().id());
                 for b in info.bars.iter_mut() {
                     b.window = sl.bar_windows.get(&b.index).copied();
                 }
-                ok(op, &info)
+                protocol::encode_device_info(&info, version)
+                    .map(|p| Message::raw(op, p))
+                    .map_err(proto_err)
             }
             Request::ConfigRead(r) => {
                 let sl = self.lease(r.lease)?;
@@ -505,12 +544,13 @@ impl Session {
             notify_fd,
             notify_doorbell: None,
         };
-        let msg = protocol::encode_reply(op, &reply)
+        let msg = protocol::encode_borrowed(&reply, self.version)
             .map(|p| Message::raw(op, p).with_fds(fds))
             .map_err(proto_err)?;
         self.leases.insert(
             id,
             SessionLease {
+                resample: None,
                 lease,
                 maps: Vec::new(),
                 bar_windows,
@@ -564,16 +604,42 @@ impl Session {
             };
             targets.push(t);
         }
+        let resample_fd = match s.resample {
+            IrqTarget::Fd(n) => Some(
+                fds.get_mut(usize::from(n))
+                    .and_then(Option::take)
+                    .ok_or_else(|| {
+                        error(
+                            code::INVALID,
+                            format!("resample eventfd #{n} not attached (or used twice)"),
+                        )
+                    })?,
+            ),
+            _ => None,
+        };
         let sl = self.lease(s.lease)?;
-        sl.lease
-            .backend()
-            .set_irqs(s.kind, targets)
-            .map_err(backend_err)?;
+        let backend = Arc::clone(sl.lease.backend());
+        if s.kind == IrqKind::Intx {
+            // Stop watching the old resample eventfd before the targets change.
+            sl.resample = None;
+        }
+        backend.set_irqs(s.kind, targets).map_err(backend_err)?;
+        if let Some(fd) = resample_fd {
+            // SAFETY: the fd came from the borrower as an eventfd over SCM_RIGHTS; we own it,
+            // and EventFd only reads/writes 8-byte counters on it.
+            let fd = unsafe { EventFd::from_raw_fd(fd.into_raw_fd()) };
+            let trigger: Arc<dyn IrqTrigger> = Arc::new(ResampleTrigger { backend });
+            let relay =
+                IrqRelay::start(&format!("resample{}", s.lease), vec![fd], vec![trigger])
+                    .map_err(|e| error(code::INTERNAL, format!("intx resample watcher: {e}")))?;
+            sl.resample = Some(relay);
+        }
         log::info!(
-            "lease {}: {:?} wired to {} targets",
+            "lease {}: {:?} wired to {} targets, resample {:?}",
             s.lease,
             s.kind,
-            s.targets.len()
+            s.targets.len(),
+            s.resample
         );
         ok(op, &())
     }

@@ -23,24 +23,10 @@ const DEV: &str = "0000:00:04.0";
 const PAGE: u64 = 0x1000;
 const GUARD: u8 = 0xA5;
 
-/// A running lenderd; killed on drop.
-struct Lenderd {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Lenderd {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Lenderd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+// The same lenderd harness the api and lendvm-tests crates get from `lending::testing`.
+#[path = "../src/testing.rs"]
+mod testing;
+use testing::Lenderd;
 
 struct Cluster {
     dir: tempfile::TempDir,
@@ -65,29 +51,11 @@ fn cluster() -> Cluster {
 }
 
 fn start_lenderd(c: &Cluster, tag: &str) -> Lenderd {
-    let log = c.dir.path().join(format!("lenderd-{tag}.log"));
-    let sock = c.dir.path().join("node3.sock");
-    let _ = std::fs::remove_file(&sock);
-    let child = Command::new(env!("CARGO_BIN_EXE_lenderd"))
-        .args(["--node", "node3", "--cluster"])
-        .arg(&c.path)
-        .args(["--device", &format!("{DEV}=dmatest"), "--token", TOKEN])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let d = Lenderd { child, log };
-    let t0 = Instant::now();
-    while !sock.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "lenderd did not listen: {}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    d
+    Lenderd::command(env!("CARGO_BIN_EXE_lenderd"), "node3", &c.path)
+        .log(c.dir.path().join(format!("lenderd-{tag}.log")))
+        .device(format!("{DEV}=dmatest"))
+        .token(TOKEN)
+        .spawn_until_listening(&c.dir.path().join("node3.sock"))
 }
 
 fn connect(c: &Cluster, node: &str) -> LenderClient {

@@ -549,7 +549,7 @@ doorbells = 32
         // token_file is resolved against the directory of the cluster file.
         let dir = p.parent().unwrap();
         assert_eq!(c.token, Some(ClusterToken::File(dir.join("cluster.token"))));
-        assert!(!c.nodes[0].link.require_sealed_windows);
+        assert!(c.nodes[0].link.require_sealed_windows);
     }
 
     fn with_top(line: &str) -> String {
@@ -619,10 +619,12 @@ doorbells = 32
     }
 
     #[test]
-    fn require_sealed_windows_is_a_link_setting() {
-        let src = GOOD.replace("[link]\n", "[link]\nrequire_sealed_windows = true\n");
-        let c = ClusterConfig::parse(&src, "t.toml").unwrap();
+    fn require_sealed_windows_is_a_link_setting_on_by_default() {
+        let c = ClusterConfig::parse(GOOD, "t.toml").unwrap();
         assert!(c.nodes.iter().all(|n| n.link.require_sealed_windows));
+        let src = GOOD.replace("[link]\n", "[link]\nrequire_sealed_windows = false\n");
+        let c = ClusterConfig::parse(&src, "t.toml").unwrap();
+        assert!(c.nodes.iter().all(|n| !n.link.require_sealed_windows));
         let e = err(&GOOD.replace("[link]\n", "[link]\nrequire_sealed_windows = 1\n"));
         assert!(e.starts_with("c.toml:4:"), "{e}");
     }

@@ -175,7 +175,9 @@ pub struct LinkConfig {
     /// Refuse to map a peer's window (or scratchpad) memfd that is not sealed against
     /// shrinking (`F_SEAL_SHRINK`); when false such a mapping is only logged as a warning.
     /// An unsealed memfd can be truncated by its exporter after the size check, and a later
-    /// access through the mapping would then raise SIGBUS in this process.
+    /// access through the mapping would then raise SIGBUS in this process. On by default:
+    /// every exporter in lendvm seals its memfds ([`crate::SharedMemory`], the VMM's guest
+    /// RAM); turn it off only for a peer that cannot.
     pub require_sealed_windows: bool,
 }
 
@@ -188,7 +190,7 @@ impl Default for LinkConfig {
             heartbeat: Duration::from_millis(250),
             peer_timeout: Duration::from_millis(1500),
             connect_timeout: Duration::from_secs(5),
-            require_sealed_windows: false,
+            require_sealed_windows: true,
         }
     }
 }

@@ -1,5 +1,5 @@
 //! Memfd seals on shm windows: exported windows are sealed against resizing, and the mapping
-//! side checks the seals (warns, or refuses with `require_sealed_windows`).
+//! side checks the seals (refuses by default, warns with `require_sealed_windows = false`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -50,19 +50,27 @@ struct Pair {
 }
 
 fn pair(require: bool) -> Pair {
+    pair_with(LinkConfig {
+        require_sealed_windows: require,
+        ..LinkConfig::default()
+    })
+}
+
+/// `a` exports (and does not check), `b` maps with `b_cfg`.
+fn pair_with(b_cfg: LinkConfig) -> Pair {
     INIT.call_once(|| {
         log::set_logger(&LOGS).unwrap();
         log::set_max_level(log::LevelFilter::Warn);
     });
     let dir = tempfile::tempdir().unwrap();
-    let cfg = |require| LinkConfig {
-        require_sealed_windows: require,
+    let a_cfg = LinkConfig {
+        require_sealed_windows: false,
         ..LinkConfig::default()
     };
     let addr = ControlAddr::Unix(dir.path().join("a.sock"));
-    let l = listen_addr(&addr, &NodeId::new("a").unwrap(), &cfg(false)).unwrap();
+    let l = listen_addr(&addr, &NodeId::new("a").unwrap(), &a_cfg).unwrap();
     let t = std::thread::spawn(move || {
-        connect_addr(&addr, &NodeId::new("b").unwrap(), &cfg(require)).unwrap()
+        connect_addr(&addr, &NodeId::new("b").unwrap(), &b_cfg).unwrap()
     });
     let a = l.accept(Some(T)).unwrap();
     let b = t.join().unwrap();
@@ -114,7 +122,29 @@ fn sealed_window_maps_and_cannot_be_shrunk() {
 }
 
 #[test]
-fn unsealed_window_maps_with_a_warning_by_default() {
+fn unsealed_windows_are_refused_by_default() {
+    assert!(LinkConfig::default().require_sealed_windows);
+    let p = pair_with(LinkConfig::default());
+    let fd = plain_memfd(libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING, 4096);
+    let _w =
+        p.a.export_window(fd.as_fd(), 0, 4096, "default-win")
+            .unwrap();
+    let info = p.b.wait_peer_window("default-win", T).unwrap();
+    let e = p.b.map_peer_window(info.id).err().unwrap();
+    assert!(matches!(e, FabricError::UnsealedWindow { .. }), "{e}");
+    let m = e.to_string();
+    assert!(
+        m.contains("\"default-win\"")
+            && m.contains("from a")
+            && m.contains("without F_SEAL_SHRINK (seals 0x0)")
+            && m.contains("refusing to map it"),
+        "{m}"
+    );
+    assert!(warnings_about("default-win").is_empty());
+}
+
+#[test]
+fn unsealed_window_maps_with_a_warning_when_not_required() {
     let p = pair(false);
     let fd = plain_memfd(libc::MFD_CLOEXEC, 4096);
     let _w =

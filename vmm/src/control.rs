@@ -90,13 +90,15 @@ fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// HTTP class of an attach error: the request names something that does not exist (400), the
-/// device is taken (409), or the lender/fabric failed (500).
+/// device is taken (409), the lender is unreachable, refused us or failed (502, see
+/// [`AttachError::is_lender_failure`]), or this VMM failed (500).
 pub fn attach_api_error(e: &AttachError) -> ApiError {
     match e {
         AttachError::UnknownNode { .. } | AttachError::UnknownDevice { .. } => {
             ApiError::bad_request(e.to_string())
         }
         AttachError::Busy { .. } => ApiError::conflict(e.to_string()),
+        e if e.is_lender_failure() => ApiError::bad_gateway(e.to_string()),
         _ => ApiError::internal(e.to_string()),
     }
 }

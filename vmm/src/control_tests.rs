@@ -98,6 +98,13 @@ impl LinkSource for FakeSource {
                 bdf: spec.bdf.to_string(),
             });
         }
+        if spec.bdf.bus == 0x98 {
+            return Err(AttachError::Unreachable {
+                node: spec.node.clone(),
+                addr: "/run/lendvm/node3.sock".into(),
+                reason: "connection refused".into(),
+            });
+        }
         let state = Arc::new(Mutex::new(LeaseState::Active));
         *lock(&self.last) = Some(state.clone());
         self.live.fetch_add(1, Ordering::SeqCst);
@@ -238,6 +245,80 @@ fn entry_state(ctl: &Controller, id: &str) -> Option<ApiLeaseState> {
 }
 
 #[test]
+fn attach_errors_map_to_http_classes() {
+    let (node, bdf, reason) = (
+        "node3".to_string(),
+        "0000:81:00.0".to_string(),
+        "x".to_string(),
+    );
+    let cases = [
+        (
+            AttachError::UnknownNode {
+                node: node.clone(),
+                known: "node1".into(),
+            },
+            ApiErrorKind::BadRequest,
+        ),
+        (
+            AttachError::UnknownDevice {
+                node: node.clone(),
+                bdf: bdf.clone(),
+            },
+            ApiErrorKind::BadRequest,
+        ),
+        (
+            AttachError::Busy {
+                node: node.clone(),
+                bdf: bdf.clone(),
+                message: reason.clone(),
+            },
+            ApiErrorKind::Conflict,
+        ),
+        (
+            AttachError::Unreachable {
+                node: node.clone(),
+                addr: "127.0.0.1:1".into(),
+                reason: reason.clone(),
+            },
+            ApiErrorKind::BadGateway,
+        ),
+        (
+            AttachError::Refused {
+                node: node.clone(),
+                reason: "bad token".into(),
+            },
+            ApiErrorKind::BadGateway,
+        ),
+        (
+            AttachError::Borrow {
+                node: node.clone(),
+                bdf: bdf.clone(),
+                reason: "fabric: peer node3 is gone".into(),
+            },
+            ApiErrorKind::BadGateway,
+        ),
+        (
+            AttachError::Link {
+                node: node.clone(),
+                bdf: bdf.clone(),
+                reason: reason.clone(),
+            },
+            ApiErrorKind::BadGateway,
+        ),
+        (
+            AttachError::Local { node, bdf, reason },
+            ApiErrorKind::Internal,
+        ),
+    ];
+    for (e, want) in cases {
+        let a = attach_api_error(&e);
+        assert_eq!((a.kind, a.message.as_str()), (want, e.to_string().as_str()));
+    }
+    assert_eq!(ApiErrorKind::BadGateway.status(), 502);
+    assert_eq!(ApiErrorKind::Internal.status(), 500);
+}
+
+#[test]
 fn add_and_remove_follow_the_fake_vmm_semantics() {
     let Some(mut rig) = rig() else { return };
     let ctl = &mut rig.ctl;
@@ -281,7 +362,16 @@ fn add_and_remove_follow_the_fake_vmm_semantics() {
             "node node3 has no device 0000:99:00.0 to lend"
         )
     );
-    // Auto id.
+    // The lender failed (not the request, not the VMM): 502.
+    let e = add(ctl, "node3:0000:98:00.0", None).unwrap_err();
+    assert_eq!(
+        (e.kind, e.message.as_str()),
+        (
+            ApiErrorKind::BadGateway,
+            "lender node3 is unreachable at /run/lendvm/node3.sock: connection refused"
+        )
+    );
+    // Auto id (the failed adds did not use one up).
     let Ok(ApiResponse::DeviceAdded(d2)) = add(ctl, "node3:0000:82:00.0", None) else {
         panic!("second add failed");
     };

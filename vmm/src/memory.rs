@@ -34,6 +34,12 @@ pub enum MemoryError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot seal the guest memfd (seals {seals:#x})")]
+    Seal {
+        seals: libc::c_int,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot map guest memory")]
     Map(#[source] vm_memory::mmap::FromRangesError),
 }
@@ -67,6 +73,13 @@ pub fn ram_regions(size: u64) -> Vec<RamRegion> {
     regions
 }
 
+/// Seals of the guest RAM memfd: its size is fixed once sized (`F_SEAL_SHRINK | F_SEAL_GROW`),
+/// so a lender that maps it as a fabric window can never fault past a shrunken end, and no
+/// further seals can be added (`F_SEAL_SEAL`): a peer that receives the fd cannot, e.g., stop
+/// the VMM from mapping its own RAM writable with `F_SEAL_FUTURE_WRITE`. Lenders refuse
+/// unsealed windows by default (`ntb::LinkConfig::require_sealed_windows`).
+pub const GUEST_RAM_SEALS: libc::c_int = ntb::mem::WINDOW_SEALS;
+
 /// The guest's RAM: memfd, mapping and region table.
 pub struct GuestRam {
     memfd: Arc<File>,
@@ -75,7 +88,8 @@ pub struct GuestRam {
 }
 
 impl GuestRam {
-    /// Creates a memfd of `size` bytes and maps it per the memory map.
+    /// Creates a memfd of `size` bytes, seals its size ([`GUEST_RAM_SEALS`]) and maps it per
+    /// the memory map.
     pub fn new(size: u64) -> Result<Self, MemoryError> {
         if size < MIN_RAM_SIZE {
             return Err(MemoryError::TooSmall {
@@ -88,7 +102,9 @@ impl GuestRam {
         }
         let name = CString::new("lendvm-guest-ram").unwrap_or_default();
         // SAFETY: `name` is a valid NUL-terminated string; the return value is checked.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if fd < 0 {
             return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
         }
@@ -96,6 +112,14 @@ impl GuestRam {
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(size)
             .map_err(|source| MemoryError::Truncate { size, source })?;
+        // SAFETY: F_ADD_SEALS on the memfd this function owns, with an integer argument; the
+        // return value is checked.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, GUEST_RAM_SEALS) } < 0 {
+            return Err(MemoryError::Seal {
+                seals: GUEST_RAM_SEALS,
+                source: std::io::Error::last_os_error(),
+            });
+        }
         let memfd = Arc::new(file);
         let regions = ram_regions(size);
         let ranges = regions.iter().map(|r| {
@@ -189,5 +213,31 @@ mod tests {
             GuestRam::new(1 << 20),
             Err(MemoryError::TooSmall { .. })
         ));
+    }
+
+    #[test]
+    fn guest_ram_memfd_is_sealed_against_resizing() {
+        use std::os::fd::AsFd;
+        let ram = GuestRam::new(MIN_RAM_SIZE).unwrap();
+        let fd = ram.memfd().as_fd();
+        let seals = ntb::mem::fd_seals(fd).unwrap().unwrap();
+        for (seal, name) in [
+            (libc::F_SEAL_SHRINK, "F_SEAL_SHRINK"),
+            (libc::F_SEAL_GROW, "F_SEAL_GROW"),
+            (libc::F_SEAL_SEAL, "F_SEAL_SEAL"),
+        ] {
+            assert_ne!(seals & seal, 0, "{name} missing from seals {seals:#x}");
+        }
+        // Writes (the guest's own RAM) stay allowed.
+        assert_eq!(seals & (libc::F_SEAL_WRITE | libc::F_SEAL_FUTURE_WRITE), 0);
+        // Nobody holding the fd can resize it or add seals.
+        let e = ram.memfd().set_len(MIN_RAM_SIZE / 2).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        let e = ram.memfd().set_len(MIN_RAM_SIZE * 2).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        // SAFETY: F_ADD_SEALS on a live fd owned by `ram`; the result is checked.
+        let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+        assert_eq!(r, -1, "F_SEAL_SEAL forbids more seals");
+        assert_eq!(ram.size(), MIN_RAM_SIZE);
     }
 }

@@ -23,7 +23,7 @@ use lending::client::{ClientError, LenderClient};
 use lending::protocol::code;
 use ntb::{connect_addr, ClusterConfig, NodeId};
 use pci::vm_ops::GuestRamRegion;
-use remote_pci::lending_link::{LendingLink, LendingLinkOptions};
+use remote_pci::lending_link::{LendingLink, LendingLinkError, LendingLinkOptions};
 use remote_pci::{
     BarAccess, DmaMapping, IrqTargets, LeaseState, LinkError, PinError, PinnedRange, Pinner,
     RemoteDeviceInfo, RemoteDeviceLink,
@@ -68,6 +68,39 @@ pub enum AttachError {
         bdf: String,
         reason: String,
     },
+    /// This VMM failed, not the lender (an fd or thread it could not create, a bad local
+    /// node name).
+    #[error("borrowing {node}:{bdf}: this vmm failed: {reason}")]
+    Local {
+        node: String,
+        bdf: String,
+        reason: String,
+    },
+}
+
+impl AttachError {
+    /// Whether the lender (or the fabric path to it) failed, rather than the request (unknown
+    /// node or device, device busy) or this VMM: unreachable, refused the connection, went
+    /// away or failed during the borrow or while its windows were mapped. The API answers
+    /// such failures with 502 Bad Gateway.
+    pub fn is_lender_failure(&self) -> bool {
+        match self {
+            AttachError::Unreachable { .. }
+            | AttachError::Refused { .. }
+            | AttachError::Borrow { .. }
+            | AttachError::Link { .. } => true,
+            AttachError::UnknownNode { .. }
+            | AttachError::UnknownDevice { .. }
+            | AttachError::Busy { .. }
+            | AttachError::Local { .. } => false,
+        }
+    }
+}
+
+/// Whether a client error is this process's own failure (an fd operation) rather than the
+/// lender's or the fabric's.
+fn is_local(e: &ClientError) -> bool {
+    matches!(e, ClientError::Os { .. })
 }
 
 /// Where remote devices come from (the real lenders, or a fake in tests).
@@ -142,7 +175,12 @@ impl LinkSource for LenderSource {
             addr: lender.control.to_string(),
             reason,
         };
-        let local = NodeId::new(&self.id.local).map_err(|e| unreachable(e.to_string()))?;
+        let local_err = |reason: String| AttachError::Local {
+            node: node.to_string(),
+            bdf: bdf.clone(),
+            reason,
+        };
+        let local = NodeId::new(&self.id.local).map_err(|e| local_err(e.to_string()))?;
         let mut cfg = self
             .cluster
             .node(&self.id.local)
@@ -179,6 +217,7 @@ impl LinkSource for LenderSource {
                 bdf: bdf.clone(),
                 message,
             },
+            other if is_local(&other) => local_err(other.to_string()),
             other => AttachError::Borrow {
                 node: node.to_string(),
                 bdf: bdf.clone(),
@@ -186,13 +225,19 @@ impl LinkSource for LenderSource {
             },
         })?;
         let lease_id = lease.id();
-        let link = LendingLink::new(client, lease, LendingLinkOptions::default()).map_err(|e| {
-            AttachError::Link {
-                node: node.to_string(),
-                bdf: bdf.clone(),
-                reason: e.to_string(),
-            }
-        })?;
+        let link =
+            LendingLink::new(client, lease, LendingLinkOptions::default()).map_err(
+                |e| match e {
+                    LendingLinkError::BarWindow { ref source, .. } if !is_local(source) => {
+                        AttachError::Link {
+                            node: node.to_string(),
+                            bdf: bdf.clone(),
+                            reason: e.to_string(),
+                        }
+                    }
+                    _ => local_err(e.to_string()),
+                },
+            )?;
         log::info!(
             "borrowed {spec} (lease {lease_id}) for vm {}",
             self.id.vm_name

@@ -26,7 +26,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::dma::DmaMemory;
 use crate::irq::{InterruptMode, InterruptSink};
-use crate::model::{build_config_space, BarInfo, DeviceError, DeviceModel, MsixInfo, PciIdentity};
+use crate::model::{
+    build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity,
+};
 use crate::regs::RegisterMemory;
 use crate::waiter::Waiter;
 use crate::NotifyMode;
@@ -238,6 +240,13 @@ impl DeviceModel for DmaTest {
                 is_64bit: false,
                 prefetchable: false,
                 register_memory: true,
+                // SRC, DST, LEN, IRQ_VECTOR and CMD are plain values read when CMD is seen
+                // (`bar_write` only stores them): store + notify is exact. ID, STATUS, FAULTS
+                // and COMPLETED are read-only and must not be stored by the borrower.
+                doorbells: Some(DoorbellRange {
+                    offset: REG_SRC,
+                    len: REG_CMD + 4 - REG_SRC,
+                }),
             },
             BarInfo {
                 index: 1,
@@ -245,6 +254,7 @@ impl DeviceModel for DmaTest {
                 is_64bit: false,
                 prefetchable: false,
                 register_memory: false,
+                doorbells: None,
             },
         ]
     }
@@ -332,6 +342,16 @@ impl DeviceModel for DmaTest {
         }
         self.inner.publish(&s);
         self.inner.irq.set_intx(false);
+    }
+
+    fn intx_resample(&self) {
+        // INTx stays asserted from a completion until CMD_ACK clears done/error.
+        let s = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.status & (STATUS_DONE | STATUS_ERROR) != 0
+            && self.inner.irq.mode() == InterruptMode::Intx
+        {
+            self.inner.irq.set_intx(true);
+        }
     }
 }
 

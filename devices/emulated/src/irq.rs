@@ -24,14 +24,16 @@ pub enum InterruptMode {
 pub trait InterruptSink: Send + Sync {
     /// Signal MSI-X vector `vector`.
     fn signal_msix(&self, vector: u16);
-    /// Set the INTx line level (true = asserted).
+    /// Set the INTx line level (true = asserted). Asserting while already asserted signals
+    /// the line again (devices do that after an INTx resample finds the condition pending).
     fn set_intx(&self, asserted: bool);
     /// The mode the borrower configured right now.
     fn mode(&self) -> InterruptMode;
 }
 
-/// Production sink: one eventfd per MSI-X vector plus one for INTx (level changes are both
-/// signalled on the INTx eventfd; the level is readable with [`EventFdInterrupts::intx_level`]).
+/// Production sink: one eventfd per MSI-X vector plus one for INTx (level changes and
+/// re-assertions are signalled on the INTx eventfd; the level is readable with
+/// [`EventFdInterrupts::intx_level`]).
 /// The mode is set by whoever shadows the borrower's config space.
 pub struct EventFdInterrupts {
     vectors: Vec<EventFd>,
@@ -92,7 +94,7 @@ impl InterruptSink for EventFdInterrupts {
     }
 
     fn set_intx(&self, asserted: bool) {
-        if self.intx_level.swap(asserted, Ordering::AcqRel) != asserted {
+        if self.intx_level.swap(asserted, Ordering::AcqRel) != asserted || asserted {
             if let Err(e) = self.intx.write(1) {
                 log::warn!("intx eventfd write failed: {e}");
             }

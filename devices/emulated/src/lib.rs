@@ -10,7 +10,11 @@
 //!   with a bounds-checking software IOMMU over the borrower's RAM window.
 //! * [`InterruptSink`]: signal an MSI-X vector or drive INTx.
 //! * [`RegisterMemory`]: the BAR holding the register file lives in caller-provided memory
-//!   (a fabric window on shm, a heap buffer in tests); the device reacts to writes by diffing.
+//!   (a fabric window on shm, a heap buffer in tests). Each model names, per BAR, the
+//!   [`DoorbellRange`] whose writes may be stored straight into that memory followed by a
+//!   [`DeviceModel::doorbell_event`] signal; every other write must go through the exact
+//!   [`DeviceModel::bar_write`] (the worker only finds stored writes by diffing, which cannot
+//!   see a write of the value already there).
 //!
 //! [`testing`] holds reusable test doubles and a guest-side NVMe driver used by this crate's
 //! tests and benchmark, and by the lender's "lent" tests.
@@ -27,7 +31,7 @@ mod waiter;
 
 pub use dma::{DmaFault, DmaMemory};
 pub use irq::{InterruptMode, InterruptSink};
-pub use model::{BarInfo, DeviceError, DeviceModel, MsixInfo, PciIdentity};
+pub use model::{BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity};
 pub use regs::{HeapRegisters, RawRegisters, RegisterMemory};
 
 /// How a device's worker thread learns about register writes.

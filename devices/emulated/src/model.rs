@@ -70,6 +70,39 @@ pub struct BarInfo {
     /// True for the BAR backed by the device's [`crate::RegisterMemory`]; other BARs (MSI-X)
     /// are emulated by the borrower's VMM.
     pub register_memory: bool,
+    /// Register-memory BARs only: the range whose writes are doorbells (see
+    /// [`DoorbellRange`]). Writes outside it must reach the device through
+    /// [`DeviceModel::bar_write`]; `None` means every write must.
+    pub doorbells: Option<DoorbellRange>,
+}
+
+/// A range of a register BAR whose registers hold absolute values that the device reads when
+/// notified (queue doorbells, plain parameter registers): storing a write into register
+/// memory and then signalling [`DeviceModel::doorbell_event`] has exactly the effect of
+/// [`DeviceModel::bar_write`], so a borrower may take that fast path. Writing the same value
+/// twice, or two values before the worker runs, loses nothing the device would have acted on.
+///
+/// Registers outside the range are *control registers* (write-1-to-set/clear masks, enable
+/// bits whose transitions matter, read-only registers): the worker only sees register memory
+/// by diffing it against the values it last saw, which loses a write that does not change the
+/// stored value (an INTMC write equal to the current mask) or that is undone before the worker
+/// runs (CC.EN 1 -> 0 -> 1). Those writes must take the exact, synchronous `bar_write`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DoorbellRange {
+    /// First byte, within the BAR.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl DoorbellRange {
+    /// True when the access of `len` bytes at `offset` lies entirely inside the range.
+    pub fn contains(&self, offset: u64, len: u64) -> bool {
+        offset >= self.offset
+            && offset
+                .checked_add(len)
+                .is_some_and(|end| end <= self.offset.saturating_add(self.len))
+    }
 }
 
 /// Where the MSI-X table and PBA are.
@@ -108,11 +141,17 @@ pub trait DeviceModel: Send + Sync {
     /// Trapped read of `data.len()` (4 or 8) bytes at `offset` of BAR `bar`.
     fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]);
     /// Trapped write: stores into register memory (with register semantics) and notifies.
+    /// This is the exact path: every write takes effect, in order, even when it does not
+    /// change the stored value (see [`DoorbellRange`]).
     fn bar_write(&self, bar: u8, offset: u64, data: &[u8]);
     /// Start the worker thread(s). Idempotent.
     fn start(&self) -> Result<(), DeviceError>;
     /// Function-level reset: stop queues, wait for in-flight work, clear registers.
     fn reset(&self);
+    /// INTx resample: the borrower's interrupt controller lowered the line after the guest's
+    /// EOI. Re-check the interrupt condition and, if it is still pending, assert INTx again
+    /// ([`crate::InterruptSink::set_intx`] with `true`). Default: nothing (no INTx).
+    fn intx_resample(&self) {}
 }
 
 pub(crate) const CAP_PM: u8 = 0x40;
@@ -209,6 +248,7 @@ mod tests {
             is_64bit: true,
             prefetchable: false,
             register_memory: true,
+            doorbells: None,
         }];
         let m = MsixInfo {
             vectors: 8,
@@ -233,5 +273,19 @@ mod tests {
         assert_eq!(u16::from_le_bytes([c[0x52], c[0x53]]), 7);
         assert_eq!(u32::from_le_bytes(c[0x54..0x58].try_into().unwrap()), 4);
         assert_eq!(u32::from_le_bytes(c[0x58..0x5c].try_into().unwrap()), 0x804);
+    }
+
+    #[test]
+    fn doorbell_range_contains_whole_accesses_only() {
+        let r = DoorbellRange {
+            offset: 0x1000,
+            len: 0x3000,
+        };
+        assert!(r.contains(0x1000, 4));
+        assert!(r.contains(0x3ff8, 8));
+        assert!(!r.contains(0xffc, 8), "straddles the start");
+        assert!(!r.contains(0x3ffc, 8), "straddles the end");
+        assert!(!r.contains(0x14, 4));
+        assert!(!r.contains(u64::MAX, 4));
     }
 }

@@ -1,8 +1,10 @@
 //! Register memory: the BAR that holds a device's register file.
 //!
-//! On the shm fabric the guest's loads and stores to that BAR land directly in this memory
-//! (a KVM memslot over the lender's fabric window), so the device keeps read-only registers
-//! current in it and discovers writes by diffing against the values it last saw.
+//! On the shm fabric the guest's loads land directly in this memory (a KVM memslot over the
+//! lender's fabric window), so the device keeps read-only registers current in it. Stores to
+//! the model's [`crate::DoorbellRange`] are stored here by the borrower and announced with the
+//! doorbell eventfd; the device discovers them by diffing against the values it last saw.
+//! Stores elsewhere reach the device through its exact `bar_write`.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 

@@ -176,6 +176,7 @@ pub struct CountingInterrupts {
     pending: Mutex<(Vec<bool>, bool)>,
     cond: Condvar,
     intx: AtomicU64,
+    intx_signals: AtomicU64,
 }
 
 impl CountingInterrupts {
@@ -187,6 +188,7 @@ impl CountingInterrupts {
             pending: Mutex::new((vec![false; vectors as usize], false)),
             cond: Condvar::new(),
             intx: AtomicU64::new(0),
+            intx_signals: AtomicU64::new(0),
         })
     }
 
@@ -202,9 +204,14 @@ impl CountingInterrupts {
             .map_or(0, |c| c.load(Ordering::Relaxed))
     }
 
-    /// INTx assertions seen.
+    /// INTx assertions seen (rising edges).
     pub fn intx_assertions(&self) -> u64 {
         self.intx.load(Ordering::Relaxed)
+    }
+
+    /// `set_intx(true)` calls seen (rising edges plus re-assertions after a resample).
+    pub fn intx_signals(&self) -> u64 {
+        self.intx_signals.load(Ordering::Relaxed)
     }
 
     /// Current INTx level.
@@ -227,6 +234,9 @@ impl InterruptSink for CountingInterrupts {
         let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         if asserted && !p.1 {
             self.intx.fetch_add(1, Ordering::Relaxed);
+        }
+        if asserted {
+            self.intx_signals.fetch_add(1, Ordering::Relaxed);
         }
         p.1 = asserted;
         self.cond.notify_all();

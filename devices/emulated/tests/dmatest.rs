@@ -108,3 +108,34 @@ fn dmatest_intx_and_reset() {
     let cs = dev.config_space();
     assert_eq!(&cs[0..2], &[0x36, 0x1b]);
 }
+
+#[test]
+fn dmatest_intx_resample_reasserts_until_acked() {
+    let (_mem, _regs, irq, dev) = setup(NotifyMode::Interrupt);
+    irq.set_mode(InterruptMode::Intx);
+    assert_eq!(run_copy(&dev, 0x10_0000, 0x20_0000, 512), STATUS_DONE);
+    assert!(irq.intx_level());
+    let n = irq.intx_signals();
+    dev.intx_resample();
+    assert_eq!(irq.intx_signals(), n + 1, "done, not acked: asserted again");
+    dev.bar_write(0, REG_CMD, &CMD_ACK.to_le_bytes());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while irq.intx_level() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!irq.intx_level());
+    dev.intx_resample();
+    assert_eq!(irq.intx_signals(), n + 1, "acked: nothing to re-assert");
+}
+
+#[test]
+fn dmatest_doorbell_range_covers_only_plain_registers() {
+    let (_mem, _regs, _irq, dev) = setup(NotifyMode::Interrupt);
+    let r = dev.bars()[0].doorbells.unwrap();
+    for reg in [REG_SRC, REG_DST, REG_LEN, REG_IRQ_VECTOR, REG_CMD] {
+        assert!(r.contains(reg, 4), "{reg:#x}");
+    }
+    for reg in [REG_ID, REG_STATUS, REG_FAULTS, REG_COMPLETED] {
+        assert!(!r.contains(reg, 4), "{reg:#x}");
+    }
+}

@@ -752,3 +752,42 @@ fn config_validation() {
     ));
     assert!(mk(base).is_ok());
 }
+
+/// INTx resample: after the guest's EOI the controller asserts again while a completion is
+/// still unacknowledged (CQ head behind the tail), and not once the CQ is drained.
+#[test]
+fn intx_resample_reasserts_while_completions_are_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(&dir, NotifyMode::Interrupt, 512, 8 << 20);
+    let mut rig = LocalRig::with_memory(cfg, TestMemory::new(RAM), true).unwrap();
+    rig.irq.set_mode(InterruptMode::Intx);
+    let d = &mut rig.driver;
+    d.enable(16).unwrap();
+    for _ in 0..2 {
+        let mut s = Sqe::new(admin::GET_FEATURES, 0);
+        s.dw[10] = u32::from(feat::NUM_QUEUES);
+        d.push(0, s).unwrap();
+    }
+    d.ring(0).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rig.ctrl.stats().completions.load(Ordering::Relaxed) < 2
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(rig.ctrl.stats().completions.load(Ordering::Relaxed), 2);
+    assert!(rig.irq.intx_level());
+    let trapped = TrappedBar(rig.ctrl.clone() as Arc<dyn DeviceModel>);
+    use emulated::testing::GuestBar;
+    // The guest took one completion (CQ0 head = 1) and EOIed: still pending, asserted again.
+    trapped.write32(0x1004, 1);
+    let n = rig.irq.intx_signals();
+    rig.ctrl.intx_resample();
+    assert_eq!(rig.irq.intx_signals(), n + 1);
+    assert!(rig.irq.intx_level());
+    // Both taken: the resample finds nothing pending and the line stays low.
+    trapped.write32(0x1004, 2);
+    rig.ctrl.intx_resample();
+    assert_eq!(rig.irq.intx_signals(), n + 1);
+    assert!(!rig.irq.intx_level());
+}

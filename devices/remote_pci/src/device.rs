@@ -12,7 +12,9 @@
 //! * **BARs**: allocated by the VMM. A `Direct` BAR (shm) is mapped as KVM memslots at the
 //!   guest address while Memory Space is enabled (read-only when stores must be notified),
 //!   minus the pages holding the MSI-X table/PBA, which stay trapped. Trapped accesses go to
-//!   `MsixConfig`, to the window through the host pointer, or to the lender (`Trapped`).
+//!   `MsixConfig`, to the window through the host pointer (stores: then the notify eventfd),
+//!   or to the lender (`Trapped` BARs, and stores into a write-notified BAR outside its
+//!   doorbell range: control registers take the device's exact `bar_write`).
 //! * **DMA**: Bus Master Enable 0→1 pins guest RAM and asks the lender to map it at
 //!   IOVA = GPA; 1→0, FLR, reset and drop unmap first, then unpin. A failed pin or map leaves
 //!   the guest running with DMA unmapped, logs an error and sets Status *Received Master
@@ -715,6 +717,14 @@ impl RemotePciDevice {
                     d.fill(0xff);
                 }
                 ok
+            }
+            (BarAccess::Direct(w), None) if !w.store_is_direct(offset, write.len() as u64) => {
+                // A control register: the device's exact write path on the lender (a
+                // round trip; a store + notify would be lost if it left the value as is).
+                if let Err(e) = self.link.bar_write(bar.remote.index, offset, write) {
+                    warn!("{}: bar {idx} write at {offset:#x}: {e}", self.id);
+                }
+                true
             }
             (BarAccess::Direct(w), None) => {
                 let ok = window_write(w, offset, write);

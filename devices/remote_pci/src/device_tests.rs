@@ -94,6 +94,8 @@ impl Drop for Fx {
 
 struct Opts {
     write_notify: bool,
+    /// Doorbell range of BAR0 (with `write_notify`).
+    doorbells: Option<(u64, u64)>,
     fail_pin: bool,
     intx: bool,
 }
@@ -102,6 +104,7 @@ impl Default for Opts {
     fn default() -> Self {
         Self {
             write_notify: false,
+            doorbells: None,
             fail_pin: false,
             intx: true,
         }
@@ -115,8 +118,11 @@ fn fixture(o: Opts) -> Fx {
     let notify = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
     let ioevent = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
     // SAFETY: `bar0` outlives the device (Fx drops the device first).
-    let win =
+    let mut win =
         unsafe { DirectWindow::new(bar0.addr, bar0.len, o.write_notify.then(|| notify.clone())) };
+    if let Some((off, len)) = o.doorbells {
+        win = win.with_doorbells(off, len);
+    }
     let info = RemoteDeviceInfo {
         id: "nvme0".into(),
         config,
@@ -510,6 +516,49 @@ fn write_notify_bar_is_readonly_and_trapped_writes_notify() {
     let mut b = [0u8; 4];
     f.dev().read_bar(bar0, BAR0_SIZE, &mut b);
     assert_eq!(b, [0xff; 4]);
+}
+
+#[test]
+fn stores_outside_the_doorbell_range_take_the_exact_bar_write() {
+    let mut f = fixture(Opts {
+        write_notify: true,
+        doorbells: Some((0x2000, 0x2000)),
+        ..Default::default()
+    });
+    f.cmd(command::MEMORY_SPACE);
+    assert!(f.vm.slots().iter().all(|s| s.readonly));
+    let bar0 = f.bar_addr(0);
+    f.calls();
+    // Control registers (page 0): the lender's exact write path; neither the shared window
+    // nor the notify eventfd is touched, so a store of the value already there is not lost.
+    f.bar0.write_u32(0x10, 1);
+    f.dev().write_bar(bar0, 0x10, &1u32.to_le_bytes());
+    f.dev().write_bar(bar0, 0x14, &0x0046_0001u32.to_le_bytes());
+    assert_eq!(f.bar0.read_u32(0x14), 0, "not stored locally");
+    assert!(f.notify.read().is_err(), "not notified");
+    // Straddling the start of the range: exact path too.
+    f.dev().write_bar(bar0, 0x1ffc, &7u64.to_le_bytes());
+    assert_eq!(
+        f.calls(),
+        vec![
+            LinkCall::BarWrite(0, 0x10, 1u32.to_le_bytes().to_vec()),
+            LinkCall::BarWrite(0, 0x14, 0x0046_0001u32.to_le_bytes().to_vec()),
+            LinkCall::BarWrite(0, 0x1ffc, 7u64.to_le_bytes().to_vec()),
+        ]
+    );
+    // Doorbells: stored into the window and notified, no lender round trip.
+    f.dev().write_bar(bar0, 0x2008, &5u32.to_le_bytes());
+    f.dev().write_bar(bar0, 0x3ffc, &6u32.to_le_bytes());
+    assert_eq!(f.bar0.read_u32(0x2008), 5);
+    assert_eq!(f.bar0.read_u32(0x3ffc), 6);
+    assert_eq!(f.notify.read().unwrap(), 2);
+    assert!(f.calls().is_empty());
+    // Reads still come straight from the window.
+    f.bar0.write_u32(0x1c, 1);
+    let mut b = [0u8; 4];
+    f.dev().read_bar(bar0, 0x1c, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 1);
+    assert!(f.calls().is_empty());
 }
 
 #[test]

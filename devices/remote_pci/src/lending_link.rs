@@ -3,15 +3,22 @@
 //! * BARs with a fabric window are mapped into this process (shm) and reported as
 //!   `Direct`; the windows stay mapped until the link is dropped. On tcp (no direct
 //!   mappings) and for BARs without a window, accesses are `Trapped` (BAR_READ/BAR_WRITE).
-//! * Write notification: the protocol has no per-BAR flag yet, so a lease that came with a
-//!   notification eventfd (`Borrowed.notify_fd`, interrupt-mode device) makes every direct
-//!   BAR write-notified (read-only memslot, trapped stores + eventfd); without one the BARs
-//!   are mapped read-write (polling devices, VFIO BARs).
+//! * Write notification, per BAR (`BarDesc.notify`, protocol version 2): `None` maps the
+//!   window read-write (VFIO BARs); `Doorbells` maps it read-only, stores inside the doorbell
+//!   range are stored + notified through the lease's notify eventfd and every other store
+//!   (control registers) goes to the lender's exact BAR_WRITE; `All` (a version 1 lender:
+//!   every window of a lease with a notify eventfd) stores + notifies every store. A BAR
+//!   that needs notification on a lease without a notify eventfd is trapped.
 //! * DMA: each guest RAM region (must be memfd backed) is exported as a fabric window and
 //!   mapped at IOVA = GPA; the returned handle unmaps and revokes on drop.
 //! * Interrupts: on shm the irqfd eventfds are passed (SCM_RIGHTS) so the device signals KVM
 //!   directly; on tcp the lender sends IRQ events that an event thread turns into eventfd
-//!   writes (counted per vector). The same thread watches for DeviceGone/Fatal.
+//!   writes (counted per vector). The same thread watches for DeviceGone/Fatal. INTx's
+//!   resample eventfd goes to the lender too (passed on shm, forwarded as events by the
+//!   client on tcp), so a still-pending INTx is asserted again after the guest's EOI.
+//! * Teardown: the event thread blocks without a timeout on the client's event channel;
+//!   dropping the link wakes it ([`EventWaker`]) and joins it, so nothing waits for a
+//!   polling interval.
 //!
 //! The event thread consumes all events of the client's connection, so use one
 //! [`LenderClient`] per borrowed device, or run your own pump with
@@ -19,13 +26,12 @@
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
-use lending::client::{ClientError, ClientIrq, Lease, LenderClient};
-use lending::protocol::{self, Event};
+use lending::client::{ClientError, ClientIrq, EventWaker, Lease, LenderClient};
+use lending::protocol::{self, Event, NotifyWrites};
 use log::{debug, error, info, warn};
 use ntb::{ExportedWindow, FabricError, FabricKind, PeerWindow};
 use pci::vm_ops::GuestRamRegion;
@@ -35,9 +41,6 @@ use crate::link::{
     BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError,
     RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteMsix,
 };
-
-/// How long the event thread waits per poll (bounds its exit time).
-const EVENT_POLL: Duration = Duration::from_millis(100);
 
 /// Errors of setting up the link.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +56,8 @@ pub enum LendingLinkError {
     Thread(#[source] std::io::Error),
     #[error("duplicating the notify eventfd: {0}")]
     Notify(#[source] std::io::Error),
+    #[error("waking the event thread: {0}")]
+    Waker(#[source] ClientError),
 }
 
 /// Options of [`LendingLink::new`].
@@ -109,6 +114,8 @@ pub struct LendingEventSink {
     /// Per kind: the eventfds to write on relayed interrupts (tcp).
     relay: Arc<Mutex<HashMap<IrqKind, Vec<EventFd>>>>,
     counts: Arc<Mutex<Vec<u64>>>,
+    /// Times the link's own event thread returned from its wait (events, wake-ups).
+    wakeups: Arc<AtomicU64>,
 }
 
 impl LendingEventSink {
@@ -153,16 +160,25 @@ impl LendingEventSink {
     fn lost(&self, why: String) {
         *self.state.lock().unwrap_or_else(PoisonError::into_inner) = LeaseState::Lost(why);
     }
+
+    /// How often the link's own event thread woke up: once per event it handled plus once
+    /// when the link was dropped. It never wakes on a timer.
+    pub fn event_thread_wakeups(&self) -> u64 {
+        self.wakeups.load(Ordering::SeqCst)
+    }
 }
 
 struct EventThread {
     stop: Arc<AtomicBool>,
+    waker: EventWaker,
     handle: Option<JoinHandle<()>>,
 }
 
 impl Drop for EventThread {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        // The thread blocks without a timeout: wake it, so the join returns at once.
+        self.waker.wake();
         if let Some(h) = self.handle.take() {
             if h.join().is_err() {
                 error!("lending event thread panicked");
@@ -210,7 +226,31 @@ impl LendingLink {
                 BarKind::Mem32
             };
             let mut access = BarAccess::Trapped;
-            if kind == FabricKind::Shm && b.window.is_some() && !b.emulated_by_borrower && !b.io {
+            // How stores must reach the device; `None`: they cannot on this lease (trapped).
+            let writes = match (b.notify, &notify) {
+                (NotifyWrites::None, _) => Some((None, None)),
+                (NotifyWrites::All, Some(n)) => Some((Some(Arc::clone(n)), None)),
+                (NotifyWrites::Doorbells { offset, len }, Some(n)) => {
+                    Some((Some(Arc::clone(n)), Some((offset, len))))
+                }
+                (_, None) => None,
+            };
+            if kind == FabricKind::Shm
+                && b.window.is_some()
+                && !b.emulated_by_borrower
+                && !b.io
+                && writes.is_none()
+            {
+                warn!(
+                    "lease {}: bar {} needs write notification but the lease has no notify \
+                     eventfd; trapped",
+                    lease.id(),
+                    b.index
+                );
+            }
+            if let (FabricKind::Shm, Some(_), false, false, Some((wn, doorbells))) =
+                (kind, b.window, b.emulated_by_borrower, b.io, writes)
+            {
                 let w =
                     lease
                         .bar_window(b.index)
@@ -224,7 +264,10 @@ impl LendingLink {
                         // SAFETY: the window stays mapped in `self.windows` until the link
                         // is dropped (and a severed window is replaced by zero memory, so
                         // the range never becomes unmapped while we hold it).
-                        let dw = unsafe { DirectWindow::new(p as u64, w.len(), notify.clone()) };
+                        let mut dw = unsafe { DirectWindow::new(p as u64, w.len(), wn) };
+                        if let Some((o, l)) = doorbells {
+                            dw = dw.with_doorbells(o, l);
+                        }
                         access = BarAccess::Direct(dw);
                         windows.push(w);
                     }
@@ -264,9 +307,11 @@ impl LendingLink {
             state: Arc::new(Mutex::new(LeaseState::Active)),
             relay: Arc::default(),
             counts: Arc::default(),
+            wakeups: Arc::default(),
         };
         let events = if opts.own_event_thread {
             let stop = Arc::new(AtomicBool::new(false));
+            let waker = client.event_waker().map_err(LendingLinkError::Waker)?;
             let (s, c, st) = (sink.clone(), Arc::clone(&client), Arc::clone(&stop));
             let handle = std::thread::Builder::new()
                 .name(format!("lease{}-events", lease.id()))
@@ -274,6 +319,7 @@ impl LendingLink {
                 .map_err(LendingLinkError::Thread)?;
             Some(EventThread {
                 stop,
+                waker,
                 handle: Some(handle),
             })
         } else {
@@ -311,7 +357,10 @@ impl LendingLink {
 
 fn event_loop(client: &LenderClient, sink: &LendingEventSink, stop: &AtomicBool) {
     while !stop.load(Ordering::SeqCst) {
-        match client.next_event(EVENT_POLL) {
+        // Blocks until an event, the link's end, or the link's drop wakes it: no timer.
+        let r = client.wait_event();
+        sink.wakeups.fetch_add(1, Ordering::SeqCst);
+        match r {
             Ok(Some(ev)) => {
                 if !sink.handle(&ev) {
                     debug!("lease {}: event for someone else: {ev:?}", sink.lease);
@@ -319,13 +368,16 @@ fn event_loop(client: &LenderClient, sink: &LendingEventSink, stop: &AtomicBool)
             }
             Ok(None) => {}
             Err(ClientError::Fabric(FabricError::PeerGone { reason, .. })) => {
-                error!("lease {}: lender link down: {reason}", sink.lease);
-                sink.lost(reason);
+                if !stop.load(Ordering::SeqCst) {
+                    error!("lease {}: lender link down: {reason}", sink.lease);
+                    sink.lost(reason);
+                }
                 return;
             }
             Err(e) => {
-                warn!("lease {}: event: {e}", sink.lease);
-                std::thread::sleep(EVENT_POLL);
+                error!("lease {}: event thread ends: {e}", sink.lease);
+                sink.lost(format!("event relay failed: {e}"));
+                return;
             }
         }
     }
@@ -438,16 +490,14 @@ impl RemoteDeviceLink for LendingLink {
 
     fn set_irqs(&self, t: &IrqTargets<'_>) -> Result<(), LinkError> {
         let pk = proto_kind(t.kind);
-        if t.resample.is_some() {
-            debug!(
-                "lease {}: the protocol has no resample eventfd; intx re-assertion is up to the lender",
-                self.lease.id()
-            );
-        }
+        // INTx: the lender re-asserts a still-pending line after the guest's EOI.
+        let resample = t
+            .resample
+            .filter(|_| t.kind == IrqKind::Intx && !t.triggers.is_empty());
         let res = if self.kind == FabricKind::Shm {
             let targets: Vec<ClientIrq<'_>> =
                 t.triggers.iter().map(|e| ClientIrq::EventFd(e)).collect();
-            self.lease.set_irqs(pk, &targets)
+            self.lease.set_irqs_resample(pk, &targets, resample)
         } else {
             let mut fds = Vec::with_capacity(t.triggers.len());
             for e in &t.triggers {
@@ -462,7 +512,7 @@ impl RemoteDeviceLink for LendingLink {
                 .unwrap_or_else(PoisonError::into_inner)
                 .insert(t.kind, fds);
             let targets = vec![ClientIrq::Event; t.triggers.len()];
-            self.lease.set_irqs(pk, &targets)
+            self.lease.set_irqs_resample(pk, &targets, resample)
         };
         res.map_err(|e| link_err("set irqs", e))
     }

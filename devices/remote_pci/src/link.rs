@@ -41,11 +41,24 @@ pub enum BarKind {
 /// Built with the `unsafe` [`DirectWindow::new`]: the link guarantees the host range stays
 /// mapped (readable and writable) for as long as the link value lives. The device drops
 /// all memslots that point into it before it drops the link.
+///
+/// How guest stores reach the device is per BAR:
+///
+/// * no `write_notify`: the device sees stores by itself; the BAR is mapped read-write.
+/// * `write_notify` alone: the BAR is mapped read-only; every store exits to the VMM, which
+///   stores the value into the window and signals the eventfd (the device diffs its
+///   registers, so a store that does not change a value is lost: only right for devices
+///   whose every register is a doorbell).
+/// * `write_notify` [with doorbells](DirectWindow::with_doorbells): read-only too; stores
+///   entirely inside the doorbell range are stored + notified, every other store (control
+///   registers) goes to [`RemoteDeviceLink::bar_write`], the device's exact write path.
 #[derive(Clone)]
 pub struct DirectWindow {
     host_addr: u64,
     len: u64,
     write_notify: Option<Arc<EventFd>>,
+    /// `[offset, offset + len)` of the doorbells, when stores elsewhere must be exact.
+    doorbells: Option<(u64, u64)>,
 }
 
 impl fmt::Debug for DirectWindow {
@@ -54,6 +67,7 @@ impl fmt::Debug for DirectWindow {
             .field("host_addr", &format_args!("{:#x}", self.host_addr))
             .field("len", &format_args!("{:#x}", self.len))
             .field("write_notify", &self.write_notify.is_some())
+            .field("doorbells", &self.doorbells)
             .finish()
     }
 }
@@ -61,7 +75,8 @@ impl fmt::Debug for DirectWindow {
 impl DirectWindow {
     /// A window of `len` bytes at `host_addr`. With `write_notify`, guest stores must be
     /// seen by the device: the BAR is mapped read-only (stores exit to the VMM, which
-    /// stores the value and signals the eventfd); without, it is mapped read-write.
+    /// stores the value and signals the eventfd, or sends control-register stores to the
+    /// lender, see [`DirectWindow::with_doorbells`]); without, it is mapped read-write.
     ///
     /// # Safety
     ///
@@ -72,6 +87,34 @@ impl DirectWindow {
             host_addr,
             len,
             write_notify,
+            doorbells: None,
+        }
+    }
+
+    /// Only stores entirely inside `[offset, offset + len)` (the device's doorbells: absolute
+    /// values) take store + notify; all others go to the lender's exact `bar_write`. Needs a
+    /// `write_notify` eventfd (without one the window is read-write and nothing traps).
+    pub fn with_doorbells(mut self, offset: u64, len: u64) -> Self {
+        self.doorbells = Some((offset, len));
+        self
+    }
+
+    /// The doorbell range, when stores outside it must take the exact path.
+    pub fn doorbells(&self) -> Option<(u64, u64)> {
+        self.doorbells
+    }
+
+    /// True when a trapped store of `len` bytes at `offset` may be stored into the window
+    /// (and notified); false when it must go to [`RemoteDeviceLink::bar_write`].
+    pub fn store_is_direct(&self, offset: u64, len: u64) -> bool {
+        match (&self.write_notify, self.doorbells) {
+            (Some(_), Some((o, l))) => {
+                offset >= o
+                    && offset
+                        .checked_add(len)
+                        .is_some_and(|end| end <= o.saturating_add(l))
+            }
+            _ => true,
         }
     }
 
@@ -216,7 +259,8 @@ pub trait RemoteDeviceLink: Send {
     /// Slow-path BAR read.
     fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), LinkError>;
 
-    /// Slow-path BAR write.
+    /// Slow-path BAR write: the device's exact write path (also used for stores into a
+    /// direct BAR outside its doorbell range, see [`DirectWindow::with_doorbells`]).
     fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError>;
 
     /// Makes guest RAM `regions` reachable by the device at IOVA = GPA.

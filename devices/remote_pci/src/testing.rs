@@ -148,6 +148,9 @@ impl RemoteDeviceLink for FakeLink {
         s.calls.push(LinkCall::BarWrite(bar, offset, data.to_vec()));
         let m = s.bars.entry(bar).or_insert_with(|| vec![0; 0x1000]);
         let o = offset as usize;
+        if m.len() < o + data.len() {
+            m.resize(o + data.len(), 0);
+        }
         m[o..o + data.len()].copy_from_slice(data);
         Ok(())
     }

@@ -1,6 +1,8 @@
-//! `RemotePciDevice` over `LendingLink` against an in-process lender (shm fabric) lending a
-//! `dmatest` device: BAR window, DMA map at IOVA = GPA of memfd guest RAM, MSI-X irqfd
-//! handed to the lender, and the lease returned on drop.
+//! `RemotePciDevice` over `LendingLink` against an in-process lender lending emulated
+//! devices: a `dmatest` (BAR window, DMA map at IOVA = GPA of memfd guest RAM, MSI-X irqfd
+//! handed to the lender, lease returned on drop); an NVMe controller whose control registers
+//! take the exact path while its doorbells are stored + notified, and whose INTx is asserted
+//! again after a resample (shm and tcp); and the link's teardown without polling.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -12,12 +14,14 @@ use std::time::{Duration, Instant};
 use emulated::dmatest::{
     CMD_START, REG_CMD, REG_DST, REG_IRQ_VECTOR, REG_LEN, REG_SRC, REG_STATUS, STATUS_DONE,
 };
+use emulated::nvme::NvmeConfig;
 use emulated::NotifyMode;
 use lending::backend::emulated::EmulatedBackend;
+use lending::backend::DeviceBackend;
 use lending::inventory::Inventory;
 use lending::server::{BackgroundLender, Lender};
 use lending::LenderClient;
-use ntb::{ClusterConfig, Fabric, SocketFabric};
+use ntb::{ClusterConfig, Fabric, FabricKind, SocketFabric};
 use pci::configuration::command;
 use pci::device::{PciBarAllocators, PciDevice};
 use pci::interrupt::{
@@ -94,6 +98,7 @@ impl VmOps for Vm {
 
 struct Group {
     fds: Vec<EventFd>,
+    resample: Option<EventFd>,
     calls: Mutex<Vec<(u32, bool)>>,
 }
 
@@ -104,6 +109,9 @@ impl InterruptSourceGroup for Group {
     }
     fn notifier(&self, i: InterruptIndex) -> Option<&EventFd> {
         self.fds.get(i as usize)
+    }
+    fn resample_notifier(&self, i: InterruptIndex) -> Option<&EventFd> {
+        (i == 0).then_some(self.resample.as_ref()).flatten()
     }
     fn update(
         &self,
@@ -128,6 +136,7 @@ impl InterruptSourceGroup for Group {
 #[derive(Default)]
 struct Irqs {
     groups: Mutex<Vec<Arc<Group>>>,
+    intx: Mutex<Option<Arc<Group>>>,
 }
 
 impl InterruptManager for Irqs {
@@ -136,16 +145,25 @@ impl InterruptManager for Irqs {
             fds: (0..n)
                 .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
                 .collect(),
+            resample: None,
             calls: Mutex::default(),
         });
         self.groups.lock().unwrap().push(g.clone());
         Ok(g)
     }
+    /// Like KVM's: an irqfd asserting the level-triggered line and the resample eventfd KVM
+    /// signals when the guest's EOI lowered it.
     fn create_intx_group(
         &self,
         _irq: u32,
     ) -> Result<Arc<dyn InterruptSourceGroup>, InterruptError> {
-        Err(InterruptError::Unsupported("no intx in this test"))
+        let g = Arc::new(Group {
+            fds: vec![EventFd::new(EFD_NONBLOCK).unwrap()],
+            resample: Some(EventFd::new(EFD_NONBLOCK).unwrap()),
+            calls: Mutex::default(),
+        });
+        *self.intx.lock().unwrap() = Some(g.clone());
+        Ok(g)
     }
 }
 
@@ -159,13 +177,67 @@ fn wait_fd(fd: &EventFd, timeout: Duration) -> bool {
     unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) == 1 }
 }
 
+/// A cluster file with a lender and a VMM node on `fabric`, and the lender serving `backend`
+/// as [`DEV`] in this process.
+fn start_lender(
+    fabric: FabricKind,
+    backend: Arc<dyn DeviceBackend>,
+) -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let node = |name: &str| match fabric {
+        FabricKind::Shm => {
+            format!(
+                "[[node]]\nname = \"{name}\"\nfabric = \"shm\"\ncontrol = \"{d}/{name}.sock\"\n"
+            )
+        }
+        FabricKind::Tcp => {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            format!(
+                "[[node]]\nname = \"{name}\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{port}\"\n"
+            )
+        }
+    };
+    let src = format!("version = 1\n{}{}", node("lender"), node("vmm"));
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, src).unwrap();
+    let cfg = ClusterConfig::load(&path).unwrap();
+    let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend)]).unwrap());
+    let listener = SocketFabric::from_cluster(&cfg, "lender")
+        .unwrap()
+        .listen()
+        .unwrap();
+    let lender = BackgroundLender::start(Lender::new(inv, "lender", TOKEN), listener).unwrap();
+    (dir, cfg, lender)
+}
+
+fn nvme_backend(dir: &std::path::Path, name: &str) -> Arc<dyn DeviceBackend> {
+    let cfg = NvmeConfig {
+        backing: dir.join(format!("{name}.img")),
+        size: Some(1 << 20),
+        io_threads: 1,
+        max_io_queues: 2,
+        serial: name.chars().take(20).collect(),
+        ..NvmeConfig::default()
+    };
+    Arc::new(EmulatedBackend::nvme(name, cfg).unwrap())
+}
+
 fn guest_ram() -> (Arc<std::fs::File>, u64) {
     // SAFETY: a fresh memfd we own.
-    let fd = unsafe { libc::memfd_create(c"guest-ram".as_ptr(), 0) };
+    let fd = unsafe { libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_ALLOW_SEALING) };
     assert!(fd >= 0);
     // SAFETY: fd is ours.
     let f = unsafe { std::fs::File::from_raw_fd(fd) };
     f.set_len(RAM).unwrap();
+    // Lenders map only size-sealed windows (as the VMM seals guest RAM).
+    // SAFETY: F_ADD_SEALS on our memfd with an integer argument.
+    let sealed = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, ntb::mem::WINDOW_SEALS) };
+    assert_eq!(sealed, 0);
     // SAFETY: shared mapping of the memfd; lives until the process exits (test only).
     let p = unsafe {
         libc::mmap(
@@ -302,4 +374,275 @@ fn borrowed_dmatest_copies_and_interrupts_through_remote_pci() {
         client.list().unwrap()[0].state,
         lending::protocol::DeviceState::Available
     );
+}
+
+// ---- NVMe: exact control registers, INTx resample ----------------------------------------
+
+const INTMS: u64 = 0x0c;
+const INTMC: u64 = 0x10;
+const CC: u64 = 0x14;
+const CSTS: u64 = 0x1c;
+const AQA: u64 = 0x24;
+const ASQ: u64 = 0x28;
+const ACQ: u64 = 0x30;
+const SQ0_TAIL: u64 = 0x1000;
+const CQ0_HEAD: u64 = 0x1004;
+const ASQ_GPA: u64 = 0x1_0000;
+const ACQ_GPA: u64 = 0x2_0000;
+/// CC: EN, IOSQES 64 B, IOCQES 16 B.
+const CC_EN: u32 = 1 | (6 << 16) | (4 << 20);
+
+/// A borrowed NVMe controller behind `RemotePciDevice` + `LendingLink`, BARs allocated,
+/// memory decoding and bus mastering on.
+struct NvmeRig {
+    dev: Option<RemotePciDevice>,
+    vm: Arc<dyn VmOps>,
+    irqs: Irqs,
+    bar0: u64,
+    client: Arc<LenderClient>,
+    _lender: BackgroundLender,
+    _dir: tempfile::TempDir,
+}
+
+impl NvmeRig {
+    fn new(fabric: FabricKind, intx: bool) -> Self {
+        let data = tempfile::tempdir().unwrap();
+        let name = format!("rpci-nvme-{fabric:?}-{intx}");
+        let (dir, cfg, lender) = start_lender(fabric, nvme_backend(data.path(), &name));
+        let client = Arc::new(LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "test").unwrap());
+        let lease = client.borrow(DEV, "vm0").unwrap();
+        let link = LendingLink::new(client.clone(), lease, LendingLinkOptions::default()).unwrap();
+        let (ram, host) = guest_ram();
+        let vm: Arc<dyn VmOps> = Arc::new(Vm {
+            ram,
+            host,
+            slots: Arc::default(),
+        });
+        let irqs = Irqs::default();
+        let mut dev = RemotePciDevice::new(
+            RemotePciDeviceParams::new("rd1", 0x28, intx.then_some(17)),
+            Box::new(link),
+            vm.clone(),
+            &irqs,
+        )
+        .unwrap();
+        let mut alloc = PciBarAllocators::x86_64(1 << 36, 1 << 36).unwrap();
+        let bars = dev.allocate_bars(&mut alloc).unwrap();
+        let bar0 = bars.iter().find(|b| b.idx == 0).unwrap().addr;
+        dev.write_config_register(
+            1,
+            0,
+            &(command::MEMORY_SPACE | command::BUS_MASTER).to_le_bytes(),
+        );
+        assert!(dev.status().dma_mapped);
+        drop(data);
+        NvmeRig {
+            dev: Some(dev),
+            vm,
+            irqs,
+            bar0,
+            client,
+            _lender: lender,
+            _dir: dir,
+        }
+    }
+
+    fn dev(&mut self) -> &mut RemotePciDevice {
+        self.dev.as_mut().unwrap()
+    }
+
+    fn w32(&mut self, off: u64, v: u32) {
+        let b = self.bar0;
+        self.dev().write_bar(b, off, &v.to_le_bytes());
+    }
+
+    fn w64(&mut self, off: u64, v: u64) {
+        let b = self.bar0;
+        self.dev().write_bar(b, off, &v.to_le_bytes());
+    }
+
+    fn r32(&mut self, off: u64) -> u32 {
+        let b = self.bar0;
+        let mut d = [0u8; 4];
+        self.dev().read_bar(b, off, &mut d);
+        u32::from_le_bytes(d)
+    }
+
+    /// Admin queues of 16 entries in guest RAM, CC.EN = 1.
+    fn enable(&mut self) {
+        self.w32(AQA, (15 << 16) | 15);
+        self.w64(ASQ, ASQ_GPA);
+        self.w64(ACQ, ACQ_GPA);
+        self.w32(CC, CC_EN);
+        assert_eq!(
+            self.r32(CSTS) & 1,
+            1,
+            "CSTS.RDY right after the (exact) CC write"
+        );
+    }
+
+    /// Places a Get Features (Number of Queues) command at admin SQ slot `slot`.
+    fn push_get_features(&self, slot: u64, cid: u16) {
+        let mut sqe = [0u8; 64];
+        sqe[0..4].copy_from_slice(&(0x0a | (u32::from(cid) << 16)).to_le_bytes());
+        sqe[40..44].copy_from_slice(&7u32.to_le_bytes());
+        self.vm.write_guest(ASQ_GPA + slot * 64, &sqe).unwrap();
+    }
+
+    /// Completion queue entries of the first pass posted so far (phase 1).
+    fn posted(&self) -> u64 {
+        (0..16u64)
+            .take_while(|i| {
+                let mut dw3 = [0u8; 4];
+                self.vm.read_guest(ACQ_GPA + i * 16 + 12, &mut dw3).unwrap();
+                (u32::from_le_bytes(dw3) >> 16) & 1 == 1
+            })
+            .count() as u64
+    }
+}
+
+impl Drop for NvmeRig {
+    fn drop(&mut self) {
+        self.dev.take();
+    }
+}
+
+/// Writes that leave a control register's stored value unchanged, or that are undone before
+/// the controller thread runs, still reach the device: they take the lender's exact
+/// `bar_write`, while doorbells keep the store + notify path.
+#[test]
+fn nvme_control_register_writes_are_exact_and_doorbells_direct() {
+    let mut r = NvmeRig::new(FabricKind::Shm, false);
+    let info_bar0 = r.dev().status().memslots;
+    assert!(info_bar0 >= 1, "bar 0 is mapped (read-only) into the guest");
+
+    // INTMS/INTMC are RW1S/RW1C over one mask that both read back.
+    r.w32(INTMS, 1);
+    assert_eq!((r.r32(INTMS), r.r32(INTMC)), (1, 1));
+    // Clearing with the value INTMC already holds: a stored value would not change.
+    r.w32(INTMC, 1);
+    assert_eq!((r.r32(INTMS), r.r32(INTMC)), (0, 0), "INTMC write seen");
+    r.w32(INTMS, 1);
+    r.w32(INTMS, 1);
+    assert_eq!(r.r32(INTMS), 1);
+    r.w32(INTMC, 1);
+    r.w32(INTMC, 1);
+    assert_eq!(r.r32(INTMS), 0);
+
+    // CC.EN 1 -> 0 -> 1 back to back: the controller resets in between (the reset clears
+    // the interrupt mask) and is ready again.
+    r.enable();
+    r.w32(INTMS, 1);
+    assert_eq!(r.r32(INTMS), 1);
+    r.w32(CC, 0);
+    r.w32(CC, CC_EN);
+    assert_eq!(
+        r.r32(INTMS),
+        0,
+        "the 1 -> 0 transition reset the controller"
+    );
+    assert_eq!(r.r32(CSTS) & 1, 1, "and 0 -> 1 enabled it again");
+
+    // Doorbells: the SQ tail store goes to the shared window and wakes the controller,
+    // which fetches the command and posts its completion.
+    r.push_get_features(0, 1);
+    r.w32(SQ0_TAIL, 1);
+    let t0 = Instant::now();
+    while r.posted() < 1 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(
+        r.posted(),
+        1,
+        "admin command completed after a direct doorbell store"
+    );
+}
+
+/// Level-triggered INTx across the lender: two completions assert the line once; the guest
+/// takes one and EOIs; the second is delivered only after the resample.
+#[test]
+fn nvme_intx_is_asserted_again_after_resample() {
+    for fabric in [FabricKind::Shm, FabricKind::Tcp] {
+        let mut r = NvmeRig::new(fabric, true);
+        assert_eq!(r.dev().status().irq_mode, Some(remote_pci::IrqKind::Intx));
+        let g = r.irqs.intx.lock().unwrap().clone().unwrap();
+        let irqfd = g.notifier(0).unwrap();
+        let resample = g.resample_notifier(0).unwrap();
+        r.enable();
+        r.push_get_features(0, 1);
+        r.push_get_features(1, 2);
+        r.w32(SQ0_TAIL, 2);
+        assert!(
+            wait_fd(irqfd, Duration::from_secs(10)),
+            "{fabric:?}: no intx assertion"
+        );
+        irqfd.read().unwrap();
+        let t0 = Instant::now();
+        while r.posted() < 2 && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(r.posted(), 2, "{fabric:?}");
+        // The guest handles one completion, then EOIs: KVM lowers the line and signals the
+        // resample eventfd. Until then nothing re-asserts (the level never changed).
+        r.w32(CQ0_HEAD, 1);
+        assert!(
+            !wait_fd(irqfd, Duration::from_millis(200)),
+            "{fabric:?}: asserted again without a resample"
+        );
+        resample.write(1).unwrap();
+        assert!(
+            wait_fd(irqfd, Duration::from_secs(10)),
+            "{fabric:?}: the pending completion was not signalled after the resample"
+        );
+        irqfd.read().unwrap();
+        // Both handled: the resample finds nothing pending.
+        r.w32(CQ0_HEAD, 2);
+        resample.write(1).unwrap();
+        assert!(
+            !wait_fd(irqfd, Duration::from_millis(200)),
+            "{fabric:?}: asserted with an empty completion queue"
+        );
+        let _ = &r.client;
+    }
+}
+
+// ---- teardown ------------------------------------------------------------------------------
+
+/// The link's event thread blocks without a timer: an idle link never wakes it, and dropping
+/// the link wakes it exactly once and joins it (so `drop` does not wait for any polling
+/// interval; the elapsed time is printed for the record, not asserted).
+#[test]
+fn dropping_the_link_wakes_its_idle_event_thread_once() {
+    for fabric in [FabricKind::Shm, FabricKind::Tcp] {
+        let backend =
+            Arc::new(EmulatedBackend::dmatest("rpci-drop", NotifyMode::Interrupt).unwrap());
+        let (_dir, cfg, _lender) = start_lender(fabric, backend);
+        let client = Arc::new(LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "test").unwrap());
+        let lease = client.borrow(DEV, "vm0").unwrap();
+        let link = LendingLink::new(client, lease, LendingLinkOptions::default()).unwrap();
+        let sink = link.event_sink();
+        // Idle for a while: a polling thread would have woken several times by now.
+        std::thread::sleep(Duration::from_millis(350));
+        assert_eq!(
+            sink.event_thread_wakeups(),
+            0,
+            "{fabric:?}: woken while idle"
+        );
+        // The link holds the only client: dropping it returns the lease and ends the session.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            drop(link);
+            tx.send(t0.elapsed()).unwrap();
+        });
+        let took = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("dropping the link did not return");
+        eprintln!("{fabric:?}: LendingLink drop took {took:?}");
+        assert_eq!(
+            sink.event_thread_wakeups(),
+            1,
+            "{fabric:?}: the drop's wake-up, and nothing else, ended the event thread"
+        );
+    }
 }

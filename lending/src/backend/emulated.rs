@@ -14,7 +14,7 @@ use super::config::CMD_BUS_MASTER;
 use super::irq::LeaseIrqs;
 use super::{BackendError, BarExport, DeviceBackend, IrqTrigger};
 use crate::iommu::{IommuDomain, SoftIommu};
-use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc};
+use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc, NotifyWrites};
 
 /// Register memory in a memfd, so the BAR can be exported as a fabric window and the
 /// borrower's loads/stores land in it directly.
@@ -223,6 +223,16 @@ impl DeviceBackend for EmulatedBackend {
                 io: false,
                 window: None,
                 emulated_by_borrower: !b.register_memory,
+                // Register memory: the model's doorbells may be stored + notified, the
+                // control registers must take BAR_WRITE (the model's exact path).
+                notify: match (b.register_memory, b.doorbells) {
+                    (false, _) => NotifyWrites::None,
+                    (true, Some(r)) => NotifyWrites::Doorbells {
+                        offset: r.offset,
+                        len: r.len,
+                    },
+                    (true, None) => NotifyWrites::Doorbells { offset: 0, len: 0 },
+                },
             })
             .collect();
         let msix = self.model.msix().map(|m| MsixDesc {
@@ -295,6 +305,12 @@ impl DeviceBackend for EmulatedBackend {
 
     fn clear_irqs(&self) {
         self.irqs.clear();
+    }
+
+    fn intx_resample(&self) {
+        if self.irqs.mode() == emulated::InterruptMode::Intx {
+            self.model.intx_resample();
+        }
     }
 
     fn set_bus_master(&self, enable: bool) -> Result<(), BackendError> {

@@ -125,6 +125,10 @@ pub trait DeviceBackend: Send + Sync {
     ) -> Result<(), BackendError>;
     /// Drops all interrupt wiring.
     fn clear_irqs(&self);
+    /// INTx resample: the borrower's guest EOIed the level-triggered line. Re-check the
+    /// device's interrupt condition and signal the INTx target again if it is still pending.
+    /// Default: nothing.
+    fn intx_resample(&self) {}
     /// Sets or clears Bus Master Enable (only the lender does, when windows are mapped).
     fn set_bus_master(&self, enable: bool) -> Result<(), BackendError>;
     /// Function-level reset; the device comes back quiescent with a clean config space.

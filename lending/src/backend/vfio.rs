@@ -27,7 +27,7 @@ use super::irq::IrqRelay;
 use super::{BackendError, BarExport, DeviceBackend, IrqTrigger};
 use crate::iommu::vfio::VfioDomain;
 use crate::iommu::IommuDomain;
-use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc};
+use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc, NotifyWrites};
 
 /// Region information (`VFIO_DEVICE_GET_REGION_INFO`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,6 +223,8 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
                     io,
                     window: None,
                     emulated_by_borrower: false,
+                    // Real device memory: the device sees every store itself.
+                    notify: NotifyWrites::None,
                 });
             }
             i += if is_64bit { 2 } else { 1 };

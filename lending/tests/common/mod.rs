@@ -14,7 +14,6 @@
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,29 +39,10 @@ pub enum TokenVia {
     Env,
 }
 
-/// A running lenderd; SIGKILLed on drop.
-pub struct Lenderd {
-    pub child: Child,
-    pub log: PathBuf,
-}
-
-impl Lenderd {
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGKILL and reap.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Lenderd {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
+// The same lenderd harness the api and lendvm-tests crates get from `lending::testing`.
+#[path = "../../src/testing.rs"]
+mod testing;
+pub use testing::Lenderd;
 
 /// A two-node cluster (lender node3, borrower node1) in a temp dir.
 pub struct Cluster {
@@ -111,51 +91,25 @@ pub fn cluster_in(dir: tempfile::TempDir, kind: FabricKind) -> Cluster {
 
 /// Starts lenderd lending `devices` (`BDF=SPEC`), passing the token `via`.
 pub fn start_lenderd(c: &Cluster, tag: &str, devices: &[String], via: TokenVia) -> Lenderd {
-    let log = c.dir.path().join(format!("lenderd-{tag}.log"));
-    let sock = c.dir.path().join(format!("{LENDER}.sock"));
-    let _ = std::fs::remove_file(&sock);
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lenderd"));
-    cmd.args(["--node", LENDER, "--cluster"]).arg(&c.path);
-    for d in devices {
-        cmd.args(["--device", d]);
-    }
-    cmd.env_remove("LENDVM_TOKEN");
-    match via {
-        TokenVia::Flag => {
-            cmd.args(["--token", TOKEN]);
-        }
-        TokenVia::File => {
-            let f = c.dir.path().join("token");
-            std::fs::write(&f, format!("{TOKEN}\n")).unwrap();
-            cmd.arg("--token-file").arg(f);
-        }
-        TokenVia::Env => {
-            cmd.env("LENDVM_TOKEN", TOKEN);
-        }
-    }
-    let child = cmd
+    let _ = std::fs::remove_file(c.dir.path().join(format!("{LENDER}.sock")));
+    let mut cmd = Lenderd::command(env!("CARGO_BIN_EXE_lenderd"), LENDER, &c.path)
+        .log(c.dir.path().join(format!("lenderd-{tag}.log")))
+        .devices(devices)
+        .env_remove("LENDVM_TOKEN")
         .env(
             "RUST_LOG",
             std::env::var("LENDERD_LOG").unwrap_or_else(|_| "info".into()),
-        )
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut d = Lenderd { child, log };
-    let t0 = Instant::now();
-    while !d.log().contains("listening at") {
-        if let Ok(Some(st)) = d.child.try_wait() {
-            panic!("lenderd exited with {st}: {}", d.log());
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "lenderd did not listen: {}",
-            d.log()
         );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    d
+    cmd = match via {
+        TokenVia::Flag => cmd.token(TOKEN),
+        TokenVia::File => {
+            let f = c.dir.path().join("token");
+            std::fs::write(&f, format!("{TOKEN}\n")).unwrap();
+            cmd.arg("--token-file").arg(f)
+        }
+        TokenVia::Env => cmd.env("LENDVM_TOKEN", TOKEN),
+    };
+    cmd.spawn_until("listening", |d| d.log().contains("listening at"))
 }
 
 pub fn connect(c: &Cluster) -> LenderClient {

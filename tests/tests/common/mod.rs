@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use api::client::ApiClient;
 use lending::protocol::{DeviceState, DeviceStatus, LenderStatus};
+pub use lending::testing::Lenderd;
 use ntb::ClusterConfig;
 
 pub use lendvm_tests::TEST_GUEST;
@@ -120,34 +121,15 @@ impl Cluster {
         self.dir.path().join(name)
     }
 
-    /// `lenderd --node node1` lending `devices` (`BDF=KIND[:OPTIONS]`), once it listens.
+    /// `lenderd --node node1` lending `devices` (`BDF=KIND[:OPTIONS]`), once it answers a
+    /// status request (on tcp too).
     pub fn start_lenderd(&self, devices: &[String]) -> Lenderd {
-        let log = self.file("lenderd.log");
-        let sock = self.file("node1.sock");
-        let _ = std::fs::remove_file(&sock);
-        let mut cmd = Command::new(binary("lenderd"));
-        cmd.args(["--node", LENDER, "--cluster"])
-            .arg(&self.path)
-            .args(["--token", TOKEN]);
-        for d in devices {
-            cmd.args(["--device", d]);
-        }
-        let child = cmd
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let mut l = Lenderd { child, log };
-        let up = poll(Duration::from_secs(20), || {
-            if let Ok(Some(s)) = l.child.try_wait() {
-                panic!("lenderd exited with {s}: {}", l.log());
-            }
-            self.status().ok().map(|_| ())
-        });
-        assert!(up.is_some(), "lenderd did not answer: {}", l.log());
-        l
+        let _ = std::fs::remove_file(self.file("node1.sock"));
+        Lenderd::command(binary("lenderd"), LENDER, &self.path)
+            .log(self.file("lenderd.log"))
+            .token(TOKEN)
+            .devices(devices)
+            .spawn_until("answering status requests", |_| self.status().is_ok())
     }
 
     /// The lender's status (a fresh control connection each time).
@@ -192,29 +174,6 @@ impl Cluster {
     }
 }
 
-/// A running lenderd; SIGKILLed on drop.
-pub struct Lenderd {
-    pub child: Child,
-    pub log: PathBuf,
-}
-
-impl Lenderd {
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Lenderd {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 /// The console lines seen so far and whether stdout has closed.
 #[derive(Default)]
 struct Console {
@@ -228,6 +187,8 @@ pub struct Vm {
     pub child: Child,
     console: Arc<(Mutex<Console>, Condvar)>,
     stderr: Arc<Mutex<String>>,
+    /// Joined once the process has exited, so `stderr()` then holds everything it wrote.
+    stderr_reader: Option<std::thread::JoinHandle<()>>,
     pub api_socket: Option<PathBuf>,
     status: Option<ExitStatus>,
 }
@@ -275,7 +236,7 @@ impl Vm {
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut err = child.stderr.take().unwrap();
         let s = stderr.clone();
-        std::thread::spawn(move || {
+        let stderr_reader = std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok(n) = err.read(&mut buf) {
                 if n == 0 {
@@ -290,6 +251,7 @@ impl Vm {
             child,
             console,
             stderr,
+            stderr_reader: Some(stderr_reader),
             api_socket,
             status: None,
         }
@@ -369,6 +331,11 @@ impl Vm {
                 let (m, cv) = &*self.console;
                 let c = m.lock().unwrap();
                 let _ = cv.wait_timeout_while(c, Duration::from_secs(2), |c| !c.closed);
+                // lendvm has no children, so its exit closes the stderr pipe and the reader
+                // ends: joining cannot hang.
+                if let Some(reader) = self.stderr_reader.take() {
+                    let _ = reader.join();
+                }
                 return self.status;
             }
             if t0.elapsed() > timeout {

@@ -633,6 +633,20 @@ impl Ctrl {
         self.update_intx();
     }
 
+    /// INTx resample (the guest's EOI lowered the line): with the CQ heads the guest has
+    /// written so far, assert again if a completion is still unacknowledged.
+    pub(crate) fn intx_resample(&mut self) {
+        if self.enabled {
+            self.update_cq_heads();
+        }
+        let was = self.intx_level;
+        self.update_intx();
+        if was && self.intx_level {
+            self.irq.set_intx(true);
+            self.stats.interrupts.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     fn update_intx(&mut self) {
         let want = self.irq.mode() == InterruptMode::Intx
             && self.intmask & 1 == 0

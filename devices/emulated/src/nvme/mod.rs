@@ -27,7 +27,9 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::dma::DmaMemory;
 use crate::engine::{create_engine, EngineKind};
 use crate::irq::InterruptSink;
-use crate::model::{build_config_space, BarInfo, DeviceError, DeviceModel, MsixInfo, PciIdentity};
+use crate::model::{
+    build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity,
+};
 use crate::regs::RegisterMemory;
 use crate::waiter::Waiter;
 use crate::NotifyMode;
@@ -335,6 +337,12 @@ impl DeviceModel for NvmeController {
                 is_64bit: true,
                 prefetchable: false,
                 register_memory: true,
+                // SQ tail / CQ head doorbells hold absolute queue indexes: storing them and
+                // waking the controller is exact. Page 0 (CC, INTMS/INTMC, AQA, ...) is not.
+                doorbells: Some(DoorbellRange {
+                    offset: REG_DBS,
+                    len: BAR0_SIZE - REG_DBS,
+                }),
             },
             BarInfo {
                 index: MSIX_BAR,
@@ -342,6 +350,7 @@ impl DeviceModel for NvmeController {
                 is_64bit: false,
                 prefetchable: false,
                 register_memory: false,
+                doorbells: None,
             },
         ]
     }
@@ -449,6 +458,15 @@ impl DeviceModel for NvmeController {
 
     fn reset(&self) {
         self.inner.lock().function_reset();
+    }
+
+    fn intx_resample(&self) {
+        self.inner.lock().intx_resample();
+        // Head doorbells read here may have freed room for overflowed completions: let the
+        // controller thread post and signal them.
+        if let Err(e) = self.inner.doorbell.write(1) {
+            log::warn!("nvme doorbell eventfd write failed: {e}");
+        }
     }
 }
 

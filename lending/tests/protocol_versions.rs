@@ -1,0 +1,123 @@
+//! Protocol version negotiation against an in-process lender: a version 1 borrower keeps
+//! its layouts and meanings; a version 2 borrower gets per-BAR write notification.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use emulated::NotifyMode;
+use lending::backend::emulated::EmulatedBackend;
+use lending::inventory::Inventory;
+use lending::protocol::{
+    self, code, opcode, Borrow, Hello, HelloReply, IrqKind, IrqTarget, NotifyWrites, Request,
+    SetIrqs,
+};
+use lending::server::{BackgroundLender, Lender};
+use lending::LenderClient;
+use ntb::wire::ErrorReply;
+use ntb::{ClusterConfig, Endpoint, Fabric, FabricError, Message, NodeId, SocketFabric};
+
+const TOKEN: &str = "v3rsions";
+const DEV: &str = "0000:00:05.0";
+
+fn lender() -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let src = format!(
+        "version = 1\n\
+         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
+         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
+    );
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, src).unwrap();
+    let cfg = ClusterConfig::load(&path).unwrap();
+    let backend = Arc::new(EmulatedBackend::dmatest("versions", NotifyMode::Interrupt).unwrap());
+    let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend as _)]).unwrap());
+    let listener = SocketFabric::from_cluster(&cfg, "lender")
+        .unwrap()
+        .listen()
+        .unwrap();
+    let l = BackgroundLender::start(Lender::new(inv, "lender", TOKEN), listener).unwrap();
+    (dir, cfg, l)
+}
+
+fn connect(cfg: &ClusterConfig) -> Box<dyn Endpoint> {
+    SocketFabric::from_cluster(cfg, "vmm")
+        .unwrap()
+        .connect(&NodeId::new("lender").unwrap())
+        .unwrap()
+}
+
+fn call(ep: &dyn Endpoint, r: &Request, version: u32) -> Result<Message, ErrorReply> {
+    let (op, p) = r.encode_versioned(version).unwrap();
+    match ep.request(Message::raw(op, p), Duration::from_secs(5)) {
+        Ok(m) => Ok(m),
+        Err(FabricError::Remote(e)) => Err(e),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn hello(version: u32) -> Request {
+    Request::Hello(Hello {
+        version,
+        token: TOKEN.into(),
+        client: "old".into(),
+    })
+}
+
+#[test]
+fn version_1_borrower_is_served_in_version_1() {
+    let (_dir, cfg, _l) = lender();
+    let ep = connect(&cfg);
+    let m = call(&*ep, &hello(1), 1).unwrap();
+    let h: HelloReply = protocol::decode_reply(opcode::HELLO, &m.payload).unwrap();
+    assert_eq!(h.version, 1);
+    let borrow = Request::Borrow(Borrow {
+        device: DEV.into(),
+        vm: "vm0".into(),
+    });
+    let m = call(&*ep, &borrow, 1).unwrap();
+    let b = protocol::decode_borrowed(&m.payload, 1).unwrap();
+    assert!(b.notify_fd.is_some());
+    // Version 1 meaning: the register window is write-notified as a whole.
+    let bar0 = b.info.bars.iter().find(|x| x.index == 0).unwrap();
+    assert!(bar0.window.is_some());
+    assert_eq!(bar0.notify, NotifyWrites::All);
+    // Version 1 SET_IRQS (no resample field) is understood.
+    let s = Request::SetIrqs(SetIrqs {
+        lease: b.lease,
+        kind: IrqKind::Msix,
+        targets: vec![IrqTarget::None, IrqTarget::None],
+        resample: IrqTarget::None,
+    });
+    call(&*ep, &s, 1).unwrap();
+}
+
+#[test]
+fn version_2_borrower_gets_doorbell_ranges() {
+    let (_dir, cfg, _l) = lender();
+    let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "new").unwrap();
+    assert_eq!(c.protocol_version(), protocol::PROTOCOL_VERSION);
+    let lease = c.borrow(DEV, "vm0").unwrap();
+    let bar0 = lease.info().bars.iter().find(|x| x.index == 0).unwrap();
+    assert_eq!(
+        bar0.notify,
+        NotifyWrites::Doorbells {
+            offset: emulated::dmatest::REG_SRC,
+            len: emulated::dmatest::REG_CMD + 4 - emulated::dmatest::REG_SRC,
+        }
+    );
+    let msix_bar = lease.info().bars.iter().find(|x| x.index == 1).unwrap();
+    assert_eq!(msix_bar.notify, NotifyWrites::None);
+    assert_eq!(lease.device_info().unwrap().bars, lease.info().bars);
+}
+
+#[test]
+fn too_old_a_version_is_refused() {
+    let (_dir, cfg, _l) = lender();
+    let ep = connect(&cfg);
+    let e = call(&*ep, &hello(0), 1).unwrap_err();
+    assert_eq!(e.code, code::VERSION);
+    assert!(e.message.contains("1..=2"), "{}", e.message);
+}
