@@ -145,12 +145,12 @@ run "${MAKE[@]}" tinyconfig
 run env -C "$KSRC" ./scripts/kconfig/merge_config.sh -m .config "$FRAGMENT"
 run "${MAKE[@]}" olddefconfig
 
-# Every option the fragment asks for must have survived (a dependency that is
+# Every option the fragment sets (=y or a value) or unsets must have survived (a dependency that is
 # not met makes Kconfig drop an option silently).
 dropped=()
 while IFS= read -r line; do
 	case "$line" in
-	CONFIG_*=y)
+	CONFIG_*=*)
 		grep -qx -- "$line" "$KSRC/.config" || dropped+=("${line%%=*}") ;;
 	"# CONFIG_"*" is not set")
 		opt=${line#"# "}; opt=${opt%% *}

@@ -3,14 +3,17 @@
 # check the user-space NVMe test (`LENDVM-USERSPACE <disk> ok ...`, QEMU exit
 # 1 = guest powered off through lendvm_exit_port=0xf4 with code 0).
 #
-#   tests/linux/qemu-userspace.sh [--syscall-ud] [--probe NAME] [--kernel BZIMAGE]
-#                                 [--timeout SECONDS] [--workdir DIR] [--append ARGS]
+#   tests/linux/qemu-userspace.sh [--syscall-fixup] [--syscall-ud] [--probe NAME]
+#                  [--kernel BZIMAGE] [--timeout SECONDS] [--workdir DIR] [--append ARGS]
 #
-#   --syscall-ud  add `lendvm_syscall_ud` (SYSCALL via #UD; needed where the
-#                 guest runs in KVM's emulator on a PVM host)
+#   --syscall-fixup  add `lendvm_syscall_fixup` (finish SYSCALL from the #PF it
+#                    raises; needed where the guest runs in KVM's emulator on a
+#                    PVM host, see docs/linux-guest-on-pvm.md)
+#   --syscall-ud     add `lendvm_syscall_ud` (clear EFER.SCE, SYSCALL via #UD;
+#                    does not help on this host)
 #   --probe NAME  boot rdinit=/probe-NAME (syscall, int80, ud2, spin) instead of
 #                 /init and only print what happened (no pass/fail)
-# On a PVM host without --syscall-ud, init dies at its first SYSCALL (see
+# On a PVM host without --syscall-fixup, init dies at its first SYSCALL (see
 # docs/linux-guest-on-pvm.md); this script then fails.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -18,6 +21,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 TIMEOUT=1200 WORK="" PROBE="" EXTRA="" DISK_MIB=64 LBA=4096 COUNT=8
 while [ $# -gt 0 ]; do
 	case "$1" in
+	--syscall-fixup) EXTRA="$EXTRA lendvm_syscall_fixup"; shift ;;
 	--syscall-ud) EXTRA="$EXTRA lendvm_syscall_ud"; shift ;;
 	--probe) PROBE=$2; shift 2 ;;
 	--append) EXTRA="$EXTRA $2"; shift 2 ;;
