@@ -1,0 +1,712 @@
+//! A real Linux guest under lendvm with a lent emulated NVMe disk (issue "A real Linux guest
+//! in CI"). Run by `scripts/test-linux.sh`, which builds the guest kernel
+//! (`scripts/build-guest-kernel.sh`) and points `LENDVM_LINUX_KERNEL` at it.
+//!
+//! The kernel (tinyconfig 6.1 + `resources/patches`) has no user space on this host (PVM runs
+//! it in KVM's instruction emulator, where SYSCALL keeps user privilege), so the guest side of
+//! the check is the in-kernel self-test `lendvm_selftest=` (patch 0002): it waits for the disk,
+//! writes a pattern through the block layer (FUA + flush), reads it back, prints
+//! `LENDVM-SELFTEST nvme0n1 ok ... size=<bytes> ... parts=<n>` and writes its exit code to
+//! lendvm's debug-exit port, which becomes lendvm's exit status.
+//!
+//! * `linux_boots_with_a_lent_nvme_disk`: the disk is a boot device (`--remote-device`). The
+//!   stock `nvme` driver probes `0000:00:01.0`, `nvme0n1` has the lender's size, the kernel
+//!   parses the two-partition MBR the test wrote into the lender's backing file
+//!   (`nvme0n1: p1 p2`, `parts=2`), the self-test's sectors are in the backing file at
+//!   `lba * 512`, the MBR is intact, lendvm exits 0 and the lender gets its device back.
+//! * `linux_hot_adds_a_lent_nvme_disk_through_acpi`: the same kernel boots without the disk
+//!   and with `--api-socket`; once the self-test waits for `nvme0n1`, the test hot-adds the
+//!   disk with `PUT /api/v1/vm.add-remote-device`; the VMM raises the ACPI GED interrupt, the
+//!   kernel runs `_EVT` → `PCNT` → `Notify(S01, 1)`, acpiphp scans the slot, the nvme driver
+//!   probes it, the self-test runs (one-partition MBR: `nvme0n1: p1`, `parts=1`) and lendvm
+//!   exits 0.
+//!
+//! Both tests print their boot times (wall clock and the guest's printk clock); nothing
+//! asserts on timing. Every wait is bounded ([`BOOT_TIMEOUT`] per boot) and every child
+//! process (lenderd, lendvm) is SIGKILLed and reaped on drop.
+//!
+//! Kernel command line: besides the console and the self-test, `pty.legacy_count=0` (the
+//! default 256 legacy BSD ptys register 512 tty devices in `pty_init`, ~30 s of emulated
+//! boot) — see "lendvm end-to-end" in `docs/linux-guest-on-pvm.md`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use api::client::ApiClient;
+use api::types::VmAddRemoteDeviceData;
+use lending::protocol::DeviceState;
+use lending::testing::Lenderd;
+use ntb::ClusterConfig;
+
+/// Bound on one whole boot (kernel start to lendvm's exit). A boot takes 45–60 s of wall
+/// time here (vmlinux, 128 MiB), several times that when the two shared cores are busy.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(8 * 60);
+/// The self-test's own bound on waiting for the disk (seconds). It must cover the hot-add
+/// (API round trip, ACPI notify, probe, namespace scan) on a loaded host.
+const SELFTEST_WAIT_S: u32 = 300;
+const TOKEN: &str = "lendvm-linux-tests-token";
+const LENDER: &str = "node1";
+const NVME_BDF: &str = "0000:82:00.0";
+/// Size of the lent disk (the lender's `size=`).
+const DISK_SIZE: u64 = 64 << 20;
+const SECTOR: u64 = 512;
+/// Guest RAM. The kernel needs little; every MiB costs emulated time in memmap init and
+/// `memblock_free_all`.
+const MEMORY: &str = "128M";
+
+/// The guest kernel (`LENDVM_LINUX_KERNEL`, a bzImage or vmlinux).
+fn kernel() -> PathBuf {
+    let k = std::env::var_os("LENDVM_LINUX_KERNEL").unwrap_or_else(|| {
+        panic!(
+            "LENDVM_LINUX_KERNEL is not set: these tests boot a real Linux guest; run \
+             scripts/test-linux.sh (it builds the kernel with scripts/build-guest-kernel.sh \
+             and sets LENDVM_LINUX_KERNEL)"
+        )
+    });
+    let k = PathBuf::from(k);
+    assert!(
+        k.is_file(),
+        "LENDVM_LINUX_KERNEL={} is not a file (scripts/build-guest-kernel.sh prints BZIMAGE= and VMLINUX=)",
+        k.display()
+    );
+    k
+}
+
+/// A binary of this workspace next to the running test executable.
+fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let bin = dir.join(name);
+    assert!(
+        bin.is_file(),
+        "{} not found: run `cargo build --workspace --bins` (same profile and target dir) first",
+        bin.display()
+    );
+    bin
+}
+
+// ---------------------------------------------------------------------------------------
+// The lender side: cluster file, backing image with an MBR, lenderd.
+
+/// A primary MBR partition: first sector and length in 512-byte sectors.
+#[derive(Clone, Copy)]
+struct Part {
+    start: u32,
+    sectors: u32,
+}
+
+/// A `size`-byte zeroed image with an MBR holding `parts` (type 0x83, CHS fields "use LBA").
+fn write_mbr_image(path: &Path, size: u64, parts: &[Part]) {
+    assert!(parts.len() <= 4);
+    let mut mbr = [0u8; 512];
+    mbr[440..444].copy_from_slice(&0x4c56_4d31u32.to_le_bytes()); // disk signature "1MVL"
+    for (i, p) in parts.iter().enumerate() {
+        assert!(u64::from(p.start) + u64::from(p.sectors) <= size / SECTOR);
+        let e = &mut mbr[446 + 16 * i..446 + 16 * (i + 1)];
+        e[0] = 0; // not bootable
+        e[1..4].copy_from_slice(&[0xfe, 0xff, 0xff]);
+        e[4] = 0x83; // Linux
+        e[5..8].copy_from_slice(&[0xfe, 0xff, 0xff]);
+        e[8..12].copy_from_slice(&p.start.to_le_bytes());
+        e[12..16].copy_from_slice(&p.sectors.to_le_bytes());
+    }
+    mbr[510] = 0x55;
+    mbr[511] = 0xaa;
+    let f = std::fs::File::create(path).unwrap();
+    f.set_len(size).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &mbr, 0).unwrap();
+}
+
+/// A temporary directory with a cluster file (one shm lender, inline token), the disk image
+/// and the lender's log; lenderd lending the image as an emulated NVMe.
+struct Lender {
+    dir: tempfile::TempDir,
+    cluster: PathBuf,
+    cfg: ClusterConfig,
+    disk: PathBuf,
+    _lenderd: Lenderd,
+}
+
+impl Lender {
+    fn start(parts: &[Part]) -> Lender {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("disk.img");
+        write_mbr_image(&disk, DISK_SIZE, parts);
+        let cluster = dir.path().join("cluster.toml");
+        std::fs::write(
+            &cluster,
+            format!(
+                "version = 1\ntoken = \"{TOKEN}\"\n[[node]]\nname = \"{LENDER}\"\n\
+                 fabric = \"shm\"\ncontrol = \"{}/{LENDER}.sock\"\n",
+                dir.path().display()
+            ),
+        )
+        .unwrap();
+        let cfg = ClusterConfig::load(&cluster).unwrap();
+        let lenderd = Lenderd::command(binary("lenderd"), LENDER, &cluster)
+            .log(dir.path().join("lenderd.log"))
+            .token(TOKEN)
+            .device(format!(
+                "{NVME_BDF}=nvme:path={},size={DISK_SIZE}",
+                disk.display()
+            ))
+            .spawn_until_listening(&dir.path().join(format!("{LENDER}.sock")));
+        Lender {
+            dir,
+            cluster,
+            cfg,
+            disk,
+            _lenderd: lenderd,
+        }
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// State of the lent NVMe as the lender reports it (a fresh control connection).
+    fn device_state(&self) -> Result<DeviceState, String> {
+        let session = api::lenders::Session {
+            local: ntb::NodeId::new("lendvm-linux-tests").unwrap(),
+            token: TOKEN.to_string(),
+            connect_timeout: Duration::from_secs(2),
+        };
+        let node = api::lenders::lender(&self.cfg, LENDER).map_err(|e| e.to_string())?;
+        let c = session
+            .connect(&self.cfg, node)
+            .map_err(|e| e.to_string())?;
+        let st = c.status().map_err(|e| e.to_string())?;
+        st.devices
+            .into_iter()
+            .find(|d| d.summary.id == NVME_BDF)
+            .map(|d| d.summary.state)
+            .ok_or_else(|| format!("lender has no device {NVME_BDF}"))
+    }
+
+    /// Asserts the lender has lent its NVMe to VM `vm`.
+    fn expect_lent_to(&self, vm: &str) {
+        match self.device_state() {
+            Ok(DeviceState::Lent { vm: v, .. }) if v == vm => {}
+            other => panic!("lender device state {other:?}, want lent to {vm}"),
+        }
+    }
+
+    /// Waits (bounded) until the lender has its device back after the VM ended.
+    fn expect_available(&self) {
+        let t0 = Instant::now();
+        loop {
+            let st = self.device_state();
+            if matches!(st, Ok(DeviceState::Available)) {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "lender device not available after the VM ended: {st:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The guest side: lendvm with the Linux kernel, console lines with their wall-clock time.
+
+#[derive(Default)]
+struct Console {
+    /// (wall time since spawn, line without the trailing `\r`)
+    lines: Vec<(Duration, String)>,
+    closed: bool,
+}
+
+/// A running `lendvm` booting Linux; SIGKILLed and reaped on drop.
+struct Guest {
+    name: &'static str,
+    child: Child,
+    t0: Instant,
+    console: Arc<(Mutex<Console>, Condvar)>,
+    stderr: Arc<Mutex<String>>,
+    status: Option<ExitStatus>,
+}
+
+/// The kernel command line: serial console, no KASLR (its rdrand path is not emulated), a
+/// preset loop calibration, no legacy ptys, and the self-test.
+fn cmdline(selftest: &str) -> String {
+    format!(
+        "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000 \
+         pty.legacy_count=0 lendvm_selftest={selftest}"
+    )
+}
+
+impl Guest {
+    fn start(name: &'static str, lender: &Lender, cmdline: &str, extra: &[&str]) -> Guest {
+        let kernel = kernel();
+        let mut cmd = Command::new(binary("lendvm"));
+        cmd.arg("--kernel")
+            .arg(&kernel)
+            .args([
+                "--memory",
+                MEMORY,
+                "--serial",
+                "stdout",
+                "--cmdline",
+                cmdline,
+            ])
+            .arg("--cluster")
+            .arg(&lender.cluster)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .env_remove("LENDVM_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let t0 = Instant::now();
+        let mut child = cmd.spawn().unwrap();
+        let console = Arc::new((Mutex::new(Console::default()), Condvar::new()));
+        let out = child.stdout.take().unwrap();
+        let c = console.clone();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(out);
+            let mut buf = Vec::new();
+            loop {
+                buf.clear();
+                match r.read_until(b'\n', &mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        let line = String::from_utf8_lossy(&buf);
+                        let line = line.trim_end_matches(['\n', '\r']).to_string();
+                        let (m, cv) = &*c;
+                        m.lock().unwrap().lines.push((t0.elapsed(), line));
+                        cv.notify_all();
+                    }
+                }
+            }
+            let (m, cv) = &*c;
+            m.lock().unwrap().closed = true;
+            cv.notify_all();
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut err = child.stderr.take().unwrap();
+        let s = stderr.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                s.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Guest {
+            name,
+            child,
+            t0,
+            console,
+            stderr,
+            status: None,
+        }
+    }
+
+    /// The console so far, each line prefixed with its wall-clock time.
+    fn console(&self) -> String {
+        let c = self.console.0.lock().unwrap();
+        c.lines
+            .iter()
+            .map(|(t, l)| format!("{:7.2} {l}\n", t.as_secs_f64()))
+            .collect()
+    }
+
+    fn diag(&self, lender: &Lender) -> String {
+        let lenderd = std::fs::read_to_string(lender.file("lenderd.log")).unwrap_or_default();
+        let tail: Vec<&str> = lenderd.lines().rev().take(30).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        format!(
+            "--- console (wall s, then the guest's printk time)\n{}--- lendvm stderr\n{}\n--- lenderd log (tail)\n{}\n",
+            self.console(),
+            self.stderr.lock().unwrap(),
+            tail.join("\n")
+        )
+    }
+
+    /// Waits for the first console line containing `needle`; `None` on timeout or if the
+    /// console closed (lendvm exited) first.
+    fn wait_line(&self, needle: &str, deadline: Instant) -> Option<(Duration, String)> {
+        let (m, cv) = &*self.console;
+        let mut c = m.lock().unwrap();
+        loop {
+            if let Some(l) = c.lines.iter().find(|(_, l)| l.contains(needle)) {
+                return Some(l.clone());
+            }
+            let now = Instant::now();
+            if c.closed || now >= deadline {
+                return None;
+            }
+            c = cv.wait_timeout(c, deadline - now).unwrap().0;
+        }
+    }
+
+    fn expect_line(&self, lender: &Lender, needle: &str, deadline: Instant) -> (Duration, String) {
+        self.wait_line(needle, deadline).unwrap_or_else(|| {
+            panic!(
+                "no console line containing {needle:?} (waited {:?} since boot)\n{}",
+                self.t0.elapsed(),
+                self.diag(lender)
+            )
+        })
+    }
+
+    /// The first line containing `needle` among those already seen.
+    fn line(&self, needle: &str) -> Option<String> {
+        let c = self.console.0.lock().unwrap();
+        c.lines
+            .iter()
+            .find(|(_, l)| l.contains(needle))
+            .map(|(_, l)| l.clone())
+    }
+
+    /// Waits (bounded by `deadline`) for lendvm to exit; SIGKILLs it on timeout.
+    fn wait_exit(&mut self, deadline: Instant) -> Option<ExitStatus> {
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                self.status = Some(s);
+                // Let the reader threads drain the pipes.
+                let (m, cv) = &*self.console;
+                let c = m.lock().unwrap();
+                let _ = cv.wait_timeout_while(c, Duration::from_secs(5), |c| !c.closed);
+                return self.status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn expect_exit_0(&mut self, lender: &Lender, deadline: Instant) -> Duration {
+        let st = self.wait_exit(deadline);
+        let t = self.t0.elapsed();
+        assert_eq!(
+            st.and_then(|s| s.code()),
+            Some(0),
+            "lendvm did not exit 0 (status {st:?}; None = killed after the boot bound)\n{}",
+            self.diag(lender)
+        );
+        t
+    }
+}
+
+impl Drop for Guest {
+    /// Kills lendvm if it still runs, then keeps its console and stderr in
+    /// `<target>/<profile>/linux-tests/<test>.log` (CI artifact; also after a failure).
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let Some(dir) = std::env::current_exe()
+            .ok()
+            .and_then(|e| Some(e.parent()?.parent()?.join("linux-tests")))
+        else {
+            return;
+        };
+        let _ = std::fs::create_dir_all(&dir);
+        let log = format!(
+            "--- console (wall s, then the guest's printk time)\n{}--- lendvm stderr\n{}",
+            self.console(),
+            self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
+        );
+        let path = dir.join(format!("{}.log", self.name));
+        if std::fs::write(&path, log).is_ok() {
+            println!(
+                "{}: console and lendvm log in {}",
+                self.name,
+                path.display()
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Checks.
+
+/// The guest's printk timestamp (`[   12.345678] ...`) of a console line, in seconds.
+fn printk_time(line: &str) -> Option<f64> {
+    let rest = line.trim_start().strip_prefix('[')?;
+    rest.split_once(']')?.0.trim().parse().ok()
+}
+
+/// `key=value` out of a line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// One sector of the self-test's pattern (`block/lendvm_selftest.c`, `lst_fill`): the text
+/// `LENDVM-SELFTEST sector=<n> seed=<08x>\n`, then the top byte of each step of a xorshift32
+/// seeded with `seed ^ (u32)(sector * 2654435761) ^ (u32)(sector >> 32)` (1 if that is 0).
+fn selftest_sector(sector: u64, seed: u32) -> Vec<u8> {
+    let mut buf = format!("LENDVM-SELFTEST sector={sector} seed={seed:08x}\n").into_bytes();
+    let mut x = seed ^ (sector.wrapping_mul(2_654_435_761) as u32) ^ ((sector >> 32) as u32);
+    if x == 0 {
+        x = 1;
+    }
+    while buf.len() < SECTOR as usize {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        buf.push((x >> 24) as u8);
+    }
+    buf
+}
+
+/// Asserts the backing file holds the self-test's pattern for `count` sectors from `lba`.
+fn assert_backing_has_selftest_pattern(disk: &Path, lba: u64, count: u64, seed: u32) {
+    let data = std::fs::read(disk).unwrap();
+    for s in lba..lba + count {
+        let want = selftest_sector(s, seed);
+        let off = (s * SECTOR) as usize;
+        let got = &data[off..off + SECTOR as usize];
+        if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            panic!(
+                "lender's backing file differs from the guest's self-test pattern in sector {s} \
+                 at byte {i}: got {:02x?}, want {:02x?} (sector starts {:?})",
+                &got[i..(i + 8).min(got.len())],
+                &want[i..(i + 8).min(want.len())],
+                String::from_utf8_lossy(&got[..40])
+            );
+        }
+    }
+}
+
+/// Asserts the MBR the test wrote is still in the backing file (the guest wrote elsewhere).
+fn assert_mbr_intact(disk: &Path, parts: &[Part]) {
+    let data = std::fs::read(disk).unwrap();
+    assert_eq!(&data[510..512], &[0x55, 0xaa], "MBR signature gone");
+    for (i, p) in parts.iter().enumerate() {
+        let e = &data[446 + 16 * i..446 + 16 * (i + 1)];
+        assert_eq!(e[4], 0x83, "partition {} type", i + 1);
+        assert_eq!(
+            &e[8..12],
+            &p.start.to_le_bytes(),
+            "partition {} start",
+            i + 1
+        );
+    }
+}
+
+/// What both tests check once lendvm has exited 0: the nvme driver's probe lines, the
+/// partition line, the self-test result (size, partitions, lba, seed), the pattern and the
+/// MBR in the backing file, and the lease back on the lender.
+fn check_guest_used_the_disk(
+    guest: &Guest,
+    lender: &Lender,
+    parts: &[Part],
+    lba: u64,
+    count: u64,
+    seed: u32,
+) -> String {
+    let diag = || guest.diag(lender);
+    // The stock driver bound the function lendvm put at 00:01.0 (slot 1 of bus 0).
+    let probe = guest.line("nvme nvme0: pci function 0000:00:01.0");
+    assert!(probe.is_some(), "no nvme probe line\n{}", diag());
+    assert!(
+        guest
+            .line("nvme 0000:00:01.0: enabling device (0000 -> 0002)")
+            .is_some(),
+        "nvme did not enable the device's memory space\n{}",
+        diag()
+    );
+    // The partition table the test wrote into the lender's backing file.
+    let want_parts: String = (1..=parts.len()).map(|i| format!(" p{i}")).collect();
+    let pline = guest
+        .line(" nvme0n1:")
+        .unwrap_or_else(|| panic!("no 'nvme0n1:' partition line\n{}", diag()));
+    assert!(
+        pline.trim_end().ends_with(&format!("nvme0n1:{want_parts}")),
+        "partition line {pline:?}, want nvme0n1:{want_parts}\n{}",
+        diag()
+    );
+    // The self-test's result.
+    let ok = guest
+        .line("LENDVM-SELFTEST nvme0n1 ")
+        .unwrap_or_else(|| panic!("no self-test result\n{}", diag()));
+    assert!(
+        ok.contains("LENDVM-SELFTEST nvme0n1 ok "),
+        "{ok}\n{}",
+        diag()
+    );
+    assert_eq!(
+        field(&ok, "size"),
+        Some(DISK_SIZE.to_string().as_str()),
+        "{ok}"
+    );
+    assert_eq!(field(&ok, "lbs"), Some("512"), "{ok}");
+    assert_eq!(
+        field(&ok, "parts"),
+        Some(parts.len().to_string().as_str()),
+        "{ok}"
+    );
+    assert_eq!(field(&ok, "lba"), Some(lba.to_string().as_str()), "{ok}");
+    assert_eq!(
+        field(&ok, "sectors"),
+        Some(count.to_string().as_str()),
+        "{ok}"
+    );
+    assert_eq!(
+        field(&ok, "seed"),
+        Some(format!("{seed:08x}").as_str()),
+        "{ok}"
+    );
+    let cap = guest
+        .line("lendvm-selftest: nvme0n1: ")
+        .unwrap_or_else(|| panic!("no capacity line\n{}", diag()));
+    assert!(
+        cap.contains(&format!("nvme0n1: {DISK_SIZE} bytes, logical block 512")),
+        "{cap}"
+    );
+    // The guest's data went through the fabric into the lender's file.
+    assert_backing_has_selftest_pattern(&lender.disk, lba, count, seed);
+    assert_mbr_intact(&lender.disk, parts);
+    lender.expect_available();
+    ok
+}
+
+fn report(guest: &Guest, ok_wall: Duration, exit_wall: Duration, ok_line: &str) {
+    let first = guest
+        .console
+        .0
+        .lock()
+        .unwrap()
+        .lines
+        .first()
+        .map(|(t, _)| t.as_secs_f64())
+        .unwrap_or(0.0);
+    println!(
+        "{}: first console line after {first:.1} s, self-test ok after {:.1} s wall \
+         (guest clock {:.1} s), lendvm exit 0 after {:.1} s",
+        guest.name,
+        ok_wall.as_secs_f64(),
+        printk_time(ok_line).unwrap_or(f64::NAN),
+        exit_wall.as_secs_f64()
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs the guest kernel: scripts/test-linux.sh"]
+fn linux_boots_with_a_lent_nvme_disk() {
+    kernel(); // fail before starting anything when the kernel is missing
+    let parts = [
+        Part {
+            start: 2048,
+            sectors: 32768,
+        },
+        Part {
+            start: 34816,
+            sectors: (DISK_SIZE / SECTOR) as u32 - 34816,
+        },
+    ];
+    let (lba, count, seed) = (4096u64, 8u64, 0x4c49_4e58u32); // "LINX"
+    let lender = Lender::start(&parts);
+    let cmd = cmdline(&format!(
+        "nvme0n1,lba={lba},count={count},seed={seed:#x},timeout={SELFTEST_WAIT_S},exit_port=0xf4"
+    ));
+    let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
+    let mut guest = Guest::start(
+        "linux_boots_with_a_lent_nvme_disk",
+        &lender,
+        &cmd,
+        &["--name", "linux-boot", "--remote-device", &dev],
+    );
+    let deadline = guest.t0 + BOOT_TIMEOUT;
+    // Boot devices are borrowed before any vCPU runs.
+    guest.expect_line(&lender, "Linux version ", deadline);
+    lender.expect_lent_to("linux-boot");
+    let (ok_wall, ok_line) = guest.expect_line(&lender, "LENDVM-SELFTEST ", deadline);
+    let exit_wall = guest.expect_exit_0(&lender, deadline);
+    let ok = check_guest_used_the_disk(&guest, &lender, &parts, lba, count, seed);
+    assert_eq!(ok, ok_line);
+    report(&guest, ok_wall, exit_wall, &ok_line);
+}
+
+#[test]
+#[ignore = "needs the guest kernel: scripts/test-linux.sh"]
+fn linux_hot_adds_a_lent_nvme_disk_through_acpi() {
+    kernel();
+    let parts = [Part {
+        start: 2048,
+        sectors: (DISK_SIZE / SECTOR) as u32 - 2048,
+    }];
+    let (lba, count, seed) = (6144u64, 16u64, 0x484f_5450u32); // "HOTP"
+    let lender = Lender::start(&parts);
+    let socket = lender.file("api.sock");
+    let cmd = cmdline(&format!(
+        "nvme0n1,lba={lba},count={count},seed={seed:#x},timeout={SELFTEST_WAIT_S},exit_port=0xf4"
+    ));
+    let mut guest = Guest::start(
+        "linux_hot_adds_a_lent_nvme_disk_through_acpi",
+        &lender,
+        &cmd,
+        &[
+            "--name",
+            "linux-hotplug",
+            "--api-socket",
+            socket.to_str().unwrap(),
+        ],
+    );
+    let deadline = guest.t0 + BOOT_TIMEOUT;
+    // The kernel is up to its last initcall and the self-test polls for nvme0n1.
+    let (wait_wall, wait_line) =
+        guest.expect_line(&lender, "lendvm-selftest: disk=nvme0n1", deadline);
+    assert!(
+        guest.line("pci 0000:00:01.0").is_none() && guest.line("nvme nvme0").is_none(),
+        "a PCI function in slot 1 before the hot-add\n{}",
+        guest.diag(&lender)
+    );
+    assert!(matches!(lender.device_state(), Ok(DeviceState::Available)));
+    let api = ApiClient::new(&socket, Duration::from_secs(60));
+    let added = api
+        .add_remote_device(&VmAddRemoteDeviceData {
+            device: format!("{LENDER}:{NVME_BDF}").parse().unwrap(),
+            id: Some("disk0".into()),
+            mode: None,
+        })
+        .unwrap_or_else(|e| panic!("vm.add-remote-device: {e}\n{}", guest.diag(&lender)));
+    let add_wall = guest.t0.elapsed();
+    assert_eq!(added.id, "disk0");
+    assert_eq!(added.bdf.to_string(), "0000:00:01.0");
+    lender.expect_lent_to("linux-hotplug");
+    // The kernel learns of the function only through ACPI: GED interrupt → _EVT → PCNT →
+    // Notify(S01, device check) → acpiphp scans slot 1 (and assigns its BARs).
+    let (scan_wall, _) = guest.expect_line(&lender, "pci 0000:00:01.0: [1b36:0010]", deadline);
+    let (probe_wall, _) = guest.expect_line(&lender, "nvme nvme0: pci function", deadline);
+    assert!(scan_wall >= wait_wall && probe_wall >= scan_wall);
+    let (ok_wall, ok_line) = guest.expect_line(&lender, "LENDVM-SELFTEST ", deadline);
+    let exit_wall = guest.expect_exit_0(&lender, deadline);
+    let ok = check_guest_used_the_disk(&guest, &lender, &parts, lba, count, seed);
+    assert_eq!(ok, ok_line);
+    let stderr = guest.stderr.lock().unwrap().clone();
+    assert!(
+        stderr.contains("pci hotplug: slot 1 added")
+            && stderr.contains("hot-added disk0: node1:0000:82:00.0 at 0000:00:01.0"),
+        "lendvm did not log the hot-add\n{stderr}"
+    );
+    println!(
+        "linux_hot_adds_a_lent_nvme_disk_through_acpi: self-test waiting after {:.1} s wall \
+         (guest clock {:.1} s), hot-added at {:.1} s, nvme probe {:.1} s after the add",
+        wait_wall.as_secs_f64(),
+        printk_time(&wait_line).unwrap_or(f64::NAN),
+        add_wall.as_secs_f64(),
+        (probe_wall.saturating_sub(add_wall)).as_secs_f64()
+    );
+    report(&guest, ok_wall, exit_wall, &ok_line);
+}
