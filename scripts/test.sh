@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, checks formatting and lints, builds every
-# binary (integration tests run the real lendvm/lenderd processes) and runs all tests.
+# binary (integration tests run the real lendvm/lenderd processes), runs all tests, then the
+# real-Linux end-to-end tests (builds the guest kernel once, cached by content hash).
+#
+# LENDVM_SKIP_LINUX=1 skips the Linux part (e.g. for a quick local run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,3 +12,12 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo build --workspace --bins --locked
 cargo test --workspace --locked
+# The decoders' fuzz properties at CI depth (10^5 cases each crate); the default runs above
+# are shorter.
+PROPTEST_CASES=25000 cargo test -p ntb --locked --test wire_fuzz
+PROPTEST_CASES=100000 cargo test -p lending --locked --lib protocol
+if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
+  echo "test: LENDVM_SKIP_LINUX=1: Linux end-to-end tests skipped"
+else
+  scripts/test-linux.sh
+fi
