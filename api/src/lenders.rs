@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use lending::client::{ClientError, LenderClient};
 use lending::protocol::{DeviceState, DeviceSummary, HelloReply, LenderStatus};
-use ntb::{connect_addr, ClusterConfig, NodeConfig, NodeId};
+use ntb::{ClusterConfig, NodeConfig, NodeId};
 use serde::Serialize;
 
 /// The client name lendctl gives in its hello (lenderd logs it).
@@ -55,20 +55,18 @@ impl Session {
             lender: lender.name.to_string(),
             message,
         };
-        let mut cfg = cluster
-            .node(self.local.as_str())
-            .map_or_else(|| lender.link.clone(), |n| n.link.clone());
-        cfg.connect_timeout = cfg.connect_timeout.min(self.connect_timeout);
-        let ep = connect_addr(&lender.control, &self.local, &cfg)
-            .map_err(|e| unreachable(format!("{} ({}): {e}", lender.control, lender.fabric)))?;
-        if ep.peer_node() != &lender.name {
-            return Err(unreachable(format!(
-                "{} answered as {}",
-                lender.control,
-                ep.peer_node()
-            )));
-        }
-        LenderClient::from_endpoint(ep, &self.token, CLIENT_NAME).map_err(|e| match e {
+        LenderClient::connect_node(
+            cluster,
+            lender,
+            &self.local,
+            self.connect_timeout,
+            &self.token,
+            CLIENT_NAME,
+        )
+        .map_err(|e| match e {
+            ClientError::Connect { source, .. } => {
+                unreachable(format!("{} ({}): {source}", lender.control, lender.fabric))
+            }
             ClientError::Remote { message, .. } => unreachable(format!("refused: {message}")),
             other => unreachable(other.to_string()),
         })

@@ -57,7 +57,7 @@ use tokio::sync::oneshot;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::request::{ApiError, ApiMessage, ApiRequest, ApiResponse};
-use crate::types::{VmAddRemoteDeviceData, VmRemoveDeviceData};
+use crate::types::{SpecError, VmAddRemoteDeviceData, VmRemoveDeviceData};
 
 /// URL prefix of every endpoint.
 pub const API_ROOT: &str = "/api/v1";
@@ -284,12 +284,13 @@ impl AppState {
         }
     }
 
-    /// Reads and parses a JSON request body, mapping every failure to a 4xx with a clear
-    /// message.
+    /// Reads, parses and `validate`s a JSON request body, mapping every failure to a 4xx with
+    /// a clear message.
     async fn parse_body<T: DeserializeOwned>(
         &self,
         headers: &HeaderMap,
         body: Body,
+        validate: fn(&T) -> Result<(), SpecError>,
     ) -> Result<T, Response> {
         let body = self.read_body(headers, body).await?;
         if body.iter().all(u8::is_ascii_whitespace) {
@@ -298,12 +299,15 @@ impl AppState {
                 "missing request body: expected a JSON object",
             ));
         }
-        serde_json::from_slice(&body).map_err(|e| {
+        let invalid = |e: &dyn std::fmt::Display| {
             text(
                 StatusCode::BAD_REQUEST,
                 format!("invalid request body: {e}"),
             )
-        })
+        };
+        let data = serde_json::from_slice(&body).map_err(|e| invalid(&e))?;
+        validate(&data).map_err(|e| invalid(&e))?;
+        Ok(data)
     }
 }
 
@@ -320,31 +324,23 @@ async fn vm_add_remote_device(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let data: VmAddRemoteDeviceData = match s.parse_body(&headers, body).await {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
-    if let Err(e) = data.validate() {
-        return text(
-            StatusCode::BAD_REQUEST,
-            format!("invalid request body: {e}"),
-        );
+    match s
+        .parse_body(&headers, body, VmAddRemoteDeviceData::validate)
+        .await
+    {
+        Ok(data) => s.forward(ApiRequest::VmAddRemoteDevice(data)).await,
+        Err(r) => r,
     }
-    s.forward(ApiRequest::VmAddRemoteDevice(data)).await
 }
 
 async fn vm_remove_device(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let data: VmRemoveDeviceData = match s.parse_body(&headers, body).await {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
-    if let Err(e) = data.validate() {
-        return text(
-            StatusCode::BAD_REQUEST,
-            format!("invalid request body: {e}"),
-        );
+    match s
+        .parse_body(&headers, body, VmRemoveDeviceData::validate)
+        .await
+    {
+        Ok(data) => s.forward(ApiRequest::VmRemoveDevice(data)).await,
+        Err(r) => r,
     }
-    s.forward(ApiRequest::VmRemoveDevice(data)).await
 }
 
 async fn vm_shutdown(State(s): State<AppState>) -> Response {

@@ -24,20 +24,21 @@
 //! thread at once (no polling interval on any teardown path).
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ntb::{
-    ClusterConfig, Endpoint, Fabric, FabricError, FabricKind, Incoming, Message, NodeId,
-    PeerWindow, SocketFabric,
+    connect_addr, ClusterConfig, Endpoint, Fabric, FabricError, FabricKind, Incoming, Message,
+    NodeConfig, NodeId, PeerWindow, SocketFabric,
 };
 use serde::de::DeserializeOwned;
 use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::backend::irq::IrqRelay;
 use crate::protocol::{
     self, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite, DeviceInfo, DeviceSummary, DmaMap,
     DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample, IrqTarget, LeaseRef, LenderStatus,
@@ -69,6 +70,22 @@ pub enum ClientError {
     /// The reply lacked something.
     #[error("bad reply: {0}")]
     BadReply(String),
+    /// The lender's control address could not be reached.
+    #[error("connecting to {addr}: {source}")]
+    Connect {
+        /// The control address.
+        addr: String,
+        /// Why.
+        source: FabricError,
+    },
+    /// Another node answered at the lender's control address.
+    #[error("{addr} answered as {node}")]
+    WrongLender {
+        /// The control address.
+        addr: String,
+        /// The node that answered.
+        node: String,
+    },
     /// An fd operation failed.
     #[error("{what}: {source}")]
     Os {
@@ -194,78 +211,41 @@ impl EventWaker {
 }
 
 /// Watches an INTx resample eventfd and sends [`Event::Resample`] for its lease (links
-/// without fd passing). Dropping it stops and joins the thread at once.
-struct ResampleForwarder {
-    stop: Arc<EventFd>,
-    thread: Option<JoinHandle<()>>,
+/// without fd passing). Dropping the relay stops and joins the thread at once.
+fn forward_resamples(
+    ep: Arc<dyn Endpoint>,
+    lease: u64,
+    fd: EventFd,
+) -> Result<IrqRelay, ClientError> {
+    IrqRelay::watch(
+        format!("resample{lease}"),
+        format!("lease {lease}: resample"),
+        vec![fd],
+        move |_| send_resample(&*ep, lease),
+    )
+    .map_err(|source| ClientError::Os {
+        what: "starting the resample forwarding thread",
+        source,
+    })
 }
 
-impl ResampleForwarder {
-    fn start(ep: Arc<dyn Endpoint>, lease: u64, fd: EventFd) -> Result<Self, ClientError> {
-        let os = |what| move |source| ClientError::Os { what, source };
-        let stop = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(os("resample stop eventfd"))?);
-        let stop2 = Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name(format!("resample{lease}"))
-            .spawn(move || forward_resamples(&*ep, lease, &fd, &stop2))
-            .map_err(os("starting the resample forwarding thread"))?;
-        Ok(ResampleForwarder {
-            stop,
-            thread: Some(thread),
-        })
-    }
-}
-
-fn forward_resamples(ep: &dyn Endpoint, lease: u64, fd: &EventFd, stop: &EventFd) {
-    let mut pfds = [stop.as_raw_fd(), fd.as_raw_fd()].map(|fd| libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    });
-    loop {
-        // SAFETY: `pfds` is a valid array of two initialised pollfd structures.
-        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, -1) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            log::error!("lease {lease}: resample poll failed: {e}");
-            return;
-        }
-        if pfds[0].revents != 0 {
-            return;
-        }
-        if pfds[1].revents & libc::POLLIN != 0 {
-            let _ = fd.read();
-            let msg = Event::Resample(IrqResample { lease })
-                .encode()
-                .map(|(op, p)| Message::raw(op, p));
-            match msg {
-                Ok(m) => {
-                    if let Err(e) = ep.send(m) {
-                        log::debug!("lease {lease}: resample to {}: {e}", ep.peer_node());
-                        if e.is_peer_gone() {
-                            return;
-                        }
-                    }
+/// Sends one [`Event::Resample`]; false once the lender is gone.
+fn send_resample(ep: &dyn Endpoint, lease: u64) -> bool {
+    let msg = Event::Resample(IrqResample { lease })
+        .encode()
+        .map(|(op, p)| Message::raw(op, p));
+    match msg {
+        Ok(m) => {
+            if let Err(e) = ep.send(m) {
+                log::debug!("lease {lease}: resample to {}: {e}", ep.peer_node());
+                if e.is_peer_gone() {
+                    return false;
                 }
-                Err(e) => log::error!("lease {lease}: resample event encode: {e}"),
             }
         }
-        pfds[1].revents = 0;
+        Err(e) => log::error!("lease {lease}: resample event encode: {e}"),
     }
-}
-
-impl Drop for ResampleForwarder {
-    fn drop(&mut self) {
-        if let Err(e) = self.stop.write(1) {
-            log::error!("resample forwarder stop failed: {e}");
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+    true
 }
 
 struct Inner {
@@ -276,7 +256,7 @@ struct Inner {
     version: AtomicU32,
     routes: IrqRoutes,
     /// Per lease: the INTx resample forwarder (tcp).
-    resamplers: Mutex<HashMap<u64, ResampleForwarder>>,
+    resamplers: Mutex<HashMap<u64, IrqRelay>>,
     pump: Mutex<Option<EventPump>>,
 }
 
@@ -436,6 +416,37 @@ impl LenderClient {
     ) -> Result<Self, ClientError> {
         let fabric = SocketFabric::from_cluster(cluster, local)?;
         let ep = fabric.connect(&NodeId::new(lender)?)?;
+        Self::from_endpoint(ep, token, client)
+    }
+
+    /// Opens a link straight to `lender`'s control address under the name `local`, which
+    /// need not be in `cluster` (the link settings are its own if it is, else the lender's;
+    /// connecting takes at most `connect_timeout`), checks that `lender` is who answers, and
+    /// says hello. Fails with [`ClientError::Connect`] or [`ClientError::WrongLender`] before
+    /// the hello.
+    pub fn connect_node(
+        cluster: &ClusterConfig,
+        lender: &NodeConfig,
+        local: &NodeId,
+        connect_timeout: Duration,
+        token: &str,
+        client: &str,
+    ) -> Result<Self, ClientError> {
+        let mut cfg = cluster
+            .node(local.as_str())
+            .map_or_else(|| lender.link.clone(), |n| n.link.clone());
+        cfg.connect_timeout = cfg.connect_timeout.min(connect_timeout);
+        let ep =
+            connect_addr(&lender.control, local, &cfg).map_err(|source| ClientError::Connect {
+                addr: lender.control.to_string(),
+                source,
+            })?;
+        if ep.peer_node() != &lender.name {
+            return Err(ClientError::WrongLender {
+                addr: lender.control.to_string(),
+                node: ep.peer_node().to_string(),
+            });
+        }
         Self::from_endpoint(ep, token, client)
     }
 
@@ -729,7 +740,17 @@ impl Lease {
             })
         };
         let pass_fds = self.inner.ep.kind() == FabricKind::Shm;
-        let mut fds = Vec::new();
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        // Sends a duplicate of `e` with the request, as the next fd.
+        let pass = |fds: &mut Vec<OwnedFd>, e: &EventFd| {
+            let i = u8::try_from(fds.len()).map_err(|_| {
+                ClientError::BadReply("more than 255 eventfds in one set_irqs".into())
+            })?;
+            let dup = dup(e)?;
+            // SAFETY: `dup` is a fresh eventfd we own; ownership moves to the OwnedFd.
+            fds.push(unsafe { OwnedFd::from_raw_fd(dup.into_raw_fd()) });
+            Ok::<_, ClientError>(IrqTarget::Fd(i))
+        };
         let mut relayed = Vec::new();
         let mut t = Vec::with_capacity(targets.len());
         for (vector, x) in targets.iter().enumerate() {
@@ -741,15 +762,7 @@ impl Lease {
                     relayed.push((vector as u32, dup(e)?));
                     IrqTarget::Event
                 }
-                ClientIrq::EventFd(e) => {
-                    let i = u8::try_from(fds.len()).map_err(|_| {
-                        ClientError::BadReply("more than 255 eventfds in one set_irqs".into())
-                    })?;
-                    let dup = dup(e)?;
-                    // SAFETY: `dup` is a fresh eventfd we own; ownership moves to the OwnedFd.
-                    fds.push(unsafe { OwnedFd::from_raw_fd(dup.into_raw_fd()) });
-                    IrqTarget::Fd(i)
-                }
+                ClientIrq::EventFd(e) => pass(&mut fds, e)?,
             });
         }
         let resample = match resample {
@@ -766,17 +779,9 @@ impl Lease {
         let mut forwarder = None;
         let resample_target = match resample {
             None => IrqTarget::None,
-            Some(e) if pass_fds => {
-                let i = u8::try_from(fds.len()).map_err(|_| {
-                    ClientError::BadReply("more than 255 eventfds in one set_irqs".into())
-                })?;
-                let dup = dup(e)?;
-                // SAFETY: `dup` is a fresh eventfd we own; ownership moves to the OwnedFd.
-                fds.push(unsafe { OwnedFd::from_raw_fd(dup.into_raw_fd()) });
-                IrqTarget::Fd(i)
-            }
+            Some(e) if pass_fds => pass(&mut fds, e)?,
             Some(e) => {
-                forwarder = Some(ResampleForwarder::start(
+                forwarder = Some(forward_resamples(
                     Arc::clone(&self.inner.ep),
                     self.id,
                     dup(e)?,

@@ -274,6 +274,35 @@ impl Inner {
         }
     }
 
+    /// Waits on the state condvar until `ready` yields a value; fails when the link goes down
+    /// first (unless `ready` answers that too) or `timeout` passes.
+    fn wait_for<R>(
+        &self,
+        timeout: Duration,
+        mut ready: impl FnMut(&mut State) -> Option<R>,
+    ) -> Result<R> {
+        let deadline = Instant::now() + timeout;
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(r) = ready(&mut st) {
+                return Ok(r);
+            }
+            if self.is_gone() {
+                drop(st);
+                return Err(self.gone_err());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(FabricError::Timeout(timeout));
+            }
+            st = self
+                .cond
+                .wait_timeout(st, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
     fn mark_gone(&self, reason: &str) {
         if self.gone.swap(true, Ordering::AcqRel) {
             return;
@@ -428,6 +457,21 @@ impl Inner {
             });
         }
         Ok(atomic_at(self.spads.as_ptr(), index))
+    }
+
+    /// Checks `index` against the peer's scratchpads and that the link is up: the peer's
+    /// scratchpad when its page is mapped here (shm), `None` when messages reach it (tcp).
+    fn peer_spad(&self, index: u32) -> Result<Option<&AtomicU32>> {
+        let count = self.peer_hello.scratchpads;
+        if index >= count {
+            return Err(FabricError::BadScratchpad { index, count });
+        }
+        self.check_up()?;
+        Ok(self.peer_spads.as_ref().map(|m| {
+            // SAFETY: index < peer count; the mapping covers spad_bytes(count) and lives as
+            // long as self.
+            unsafe { &*atomic_at(m.as_ptr(), index) }
+        }))
     }
 
     fn set_local_spad(&self, index: u32, value: u32) -> Result<()> {
@@ -780,31 +824,21 @@ pub(crate) fn establish(
                 h.opcode
             )));
         }
+        // Tells the peer why its hello is refused (best effort: we fail either way).
+        let refuse = |code: u32, message: String| -> Result<()> {
+            let r = wire::encode_payload(&ErrorReply::new(code, message))?;
+            let _ = send_raw(&stream, FLAG_REPLY | FLAG_ERROR, op::HELLO, h.id, &r, &[]);
+            Ok(())
+        };
         let ph: msg::Hello = match wire::decode_payload(&p) {
             Ok(v) => v,
             Err(e) => {
-                let r = ErrorReply::new(code::INVALID, e.to_string());
-                let _ = send_raw(
-                    &stream,
-                    FLAG_REPLY | FLAG_ERROR,
-                    op::HELLO,
-                    h.id,
-                    &wire::encode_payload(&r)?,
-                    &[],
-                );
+                refuse(code::INVALID, e.to_string())?;
                 return Err(e.into());
             }
         };
         if let Err(m) = check_hello(&ph, kind, fds.len(), cfg) {
-            let r = ErrorReply::new(code::VERSION, m.clone());
-            let _ = send_raw(
-                &stream,
-                FLAG_REPLY | FLAG_ERROR,
-                op::HELLO,
-                h.id,
-                &wire::encode_payload(&r)?,
-                &[],
-            );
+            refuse(code::VERSION, m.clone())?;
             return Err(hs_err(m));
         }
         send_raw(&stream, FLAG_REPLY, op::HELLO, h.id, &hello_bytes, &my_fds)?;
@@ -1068,6 +1102,19 @@ fn copy_reply(m: Message, dst: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
+/// `bits` must name at least one doorbell and only doorbells below `count`.
+fn check_doorbell_bits(bits: u64, count: u32) -> Result<()> {
+    let valid = if count >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << count) - 1
+    };
+    if bits == 0 || bits & !valid != 0 {
+        return Err(FabricError::BadDoorbell { bits, count });
+    }
+    Ok(())
+}
+
 fn poll_fds(fds: &[BorrowedFd<'_>], timeout: Duration) -> Result<bool> {
     let mut pfds: Vec<libc::pollfd> = fds
         .iter()
@@ -1209,27 +1256,12 @@ impl Endpoint for LinkEndpoint {
     }
 
     fn wait_peer_window(&self, label: &str, timeout: Duration) -> Result<WindowInfo> {
-        let deadline = Instant::now() + timeout;
-        let mut st = lock(&self.inner.state);
-        loop {
-            if let Some(w) = st.peer_windows.values().find(|w| w.info.label == label) {
-                return Ok(w.info.clone());
-            }
-            if self.inner.is_gone() {
-                drop(st);
-                return Err(self.inner.gone_err());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(FabricError::Timeout(timeout));
-            }
-            st = self
-                .inner
-                .cond
-                .wait_timeout(st, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+        self.inner.wait_for(timeout, |st| {
+            st.peer_windows
+                .values()
+                .find(|w| w.info.label == label)
+                .map(|w| w.info.clone())
+        })
     }
 
     fn map_peer_window(&self, id: WindowId) -> Result<Box<dyn PeerWindow>> {
@@ -1285,15 +1317,7 @@ impl Endpoint for LinkEndpoint {
 
     fn ring_peer(&self, bits: u64) -> Result<()> {
         let inner = &self.inner;
-        let count = inner.peer_hello.doorbells;
-        let valid = if count >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << count) - 1
-        };
-        if bits == 0 || bits & !valid != 0 {
-            return Err(FabricError::BadDoorbell { bits, count });
-        }
+        check_doorbell_bits(bits, inner.peer_hello.doorbells)?;
         inner.check_up()?;
         match inner.kind {
             FabricKind::Shm => {
@@ -1313,15 +1337,7 @@ impl Endpoint for LinkEndpoint {
 
     fn wait_doorbell(&self, mask: u64, timeout: Duration) -> Result<u64> {
         let inner = &self.inner;
-        let count = inner.cfg.doorbells;
-        let valid = if count >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << count) - 1
-        };
-        if mask == 0 || mask & !valid != 0 {
-            return Err(FabricError::BadDoorbell { bits: mask, count });
-        }
+        check_doorbell_bits(mask, inner.cfg.doorbells)?;
         let deadline = Instant::now() + timeout;
         let selected: Vec<(usize, &EventFd)> = inner
             .doorbells
@@ -1398,16 +1414,8 @@ impl Endpoint for LinkEndpoint {
 
     fn read_peer_spad(&self, index: u32) -> Result<u32> {
         let inner = &self.inner;
-        let count = inner.peer_hello.scratchpads;
-        if index >= count {
-            return Err(FabricError::BadScratchpad { index, count });
-        }
-        inner.check_up()?;
-        match &inner.peer_spads {
-            Some(m) => {
-                // SAFETY: index < peer count; the mapping covers spad_bytes(count) and lives in inner.
-                Ok(unsafe { (*atomic_at(m.as_ptr(), index)).load(Ordering::SeqCst) })
-            }
+        match inner.peer_spad(index)? {
+            Some(spad) => Ok(spad.load(Ordering::SeqCst)),
             None => {
                 let p = wire::encode_payload(&msg::SpadRead { index })?;
                 let (id, rx) = inner.start_request(op::SPAD_READ, &p, &[])?;
@@ -1419,15 +1427,9 @@ impl Endpoint for LinkEndpoint {
 
     fn write_peer_spad(&self, index: u32, value: u32) -> Result<()> {
         let inner = &self.inner;
-        let count = inner.peer_hello.scratchpads;
-        if index >= count {
-            return Err(FabricError::BadScratchpad { index, count });
-        }
-        inner.check_up()?;
-        match &inner.peer_spads {
-            Some(m) => {
-                // SAFETY: as in read_peer_spad.
-                unsafe { (*atomic_at(m.as_ptr(), index)).store(value, Ordering::SeqCst) };
+        match inner.peer_spad(index)? {
+            Some(spad) => {
+                spad.store(value, Ordering::SeqCst);
                 Ok(())
             }
             None => {
@@ -1486,47 +1488,16 @@ impl Endpoint for LinkEndpoint {
     }
 
     fn recv(&self, timeout: Duration) -> Result<Incoming> {
-        let deadline = Instant::now() + timeout;
-        let mut st = lock(&self.inner.state);
-        loop {
-            if let Some(i) = st.incoming.pop_front() {
-                return Ok(i);
-            }
-            if self.inner.is_gone() {
-                drop(st);
-                return Err(self.inner.gone_err());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(FabricError::Timeout(timeout));
-            }
-            st = self
-                .inner
-                .cond
-                .wait_timeout(st, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+        self.inner.wait_for(timeout, |st| st.incoming.pop_front())
     }
 
     fn wait_gone(&self, timeout: Duration) -> Result<String> {
-        let deadline = Instant::now() + timeout;
-        let mut st = lock(&self.inner.state);
-        loop {
-            if self.inner.is_gone() {
-                return Ok(st.gone_reason.clone().unwrap_or_default());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(FabricError::Timeout(timeout));
-            }
-            st = self
-                .inner
-                .cond
-                .wait_timeout(st, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+        let inner = &self.inner;
+        inner.wait_for(timeout, |st| {
+            inner
+                .is_gone()
+                .then(|| st.gone_reason.clone().unwrap_or_default())
+        })
     }
 
     fn close(&self) {

@@ -109,12 +109,7 @@ impl DeviceRelocation for BarRelocator {
         } else {
             &self.mmio
         };
-        bus.relocate(mv.old, mv.new)
-            .map_err(|e| PciDeviceError::MoveBar {
-                old: mv.old,
-                new: mv.new,
-                reason: e.to_string(),
-            })?;
+        bus.relocate(mv.old, mv.new).map_err(|e| mv.failed(e))?;
         let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
         if let Err(e) = alloc.free(mv.region_type, mv.old, mv.len) {
             log::warn!("{bdf}: freeing old bar range {:#x}: {e}", mv.old);

@@ -6,7 +6,7 @@
 //! GSIs 0..24 are always part of it); MSI GSIs are allocated above the IOAPIC pins, lazily on a
 //! vector's first unmask, and freed when their group is dropped.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -22,6 +22,7 @@ use pci::interrupt::{
 };
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::id_alloc::IdAllocator;
 use crate::layout::IOAPIC_PINS;
 
 /// KVM's maximum number of GSI routes.
@@ -39,49 +40,7 @@ fn kvm_err(e: kvm_ioctls::Error) -> std::io::Error {
 }
 
 /// Hands out GSIs in `[first, end)`, reusing freed ones (lowest first).
-#[derive(Debug)]
-pub struct GsiAllocator {
-    first: u32,
-    next: u32,
-    end: u32,
-    free: BTreeSet<u32>,
-}
-
-impl GsiAllocator {
-    pub fn new(first: u32, end: u32) -> Self {
-        Self {
-            first,
-            next: first,
-            end,
-            free: BTreeSet::new(),
-        }
-    }
-
-    /// Takes one GSI, or `None` when all are in use.
-    pub fn allocate(&mut self) -> Option<u32> {
-        if let Some(g) = self.free.pop_first() {
-            return Some(g);
-        }
-        (self.next < self.end).then(|| {
-            self.next += 1;
-            self.next - 1
-        })
-    }
-
-    /// Returns `gsi` to the pool.
-    pub fn release(&mut self, gsi: u32) {
-        if gsi < self.first || gsi >= self.next {
-            log::warn!("GSI {gsi} was never allocated here");
-        } else if !self.free.insert(gsi) {
-            log::warn!("GSI {gsi} released twice");
-        }
-    }
-
-    /// GSIs currently handed out.
-    pub fn in_use(&self) -> usize {
-        (self.next - self.first) as usize - self.free.len()
-    }
-}
+pub type GsiAllocator = IdAllocator;
 
 /// A GSI owned by a value; dropping it returns the GSI to the allocator.
 #[derive(Debug)]
@@ -295,7 +254,11 @@ impl KvmInterruptManager {
         let use_devid = vm.check_extension(kvm_ioctls::Cap::MsiDevid);
         Ok(Self {
             vm,
-            gsis: Arc::new(Mutex::new(GsiAllocator::new(IOAPIC_PINS, MAX_ROUTES))),
+            gsis: Arc::new(Mutex::new(GsiAllocator::new(
+                "GSI",
+                IOAPIC_PINS,
+                MAX_ROUTES,
+            ))),
             routes,
             use_devid,
             irqfds: Arc::default(),
@@ -605,7 +568,7 @@ mod tests {
 
     #[test]
     fn gsi_allocator_reuses_freed_and_stops_at_end() {
-        let a = Arc::new(Mutex::new(GsiAllocator::new(24, 27)));
+        let a = Arc::new(Mutex::new(GsiAllocator::new("GSI", 24, 27)));
         let g1 = Gsi::allocate(&a).unwrap();
         let g2 = Gsi::allocate(&a).unwrap();
         let g3 = Gsi::allocate(&a).unwrap();

@@ -9,6 +9,7 @@ pub mod control;
 pub mod cpuid;
 pub mod device_manager;
 pub mod exit;
+pub mod id_alloc;
 pub mod interrupt;
 pub mod layout;
 pub mod legacy;

@@ -21,7 +21,7 @@ use std::time::Duration;
 use api::types::{RemoteDeviceMode, RemoteDeviceSpec};
 use lending::client::{ClientError, LenderClient};
 use lending::protocol::code;
-use ntb::{connect_addr, ClusterConfig, NodeId};
+use ntb::{ClusterConfig, NodeId};
 use pci::vm_ops::GuestRamRegion;
 use remote_pci::lending_link::{LendingLink, LendingLinkError, LendingLinkOptions};
 use remote_pci::{
@@ -181,24 +181,25 @@ impl LinkSource for LenderSource {
             reason,
         };
         let local = NodeId::new(&self.id.local).map_err(|e| local_err(e.to_string()))?;
-        let mut cfg = self
-            .cluster
-            .node(&self.id.local)
-            .map_or_else(|| lender.link.clone(), |n| n.link.clone());
-        cfg.connect_timeout = cfg.connect_timeout.min(CONNECT_TIMEOUT);
-        let ep =
-            connect_addr(&lender.control, &local, &cfg).map_err(|e| unreachable(e.to_string()))?;
-        if ep.peer_node() != &lender.name {
-            return Err(unreachable(format!("it answered as {}", ep.peer_node())));
-        }
-        let client =
-            LenderClient::from_endpoint(ep, &self.id.token, CLIENT_NAME).map_err(|e| match e {
-                ClientError::Remote { message, .. } => AttachError::Refused {
-                    node: node.to_string(),
-                    reason: message,
-                },
-                other => unreachable(other.to_string()),
-            })?;
+        let client = LenderClient::connect_node(
+            &self.cluster,
+            lender,
+            &local,
+            CONNECT_TIMEOUT,
+            &self.id.token,
+            CLIENT_NAME,
+        )
+        .map_err(|e| match e {
+            ClientError::Connect { source, .. } => unreachable(source.to_string()),
+            ClientError::WrongLender { node: other, .. } => {
+                unreachable(format!("it answered as {other}"))
+            }
+            ClientError::Remote { message, .. } => AttachError::Refused {
+                node: node.to_string(),
+                reason: message,
+            },
+            other => unreachable(other.to_string()),
+        })?;
         let client = Arc::new(client);
         let lease = client.borrow(&bdf, &self.id.vm_name).map_err(|e| match e {
             ClientError::Remote {

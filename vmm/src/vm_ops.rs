@@ -1,6 +1,5 @@
 //! `pci::vm_ops::VmOps` with KVM: memslots and ioeventfds owned by guards, guest RAM access.
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -12,46 +11,11 @@ use pci::vm_ops::{
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::id_alloc::IdAllocator;
 use crate::memory::GuestRam;
 
 /// Hands out KVM memslot numbers in `[first, end)`, reusing freed ones.
-#[derive(Debug)]
-pub struct SlotAllocator {
-    first: u32,
-    next: u32,
-    end: u32,
-    free: BTreeSet<u32>,
-}
-
-impl SlotAllocator {
-    pub fn new(first: u32, end: u32) -> Self {
-        Self {
-            first,
-            next: first,
-            end,
-            free: BTreeSet::new(),
-        }
-    }
-
-    /// Slots currently handed out.
-    pub fn in_use(&self) -> usize {
-        (self.next - self.first) as usize - self.free.len()
-    }
-
-    pub fn allocate(&mut self) -> Option<u32> {
-        if let Some(s) = self.free.pop_first() {
-            return Some(s);
-        }
-        (self.next < self.end).then(|| {
-            self.next += 1;
-            self.next - 1
-        })
-    }
-
-    pub fn release(&mut self, slot: u32) {
-        self.free.insert(slot);
-    }
-}
+pub type SlotAllocator = IdAllocator;
 
 fn io_err(op: &'static str, e: kvm_ioctls::Error) -> VmOpsError {
     VmOpsError::Backend {
@@ -107,7 +71,11 @@ impl KvmVmOps {
         Self {
             vm,
             ram,
-            slots: Arc::new(Mutex::new(SlotAllocator::new(first_free_slot, max_slots))),
+            slots: Arc::new(Mutex::new(SlotAllocator::new(
+                "memslot",
+                first_free_slot,
+                max_slots,
+            ))),
             ioevents: Arc::default(),
         }
     }
@@ -259,7 +227,7 @@ mod tests {
 
     #[test]
     fn slot_allocator_reuses() {
-        let mut a = SlotAllocator::new(2, 4);
+        let mut a = SlotAllocator::new("memslot", 2, 4);
         assert_eq!(a.allocate(), Some(2));
         assert_eq!(a.allocate(), Some(3));
         assert_eq!(a.allocate(), None);

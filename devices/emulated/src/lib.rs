@@ -32,7 +32,7 @@ mod waiter;
 pub use dma::{DmaFault, DmaMemory};
 pub use irq::{InterruptMode, InterruptSink};
 pub use model::{BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity};
-pub use regs::{HeapRegisters, RawRegisters, RegisterMemory};
+pub use regs::{HeapRegisters, MappedRegisters, RawRegisters, RegisterMemory};
 
 /// How a device's worker thread learns about register writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -105,26 +105,33 @@ impl RegisterMemory for RawRegisters {
     }
 }
 
-/// Heap-backed register memory (tests, the tcp fabric).
-pub struct HeapRegisters {
+/// Register memory in a mapping that `backing` owns and keeps alive (a heap buffer, a memfd,
+/// a mapped fabric window).
+pub struct MappedRegisters<B> {
     raw: RawRegisters,
-    _buf: Box<[AtomicU64]>,
+    backing: B,
 }
 
-impl HeapRegisters {
-    /// `len` bytes (rounded up to 8) of zeroed registers.
-    pub fn new(len: usize) -> Self {
-        let words = len.div_ceil(8);
-        let buf: Box<[AtomicU64]> = (0..words).map(|_| AtomicU64::new(0)).collect();
-        // SAFETY: the boxed slice is 8-aligned, `words * 8` bytes long, lives as long as `raw`
-        // (both are fields of the same value and the box never moves its heap allocation),
-        // and is only accessed atomically.
-        let raw = unsafe { RawRegisters::new(buf.as_ptr() as *mut u8, words * 8) };
-        HeapRegisters { raw, _buf: buf }
+impl<B> MappedRegisters<B> {
+    /// Wrap `len` bytes at `base`, which belong to `backing`.
+    ///
+    /// # Safety
+    /// As for [`RawRegisters::new`], for as long as `backing` lives: the memory must not move
+    /// when `backing` does.
+    pub unsafe fn with_backing(backing: B, base: *mut u8, len: usize) -> Self {
+        // SAFETY: the caller guarantees `RawRegisters::new`'s contract while `backing` lives,
+        // and `raw` lives in the same value.
+        let raw = unsafe { RawRegisters::new(base, len) };
+        MappedRegisters { raw, backing }
+    }
+
+    /// What owns the memory.
+    pub fn backing(&self) -> &B {
+        &self.backing
     }
 }
 
-impl RegisterMemory for HeapRegisters {
+impl<B: Send + Sync> RegisterMemory for MappedRegisters<B> {
     fn len(&self) -> usize {
         self.raw.len()
     }
@@ -139,6 +146,21 @@ impl RegisterMemory for HeapRegisters {
     }
     fn write64(&self, offset: u64, value: u64) {
         self.raw.write64(offset, value)
+    }
+}
+
+/// Heap-backed register memory (tests, the tcp fabric).
+pub type HeapRegisters = MappedRegisters<Box<[AtomicU64]>>;
+
+impl HeapRegisters {
+    /// `len` bytes (rounded up to 8) of zeroed registers.
+    pub fn new(len: usize) -> Self {
+        let words = len.div_ceil(8);
+        let buf: Box<[AtomicU64]> = (0..words).map(|_| AtomicU64::new(0)).collect();
+        let base = buf.as_ptr() as *mut u8;
+        // SAFETY: the boxed slice is 8-aligned, `words * 8` bytes long, owned by the value
+        // (moving the box never moves its heap allocation) and only accessed atomically.
+        unsafe { MappedRegisters::with_backing(buf, base, words * 8) }
     }
 }
 

@@ -39,6 +39,17 @@ pub struct BarMove {
     pub region_type: PciBarRegionType,
 }
 
+impl BarMove {
+    /// The error for this move failing because of `reason`.
+    pub fn failed(&self, reason: impl ToString) -> PciDeviceError {
+        PciDeviceError::MoveBar {
+            old: self.old,
+            new: self.new,
+            reason: reason.to_string(),
+        }
+    }
+}
+
 /// A Command register change caused by a guest config write (or reset).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CommandChange {
@@ -364,10 +375,6 @@ impl DeviceRelocation for NoRelocation {
             mv.old,
             mv.new
         );
-        Err(PciDeviceError::MoveBar {
-            old: mv.old,
-            new: mv.new,
-            reason: "relocation not supported".into(),
-        })
+        Err(mv.failed("relocation not supported"))
     }
 }

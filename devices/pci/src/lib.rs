@@ -30,5 +30,5 @@ pub use msix::{MsixCap, MsixConfig};
 pub use root::{PciBdf, PciBus, PciConfigIo, PciConfigMmio, PciHostBridge, SharedPciDevice};
 pub use vm_ops::{IoEventGuard, MemslotGuard, VmOps};
 
-#[cfg(test)]
-mod test_util;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;

@@ -381,7 +381,7 @@ impl MsiConfig {
 mod tests {
     use super::*;
     use crate::configuration::PciConfigurationParams;
-    use crate::test_util::{GroupCall, MockGroup};
+    use crate::testing::{GroupCall, MockGroup};
 
     fn write(c: &mut PciConfiguration, msi: &mut MsiConfig, offset: usize, data: &[u8]) {
         c.write_config_register(offset / 4, (offset % 4) as u64, data);

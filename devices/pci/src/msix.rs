@@ -493,7 +493,7 @@ impl MsixConfig {
 mod tests {
     use super::*;
     use crate::configuration::PciConfigurationParams;
-    use crate::test_util::{GroupCall, MockGroup};
+    use crate::testing::{GroupCall, MockGroup};
 
     fn setup(vectors: u16) -> (Arc<MockGroup>, MsixConfig) {
         let group = Arc::new(MockGroup::new(u32::from(vectors)));

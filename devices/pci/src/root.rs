@@ -486,13 +486,7 @@ mod tests {
             _device: &mut dyn PciDevice,
         ) -> Result<(), PciDeviceError> {
             self.moves.lock().unwrap().push((bdf, *mv));
-            self.mmio
-                .relocate(mv.old, mv.new)
-                .map_err(|e| PciDeviceError::MoveBar {
-                    old: mv.old,
-                    new: mv.new,
-                    reason: e.to_string(),
-                })
+            self.mmio.relocate(mv.old, mv.new).map_err(|e| mv.failed(e))
         }
         fn command_changed(&self, bdf: PciBdf, change: &CommandChange) {
             self.commands.lock().unwrap().push((bdf, *change));

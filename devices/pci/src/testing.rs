@@ -1,4 +1,7 @@
-//! Test doubles shared by the unit tests.
+//! Test doubles for the crate's seams, shared by this crate's unit tests and (through the
+//! `testing` feature) by the tests of device crates.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Mutex;
 
@@ -15,22 +18,33 @@ pub enum GroupCall {
     Disable,
 }
 
-/// Records calls; `notifier` returns real eventfds.
+/// Records calls; `notifier` (and, for an INTx group, `resample_notifier`) returns real
+/// eventfds.
 pub struct MockGroup {
     pub calls: Mutex<Vec<GroupCall>>,
     fds: Vec<EventFd>,
+    resample: Option<EventFd>,
 }
 
 impl MockGroup {
+    /// An MSI/MSI-X group of `count` vectors.
     pub fn new(count: u32) -> Self {
+        Self::with_resample(count, false)
+    }
+
+    /// A group of `count` vectors; with `resample` it is an INTx group (a resample eventfd,
+    /// and `update` is refused).
+    pub fn with_resample(count: u32, resample: bool) -> Self {
         Self {
             calls: Mutex::new(Vec::new()),
             fds: (0..count)
                 .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
                 .collect(),
+            resample: resample.then(|| EventFd::new(EFD_NONBLOCK).unwrap()),
         }
     }
 
+    /// The calls recorded since the last `take`.
     pub fn take(&self) -> Vec<GroupCall> {
         std::mem::take(&mut *self.calls.lock().unwrap())
     }
@@ -50,6 +64,9 @@ impl InterruptSourceGroup for MockGroup {
         config: MsiIrqSourceConfig,
         masked: bool,
     ) -> Result<(), InterruptError> {
+        if self.resample.is_some() {
+            return Err(InterruptError::Unsupported("update on intx"));
+        }
         if index >= self.count() {
             return Err(InterruptError::InvalidIndex {
                 index,
@@ -72,5 +89,8 @@ impl InterruptSourceGroup for MockGroup {
     }
     fn count(&self) -> InterruptIndex {
         self.fds.len() as u32
+    }
+    fn resample_notifier(&self, index: InterruptIndex) -> Option<&EventFd> {
+        (index == 0).then_some(self.resample.as_ref()).flatten()
     }
 }

@@ -5,13 +5,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use pci::interrupt::{
-    InterruptError, InterruptIndex, InterruptManager, InterruptSourceGroup, MsiIrqSourceConfig,
-};
+use pci::interrupt::{InterruptError, InterruptIndex, InterruptManager, InterruptSourceGroup};
+pub use pci::testing::{GroupCall, MockGroup};
 use pci::vm_ops::{
     GuestRamRegion, IoEventAddress, IoEventDatamatch, IoEventGuard, MemslotGuard, VmOps, VmOpsError,
 };
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
     DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError, RemoteDeviceInfo, RemoteDeviceLink,
@@ -350,71 +349,12 @@ impl VmOps for FakeVm {
 
 // ---- interrupts ----------------------------------------------------------------------------
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum GroupCall {
-    Trigger(InterruptIndex),
-    Update(InterruptIndex, MsiIrqSourceConfig, bool),
-    Enable,
-    Disable,
-}
-
-pub struct FakeGroup {
-    pub calls: Mutex<Vec<GroupCall>>,
-    fds: Vec<EventFd>,
-    resample: Option<EventFd>,
-}
-
-impl FakeGroup {
-    pub fn take(&self) -> Vec<GroupCall> {
-        std::mem::take(&mut *self.calls.lock().unwrap())
-    }
-}
-
-impl InterruptSourceGroup for FakeGroup {
-    fn trigger(&self, index: InterruptIndex) -> Result<(), InterruptError> {
-        self.calls.lock().unwrap().push(GroupCall::Trigger(index));
-        Ok(())
-    }
-    fn notifier(&self, index: InterruptIndex) -> Option<&EventFd> {
-        self.fds.get(index as usize)
-    }
-    fn update(
-        &self,
-        index: InterruptIndex,
-        config: MsiIrqSourceConfig,
-        masked: bool,
-    ) -> Result<(), InterruptError> {
-        if self.resample.is_some() {
-            return Err(InterruptError::Unsupported("update on intx"));
-        }
-        self.calls
-            .lock()
-            .unwrap()
-            .push(GroupCall::Update(index, config, masked));
-        Ok(())
-    }
-    fn enable(&self) -> Result<(), InterruptError> {
-        self.calls.lock().unwrap().push(GroupCall::Enable);
-        Ok(())
-    }
-    fn disable(&self) -> Result<(), InterruptError> {
-        self.calls.lock().unwrap().push(GroupCall::Disable);
-        Ok(())
-    }
-    fn count(&self) -> InterruptIndex {
-        self.fds.len() as u32
-    }
-    fn resample_notifier(&self, index: InterruptIndex) -> Option<&EventFd> {
-        (index == 0).then_some(self.resample.as_ref()).flatten()
-    }
-}
-
 #[derive(Default)]
 pub struct FakeIrqs {
     /// (kind, count or irq, group) of every group created.
-    pub groups: Mutex<Vec<(&'static str, u32, Weak<FakeGroup>)>>,
+    pub groups: Mutex<Vec<(&'static str, u32, Weak<MockGroup>)>>,
     /// Strong references for tests that want to inspect calls (taken on request only).
-    pub keep: Mutex<Vec<Arc<FakeGroup>>>,
+    pub keep: Mutex<Vec<Arc<MockGroup>>>,
     pub keep_groups: bool,
     /// The device has MSI-X: its first MSI group is the MSI-X one.
     pub has_msix: bool,
@@ -429,7 +369,7 @@ impl FakeIrqs {
         }
     }
 
-    pub fn group(&self, kind: &str) -> Option<Arc<FakeGroup>> {
+    pub fn group(&self, kind: &str) -> Option<Arc<MockGroup>> {
         self.groups
             .lock()
             .unwrap()
@@ -448,13 +388,7 @@ impl FakeIrqs {
     }
 
     fn make(&self, kind: &'static str, n: u32, resample: bool) -> Arc<dyn InterruptSourceGroup> {
-        let g = Arc::new(FakeGroup {
-            calls: Mutex::new(Vec::new()),
-            fds: (0..n)
-                .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
-                .collect(),
-            resample: resample.then(|| EventFd::new(EFD_NONBLOCK).unwrap()),
-        });
+        let g = Arc::new(MockGroup::with_resample(n, resample));
         self.groups
             .lock()
             .unwrap()

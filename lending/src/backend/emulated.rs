@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use emulated::dmatest::DmaTest;
 use emulated::nvme::{NvmeConfig, NvmeController};
 use emulated::{
-    DeviceError, DeviceModel, DmaMemory, InterruptSink, NotifyMode, RawRegisters, RegisterMemory,
+    DeviceError, DeviceModel, DmaMemory, InterruptSink, MappedRegisters, NotifyMode, RegisterMemory,
 };
 use ntb::SharedMemory;
 use vmm_sys_util::eventfd::EventFd;
@@ -18,53 +18,25 @@ use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc, NotifyW
 
 /// Register memory in a memfd, so the BAR can be exported as a fabric window and the
 /// borrower's loads/stores land in it directly.
-pub struct ShmRegisters {
-    raw: RawRegisters,
-    shm: SharedMemory,
-}
+pub type ShmRegisters = MappedRegisters<SharedMemory>;
 
-impl ShmRegisters {
-    /// A zeroed memfd of `size` bytes (page multiple).
-    pub fn new(name: &str, size: u64) -> Result<Self, BackendError> {
-        let shm = SharedMemory::new(name, size).map_err(|e| BackendError::Os {
-            what: "register memory memfd",
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        let len = usize::try_from(shm.len()).map_err(|_| BackendError::OutOfRange {
-            what: "register memory".into(),
-            offset: 0,
-            len: 0,
-            size,
-        })?;
-        // SAFETY: the memfd mapping is page aligned, `len` bytes long, owned by `shm` which
-        // lives in the same value as `raw` (and is dropped after it, field order); everyone
-        // else (device worker, borrower through the fabric window) accesses it atomically.
-        let raw = unsafe { RawRegisters::new(shm.as_ptr(), len) };
-        Ok(ShmRegisters { raw, shm })
-    }
-
-    /// The memfd.
-    pub fn shm(&self) -> &SharedMemory {
-        &self.shm
-    }
-}
-
-impl RegisterMemory for ShmRegisters {
-    fn len(&self) -> usize {
-        self.raw.len()
-    }
-    fn read32(&self, offset: u64) -> u32 {
-        self.raw.read32(offset)
-    }
-    fn write32(&self, offset: u64, value: u32) {
-        self.raw.write32(offset, value)
-    }
-    fn read64(&self, offset: u64) -> u64 {
-        self.raw.read64(offset)
-    }
-    fn write64(&self, offset: u64, value: u64) {
-        self.raw.write64(offset, value)
-    }
+/// A zeroed memfd of `size` bytes (page multiple) as register memory.
+pub fn shm_registers(name: &str, size: u64) -> Result<ShmRegisters, BackendError> {
+    let shm = SharedMemory::new(name, size).map_err(|e| BackendError::Os {
+        what: "register memory memfd",
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    let len = usize::try_from(shm.len()).map_err(|_| BackendError::OutOfRange {
+        what: "register memory".into(),
+        offset: 0,
+        len: 0,
+        size,
+    })?;
+    let base = shm.as_ptr();
+    // SAFETY: the memfd mapping is page aligned, `len` bytes long and owned by `shm`, which
+    // the registers keep (moving it does not move the mapping); everyone else (device worker,
+    // borrower through the fabric window) accesses it atomically.
+    Ok(unsafe { MappedRegisters::with_backing(shm, base, len) })
 }
 
 /// Builds a model over the seams the backend provides.
@@ -99,7 +71,7 @@ impl EmulatedBackend {
         msix_vectors: u16,
         factory: ModelFactory<'_>,
     ) -> Result<Self, BackendError> {
-        let regs = Arc::new(ShmRegisters::new(&format!("{name}-bar"), reg_size)?);
+        let regs = Arc::new(shm_registers(&format!("{name}-bar"), reg_size)?);
         let iommu = Arc::new(SoftIommu::new(format!("{kind} {name}")));
         let irqs = Arc::new(LeaseIrqs::new(name, msix_vectors));
         let model = factory(
@@ -273,9 +245,9 @@ impl DeviceBackend for EmulatedBackend {
 
     fn bar_export(&self, bar: u8) -> Option<BarExport<'_>> {
         (bar == self.reg_bar).then(|| BarExport {
-            fd: self.regs.shm().fd(),
+            fd: self.regs.backing().fd(),
             offset: 0,
-            size: self.regs.shm().len(),
+            size: self.regs.backing().len(),
         })
     }
 

@@ -166,6 +166,8 @@ impl InterruptSink for LeaseIrqs {
 /// Forwards local eventfds (signalled by the kernel, e.g. VFIO) to arbitrary targets.
 /// Dropping it stops and joins the thread.
 pub struct IrqRelay {
+    /// Names the relay in its log lines.
+    what: String,
     stop: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
 }
@@ -177,19 +179,46 @@ impl IrqRelay {
         sources: Vec<EventFd>,
         targets: Vec<Arc<dyn IrqTrigger>>,
     ) -> std::io::Result<IrqRelay> {
+        Self::watch(
+            format!("irq-relay-{name}"),
+            "irq relay".into(),
+            sources,
+            move |i| {
+                targets[i].trigger();
+                true
+            },
+        )
+    }
+
+    /// Starts a thread named `thread` that waits on `sources` and, each time `sources[i]` is
+    /// signalled, drains it and calls `on_signal(i)`. The thread ends when `on_signal` returns
+    /// false or the relay is dropped; `what` names it in log lines.
+    pub(crate) fn watch(
+        thread: String,
+        what: String,
+        sources: Vec<EventFd>,
+        on_signal: impl FnMut(usize) -> bool + Send + 'static,
+    ) -> std::io::Result<IrqRelay> {
         let stop = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
         let stop2 = Arc::clone(&stop);
+        let what2 = what.clone();
         let thread = std::thread::Builder::new()
-            .name(format!("irq-relay-{name}"))
-            .spawn(move || relay_loop(&stop2, &sources, &targets))?;
+            .name(thread)
+            .spawn(move || relay_loop(&what2, &stop2, &sources, on_signal))?;
         Ok(IrqRelay {
+            what,
             stop,
             thread: Some(thread),
         })
     }
 }
 
-fn relay_loop(stop: &EventFd, sources: &[EventFd], targets: &[Arc<dyn IrqTrigger>]) {
+fn relay_loop(
+    what: &str,
+    stop: &EventFd,
+    sources: &[EventFd],
+    mut on_signal: impl FnMut(usize) -> bool,
+) {
     let mut pfds: Vec<libc::pollfd> = std::iter::once(stop.as_raw_fd())
         .chain(sources.iter().map(|s| s.as_raw_fd()))
         .map(|fd| libc::pollfd {
@@ -206,7 +235,7 @@ fn relay_loop(stop: &EventFd, sources: &[EventFd], targets: &[Arc<dyn IrqTrigger
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            log::error!("irq relay poll failed: {e}");
+            log::error!("{what} poll failed: {e}");
             return;
         }
         if pfds[0].revents != 0 {
@@ -215,7 +244,9 @@ fn relay_loop(stop: &EventFd, sources: &[EventFd], targets: &[Arc<dyn IrqTrigger
         for (i, p) in pfds.iter_mut().enumerate().skip(1) {
             if p.revents & libc::POLLIN != 0 {
                 let _ = sources[i - 1].read();
-                targets[i - 1].trigger();
+                if !on_signal(i - 1) {
+                    return;
+                }
             }
             p.revents = 0;
         }
@@ -225,7 +256,7 @@ fn relay_loop(stop: &EventFd, sources: &[EventFd], targets: &[Arc<dyn IrqTrigger
 impl Drop for IrqRelay {
     fn drop(&mut self) {
         if let Err(e) = self.stop.write(1) {
-            log::error!("irq relay stop failed: {e}");
+            log::error!("{} stop failed: {e}", self.what);
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use emulated::testing::{DirectBar, DriverConfig, GuestBar, GuestIrq, GuestRam, NvmeDriver};
-use emulated::{RawRegisters, RegisterMemory};
+use emulated::MappedRegisters;
 use lending::client::{ClientIrq, Lease, LenderClient};
 use lending::protocol::IrqKind;
 use ntb::{ClusterConfig, ExportedWindow, FabricKind, PeerWindow, SharedMemory};
@@ -160,37 +160,14 @@ impl GuestRam for MemfdRam {
 }
 
 /// The lender's BAR window mapped here, as register memory (atomic loads/stores).
-pub struct WindowRegs {
-    raw: RawRegisters,
-    _win: Box<dyn PeerWindow>,
-}
+pub type WindowRegs = MappedRegisters<Box<dyn PeerWindow>>;
 
-impl WindowRegs {
-    pub fn new(win: Box<dyn PeerWindow>) -> Self {
-        let ptr = win.as_ptr().unwrap();
-        // SAFETY: the shm peer window is a page-aligned shared mapping of `len` bytes that lives
-        // as long as `_win` (same value); the lender's device accesses it atomically too.
-        let raw = unsafe { RawRegisters::new(ptr, win.len() as usize) };
-        WindowRegs { raw, _win: win }
-    }
-}
-
-impl RegisterMemory for WindowRegs {
-    fn len(&self) -> usize {
-        self.raw.len()
-    }
-    fn read32(&self, offset: u64) -> u32 {
-        self.raw.read32(offset)
-    }
-    fn write32(&self, offset: u64, value: u32) {
-        self.raw.write32(offset, value)
-    }
-    fn read64(&self, offset: u64) -> u64 {
-        self.raw.read64(offset)
-    }
-    fn write64(&self, offset: u64, value: u64) {
-        self.raw.write64(offset, value)
-    }
+pub fn window_regs(win: Box<dyn PeerWindow>) -> WindowRegs {
+    let ptr = win.as_ptr().unwrap();
+    let len = win.len() as usize;
+    // SAFETY: the shm peer window is a page-aligned shared mapping of `len` bytes that lives as
+    // long as `win` (kept by the registers); the lender's device accesses it atomically too.
+    unsafe { MappedRegisters::with_backing(win, ptr, len) }
 }
 
 /// BAR0 through BAR_READ/BAR_WRITE messages.
@@ -335,7 +312,7 @@ pub fn lent_rig(
     lease.set_irqs(IrqKind::Msix, &targets).unwrap();
     let gbar: Arc<dyn GuestBar> = match bar {
         BarPath::Direct { notify } => {
-            let regs = Arc::new(WindowRegs::new(lease.bar_window(0).unwrap()));
+            let regs = Arc::new(window_regs(lease.bar_window(0).unwrap()));
             let n = if notify {
                 Some(
                     lease
