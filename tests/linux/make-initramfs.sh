@@ -8,18 +8,42 @@
 #                    (tests/linux/initramfs/probes.S; select with rdinit=)
 #   /dev/console     so init has a console before devtmpfs is mounted
 #
-#   tests/linux/make-initramfs.sh [OUTPUT]   (default: $CACHE/linux/initramfs.cpio)
-# Prints the path of the archive. Needs root (mknod; apt for missing packages).
+#   tests/linux/make-initramfs.sh [OUTPUT]
+# Prints the path of the archive (last line). Installs busybox-static, cpio,
+# gcc and libc6-dev with apt when missing; needs root (apt, mknod).
+#
+# Without OUTPUT the archive is cached like the guest kernel:
+# $CACHE/linux/initramfs-<key>.cpio with key = sha256 of (busybox-static and
+# gcc package versions, this script, lib.sh, tests/linux/initramfs/*); a rerun
+# with the same key prints the path at once. $CACHE/linux/initramfs.cpio is a
+# symlink to the newest one.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 CACHE="${LENDVM_CACHE:-$HOME/.cache/lendvm}/linux"
-OUT=${1:-$CACHE/initramfs.cpio}
 ensure_pkgs busybox-static cpio gcc libc6-dev
 BUSYBOX=/bin/busybox
 [ -x "$BUSYBOX" ] || die "$BUSYBOX missing after installing busybox-static"
 file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
 file_is_static "$BUSYBOX" || die "$BUSYBOX is not static (is busybox-static installed?)"
+
+if [ $# -ge 1 ]; then
+	OUT=$1 KEY=""
+else
+	KEY=$( {
+		dpkg-query -W -f='busybox-static ${Version}\ngcc ${Version}\n' busybox-static gcc
+		for f in "${BASH_SOURCE[0]}" "$LINUX_TESTS_DIR/lib.sh" "$LINUX_TESTS_DIR"/initramfs/*; do
+			echo "file $(basename "$f")"
+			cat "$f"
+		done
+	} | sha256sum | cut -c1-16)
+	OUT=$CACHE/initramfs-$KEY.cpio
+	if [ -f "$OUT" ]; then
+		ln -sfn "initramfs-$KEY.cpio" "$CACHE/initramfs.cpio"
+		echo "$OUT"
+		exit 0
+	fi
+fi
 
 STAGE=$(mktemp -d "${TMPDIR:-/tmp}/lendvm-initramfs.XXXXXX")
 trap 'rm -rf "$STAGE"' EXIT
@@ -36,4 +60,10 @@ mknod "$STAGE/dev/console" c 5 1 || die "mknod /dev/console failed (run as root)
 mkdir -p "$(dirname "$OUT")"
 (cd "$STAGE" && find . -mindepth 1 | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$OUT.tmp"
 mv "$OUT.tmp" "$OUT"
+if [ -n "$KEY" ]; then
+	rm -f "$CACHE/initramfs.cpio" # a plain file from before the cache
+	ln -sfn "initramfs-$KEY.cpio" "$CACHE/initramfs.cpio"
+	# Keep only the newest few archives.
+	ls -1t "$CACHE"/initramfs-*.cpio 2>/dev/null | tail -n +4 | xargs -r rm -f
+fi
 echo "$OUT"
