@@ -1,26 +1,43 @@
 //! NVMe "local vs lent" benchmark.
 //!
 //! The same guest-role driver (`emulated::testing::NvmeDriver`) and the same parameters drive
-//! (a) the controller in-process ("local": heap registers, test RAM, MSI-X on eventfds) and (b) the
-//! controller inside a real `lenderd`, borrowed over the shm fabric ("lent": direct BAR window
-//! plus the lease's notify eventfd, guest RAM as a memfd fabric window mapped at IOVA = GPA,
-//! MSI-X vectors on eventfds), in interrupt and in polling mode. Cases run back to back,
-//! local and lent interleaved per repetition, so drift hits both alike.
+//! (a) the controller in-process ("local") and (b) the controller inside a real `lenderd`,
+//! borrowed over the shm fabric ("lent"), in interrupt and in polling mode. The two sides are
+//! identical except for the lending path:
+//!
+//! * same controller config (`NvmeConfig` as lenderd builds it, same engine, same notify mode);
+//! * guest RAM: lent, a memfd exported as a fabric window, mapped by lenderd and reached through
+//!   its software IOMMU (part of the lending path); local, `TestMemory` (anonymous memory, no
+//!   IOMMU);
+//! * same BAR access (direct stores; in interrupt mode each store is followed by a write to the
+//!   controller's doorbell eventfd, which on the lent side is the lease's notify eventfd);
+//! * same interrupt delivery (one eventfd per MSI-X vector, waited on with `poll` by the same
+//!   [`FdIrq`]) and the same driver wait (interrupts, or spin-then-yield in polling mode);
+//! * same thread placement: the driver runs on CPU 0, every device-side thread (local
+//!   controller and engine threads, the whole lenderd process) on CPU 1. Unpinned, the
+//!   scheduler sometimes puts driver and controller on one CPU (wake-ups are cheap
+//!   same-CPU switches) and sometimes on two (each wake-up is an IPI to a halted vCPU of this
+//!   nested VM, tens of µs), independently for the two sides: that lottery, not the fabric,
+//!   made single repetitions differ by up to 8x. `NVME_LENT_BENCH_PIN=0` turns pinning off.
+//! * backing files on tmpfs (`/dev/shm`): the benchmark measures the lending path, not the
+//!   disk (ext4 writeback and fdatasync would dominate the write cases).
+//!
+//! Each case is warmed up on both sides (`NVME_LENT_BENCH_WARMUP` s, default 0.2), then run
+//! `NVME_LENT_BENCH_REPS` times (default 7) per side, local and lent interleaved and the order
+//! alternated per repetition, `NVME_LENT_BENCH_SECS` seconds per case and side in total
+//! (default 0.3 per repetition). Every figure is the median [min-max] over repetitions; p50
+//! and p99 are computed per repetition; the lent/local ratio and the added p50 are paired per
+//! repetition (so load from other processes that hits one repetition mostly hits both sides).
 //!
 //! `cargo bench -p lending` writes `target/bench/nvme-lent.json` and `nvme-lent.svg` at the
 //! workspace root (override the JSON path with `NVME_LENT_BENCH_OUT`; the SVG goes next to
-//! it). `NVME_LENT_BENCH_SECS` sets the seconds per case and side (default 1.5, split over
-//! `NVME_LENT_BENCH_REPS` repetitions, default 6). IOPS and bandwidth are medians over the
-//! repetitions; ratios are medians of per-repetition lent/local pairs; latency percentiles
-//! pool every command; `NVME_LENT_BENCH_DIR` where the backing
-//! files live.
+//! it; `NVME_LENT_BENCH_DIR` overrides where the backing files live).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // bench code
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -142,40 +159,61 @@ const CASES: [Case; 6] = [
     },
 ];
 
-/// Operations and per-command latencies (ns) of one side of a case, over all repetitions.
+/// Median, minimum and maximum of per-repetition values.
+#[derive(Debug, Clone, Copy, Default)]
+struct Spread {
+    med: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Spread {
+    fn of(v: &[f64]) -> Spread {
+        if v.is_empty() {
+            return Spread::default();
+        }
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let med = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Spread {
+            med,
+            min: v[0],
+            max: v[n - 1],
+        }
+    }
+
+    fn json(&self, prec: usize) -> String {
+        format!(
+            "{{\"median\": {:.p$}, \"min\": {:.p$}, \"max\": {:.p$}}}",
+            self.med,
+            self.min,
+            self.max,
+            p = prec
+        )
+    }
+}
+
+/// One side's per-repetition results of a case.
 #[derive(Default)]
 struct Acc {
-    /// IOPS of each repetition.
-    reps: Vec<f64>,
-    lat_ns: Vec<u32>,
+    iops: Vec<f64>,
+    p50_us: Vec<f64>,
+    p99_us: Vec<f64>,
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+/// Percentile `p` of `lat` (ns, sorted in place) in microseconds.
+fn pct_us(lat: &mut [u32], p: f64) -> f64 {
+    if lat.is_empty() {
+        return 0.0;
     }
-}
-
-impl Acc {
-    /// Median IOPS over the repetitions (robust to a burst of load from other processes).
-    fn iops(&self) -> f64 {
-        median(&self.reps)
-    }
-    fn mibps(&self, bs: usize) -> f64 {
-        self.iops() * bs as f64 / f64::from(1u32 << 20)
-    }
-    fn pct_us(&mut self, p: f64) -> f64 {
-        if self.lat_ns.is_empty() {
-            return 0.0;
-        }
-        self.lat_ns.sort_unstable();
-        let i = ((self.lat_ns.len() - 1) as f64 * p).round() as usize;
-        f64::from(self.lat_ns[i]) / 1000.0
-    }
+    lat.sort_unstable();
+    let i = ((lat.len() - 1) as f64 * p).round() as usize;
+    f64::from(lat[i]) / 1000.0
 }
 
 fn xorshift(s: &mut u64) -> u64 {
@@ -185,8 +223,17 @@ fn xorshift(s: &mut u64) -> u64 {
     *s
 }
 
-/// One timed run of `c` on queue 1 (buffers preallocated), added to `acc`.
-fn run_case(d: &mut NvmeDriver, bufs: &[DataBuf], c: &Case, secs: f64, seed: u64, acc: &mut Acc) {
+/// One timed run of `c` on queue 1 (buffers preallocated). With `acc`, the repetition's IOPS
+/// and its own p50/p99 are recorded; without, it is a warm-up.
+fn run_case(
+    d: &mut NvmeDriver,
+    bufs: &[DataBuf],
+    c: &Case,
+    secs: f64,
+    seed: u64,
+    lat: &mut Vec<u32>,
+    acc: Option<&mut Acc>,
+) {
     let nlb = (c.bs / 512) as u32;
     let mut seed = seed | 1;
     let mut seq = (xorshift(&mut seed) % (SPAN_BLOCKS / u64::from(nlb))) * u64::from(nlb);
@@ -199,12 +246,14 @@ fn run_case(d: &mut NvmeDriver, bufs: &[DataBuf], c: &Case, secs: f64, seed: u64
             l
         }
     };
-    let mut owner: HashMap<u16, (usize, Instant)> = HashMap::new();
+    lat.clear();
+    // cid -> (buffer, submit time); cids are < 2^16, a flat table avoids hashing in the loop.
+    let mut owner: Vec<Option<(usize, Instant)>> = vec![None; 1 << 16];
     for (i, b) in bufs.iter().take(c.qd).enumerate() {
         let cid = d
             .push(1, NvmeDriver::rw_sqe(c.write, next_lba(&mut seed), nlb, b))
             .unwrap();
-        owner.insert(cid, (i, Instant::now()));
+        owner[usize::from(cid)] = Some((i, Instant::now()));
     }
     d.ring(1).unwrap();
     let start = Instant::now();
@@ -218,10 +267,9 @@ fn run_case(d: &mut NvmeDriver, bufs: &[DataBuf], c: &Case, secs: f64, seed: u64
         let stop = now >= end;
         for e in &out {
             assert_eq!(e.code(), 0, "{} failed: {e:?}", c.name);
-            let (i, t) = owner.remove(&e.cid).unwrap();
+            let (i, t) = owner[usize::from(e.cid)].take().unwrap();
             ops += 1;
-            acc.lat_ns
-                .push(u32::try_from((now - t).as_nanos()).unwrap_or(u32::MAX));
+            lat.push(u32::try_from((now - t).as_nanos()).unwrap_or(u32::MAX));
             if !stop {
                 let cid = d
                     .push(
@@ -229,7 +277,7 @@ fn run_case(d: &mut NvmeDriver, bufs: &[DataBuf], c: &Case, secs: f64, seed: u64
                         NvmeDriver::rw_sqe(c.write, next_lba(&mut seed), nlb, &bufs[i]),
                     )
                     .unwrap();
-                owner.insert(cid, (i, Instant::now()));
+                owner[usize::from(cid)] = Some((i, Instant::now()));
             }
         }
         if stop {
@@ -242,8 +290,12 @@ fn run_case(d: &mut NvmeDriver, bufs: &[DataBuf], c: &Case, secs: f64, seed: u64
         }
         d.ring(1).unwrap();
     }
-    acc.reps
-        .push(ops as f64 / start.elapsed().as_secs_f64().max(1e-9));
+    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+    if let Some(acc) = acc {
+        acc.iops.push(ops as f64 / elapsed);
+        acc.p50_us.push(pct_us(lat, 0.50));
+        acc.p99_us.push(pct_us(lat, 0.99));
+    }
 }
 
 /// Same bring-up for both sides: one I/O queue pair of 128 entries on vector 1, the 64 MiB
@@ -263,18 +315,39 @@ fn prepare(d: &mut NvmeDriver) -> Vec<DataBuf> {
         .collect()
 }
 
+/// One side of a row: spreads over the repetitions.
+#[derive(Clone, Copy)]
+struct SideSum {
+    iops: Spread,
+    mibps: Spread,
+    p50: Spread,
+    p99: Spread,
+}
+
+fn summarize(a: &Acc, bs: usize) -> SideSum {
+    let mib: Vec<f64> = a
+        .iops
+        .iter()
+        .map(|i| i * bs as f64 / f64::from(1u32 << 20))
+        .collect();
+    SideSum {
+        iops: Spread::of(&a.iops),
+        mibps: Spread::of(&mib),
+        p50: Spread::of(&a.p50_us),
+        p99: Spread::of(&a.p99_us),
+    }
+}
+
 struct Row {
     mode: &'static str,
     case: &'static Case,
-    /// Median over repetitions of lent/local IOPS of the same repetition (paired, so load
-    /// from other processes that hits one repetition hits both sides).
-    ratio: f64,
-    local: (f64, f64, f64, f64), // iops, MiB/s, p50 us, p99 us
-    lent: (f64, f64, f64, f64),
-}
-
-fn summarize(a: &mut Acc, bs: usize) -> (f64, f64, f64, f64) {
-    (a.iops(), a.mibps(bs), a.pct_us(0.50), a.pct_us(0.99))
+    /// lent/local IOPS of the same repetition (paired, so load from other processes that
+    /// hits one repetition mostly hits both sides).
+    ratio: Spread,
+    /// lent p50 − local p50 of the same repetition (µs).
+    added_p50: Spread,
+    local: SideSum,
+    lent: SideSum,
 }
 
 struct Check {
@@ -288,7 +361,7 @@ struct Check {
 fn checks(rows: &[Row]) -> Vec<Check> {
     let mut v = Vec::new();
     for r in rows {
-        let ratio = r.ratio;
+        let ratio = r.ratio.med;
         if r.case.bs == 4096 {
             v.push(Check {
                 mode: r.mode,
@@ -307,7 +380,7 @@ fn checks(rows: &[Row]) -> Vec<Check> {
             });
         }
         if r.case.qd == 1 {
-            let added = r.lent.2 - r.local.2;
+            let added = r.added_p50.med;
             let max = if r.mode == "interrupt" { 5.0 } else { 1.0 };
             v.push(Check {
                 mode: r.mode,
@@ -354,7 +427,7 @@ fn svg(rows: &[Row]) -> String {
     }
     for (i, r) in rows.iter().enumerate() {
         let x0 = left + group * i as f64 + group * 0.15;
-        let ratio = r.ratio;
+        let ratio = r.ratio.med;
         for (k, (val, color)) in [(1.0, "#7a9cc6"), (ratio, "#e08a3c")].iter().enumerate() {
             let x = x0 + bar * k as f64;
             let _ = writeln!(
@@ -374,9 +447,9 @@ fn svg(rows: &[Row]) -> String {
         let lx = x0 + bar;
         let ly = h - bottom + 10.0;
         let metric = if r.case.bs == 4096 {
-            format!("{:.0}/{:.0} IOPS", r.local.0, r.lent.0)
+            format!("{:.0}/{:.0} IOPS", r.local.iops.med, r.lent.iops.med)
         } else {
-            format!("{:.0}/{:.0} MiB/s", r.local.1, r.lent.1)
+            format!("{:.0}/{:.0} MiB/s", r.local.mibps.med, r.lent.mibps.med)
         };
         let _ = writeln!(
             s,
@@ -398,6 +471,26 @@ fn svg(rows: &[Row]) -> String {
     s
 }
 
+/// Restricts the calling thread (and every thread or process it creates afterwards) to `cpu`.
+fn pin_to(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it; the call
+    // reads `size_of::<cpu_set_t>()` bytes of it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            eprintln!(
+                "sched_setaffinity({cpu}): {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+fn fmt_spread(s: Spread, prec: usize) -> String {
+    format!("{:.p$} [{:.p$}-{:.p$}]", s.med, s.min, s.max, p = prec)
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; nothing to filter.
     let env_f = |k: &str, d: f64| {
@@ -406,8 +499,14 @@ fn main() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(d)
     };
-    let secs = env_f("NVME_LENT_BENCH_SECS", 1.5);
-    let reps = env_f("NVME_LENT_BENCH_REPS", 6.0).max(1.0) as usize;
+    let reps = env_f("NVME_LENT_BENCH_REPS", 7.0).max(1.0) as usize;
+    let secs = env_f("NVME_LENT_BENCH_SECS", 0.3 * reps as f64);
+    let warm = env_f("NVME_LENT_BENCH_WARMUP", 0.2);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Driver ("guest") on CPU 0, every device-side thread (local controller + engine threads,
+    // the whole lenderd) on CPU 1, for both sides: the scheduler may not put the driver and
+    // the controller on one CPU for one side and on two for the other.
+    let pin = cpus >= 2 && env_f("NVME_LENT_BENCH_PIN", 1.0) != 0.0;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .unwrap()
@@ -416,16 +515,32 @@ fn main() {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|_| root.join("target/bench/nvme-lent.json"));
     let svg_path = out.with_extension("svg");
+    // Backing files on tmpfs: the benchmark measures the lending path, not the disk (ext4
+    // writeback and fdatasync would dominate and randomise the write cases).
     let dir = match std::env::var("NVME_LENT_BENCH_DIR") {
         Ok(d) => tempfile::tempdir_in(d).unwrap(),
+        Err(_) if std::path::Path::new("/dev/shm").is_dir() => {
+            tempfile::tempdir_in("/dev/shm").unwrap()
+        }
         Err(_) => tempfile::tempdir().unwrap(),
     };
     let t_all = Instant::now();
     let mut rows = Vec::new();
     let mut engines = Vec::new();
+    println!(
+        "{reps} repetitions x {:.2} s per case and side (+{warm} s warm-up), backing dir {}, pinned: {pin}",
+        secs / reps as f64,
+        dir.path().display()
+    );
+    println!(
+        "values: median [min-max] over repetitions; ratio and added p50 paired per repetition"
+    );
     for mode in [NotifyMode::Interrupt, NotifyMode::Polling] {
         let polling = mode == NotifyMode::Polling;
         let mname = if polling { "polling" } else { "interrupt" };
+        if pin {
+            pin_to(1);
+        }
         // Local: the controller in this process, NvmeConfig as lenderd builds it.
         let cfg = NvmeConfig {
             backing: dir.path().join(format!("local-{mname}.img")),
@@ -447,6 +562,9 @@ fn main() {
             &[nvme_spec(DEV, &disk, &size, polling)],
             TokenVia::File,
         );
+        if pin {
+            pin_to(0);
+        }
         let mut lent = lent_rig(
             &c,
             DEV,
@@ -458,45 +576,85 @@ fn main() {
         );
         let lbufs = prepare(&mut local.driver);
         let rbufs = prepare(&mut lent.driver);
+        let mut lat = Vec::with_capacity(1 << 20);
         for case in CASES.iter() {
             let (mut a, mut b) = (Acc::default(), Acc::default());
             let per = secs / reps as f64;
+            let seed0 = 0x9e37_79b9_7f4a_7c15u64;
+            run_case(&mut local.driver, &lbufs, case, warm, seed0, &mut lat, None);
+            run_case(&mut lent.driver, &rbufs, case, warm, seed0, &mut lat, None);
             for r in 0..reps {
-                let seed = 0x9e37_79b9_7f4a_7c15u64 ^ (r as u64) << 32;
+                let seed = seed0 ^ ((r as u64 + 1) << 32);
                 // Alternate who goes first.
                 if r % 2 == 0 {
-                    run_case(&mut local.driver, &lbufs, case, per, seed, &mut a);
-                    run_case(&mut lent.driver, &rbufs, case, per, seed, &mut b);
+                    run_case(
+                        &mut local.driver,
+                        &lbufs,
+                        case,
+                        per,
+                        seed,
+                        &mut lat,
+                        Some(&mut a),
+                    );
+                    run_case(
+                        &mut lent.driver,
+                        &rbufs,
+                        case,
+                        per,
+                        seed,
+                        &mut lat,
+                        Some(&mut b),
+                    );
                 } else {
-                    run_case(&mut lent.driver, &rbufs, case, per, seed, &mut b);
-                    run_case(&mut local.driver, &lbufs, case, per, seed, &mut a);
+                    run_case(
+                        &mut lent.driver,
+                        &rbufs,
+                        case,
+                        per,
+                        seed,
+                        &mut lat,
+                        Some(&mut b),
+                    );
+                    run_case(
+                        &mut local.driver,
+                        &lbufs,
+                        case,
+                        per,
+                        seed,
+                        &mut lat,
+                        Some(&mut a),
+                    );
                 }
             }
             let paired: Vec<f64> = a
-                .reps
+                .iops
                 .iter()
-                .zip(&b.reps)
+                .zip(&b.iops)
                 .map(|(l, r)| r / l.max(1e-9))
                 .collect();
+            let added: Vec<f64> = a.p50_us.iter().zip(&b.p50_us).map(|(l, r)| r - l).collect();
             let row = Row {
                 mode: mname,
                 case,
-                ratio: median(&paired),
-                local: summarize(&mut a, case.bs),
-                lent: summarize(&mut b, case.bs),
+                ratio: Spread::of(&paired),
+                added_p50: Spread::of(&added),
+                local: summarize(&a, case.bs),
+                lent: summarize(&b, case.bs),
+            };
+            let (unit, lv, rv, prec) = if case.bs == 4096 {
+                ("IOPS", row.local.iops, row.lent.iops, 0)
+            } else {
+                ("MiB/s", row.local.mibps, row.lent.mibps, 0)
             };
             println!(
-                "{mname:9} {:18} local {:>8.0} IOPS {:>7.1} MiB/s p50 {:>6.1} p99 {:>7.1} us | lent {:>8.0} IOPS {:>7.1} MiB/s p50 {:>6.1} p99 {:>7.1} us | ratio {:.3}",
+                "{mname:9} {:18} {unit:5} local {:>24} lent {:>24} ratio {:>18} | p50 us local {:>16} lent {:>16} added {:>16}",
                 case.name,
-                row.local.0,
-                row.local.1,
-                row.local.2,
-                row.local.3,
-                row.lent.0,
-                row.lent.1,
-                row.lent.2,
-                row.lent.3,
-                row.ratio
+                fmt_spread(lv, prec),
+                fmt_spread(rv, prec),
+                fmt_spread(row.ratio, 2),
+                fmt_spread(row.local.p50, 1),
+                fmt_spread(row.lent.p50, 1),
+                fmt_spread(row.added_p50, 1),
             );
             rows.push(row);
         }
@@ -523,30 +681,32 @@ fn main() {
     let _ = writeln!(j, "{{\n  \"bench\": \"nvme-lent\",\n  \"fabric\": \"shm\",");
     let _ = writeln!(
         j,
-        "  \"secs_per_case_and_side\": {secs},\n  \"repetitions\": {reps},\n  \"engine\": \"{}\",\n  \"host_cpus\": {},",
+        "  \"secs_per_case_and_side\": {secs},\n  \"warmup_secs\": {warm},\n  \"repetitions\": {reps},\n  \"statistic\": \"median, min and max over repetitions; ratio and p50_added paired per repetition\",\n  \"backing_dir\": \"{}\",\n  \"pinned\": {pin},\n  \"engine\": \"{}\",\n  \"host_cpus\": {cpus},",
+        dir.path().parent().map_or(String::new(), |p| p.display().to_string()),
         engines.first().copied().unwrap_or("?"),
-        std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     let _ = writeln!(j, "  \"cases\": [");
     for (i, r) in rows.iter().enumerate() {
-        let side = |t: (f64, f64, f64, f64)| {
+        let side = |t: SideSum| {
             format!(
-                "{{\"iops\": {:.0}, \"mib_per_s\": {:.1}, \"p50_us\": {:.2}, \"p99_us\": {:.2}}}",
-                t.0, t.1, t.2, t.3
+                "{{\"iops\": {}, \"mib_per_s\": {}, \"p50_us\": {}, \"p99_us\": {}}}",
+                t.iops.json(0),
+                t.mibps.json(1),
+                t.p50.json(2),
+                t.p99.json(2)
             )
         };
         let _ = writeln!(
             j,
-            "    {{\"mode\": \"{}\", \"name\": \"{}\", \"bs\": {}, \"qd\": {}, \"local\": {}, \"lent\": {}, \"ratio_iops\": {:.4}, \"ratio_bandwidth\": {:.4}, \"p50_added_us\": {:.2}}}{}",
+            "    {{\"mode\": \"{}\", \"name\": \"{}\", \"bs\": {}, \"qd\": {}, \"local\": {}, \"lent\": {}, \"ratio\": {}, \"p50_added_us\": {}}}{}",
             r.mode,
             r.case.name,
             r.case.bs,
             r.case.qd,
             side(r.local),
             side(r.lent),
-            r.ratio,
-            r.ratio,
-            r.lent.2 - r.local.2,
+            r.ratio.json(4),
+            r.added_p50.json(2),
             if i + 1 < rows.len() { "," } else { "" }
         );
     }
