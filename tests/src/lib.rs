@@ -2,6 +2,8 @@
 //!
 //! The bare-metal test guest is built by `build.rs`; its path is [`TEST_GUEST`].
 
+pub mod capture;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, ExitStatus, Stdio};

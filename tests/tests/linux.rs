@@ -41,16 +41,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use api::client::ApiClient;
 use api::types::VmAddRemoteDeviceData;
 use lending::protocol::DeviceState;
 use lending::testing::Lenderd;
+use lendvm_tests::capture::ProcessOutput;
 use ntb::ClusterConfig;
 
 /// Bound on one whole boot (kernel start to lendvm's exit). A boot takes 45–60 s of wall
@@ -243,20 +242,12 @@ impl Lender {
 // ---------------------------------------------------------------------------------------
 // The guest side: lendvm with the Linux kernel, console lines with their wall-clock time.
 
-#[derive(Default)]
-struct Console {
-    /// (wall time since spawn, line without the trailing `\r`)
-    lines: Vec<(Duration, String)>,
-    closed: bool,
-}
-
 /// A running `lendvm` booting Linux; SIGKILLed and reaped on drop.
 struct Guest {
     name: &'static str,
     child: Child,
-    t0: Instant,
-    console: Arc<(Mutex<Console>, Condvar)>,
-    stderr: Arc<Mutex<String>>,
+    /// Console lines with their wall-clock time since spawn, and lendvm's stderr.
+    out: ProcessOutput,
     status: Option<ExitStatus>,
 }
 
@@ -288,59 +279,20 @@ impl Guest {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let t0 = Instant::now();
         let mut child = cmd.spawn().unwrap();
-        let console = Arc::new((Mutex::new(Console::default()), Condvar::new()));
-        let out = child.stdout.take().unwrap();
-        let c = console.clone();
-        std::thread::spawn(move || {
-            let mut r = BufReader::new(out);
-            let mut buf = Vec::new();
-            loop {
-                buf.clear();
-                match r.read_until(b'\n', &mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => {
-                        let line = String::from_utf8_lossy(&buf);
-                        let line = line.trim_end_matches(['\n', '\r']).to_string();
-                        let (m, cv) = &*c;
-                        m.lock().unwrap().lines.push((t0.elapsed(), line));
-                        cv.notify_all();
-                    }
-                }
-            }
-            let (m, cv) = &*c;
-            m.lock().unwrap().closed = true;
-            cv.notify_all();
-        });
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let mut err = child.stderr.take().unwrap();
-        let s = stderr.clone();
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = err.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                s.lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        });
+        let out = ProcessOutput::capture(&mut child);
         Guest {
             name,
             child,
-            t0,
-            console,
-            stderr,
+            out,
             status: None,
         }
     }
 
     /// The console so far, each line prefixed with its wall-clock time.
     fn console(&self) -> String {
-        let c = self.console.0.lock().unwrap();
-        c.lines
+        self.out
+            .timed_lines()
             .iter()
             .map(|(t, l)| format!("{:7.2} {l}\n", t.as_secs_f64()))
             .collect()
@@ -353,7 +305,7 @@ impl Guest {
         format!(
             "--- console (wall s, then the guest's printk time)\n{}--- lendvm stderr\n{}\n--- lenderd log (tail)\n{}\n",
             self.console(),
-            self.stderr.lock().unwrap(),
+            self.out.stderr(),
             tail.join("\n")
         )
     }
@@ -361,25 +313,16 @@ impl Guest {
     /// Waits for the first console line containing `needle`; `None` on timeout or if the
     /// console closed (lendvm exited) first.
     fn wait_line(&self, needle: &str, deadline: Instant) -> Option<(Duration, String)> {
-        let (m, cv) = &*self.console;
-        let mut c = m.lock().unwrap();
-        loop {
-            if let Some(l) = c.lines.iter().find(|(_, l)| l.contains(needle)) {
-                return Some(l.clone());
-            }
-            let now = Instant::now();
-            if c.closed || now >= deadline {
-                return None;
-            }
-            c = cv.wait_timeout(c, deadline - now).unwrap().0;
-        }
+        self.out.wait_for(deadline, |lines| {
+            lines.iter().find(|(_, l)| l.contains(needle)).cloned()
+        })
     }
 
     fn expect_line(&self, lender: &Lender, needle: &str, deadline: Instant) -> (Duration, String) {
         self.wait_line(needle, deadline).unwrap_or_else(|| {
             panic!(
                 "no console line containing {needle:?} (waited {:?} since boot)\n{}",
-                self.t0.elapsed(),
+                self.out.started().elapsed(),
                 self.diag(lender)
             )
         })
@@ -387,11 +330,7 @@ impl Guest {
 
     /// The first line containing `needle` among those already seen.
     fn line(&self, needle: &str) -> Option<String> {
-        let c = self.console.0.lock().unwrap();
-        c.lines
-            .iter()
-            .find(|(_, l)| l.contains(needle))
-            .map(|(_, l)| l.clone())
+        self.out.lines().into_iter().find(|l| l.contains(needle))
     }
 
     /// Waits (bounded by `deadline`) for lendvm to exit; SIGKILLs it on timeout.
@@ -399,10 +338,7 @@ impl Guest {
         loop {
             if let Some(s) = self.child.try_wait().unwrap() {
                 self.status = Some(s);
-                // Let the reader threads drain the pipes.
-                let (m, cv) = &*self.console;
-                let c = m.lock().unwrap();
-                let _ = cv.wait_timeout_while(c, Duration::from_secs(5), |c| !c.closed);
+                self.out.drain(Duration::from_secs(5));
                 return self.status;
             }
             if Instant::now() >= deadline {
@@ -416,7 +352,7 @@ impl Guest {
 
     fn expect_exit_0(&mut self, lender: &Lender, deadline: Instant) -> Duration {
         let st = self.wait_exit(deadline);
-        let t = self.t0.elapsed();
+        let t = self.out.started().elapsed();
         assert_eq!(
             st.and_then(|s| s.code()),
             Some(0),
@@ -445,7 +381,7 @@ impl Drop for Guest {
         let log = format!(
             "--- console (wall s, then the guest's printk time)\n{}--- lendvm stderr\n{}",
             self.console(),
-            self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
+            self.out.stderr()
         );
         let path = dir.join(format!("{}.log", self.name));
         if std::fs::write(&path, log).is_ok() {
@@ -612,11 +548,8 @@ fn check_guest_used_the_disk(
 /// lendvm's exit.
 fn report(guest: &Guest, what: &str, ok_wall: Duration, exit_wall: Duration, ok_guest_s: f64) {
     let first = guest
-        .console
-        .0
-        .lock()
-        .unwrap()
-        .lines
+        .out
+        .timed_lines()
         .first()
         .map(|(t, _)| t.as_secs_f64())
         .unwrap_or(0.0);
@@ -658,7 +591,7 @@ fn linux_boots_with_a_lent_nvme_disk() {
         &cmd,
         &["--name", "linux-boot", "--remote-device", &dev],
     );
-    let deadline = guest.t0 + BOOT_TIMEOUT;
+    let deadline = guest.out.started() + BOOT_TIMEOUT;
     // Boot devices are borrowed before any vCPU runs.
     guest.expect_line(&lender, "Linux version ", deadline);
     lender.expect_lent_to("linux-boot");
@@ -695,7 +628,7 @@ fn linux_hot_adds_a_lent_nvme_disk_through_acpi() {
             socket.to_str().unwrap(),
         ],
     );
-    let deadline = guest.t0 + BOOT_TIMEOUT;
+    let deadline = guest.out.started() + BOOT_TIMEOUT;
     // The kernel is up to its last initcall and the self-test polls for nvme0n1.
     let (wait_wall, wait_line) =
         guest.expect_line(&lender, "lendvm-selftest: disk=nvme0n1", deadline);
@@ -713,7 +646,7 @@ fn linux_hot_adds_a_lent_nvme_disk_through_acpi() {
             mode: None,
         })
         .unwrap_or_else(|e| panic!("vm.add-remote-device: {e}\n{}", guest.diag(&lender)));
-    let add_wall = guest.t0.elapsed();
+    let add_wall = guest.out.started().elapsed();
     assert_eq!(added.id, "disk0");
     assert_eq!(added.bdf.to_string(), "0000:00:01.0");
     lender.expect_lent_to("linux-hotplug");
@@ -726,7 +659,7 @@ fn linux_hot_adds_a_lent_nvme_disk_through_acpi() {
     let exit_wall = guest.expect_exit_0(&lender, deadline);
     let ok = check_guest_used_the_disk(&guest, &lender, &parts, lba, count, seed);
     assert_eq!(ok, ok_line);
-    let stderr = guest.stderr.lock().unwrap().clone();
+    let stderr = guest.out.stderr();
     assert!(
         stderr.contains("pci hotplug: slot 1 added")
             && stderr.contains("hot-added disk0: node1:0000:82:00.0 at 0000:00:01.0"),
@@ -783,7 +716,7 @@ fn linux_busybox_user_space_on_a_lent_disk() {
             initrd.to_str().unwrap(),
         ],
     );
-    let deadline = guest.t0 + BOOT_TIMEOUT;
+    let deadline = guest.out.started() + BOOT_TIMEOUT;
     guest.expect_line(&lender, "Linux version ", deadline);
     lender.expect_lent_to("linux-busybox");
     let (init_wall, _) =

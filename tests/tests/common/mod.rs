@@ -7,17 +7,16 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use api::client::ApiClient;
 use lending::protocol::{DeviceState, DeviceStatus, LenderStatus};
 pub use lending::testing::Lenderd;
+use lendvm_tests::capture::ProcessOutput;
 use ntb::ClusterConfig;
 
 pub use lendvm_tests::TEST_GUEST;
@@ -174,21 +173,11 @@ impl Cluster {
     }
 }
 
-/// The console lines seen so far and whether stdout has closed.
-#[derive(Default)]
-struct Console {
-    lines: Vec<String>,
-    closed: bool,
-}
-
 /// A running `lendvm`: console lines as they arrive, stderr, the API socket. SIGKILLed on
 /// drop.
 pub struct Vm {
     pub child: Child,
-    console: Arc<(Mutex<Console>, Condvar)>,
-    stderr: Arc<Mutex<String>>,
-    /// Joined once the process has exited, so `stderr()` then holds everything it wrote.
-    stderr_reader: Option<std::thread::JoinHandle<()>>,
+    out: ProcessOutput,
     pub api_socket: Option<PathBuf>,
     status: Option<ExitStatus>,
 }
@@ -219,39 +208,10 @@ impl Vm {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let console = Arc::new((Mutex::new(Console::default()), Condvar::new()));
-        let out = child.stdout.take().unwrap();
-        let c = console.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                let (m, cv) = &*c;
-                m.lock().unwrap().lines.push(line);
-                cv.notify_all();
-            }
-            let (m, cv) = &*c;
-            m.lock().unwrap().closed = true;
-            cv.notify_all();
-        });
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let mut err = child.stderr.take().unwrap();
-        let s = stderr.clone();
-        let stderr_reader = std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = err.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                s.lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        });
+        let out = ProcessOutput::capture(&mut child);
         Vm {
             child,
-            console,
-            stderr,
-            stderr_reader: Some(stderr_reader),
+            out,
             api_socket,
             status: None,
         }
@@ -263,37 +223,30 @@ impl Vm {
 
     /// Everything the guest printed so far.
     pub fn stdout(&self) -> String {
-        let c = self.console.0.lock().unwrap();
-        let mut s = c.lines.join("\n");
+        let mut s = self.out.lines().join("\n");
         s.push('\n');
         s
     }
 
     pub fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().clone()
+        self.out.stderr()
     }
 
     /// Console lines so far.
     pub fn lines(&self) -> Vec<String> {
-        self.console.0.lock().unwrap().lines.clone()
+        self.out.lines()
     }
 
     /// Waits for the `nth` (0-based) line starting with `prefix`; `None` on timeout or if the
     /// console closed first.
     pub fn wait_nth_line(&self, prefix: &str, nth: usize, timeout: Duration) -> Option<String> {
-        let deadline = Instant::now() + timeout;
-        let (m, cv) = &*self.console;
-        let mut c = m.lock().unwrap();
-        loop {
-            if let Some(l) = c.lines.iter().filter(|l| l.starts_with(prefix)).nth(nth) {
-                return Some(l.clone());
-            }
-            let now = Instant::now();
-            if c.closed || now >= deadline {
-                return None;
-            }
-            c = cv.wait_timeout(c, deadline - now).unwrap().0;
-        }
+        self.out.wait_for(Instant::now() + timeout, |lines| {
+            lines
+                .iter()
+                .filter(|(_, l)| l.starts_with(prefix))
+                .nth(nth)
+                .map(|(_, l)| l.clone())
+        })
     }
 
     /// Waits for the first line starting with `prefix`, failing the test with the console and
@@ -314,8 +267,11 @@ impl Vm {
     }
 
     pub fn count_lines(&self, prefix: &str) -> usize {
-        let c = self.console.0.lock().unwrap();
-        c.lines.iter().filter(|l| l.starts_with(prefix)).count()
+        self.out
+            .lines()
+            .iter()
+            .filter(|l| l.starts_with(prefix))
+            .count()
     }
 
     /// Waits for the process to exit (bounded); kills it on timeout.
@@ -327,15 +283,7 @@ impl Vm {
         loop {
             if let Some(s) = self.child.try_wait().unwrap() {
                 self.status = Some(s);
-                // Let the reader threads drain the pipes.
-                let (m, cv) = &*self.console;
-                let c = m.lock().unwrap();
-                let _ = cv.wait_timeout_while(c, Duration::from_secs(2), |c| !c.closed);
-                // lendvm has no children, so its exit closes the stderr pipe and the reader
-                // ends: joining cannot hang.
-                if let Some(reader) = self.stderr_reader.take() {
-                    let _ = reader.join();
-                }
+                self.out.drain(Duration::from_secs(2));
                 return self.status;
             }
             if t0.elapsed() > timeout {
