@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use common::{lent_rig, nvme_spec, start_lenderd, BarPath, FdIrq, TokenVia};
 use emulated::nvme::{NvmeConfig, NvmeController, BAR0_SIZE};
 use emulated::testing::{DataBuf, DirectBar, DriverConfig, NvmeDriver, TestMemory};
+use emulated::workload::{self, Case, CASES};
 use emulated::{DeviceModel, HeapRegisters, InterruptMode, InterruptSink, NotifyMode};
 use ntb::FabricKind;
 use std::sync::Arc;
@@ -103,61 +104,7 @@ fn local_rig(cfg: NvmeConfig, polling: bool) -> Local {
 
 const DEV: &str = "0000:82:00.0";
 const NS_BYTES: u64 = 256 << 20;
-const SPAN_BLOCKS: u64 = (64 << 20) / 512;
 const RAM: u64 = 128 << 20;
-
-struct Case {
-    name: &'static str,
-    write: bool,
-    random: bool,
-    bs: usize,
-    qd: usize,
-}
-
-const CASES: [Case; 6] = [
-    Case {
-        name: "randread-4k-qd1",
-        write: false,
-        random: true,
-        bs: 4096,
-        qd: 1,
-    },
-    Case {
-        name: "randwrite-4k-qd1",
-        write: true,
-        random: true,
-        bs: 4096,
-        qd: 1,
-    },
-    Case {
-        name: "randread-4k-qd32",
-        write: false,
-        random: true,
-        bs: 4096,
-        qd: 32,
-    },
-    Case {
-        name: "randwrite-4k-qd32",
-        write: true,
-        random: true,
-        bs: 4096,
-        qd: 32,
-    },
-    Case {
-        name: "seqread-128k-qd8",
-        write: false,
-        random: false,
-        bs: 128 << 10,
-        qd: 8,
-    },
-    Case {
-        name: "seqwrite-128k-qd8",
-        write: true,
-        random: false,
-        bs: 128 << 10,
-        qd: 8,
-    },
-];
 
 /// Median, minimum and maximum of per-repetition values.
 #[derive(Debug, Clone, Copy, Default)]
@@ -206,25 +153,8 @@ struct Acc {
     p99_us: Vec<f64>,
 }
 
-/// Percentile `p` of `lat` (ns, sorted in place) in microseconds.
-fn pct_us(lat: &mut [u32], p: f64) -> f64 {
-    if lat.is_empty() {
-        return 0.0;
-    }
-    lat.sort_unstable();
-    let i = ((lat.len() - 1) as f64 * p).round() as usize;
-    f64::from(lat[i]) / 1000.0
-}
-
-fn xorshift(s: &mut u64) -> u64 {
-    *s ^= *s << 13;
-    *s ^= *s >> 7;
-    *s ^= *s << 17;
-    *s
-}
-
-/// One timed run of `c` on queue 1 (buffers preallocated). With `acc`, the repetition's IOPS
-/// and its own p50/p99 are recorded; without, it is a warm-up.
+/// One timed run through the shared workload; with `acc` the repetition's IOPS and its own
+/// p50/p99 are recorded, without it is a warm-up.
 fn run_case(
     d: &mut NvmeDriver,
     bufs: &[DataBuf],
@@ -234,85 +164,12 @@ fn run_case(
     lat: &mut Vec<u32>,
     acc: Option<&mut Acc>,
 ) {
-    let nlb = (c.bs / 512) as u32;
-    let mut seed = seed | 1;
-    let mut seq = (xorshift(&mut seed) % (SPAN_BLOCKS / u64::from(nlb))) * u64::from(nlb);
-    let mut next_lba = |seed: &mut u64| {
-        if c.random {
-            (xorshift(seed) % (SPAN_BLOCKS / u64::from(nlb))) * u64::from(nlb)
-        } else {
-            let l = seq;
-            seq = (seq + u64::from(nlb)) % SPAN_BLOCKS;
-            l
-        }
-    };
-    lat.clear();
-    // cid -> (buffer, submit time); cids are < 2^16, a flat table avoids hashing in the loop.
-    let mut owner: Vec<Option<(usize, Instant)>> = vec![None; 1 << 16];
-    for (i, b) in bufs.iter().take(c.qd).enumerate() {
-        let cid = d
-            .push(1, NvmeDriver::rw_sqe(c.write, next_lba(&mut seed), nlb, b))
-            .unwrap();
-        owner[usize::from(cid)] = Some((i, Instant::now()));
-    }
-    d.ring(1).unwrap();
-    let start = Instant::now();
-    let end = start + Duration::from_secs_f64(secs);
-    let mut out = Vec::new();
-    let mut ops = 0u64;
-    loop {
-        out.clear();
-        d.wait(1, &mut out, 1).unwrap();
-        let now = Instant::now();
-        let stop = now >= end;
-        for e in &out {
-            assert_eq!(e.code(), 0, "{} failed: {e:?}", c.name);
-            let (i, t) = owner[usize::from(e.cid)].take().unwrap();
-            ops += 1;
-            lat.push(u32::try_from((now - t).as_nanos()).unwrap_or(u32::MAX));
-            if !stop {
-                let cid = d
-                    .push(
-                        1,
-                        NvmeDriver::rw_sqe(c.write, next_lba(&mut seed), nlb, &bufs[i]),
-                    )
-                    .unwrap();
-                owner[usize::from(cid)] = Some((i, Instant::now()));
-            }
-        }
-        if stop {
-            let n = d.outstanding(1);
-            if n > 0 {
-                let mut rest = Vec::new();
-                d.wait(1, &mut rest, n).unwrap();
-            }
-            break;
-        }
-        d.ring(1).unwrap();
-    }
-    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+    let st = workload::run_case(d, bufs, c, secs, seed, lat).unwrap();
     if let Some(acc) = acc {
-        acc.iops.push(ops as f64 / elapsed);
-        acc.p50_us.push(pct_us(lat, 0.50));
-        acc.p99_us.push(pct_us(lat, 0.99));
+        acc.iops.push(st.iops());
+        acc.p50_us.push(st.p50_us);
+        acc.p99_us.push(st.p99_us);
     }
-}
-
-/// Same bring-up for both sides: one I/O queue pair of 128 entries on vector 1, the 64 MiB
-/// span prefilled (so reads hit written blocks), and 32 data buffers of 128 KiB.
-fn prepare(d: &mut NvmeDriver) -> Vec<DataBuf> {
-    d.enable(32).unwrap();
-    d.set_num_queues(1).unwrap();
-    d.create_io_queue_pair(1, 128, 1).unwrap();
-    let fill = d.alloc_data(128 << 10, 0, false).unwrap();
-    fill.fill(d.ram(), &vec![0x5a; 128 << 10]);
-    for i in 0..(SPAN_BLOCKS / 256) {
-        d.rw(1, true, i * 256, 256, &fill).unwrap();
-    }
-    d.flush(1).unwrap();
-    (0..32)
-        .map(|_| d.alloc_data(128 << 10, 0, false).unwrap())
-        .collect()
 }
 
 /// One side of a row: spreads over the repetitions.
@@ -574,8 +431,8 @@ fn main() {
             2,
             !polling,
         );
-        let lbufs = prepare(&mut local.driver);
-        let rbufs = prepare(&mut lent.driver);
+        let lbufs = workload::prepare(&mut local.driver).unwrap();
+        let rbufs = workload::prepare(&mut lent.driver).unwrap();
         let mut lat = Vec::with_capacity(1 << 20);
         for case in CASES.iter() {
             let (mut a, mut b) = (Acc::default(), Acc::default());

@@ -28,6 +28,7 @@ pub mod nvme;
 pub mod regs;
 pub mod testing;
 mod waiter;
+pub mod workload;
 
 pub use dma::{DmaFault, DmaMemory};
 pub use irq::{InterruptMode, InterruptSink};
