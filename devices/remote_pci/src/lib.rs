@@ -18,7 +18,8 @@ mod testing;
 
 pub use device::{RemoteDeviceStatus, RemotePciDevice, RemotePciDeviceParams, RemotePciError};
 pub use link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError,
-    RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets,
+    LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo,
+    RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
 pub use pin::{MlockPinner, PinError, PinStats, PinnedRange, Pinner};

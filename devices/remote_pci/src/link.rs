@@ -279,4 +279,62 @@ pub trait RemoteDeviceLink: Send {
     fn irq_counts(&self) -> Option<Vec<u64>> {
         None
     }
+
+    /// Registers the VMM's hook for the lease's asynchronous events (loss, IOMMU faults).
+    /// The hook is called from the link's event thread and must not block. If the lease is
+    /// already lost when the hook is set, `lease_lost` is called at once, so a loss is never
+    /// missed. Links that cannot report events keep the default (the VMM then only learns of
+    /// a loss when a request fails).
+    fn set_event_hook(&self, _hook: Arc<dyn LinkEventHook>) {}
+
+    /// The lender's counters for this lease since it was granted (DMA bytes, IOMMU faults,
+    /// doorbell kicks, interrupts per vector): one control-protocol round trip. `Ok(None)`:
+    /// the link or the lender does not report them.
+    fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
+        Ok(None)
+    }
+
+    /// Quiesces (`true`) or resumes (`false`) the device on the lender for `vm.pause` /
+    /// `vm.resume`: a polling-mode device stops fetching doorbells and descriptors until
+    /// resumed; an interrupt-mode device needs nothing (its vectors are masked at the VMM).
+    fn quiesce(&self, _stop: bool) -> Result<(), LinkError> {
+        Ok(())
+    }
+}
+
+/// Asynchronous lease events, delivered by the link to the VMM (see
+/// [`RemoteDeviceLink::set_event_hook`]). Implementations must not block.
+pub trait LinkEventHook: Send + Sync {
+    /// The lease is lost (lender gone, link down, device gone); `why` says which.
+    fn lease_lost(&self, why: &str);
+    /// The lender's IOMMU refused a DMA of the device (rate-limited by the lender).
+    fn iommu_fault(&self, fault: &IommuFaultReport);
+}
+
+/// One IOMMU fault the lender reported.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IommuFaultReport {
+    pub iova: u64,
+    pub len: u64,
+    pub write: bool,
+    /// Faults of this lease so far (the lender reports a sample when faults come fast).
+    pub total: u64,
+}
+
+/// What the lender counted for one lease since it was granted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LenderCounters {
+    /// Bytes the device read from / wrote to the borrower's memory through its IOMMU domain
+    /// (0 where the domain cannot count, e.g. VFIO).
+    pub dma_bytes_read: u64,
+    pub dma_bytes_written: u64,
+    /// DMAs the IOMMU domain refused.
+    pub iommu_faults: u64,
+    /// Doorbell notifications the device received (the value of each notify-eventfd read,
+    /// i.e. every store+notify or ioeventfd kick, coalesced or not).
+    pub doorbell_kicks: u64,
+    /// Interrupts the lender signalled, per MSI-X vector.
+    pub msix: Vec<u64>,
+    /// INTx assertions the lender signalled.
+    pub intx: u64,
 }
