@@ -13,7 +13,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use thiserror::Error;
 
+use crate::events::VmEvent;
 use crate::server::API_ROOT;
+use crate::types::VmCountersReport;
 use crate::types::{
     PciDeviceInfo, VmAddRemoteDeviceData, VmInfo, VmRemoveDeviceData, VmmPingResponse,
 };
@@ -119,33 +121,7 @@ fn decode_chunked(mut data: &[u8]) -> Result<Vec<u8>, ClientError> {
 
 /// Parses a complete response (the connection was read to EOF).
 pub fn parse_response(raw: &[u8]) -> Result<HttpResponse, ClientError> {
-    let head_end = find(raw, b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
-    let head = std::str::from_utf8(&raw[..head_end]).map_err(|_| bad("headers are not utf-8"))?;
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or("");
-    let mut parts = status_line.splitn(3, ' ');
-    let version = parts.next().unwrap_or("");
-    if !version.starts_with("HTTP/1.") {
-        return Err(bad(format!("bad status line {status_line:?}")));
-    }
-    let status: u16 = parts
-        .next()
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad(format!("bad status line {status_line:?}")))?;
-    let reason = parts.next().unwrap_or("").to_string();
-    let mut headers = Vec::new();
-    for line in lines {
-        let (n, v) = line
-            .split_once(':')
-            .ok_or_else(|| bad(format!("bad header line {line:?}")))?;
-        headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
-    }
-    let mut resp = HttpResponse {
-        status,
-        reason,
-        headers,
-        body: Vec::new(),
-    };
+    let (mut resp, head_end) = parse_head(raw)?;
     let rest = &raw[head_end + 4..];
     resp.body = if resp
         .header("transfer-encoding")
@@ -167,6 +143,38 @@ pub fn parse_response(raw: &[u8]) -> Result<HttpResponse, ClientError> {
         rest.to_vec()
     };
     Ok(resp)
+}
+
+/// Parses the status line and headers; returns them (no body) and where the head ends.
+fn parse_head(raw: &[u8]) -> Result<(HttpResponse, usize), ClientError> {
+    let head_end = find(raw, b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
+    let head = std::str::from_utf8(&raw[..head_end]).map_err(|_| bad("headers are not utf-8"))?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or("");
+    let mut parts = status_line.splitn(3, ' ');
+    let version = parts.next().unwrap_or("");
+    if !version.starts_with("HTTP/1.") {
+        return Err(bad(format!("bad status line {status_line:?}")));
+    }
+    let status: u16 = parts
+        .next()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad(format!("bad status line {status_line:?}")))?;
+    let reason = parts.next().unwrap_or("").to_string();
+    let mut headers = Vec::new();
+    for line in lines {
+        let (n, v) = line
+            .split_once(':')
+            .ok_or_else(|| bad(format!("bad header line {line:?}")))?;
+        headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
+    }
+    let resp = HttpResponse {
+        status,
+        reason,
+        headers,
+        body: Vec::new(),
+    };
+    Ok((resp, head_end))
 }
 
 impl ApiClient {
@@ -291,6 +299,152 @@ impl ApiClient {
 
     pub fn shutdown(&self) -> Result<(), ClientError> {
         self.request("PUT", "vm.shutdown", None)?.ok().map(|_| ())
+    }
+
+    /// `vmm.shutdown`: tear the VM down and end the VMM process.
+    pub fn vmm_shutdown(&self) -> Result<(), ClientError> {
+        self.request("PUT", "vmm.shutdown", None)?.ok().map(|_| ())
+    }
+
+    pub fn pause(&self) -> Result<(), ClientError> {
+        self.request("PUT", "vm.pause", None)?.ok().map(|_| ())
+    }
+
+    pub fn resume(&self) -> Result<(), ClientError> {
+        self.request("PUT", "vm.resume", None)?.ok().map(|_| ())
+    }
+
+    pub fn counters(&self) -> Result<VmCountersReport, ClientError> {
+        self.call("GET", "vm.counters", None)
+    }
+
+    /// The retained events after `since` (0: all retained), without following.
+    pub fn events(&self, since: u64) -> Result<Vec<VmEvent>, ClientError> {
+        let resp = self
+            .request(
+                "GET",
+                &format!("vm.events?since={since}&follow=false"),
+                None,
+            )?
+            .ok()?;
+        resp.body
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice(l).map_err(|e| ClientError::Decode("vm.events", e)))
+            .collect()
+    }
+
+    /// Follows `vm.events` (from `since` when given), calling `on_line` with every JSON line
+    /// as it arrives, until the VMM ends the stream (`Ok`), `on_line` returns `false`, or the
+    /// connection fails. The read timeout does not apply: the stream may be idle for long.
+    pub fn follow_events(
+        &self,
+        since: Option<u64>,
+        mut on_line: impl FnMut(&str) -> bool,
+    ) -> Result<(), ClientError> {
+        let io_err = |e| ClientError::Io(self.socket.clone(), e);
+        let mut stream = UnixStream::connect(&self.socket)
+            .map_err(|e| ClientError::Connect(self.socket.clone(), e))?;
+        stream
+            .set_write_timeout(Some(self.timeout))
+            .map_err(io_err)?;
+        let query = since.map(|s| format!("?since={s}")).unwrap_or_default();
+        let req = format!(
+            "GET {API_ROOT}/vm.events{query} HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+        );
+        stream.write_all(req.as_bytes()).map_err(io_err)?;
+        let mut raw = Vec::new();
+        let mut buf = [0u8; 8192];
+        let mut head: Option<HttpResponse> = None;
+        let mut body = ChunkDecoder::default();
+        let mut text = Vec::new();
+        loop {
+            let n = match stream.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_err(e)),
+            };
+            raw.extend_from_slice(&buf[..n]);
+            if head.is_none() {
+                let Some(end) = find(&raw, b"\r\n\r\n") else {
+                    if raw.len() > MAX_RESPONSE {
+                        return Err(ClientError::TooLarge);
+                    }
+                    continue;
+                };
+                let (resp, _) = parse_head(&raw)?;
+                if resp.status != 200 {
+                    // An error answer is small and complete: read it whole.
+                    stream.read_to_end(&mut raw).map_err(io_err)?;
+                    return parse_response(&raw)?.ok().map(|_| ());
+                }
+                raw.drain(..end + 4);
+                head = Some(resp);
+            }
+            body.feed(&raw, &mut text)?;
+            raw.clear();
+            while let Some(pos) = text.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = text.drain(..=pos).collect();
+                let line = String::from_utf8_lossy(&line[..line.len() - 1]).into_owned();
+                if !line.is_empty() && !on_line(&line) {
+                    return Ok(());
+                }
+            }
+            if body.done {
+                break;
+            }
+        }
+        if head.is_none() {
+            return Err(bad("connection closed without a response"));
+        }
+        Ok(())
+    }
+}
+
+/// Incremental `Transfer-Encoding: chunked` decoder for a stream that never ends on its own.
+#[derive(Default)]
+struct ChunkDecoder {
+    pending: Vec<u8>,
+    /// Bytes left of the current chunk's data (+ its CRLF).
+    left: usize,
+    done: bool,
+}
+
+impl ChunkDecoder {
+    fn feed(&mut self, data: &[u8], out: &mut Vec<u8>) -> Result<(), ClientError> {
+        self.pending.extend_from_slice(data);
+        let mut at = 0;
+        while !self.done && at < self.pending.len() {
+            if self.left > 0 {
+                let take = self.left.min(self.pending.len() - at);
+                // The last two bytes of each chunk are its CRLF, not data.
+                let data_left = self.left.saturating_sub(2);
+                out.extend_from_slice(&self.pending[at..at + take.min(data_left)]);
+                self.left -= take;
+                at += take;
+                continue;
+            }
+            let Some(end) = find(&self.pending[at..], b"\r\n") else {
+                break;
+            };
+            let size_str =
+                std::str::from_utf8(&self.pending[at..at + end]).map_err(|_| bad("chunk size"))?;
+            let size_str = size_str.split(';').next().unwrap_or("").trim();
+            let size = usize::from_str_radix(size_str, 16)
+                .map_err(|_| bad(format!("bad chunk size {size_str:?}")))?;
+            at += end + 2;
+            if size == 0 {
+                self.done = true;
+            } else {
+                self.left = size + 2;
+            }
+        }
+        self.pending.drain(..at);
+        if self.pending.len() > MAX_RESPONSE {
+            return Err(ClientError::TooLarge);
+        }
+        Ok(())
     }
 }
 

@@ -30,9 +30,11 @@ use std::thread::JoinHandle;
 
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::request::{already_attached, id_in_use, pause_refusal};
 use crate::request::{
     serve_pending, ApiError, ApiHandler, ApiMessage, ApiReply, ApiRequest, ApiResponse,
 };
+use crate::types::VmCountersReport;
 use crate::types::{
     DmaWindowInfo, InterruptCounts, LeaseState, PciBdf, PciDeviceInfo, RemoteDeviceInfo,
     RemoteDeviceMode, RemoteDeviceSpec, VmAddRemoteDeviceData, VmConfigInfo, VmInfo,
@@ -119,6 +121,7 @@ impl FakeVmm {
                 device: dev.device,
                 id: dev.id,
                 mode: dev.mode,
+                replace_lost: false,
             })?;
         }
         Ok(vmm)
@@ -142,6 +145,22 @@ impl FakeVmm {
             self.devices.remove(id);
         }
         pending
+    }
+
+    /// The device's lease is lost (its lender went away): what the VMM does on surprise
+    /// removal. Returns whether the device exists.
+    pub fn lose(&mut self, id: &str) -> bool {
+        match self.devices.get_mut(id) {
+            Some(d) => {
+                d.lease_state = LeaseState::Lost;
+                d.dma_window = DmaWindowInfo {
+                    mapped: false,
+                    size: 0,
+                };
+                true
+            }
+            None => false,
+        }
     }
 
     /// Sets a device's interrupt counters (to test what clients show).
@@ -200,10 +219,18 @@ impl FakeVmm {
                 )));
             }
         }
+        if data.replace_lost {
+            self.devices.retain(|id, d| {
+                let same =
+                    data.id.as_ref() == Some(id) || (d.node == *node && d.lender_bdf == *bdf);
+                !(same && d.lease_state == LeaseState::Lost)
+            });
+        }
         if let Some(id) = &data.id {
-            if self.devices.contains_key(id) {
-                return Err(ApiError::conflict(format!(
-                    "device id {id} is already in use"
+            if let Some(d) = self.devices.get(id) {
+                return Err(ApiError::conflict(id_in_use(
+                    id,
+                    d.lease_state == LeaseState::Lost,
                 )));
             }
         }
@@ -212,9 +239,10 @@ impl FakeVmm {
             .values()
             .find(|d| d.node == *node && d.lender_bdf == *bdf)
         {
-            return Err(ApiError::conflict(format!(
-                "{} is already attached as {}",
-                data.device, other.id
+            return Err(ApiError::conflict(already_attached(
+                &data.device,
+                &other.id,
+                other.lease_state == LeaseState::Lost,
             )));
         }
         let slot = self
@@ -265,7 +293,7 @@ impl FakeVmm {
             .devices
             .get_mut(&data.id)
             .ok_or_else(|| ApiError::not_found(format!("no device with id {}", data.id)))?;
-        if data.force || self.config.auto_eject {
+        if data.force || self.config.auto_eject || dev.lease_state == LeaseState::Lost {
             self.devices.remove(&data.id);
             return Ok(());
         }
@@ -297,14 +325,37 @@ impl ApiHandler for FakeVmm {
             })),
             ApiRequest::VmAddRemoteDevice(data) => self.add(data).map(ApiResponse::DeviceAdded),
             ApiRequest::VmRemoveDevice(data) => self.remove(data).map(|()| ApiResponse::Empty),
-            ApiRequest::VmShutdown => {
-                if self.state != VmState::Running {
+            ApiRequest::VmShutdown | ApiRequest::VmmShutdown => {
+                if !matches!(self.state, VmState::Running | VmState::Paused) {
                     return Err(ApiError::conflict("the vm is already shut down"));
                 }
                 // Shutting down releases every lease.
                 self.devices.clear();
                 self.state = VmState::Shutdown;
                 Ok(ApiResponse::Empty)
+            }
+            ApiRequest::VmPause => match self.state {
+                VmState::Running => {
+                    self.state = VmState::Paused;
+                    Ok(ApiResponse::Empty)
+                }
+                other => Err(ApiError::conflict(pause_refusal("pause", other))),
+            },
+            ApiRequest::VmResume => match self.state {
+                VmState::Paused => {
+                    self.state = VmState::Running;
+                    Ok(ApiResponse::Empty)
+                }
+                other => Err(ApiError::conflict(pause_refusal("resume", other))),
+            },
+            ApiRequest::VmCounters => {
+                let mut report = VmCountersReport::new();
+                for (id, d) in &self.devices {
+                    let mut c = BTreeMap::new();
+                    c.insert("interrupts".to_string(), d.interrupts.total());
+                    report.insert(id.clone(), c);
+                }
+                Ok(ApiResponse::Counters(report))
             }
         }
     }

@@ -6,6 +6,7 @@
 //! * [`request`]: what the VMM sees: [`request::ApiMessage`] over an mpsc channel + eventfd,
 //!   answered with [`request::ApiReply`].
 //! * [`server`]: [`server::ApiServer`] (axum on its own thread, Unix socket).
+//! * [`events`]: [`events::EventBus`], the `--event-monitor` / `vm.events` stream.
 //! * [`client`]: [`client::ApiClient`], blocking HTTP/1.1 over a Unix socket.
 //! * [`fake`]: [`fake::FakeVmm`], the reference semantics, for tests.
 //! * [`lenders`]: `lendctl`'s lender commands (`lenders`, `list`, `status`) over the fabric.
@@ -13,6 +14,7 @@
 //! The endpoints are described in `api/openapi.yaml`.
 
 pub mod client;
+pub mod events;
 pub mod fake;
 pub mod lenders;
 pub mod request;

@@ -1,8 +1,9 @@
 //! `lendctl`: control a running lendvm VMM over its REST socket, and list lendable devices.
 //!
 //! ```text
-//! lendctl --api-socket S ping|info|add-remote-device node3:0000:81:00.0 [--id X] [--mode M]
-//!                        |remove-device X [--force]|shutdown
+//! lendctl --api-socket S ping|info|counters|pause|resume|shutdown|shutdown-vmm
+//!                        |add-remote-device node3:0000:81:00.0 [--id X] [--mode M] [--replace-lost]
+//!                        |remove-device X [--force]|events [--since SEQ] [--no-follow]
 //! lendctl --cluster F [--token T] [--node NAME] lenders|list
 //! lendctl --cluster F --lender NODE list|status
 //! ```
@@ -20,6 +21,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use api::client::{ApiClient, ClientError};
+use api::events::VmEvent;
 use api::lenders::{self, table, DeviceList, LenderRow, Session};
 use api::types::{
     validate_device_id, RemoteDeviceMode, RemoteDeviceSpec, VmAddRemoteDeviceData, VmInfo,
@@ -82,6 +84,9 @@ enum Command {
         /// BAR access mode: direct or trapped.
         #[arg(long)]
         mode: Option<RemoteDeviceMode>,
+        /// Clear a lost entry of the same device or id first (after a surprise removal).
+        #[arg(long)]
+        replace_lost: bool,
     },
     /// Ask the guest to eject a device (vm.remove-device).
     RemoveDevice {
@@ -93,6 +98,23 @@ enum Command {
     },
     /// Shut the VM down (vm.shutdown).
     Shutdown,
+    /// Tear the VM down and end the VMM process (vmm.shutdown).
+    ShutdownVmm,
+    /// Stop the vCPUs and quiesce lent devices (vm.pause).
+    Pause,
+    /// Restart the vCPUs and re-arm lent devices (vm.resume).
+    Resume,
+    /// Per-device and KVM counters (vm.counters).
+    Counters,
+    /// Print the VMM's events as they happen (vm.events), until it shuts down.
+    Events {
+        /// Replay the retained events after this sequence number first (0: all retained).
+        #[arg(long, value_name = "SEQ")]
+        since: Option<u64>,
+        /// Print what is retained and exit instead of following.
+        #[arg(long)]
+        no_follow: bool,
+    },
     /// List the lenders of the cluster (--cluster).
     Lenders,
     /// List devices across all lenders (--cluster) or of one lender (--lender).
@@ -191,6 +213,51 @@ fn render_info(info: &VmInfo) -> String {
     out
 }
 
+/// `vm.counters` as one table per group: the `vm` group first, then devices.
+fn render_counters(c: &api::types::VmCountersReport) -> String {
+    if c.is_empty() {
+        return "no counters".into();
+    }
+    let mut groups: Vec<&String> = c.keys().collect();
+    groups.sort_by_key(|g| (g.as_str() != "vm", g.as_str()));
+    let mut out = Vec::new();
+    for g in groups {
+        let rows: Vec<Vec<String>> = c[g]
+            .iter()
+            .map(|(k, v)| vec![k.clone(), v.to_string()])
+            .collect();
+        out.push(format!("[{g}]\n{}", table(&["COUNTER", "VALUE"], &rows)));
+    }
+    out.join("\n\n")
+}
+
+/// One event: its JSON line with `--json`, else `time  event  source  key=value ...`.
+fn print_event(json: bool, ev: &VmEvent) {
+    if json {
+        match serde_json::to_string(ev) {
+            Ok(l) => println!("{l}"),
+            Err(e) => eprintln!("lendctl: cannot encode event {}: {e}", ev.seq),
+        }
+        return;
+    }
+    let props: Vec<String> = ev
+        .properties
+        .iter()
+        .map(|(k, v)| match v {
+            serde_json::Value::String(s) => format!("{k}={s}"),
+            other => format!("{k}={other}"),
+        })
+        .collect();
+    println!(
+        "{:>6}.{:03}  {:<26} {:<8} {}",
+        ev.timestamp.secs,
+        ev.timestamp.nanos / 1_000_000,
+        ev.event,
+        ev.source,
+        props.join(" ")
+    );
+}
+
 fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
     match &cli.command {
         Command::Ping => {
@@ -222,11 +289,17 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
                 println!("{}", render_info(&info));
             }
         }
-        Command::AddRemoteDevice { device, id, mode } => {
+        Command::AddRemoteDevice {
+            device,
+            id,
+            mode,
+            replace_lost,
+        } => {
             let data = VmAddRemoteDeviceData {
                 device: device.clone(),
                 id: id.clone(),
                 mode: *mode,
+                replace_lost: *replace_lost,
             };
             let body = serde_json::to_vec(&data).map_err(|e| Failure(e.to_string()))?;
             let resp = client
@@ -263,6 +336,45 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
                 println!("{{}}");
             } else {
                 println!("vm shutdown requested");
+            }
+        }
+        Command::ShutdownVmm | Command::Pause | Command::Resume => {
+            let (done, what) = match &cli.command {
+                Command::Pause => (client.pause(), "vm paused"),
+                Command::Resume => (client.resume(), "vm resumed"),
+                _ => (client.vmm_shutdown(), "vmm shutdown requested"),
+            };
+            done?;
+            if cli.json {
+                println!("{{}}");
+            } else {
+                println!("{what}");
+            }
+        }
+        Command::Counters => {
+            let resp = client.request("GET", "vm.counters", None)?.ok()?;
+            if cli.json {
+                print_json(&resp.body);
+            } else {
+                let c: api::types::VmCountersReport = serde_json::from_slice(&resp.body)
+                    .map_err(|e| Failure(format!("cannot decode the vm.counters response: {e}")))?;
+                println!("{}", render_counters(&c));
+            }
+        }
+        Command::Events { since, no_follow } => {
+            if *no_follow {
+                for ev in client.events(since.unwrap_or(0))? {
+                    print_event(cli.json, &ev);
+                }
+            } else {
+                client.follow_events(*since, |line| {
+                    match serde_json::from_str::<VmEvent>(line) {
+                        Ok(ev) => print_event(cli.json, &ev),
+                        // A line this lendctl does not know (e.g. a newer VMM): show it raw.
+                        Err(_) => println!("{line}"),
+                    }
+                    true
+                })?;
             }
         }
         Command::Lenders | Command::List | Command::Status => {

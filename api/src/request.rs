@@ -42,7 +42,8 @@ use tokio::sync::oneshot;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::types::{
-    PciDeviceInfo, VmAddRemoteDeviceData, VmInfo, VmRemoveDeviceData, VmmPingResponse,
+    PciDeviceInfo, VmAddRemoteDeviceData, VmCountersReport, VmInfo, VmRemoveDeviceData, VmState,
+    VmmPingResponse,
 };
 
 /// What a client asked for.
@@ -53,6 +54,10 @@ pub enum ApiRequest {
     VmAddRemoteDevice(VmAddRemoteDeviceData),
     VmRemoveDevice(VmRemoveDeviceData),
     VmShutdown,
+    VmCounters,
+    VmPause,
+    VmResume,
+    VmmShutdown,
 }
 
 impl ApiRequest {
@@ -64,6 +69,10 @@ impl ApiRequest {
             ApiRequest::VmAddRemoteDevice(_) => "vm.add-remote-device",
             ApiRequest::VmRemoveDevice(_) => "vm.remove-device",
             ApiRequest::VmShutdown => "vm.shutdown",
+            ApiRequest::VmCounters => "vm.counters",
+            ApiRequest::VmPause => "vm.pause",
+            ApiRequest::VmResume => "vm.resume",
+            ApiRequest::VmmShutdown => "vmm.shutdown",
         }
     }
 }
@@ -75,7 +84,8 @@ impl ApiRequest {
 /// | `VmmPing` | `Pong` | 200 JSON |
 /// | `VmInfo` | `VmInfo` | 200 JSON |
 /// | `VmAddRemoteDevice` | `DeviceAdded` | 200 JSON `{"id","bdf"}` |
-/// | `VmRemoveDevice`, `VmShutdown` | `Empty` | 204 |
+/// | `VmCounters` | `Counters` | 200 JSON `{id: {name: number}}` |
+/// | `VmRemoveDevice`, `VmShutdown`, `VmPause`, `VmResume`, `VmmShutdown` | `Empty` | 204 |
 ///
 /// Any other pairing is answered with 500 (a VMM bug).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,6 +93,7 @@ pub enum ApiResponse {
     Pong(VmmPingResponse),
     VmInfo(VmInfo),
     DeviceAdded(PciDeviceInfo),
+    Counters(VmCountersReport),
     Empty,
 }
 
@@ -152,6 +163,42 @@ impl ApiError {
     }
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ApiErrorKind::Internal, message)
+    }
+}
+
+/// The 409 message for a lender device that is already in the table; a lost entry says how
+/// to clear it (shared by the VMM and [`crate::fake::FakeVmm`]).
+pub fn already_attached(spec: &impl fmt::Display, id: &str, lost: bool) -> String {
+    if lost {
+        format!(
+            "{spec} is already attached as {id}, which is lost (its lease ended by surprise); \
+             clear it with vm.remove-device {{\"id\":\"{id}\"}} (lendctl remove-device {id}) \
+             or add again with \"replace_lost\": true (lendctl add-remote-device --replace-lost)"
+        )
+    } else {
+        format!("{spec} is already attached as {id}")
+    }
+}
+
+/// The 409 message for a device id that is taken (see [`already_attached`]).
+pub fn id_in_use(id: &str, lost: bool) -> String {
+    if lost {
+        format!(
+            "device id {id} is in use by a lost device (its lease ended by surprise); clear it \
+             with vm.remove-device {{\"id\":\"{id}\"}} (lendctl remove-device {id}) or add \
+             again with \"replace_lost\": true (lendctl add-remote-device --replace-lost)"
+        )
+    } else {
+        format!("device id {id} is already in use")
+    }
+}
+
+/// The 409 message for `vm.pause`/`vm.resume` in the wrong state.
+pub fn pause_refusal(what: &str, state: VmState) -> String {
+    match (what, state) {
+        ("pause", VmState::Paused) => "the vm is already paused".into(),
+        ("resume", VmState::Running) => "the vm is not paused".into(),
+        _ => format!("cannot {what} the vm: it is {state}"),
     }
 }
 

@@ -14,7 +14,8 @@
 //! | case | status | body |
 //! |---|---|---|
 //! | success with data (`vmm.ping`, `vm.info`, `vm.add-remote-device`) | 200 | JSON |
-//! | success without data (`vm.remove-device`, `vm.shutdown`) | 204 | empty |
+//! | success without data (`vm.remove-device`, `vm.shutdown`, `vm.pause`, `vm.resume`, `vmm.shutdown`) | 204 | empty |
+//! | `vm.events` | 200 | JSON lines, chunked, until the VMM shuts down (`follow=false`: what is retained) |
 //! | malformed JSON, unknown field, bad BDF/node/id syntax, empty body | 400 | text |
 //! | VMM said bad request (unknown node, no such device on the lender) | 400 | text |
 //! | unknown path | 404 | text |
@@ -56,6 +57,7 @@ use thiserror::Error;
 use tokio::sync::oneshot;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::events::{EventBus, VmEvent};
 use crate::request::{ApiError, ApiMessage, ApiRequest, ApiResponse};
 use crate::types::{SpecError, VmAddRemoteDeviceData, VmRemoveDeviceData};
 
@@ -77,6 +79,11 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("vm.add-remote-device", "PUT"),
     ("vm.remove-device", "PUT"),
     ("vm.shutdown", "PUT"),
+    ("vm.counters", "GET"),
+    ("vm.pause", "PUT"),
+    ("vm.resume", "PUT"),
+    ("vm.events", "GET"),
+    ("vmm.shutdown", "PUT"),
 ];
 
 /// Errors starting or stopping the server.
@@ -110,6 +117,8 @@ pub struct ApiServerConfig {
     pub request_timeout: Duration,
     /// A request body not fully received after this gets 408.
     pub body_timeout: Duration,
+    /// The VMM's event bus, streamed by `vm.events` (404 without one).
+    pub events: Option<Arc<EventBus>>,
 }
 
 impl ApiServerConfig {
@@ -119,6 +128,7 @@ impl ApiServerConfig {
             body_limit: DEFAULT_BODY_LIMIT,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             body_timeout: DEFAULT_BODY_TIMEOUT,
+            events: None,
         }
     }
 }
@@ -139,6 +149,7 @@ struct AppState {
     timeout: Duration,
     body_limit: usize,
     body_timeout: Duration,
+    events: Option<Arc<EventBus>>,
 }
 
 fn text(status: StatusCode, message: impl Into<String>) -> Response {
@@ -219,9 +230,15 @@ impl AppState {
                 log::info!("api: added remote device {} at {}", d.id, d.bdf);
                 json(&d)
             }
-            (ApiRequest::VmRemoveDevice(_) | ApiRequest::VmShutdown, Ok(ApiResponse::Empty)) => {
-                StatusCode::NO_CONTENT.into_response()
-            }
+            (ApiRequest::VmCounters, Ok(ApiResponse::Counters(c))) => json(&c),
+            (
+                ApiRequest::VmRemoveDevice(_)
+                | ApiRequest::VmShutdown
+                | ApiRequest::VmPause
+                | ApiRequest::VmResume
+                | ApiRequest::VmmShutdown,
+                Ok(ApiResponse::Empty),
+            ) => StatusCode::NO_CONTENT.into_response(),
             (_, Ok(other)) => {
                 log::error!("api: {endpoint}: vmm answered with a mismatched {other:?}");
                 text(
@@ -348,6 +365,96 @@ async fn vm_shutdown(State(s): State<AppState>) -> Response {
     s.forward(ApiRequest::VmShutdown).await
 }
 
+async fn vm_counters(State(s): State<AppState>) -> Response {
+    s.forward(ApiRequest::VmCounters).await
+}
+
+async fn vm_pause(State(s): State<AppState>) -> Response {
+    s.forward(ApiRequest::VmPause).await
+}
+
+async fn vm_resume(State(s): State<AppState>) -> Response {
+    s.forward(ApiRequest::VmResume).await
+}
+
+async fn vmm_shutdown(State(s): State<AppState>) -> Response {
+    s.forward(ApiRequest::VmmShutdown).await
+}
+
+/// `vm.events` query: `since=SEQ` replays the retained events after SEQ (0: all retained);
+/// `follow=false` answers with what is retained and ends instead of streaming.
+fn events_query(uri: &Uri) -> Result<(Option<u64>, bool), String> {
+    let mut since = None;
+    let mut follow = true;
+    for pair in uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "since" => {
+                since = Some(
+                    v.parse::<u64>()
+                        .map_err(|_| format!("since={v:?} is not an event sequence number"))?,
+                )
+            }
+            "follow" => {
+                follow = match v {
+                    "true" | "1" | "" => true,
+                    "false" | "0" => false,
+                    _ => return Err(format!("follow={v:?}: expected true or false")),
+                }
+            }
+            _ => return Err(format!("unknown query parameter {k:?} (since, follow)")),
+        }
+    }
+    Ok((since, follow))
+}
+
+fn event_line(ev: &VmEvent) -> Bytes {
+    let mut line = serde_json::to_vec(ev).unwrap_or_default();
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+/// `GET vm.events`: JSON lines, chunked; the stream ends when the VMM shuts down.
+async fn vm_events(State(s): State<AppState>, uri: Uri) -> Response {
+    let Some(bus) = &s.events else {
+        return text(StatusCode::NOT_FOUND, "this vmm has no event stream");
+    };
+    let (since, follow) = match events_query(&uri) {
+        Ok(q) => q,
+        Err(e) => return text(StatusCode::BAD_REQUEST, e),
+    };
+    let sub = bus.subscribe(since.or(if follow { None } else { Some(0) }));
+    let backlog: Vec<Bytes> = sub.backlog.iter().map(|e| event_line(e)).collect();
+    let live = if follow { sub.live } else { None };
+    let head = futures_util::stream::iter(backlog.into_iter().map(Ok::<_, std::io::Error>));
+    let tail = futures_util::stream::unfold(live, |rx| async move {
+        let mut rx = rx?;
+        match rx.recv().await {
+            Ok(ev) => Some((Ok(event_line(&ev)), Some(rx))),
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                // This follower fell behind by `n` events: say so in the stream.
+                let note = format!(
+                    "{{\"event\":\"events-lost\",\"source\":\"api\",\"properties\":{{\"count\":{n}}}}}\n"
+                );
+                Some((Ok(Bytes::from(note)), Some(rx)))
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => None,
+        }
+    });
+    use futures_util::StreamExt;
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(head.chain(tail)),
+    )
+        .into_response()
+}
+
 async fn unknown_endpoint(uri: Uri) -> Response {
     text(
         StatusCode::NOT_FOUND,
@@ -388,6 +495,11 @@ fn router(state: AppState) -> Router {
             put(vm_remove_device),
         )
         .route(&format!("{API_ROOT}/vm.shutdown"), put(vm_shutdown))
+        .route(&format!("{API_ROOT}/vm.counters"), get(vm_counters))
+        .route(&format!("{API_ROOT}/vm.pause"), put(vm_pause))
+        .route(&format!("{API_ROOT}/vm.resume"), put(vm_resume))
+        .route(&format!("{API_ROOT}/vm.events"), get(vm_events))
+        .route(&format!("{API_ROOT}/vmm.shutdown"), put(vmm_shutdown))
         .fallback(unknown_endpoint)
         .method_not_allowed_fallback(wrong_method)
         .with_state(state)
@@ -442,6 +554,7 @@ impl ApiServer {
             timeout: config.request_timeout,
             body_limit: config.body_limit,
             body_timeout: config.body_timeout,
+            events: config.events.clone(),
         };
         let app = router(state);
         let (stop_tx, stop_rx) = oneshot::channel::<()>();

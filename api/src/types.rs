@@ -8,6 +8,7 @@
 //! (`node3:0000:81:00.0,id=nvme0,mode=trapped`) are shared by the REST API, `lendctl` and the
 //! `lendvm --remote-device` command line option.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -313,6 +314,10 @@ pub struct VmAddRemoteDeviceData {
     /// BAR access mode; the VMM default (direct) when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<RemoteDeviceMode>,
+    /// If the same lender device (or the same id) is in the table as a lost device, clear
+    /// that entry first instead of answering 409.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replace_lost: bool,
 }
 
 impl VmAddRemoteDeviceData {
@@ -472,6 +477,12 @@ pub struct VmCounters {
     /// Bytes of guest RAM pinned for device DMA.
     pub pinned_bytes: u64,
 }
+
+/// Body of `GET /api/v1/vm.counters`, in Cloud Hypervisor's shape: counter group → counter
+/// name → value. Group `vm` holds the VM-wide KVM statistics summed over vCPUs (`exits`,
+/// `mmio_exits` = MMIO exits to user space, `io_exits`, `halt_exits`, ...); every other group
+/// is a remote device id.
+pub type VmCountersReport = BTreeMap<String, BTreeMap<String, u64>>;
 
 /// Body of `GET /api/v1/vm.info`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

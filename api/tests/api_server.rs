@@ -164,6 +164,7 @@ fn typed_client_round_trips() {
             device: "node3:0000:81:00.0".parse().unwrap(),
             id: Some("x".into()),
             mode: None,
+            replace_lost: false,
         })
         .unwrap();
     assert_eq!(d.bdf.to_string(), "0000:00:01.0");
@@ -671,6 +672,7 @@ fn openapi_document_covers_every_endpoint_and_request_type() {
         device: "node3:0000:81:00.0".parse().unwrap(),
         id: Some("nvme1".into()),
         mode: Some(api::types::RemoteDeviceMode::Trapped),
+        replace_lost: false,
     };
     o.validate_component("VmAddRemoteDevice", &serde_json::to_value(&add).unwrap())
         .unwrap();

@@ -47,6 +47,7 @@ fn add(api: &ApiClient, bdf: &str, id: &str) -> api::types::PciDeviceInfo {
         device: spec(bdf),
         id: Some(id.to_string()),
         mode: None,
+        replace_lost: false,
     })
     .unwrap_or_else(|e| panic!("add {bdf} as {id}: {e}"))
 }

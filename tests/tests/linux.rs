@@ -644,6 +644,7 @@ fn linux_hot_adds_a_lent_nvme_disk_through_acpi() {
             device: format!("{LENDER}:{NVME_BDF}").parse().unwrap(),
             id: Some("disk0".into()),
             mode: None,
+            replace_lost: false,
         })
         .unwrap_or_else(|e| panic!("vm.add-remote-device: {e}\n{}", guest.diag(&lender)));
     let add_wall = guest.out.started().elapsed();

@@ -251,6 +251,7 @@ fn main() {
                 device: device.clone(),
                 id: Some(format!("d{i}")),
                 mode: None,
+                replace_lost: false,
             })
             .expect("add");
         add_ms.push(t.elapsed().as_secs_f64() * 1e3);

@@ -3,13 +3,21 @@
 //! [`Controller`] owns every borrowed device and implements [`ApiHandler`] with the
 //! semantics of `api::fake::FakeVmm` (same status codes and messages). All lender traffic of
 //! hot-add and removal (connect, borrow, return, DMA unmap on teardown) runs here, on the
-//! thread of [`run_event_loop`], never on a vCPU thread.
+//! control thread ([`crate::event_loop`]), never on a vCPU thread.
 //!
 //! # Event loop
 //!
-//! `poll(2)` over the API eventfd, the hotplug eject eventfd and the exit notifier's
-//! eventfd, with a [`LEASE_POLL`] timeout: on every wake-up that is due, every device's
-//! `status()` is checked for a lost lease (the lender died, or reported the device gone).
+//! [`crate::event_loop`] runs the controller on `event-manager`, one subscriber per source:
+//! API requests, guest ejects, the VM's exit, a timer for deferred device drops, and one per
+//! device whose eventfd the device's link writes when its lease is lost. Nothing polls on a
+//! timer. The controller queues the subscribers of devices it adds and removes
+//! ([`Controller::take_subscriber_changes`]); the loop applies them between dispatches.
+//!
+//! # Threads
+//!
+//! Teardown and lease return run here, never on a vCPU thread: a vCPU that still holds a
+//! device reference (an access in flight) only delays the final drop, which is retried from
+//! the release timer ([`crate::vcpu::assert_not_on_vcpu`] checks it in debug builds).
 //!
 //! # Removal
 //!
@@ -28,18 +36,18 @@
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use acpi::{EjectReceiver, PciHotplugController, RemovalRequest, PCI_HOTPLUG_START};
-use api::request::ApiResponse;
-use api::request::{serve_pending, ApiError, ApiHandler, ApiMessage, ApiReply, ApiRequest};
+use acpi::{PciHotplugController, RemovalRequest, PCI_HOTPLUG_START};
+use api::events::EventBus;
+use api::request::{already_attached, id_in_use, pause_refusal, ApiResponse};
+use api::request::{ApiError, ApiHandler, ApiReply, ApiRequest};
 use api::types::{
     DmaWindowInfo, InterruptCounts, LeaseState as ApiLeaseState, PciBdf as ApiBdf, PciDeviceInfo,
     RemoteDeviceConfig, RemoteDeviceInfo, RemoteDeviceMode, RemoteDeviceSpec,
-    VmAddRemoteDeviceData, VmConfigInfo, VmCounters, VmInfo, VmRemoveDeviceData, VmState,
-    VmmPingResponse,
+    VmAddRemoteDeviceData, VmConfigInfo, VmCounters, VmCountersReport, VmInfo, VmRemoveDeviceData,
+    VmState, VmmPingResponse,
 };
 use pci::vm_ops::VmOps;
 use pci::{BusDevice, PciBdf, SharedPciDevice};
@@ -47,8 +55,10 @@ use remote_pci::{
     IrqKind, LeaseState, MlockPinner, RemoteDeviceLink, RemoteDeviceStatus, RemotePciDevice,
     RemotePciDeviceParams,
 };
+use serde_json::Value;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::device_events::DeviceHook;
 use crate::device_manager::DeviceManager;
 use crate::exit::{ExitNotifier, VmExit};
 use crate::interrupt::KvmInterruptManager;
@@ -56,12 +66,18 @@ use crate::platform::slot_intx_gsi;
 use crate::remote::{
     effective_mode, AttachError, CountingPinner, LinkSource, ResourceCounters, VmmLink,
 };
+use crate::vcpu::VcpuControl;
 use crate::vm_ops::KvmVmOps;
 
-/// How often device leases are checked for loss.
-pub const LEASE_POLL: Duration = Duration::from_millis(200);
-/// How long teardown waits for a vCPU thread to let go of a device it is accessing.
-const RELEASE_WAIT: Duration = Duration::from_secs(2);
+/// How long teardown waits in line for a vCPU thread to let go of a device it is accessing
+/// (one MMIO access); after that the drop is deferred to the release timer.
+const RELEASE_SPIN: Duration = Duration::from_millis(20);
+/// How often a deferred drop is retried.
+const RELEASE_RETRY: Duration = Duration::from_millis(5);
+/// A vCPU holding a device longer than this is reported (it is still never dropped there).
+const RELEASE_WARN: Duration = Duration::from_secs(2);
+/// How long `vm.pause` waits for every vCPU to park.
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Highest slot on bus 0 (slot 0 is the host bridge).
 const MAX_SLOT: u8 = 31;
 
@@ -73,6 +89,33 @@ pub struct VmHandles {
     pub vm_ops: Arc<KvmVmOps>,
     pub hotplug: Arc<Mutex<PciHotplugController>>,
     pub exit: Arc<ExitNotifier>,
+    pub vcpus: Arc<VcpuControl>,
+    pub events: Arc<EventBus>,
+}
+
+/// A change to the event loop's device subscribers, queued by the controller.
+pub enum SubscriberChange {
+    /// Watch `lost` (written by the device's link on lease loss) for device `key`.
+    Add { key: u64, id: String, lost: EventFd },
+    /// Stop watching device `key`.
+    Remove { key: u64 },
+}
+
+/// A torn-down device a vCPU still held; dropped by the release timer once it lets go.
+struct Deferred {
+    id: String,
+    slot: u8,
+    since: Instant,
+    warned: bool,
+    device: Arc<Mutex<RemotePciDevice>>,
+    /// What to announce once it is gone.
+    returned: Option<LeaseReturned>,
+}
+
+/// The `lease-returned` event of a device being dropped.
+struct LeaseReturned {
+    node: String,
+    device: String,
 }
 
 struct Entry {
@@ -83,6 +126,8 @@ struct Entry {
     device: Option<Arc<Mutex<RemotePciDevice>>>,
     /// Last status seen (kept for a lost device).
     last: Option<RemoteDeviceStatus>,
+    /// Identifies this attachment's event subscriber (ids can be reused).
+    key: u64,
 }
 
 fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -120,9 +165,12 @@ pub struct Controller {
     state: VmState,
     config: VmConfigInfo,
     next_auto_id: u32,
-    last_lease_poll: Instant,
+    next_key: u64,
     /// Ejects the VMM itself performed to reclaim a slot; their channel messages are skipped.
     self_ejects: BTreeMap<u32, usize>,
+    subscriber_changes: Vec<SubscriberChange>,
+    deferred: Vec<Deferred>,
+    release_timer: Option<vmm_sys_util::timerfd::TimerFd>,
 }
 
 impl Controller {
@@ -135,9 +183,49 @@ impl Controller {
             state: VmState::Created,
             config,
             next_auto_id: 0,
-            last_lease_poll: Instant::now(),
+            next_key: 0,
             self_ejects: BTreeMap::new(),
+            subscriber_changes: Vec::new(),
+            deferred: Vec::new(),
+            release_timer: match vmm_sys_util::timerfd::TimerFd::new() {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    log::error!("release timer: {e}; a device a vCPU still holds is dropped late");
+                    None
+                }
+            },
         }
+    }
+
+    /// The VM exited: the API answers from now on as for a VM shutting down.
+    pub fn note_exit(&mut self) {
+        if matches!(self.state, VmState::Running | VmState::Paused) {
+            self.state = VmState::ShuttingDown;
+        }
+    }
+
+    /// The event bus.
+    pub fn events(&self) -> &Arc<EventBus> {
+        &self.h.events
+    }
+
+    /// Subscribers to add or remove, in order (for the event loop).
+    pub fn take_subscriber_changes(&mut self) -> Vec<SubscriberChange> {
+        std::mem::take(&mut self.subscriber_changes)
+    }
+
+    /// The timer that retries deferred device drops (for the event loop).
+    pub fn release_timer_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.release_timer.as_ref().map(|t| t.as_raw_fd())
+    }
+
+    /// Devices torn down but still referenced by a vCPU.
+    pub fn deferred_drops(&self) -> usize {
+        self.deferred.len()
+    }
+
+    fn emit<const N: usize>(&self, source: &str, event: &str, props: [(&str, Value); N]) {
+        self.h.events.emit(source, event, props);
     }
 
     /// The VM's state as the API reports it.
@@ -161,6 +249,7 @@ impl Controller {
                     device: d.device.clone(),
                     id: d.id.clone(),
                     mode: d.mode,
+                    replace_lost: false,
                 },
                 true,
             )?;
@@ -229,16 +318,34 @@ impl Controller {
         self.source
             .check_node(&spec.node)
             .map_err(|e| attach_api_error(&e))?;
+        if data.replace_lost {
+            let lost: Vec<String> = self
+                .entries
+                .iter()
+                .filter(|(id, e)| {
+                    e.state == ApiLeaseState::Lost
+                        && (data.id.as_ref() == Some(*id) || e.spec == spec)
+                })
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in lost {
+                log::info!("{id}: lost device cleared to re-add {spec}");
+                self.forget(&id);
+            }
+        }
         if let Some(id) = &data.id {
-            if self.entries.contains_key(id) {
-                return Err(ApiError::conflict(format!(
-                    "device id {id} is already in use"
+            if let Some(e) = self.entries.get(id) {
+                return Err(ApiError::conflict(id_in_use(
+                    id,
+                    e.state == ApiLeaseState::Lost,
                 )));
             }
         }
-        if let Some((other, _)) = self.entries.iter().find(|(_, e)| e.spec == spec) {
-            return Err(ApiError::conflict(format!(
-                "{spec} is already attached as {other}"
+        if let Some((other, e)) = self.entries.iter().find(|(_, e)| e.spec == spec) {
+            return Err(ApiError::conflict(already_attached(
+                &spec,
+                other,
+                e.state == ApiLeaseState::Lost,
             )));
         }
         let slot = self
@@ -257,6 +364,13 @@ impl Controller {
             Some(id) => id,
             None => self.auto_id(),
         };
+        let key = self.next_key;
+        self.next_key += 1;
+        let lost_evt = EventFd::new(libc::EFD_NONBLOCK)
+            .and_then(|e| Ok((e.try_clone()?, e)))
+            .map_err(|e| ApiError::internal(format!("cannot create the lease eventfd: {e}")))?;
+        let hook = Arc::new(DeviceHook::new(&id, lost_evt.0, self.h.events.clone()));
+        link.set_event_hook(hook.clone());
         let link = VmmLink::new(link, requested, &self.counters);
         let mode = effective_mode(&link.device_info());
         if mode != requested {
@@ -271,6 +385,7 @@ impl Controller {
             Arc::new(MlockPinner),
             self.counters.clone(),
         ));
+        params.observer = Some(hook);
         let vm_ops: Arc<dyn VmOps> = self.h.vm_ops.clone();
         let device = RemotePciDevice::new(params, Box::new(link), vm_ops, &*self.h.interrupts)
             .map_err(|e| ApiError::internal(format!("cannot create device {id}: {e}")))?;
@@ -293,7 +408,7 @@ impl Controller {
             }
         };
         if let Err(e) = plugged {
-            self.unplug(&id, slot, device);
+            self.unplug(&id, slot, device, None);
             return Err(ApiError::internal(format!(
                 "cannot announce device {id} in slot {slot}: {e}"
             )));
@@ -313,6 +428,22 @@ impl Controller {
             times.device.as_secs_f64() * 1e3,
             times.plug.as_secs_f64() * 1e3,
         );
+        self.emit(
+            "device",
+            "device-added",
+            [
+                ("id", Value::from(id.as_str())),
+                ("bdf", Value::from(bdf.to_string())),
+                ("device", Value::from(spec.to_string())),
+                ("mode", Value::from(mode.to_string())),
+                ("boot", Value::from(boot)),
+            ],
+        );
+        self.subscriber_changes.push(SubscriberChange::Add {
+            key,
+            id: id.clone(),
+            lost: lost_evt.1,
+        });
         self.entries.insert(
             id.clone(),
             Entry {
@@ -322,6 +453,7 @@ impl Controller {
                 state: ApiLeaseState::Active,
                 device: Some(device),
                 last: None,
+                key,
             },
         );
         Ok(PciDeviceInfo {
@@ -335,36 +467,153 @@ impl Controller {
         })
     }
 
-    /// Takes the device off the bus and drops it here (not on a vCPU thread).
-    fn unplug(&self, id: &str, slot: u8, device: Arc<Mutex<RemotePciDevice>>) {
+    /// Takes the device off the bus and drops it here (never on a vCPU thread): at once if
+    /// no vCPU is inside one of its accesses, else from the release timer once it left.
+    fn unplug(
+        &mut self,
+        id: &str,
+        slot: u8,
+        device: Arc<Mutex<RemotePciDevice>>,
+        returned: Option<LeaseReturned>,
+    ) {
+        crate::vcpu::assert_not_on_vcpu("device teardown");
         if let Err(e) = self.h.devices.remove_pci_device(slot) {
             log::warn!("{id}: removing slot {slot} from the bus: {e}");
         }
-        // A vCPU may still hold a clone for an access in flight; let it finish.
-        let deadline = Instant::now() + RELEASE_WAIT;
+        // A vCPU may still hold a clone for an access in flight (one MMIO access).
+        let deadline = Instant::now() + RELEASE_SPIN;
         while Arc::strong_count(&device) > 1 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
+            std::thread::yield_now();
         }
-        if Arc::strong_count(&device) > 1 {
-            log::warn!("{id}: still referenced after {RELEASE_WAIT:?}; released by its last user");
+        let d = Deferred {
+            id: id.to_string(),
+            slot,
+            since: Instant::now(),
+            warned: false,
+            device,
+            returned,
+        };
+        if Arc::strong_count(&d.device) > 1 {
+            log::info!("{id}: a vCPU still holds the device; its drop is deferred");
+            self.deferred.push(d);
+            self.arm_release_timer();
+        } else {
+            self.finish_drop(d);
         }
+    }
+
+    fn finish_drop(&self, d: Deferred) {
+        let Deferred {
+            id,
+            slot,
+            since,
+            device,
+            returned,
+            ..
+        } = d;
         let t = Instant::now();
         drop(device);
         log::info!(
-            "{id}: slot {slot} torn down in {:.3} ms",
-            t.elapsed().as_secs_f64() * 1e3
+            "{id}: slot {slot} torn down in {:.3} ms{}",
+            t.elapsed().as_secs_f64() * 1e3,
+            if since.elapsed() > RELEASE_SPIN {
+                format!(" (deferred {:.1} ms)", since.elapsed().as_secs_f64() * 1e3)
+            } else {
+                String::new()
+            }
         );
+        if let Some(r) = returned {
+            self.emit(
+                "lease",
+                "lease-returned",
+                [
+                    ("id", Value::from(id.as_str())),
+                    ("node", Value::from(r.node)),
+                    ("device", Value::from(r.device)),
+                ],
+            );
+        }
     }
 
-    fn teardown(&mut self, id: &str) {
+    fn arm_release_timer(&mut self) {
+        if let Some(t) = &mut self.release_timer {
+            if let Err(e) = t.reset(RELEASE_RETRY, Some(RELEASE_RETRY)) {
+                log::error!("release timer: {e}");
+            }
+        }
+    }
+
+    /// The release timer fired: drop the deferred devices no vCPU holds any more.
+    pub fn on_release_timer(&mut self) {
+        if let Some(t) = &mut self.release_timer {
+            let _ = t.wait();
+        }
+        let pending = std::mem::take(&mut self.deferred);
+        for mut d in pending {
+            if Arc::strong_count(&d.device) == 1 {
+                self.finish_drop(d);
+                continue;
+            }
+            if !d.warned && d.since.elapsed() > RELEASE_WARN {
+                log::warn!(
+                    "{}: a vCPU has held the torn-down device for {:?}",
+                    d.id,
+                    d.since.elapsed()
+                );
+                d.warned = true;
+            }
+            self.deferred.push(d);
+        }
+        if self.deferred.is_empty() {
+            if let Some(t) = &mut self.release_timer {
+                if let Err(e) = t.clear() {
+                    log::warn!("release timer: {e}");
+                }
+            }
+        }
+    }
+
+    /// Tears the device down; `returned`: the lease goes back to the lender (not after a loss).
+    fn teardown(&mut self, id: &str, return_lease: bool) {
         let Some(e) = self.entries.get_mut(id) else {
             return;
         };
         if let Some(dev) = e.device.take() {
             e.last = Some(lock(&dev).status());
             let slot = e.slot;
-            self.unplug(id, slot, dev);
+            let returned = return_lease.then(|| LeaseReturned {
+                node: e.spec.node.clone(),
+                device: e.spec.bdf.to_string(),
+            });
+            let key = e.key;
+            self.subscriber_changes
+                .push(SubscriberChange::Remove { key });
+            self.unplug(id, slot, dev, returned);
         }
+    }
+
+    /// Drops the table entry of `id` (after its teardown).
+    fn forget(&mut self, id: &str) {
+        if let Some(e) = self.entries.remove(id) {
+            if e.device.is_some() {
+                // Not torn down yet: do it now, lease returned.
+                self.entries.insert(id.to_string(), e);
+                self.teardown(id, true);
+                self.entries.remove(id);
+            }
+        }
+    }
+
+    fn removed_event(&self, id: &str, slot: u8, how: &str) {
+        self.emit(
+            "device",
+            "device-removed",
+            [
+                ("id", Value::from(id)),
+                ("bdf", Value::from(PciBdf::new(0, slot, 0).to_string())),
+                ("how", Value::from(how)),
+            ],
+        );
     }
 
     /// `vm.remove-device`.
@@ -387,8 +636,10 @@ impl Controller {
         match e.state {
             ApiLeaseState::Lost => {
                 // Already torn down when the lease was lost; the guest was told then.
+                let slot = e.slot;
                 self.entries.remove(&id);
                 log::info!("{id}: lost device removed from the table");
+                self.removed_event(&id, slot, "lost-cleared");
                 return Ok(());
             }
             ApiLeaseState::Removing if !data.force => {
@@ -408,9 +659,13 @@ impl Controller {
             }
         }
         if data.force {
-            self.teardown(&id);
+            let slot = self.entries.get(&id).map_or(0, |e| e.slot);
+            self.teardown(&id, true);
             self.entries.remove(&id);
             log::info!("{id}: force-removed");
+            self.removed_event(&id, slot, "forced");
+        } else {
+            log::info!("{id}: removal requested; waiting for the guest to eject it");
         }
         Ok(())
     }
@@ -434,21 +689,18 @@ impl Controller {
             match id {
                 Some(id) => {
                     log::info!("{id}: guest ejected slot {slot}");
-                    self.teardown(&id);
+                    self.teardown(&id, true);
                     self.entries.remove(&id);
+                    self.removed_event(&id, slot as u8, "ejected");
                 }
                 None => log::debug!("guest ejected slot {slot}, already torn down"),
             }
         }
     }
 
-    /// Checks every live device's lease; a lost one is torn down locally and the guest is
-    /// asked to release it. Runs at most every [`LEASE_POLL`] unless `force`.
-    pub fn poll_leases(&mut self, force: bool) {
-        if !force && self.last_lease_poll.elapsed() < LEASE_POLL {
-            return;
-        }
-        self.last_lease_poll = Instant::now();
+    /// A device's lease eventfd fired (its link reported a loss): check every live
+    /// device's lease; a lost one is torn down locally and the guest is asked to release it.
+    pub fn check_leases(&mut self) {
         let mut lost = Vec::new();
         for (id, e) in &self.entries {
             let Some(dev) = &e.device else { continue };
@@ -461,25 +713,38 @@ impl Controller {
         }
         for (id, why) in lost {
             log::error!("{id}: lease lost ({why}); surprise removal, the vm keeps running");
-            self.teardown(&id);
+            self.teardown(&id, false);
             let Some(e) = self.entries.get_mut(&id) else {
                 continue;
             };
             e.state = ApiLeaseState::Lost;
-            let slot = u32::from(e.slot);
-            if let Err(err) = lock(&self.h.hotplug).slot_removal_requested(slot) {
+            let slot = e.slot;
+            if let Err(err) = lock(&self.h.hotplug).slot_removal_requested(u32::from(slot)) {
                 log::warn!("{id}: notifying the guest of the loss: {err}");
             }
+            self.emit(
+                "device",
+                "device-lost",
+                [
+                    ("id", Value::from(id.as_str())),
+                    ("bdf", Value::from(PciBdf::new(0, slot, 0).to_string())),
+                    ("cause", Value::from(why)),
+                ],
+            );
         }
     }
 
-    /// Tears every device down (VM shutdown).
+    /// Tears every device down (VM shutdown). The vCPUs are stopped, so nothing holds a
+    /// device any more and every drop happens here.
     pub fn teardown_all(&mut self) {
         let ids: Vec<String> = self.entries.keys().cloned().collect();
         for id in ids {
-            self.teardown(&id);
+            self.teardown(&id, true);
         }
         self.entries.clear();
+        for d in std::mem::take(&mut self.deferred) {
+            self.finish_drop(d);
+        }
         if self.state != VmState::Created {
             self.state = VmState::Shutdown;
         }
@@ -538,6 +803,106 @@ impl Controller {
         }
     }
 
+    /// `vm.pause`: parks every vCPU, then quiesces the lent devices (MSI-X masked at the
+    /// VMM, polling devices told to stop fetching).
+    pub fn pause(&mut self) -> Result<(), ApiError> {
+        if self.state != VmState::Running {
+            return Err(ApiError::conflict(pause_refusal("pause", self.state)));
+        }
+        let t0 = Instant::now();
+        if let Err(e) = self.h.vcpus.pause(PAUSE_TIMEOUT) {
+            self.h.vcpus.resume();
+            return Err(ApiError::internal(format!("cannot pause the vm: {e}")));
+        }
+        for (id, e) in &self.entries {
+            if let Some(dev) = &e.device {
+                if let Err(err) = lock(dev).quiesce(true) {
+                    // The vectors are masked at the VMM whatever the lender said.
+                    log::warn!("{id}: quiescing on the lender: {err}");
+                }
+            }
+        }
+        self.state = VmState::Paused;
+        log::info!("vm paused in {:.3} ms", t0.elapsed().as_secs_f64() * 1e3);
+        self.emit(
+            "vm",
+            "vm-paused",
+            [("took_us", Value::from(t0.elapsed().as_micros() as u64))],
+        );
+        Ok(())
+    }
+
+    /// `vm.resume`: re-arms the devices (pending interrupts are delivered as their vectors
+    /// unmask), then lets the vCPUs run.
+    pub fn resume(&mut self) -> Result<(), ApiError> {
+        if self.state != VmState::Paused {
+            return Err(ApiError::conflict(pause_refusal("resume", self.state)));
+        }
+        for (id, e) in &self.entries {
+            if let Some(dev) = &e.device {
+                if let Err(err) = lock(dev).quiesce(false) {
+                    log::warn!("{id}: resuming on the lender: {err}");
+                }
+            }
+        }
+        self.h.vcpus.resume();
+        self.state = VmState::Running;
+        log::info!("vm resumed");
+        self.emit("vm", "vm-resumed", []);
+        Ok(())
+    }
+
+    /// `vm.counters`: KVM's statistics (group `vm`) and, per device, what the VMM counted
+    /// and what the lender reports (fetched now over the control protocol).
+    pub fn counters_report(&self) -> VmCountersReport {
+        let mut report = VmCountersReport::new();
+        match self.h.vcpus.kvm_stats() {
+            Ok(stats) if self.h.vcpus.has_stats() => {
+                report.insert("vm".into(), stats);
+            }
+            Ok(_) => {}
+            Err(e) => log::warn!("vm.counters: {e}"),
+        }
+        for (id, e) in &self.entries {
+            let mut c = BTreeMap::new();
+            let status = e.device.as_ref().map(|d| lock(d).status());
+            if let Some(st) = status.as_ref().or(e.last.as_ref()) {
+                c.insert("bme_transitions".into(), st.bme_transitions);
+                c.insert("pinned_ms".into(), st.pinned_time.as_millis() as u64);
+                c.insert("pinned_bytes".into(), st.pinned_bytes);
+                c.insert("dma_maps".into(), st.dma_maps);
+                c.insert("dma_map_failures".into(), st.dma_map_failures);
+                c.insert("resets".into(), st.resets);
+                if let Some(v) = &st.irq_counts {
+                    for (i, n) in v.iter().enumerate() {
+                        c.insert(format!("relayed_interrupts_vector_{i}"), *n);
+                    }
+                }
+            }
+            let lender = e.device.as_ref().map(|d| lock(d).lender_counters());
+            match lender {
+                Some(Ok(Some(l))) => {
+                    c.insert("dma_bytes_read".into(), l.dma_bytes_read);
+                    c.insert("dma_bytes_written".into(), l.dma_bytes_written);
+                    c.insert("iommu_faults".into(), l.iommu_faults);
+                    c.insert("doorbell_kicks".into(), l.doorbell_kicks);
+                    c.insert("interrupts_intx".into(), l.intx);
+                    for (i, n) in l.msix.iter().enumerate() {
+                        c.insert(format!("interrupts_vector_{i}"), *n);
+                    }
+                    c.insert(
+                        "interrupts".into(),
+                        l.msix.iter().sum::<u64>().saturating_add(l.intx),
+                    );
+                }
+                Some(Ok(None)) | None => {}
+                Some(Err(err)) => log::warn!("{id}: lender counters: {err}"),
+            }
+            report.insert(id.clone(), c);
+        }
+        report
+    }
+
     /// `vm.info`.
     pub fn info(&self) -> VmInfo {
         VmInfo {
@@ -555,6 +920,7 @@ impl Controller {
 
 impl ApiHandler for Controller {
     fn handle(&mut self, request: ApiRequest) -> ApiReply {
+        let what = request.endpoint();
         match request {
             ApiRequest::VmmPing => Ok(ApiResponse::Pong(VmmPingResponse {
                 version: env!("CARGO_PKG_VERSION").to_string(),
@@ -566,92 +932,21 @@ impl ApiHandler for Controller {
                 self.attach(data, false).map(ApiResponse::DeviceAdded)
             }
             ApiRequest::VmRemoveDevice(data) => self.remove(data).map(|()| ApiResponse::Empty),
-            ApiRequest::VmShutdown => {
-                if self.state != VmState::Running {
+            ApiRequest::VmShutdown | ApiRequest::VmmShutdown => {
+                if !matches!(self.state, VmState::Running | VmState::Paused) {
                     return Err(ApiError::conflict("the vm is already shut down"));
                 }
                 self.state = VmState::ShuttingDown;
-                self.h.exit.request(VmExit::Shutdown(
-                    "vm.shutdown requested through the api".into(),
-                ));
+                log::info!("{what} requested through the api: shutting down");
+                self.h.exit.request(VmExit::Shutdown(format!(
+                    "{what} requested through the api"
+                )));
                 Ok(ApiResponse::Empty)
             }
+            ApiRequest::VmPause => self.pause().map(|()| ApiResponse::Empty),
+            ApiRequest::VmResume => self.resume().map(|()| ApiResponse::Empty),
+            ApiRequest::VmCounters => Ok(ApiResponse::Counters(self.counters_report())),
         }
-    }
-}
-
-/// The API request channel and its eventfd.
-pub struct ApiChannel {
-    pub rx: Receiver<ApiMessage>,
-    pub evt: EventFd,
-}
-
-/// Runs the control loop until the VM exits; returns the exit reason. The vCPUs must be
-/// running; the caller stops them and calls [`Controller::teardown_all`] afterwards.
-pub fn run_event_loop(
-    ctl: &mut Controller,
-    api: Option<&ApiChannel>,
-    ejects: &EjectReceiver,
-    exit: &ExitNotifier,
-) -> VmExit {
-    const API: usize = 0;
-    const EJECT: usize = 1;
-    const EXIT: usize = 2;
-    let fd = |e: Option<&EventFd>| e.map_or(-1, |e| e.as_raw_fd());
-    let mut pfds = [
-        libc::pollfd {
-            fd: fd(api.map(|a| &a.evt)),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: ejects.eventfd().as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: fd(exit.eventfd()),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    loop {
-        if let Some(reason) = exit.reason() {
-            if ctl.state == VmState::Running {
-                ctl.state = VmState::ShuttingDown;
-            }
-            return reason;
-        }
-        for p in &mut pfds {
-            p.revents = 0;
-        }
-        // SAFETY: `pfds` is an array of initialised pollfds that outlives the call; negative
-        // fds are ignored by poll.
-        let n = unsafe {
-            libc::poll(
-                pfds.as_mut_ptr(),
-                pfds.len() as libc::nfds_t,
-                LEASE_POLL.as_millis() as libc::c_int,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                log::error!("event loop poll: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            continue;
-        }
-        if pfds[EJECT].revents & libc::POLLIN != 0 {
-            ctl.on_ejects(&ejects.drain());
-        }
-        if let Some(a) = api {
-            if pfds[API].revents & libc::POLLIN != 0 {
-                serve_pending(&a.rx, &a.evt, ctl);
-            }
-        }
-        let _ = pfds[EXIT].revents;
-        ctl.poll_leases(false);
     }
 }
 

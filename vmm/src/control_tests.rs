@@ -1,7 +1,12 @@
 //! The API handler against a real KVM VM (no vCPUs started) and fake lender links.
-//! Skipped without a usable /dev/kvm.
+//! /dev/kvm is required: without it the tests fail.
 
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::atomic::AtomicUsize;
+
+use acpi::EjectReceiver;
+use remote_pci::LinkEventHook;
 
 use api::request::ApiErrorKind;
 use pci::vm_ops::GuestRamRegion;
@@ -17,6 +22,7 @@ use crate::vm::Vm;
 struct FakeLink {
     state: Arc<Mutex<LeaseState>>,
     live: Arc<AtomicUsize>,
+    hook: Arc<Mutex<Option<Arc<dyn LinkEventHook>>>>,
 }
 
 impl Drop for FakeLink {
@@ -70,6 +76,9 @@ impl RemoteDeviceLink for FakeLink {
     fn lease_state(&self) -> LeaseState {
         lock(&self.state).clone()
     }
+    fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
+        *lock(&self.hook) = Some(hook);
+    }
 }
 
 #[derive(Clone, Default)]
@@ -77,6 +86,21 @@ struct FakeSource {
     live: Arc<AtomicUsize>,
     /// State of the most recently borrowed link.
     last: Arc<Mutex<Option<Arc<Mutex<LeaseState>>>>>,
+    /// Event hook of the most recently borrowed link.
+    last_hook: Arc<Mutex<Option<Arc<dyn LinkEventHook>>>>,
+}
+
+impl FakeSource {
+    /// The last borrowed link's lender dies: its state turns lost and its hook is told, as
+    /// `LendingLink`'s event thread does.
+    fn lose_last(&self, why: &str) {
+        let state = lock(&self.last).clone().unwrap();
+        *lock(&state) = LeaseState::Lost(why.into());
+        let hook = lock(&self.last_hook)
+            .clone()
+            .expect("the vmm set an event hook");
+        hook.lease_lost(why);
+    }
 }
 
 impl LinkSource for FakeSource {
@@ -108,10 +132,61 @@ impl LinkSource for FakeSource {
         let state = Arc::new(Mutex::new(LeaseState::Active));
         *lock(&self.last) = Some(state.clone());
         self.live.fetch_add(1, Ordering::SeqCst);
-        Ok(Box::new(FakeLink {
+        let hook = Arc::new(Mutex::new(None));
+        *lock(&self.last_hook) = None;
+        let link = FakeLink {
             state,
             live: self.live.clone(),
+            hook: hook.clone(),
+        };
+        // Mirror the hook the VMM sets into the source, so a test can fire it.
+        let last_hook = self.last_hook.clone();
+        Ok(Box::new(HookMirror {
+            link,
+            hook,
+            last_hook,
         }))
+    }
+}
+
+/// Forwards to the fake link and publishes the hook the VMM sets.
+struct HookMirror {
+    link: FakeLink,
+    hook: Arc<Mutex<Option<Arc<dyn LinkEventHook>>>>,
+    last_hook: Arc<Mutex<Option<Arc<dyn LinkEventHook>>>>,
+}
+
+impl RemoteDeviceLink for HookMirror {
+    fn device_info(&self) -> RemoteDeviceInfo {
+        self.link.device_info()
+    }
+    fn config_read(&self, o: u16, d: &mut [u8]) -> Result<(), LinkError> {
+        self.link.config_read(o, d)
+    }
+    fn config_write(&self, o: u16, d: &[u8]) -> Result<(), LinkError> {
+        self.link.config_write(o, d)
+    }
+    fn bar_read(&self, b: u8, o: u64, d: &mut [u8]) -> Result<(), LinkError> {
+        self.link.bar_read(b, o, d)
+    }
+    fn bar_write(&self, b: u8, o: u64, d: &[u8]) -> Result<(), LinkError> {
+        self.link.bar_write(b, o, d)
+    }
+    fn map_dma(&self, r: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
+        self.link.map_dma(r)
+    }
+    fn set_irqs(&self, t: &IrqTargets<'_>) -> Result<(), LinkError> {
+        self.link.set_irqs(t)
+    }
+    fn reset(&self) -> Result<(), LinkError> {
+        self.link.reset()
+    }
+    fn lease_state(&self) -> LeaseState {
+        self.link.lease_state()
+    }
+    fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
+        *lock(&self.hook) = Some(hook.clone());
+        *lock(&self.last_hook) = Some(hook);
     }
 }
 
@@ -125,9 +200,8 @@ struct Rig {
 
 /// A 1-vCPU VM with a two-instruction spin kernel (never started).
 fn rig() -> Option<Rig> {
-    if kvm_ioctls::Kvm::new().is_err() {
-        eprintln!("no /dev/kvm: skipped");
-        return None;
+    if let Err(e) = kvm_ioctls::Kvm::new() {
+        panic!("/dev/kvm is required by the vmm tests: {e}");
     }
     let dir = tempfile::tempdir().unwrap();
     let kernel = dir.path().join("spin.elf");
@@ -149,6 +223,8 @@ fn rig() -> Option<Rig> {
         vm_ops: vm.vm_ops(),
         hotplug: vm.platform().hotplug().clone(),
         exit: vm.exit_notifier().clone(),
+        vcpus: vm.vcpu_control().clone(),
+        events: EventBus::new(),
     };
     let source = FakeSource::default();
     let config = VmConfigInfo {
@@ -202,6 +278,7 @@ fn add(ctl: &mut Controller, dev: &str, id: Option<&str>) -> ApiReply {
         device: dev.parse().unwrap(),
         id: id.map(String::from),
         mode: None,
+        replace_lost: false,
     }))
 }
 
@@ -432,11 +509,10 @@ fn lost_lease_is_torn_down_and_announced() {
     let Some(mut rig) = rig() else { return };
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
     let _ = read_reg(&rig, 0);
-    let state = lock(&rig.source.last).clone().unwrap();
-    rig.ctl.poll_leases(true);
+    rig.ctl.check_leases();
     assert_eq!(entry_state(&rig.ctl, "d"), Some(ApiLeaseState::Active));
-    *lock(&state) = LeaseState::Lost("lender died".into());
-    rig.ctl.poll_leases(true);
+    rig.source.lose_last("lender died");
+    rig.ctl.check_leases();
     assert_eq!(entry_state(&rig.ctl, "d"), Some(ApiLeaseState::Lost));
     assert!(rig.vm.devices().pci_bus().device(1).is_none());
     assert_eq!(read_reg(&rig, 4), 1 << 1, "guest asked to release the slot");
@@ -519,4 +595,196 @@ fn forced_slots_are_reclaimed_without_losing_the_new_device() {
     guest_eject(&mut rig, 1);
     assert_eq!(entry_state(&rig.ctl, "new"), None);
     assert_eq!(rig.ctl.counters(), VmCounters::default());
+}
+
+fn events(ctl: &Controller) -> Vec<String> {
+    ctl.events()
+        .recent()
+        .iter()
+        .map(|e| e.event.clone())
+        .collect()
+}
+
+#[test]
+fn lease_loss_reaches_the_event_loop_as_an_event() {
+    let Some(rig) = rig() else { return };
+    let Rig {
+        _dir,
+        vm,
+        ctl,
+        ejects,
+        source,
+    } = rig;
+    let ctl = Rc::new(RefCell::new(ctl));
+    add(&mut ctl.borrow_mut(), "node3:0000:81:00.0", Some("d")).unwrap();
+    let mut lp =
+        crate::event_loop::EventLoop::new(ctl.clone(), None, ejects, vm.exit_notifier().clone())
+            .unwrap();
+    assert_eq!(lp.lease_subscribers(), 1, "boot-time device watched");
+    // Nothing happens without an event: a dispatch with a short timeout sees nothing.
+    assert_eq!(lp.run_once(10), None);
+    assert_eq!(entry_state(&ctl.borrow(), "d"), Some(ApiLeaseState::Active));
+    let t0 = Instant::now();
+    source.lose_last("lender died");
+    // One dispatch handles it: no timer, no polling.
+    assert_eq!(lp.run_once(1000), None);
+    let took = t0.elapsed();
+    assert_eq!(entry_state(&ctl.borrow(), "d"), Some(ApiLeaseState::Lost));
+    assert!(took < Duration::from_secs(1), "device-lost after {took:?}");
+    let ev = ctl.borrow().events().recent();
+    let lost = ev
+        .iter()
+        .find(|e| e.event == "device-lost")
+        .expect("device-lost event");
+    assert_eq!(lost.properties["id"], "d");
+    assert_eq!(lost.properties["cause"], "lender died");
+    assert_eq!(lost.properties["bdf"], "0000:00:01.0");
+    assert!(!events(&ctl.borrow()).contains(&"lease-returned".to_string()));
+    assert_eq!(
+        lp.lease_subscribers(),
+        0,
+        "the lost device's subscriber is gone"
+    );
+    assert_eq!(ctl.borrow().counters().leases, 0);
+    assert_eq!(source.live.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn device_removed_is_emitted_on_the_eject_not_the_api_call() {
+    let Some(mut rig) = rig() else { return };
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
+    assert_eq!(events(&rig.ctl), ["device-added"]);
+    assert_eq!(remove(&mut rig.ctl, "d", false), Ok(ApiResponse::Empty));
+    assert!(
+        !events(&rig.ctl).contains(&"device-removed".to_string()),
+        "no device-removed before the guest ejects: {:?}",
+        events(&rig.ctl)
+    );
+    guest_eject(&mut rig, 1);
+    assert_eq!(
+        events(&rig.ctl),
+        ["device-added", "lease-returned", "device-removed"]
+    );
+    let ev = rig.ctl.events().recent();
+    assert_eq!(ev[2].properties["id"], "d");
+    assert_eq!(ev[2].properties["bdf"], "0000:00:01.0");
+    assert_eq!(ev[2].properties["how"], "ejected");
+}
+
+#[test]
+fn lost_devices_say_how_to_clear_them_and_can_be_replaced() {
+    let Some(mut rig) = rig() else { return };
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("nvme0")).unwrap();
+    rig.source.lose_last("lender died");
+    rig.ctl.check_leases();
+    let e = add(&mut rig.ctl, "node3:0000:81:00.0", Some("nvme1")).unwrap_err();
+    assert_eq!(e.kind, ApiErrorKind::Conflict);
+    assert!(e.message.contains("nvme0, which is lost"), "{}", e.message);
+    assert!(e.message.contains("replace_lost"), "{}", e.message);
+    assert!(e.message.contains("remove-device nvme0"), "{}", e.message);
+    let e = add(&mut rig.ctl, "node3:0000:82:00.0", Some("nvme0")).unwrap_err();
+    assert!(
+        e.message.contains("in use by a lost device"),
+        "{}",
+        e.message
+    );
+    // replace_lost clears the lost entry and adds in one call.
+    let r = rig
+        .ctl
+        .handle(ApiRequest::VmAddRemoteDevice(VmAddRemoteDeviceData {
+            device: "node3:0000:81:00.0".parse().unwrap(),
+            id: Some("nvme0".into()),
+            mode: None,
+            replace_lost: true,
+        }));
+    let Ok(ApiResponse::DeviceAdded(d)) = r else {
+        panic!("replace_lost add failed: {r:?}");
+    };
+    assert_eq!(d.id, "nvme0");
+    assert_eq!(entry_state(&rig.ctl, "nvme0"), Some(ApiLeaseState::Active));
+    assert_eq!(rig.ctl.counters().leases, 1);
+    // replace_lost does not touch a live device.
+    let r = rig
+        .ctl
+        .handle(ApiRequest::VmAddRemoteDevice(VmAddRemoteDeviceData {
+            device: "node3:0000:81:00.0".parse().unwrap(),
+            id: None,
+            mode: None,
+            replace_lost: true,
+        }));
+    assert_eq!(
+        r.unwrap_err().message,
+        "node3:0000:81:00.0 is already attached as nvme0"
+    );
+}
+
+#[test]
+fn pause_and_resume_follow_the_vm_state() {
+    let Some(mut rig) = rig() else { return };
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
+    let e = rig.ctl.handle(ApiRequest::VmResume).unwrap_err();
+    assert_eq!(
+        (e.kind, e.message.as_str()),
+        (ApiErrorKind::Conflict, "the vm is not paused")
+    );
+    assert_eq!(rig.ctl.handle(ApiRequest::VmPause), Ok(ApiResponse::Empty));
+    assert_eq!(rig.ctl.state(), VmState::Paused);
+    assert!(rig.vm.vcpu_control().is_paused());
+    let dev = rig.vm.devices().pci_bus().device(1).unwrap();
+    drop(dev);
+    let e = rig.ctl.handle(ApiRequest::VmPause).unwrap_err();
+    assert_eq!(e.message, "the vm is already paused");
+    let e = add(&mut rig.ctl, "node3:0000:82:00.0", None).unwrap_err();
+    assert_eq!(e.message, "cannot add a device: the vm is Paused");
+    assert_eq!(rig.ctl.handle(ApiRequest::VmResume), Ok(ApiResponse::Empty));
+    assert_eq!(rig.ctl.state(), VmState::Running);
+    assert!(!rig.vm.vcpu_control().is_paused());
+    assert_eq!(
+        events(&rig.ctl),
+        ["device-added", "vm-paused", "vm-resumed"]
+    );
+    // Shutdown works from the paused state too.
+    assert_eq!(rig.ctl.handle(ApiRequest::VmPause), Ok(ApiResponse::Empty));
+    assert_eq!(
+        rig.ctl.handle(ApiRequest::VmmShutdown),
+        Ok(ApiResponse::Empty)
+    );
+    assert!(rig.vm.exit_notifier().should_stop());
+}
+
+#[test]
+fn counters_report_kvm_statistics_and_devices() {
+    let Some(mut rig) = rig() else { return };
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
+    let Ok(ApiResponse::Counters(c)) = rig.ctl.handle(ApiRequest::VmCounters) else {
+        panic!("vm.counters failed");
+    };
+    for k in ["exits", "mmio_exits", "io_exits", "halt_exits"] {
+        assert!(c["vm"].contains_key(k), "vm.{k} missing: {:?}", c["vm"]);
+    }
+    assert_eq!(c["vm"]["exits"], 0, "the vCPU never ran");
+    assert_eq!(c["d"]["bme_transitions"], 0);
+    assert_eq!(c["d"]["pinned_bytes"], 0);
+}
+
+#[test]
+fn a_device_a_vcpu_still_holds_is_dropped_later_on_the_control_thread() {
+    let Some(mut rig) = rig() else { return };
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
+    // What a vCPU inside an access holds.
+    let held = rig.vm.devices().pci_bus().device(1).unwrap();
+    assert_eq!(remove(&mut rig.ctl, "d", true), Ok(ApiResponse::Empty));
+    assert_eq!(rig.ctl.deferred_drops(), 1);
+    assert_eq!(rig.ctl.counters().leases, 1, "the lease is still held");
+    rig.ctl.on_release_timer();
+    assert_eq!(rig.ctl.deferred_drops(), 1, "still held");
+    drop(held);
+    // The holder's drop was not the last one: the device is still alive.
+    assert_eq!(rig.ctl.counters().leases, 1);
+    assert_eq!(rig.source.live.load(Ordering::SeqCst), 1);
+    rig.ctl.on_release_timer();
+    assert_eq!(rig.ctl.deferred_drops(), 0);
+    assert_eq!(rig.ctl.counters(), VmCounters::default());
+    assert_eq!(rig.source.live.load(Ordering::SeqCst), 0);
+    assert!(events(&rig.ctl).contains(&"lease-returned".to_string()));
 }

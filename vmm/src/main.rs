@@ -7,13 +7,18 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::mpsc::channel;
 
+use api::events::{EventBus, MonitorTarget};
 use api::request::serve_pending;
 use api::server::{ApiServer, ApiServerConfig};
 use api::types::{RemoteDeviceConfig, VmConfigInfo};
 use clap::Parser;
 use ntb::ClusterConfig;
+use serde_json::Value;
+use std::cell::RefCell;
+use std::rc::Rc;
 use vmm::config::{self, SerialConfig, VmConfig};
-use vmm::control::{run_event_loop, ApiChannel, Controller, VmHandles};
+use vmm::control::{Controller, VmHandles};
+use vmm::event_loop::{ApiChannel, EventLoop};
 use vmm::remote::{AttachError, FabricIdentity, LenderSource, LinkSource};
 use vmm::{Vm, VmError, VmExit};
 use vmm_sys_util::eventfd::EventFd;
@@ -65,6 +70,10 @@ struct Cli {
     /// ignores the VMM's CPUID masks.
     #[arg(long)]
     no_cpuid_cmdline: bool,
+    /// Write the VMM's events as JSON lines to FILE (appended) or an inherited fd (also
+    /// readable as GET /api/v1/vm.events).
+    #[arg(long, value_name = "path=FILE|fd=N")]
+    event_monitor: Option<String>,
 }
 
 fn parse_cpus(s: &str) -> Result<u8, String> {
@@ -157,6 +166,16 @@ fn main() -> ExitCode {
             ));
         }
     }
+    let events = match &cli.event_monitor {
+        None => EventBus::new(),
+        Some(spec) => match spec
+            .parse::<MonitorTarget>()
+            .and_then(|t| EventBus::with_monitor(&t))
+        {
+            Ok(b) => b,
+            Err(e) => return usage_error(format!("--event-monitor: {}", chain(&e))),
+        },
+    };
     let pid = std::process::id();
     let source: Box<dyn LinkSource> = match &cli.cluster {
         None => {
@@ -237,6 +256,8 @@ fn main() -> ExitCode {
         vm_ops: vm.vm_ops(),
         hotplug: vm.platform().hotplug().clone(),
         exit: vm.exit_notifier().clone(),
+        vcpus: vm.vcpu_control().clone(),
+        events: events.clone(),
     };
     let info = VmConfigInfo {
         cpus: u32::from(cli.cpus),
@@ -251,6 +272,7 @@ fn main() -> ExitCode {
         ctl.teardown_all();
         return usage_error(e.message);
     }
+    let ctl = Rc::new(RefCell::new(ctl));
     let mut api = None;
     let mut server = None;
     if let Some(path) = &cli.api_socket {
@@ -262,29 +284,60 @@ fn main() -> ExitCode {
             }
         };
         let (tx, rx) = channel();
-        match ApiServer::start(ApiServerConfig::new(path), tx, evt.0) {
+        let mut cfg = ApiServerConfig::new(path);
+        cfg.events = Some(events.clone());
+        match ApiServer::start(cfg, tx, evt.0) {
             Ok(s) => server = Some(s),
             Err(e) => {
-                ctl.teardown_all();
+                ctl.borrow_mut().teardown_all();
                 return usage_error(e);
             }
         }
-        api = Some(ApiChannel { rx, evt: evt.1 });
+        api = Some(Rc::new(ApiChannel { rx, evt: evt.1 }));
     }
+    let mut event_loop =
+        match EventLoop::new(ctl.clone(), api.clone(), ejects, vm.exit_notifier().clone()) {
+            Ok(l) => l,
+            Err(e) => {
+                ctl.borrow_mut().teardown_all();
+                eprintln!("lendvm: {}", chain(&e));
+                return ExitCode::from(1);
+            }
+        };
     let started = std::time::Instant::now();
     if let Err(e) = vm.start() {
-        ctl.teardown_all();
+        ctl.borrow_mut().teardown_all();
         eprintln!("lendvm: {}", chain(&e));
         return ExitCode::from(1);
     }
-    ctl.set_running();
-    let exit = run_event_loop(&mut ctl, api.as_ref(), &ejects, vm.exit_notifier());
+    ctl.borrow_mut().set_running();
+    events.emit(
+        "vm",
+        "vm-booted",
+        [
+            ("cpus", Value::from(cli.cpus)),
+            ("memory", Value::from(cli.memory)),
+            ("remote_devices", Value::from(cli.remote_device.len())),
+        ],
+    );
+    let exit = event_loop.run();
+    drop(event_loop);
     vm.stop();
-    ctl.teardown_all();
+    ctl.borrow_mut().teardown_all();
     if let Some(a) = &api {
         // Requests that came in while the VM stopped get the shut-down answers.
-        serve_pending(&a.rx, &a.evt, &mut ctl);
+        serve_pending(&a.rx, &a.evt, &mut *ctl.borrow_mut());
     }
+    events.emit(
+        "vm",
+        "vm-shutdown",
+        [
+            ("reason", Value::from(format!("{exit:?}"))),
+            ("exit_code", Value::from(exit.exit_code())),
+        ],
+    );
+    // Followers of vm.events see the end of the stream before the server goes.
+    events.close();
     if let Some(s) = server {
         if let Err(e) = s.shutdown() {
             log::warn!("api server: {e}");

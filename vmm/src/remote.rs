@@ -25,8 +25,8 @@ use ntb::{ClusterConfig, NodeId};
 use pci::vm_ops::GuestRamRegion;
 use remote_pci::lending_link::{LendingLink, LendingLinkError, LendingLinkOptions};
 use remote_pci::{
-    BarAccess, DmaMapping, IrqTargets, LeaseState, LinkError, PinError, PinnedRange, Pinner,
-    RemoteDeviceInfo, RemoteDeviceLink,
+    BarAccess, DmaMapping, IrqTargets, LeaseState, LenderCounters, LinkError, LinkEventHook,
+    PinError, PinnedRange, Pinner, RemoteDeviceInfo, RemoteDeviceLink,
 };
 
 /// Client name given in the lender hello (lenderd logs it).
@@ -349,6 +349,26 @@ impl RemoteDeviceLink for VmmLink {
 
     fn irq_counts(&self) -> Option<Vec<u64>> {
         self.inner.irq_counts()
+    }
+
+    fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
+        self.inner.set_event_hook(hook)
+    }
+
+    fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
+        self.inner.lender_counters()
+    }
+
+    fn quiesce(&self, stop: bool) -> Result<(), LinkError> {
+        self.inner.quiesce(stop)
+    }
+}
+
+impl Drop for VmmLink {
+    fn drop(&mut self) {
+        // The inner link returns the lease (a lender round trip) when it drops right after
+        // this: never on a vCPU thread, which would stall the guest (see control.rs).
+        crate::vcpu::assert_not_on_vcpu("returning a lease");
     }
 }
 

@@ -7,7 +7,8 @@
 //! makes `KVM_RUN` return `EINTR` (or, if it lands just before the ioctl, the next kick does),
 //! and the loop checks the flag before every entry.
 
-use std::sync::{Arc, Once};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,7 @@ use crate::arch::{self, ArchError};
 use crate::cpuid::{self, CpuidError};
 use crate::exit::{ExitNotifier, VmExit};
 use crate::memory::GuestMemory;
+use crate::stats::{self, StatsError, VcpuStats};
 
 /// Errors of vCPU creation.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +58,8 @@ pub enum VcpuError {
     },
     #[error("cannot install the vCPU kick signal handler")]
     Signal(#[source] vmm_sys_util::errno::Error),
+    #[error("only {parked} of {count} vCPUs paused in time")]
+    PauseTimeout { parked: usize, count: usize },
 }
 
 /// Real-time signal used to kick vCPU threads out of `KVM_RUN`.
@@ -119,6 +123,141 @@ pub fn setup_boot_state(fd: &VcpuFd, id: u8, entry: u64) -> Result<(), VcpuError
     Ok(())
 }
 
+thread_local! {
+    static ON_VCPU: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a vCPU thread. The control plane uses it to check (in debug
+/// builds) that no lender round trip of teardown or lease return runs on a vCPU.
+pub fn on_vcpu_thread() -> bool {
+    ON_VCPU.with(|v| v.get())
+}
+
+/// Debug-build guard for work that must never run on a vCPU thread (a lender RPC of teardown
+/// or lease return): aborts the process, so a test that exercises such a path fails loudly.
+/// Release builds only log.
+#[track_caller]
+pub fn assert_not_on_vcpu(what: &str) {
+    if on_vcpu_thread() {
+        let at = std::panic::Location::caller();
+        log::error!("{what} on a vCPU thread ({at}): it must run on the control thread");
+        if cfg!(debug_assertions) {
+            std::process::abort();
+        }
+    }
+}
+
+#[derive(Default)]
+struct PauseState {
+    requested: bool,
+    /// vCPU threads parked by the request.
+    parked: usize,
+}
+
+/// What the control plane can do to running vCPUs: pause and resume them, and read their
+/// KVM statistics. Shared (`Arc`) between the vCPU threads and the controller.
+pub struct VcpuControl {
+    count: usize,
+    pause: Mutex<PauseState>,
+    cv: Condvar,
+    threads: Mutex<Vec<libc::pthread_t>>,
+    stats: Vec<VcpuStats>,
+}
+
+impl VcpuControl {
+    /// For `count` vCPUs, with the statistics fds that could be opened (a KVM without
+    /// `KVM_GET_STATS_FD` gives none, and `vm.counters` then has no KVM figures).
+    pub fn new(count: usize, stats: Vec<VcpuStats>) -> Self {
+        Self {
+            count,
+            pause: Mutex::new(PauseState::default()),
+            cv: Condvar::new(),
+            threads: Mutex::new(Vec::new()),
+            stats,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, PauseState> {
+        self.pause.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The vCPUs' KVM statistics, summed (`exits`, `mmio_exits`, `io_exits`, `halt_exits`, ...).
+    pub fn kvm_stats(&self) -> Result<BTreeMap<String, u64>, StatsError> {
+        stats::sum(&self.stats)
+    }
+
+    /// Whether KVM statistics are available.
+    pub fn has_stats(&self) -> bool {
+        !self.stats.is_empty()
+    }
+
+    /// Stops every vCPU outside `KVM_RUN` and waits (up to `timeout`) until all are parked.
+    /// A halted vCPU is blocked inside KVM, so each thread is kicked with [`kick_signal`]
+    /// until it parks.
+    pub fn pause(&self, timeout: Duration) -> Result<(), VcpuError> {
+        self.state().requested = true;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let parked = self.state().parked;
+            let running = self.lock_threads().len();
+            if parked >= running {
+                log::info!("vcpus: {parked} of {} paused", self.count);
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(VcpuError::PauseTimeout {
+                    parked,
+                    count: running,
+                });
+            }
+            for &t in self.lock_threads().iter() {
+                // SAFETY: the pthread_t belongs to a vCPU thread that deregisters itself before
+                // it exits, under the same lock; the signal has a no-op handler installed.
+                unsafe { libc::pthread_kill(t, kick_signal()) };
+            }
+            let st = self.state();
+            let _ = self
+                .cv
+                .wait_timeout(st, Duration::from_millis(5))
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Lets paused vCPUs run again.
+    pub fn resume(&self) {
+        self.state().requested = false;
+        self.cv.notify_all();
+        log::info!("vcpus: resumed");
+    }
+
+    /// Whether a pause is in effect.
+    pub fn is_paused(&self) -> bool {
+        self.state().requested
+    }
+
+    fn lock_threads(&self) -> MutexGuard<'_, Vec<libc::pthread_t>> {
+        self.threads.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Parks the calling vCPU thread while a pause is requested (or until `exit` stops it).
+    fn park_if_paused(&self, exit: &ExitNotifier) {
+        let mut st = self.state();
+        if !st.requested {
+            return;
+        }
+        st.parked += 1;
+        self.cv.notify_all();
+        while st.requested && !exit.should_stop() {
+            st = self
+                .cv
+                .wait_timeout(st, Duration::from_millis(50))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        st.parked -= 1;
+    }
+}
+
 /// What a vCPU thread needs besides its fd.
 #[derive(Clone)]
 pub struct VcpuContext {
@@ -126,6 +265,7 @@ pub struct VcpuContext {
     pub mmio: Arc<Bus>,
     pub memory: GuestMemory,
     pub exit: Arc<ExitNotifier>,
+    pub control: Arc<VcpuControl>,
 }
 
 /// Running vCPU threads.
@@ -183,7 +323,15 @@ enum Next {
 
 fn run_loop(id: u8, mut fd: VcpuFd, ctx: VcpuContext) {
     log::debug!("vCPU {id} running");
+    ON_VCPU.with(|v| v.set(true));
+    // SAFETY: pthread_self has no preconditions.
+    let me = unsafe { libc::pthread_self() };
+    ctx.control.lock_threads().push(me);
     while !ctx.exit.should_stop() {
+        ctx.control.park_if_paused(&ctx.exit);
+        if ctx.exit.should_stop() {
+            break;
+        }
         let next = match fd.run() {
             Ok(VcpuExit::IoOut(port, data)) => {
                 if ctx.pio.write(u64::from(port), data).is_err() {
@@ -245,6 +393,9 @@ fn run_loop(id: u8, mut fd: VcpuFd, ctx: VcpuContext) {
             }
         }
     }
+    ctx.control.lock_threads().retain(|t| *t != me);
+    // A pause waiting for this thread counts it as gone.
+    ctx.control.cv.notify_all();
     log::debug!("vCPU {id} stopped");
 }
 

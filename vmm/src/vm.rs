@@ -19,7 +19,8 @@ use crate::layout::pci_mmio64_start;
 use crate::loader::{self, BootSource, LoadedKernel, LoaderError};
 use crate::memory::{GuestRam, MemoryError};
 use crate::platform::{Platform, PlatformError};
-use crate::vcpu::{self, VcpuContext, VcpuError, Vcpus};
+use crate::stats::VcpuStats;
+use crate::vcpu::{self, VcpuContext, VcpuControl, VcpuError, Vcpus};
 use crate::vm_ops::KvmVmOps;
 
 /// KVM's TSS address on Intel (three pages below the BIOS area).
@@ -68,6 +69,7 @@ pub struct Vm {
     exit: Arc<ExitNotifier>,
     platform: Platform,
     vcpus: Vec<VcpuFd>,
+    vcpu_control: Arc<VcpuControl>,
     running: Option<Vcpus>,
     kernel: LoadedKernel,
     cmdline: String,
@@ -160,6 +162,20 @@ impl Vm {
         for (id, fd) in vcpus.iter().enumerate() {
             vcpu::setup_boot_state(fd, id as u8, kernel.entry)?;
         }
+        // Statistics fds are taken before the vCPU fds move to their threads; a KVM without
+        // KVM_GET_STATS_FD only loses the exit counts of vm.counters.
+        let mut stats = Vec::new();
+        for (id, fd) in vcpus.iter().enumerate() {
+            match VcpuStats::open(fd, id as u8) {
+                Ok(s) => stats.push(s),
+                Err(e) => {
+                    log::warn!("no KVM statistics: {e}");
+                    stats.clear();
+                    break;
+                }
+            }
+        }
+        let vcpu_control = Arc::new(VcpuControl::new(vcpus.len(), stats));
         let max_slots = kvm.get_nr_memslots() as u32;
         let vm_ops = Arc::new(KvmVmOps::new(
             vm.clone(),
@@ -176,6 +192,7 @@ impl Vm {
             exit,
             platform,
             vcpus,
+            vcpu_control,
             running: None,
             kernel,
             cmdline: line,
@@ -227,6 +244,11 @@ impl Vm {
         self.kernel
     }
 
+    /// Pause/resume and KVM statistics of the vCPUs.
+    pub fn vcpu_control(&self) -> &Arc<VcpuControl> {
+        &self.vcpu_control
+    }
+
     /// The stop notifier (request a stop from outside, e.g. the API).
     pub fn exit_notifier(&self) -> &Arc<ExitNotifier> {
         &self.exit
@@ -242,6 +264,7 @@ impl Vm {
             mmio: self.devices.mmio_bus().clone(),
             memory: self.ram.memory().clone(),
             exit: self.exit.clone(),
+            control: self.vcpu_control.clone(),
         };
         self.running = Some(Vcpus::start(std::mem::take(&mut self.vcpus), ctx)?);
         Ok(())

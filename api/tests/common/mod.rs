@@ -19,6 +19,8 @@ pub use openapi::OpenApi;
 /// Fields drop in order: server, then VMM, then the temp dir.
 pub struct Harness {
     pub server: Option<ApiServer>,
+    /// The bus `vm.events` streams (the tests emit on it as the VMM would).
+    pub events: std::sync::Arc<api::events::EventBus>,
     pub vmm: FakeVmmThread,
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
@@ -37,12 +39,15 @@ impl Harness {
         let vmm = FakeVmmThread::spawn(config).unwrap();
         let mut cfg = ApiServerConfig::new(&socket);
         cfg.request_timeout = request_timeout;
+        let events = api::events::EventBus::new();
+        cfg.events = Some(events.clone());
         let server = ApiServer::start(cfg, vmm.api_sender(), vmm.api_event().unwrap()).unwrap();
         Harness {
             dir,
             socket,
             server: Some(server),
             vmm,
+            events,
             openapi: OpenApi::load(),
         }
     }

@@ -142,6 +142,8 @@ impl OpenApi {
     /// Panics unless `resp` is documented for `method endpoint` and its body fits the schema.
     /// 404 for unknown paths and 405 for wrong methods are generic and not per-path.
     pub fn check_response(&self, method: &str, endpoint: &str, resp: &HttpResponse) {
+        // Query parameters are documented on the path's operation.
+        let endpoint = endpoint.split_once('?').map_or(endpoint, |(p, _)| p);
         let path = format!("/{endpoint}");
         let op = self.doc["paths"]
             .get(&path)

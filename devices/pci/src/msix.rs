@@ -201,6 +201,8 @@ pub struct MsixConfig {
     group: Arc<dyn InterruptSourceGroup>,
     masked: bool,
     enabled: bool,
+    /// Masked by the VMM, not the guest (`vm.pause`): invisible in the guest's view.
+    host_masked: bool,
 }
 
 impl std::fmt::Debug for MsixConfig {
@@ -237,6 +239,7 @@ impl MsixConfig {
             group,
             masked: false,
             enabled: false,
+            host_masked: false,
         })
     }
 
@@ -262,9 +265,36 @@ impl MsixConfig {
         self.table_entries.get(vector).copied()
     }
 
-    /// True if `vector` cannot be delivered now (disabled, function or vector masked).
+    /// True if `vector` cannot be delivered now (disabled, function or vector masked, or
+    /// masked by the VMM).
     pub fn is_vector_masked(&self, vector: usize) -> bool {
-        !self.enabled || self.masked || self.table_entries.get(vector).is_none_or(|e| e.masked())
+        !self.enabled
+            || self.masked
+            || self.host_masked
+            || self.table_entries.get(vector).is_none_or(|e| e.masked())
+    }
+
+    /// Masks every vector from the VMM's side (`vm.pause`) or lifts that mask, without
+    /// touching what the guest sees in the table and Message Control. While masked, an
+    /// irqfd signal stays pending in its eventfd and a VMM-side trigger sets the PBA bit;
+    /// lifting the mask re-attaches the irqfds (KVM delivers what is pending) and injects
+    /// pending PBA bits, so no interrupt is lost.
+    pub fn set_host_masked(&mut self, masked: bool) {
+        if masked == self.host_masked {
+            return;
+        }
+        let before: Vec<bool> = (0..self.vectors())
+            .map(|v| self.is_vector_masked(v))
+            .collect();
+        self.host_masked = masked;
+        for (v, b) in before.into_iter().enumerate() {
+            self.sync_vector(v, b, false);
+        }
+    }
+
+    /// Whether the VMM masks every vector.
+    pub fn host_masked(&self) -> bool {
+        self.host_masked
     }
 
     pub fn is_pending(&self, vector: usize) -> bool {

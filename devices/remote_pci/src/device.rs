@@ -25,6 +25,7 @@
 
 use std::any::Any;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
 use pci::configuration::{
@@ -38,9 +39,10 @@ use pci::vm_ops::{IoEventAddress, IoEventGuard, MemslotGuard, VmOps};
 use pci::ConfigError;
 
 use crate::link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError,
-    RemoteBar, RemoteDeviceInfo, RemoteDeviceLink,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LenderCounters,
+    LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink,
 };
+use crate::observer::DeviceObserver;
 use crate::pin::{pin_all, MlockPinner, PinStats, PinnedRange, Pinner};
 
 /// Granule of KVM memslots.
@@ -106,6 +108,8 @@ pub struct RemotePciDeviceParams {
     pub intx_irq: Option<u32>,
     /// How guest RAM is pinned on Bus Master Enable ([`MlockPinner`] by default).
     pub pinner: Arc<dyn Pinner>,
+    /// Told when DMA is mapped and unmapped (the VMM's event stream).
+    pub observer: Option<Arc<dyn DeviceObserver>>,
 }
 
 impl RemotePciDeviceParams {
@@ -115,6 +119,7 @@ impl RemotePciDeviceParams {
             devid,
             intx_irq,
             pinner: Arc::new(MlockPinner),
+            observer: None,
         }
     }
 }
@@ -146,6 +151,12 @@ pub struct RemoteDeviceStatus {
     pub irq_counts: Option<Vec<u64>>,
     /// Function resets (FLR + device resets).
     pub resets: u64,
+    /// Bus Master Enable changes (0→1 and 1→0) the guest made.
+    pub bme_transitions: u64,
+    /// Time guest RAM has been pinned for this device, the current pin included.
+    pub pinned_time: Duration,
+    /// Whether the VMM quiesced the device (`vm.pause`).
+    pub quiesced: bool,
 }
 
 struct BarState {
@@ -166,6 +177,7 @@ struct MsixState {
 struct DmaState {
     mapping: Box<dyn DmaMapping>,
     pins: Vec<PinnedRange>,
+    since: Instant,
 }
 
 #[derive(Default)]
@@ -174,6 +186,8 @@ struct Counters {
     dma_map_failures: u64,
     resets: u64,
     last_pin: Option<PinStats>,
+    bme_transitions: u64,
+    pinned_time: Duration,
 }
 
 /// A borrowed PCI function (see the module docs).
@@ -195,6 +209,8 @@ pub struct RemotePciDevice {
     dma: Option<DmaState>,
     counters: Counters,
     pinner: Arc<dyn Pinner>,
+    observer: Option<Arc<dyn DeviceObserver>>,
+    quiesced: bool,
     vm: Arc<dyn VmOps>,
     /// Dropped last: returns the lease.
     link: Box<dyn RemoteDeviceLink>,
@@ -466,6 +482,8 @@ impl RemotePciDevice {
             dma: None,
             counters: Counters::default(),
             pinner: params.pinner,
+            observer: params.observer,
+            quiesced: false,
             vm,
             link,
         };
@@ -560,7 +578,44 @@ impl RemotePciDevice {
             msi_enabled: self.msi.as_ref().is_some_and(MsiConfig::enabled),
             irq_counts: self.link.irq_counts(),
             resets: self.counters.resets,
+            bme_transitions: self.counters.bme_transitions,
+            pinned_time: self.counters.pinned_time
+                + self
+                    .dma
+                    .as_ref()
+                    .map_or(Duration::ZERO, |d| d.since.elapsed()),
+            quiesced: self.quiesced,
         }
+    }
+
+    /// What the lender counted for this lease (one round trip; call it off the vCPU threads).
+    pub fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
+        self.link.lender_counters()
+    }
+
+    /// `vm.pause` (`stop`) / `vm.resume`: masks every MSI-X vector at the VMM (signals stay
+    /// pending in the irqfds and are delivered on resume) and tells the lender to stop or
+    /// restart a polling device. Idempotent.
+    pub fn quiesce(&mut self, stop: bool) -> Result<(), LinkError> {
+        if self.quiesced == stop {
+            return Ok(());
+        }
+        if stop {
+            if let Some(m) = &mut self.msix {
+                m.config.set_host_masked(true);
+            }
+            self.link.quiesce(true)?;
+        } else {
+            // Lender first, so the device runs again before its pending vectors unmask.
+            let r = self.link.quiesce(false);
+            if let Some(m) = &mut self.msix {
+                m.config.set_host_masked(false);
+            }
+            r?;
+        }
+        self.quiesced = stop;
+        info!("{}: {}", self.id, if stop { "quiesced" } else { "resumed" });
+        Ok(())
     }
 
     /// The MSI-X state (table, PBA), if the device has MSI-X.
@@ -768,6 +823,7 @@ impl RemotePciDevice {
         if self.dma.is_some() {
             return;
         }
+        let t0 = Instant::now();
         let regions = self.vm.guest_ram_regions();
         let ranges: Vec<(u64, u64)> = regions.iter().map(|r| (r.host_addr, r.size)).collect();
         let (pins, stats) = match pin_all(self.pinner.as_ref(), &ranges) {
@@ -786,7 +842,16 @@ impl RemotePciDevice {
                     mapping.size()
                 );
                 self.counters.dma_maps += 1;
-                self.dma = Some(DmaState { mapping, pins });
+                let bytes = mapping.size();
+                let pinned = pins.iter().map(PinnedRange::len).sum();
+                self.dma = Some(DmaState {
+                    mapping,
+                    pins,
+                    since: Instant::now(),
+                });
+                if let Some(o) = &self.observer {
+                    o.dma_mapped(&self.id, bytes, pinned, t0.elapsed());
+                }
             }
             Err(e) => {
                 drop(pins);
@@ -807,10 +872,20 @@ impl RemotePciDevice {
 
     /// Unmaps (lender first) then unpins.
     fn disable_dma(&mut self) {
-        if let Some(DmaState { mapping, pins }) = self.dma.take() {
+        if let Some(DmaState {
+            mapping,
+            pins,
+            since,
+        }) = self.dma.take()
+        {
+            let t0 = Instant::now();
             let size = mapping.size();
             drop(mapping);
             drop(pins);
+            self.counters.pinned_time += since.elapsed();
+            if let Some(o) = &self.observer {
+                o.dma_unmapped(&self.id, size, t0.elapsed());
+            }
             info!(
                 "{}: dma disabled ({size:#x} bytes unmapped and unpinned)",
                 self.id
@@ -963,6 +1038,7 @@ impl RemotePciDevice {
     fn react_to_effects(&mut self, effects: &ConfigWriteEffects) {
         if let Some(c) = effects.command {
             if let Some(on) = c.bus_master() {
+                self.counters.bme_transitions += 1;
                 if on {
                     self.enable_dma();
                 } else {

@@ -9,6 +9,7 @@
 pub mod device;
 pub mod lending_link;
 pub mod link;
+pub mod observer;
 pub mod pin;
 
 #[cfg(test)]
@@ -22,4 +23,5 @@ pub use link::{
     LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo,
     RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
+pub use observer::DeviceObserver;
 pub use pin::{MlockPinner, PinError, PinStats, PinnedRange, Pinner};
