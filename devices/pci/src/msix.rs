@@ -613,6 +613,50 @@ mod tests {
     }
 
     #[test]
+    fn host_mask_is_invisible_to_the_guest_and_loses_nothing() {
+        let (g, mut msix) = setup(4);
+        program(&mut msix, 0, 0xfee0_0000, 0x30, false);
+        program(&mut msix, 1, 0xfee0_0000, 0x31, true);
+        msix.set_msg_ctl(MSIX_CTL_ENABLE);
+        g.take();
+        // vm.pause: the guest-unmasked vector's route is detached (irqfd signals stay
+        // pending in the eventfd); the guest-masked one is left alone.
+        msix.set_host_masked(true);
+        assert_eq!(
+            g.take(),
+            vec![GroupCall::Update(0, msg(0xfee0_0000, 0x30), true)]
+        );
+        assert!(msix.host_masked());
+        // The guest's view is unchanged.
+        assert!(!msix.masked());
+        let mut b = [0u8; 4];
+        msix.read_table(12, &mut b);
+        assert_eq!(
+            u32::from_le_bytes(b),
+            0,
+            "vector 0 still unmasked in the table"
+        );
+        // A VMM-side interrupt while paused is recorded, not injected.
+        assert!(!msix.trigger(0));
+        assert_eq!(pba(&msix), 0b1);
+        assert!(g.take().is_empty());
+        msix.set_host_masked(true);
+        assert!(g.take().is_empty(), "idempotent");
+        // vm.resume: route re-attached (KVM delivers what the irqfd holds) and the pending
+        // PBA bit injected; vector 1 stays masked as the guest left it.
+        msix.set_host_masked(false);
+        assert_eq!(
+            g.take(),
+            vec![
+                GroupCall::Update(0, msg(0xfee0_0000, 0x30), false),
+                GroupCall::Trigger(0)
+            ]
+        );
+        assert_eq!(pba(&msix), 0);
+        assert!(msix.is_vector_masked(1));
+    }
+
+    #[test]
     fn mask_unmask_with_pending_bit_injection() {
         let (g, mut msix) = setup(4);
         program(&mut msix, 0, 0xfee0_0000, 0x30, false);
