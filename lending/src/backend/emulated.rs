@@ -14,7 +14,9 @@ use super::config::CMD_BUS_MASTER;
 use super::irq::LeaseIrqs;
 use super::{BackendError, BarExport, DeviceBackend, IrqTrigger};
 use crate::iommu::{IommuDomain, SoftIommu};
-use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc, NotifyWrites};
+use crate::protocol::{
+    BarDesc, DeviceInfo, IrqCounts, IrqKind, LeaseCounters, MsixDesc, NotifyWrites,
+};
 
 /// Register memory in a memfd, so the BAR can be exported as a fabric window and the
 /// borrower's loads/stores land in it directly.
@@ -298,6 +300,9 @@ impl DeviceBackend for EmulatedBackend {
     }
 
     fn reset(&self) -> Result<(), BackendError> {
+        // A reset ends a pause: the worker must run again (and a reset must not wait on a
+        // parked worker).
+        self.model.quiesce(false);
         self.model.reset();
         *self.shadow() = self.pristine;
         self.irqs.set_intx_disabled(false);
@@ -307,6 +312,24 @@ impl DeviceBackend for EmulatedBackend {
 
     fn domain(&self) -> Arc<dyn IommuDomain> {
         Arc::clone(&self.iommu) as Arc<dyn IommuDomain>
+    }
+
+    fn quiesce(&self, stop: bool) -> Result<(), BackendError> {
+        self.model.quiesce(stop);
+        Ok(())
+    }
+
+    fn counters(&self) -> LeaseCounters {
+        let (dma_bytes_read, dma_bytes_written) = self.iommu.dma_bytes().unwrap_or((0, 0));
+        let (msix, intx) = self.irqs.counts();
+        LeaseCounters {
+            dma_bytes_read,
+            dma_bytes_written,
+            iommu_faults: self.iommu.fault_count(),
+            doorbell_kicks: self.model.doorbell_kicks(),
+            msix,
+            intx,
+        }
     }
 }
 
