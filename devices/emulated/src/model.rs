@@ -164,8 +164,9 @@ pub trait DeviceModel: Send + Sync {
     /// worker finishes the pass it is in (commands already fetched complete, but their
     /// completions are posted only after resume) and returns here once it is stopped (or
     /// after a bound, logged). `false`: resume, taking up whatever was written meanwhile.
-    /// [`DeviceModel::reset`] does not clear it; the host resumes before a reset. Default:
-    /// nothing.
+    /// [`DeviceModel::reset`] does not clear it and works on a quiesced model (the worker is
+    /// parked between passes); a host that resets to end a pause resumes after the reset.
+    /// Default: nothing.
     fn quiesce(&self, _stop: bool) {}
 }
 
