@@ -40,9 +40,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::backend::irq::IrqRelay;
 use crate::protocol::{
-    self, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite, DeviceInfo, DeviceSummary, DmaMap,
-    DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample, IrqTarget, LeaseRef, LenderStatus,
-    ProtocolError, Request, SetIrqs, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    self, code, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite, DeviceInfo, DeviceSummary,
+    DmaMap, DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample, IrqTarget, LeaseCounters,
+    LeaseRef, LenderStatus, ProtocolError, Quiesce, Request, SetIrqs, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
 };
 
 /// Default bound on one request.
@@ -85,6 +86,18 @@ pub enum ClientError {
         addr: String,
         /// The node that answered.
         node: String,
+    },
+    /// The lender's protocol version does not have the request.
+    #[error("lender {lender} speaks protocol version {version}, {what} needs {needs}")]
+    Unsupported {
+        /// Lender node.
+        lender: String,
+        /// The request.
+        what: &'static str,
+        /// The session's version.
+        version: u32,
+        /// The version that has it.
+        needs: u32,
     },
     /// An fd operation failed.
     #[error("{what}: {source}")]
@@ -456,26 +469,39 @@ impl LenderClient {
         token: &str,
         client: &str,
     ) -> Result<Self, ClientError> {
+        Self::from_endpoint_with_version(ep, token, client, PROTOCOL_VERSION)
+    }
+
+    /// Says hello over an existing link offering protocol `version` at most (clamped to
+    /// [`MIN_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`]): speaks as an older borrower would,
+    /// for compatibility tests and for pinning a version.
+    pub fn from_endpoint_with_version(
+        ep: Box<dyn Endpoint>,
+        token: &str,
+        client: &str,
+        version: u32,
+    ) -> Result<Self, ClientError> {
+        let offer = version.clamp(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION);
         let ep: Arc<dyn Endpoint> = Arc::from(ep);
         let inner = Arc::new(Inner {
             lender: ep.peer_node().to_string(),
             ep,
             timeout: DEFAULT_TIMEOUT,
-            version: AtomicU32::new(PROTOCOL_VERSION),
+            version: AtomicU32::new(offer),
             routes: Arc::default(),
             resamplers: Mutex::default(),
             pump: Mutex::new(None),
         });
         let req = Request::Hello(Hello {
-            version: PROTOCOL_VERSION,
+            version: offer,
             token: token.to_string(),
             client: client.to_string(),
         });
         let (hello, _): (HelloReply, _) = inner.call(&req, Vec::new())?;
-        if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&hello.version) {
+        if !(MIN_PROTOCOL_VERSION..=offer).contains(&hello.version) {
             return Err(ClientError::BadReply(format!(
-                "lender {} answered protocol version {}, this client speaks \
-                 {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION}",
+                "lender {} answered protocol version {}, this client offered \
+                 {MIN_PROTOCOL_VERSION}..={offer}",
                 hello.node, hello.version
             )));
         }
@@ -816,7 +842,47 @@ impl Lease {
         r
     }
 
-    /// Resets the device (the lease stays).
+    /// The lender's counters of this lease since it was granted (one round trip).
+    /// `Ok(None)`: the lender does not report them (protocol version 2 or older, which is
+    /// known from the hello without asking, or a lender answering `UNKNOWN_OPCODE`).
+    pub fn counters(&self) -> Result<Option<LeaseCounters>, ClientError> {
+        if self.inner.version() < 3 {
+            return Ok(None);
+        }
+        let r = Request::LeaseCounters(LeaseRef { lease: self.id });
+        match self.inner.call::<LeaseCounters>(&r, Vec::new()) {
+            Ok((c, _)) => Ok(Some(c)),
+            Err(e) if e.code() == Some(code::UNKNOWN_OPCODE) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Quiesces (`true`: the device stops fetching doorbells and descriptors) or resumes
+    /// (`false`) the device. [`ClientError::Unsupported`] with a lender of protocol version 2
+    /// or older (or one answering `UNKNOWN_OPCODE`).
+    pub fn quiesce(&self, stop: bool) -> Result<(), ClientError> {
+        let unsupported = |version| ClientError::Unsupported {
+            lender: self.inner.lender.clone(),
+            what: "quiesce",
+            version,
+            needs: 3,
+        };
+        let version = self.inner.version();
+        if version < 3 {
+            return Err(unsupported(version));
+        }
+        let r = Request::Quiesce(Quiesce {
+            lease: self.id,
+            stop,
+        });
+        match self.inner.call::<()>(&r, Vec::new()) {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some(code::UNKNOWN_OPCODE) => Err(unsupported(version)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Resets the device (the lease stays; a quiesced device is resumed).
     pub fn reset(&self) -> Result<(), ClientError> {
         let r = Request::Reset(LeaseRef { lease: self.id });
         self.inner.call::<()>(&r, Vec::new()).map(|_| ())

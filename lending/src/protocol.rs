@@ -19,10 +19,14 @@
 //! | 0x10b | [`LeaseRef`] | `()` | DEVICE_RESET |
 //! | 0x10c | [`LeaseRef`] | `()` | — (return the lease) |
 //! | 0x10d | `Status` | [`LenderStatus`] | — |
+//! | 0x10e | [`LeaseRef`] (version 3) | [`LeaseCounters`] | — (lender-side counters of the lease) |
+//! | 0x10f | [`Quiesce`] (version 3) | `()` | — (pause/resume fetching) |
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
-//! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it); borrower → lender
-//! 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it, version 2).
+//! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it), 0x184
+//! [`IommuFaultEvent`] (a DMA the lease's IOMMU domain refused, rate-limited, version 3);
+//! borrower → lender 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it,
+//! version 2).
 //!
 //! Errors are wire error replies with the codes in [`code`]. Decoding never panics.
 //!
@@ -38,6 +42,12 @@
 //! |---|---|
 //! | 1 | first |
 //! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
+//! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event |
+//!
+//! New requests of a version are unknown opcodes in a session of an older version (both
+//! ways: the lender answers `UNKNOWN_OPCODE`, and [`Request::encode_versioned`] refuses to
+//! encode them), and a lender sends new events only in sessions of their version, so an
+//! older borrower never sees them.
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -45,7 +55,7 @@ use thiserror::Error;
 use ntb::wire::{self, ErrorReply, WireError};
 
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Oldest version a lender still serves.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// Largest config space (PCIe extended).
@@ -87,6 +97,10 @@ pub mod opcode {
     pub const RETURN: u16 = 0x10c;
     /// Lender inventory with states.
     pub const STATUS: u16 = 0x10d;
+    /// Lender-side counters of a lease (version 3).
+    pub const LEASE_COUNTERS: u16 = 0x10e;
+    /// Quiesce or resume the device (version 3).
+    pub const QUIESCE: u16 = 0x10f;
     /// Event: the device is gone (lease ended by the lender).
     pub const EVT_DEVICE_GONE: u16 = 0x180;
     /// Event: fatal device error.
@@ -95,6 +109,8 @@ pub mod opcode {
     pub const EVT_IRQ: u16 = 0x182;
     /// Event (borrower → lender): INTx resample relayed as a message.
     pub const EVT_RESAMPLE: u16 = 0x183;
+    /// Event: the lease's IOMMU domain refused a DMA (version 3).
+    pub const EVT_IOMMU_FAULT: u16 = 0x184;
 }
 
 /// Error codes of error replies (the wire's generic codes are below 0x100).
@@ -642,6 +658,86 @@ pub struct IrqResample {
     pub lease: u64,
 }
 
+/// Reply to LEASE_COUNTERS (version 3): what the lender counted for the lease since it was
+/// granted.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LeaseCounters {
+    /// Bytes the device read from the borrower's memory through its IOMMU domain (0 where
+    /// the domain cannot count: VFIO).
+    pub dma_bytes_read: u64,
+    /// Bytes the device wrote to the borrower's memory (0 where the domain cannot count).
+    pub dma_bytes_written: u64,
+    /// DMAs the IOMMU domain refused.
+    pub iommu_faults: u64,
+    /// Doorbell notifications the device read (the sum of the values read from its notify
+    /// eventfd: every store + notify, ioeventfd kick or exact doorbell write; 0 where the
+    /// lender does not see them: VFIO).
+    pub doorbell_kicks: u64,
+    /// Interrupts the lender signalled, per MSI-X vector from 0 (whatever the target kind;
+    /// empty where the lender does not signal them itself: VFIO).
+    pub msix: Vec<u64>,
+    /// INTx assertions the lender signalled.
+    pub intx: u64,
+}
+
+impl LeaseCounters {
+    /// The counts since `base` (a snapshot of the same monotonic counters), saturating.
+    pub fn since(&self, base: &LeaseCounters) -> LeaseCounters {
+        LeaseCounters {
+            dma_bytes_read: self.dma_bytes_read.saturating_sub(base.dma_bytes_read),
+            dma_bytes_written: self
+                .dma_bytes_written
+                .saturating_sub(base.dma_bytes_written),
+            iommu_faults: self.iommu_faults.saturating_sub(base.iommu_faults),
+            doorbell_kicks: self.doorbell_kicks.saturating_sub(base.doorbell_kicks),
+            msix: self
+                .msix
+                .iter()
+                .enumerate()
+                .map(|(i, n)| n.saturating_sub(base.msix.get(i).copied().unwrap_or(0)))
+                .collect(),
+            intx: self.intx.saturating_sub(base.intx),
+        }
+    }
+}
+
+/// QUIESCE (version 3): `stop` true makes the device stop fetching doorbells and descriptors
+/// (emulated devices: their worker stops between passes; commands already fetched complete
+/// and their completions are posted after resume); false resumes it. A reset or the end of
+/// the lease resumes it too. Devices the lender cannot quiesce (VFIO) accept it as a no-op:
+/// the borrower masks their vectors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quiesce {
+    /// Lease.
+    pub lease: u64,
+    /// Stop (true) or resume (false).
+    pub stop: bool,
+}
+
+/// Event (version 3): the lease's IOMMU domain refused a DMA of the device.
+///
+/// Rate-limited by the lender per lease: the first [`IOMMU_FAULT_BURST`] faults are each
+/// sent, then at most one per [`IOMMU_FAULT_INTERVAL_MS`] (the others are counted only);
+/// `total` is always the exact number of the lease's faults so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IommuFaultEvent {
+    /// Lease.
+    pub lease: u64,
+    /// Start IOVA of the refused access.
+    pub iova: u64,
+    /// Its length.
+    pub len: u64,
+    /// The device tried to write memory.
+    pub write: bool,
+    /// Faults of the lease so far, this one included.
+    pub total: u64,
+}
+
+/// Faults of a lease that are each reported by an [`IommuFaultEvent`] before rate limiting.
+pub const IOMMU_FAULT_BURST: u64 = 16;
+/// After the burst, at most one [`IommuFaultEvent`] per this many milliseconds per lease.
+pub const IOMMU_FAULT_INTERVAL_MS: u64 = 250;
+
 /// A request, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
@@ -673,6 +769,10 @@ pub enum Request {
     Return(LeaseRef),
     /// Status.
     Status,
+    /// Lender-side counters of a lease (version 3).
+    LeaseCounters(LeaseRef),
+    /// Quiesce/resume (version 3).
+    Quiesce(Quiesce),
 }
 
 /// An event, decoded.
@@ -686,6 +786,8 @@ pub enum Event {
     Irq(IrqEvent),
     /// Relayed INTx resample (borrower → lender).
     Resample(IrqResample),
+    /// A refused DMA (version 3).
+    IommuFault(IommuFaultEvent),
 }
 
 fn wire_err(opcode: u16) -> impl FnOnce(WireError) -> ProtocolError {
@@ -732,13 +834,19 @@ impl Request {
             Request::Reset(_) => opcode::RESET,
             Request::Return(_) => opcode::RETURN,
             Request::Status => opcode::STATUS,
+            Request::LeaseCounters(_) => opcode::LEASE_COUNTERS,
+            Request::Quiesce(_) => opcode::QUIESCE,
         }
     }
 
     /// The lease a request refers to, if any.
     pub fn lease(&self) -> Option<u64> {
         match self {
-            Request::DeviceInfo(l) | Request::Reset(l) | Request::Return(l) => Some(l.lease),
+            Request::DeviceInfo(l)
+            | Request::Reset(l)
+            | Request::Return(l)
+            | Request::LeaseCounters(l) => Some(l.lease),
+            Request::Quiesce(q) => Some(q.lease),
             Request::ConfigRead(r) => Some(r.lease),
             Request::ConfigWrite(r) => Some(r.lease),
             Request::BarRead(r) => Some(r.lease),
@@ -756,9 +864,17 @@ impl Request {
     }
 
     /// Encodes to (opcode, payload) in the layout of protocol `version`. Version 1 has no
-    /// resample target: a SET_IRQS with one is refused rather than silently dropped.
+    /// resample target: a SET_IRQS with one is refused rather than silently dropped. Requests
+    /// newer than `version` are refused.
     pub fn encode_versioned(&self, version: u32) -> Result<(u16, Vec<u8>), ProtocolError> {
         let op = self.opcode();
+        let since = Self::since_version(op);
+        if version < since {
+            return Err(invalid(
+                op,
+                format!("request needs protocol version {since}, the session speaks {version}"),
+            ));
+        }
         if version < 2 {
             if let Request::SetIrqs(v) = self {
                 if v.resample != IrqTarget::None {
@@ -787,8 +903,19 @@ impl Request {
             Request::DmaMap(v) => enc(op, v)?,
             Request::DmaUnmap(v) => enc(op, v)?,
             Request::SetIrqs(v) => enc(op, v)?,
+            Request::LeaseCounters(v) => enc(op, v)?,
+            Request::Quiesce(v) => enc(op, v)?,
         };
         Ok((op, payload))
+    }
+
+    /// The protocol version that introduced the request with opcode `op` (1 for opcodes
+    /// that are not requests: they fail to decode anyway).
+    fn since_version(op: u16) -> u32 {
+        match op {
+            opcode::LEASE_COUNTERS | opcode::QUIESCE => 3,
+            _ => 1,
+        }
     }
 
     /// Decodes and validates a request in the current version. Never panics.
@@ -803,7 +930,12 @@ impl Request {
         payload: &[u8],
         version: u32,
     ) -> Result<Request, ProtocolError> {
+        if version < Self::since_version(op) {
+            return Err(ProtocolError::UnknownOpcode(op));
+        }
         let r = match op {
+            opcode::LEASE_COUNTERS => Request::LeaseCounters(dec(op, payload)?),
+            opcode::QUIESCE => Request::Quiesce(dec(op, payload)?),
             opcode::HELLO => {
                 let h: Hello = dec(op, payload)?;
                 check_str(op, "token", &h.token)?;
@@ -943,6 +1075,7 @@ impl Event {
             Event::Fatal(v) => Ok((opcode::EVT_FATAL, enc(opcode::EVT_FATAL, v)?)),
             Event::Irq(v) => Ok((opcode::EVT_IRQ, enc(opcode::EVT_IRQ, v)?)),
             Event::Resample(v) => Ok((opcode::EVT_RESAMPLE, enc(opcode::EVT_RESAMPLE, v)?)),
+            Event::IommuFault(v) => Ok((opcode::EVT_IOMMU_FAULT, enc(opcode::EVT_IOMMU_FAULT, v)?)),
         }
     }
 
@@ -953,6 +1086,7 @@ impl Event {
             opcode::EVT_FATAL => Ok(Event::Fatal(dec(op, payload)?)),
             opcode::EVT_IRQ => Ok(Event::Irq(dec(op, payload)?)),
             opcode::EVT_RESAMPLE => Ok(Event::Resample(dec(op, payload)?)),
+            opcode::EVT_IOMMU_FAULT => Ok(Event::IommuFault(dec(op, payload)?)),
             other => Err(ProtocolError::UnknownOpcode(other)),
         }
     }
@@ -1098,6 +1232,11 @@ mod tests {
             }),
             Request::Reset(LeaseRef { lease: 7 }),
             Request::Return(LeaseRef { lease: 7 }),
+            Request::LeaseCounters(LeaseRef { lease: 7 }),
+            Request::Quiesce(Quiesce {
+                lease: 7,
+                stop: true,
+            }),
         ]
     }
 
@@ -1126,6 +1265,13 @@ mod tests {
                 vector: 3,
             }),
             Event::Resample(IrqResample { lease: 1 }),
+            Event::IommuFault(IommuFaultEvent {
+                lease: 1,
+                iova: 0xdead_0000,
+                len: 512,
+                write: true,
+                total: 17,
+            }),
         ] {
             let (op, p) = e.encode().unwrap();
             assert_eq!(Event::decode(op, &p).unwrap(), e);
@@ -1293,6 +1439,72 @@ mod tests {
         assert!(Request::decode_versioned(op, &p, 2).is_err());
     }
 
+    fn sample_counters() -> LeaseCounters {
+        LeaseCounters {
+            dma_bytes_read: 40 * 4096 + 40 * 64,
+            dma_bytes_written: 40 * 16,
+            iommu_faults: 2,
+            doorbell_kicks: 80,
+            msix: vec![3, 40, 0, 1 << 40],
+            intx: 5,
+        }
+    }
+
+    #[test]
+    fn version_3_counters_quiesce_and_faults() {
+        let c = sample_counters();
+        let p = encode_reply(opcode::LEASE_COUNTERS, &c).unwrap();
+        assert_eq!(
+            decode_reply::<LeaseCounters>(opcode::LEASE_COUNTERS, &p).unwrap(),
+            c
+        );
+        // Per-lease counts are differences of monotonic snapshots, vector by vector.
+        let base = LeaseCounters {
+            dma_bytes_read: 4096,
+            dma_bytes_written: 16,
+            iommu_faults: 1,
+            doorbell_kicks: 2,
+            msix: vec![1, 2],
+            intx: 5,
+        };
+        assert_eq!(
+            c.since(&base),
+            LeaseCounters {
+                dma_bytes_read: 39 * 4096 + 40 * 64,
+                dma_bytes_written: 39 * 16,
+                iommu_faults: 1,
+                doorbell_kicks: 78,
+                msix: vec![2, 38, 0, 1 << 40],
+                intx: 0,
+            }
+        );
+        // Nothing newer than the session: encoding refuses, decoding sees an unknown opcode
+        // (what a version 2 lender answers).
+        for r in [
+            Request::LeaseCounters(LeaseRef { lease: 1 }),
+            Request::Quiesce(Quiesce {
+                lease: 1,
+                stop: false,
+            }),
+        ] {
+            assert!(r.encode_versioned(2).is_err(), "{r:?}");
+            assert!(r.encode_versioned(1).is_err(), "{r:?}");
+            let (op, p) = r.encode_versioned(3).unwrap();
+            assert_eq!(
+                Request::decode_versioned(op, &p, 2),
+                Err(ProtocolError::UnknownOpcode(op))
+            );
+            assert_eq!(Request::decode_versioned(op, &p, 3).unwrap(), r);
+        }
+        // Old requests keep their layouts in version 3.
+        for r in samples().into_iter().take(14) {
+            let (op, p) = r.encode_versioned(2).unwrap();
+            assert_eq!(Request::decode_versioned(op, &p, 3).unwrap(), r);
+        }
+        assert_eq!(negotiate(2, PROTOCOL_VERSION), Some(2));
+        assert_eq!(negotiate(3, 2), Some(2), "a version 2 lender speaks 2");
+    }
+
     #[test]
     fn notify_doorbell_range_is_whole_accesses_only() {
         let n = NotifyWrites::Doorbells {
@@ -1332,11 +1544,32 @@ mod tests {
             let _ = decode_borrowed(&payload, 2);
             let _ = decode_device_info(&payload, 1, true);
             let _ = decode_reply::<Vec<DeviceSummary>>(op, &payload);
+            let _ = Request::decode_versioned(op, &payload, 2);
+            let _ = decode_reply::<LeaseCounters>(op, &payload);
+        }
+
+        /// A LEASE_COUNTERS reply mutated at one byte or cut: no panic.
+        #[test]
+        fn mutated_counters_replies_never_panic(at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>()) {
+            let c = sample_counters();
+            let p = encode_reply(opcode::LEASE_COUNTERS, &c).unwrap();
+            prop_assert_eq!(&decode_reply::<LeaseCounters>(opcode::LEASE_COUNTERS, &p).unwrap(), &c);
+            let mut m = p.clone();
+            let i = at % m.len();
+            m[i] = byte;
+            let _ = decode_reply::<LeaseCounters>(opcode::LEASE_COUNTERS, &m);
+            let _ = decode_reply::<LeaseCounters>(opcode::LEASE_COUNTERS, &p[..cut % (p.len() + 1)]);
+            let (op, e) = Event::IommuFault(IommuFaultEvent { lease: 3, iova: 1 << 40, len: 8, write: false, total: 1 }).encode().unwrap();
+            let mut m = e.clone();
+            let i = at % m.len();
+            m[i] = byte;
+            let _ = Event::decode(op, &m);
+            let _ = Event::decode(op, &e[..cut % (e.len() + 1)]);
         }
 
         /// Valid encodings mutated at one byte: still no panic, and untouched ones roundtrip.
         #[test]
-        fn mutated_valid_messages_never_panic(which in 0usize..14, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>()) {
+        fn mutated_valid_messages_never_panic(which in 0usize..16, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>()) {
             let r = &samples()[which];
             let (op, p) = r.encode().unwrap();
             prop_assert_eq!(&Request::decode(op, &p).unwrap(), r);

@@ -12,7 +12,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ntb::wire::ErrorReply;
 use ntb::{Endpoint, FabricError, FabricKind, Incoming, Listener, Message, PeerWindow, WindowId};
@@ -22,10 +22,13 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::backend::irq::IrqRelay;
 use crate::backend::{filtered_config_write, BackendError, DeviceBackend, IrqTrigger};
 use crate::inventory::{Inventory, InventoryError, Lease};
-use crate::iommu::{BackingError, DmaBacking, IommuError, MAX_MAPPINGS};
+use crate::iommu::{
+    BackingError, DmaBacking, FaultListener, IommuDomain, IommuError, IommuFault, MAX_MAPPINGS,
+};
 use crate::protocol::{
-    self, code, error, Borrowed, DeviceGone, Event, HelloReply, IrqEvent, IrqKind, IrqTarget,
-    LenderStatus, ProtocolError, Request, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    self, code, error, Borrowed, DeviceGone, Event, HelloReply, IommuFaultEvent, IrqEvent, IrqKind,
+    IrqTarget, LeaseCounters, LenderStatus, ProtocolError, Request, IOMMU_FAULT_BURST,
+    IOMMU_FAULT_INTERVAL_MS, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 
 /// How often idle loops look at the stop flag.
@@ -155,6 +158,12 @@ struct DmaEntry {
 struct SessionLease {
     /// INTx resample eventfd watcher (shm); dropped (joined) before the lease ends.
     resample: Option<IrqRelay>,
+    /// Reports the domain's faults to the borrower (version 3 sessions); removed from the
+    /// domain before the lease ends.
+    _faults: Option<FaultRelayGuard>,
+    /// The device's counters when the lease was granted (LEASE_COUNTERS answers the
+    /// difference).
+    baseline: LeaseCounters,
     lease: Lease,
     maps: Vec<DmaEntry>,
     /// BAR index -> fabric window id exported for it.
@@ -263,6 +272,80 @@ struct ResampleTrigger {
 impl IrqTrigger for ResampleTrigger {
     fn trigger(&self) {
         self.backend.intx_resample();
+    }
+}
+
+/// Sends [`Event::IommuFault`] for one lease's faults to its borrower, rate-limited per lease
+/// (see [`IommuFaultEvent`]: the first [`IOMMU_FAULT_BURST`], then at most one per
+/// [`IOMMU_FAULT_INTERVAL_MS`]); `total` is exact in every event sent.
+struct FaultRelay {
+    ep: Weak<dyn Endpoint>,
+    lease: u64,
+    /// The domain's fault count when the lease was granted.
+    base: u64,
+    limit: Mutex<FaultLimit>,
+}
+
+#[derive(Default)]
+struct FaultLimit {
+    sent: u64,
+    last: Option<Instant>,
+}
+
+impl FaultLimit {
+    /// Whether an event may go now (and records it).
+    fn admit(&mut self, now: Instant) -> bool {
+        let interval = Duration::from_millis(IOMMU_FAULT_INTERVAL_MS);
+        let ok = self.sent < IOMMU_FAULT_BURST
+            || self
+                .last
+                .is_none_or(|t| now.saturating_duration_since(t) >= interval);
+        if ok {
+            self.sent += 1;
+            self.last = Some(now);
+        }
+        ok
+    }
+}
+
+impl FaultListener for FaultRelay {
+    fn fault(&self, f: &IommuFault, total: u64) {
+        let admitted = match self.limit.lock() {
+            Ok(mut g) => g.admit(Instant::now()),
+            Err(p) => p.into_inner().admit(Instant::now()),
+        };
+        if !admitted {
+            return;
+        }
+        let Some(ep) = self.ep.upgrade() else {
+            return;
+        };
+        let ev = Event::IommuFault(IommuFaultEvent {
+            lease: self.lease,
+            iova: f.iova,
+            len: f.len,
+            write: f.write,
+            total: total.saturating_sub(self.base),
+        });
+        match ev.encode() {
+            Ok((op, p)) => {
+                if let Err(e) = ep.send(Message::raw(op, p)) {
+                    log::debug!("iommu fault event to {}: {e}", ep.peer_node());
+                }
+            }
+            Err(e) => log::error!("iommu fault event encode: {e}"),
+        }
+    }
+}
+
+/// A [`FaultRelay`] installed on a domain; dropping it removes it.
+struct FaultRelayGuard {
+    domain: Arc<dyn IommuDomain>,
+}
+
+impl Drop for FaultRelayGuard {
+    fn drop(&mut self) {
+        self.domain.set_fault_listener(None);
     }
 }
 
@@ -478,6 +561,21 @@ impl Session {
                 ok(op, &())
             }
             Request::SetIrqs(s) => self.set_irqs(op, s, fds),
+            Request::LeaseCounters(l) => {
+                let sl = self.lease(l.lease)?;
+                let c = sl.lease.backend().counters().since(&sl.baseline);
+                ok(op, &c)
+            }
+            Request::Quiesce(q) => {
+                let sl = self.lease(q.lease)?;
+                sl.lease.backend().quiesce(q.stop).map_err(backend_err)?;
+                log::info!(
+                    "lease {}: {}",
+                    q.lease,
+                    if q.stop { "quiesced" } else { "resumed" }
+                );
+                ok(op, &())
+            }
             Request::Reset(l) => {
                 let sl = self.lease(l.lease)?;
                 let b = sl.lease.backend();
@@ -547,10 +645,24 @@ impl Session {
         let msg = protocol::encode_borrowed(&reply, self.version)
             .map(|p| Message::raw(op, p).with_fds(fds))
             .map_err(proto_err)?;
+        let baseline = backend.counters();
+        // Only a version 3 borrower understands the fault event.
+        let faults = (self.version >= 3).then(|| {
+            let domain = backend.domain();
+            domain.set_fault_listener(Some(Arc::new(FaultRelay {
+                ep: Arc::downgrade(&self.ep),
+                lease: id,
+                base: baseline.iommu_faults,
+                limit: Mutex::default(),
+            })));
+            FaultRelayGuard { domain }
+        });
         self.leases.insert(
             id,
             SessionLease {
                 resample: None,
+                _faults: faults,
+                baseline,
                 lease,
                 maps: Vec::new(),
                 bar_windows,
@@ -715,5 +827,22 @@ impl Drop for BackgroundLender {
         if let Some(t) = t {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_events_burst_then_one_per_interval() {
+        let mut l = FaultLimit::default();
+        let t0 = Instant::now();
+        let burst = (0..100).filter(|_| l.admit(t0)).count() as u64;
+        assert_eq!(burst, IOMMU_FAULT_BURST);
+        let step = Duration::from_millis(IOMMU_FAULT_INTERVAL_MS / 5);
+        // Faults every fifth of the interval for ten intervals: one event per interval.
+        let later = (1..=50u32).filter(|i| l.admit(t0 + step * *i)).count();
+        assert_eq!(later, 10);
     }
 }

@@ -1,5 +1,7 @@
 //! Protocol version negotiation against an in-process lender: a version 1 borrower keeps
-//! its layouts and meanings; a version 2 borrower gets per-BAR write notification.
+//! its layouts and meanings; a version 2 borrower gets per-BAR write notification and none of
+//! version 3 (no counters, no quiesce, no IOMMU fault events); a version 3 borrower gets
+//! them.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -8,10 +10,13 @@ use std::time::Duration;
 
 use emulated::NotifyMode;
 use lending::backend::emulated::EmulatedBackend;
+use lending::backend::DeviceBackend;
+use lending::client::ClientError;
 use lending::inventory::Inventory;
+use lending::iommu::IommuDomain;
 use lending::protocol::{
-    self, code, opcode, Borrow, Hello, HelloReply, IrqKind, IrqTarget, NotifyWrites, Request,
-    SetIrqs,
+    self, code, opcode, Borrow, Event, Hello, HelloReply, IrqKind, IrqTarget, LeaseCounters,
+    LeaseRef, NotifyWrites, Quiesce, Request, SetIrqs,
 };
 use lending::server::{BackgroundLender, Lender};
 use lending::LenderClient;
@@ -22,6 +27,16 @@ const TOKEN: &str = "v3rsions";
 const DEV: &str = "0000:00:05.0";
 
 fn lender() -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
+    let (dir, cfg, l, _) = lender_with_backend();
+    (dir, cfg, l)
+}
+
+fn lender_with_backend() -> (
+    tempfile::TempDir,
+    ClusterConfig,
+    BackgroundLender,
+    Arc<EmulatedBackend>,
+) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
     let src = format!(
@@ -33,13 +48,40 @@ fn lender() -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
     std::fs::write(&path, src).unwrap();
     let cfg = ClusterConfig::load(&path).unwrap();
     let backend = Arc::new(EmulatedBackend::dmatest("versions", NotifyMode::Interrupt).unwrap());
-    let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend as _)]).unwrap());
+    let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend.clone() as _)]).unwrap());
     let listener = SocketFabric::from_cluster(&cfg, "lender")
         .unwrap()
         .listen()
         .unwrap();
     let l = BackgroundLender::start(Lender::new(inv, "lender", TOKEN), listener).unwrap();
-    (dir, cfg, l)
+    (dir, cfg, l, backend)
+}
+
+/// Makes the lent dmatest DMA at an IOVA nothing maps: one IOMMU fault on the lender.
+fn fault_once(b: &EmulatedBackend) {
+    use emulated::dmatest::{CMD_ACK, CMD_START, REG_CMD, REG_DST, REG_LEN, REG_SRC};
+    let before = b.soft_iommu().fault_count();
+    b.bar_write(0, REG_CMD, &CMD_ACK.to_le_bytes()).unwrap();
+    b.bar_write(0, REG_SRC, &0xdead_0000u64.to_le_bytes())
+        .unwrap();
+    b.bar_write(0, REG_DST, &0xbeef_0000u64.to_le_bytes())
+        .unwrap();
+    b.bar_write(0, REG_LEN, &64u32.to_le_bytes()).unwrap();
+    b.bar_write(0, REG_CMD, &CMD_START.to_le_bytes()).unwrap();
+    let t0 = std::time::Instant::now();
+    while b.soft_iommu().fault_count() == before && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(b.soft_iommu().fault_count(), before + 1, "one dma refused");
+}
+
+/// Waits up to `t` for the next event, which must be an IOMMU fault.
+fn fault_event(c: &LenderClient, t: Duration) -> Option<protocol::IommuFaultEvent> {
+    match c.next_event(t).unwrap() {
+        Some(Event::IommuFault(f)) => Some(f),
+        Some(other) => panic!("unexpected event {other:?}"),
+        None => None,
+    }
 }
 
 fn connect(cfg: &ClusterConfig) -> Box<dyn Endpoint> {
@@ -119,5 +161,85 @@ fn too_old_a_version_is_refused() {
     let ep = connect(&cfg);
     let e = call(&*ep, &hello(0), 1).unwrap_err();
     assert_eq!(e.code, code::VERSION);
-    assert!(e.message.contains("1..=2"), "{}", e.message);
+    assert!(e.message.contains("1..=3"), "{}", e.message);
+}
+
+/// A version 2 borrower of a version 3 lender: the session speaks 2; counters are `None`
+/// without a round trip, quiesce is refused as unsupported, the version 3 opcodes are unknown
+/// in the session, and a DMA fault sends no event it could not decode.
+#[test]
+fn version_2_borrower_sees_nothing_of_version_3() {
+    let (_dir, cfg, _l, backend) = lender_with_backend();
+    let ep = connect(&cfg);
+    let c = LenderClient::from_endpoint_with_version(ep, TOKEN, "v2", 2).unwrap();
+    assert_eq!(c.protocol_version(), 2);
+    let lease = c.borrow(DEV, "vm0").unwrap();
+    assert_eq!(lease.counters().unwrap(), None);
+    let e = lease.quiesce(true).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ClientError::Unsupported {
+                version: 2,
+                needs: 3,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    fault_once(&backend);
+    assert_eq!(fault_event(&c, Duration::from_millis(300)), None);
+
+    // The same requests sent raw in a version 2 session: unknown opcodes.
+    let ep = connect(&cfg);
+    call(&*ep, &hello(2), 2).unwrap();
+    for r in [
+        Request::LeaseCounters(LeaseRef { lease: 1 }),
+        Request::Quiesce(Quiesce {
+            lease: 1,
+            stop: true,
+        }),
+    ] {
+        let e = call(&*ep, &r, 3).unwrap_err();
+        assert_eq!(e.code, code::UNKNOWN_OPCODE, "{r:?}: {}", e.message);
+    }
+}
+
+/// A version 3 borrower: counters since its lease was granted (a second lease starts from
+/// zero), quiesce accepted, and each IOMMU fault reported with the lease's exact total.
+#[test]
+fn version_3_borrower_gets_counters_quiesce_and_fault_events() {
+    let (_dir, cfg, _l, backend) = lender_with_backend();
+    let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "v3").unwrap();
+    assert_eq!(c.protocol_version(), 3);
+    let lease = c.borrow(DEV, "vm0").unwrap();
+    assert_eq!(
+        lease.counters().unwrap(),
+        Some(LeaseCounters {
+            msix: vec![0, 0],
+            ..LeaseCounters::default()
+        })
+    );
+    fault_once(&backend);
+    fault_once(&backend);
+    for total in 1..=2 {
+        let f = fault_event(&c, Duration::from_secs(5)).expect("iommu fault event");
+        assert_eq!(
+            (f.lease, f.iova, f.len, f.write, f.total),
+            (lease.id(), 0xdead_0000, 64, false, total)
+        );
+    }
+    let n = lease.counters().unwrap().unwrap();
+    assert_eq!(n.iommu_faults, 2);
+    assert!(n.doorbell_kicks >= 2, "{n:?}: each CMD write kicks");
+    lease.quiesce(true).unwrap();
+    lease.quiesce(false).unwrap();
+    lease.return_device().unwrap();
+    // The next lease counts from its own start.
+    let lease = c.borrow(DEV, "vm0").unwrap();
+    assert_eq!(lease.counters().unwrap().unwrap().iommu_faults, 0);
+    fault_once(&backend);
+    let f = fault_event(&c, Duration::from_secs(5)).expect("iommu fault event");
+    assert_eq!((f.lease, f.total), (lease.id(), 1));
+    assert_eq!(lease.counters().unwrap().unwrap().iommu_faults, 1);
 }

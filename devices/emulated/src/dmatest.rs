@@ -30,7 +30,7 @@ use crate::model::{
     build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity,
 };
 use crate::regs::RegisterMemory;
-use crate::waiter::Waiter;
+use crate::waiter::{WaitState, Waiter};
 use crate::NotifyMode;
 
 /// ID register offset.
@@ -85,6 +85,7 @@ struct Inner {
     stop: AtomicBool,
     state: Mutex<State>,
     notify: NotifyMode,
+    wait: Arc<WaitState>,
 }
 
 impl Inner {
@@ -162,7 +163,7 @@ impl Inner {
     }
 
     fn run(&self) {
-        let mut w = Waiter::new(self.notify);
+        let mut w = Waiter::new(self.notify, Arc::clone(&self.wait));
         while !self.stop.load(Ordering::Acquire) {
             if self.pass() {
                 w.busy();
@@ -205,6 +206,10 @@ impl DmaTest {
             stop: AtomicBool::new(false),
             state: Mutex::new(State::default()),
             notify,
+            wait: WaitState::new().map_err(|source| DeviceError::Os {
+                what: "worker wake eventfd",
+                source,
+            })?,
         };
         inner.publish(&State::default());
         Ok(DmaTest {
@@ -353,6 +358,14 @@ impl DeviceModel for DmaTest {
             self.inner.irq.set_intx(true);
         }
     }
+
+    fn doorbell_kicks(&self) -> u64 {
+        self.inner.wait.kicks()
+    }
+
+    fn quiesce(&self, stop: bool) {
+        self.inner.wait.quiesce("dmatest", stop);
+    }
 }
 
 impl Drop for DmaTest {
@@ -360,7 +373,8 @@ impl Drop for DmaTest {
         let h = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = h {
             self.inner.stop.store(true, Ordering::Release);
-            let _ = self.inner.doorbell.write(1);
+            self.inner.wait.quiesce("dmatest", false);
+            self.inner.wait.wake();
             let _ = h.join();
         }
     }

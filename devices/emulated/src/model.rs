@@ -152,6 +152,22 @@ pub trait DeviceModel: Send + Sync {
     /// EOI. Re-check the interrupt condition and, if it is still pending, assert INTx again
     /// ([`crate::InterruptSink::set_intx`] with `true`). Default: nothing (no INTx).
     fn intx_resample(&self) {}
+    /// Doorbell notifications received so far, over the model's life: the sum of the values
+    /// read from [`DeviceModel::doorbell_event`] (each store + notify, KVM ioeventfd kick or
+    /// exact doorbell [`DeviceModel::bar_write`] counts once, coalesced or not; the model's
+    /// own wake-ups do not count). Exact once the worker has drained the eventfd. Default: 0
+    /// (a model that does not count).
+    fn doorbell_kicks(&self) -> u64 {
+        0
+    }
+    /// `true`: stop fetching doorbells and descriptors (for the borrower's `vm.pause`): the
+    /// worker finishes the pass it is in (commands already fetched complete, but their
+    /// completions are posted only after resume) and returns here once it is stopped (or
+    /// after a bound, logged). `false`: resume, taking up whatever was written meanwhile.
+    /// [`DeviceModel::reset`] does not clear it and works on a quiesced model (the worker is
+    /// parked between passes); a host that resets to end a pause resumes after the reset.
+    /// Default: nothing.
+    fn quiesce(&self, _stop: bool) {}
 }
 
 pub(crate) const CAP_PM: u8 = 0x40;

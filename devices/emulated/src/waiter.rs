@@ -1,6 +1,9 @@
-//! Worker wake-up: eventfd sleep (interrupt mode) or adaptive-backoff polling.
+//! Worker wake-up: eventfd sleep (interrupt mode) or adaptive-backoff polling; the doorbell
+//! kick count and the quiesce gate a worker shares with its model ([`WaitState`]).
 
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
@@ -10,38 +13,156 @@ use crate::NotifyMode;
 const SPIN_ROUNDS: u32 = 200;
 const YIELD_ROUNDS: u32 = 50;
 const MAX_SLEEP: Duration = Duration::from_millis(1);
+/// How long [`WaitState::quiesce`] waits for the worker to stop at its gate.
+const PARK_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Default)]
+struct Gate {
+    /// The model asked the worker to stop before its next pass.
+    quiesced: bool,
+    /// The worker is stopped at the gate.
+    parked: bool,
+}
+
+/// What a device's worker ([`Waiter`]) and its model share: the doorbell kicks the worker
+/// read and the quiesce gate. The model's own wake-ups (quiesce, resume, INTx resample) go
+/// through a separate eventfd ([`WaitState::wake`]), so they are never counted as kicks.
+pub(crate) struct WaitState {
+    /// Sum of the values read from the doorbell eventfd: every store + notify, ioeventfd
+    /// kick or exact doorbell write, coalesced or not.
+    kicks: AtomicU64,
+    /// The model's wake-ups of the worker.
+    wake: EventFd,
+    gate: Mutex<Gate>,
+    cond: Condvar,
+}
+
+impl WaitState {
+    pub(crate) fn new() -> std::io::Result<Arc<Self>> {
+        Ok(Arc::new(WaitState {
+            kicks: AtomicU64::new(0),
+            wake: EventFd::new(libc::EFD_NONBLOCK)?,
+            gate: Mutex::new(Gate::default()),
+            cond: Condvar::new(),
+        }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Doorbell notifications the worker has read so far (exact once it drained the
+    /// eventfd: an interrupt-mode worker does at once, a busy polling worker when it idles).
+    pub(crate) fn kicks(&self) -> u64 {
+        self.kicks.load(Ordering::Relaxed)
+    }
+
+    /// Wakes the worker without counting a kick.
+    pub(crate) fn wake(&self) {
+        if let Err(e) = self.wake.write(1) {
+            log::warn!("worker wake eventfd write failed: {e}");
+        }
+    }
+
+    /// `true`: the worker stops before its next pass (it finishes the pass it is in) and
+    /// stays stopped until `quiesce(false)`; returns once it is stopped, or after a bound
+    /// (a worker that is not running or in a long pass), logged. `false`: it goes on.
+    pub(crate) fn quiesce(&self, name: &str, stop: bool) {
+        let mut g = self.lock();
+        if g.quiesced == stop {
+            return;
+        }
+        g.quiesced = stop;
+        self.cond.notify_all();
+        if !stop {
+            log::info!("{name}: resumed");
+            return;
+        }
+        drop(g);
+        // A worker asleep on its eventfds must come to the gate to park.
+        self.wake();
+        let deadline = Instant::now() + PARK_TIMEOUT;
+        let mut g = self.lock();
+        while g.quiesced && !g.parked {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                log::warn!(
+                    "{name}: worker not parked after {PARK_TIMEOUT:?}; it stops before its \
+                     next pass"
+                );
+                return;
+            }
+            g = match self.cond.wait_timeout(g, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        log::info!("{name}: quiesced");
+    }
+
+    /// Worker side: blocks while quiesced.
+    fn gate(&self) {
+        let mut g = self.lock();
+        if !g.quiesced {
+            return;
+        }
+        g.parked = true;
+        self.cond.notify_all();
+        while g.quiesced {
+            g = self.cond.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        g.parked = false;
+    }
+}
 
 /// Waits for work. In polling mode an idle worker spins briefly, then yields, then sleeps with
-/// exponential growth up to 1 ms; any wake on the eventfds resets the backoff.
+/// exponential growth up to 1 ms; any wake on the eventfds resets the backoff. While the
+/// [`WaitState`] is quiesced, the worker stops in [`Waiter::busy`] / [`Waiter::wait`], i.e.
+/// between passes: it fetches nothing (no doorbell, no descriptor, no completion posting)
+/// until resumed.
 pub(crate) struct Waiter {
     mode: NotifyMode,
+    state: Arc<WaitState>,
     idle_rounds: u32,
     sleep: Duration,
 }
 
 impl Waiter {
-    pub(crate) fn new(mode: NotifyMode) -> Self {
+    pub(crate) fn new(mode: NotifyMode, state: Arc<WaitState>) -> Self {
         Waiter {
             mode,
+            state,
             idle_rounds: 0,
             sleep: Duration::from_micros(1),
         }
     }
 
-    /// Tell the waiter the last pass found work.
-    pub(crate) fn busy(&mut self) {
+    fn reset_backoff(&mut self) {
         self.idle_rounds = 0;
         self.sleep = Duration::from_micros(1);
     }
 
-    /// Block until something may have happened. `fds` are eventfds to wait on (all drained on
-    /// wake); `deadline` bounds the wait (interrupt coalescing timers).
+    /// Tell the waiter the last pass found work (stops here while quiesced).
+    pub(crate) fn busy(&mut self) {
+        self.reset_backoff();
+        self.state.gate();
+    }
+
+    /// Block until something may have happened, then stop here while quiesced. `fds` are
+    /// eventfds to wait on (all drained on wake); `fds[0]` is the device's doorbell eventfd,
+    /// whose values are counted as kicks. `deadline` bounds the wait (interrupt coalescing
+    /// timers).
     pub(crate) fn wait(
         &mut self,
         fds: &[&EventFd],
         extra_fd: Option<RawFd>,
         deadline: Option<Instant>,
     ) {
+        self.sleep_once(fds, extra_fd, deadline);
+        self.state.gate();
+    }
+
+    fn sleep_once(&mut self, fds: &[&EventFd], extra_fd: Option<RawFd>, deadline: Option<Instant>) {
         let timeout = match self.mode {
             NotifyMode::Interrupt => deadline.map(|d| d.saturating_duration_since(Instant::now())),
             NotifyMode::Polling => {
@@ -64,19 +185,15 @@ impl Waiter {
         };
         let mut pfds: Vec<libc::pollfd> = fds
             .iter()
-            .map(|f| libc::pollfd {
-                fd: f.as_raw_fd(),
+            .map(|f| f.as_raw_fd())
+            .chain(std::iter::once(self.state.wake.as_raw_fd()))
+            .chain(extra_fd)
+            .map(|fd| libc::pollfd {
+                fd,
                 events: libc::POLLIN,
                 revents: 0,
             })
             .collect();
-        if let Some(fd) = extra_fd {
-            pfds.push(libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
         let ts = timeout.map(|t| libc::timespec {
             tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
             tv_nsec: t.subsec_nanos() as libc::c_long,
@@ -95,12 +212,19 @@ impl Waiter {
             )
         };
         if n > 0 {
-            for (f, p) in fds.iter().zip(pfds.iter()) {
+            for (i, (f, p)) in fds.iter().zip(pfds.iter()).enumerate() {
                 if p.revents & libc::POLLIN != 0 {
-                    let _ = f.read();
+                    if let Ok(v) = f.read() {
+                        if i == 0 {
+                            self.state.kicks.fetch_add(v, Ordering::Relaxed);
+                        }
+                    }
                 }
             }
-            self.busy();
+            if pfds[fds.len()].revents & libc::POLLIN != 0 {
+                let _ = self.state.wake.read();
+            }
+            self.reset_backoff();
         }
     }
 }

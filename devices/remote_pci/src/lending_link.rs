@@ -19,6 +19,13 @@
 //! * Teardown: the event thread blocks without a timeout on the client's event channel;
 //!   dropping the link wakes it ([`EventWaker`]) and joins it, so nothing waits for a
 //!   polling interval.
+//! * Lease events ([`RemoteDeviceLink::set_event_hook`]): the event thread marks the lease
+//!   lost on DeviceGone, on the link going down and on an event relay failure, and calls the
+//!   hook's `lease_lost` exactly once per lease (at once from `set_event_hook` if the loss
+//!   came first); IommuFault events (protocol version 3) go to `iommu_fault`. Without an own
+//!   event thread, only what is fed to [`LendingLink::event_sink`] reaches the hook.
+//! * Counters and quiesce: one control-protocol round trip each (protocol version 3);
+//!   `lender_counters` is `Ok(None)` and `quiesce` `Unsupported` with an older lender.
 //!
 //! The event thread consumes all events of the client's connection, so use one
 //! [`LenderClient`] per borrowed device, or run your own pump with
@@ -38,8 +45,9 @@ use pci::vm_ops::GuestRamRegion;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError,
-    RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteMsix,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets,
+    LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo,
+    RemoteDeviceLink, RemoteMsix,
 };
 
 /// Errors of setting up the link.
@@ -99,6 +107,10 @@ fn link_err(op: &'static str, e: ClientError) -> LinkError {
             op,
             reason: "no fd passing on this fabric".into(),
         },
+        e @ ClientError::Unsupported { .. } => LinkError::Unsupported {
+            op,
+            reason: e.to_string(),
+        },
         other => LinkError::BadReply {
             op,
             reason: other.to_string(),
@@ -106,11 +118,20 @@ fn link_err(op: &'static str, e: ClientError) -> LinkError {
     }
 }
 
+/// The VMM's hook and whether it has been told of the loss (under one lock, so the loss is
+/// reported exactly once whichever of the loss and `set_event_hook` comes first).
+#[derive(Default)]
+struct HookSlot {
+    hook: Option<Arc<dyn LinkEventHook>>,
+    lost_reported: bool,
+}
+
 /// Receives events of one lease (from the link's own thread or an external pump).
 #[derive(Clone)]
 pub struct LendingEventSink {
     lease: u64,
     state: Arc<Mutex<LeaseState>>,
+    hook: Arc<Mutex<HookSlot>>,
     /// Per kind: the eventfds to write on relayed interrupts (tcp).
     relay: Arc<Mutex<HashMap<IrqKind, Vec<EventFd>>>>,
     counts: Arc<Mutex<Vec<u64>>>,
@@ -145,8 +166,33 @@ impl LendingEventSink {
             }
             Event::DeviceGone(g) if g.lease == self.lease => {
                 error!("lease {}: device gone: {}", self.lease, g.reason);
-                *self.state.lock().unwrap_or_else(PoisonError::into_inner) =
-                    LeaseState::Lost(g.reason.clone());
+                self.lost(format!("device gone: {}", g.reason));
+                true
+            }
+            Event::IommuFault(f) if f.lease == self.lease => {
+                // The lender rate-limits these; `total` is exact.
+                warn!(
+                    "lease {}: iommu fault: dma {} of {:#x} bytes at iova {:#x} (fault #{})",
+                    self.lease,
+                    if f.write { "write" } else { "read" },
+                    f.len,
+                    f.iova,
+                    f.total
+                );
+                let hook = self
+                    .hook
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .hook
+                    .clone();
+                if let Some(h) = hook {
+                    h.iommu_fault(&IommuFaultReport {
+                        iova: f.iova,
+                        len: f.len,
+                        write: f.write,
+                        total: f.total,
+                    });
+                }
                 true
             }
             Event::Fatal(f) if f.lease == self.lease => {
@@ -157,8 +203,50 @@ impl LendingEventSink {
         }
     }
 
+    /// Marks the lease lost (the first reason stays) and tells the hook, once.
     fn lost(&self, why: String) {
-        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = LeaseState::Lost(why);
+        let why = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match &*st {
+                LeaseState::Lost(first) => first.clone(),
+                _ => {
+                    *st = LeaseState::Lost(why.clone());
+                    why
+                }
+            }
+        };
+        self.report_lost(&why);
+    }
+
+    /// Calls the hook's `lease_lost` if there is a hook and it was not told yet.
+    fn report_lost(&self, why: &str) {
+        let hook = {
+            let mut slot = self.hook.lock().unwrap_or_else(PoisonError::into_inner);
+            if slot.lost_reported {
+                return;
+            }
+            let Some(h) = slot.hook.clone() else {
+                return;
+            };
+            slot.lost_reported = true;
+            h
+        };
+        info!("lease {}: reporting the loss: {why}", self.lease);
+        hook.lease_lost(why);
+    }
+
+    fn set_hook(&self, hook: Arc<dyn LinkEventHook>) {
+        self.hook
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .hook = Some(hook);
+        let lost = match &*self.state.lock().unwrap_or_else(PoisonError::into_inner) {
+            LeaseState::Lost(why) => Some(why.clone()),
+            _ => None,
+        };
+        if let Some(why) = lost {
+            self.report_lost(&why);
+        }
     }
 
     /// How often the link's own event thread woke up: once per event it handled plus once
@@ -305,6 +393,7 @@ impl LendingLink {
         let sink = LendingEventSink {
             lease: lease.id(),
             state: Arc::new(Mutex::new(LeaseState::Active)),
+            hook: Arc::default(),
             relay: Arc::default(),
             counts: Arc::default(),
             wakeups: Arc::default(),
@@ -532,6 +621,29 @@ impl RemoteDeviceLink for LendingLink {
             return LeaseState::Lost("link down".into());
         }
         s
+    }
+
+    fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
+        self.sink.set_hook(hook);
+    }
+
+    fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
+        let c = self
+            .lease
+            .counters()
+            .map_err(|e| link_err("lease counters", e))?;
+        Ok(c.map(|c| LenderCounters {
+            dma_bytes_read: c.dma_bytes_read,
+            dma_bytes_written: c.dma_bytes_written,
+            iommu_faults: c.iommu_faults,
+            doorbell_kicks: c.doorbell_kicks,
+            msix: c.msix,
+            intx: c.intx,
+        }))
+    }
+
+    fn quiesce(&self, stop: bool) -> Result<(), LinkError> {
+        self.lease.quiesce(stop).map_err(|e| link_err("quiesce", e))
     }
 
     fn irq_counts(&self) -> Option<Vec<u64>> {

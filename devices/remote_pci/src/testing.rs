@@ -13,7 +13,8 @@ use pci::vm_ops::{
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
-    DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError, RemoteDeviceInfo, RemoteDeviceLink,
+    DmaMapping, IommuFaultReport, IrqKind, IrqTargets, LeaseState, LenderCounters, LinkError,
+    LinkEventHook, RemoteDeviceInfo, RemoteDeviceLink,
 };
 use crate::pin::{PinError, PinnedRange, Pinner};
 
@@ -38,6 +39,7 @@ pub enum LinkCall {
         resample: bool,
     },
     Reset,
+    Quiesce(bool),
 }
 
 pub struct LinkState {
@@ -52,6 +54,14 @@ pub struct LinkState {
     pub dropped: bool,
     /// Eventfds last handed over per kind (kept to check they are real group notifiers).
     pub irq_fds: HashMap<&'static str, Vec<EventFd>>,
+    /// What `lender_counters` answers (`None`: a lender that does not report them).
+    pub counters: Option<LenderCounters>,
+    /// The hook the device/VMM registered.
+    pub hook: Option<Arc<dyn LinkEventHook>>,
+    /// Set by [`FakeLink::lose`]: `lease_state` reports it.
+    pub lost: Option<String>,
+    /// Whether the hook was told of the loss (once, like the real link).
+    pub lost_reported: bool,
 }
 
 pub struct FakeLink {
@@ -72,12 +82,43 @@ impl FakeLink {
             fail_map: false,
             dropped: false,
             irq_fds: HashMap::new(),
+            counters: None,
+            hook: None,
+            lost: None,
+            lost_reported: false,
         };
         Self {
             info,
             state: Arc::new(Mutex::new(state)),
             dma_live: Arc::new(AtomicUsize::new(0)),
             journal,
+        }
+    }
+}
+
+impl FakeLink {
+    /// The lease is lost: `lease_state` says so and the hook (now or when set) is told once,
+    /// as `LendingLink` does.
+    pub fn lose(state: &Arc<Mutex<LinkState>>, why: &str) {
+        let hook = {
+            let mut s = state.lock().unwrap();
+            s.lost.get_or_insert_with(|| why.to_string());
+            if s.lost_reported {
+                None
+            } else {
+                s.hook.clone().inspect(|_| s.lost_reported = true)
+            }
+        };
+        if let Some(h) = hook {
+            h.lease_lost(why);
+        }
+    }
+
+    /// Reports an IOMMU fault to the hook, if one is set.
+    pub fn fault(state: &Arc<Mutex<LinkState>>, f: &IommuFaultReport) {
+        let hook = state.lock().unwrap().hook.clone();
+        if let Some(h) = hook {
+            h.iommu_fault(f);
         }
     }
 }
@@ -196,7 +237,34 @@ impl RemoteDeviceLink for FakeLink {
     }
 
     fn lease_state(&self) -> LeaseState {
-        LeaseState::Active
+        match &self.state.lock().unwrap().lost {
+            Some(why) => LeaseState::Lost(why.clone()),
+            None => LeaseState::Active,
+        }
+    }
+
+    fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
+        let lost = {
+            let mut s = self.state.lock().unwrap();
+            s.hook = Some(hook);
+            s.lost.clone()
+        };
+        if let Some(why) = lost {
+            FakeLink::lose(&self.state, &why);
+        }
+    }
+
+    fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
+        Ok(self.state.lock().unwrap().counters.clone())
+    }
+
+    fn quiesce(&self, stop: bool) -> Result<(), LinkError> {
+        self.state
+            .lock()
+            .unwrap()
+            .calls
+            .push(LinkCall::Quiesce(stop));
+        Ok(())
     }
 }
 
@@ -499,5 +567,64 @@ impl Drop for AnonMap {
     fn drop(&mut self) {
         // SAFETY: unmaps the mapping made in `new`.
         unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len as usize) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Rec {
+        lost: Mutex<Vec<String>>,
+        faults: Mutex<Vec<IommuFaultReport>>,
+    }
+
+    impl LinkEventHook for Rec {
+        fn lease_lost(&self, why: &str) {
+            self.lost.lock().unwrap().push(why.to_string());
+        }
+        fn iommu_fault(&self, f: &IommuFaultReport) {
+            self.faults.lock().unwrap().push(f.clone());
+        }
+    }
+
+    /// The fake reports like `LendingLink`: a loss before the hook is told when it is set,
+    /// and only once; faults go to the hook; counters and quiesce are what the knobs say.
+    #[test]
+    fn fake_link_reports_loss_once_and_faults() {
+        let link = FakeLink::new(
+            RemoteDeviceInfo {
+                id: "x".into(),
+                config: vec![0; 256],
+                bars: Vec::new(),
+                msix: None,
+            },
+            Journal::default(),
+        );
+        let st = link.state.clone();
+        assert_eq!(link.lender_counters().unwrap(), None);
+        st.lock().unwrap().counters = Some(LenderCounters {
+            doorbell_kicks: 3,
+            ..LenderCounters::default()
+        });
+        assert_eq!(link.lender_counters().unwrap().unwrap().doorbell_kicks, 3);
+        link.quiesce(true).unwrap();
+        assert_eq!(st.lock().unwrap().calls, vec![LinkCall::Quiesce(true)]);
+
+        FakeLink::lose(&st, "lender died");
+        assert_eq!(link.lease_state(), LeaseState::Lost("lender died".into()));
+        let rec = Arc::new(Rec::default());
+        link.set_event_hook(rec.clone());
+        FakeLink::lose(&st, "again");
+        assert_eq!(*rec.lost.lock().unwrap(), vec!["lender died".to_string()]);
+        let f = IommuFaultReport {
+            iova: 0x1000,
+            len: 8,
+            write: true,
+            total: 1,
+        };
+        FakeLink::fault(&st, &f);
+        assert_eq!(*rec.faults.lock().unwrap(), vec![f]);
     }
 }

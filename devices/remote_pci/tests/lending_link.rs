@@ -646,3 +646,44 @@ fn dropping_the_link_wakes_its_idle_event_thread_once() {
         );
     }
 }
+
+// ---- lease events ----------------------------------------------------------------------------
+
+#[derive(Default)]
+struct LostHook(Mutex<Vec<String>>);
+
+impl remote_pci::LinkEventHook for LostHook {
+    fn lease_lost(&self, why: &str) {
+        self.0.lock().unwrap().push(why.to_string());
+    }
+    fn iommu_fault(&self, _: &remote_pci::IommuFaultReport) {}
+}
+
+/// A lender that stops sends DeviceGone, then the link goes down: the hook hears of the loss
+/// once, with the lender's reason, on both fabrics.
+#[test]
+fn stopping_lender_reports_device_gone_once() {
+    for fabric in [FabricKind::Shm, FabricKind::Tcp] {
+        let backend =
+            Arc::new(EmulatedBackend::dmatest("rpci-gone", NotifyMode::Interrupt).unwrap());
+        let (_dir, cfg, lender) = start_lender(fabric, backend);
+        let client = Arc::new(LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "test").unwrap());
+        let lease = client.borrow(DEV, "vm0").unwrap();
+        let link = LendingLink::new(client, lease, LendingLinkOptions::default()).unwrap();
+        let hook = Arc::new(LostHook::default());
+        link.set_event_hook(hook.clone());
+        drop(lender);
+        let t0 = Instant::now();
+        while hook.0.lock().unwrap().is_empty() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let lost = hook.0.lock().unwrap().clone();
+        assert_eq!(lost.len(), 1, "{fabric:?}: {lost:?}");
+        assert!(
+            lost[0].contains("device gone") && lost[0].contains("shutting down"),
+            "{fabric:?}: {lost:?}"
+        );
+        assert!(matches!(link.lease_state(), LeaseState::Lost(_)));
+    }
+}

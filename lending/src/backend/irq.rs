@@ -6,7 +6,7 @@
 //! are fed by an [`IrqRelay`] thread (the paper's lender-side relay).
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 
@@ -55,12 +55,18 @@ fn write<T>(l: &RwLock<T>, v: T) {
 
 /// The [`InterruptSink`] handed to an emulated device model: vectors go to whatever the
 /// current lease set with SET_IRQS; with no lease nothing is signalled.
+///
+/// It counts what it signals, per MSI-X vector and INTx assertions, whatever the target
+/// (eventfd, doorbell, event message), over its whole life ([`LeaseIrqs::counts`]); a vector
+/// that is not wired is dropped and not counted.
 pub struct LeaseIrqs {
     name: String,
     msix_vectors: u16,
     msix: RwLock<Targets>,
     intx: RwLock<Option<Arc<dyn IrqTrigger>>>,
     intx_disabled: AtomicBool,
+    msix_signalled: Vec<AtomicU64>,
+    intx_signalled: AtomicU64,
 }
 
 impl LeaseIrqs {
@@ -72,7 +78,20 @@ impl LeaseIrqs {
             msix: RwLock::new(Vec::new()),
             intx: RwLock::new(None),
             intx_disabled: AtomicBool::new(false),
+            msix_signalled: (0..msix_vectors).map(|_| AtomicU64::new(0)).collect(),
+            intx_signalled: AtomicU64::new(0),
         }
+    }
+
+    /// Interrupts signalled so far: per MSI-X vector (from vector 0), and INTx assertions.
+    pub fn counts(&self) -> (Vec<u64>, u64) {
+        (
+            self.msix_signalled
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect(),
+            self.intx_signalled.load(Ordering::Relaxed),
+        )
     }
 
     /// Replaces the targets of `kind`.
@@ -131,7 +150,12 @@ impl InterruptSink for LeaseIrqs {
             Err(p) => p.into_inner().get(usize::from(vector)).cloned().flatten(),
         };
         match t {
-            Some(t) => t.trigger(),
+            Some(t) => {
+                t.trigger();
+                if let Some(c) = self.msix_signalled.get(usize::from(vector)) {
+                    c.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             None => log::debug!("{}: msi-x vector {vector} not wired, dropped", self.name),
         }
     }
@@ -142,6 +166,7 @@ impl InterruptSink for LeaseIrqs {
         if asserted {
             if let Some(t) = read(&self.intx) {
                 t.trigger();
+                self.intx_signalled.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -299,6 +324,9 @@ mod tests {
         s.signal_msix(1);
         s.signal_msix(9); // out of range
         assert_eq!(fd.read().unwrap(), 1);
+        // Counted where signalled, whatever the target; dropped vectors are not.
+        s.set_intx(true);
+        assert_eq!(s.counts(), (vec![0, 1], 2));
         assert!(s.set(IrqKind::Msix, vec![None, None, None]).is_err());
         s.clear();
         assert_eq!(s.mode(), InterruptMode::None);

@@ -22,7 +22,7 @@ use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::iommu::IommuDomain;
-use crate::protocol::{BarDesc, CapDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc};
+use crate::protocol::{BarDesc, CapDesc, DeviceInfo, IrqCounts, IrqKind, LeaseCounters, MsixDesc};
 
 pub use irq::IrqTrigger;
 
@@ -135,6 +135,26 @@ pub trait DeviceBackend: Send + Sync {
     fn reset(&self) -> Result<(), BackendError>;
     /// The device's IOMMU domain.
     fn domain(&self) -> Arc<dyn IommuDomain>;
+    /// Quiesces (`true`) or resumes (`false`) the device for the borrower's pause: it stops
+    /// fetching doorbells and descriptors until resumed. [`DeviceBackend::reset`] resumes it
+    /// (so does the end of a lease, which resets). Default: nothing (a VFIO device cannot be
+    /// told; the borrower masks its vectors).
+    fn quiesce(&self, _stop: bool) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// The device's counters over its whole life (monotonic; per-lease values are
+    /// differences, see [`LeaseCounters::since`]). Default: what the IOMMU domain counts (no
+    /// DMA bytes on VFIO), no doorbells or interrupts (the lender does not see them).
+    fn counters(&self) -> LeaseCounters {
+        let dom = self.domain();
+        let (dma_bytes_read, dma_bytes_written) = dom.dma_bytes().unwrap_or((0, 0));
+        LeaseCounters {
+            dma_bytes_read,
+            dma_bytes_written,
+            iommu_faults: dom.fault_count(),
+            ..LeaseCounters::default()
+        }
+    }
 }
 
 /// Applies the lender's filter to a borrower's config write, then performs it.

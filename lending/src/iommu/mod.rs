@@ -9,6 +9,13 @@
 //!   covered is refused, counted and logged, and touches nothing.
 //! * [`vfio::VfioDomain`]: one VFIO container per lent device; windows are programmed into the
 //!   hardware IOMMU with `VFIO_IOMMU_MAP_DMA` (behind [`vfio::VfioContainerOps`]).
+//!
+//! Accounting ([`IommuDomain::dma_bytes`], [`IommuDomain::fault_count`],
+//! [`IommuDomain::set_fault_listener`]): the software domain sees every DMA, so it counts the
+//! bytes moved and the faults, and tells a listener of each fault. A VFIO domain cannot: the
+//! device's DMA goes through the hardware IOMMU without the lender seeing it, and its faults
+//! are reported to the host kernel's log, not to userspace; it keeps the defaults (no byte
+//! counts, no faults).
 
 pub mod backing;
 pub mod vfio;
@@ -130,6 +137,21 @@ pub trait IommuDomain: Send + Sync {
     fn mappings(&self) -> Vec<MappingInfo>;
     /// DMA accesses refused so far.
     fn fault_count(&self) -> u64;
+    /// Bytes the device read from and wrote to the mapped windows so far, `(read, written)`,
+    /// when the domain sees the DMA. Default `None`: a hardware domain (VFIO) cannot count.
+    fn dma_bytes(&self) -> Option<(u64, u64)> {
+        None
+    }
+    /// Who to tell about each refused DMA from now on (`None`: nobody). Default: nothing (a
+    /// domain that does not see faults).
+    fn set_fault_listener(&self, _listener: Option<Arc<dyn FaultListener>>) {}
+}
+
+/// Told about every DMA a domain refuses (from the device's worker thread: must not block
+/// for long).
+pub trait FaultListener: Send + Sync {
+    /// `fault` was refused; `total` is the domain's [`IommuDomain::fault_count`] with it.
+    fn fault(&self, fault: &IommuFault, total: u64);
 }
 
 struct Entry {
@@ -274,6 +296,9 @@ pub struct SoftIommu {
     name: String,
     table: RwLock<MapTable>,
     faults: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    listener: RwLock<Option<Arc<dyn FaultListener>>>,
 }
 
 impl SoftIommu {
@@ -283,9 +308,14 @@ impl SoftIommu {
             name: name.into(),
             table: RwLock::new(MapTable::default()),
             faults: AtomicU64::new(0),
+            bytes_read: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
+            listener: RwLock::new(None),
         }
     }
 
+    /// Counts and logs a refused access and tells the listener (called without the table
+    /// lock, so a listener that sends a message does not hold up map/unmap).
     fn fault(&self, iova: u64, len: u64, write: bool) -> IommuFault {
         let n = self.faults.fetch_add(1, Ordering::Relaxed) + 1;
         let f = IommuFault { iova, len, write };
@@ -295,47 +325,62 @@ impl SoftIommu {
         } else {
             log::debug!("{}: {f} (fault #{n})", self.name);
         }
+        let listener = read(&self.listener).clone();
+        if let Some(l) = listener {
+            l.fault(&f, n);
+        }
         f
+    }
+
+    /// Reads through the table; `false` if any byte is not mapped or the backing failed.
+    fn try_read(&self, iova: u64, buf: &mut [u8]) -> bool {
+        let len = buf.len() as u64;
+        let t = read(&self.table);
+        if let Some((b, off)) = t.covering(iova, len) {
+            return b.read_at(off, buf).is_ok();
+        }
+        let Some(pieces) = t.translate(iova, len) else {
+            return false;
+        };
+        pieces
+            .into_iter()
+            .all(|(backing, off, at, n)| backing.read_at(off, &mut buf[at..at + n]).is_ok())
+    }
+
+    /// Writes through the table; `false` if any byte is not mapped (nothing written) or the
+    /// backing failed.
+    fn try_write(&self, iova: u64, data: &[u8]) -> bool {
+        let len = data.len() as u64;
+        let t = read(&self.table);
+        if let Some((b, off)) = t.covering(iova, len) {
+            return b.write_at(off, data).is_ok();
+        }
+        let Some(pieces) = t.translate(iova, len) else {
+            return false;
+        };
+        pieces
+            .into_iter()
+            .all(|(backing, off, at, n)| backing.write_at(off, &data[at..at + n]).is_ok())
     }
 
     /// Device read of guest memory at `iova` (the whole range must be mapped).
     pub fn dma_read(&self, iova: u64, buf: &mut [u8]) -> Result<(), IommuFault> {
-        let len = buf.len() as u64;
-        let t = read(&self.table);
-        if let Some((b, off)) = t.covering(iova, len) {
-            return b
-                .read_at(off, buf)
-                .map_err(|_| self.fault(iova, len, false));
+        if !self.try_read(iova, buf) {
+            return Err(self.fault(iova, buf.len() as u64, false));
         }
-        let Some(pieces) = t.translate(iova, len) else {
-            return Err(self.fault(iova, len, false));
-        };
-        for (backing, off, at, n) in pieces {
-            if backing.read_at(off, &mut buf[at..at + n]).is_err() {
-                return Err(self.fault(iova, len, false));
-            }
-        }
+        self.bytes_read
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
     /// Device write of guest memory at `iova` (the whole range must be mapped; nothing is
     /// written otherwise).
     pub fn dma_write(&self, iova: u64, data: &[u8]) -> Result<(), IommuFault> {
-        let len = data.len() as u64;
-        let t = read(&self.table);
-        if let Some((b, off)) = t.covering(iova, len) {
-            return b
-                .write_at(off, data)
-                .map_err(|_| self.fault(iova, len, true));
+        if !self.try_write(iova, data) {
+            return Err(self.fault(iova, data.len() as u64, true));
         }
-        let Some(pieces) = t.translate(iova, len) else {
-            return Err(self.fault(iova, len, true));
-        };
-        for (backing, off, at, n) in pieces {
-            if backing.write_at(off, &data[at..at + n]).is_err() {
-                return Err(self.fault(iova, len, true));
-            }
-        }
+        self.bytes_written
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -375,6 +420,17 @@ impl IommuDomain for SoftIommu {
 
     fn fault_count(&self) -> u64 {
         self.faults.load(Ordering::Relaxed)
+    }
+
+    fn dma_bytes(&self) -> Option<(u64, u64)> {
+        Some((
+            self.bytes_read.load(Ordering::Relaxed),
+            self.bytes_written.load(Ordering::Relaxed),
+        ))
+    }
+
+    fn set_fault_listener(&self, listener: Option<Arc<dyn FaultListener>>) {
+        *write(&self.listener) = listener;
     }
 }
 
@@ -491,6 +547,55 @@ mod tests {
         d.unmap(0x100000, 0x1000).unwrap();
         assert!(d.dma_read(0x100000, &mut buf).is_err());
         assert_eq!(d.fault_count(), 4);
+    }
+
+    #[test]
+    fn bytes_moved_and_faults_are_counted_and_reported() {
+        struct Rec(Mutex<Vec<(IommuFault, u64)>>);
+        impl FaultListener for Rec {
+            fn fault(&self, f: &IommuFault, total: u64) {
+                lock(&self.0).push((*f, total));
+            }
+        }
+        let d = SoftIommu::new("t");
+        d.map(0x10000, 0x2000, backing(0x2000, 0)).unwrap();
+        let rec = Arc::new(Rec(Mutex::new(Vec::new())));
+        d.set_fault_listener(Some(rec.clone()));
+        d.dma_write(0x10ff0, &[1; 0x20]).unwrap();
+        let mut buf = [0u8; 0x100];
+        d.dma_read(0x10000, &mut buf).unwrap();
+        d.dma_read(0x10000, &mut buf[..8]).unwrap();
+        assert_eq!(d.dma_bytes(), Some((0x108, 0x20)));
+        // Refused accesses move nothing and reach the listener with the running total.
+        assert!(d.dma_write(0x11ff0, &[0; 0x20]).is_err());
+        assert!(d.dma_read(0x2000, &mut buf).is_err());
+        assert_eq!(d.dma_bytes(), Some((0x108, 0x20)));
+        let seen = lock(&rec.0).clone();
+        assert_eq!(
+            seen,
+            vec![
+                (
+                    IommuFault {
+                        iova: 0x11ff0,
+                        len: 0x20,
+                        write: true
+                    },
+                    1
+                ),
+                (
+                    IommuFault {
+                        iova: 0x2000,
+                        len: 0x100,
+                        write: false
+                    },
+                    2
+                ),
+            ]
+        );
+        d.set_fault_listener(None);
+        assert!(d.dma_read(0x2000, &mut buf).is_err());
+        assert_eq!(lock(&rec.0).len(), 2, "no listener after it was removed");
+        assert_eq!(d.fault_count(), 3);
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::model::{
     build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity,
 };
 use crate::regs::RegisterMemory;
-use crate::waiter::Waiter;
+use crate::waiter::{WaitState, Waiter};
 use crate::NotifyMode;
 use ctrl::Ctrl;
 use spec::{REG_CSTS, REG_DBS, REG_INTMC, REG_INTMS};
@@ -171,6 +171,7 @@ struct Inner {
     engine_event: EventFd,
     stop: AtomicBool,
     notify: NotifyMode,
+    wait: Arc<WaitState>,
 }
 
 impl Inner {
@@ -180,7 +181,7 @@ impl Inner {
     }
 
     fn run(&self) {
-        let mut waiter = Waiter::new(self.notify);
+        let mut waiter = Waiter::new(self.notify, Arc::clone(&self.wait));
         while !self.stop.load(Ordering::Acquire) {
             let (work, deadline) = {
                 let mut c = self.lock();
@@ -284,6 +285,7 @@ impl NvmeController {
                 engine_event,
                 stop: AtomicBool::new(false),
                 notify: cfg.notify,
+                wait: WaitState::new().map_err(os("worker wake eventfd"))?,
             }),
             cfg,
             stats,
@@ -311,7 +313,8 @@ impl NvmeController {
         let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
             self.inner.stop.store(true, Ordering::Release);
-            let _ = self.inner.doorbell.write(1);
+            self.inner.wait.quiesce("nvme", false);
+            self.inner.wait.wake();
             if h.join().is_err() {
                 log::error!("nvme controller thread panicked");
             }
@@ -464,9 +467,15 @@ impl DeviceModel for NvmeController {
         self.inner.lock().intx_resample();
         // Head doorbells read here may have freed room for overflowed completions: let the
         // controller thread post and signal them.
-        if let Err(e) = self.inner.doorbell.write(1) {
-            log::warn!("nvme doorbell eventfd write failed: {e}");
-        }
+        self.inner.wait.wake();
+    }
+
+    fn doorbell_kicks(&self) -> u64 {
+        self.inner.wait.kicks()
+    }
+
+    fn quiesce(&self, stop: bool) {
+        self.inner.wait.quiesce("nvme", stop);
     }
 }
 
