@@ -105,6 +105,24 @@ impl DoorbellRange {
     }
 }
 
+/// Doorbells of a register BAR whose written value the device does not need right now (it
+/// reads the value from a shadow buffer in host memory, e.g. NVMe shadow doorbells): a write
+/// there is only a kick, so a borrower may turn it into a KVM ioeventfd on
+/// [`DeviceModel::doorbell_event`] (the value is then lost, which is fine).
+///
+/// `generation` grows with every change of the set, so a borrower that sees the set through
+/// several paths (a reply, an asynchronous event) keeps the newest. An empty `offsets`
+/// means every doorbell needs its value again (e.g. after a controller reset).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KickDoorbells {
+    /// Increases with every change.
+    pub generation: u64,
+    /// Register BAR the offsets are in.
+    pub bar: u8,
+    /// Offsets of 4-byte doorbell registers that are kick-only.
+    pub offsets: Vec<u64>,
+}
+
 /// Where the MSI-X table and PBA are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MsixInfo {
@@ -152,6 +170,10 @@ pub trait DeviceModel: Send + Sync {
     /// EOI. Re-check the interrupt condition and, if it is still pending, assert INTx again
     /// ([`crate::InterruptSink::set_intx`] with `true`). Default: nothing (no INTx).
     fn intx_resample(&self) {}
+    /// Doorbells that are currently kick-only (see [`KickDoorbells`]). Default: none ever.
+    fn kick_doorbells(&self) -> KickDoorbells {
+        KickDoorbells::default()
+    }
 }
 
 pub(crate) const CAP_PM: u8 = 0x40;

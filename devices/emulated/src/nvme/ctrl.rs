@@ -23,6 +23,8 @@ const FETCH_BUDGET: usize = 64;
 
 struct SubQ {
     base: u64,
+    /// Tail comes from the shadow doorbell buffer (Doorbell Buffer Config), not BAR0.
+    shadow: bool,
     size: u16,
     head: u16,
     cqid: u16,
@@ -32,6 +34,8 @@ struct SubQ {
 
 struct CompQ {
     base: u64,
+    /// Head comes from the shadow doorbell buffer, not BAR0.
+    shadow: bool,
     size: u16,
     tail: u16,
     head: u16,
@@ -94,6 +98,38 @@ impl Features {
 
 type Done = Option<(u32, u16)>;
 
+/// Doorbell Buffer Config state: guest addresses of the shadow doorbell and EventIdx buffers
+/// (NVMe 2.0 Appendix B.5). Slot layout (DSTRD 0): SQ `q` at `8q`, CQ `q` at `8q + 4`.
+#[derive(Clone, Copy)]
+struct Dbbuf {
+    shadow: u64,
+    eventidx: u64,
+}
+
+/// I/O queue pairs whose doorbells are reported kick-only at most (2 ioeventfds each on the
+/// borrower; doorbells of higher queues keep the exact path, which stays correct).
+pub(crate) const MAX_KICK_QUEUES: u16 = 32;
+
+/// Shadow doorbell state shared with [`super::NvmeController::kick_doorbells`]:
+/// `generation << 1 | on`, one atomic so readers never see a torn pair.
+#[derive(Default)]
+pub(crate) struct DbbufState(std::sync::atomic::AtomicU64);
+
+impl DbbufState {
+    /// (generation, on).
+    pub(crate) fn get(&self) -> (u64, bool) {
+        let v = self.0.load(Ordering::Acquire);
+        (v >> 1, v & 1 != 0)
+    }
+
+    fn set(&self, on: bool) {
+        let (g, was) = self.get();
+        if was != on {
+            self.0.store(((g + 1) << 1) | u64::from(on), Ordering::Release);
+        }
+    }
+}
+
 fn ok(dw0: u32) -> Done {
     Some((dw0, status::SUCCESS))
 }
@@ -131,6 +167,8 @@ pub(crate) struct Ctrl {
     smart: SmartCounters,
     started: Instant,
     intx_level: bool,
+    dbbuf: Option<Dbbuf>,
+    dbbuf_state: Arc<DbbufState>,
 }
 
 impl Ctrl {
@@ -142,6 +180,7 @@ impl Ctrl {
         engine: Box<dyn Engine>,
         stats: Arc<NvmeStats>,
         nsze: u64,
+        dbbuf_state: Arc<DbbufState>,
     ) -> Self {
         let mqes = u64::from(cfg.max_queue_entries - 1);
         // CAP: MQES, CQR, TO = 20 (10 s), DSTRD 0, CSS NVM (bit 37), MPSMIN = MPSMAX = 0.
@@ -176,6 +215,8 @@ impl Ctrl {
             smart: SmartCounters::default(),
             started: Instant::now(),
             intx_level: false,
+            dbbuf: None,
+            dbbuf_state,
         };
         c.write_ro_registers();
         c
@@ -201,7 +242,29 @@ impl Ctrl {
         self.finish_deletes();
         self.engine.commit();
         self.signal();
+        if self.dbbuf.is_some() {
+            work |= self.arm_cq_events();
+        }
         work
+    }
+
+    /// Shadowed CQs: write each one's EventIdx; for one with completions waiting for room,
+    /// re-read the shadow head after the (fenced) EventIdx store, so a head update that the
+    /// driver made before it could see the new EventIdx is not missed. True if a head moved.
+    fn arm_cq_events(&mut self) -> bool {
+        let mut moved = false;
+        for qid in 1..self.cqs.len() {
+            self.cq_event_idx(qid);
+            let (Some(cq), Some(d)) = (self.cqs[qid].as_ref(), self.dbbuf) else {
+                continue;
+            };
+            if cq.shadow && !cq.overflow.is_empty() {
+                std::sync::atomic::fence(Ordering::SeqCst);
+                moved |= read_slot(&*self.dma, d.shadow, cq_slot(qid))
+                    .is_some_and(|h| h != u32::from(cq.head));
+            }
+        }
+        moved
     }
 
     /// When the thread must wake at the latest (interrupt coalescing timers).
@@ -296,6 +359,7 @@ impl Ctrl {
         }
         self.cqs[0] = Some(CompQ {
             base: acq,
+            shadow: false,
             size: acqs as u16,
             tail: 0,
             head: 0,
@@ -308,6 +372,7 @@ impl Ctrl {
         });
         self.sqs[0] = Some(SubQ {
             base: asq,
+            shadow: false,
             size: asqs as u16,
             head: 0,
             cqid: 0,
@@ -330,6 +395,9 @@ impl Ctrl {
         }
         self.aers.clear();
         self.pool.clear();
+        // Shadow doorbells end with the controller: the driver configures them again.
+        self.dbbuf = None;
+        self.dbbuf_state.set(false);
         self.enabled = false;
         self.csts &= !(CSTS_RDY | CSTS_CFS);
         self.intmask = 0;
@@ -442,7 +510,14 @@ impl Ctrl {
             let Some(cq) = self.cqs[qid].as_mut() else {
                 continue;
             };
-            let h = self.regs.read32(cq_doorbell(qid as u16));
+            let h = if cq.shadow {
+                match self.dbbuf.and_then(|d| read_slot(&*self.dma, d.shadow, cq_slot(qid))) {
+                    Some(h) => h,
+                    None => continue,
+                }
+            } else {
+                self.regs.read32(cq_doorbell(qid as u16))
+            };
             if h >= u32::from(cq.size) {
                 continue;
             }
@@ -484,7 +559,14 @@ impl Ctrl {
             if sq.deleting.is_some() {
                 continue;
             }
-            let tail = self.regs.read32(sq_doorbell(qid as u16));
+            let tail = if sq.shadow {
+                match self.dbbuf.and_then(|d| read_slot(&*self.dma, d.shadow, sq_slot(qid))) {
+                    Some(t) => t,
+                    None => continue,
+                }
+            } else {
+                self.regs.read32(sq_doorbell(qid as u16))
+            };
             if tail >= u32::from(sq.size) {
                 continue;
             }
@@ -517,8 +599,87 @@ impl Ctrl {
                     self.complete(qid as u16, sqe.cid(), dw0, st);
                 }
             }
+            work |= self.sq_event_idx(qid, tail);
         }
         work
+    }
+
+    /// A shadowed SQ that has caught up with `tail`: ask for a doorbell at the next
+    /// submission (EventIdx = tail), then re-read the shadow tail so a submission that raced
+    /// with the EventIdx update is not missed (the driver stores its tail, fences, then reads
+    /// EventIdx; we store EventIdx, fence, then read its tail). True if there is more work.
+    fn sq_event_idx(&mut self, qid: usize, tail: u32) -> bool {
+        let (Some(sq), Some(d)) = (self.sqs[qid].as_ref(), self.dbbuf) else {
+            return false;
+        };
+        if !sq.shadow || u32::from(sq.head) != tail || sq.deleting.is_some() {
+            return false;
+        }
+        write_slot(&*self.dma, d.eventidx, sq_slot(qid), tail);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        read_slot(&*self.dma, d.shadow, sq_slot(qid)).is_some_and(|t| t != tail)
+    }
+
+    /// A shadowed CQ's EventIdx. The controller reads CQ heads from the shadow buffer every
+    /// pass, so it needs a doorbell only when completions wait for room (overflow): then
+    /// EventIdx = head (the next head update rings); otherwise one below the head, which a
+    /// driver's new head only passes when it wraps the ring.
+    fn cq_event_idx(&self, qid: usize) {
+        let (Some(cq), Some(d)) = (self.cqs[qid].as_ref(), self.dbbuf) else {
+            return;
+        };
+        if !cq.shadow {
+            return;
+        }
+        let ei = if cq.overflow.is_empty() {
+            u32::from(cq.head.wrapping_sub(1) % cq.size)
+        } else {
+            u32::from(cq.head)
+        };
+        write_slot(&*self.dma, d.eventidx, cq_slot(qid), ei);
+    }
+
+    /// Doorbell Buffer Config (admin 0x7C): PRP1 = shadow doorbells, PRP2 = EventIdx, both
+    /// page aligned and inside the DMA window for every queue slot. Existing I/O queues
+    /// switch to the shadow buffer (seeded with the values seen so far); the admin queue
+    /// never does. A refused command changes nothing.
+    fn dbbuf_config(&mut self, sqe: &Sqe) -> Done {
+        if !self.cfg.dbbuf {
+            return err(status::INVALID_OPCODE);
+        }
+        let (shadow, eventidx) = (sqe.prp1(), sqe.prp2());
+        if shadow & (PAGE_SIZE - 1) != 0 || eventidx & (PAGE_SIZE - 1) != 0 {
+            log::debug!("nvme dbbuf config: buffers {shadow:#x}/{eventidx:#x} not page aligned");
+            return err(status::INVALID_FIELD);
+        }
+        let len = (usize::from(self.cfg.max_io_queues) + 1) * 8;
+        let mut probe = vec![0u8; len];
+        for base in [shadow, eventidx] {
+            if let Err(e) = self.dma.read(base, &mut probe) {
+                self.stats.dma_faults.fetch_add(1, Ordering::Relaxed);
+                log::warn!("nvme dbbuf config: buffer {base:#x}+{len:#x}: {e}");
+                return err(status::DATA_TRANSFER_ERROR);
+            }
+        }
+        let d = Dbbuf { shadow, eventidx };
+        self.dbbuf = Some(d);
+        for qid in 1..self.sqs.len() {
+            if let Some(sq) = self.sqs[qid].as_mut() {
+                sq.shadow = true;
+                let tail = self.regs.read32(sq_doorbell(qid as u16));
+                let tail = if tail < u32::from(sq.size) { tail } else { u32::from(sq.head) };
+                write_slot(&*self.dma, shadow, sq_slot(qid), tail);
+                write_slot(&*self.dma, eventidx, sq_slot(qid), tail);
+            }
+            if let Some(cq) = self.cqs[qid].as_mut() {
+                cq.shadow = true;
+                write_slot(&*self.dma, shadow, cq_slot(qid), u32::from(cq.head));
+                self.cq_event_idx(qid);
+            }
+        }
+        self.dbbuf_state.set(true);
+        log::debug!("nvme shadow doorbells at {shadow:#x}, eventidx at {eventidx:#x}");
+        ok(0)
     }
 
     fn complete(&mut self, sqid: u16, cid: u16, dw0: u32, st: u16) {
@@ -727,6 +888,7 @@ impl Ctrl {
             }
             // Commands are executed as soon as they are fetched: nothing is ever abortable.
             admin::ABORT => ok(1),
+            admin::DBBUF_CONFIG => self.dbbuf_config(sqe),
             op => {
                 log::debug!("nvme admin opcode {op:#x} not supported");
                 err(status::INVALID_OPCODE)
@@ -887,8 +1049,10 @@ impl Ctrl {
         if ien && iv >= vectors {
             return err(status::INVALID_VECTOR);
         }
+        let shadow = self.init_slots(cq_slot(qid as usize));
         self.cqs[qid as usize] = Some(CompQ {
             base: prp1,
+            shadow,
             size,
             tail: 0,
             head: 0,
@@ -919,8 +1083,10 @@ impl Ctrl {
         if !pc || prp1 & (PAGE_SIZE - 1) != 0 || (self.last_cc >> 16) & 0xf != 6 {
             return err(status::INVALID_FIELD);
         }
+        let shadow = self.init_slots(sq_slot(qid as usize));
         self.sqs[qid as usize] = Some(SubQ {
             base: prp1,
+            shadow,
             size,
             head: 0,
             cqid,
@@ -929,6 +1095,18 @@ impl Ctrl {
         });
         self.regs.write32(sq_doorbell(qid), 0);
         ok(0)
+    }
+
+    /// A queue created while shadow doorbells are on uses them from the start: its shadow
+    /// and EventIdx slots start at 0 (the driver cannot have rung it yet). Returns whether
+    /// the queue is shadowed.
+    fn init_slots(&self, slot: u64) -> bool {
+        let Some(d) = self.dbbuf else {
+            return false;
+        };
+        write_slot(&*self.dma, d.shadow, slot, 0);
+        write_slot(&*self.dma, d.eventidx, slot, 0);
+        true
     }
 
     fn delete_sq(&mut self, cid: u16, cdw10: u32) -> Done {
@@ -1219,5 +1397,34 @@ impl Ctrl {
             sq.inflight = sq.inflight.saturating_sub(1);
         }
         self.complete(inf.sqid, inf.cid, 0, st);
+    }
+}
+
+/// Byte offset of SQ `qid`'s slot in the shadow / EventIdx buffers (DSTRD 0).
+fn sq_slot(qid: usize) -> u64 {
+    8 * qid as u64
+}
+
+/// Byte offset of CQ `qid`'s slot.
+fn cq_slot(qid: usize) -> u64 {
+    8 * qid as u64 + 4
+}
+
+/// Reads a shadow slot; `None` when the buffer became unreachable (counted by the caller's
+/// DMA domain; the queue simply makes no progress).
+fn read_slot(dma: &dyn DmaMemory, base: u64, slot: u64) -> Option<u32> {
+    let mut b = [0u8; 4];
+    match dma.read(base + slot, &mut b) {
+        Ok(()) => Some(u32::from_le_bytes(b)),
+        Err(e) => {
+            log::debug!("nvme shadow doorbell read at {:#x}: {e}", base + slot);
+            None
+        }
+    }
+}
+
+fn write_slot(dma: &dyn DmaMemory, base: u64, slot: u64, v: u32) {
+    if let Err(e) = dma.write(base + slot, &v.to_le_bytes()) {
+        log::debug!("nvme eventidx write at {:#x}: {e}", base + slot);
     }
 }

@@ -28,13 +28,14 @@ use crate::dma::DmaMemory;
 use crate::engine::{create_engine, EngineKind};
 use crate::irq::InterruptSink;
 use crate::model::{
-    build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity,
+    build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, KickDoorbells, MsixInfo,
+    PciIdentity,
 };
 use crate::regs::RegisterMemory;
 use crate::waiter::Waiter;
 use crate::NotifyMode;
-use ctrl::Ctrl;
-use spec::{REG_CSTS, REG_DBS, REG_INTMC, REG_INTMS};
+use ctrl::{Ctrl, DbbufState, MAX_KICK_QUEUES};
+use spec::{cq_doorbell, sq_doorbell, REG_CSTS, REG_DBS, REG_INTMC, REG_INTMS};
 
 /// Size of BAR0 (registers + doorbells for up to 1535 queue pairs).
 pub const BAR0_SIZE: u64 = 0x4000;
@@ -64,6 +65,8 @@ pub struct NvmeConfig {
     pub io_depth: u32,
     /// Interrupt (eventfd) or polling doorbell mode.
     pub notify: NotifyMode,
+    /// Offer Doorbell Buffer Config (shadow doorbells + EventIdx, OACS bit 8).
+    pub dbbuf: bool,
     /// I/O queue pairs offered (1..=1024).
     pub max_io_queues: u16,
     /// Maximum entries per queue (MQES + 1), 2..=4096.
@@ -93,6 +96,7 @@ impl Default for NvmeConfig {
             io_threads: 4,
             io_depth: 256,
             notify: NotifyMode::Interrupt,
+            dbbuf: true,
             max_io_queues: 16,
             max_queue_entries: 1024,
             msix_vectors: 17,
@@ -170,6 +174,7 @@ struct Inner {
     doorbell: EventFd,
     engine_event: EventFd,
     stop: AtomicBool,
+    dbbuf: Arc<DbbufState>,
     notify: NotifyMode,
 }
 
@@ -260,6 +265,7 @@ impl NvmeController {
         let doorbell = EventFd::new(libc::EFD_NONBLOCK).map_err(os("doorbell eventfd"))?;
         let stats = Arc::new(NvmeStats::default());
         let cfg = Arc::new(cfg);
+        let dbbuf = Arc::new(DbbufState::default());
         let ctrl = Ctrl::new(
             cfg.clone(),
             regs.clone(),
@@ -268,6 +274,7 @@ impl NvmeController {
             engine,
             stats.clone(),
             nsze,
+            dbbuf.clone(),
         );
         log::info!(
             "nvme {}: {} blocks of {} bytes, engine {engine_name}, {:?} mode",
@@ -283,6 +290,7 @@ impl NvmeController {
                 doorbell,
                 engine_event,
                 stop: AtomicBool::new(false),
+                dbbuf,
                 notify: cfg.notify,
             }),
             cfg,
@@ -458,6 +466,22 @@ impl DeviceModel for NvmeController {
 
     fn reset(&self) {
         self.inner.lock().function_reset();
+    }
+
+    fn kick_doorbells(&self) -> KickDoorbells {
+        let (generation, on) = self.inner.dbbuf.get();
+        let offsets = if on {
+            (1..=self.cfg.max_io_queues.min(MAX_KICK_QUEUES))
+                .flat_map(|q| [sq_doorbell(q), cq_doorbell(q)])
+                .collect()
+        } else {
+            Vec::new()
+        };
+        KickDoorbells {
+            generation,
+            bar: 0,
+            offsets,
+        }
     }
 
     fn intx_resample(&self) {
