@@ -138,6 +138,7 @@ impl Lender {
                 Err(FabricError::Timeout(_)) => {}
                 Err(e) => break e.to_string(),
             }
+            s.announce_kicks();
         };
         let n = s.leases.len();
         s.end_all(&format!("link to {peer} down: {reason}"), false);
@@ -159,6 +160,8 @@ struct SessionLease {
     maps: Vec<DmaEntry>,
     /// BAR index -> fabric window id exported for it.
     bar_windows: HashMap<u8, u32>,
+    /// Generation of the kick-only doorbells the borrower was last told (reply or event).
+    kicks_told: u64,
 }
 
 struct Session {
@@ -287,7 +290,50 @@ impl IrqTrigger for MessageTrigger {
     }
 }
 
+impl SessionLease {
+    /// A BAR_WRITE/RESET reply with the device's kick-only doorbells (version 3).
+    fn kicks_reply(&mut self, op: u16, version: u32) -> Reply {
+        let k = self.lease.backend().kick_doorbells();
+        if version >= 3 {
+            self.kicks_told = self.kicks_told.max(k.generation);
+        }
+        protocol::encode_kicks_reply(op, &k, version)
+            .map(|p| Message::raw(op, p))
+            .map_err(proto_err)
+    }
+}
+
 impl Session {
+    /// Tells the borrower (version 3) about kick-only doorbell changes it has not seen in a
+    /// reply: shadow doorbells switched on by an admin command. Late is harmless (the
+    /// exact doorbell path keeps working until the borrower registers its ioeventfds).
+    fn announce_kicks(&mut self) {
+        if self.version < 3 || !self.hello {
+            return;
+        }
+        for (&id, sl) in self.leases.iter_mut() {
+            let b = sl.lease.backend();
+            if b.kick_generation() <= sl.kicks_told {
+                continue;
+            }
+            let kicks = b.kick_doorbells();
+            sl.kicks_told = kicks.generation;
+            log::debug!(
+                "lease {id}: {} kick-only doorbells (generation {})",
+                kicks.offsets.len(),
+                kicks.generation
+            );
+            match Event::Kicks(protocol::KicksEvent { lease: id, kicks }).encode() {
+                Ok((op, p)) => {
+                    if let Err(e) = self.ep.send(Message::raw(op, p)) {
+                        log::debug!("kicks event to {}: {e}", self.ep.peer_node());
+                    }
+                }
+                Err(e) => log::error!("kicks event encode: {e}"),
+            }
+        }
+    }
+
     fn peer(&self) -> String {
         self.ep.peer_node().to_string()
     }
@@ -424,12 +470,16 @@ impl Session {
                 ok(op, &buf)
             }
             Request::BarWrite(w) => {
+                let version = self.version;
                 let sl = self.lease(w.lease)?;
                 sl.lease
                     .backend()
                     .bar_write(w.bar, w.offset, &w.data)
                     .map_err(backend_err)?;
-                ok(op, &())
+                // The reply carries the kick-only doorbells as they are after this write (a
+                // CC.EN 1->0 ends shadow doorbells): the borrower applies them before the
+                // guest's next doorbell store.
+                sl.kicks_reply(op, version)
             }
             Request::DmaMap(m) => {
                 let ep = Arc::clone(&self.ep);
@@ -485,7 +535,9 @@ impl Session {
                 if !sl.maps.is_empty() {
                     b.set_bus_master(true).map_err(backend_err)?;
                 }
-                ok(op, &())
+                let version = self.version;
+                let sl = self.lease(l.lease)?;
+                sl.kicks_reply(op, version)
             }
             Request::Return(l) => {
                 let mut sl = self.leases.remove(&l.lease).ok_or_else(|| {
@@ -554,6 +606,7 @@ impl Session {
                 lease,
                 maps: Vec::new(),
                 bar_windows,
+                kicks_told: 0,
             },
         );
         Ok(msg)

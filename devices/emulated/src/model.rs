@@ -174,6 +174,15 @@ pub trait DeviceModel: Send + Sync {
     fn kick_doorbells(&self) -> KickDoorbells {
         KickDoorbells::default()
     }
+    /// The generation of [`DeviceModel::kick_doorbells`], cheaply (polled by the lender).
+    fn kick_generation(&self) -> u64 {
+        self.kick_doorbells().generation
+    }
+    /// True when the device polls its doorbell range (polling mode): stores there need no
+    /// notification, so a borrower may map those pages writable. Default: false.
+    fn polls_doorbells(&self) -> bool {
+        false
+    }
 }
 
 pub(crate) const CAP_PM: u8 = 0x40;

@@ -22,7 +22,7 @@ use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::iommu::IommuDomain;
-use crate::protocol::{BarDesc, CapDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc};
+use crate::protocol::{BarDesc, CapDesc, DeviceInfo, DoorbellKicks, IrqCounts, IrqKind, MsixDesc};
 
 pub use irq::IrqTrigger;
 
@@ -135,6 +135,15 @@ pub trait DeviceBackend: Send + Sync {
     fn reset(&self) -> Result<(), BackendError>;
     /// The device's IOMMU domain.
     fn domain(&self) -> Arc<dyn IommuDomain>;
+    /// Doorbells whose stores are only kicks right now (shadow doorbells); see
+    /// [`crate::protocol::DoorbellKicks`]. Default: none.
+    fn kick_doorbells(&self) -> DoorbellKicks {
+        DoorbellKicks::default()
+    }
+    /// Generation of [`DeviceBackend::kick_doorbells`], cheap enough to poll.
+    fn kick_generation(&self) -> u64 {
+        0
+    }
 }
 
 /// Applies the lender's filter to a borrower's config write, then performs it.

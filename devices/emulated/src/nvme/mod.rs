@@ -468,6 +468,14 @@ impl DeviceModel for NvmeController {
         self.inner.lock().function_reset();
     }
 
+    fn kick_generation(&self) -> u64 {
+        self.inner.dbbuf.get().0
+    }
+
+    fn polls_doorbells(&self) -> bool {
+        self.cfg.notify == NotifyMode::Polling
+    }
+
     fn kick_doorbells(&self) -> KickDoorbells {
         let (generation, on) = self.inner.dbbuf.get();
         let offsets = if on {
