@@ -16,9 +16,12 @@ mod device_tests;
 #[cfg(test)]
 mod testing;
 
-pub use device::{RemoteDeviceStatus, RemotePciDevice, RemotePciDeviceParams, RemotePciError};
+pub use device::{
+    DeviceCounters, DeviceCountersSnapshot, RemoteDeviceStatus, RemotePciDevice,
+    RemotePciDeviceParams, RemotePciError,
+};
 pub use link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError,
-    RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, KickCell, KickDoorbells,
+    LeaseState, LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
 pub use pin::{MlockPinner, PinError, PinStats, PinnedRange, Pinner};

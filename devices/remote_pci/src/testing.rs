@@ -13,7 +13,8 @@ use pci::vm_ops::{
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
-    DmaMapping, IrqKind, IrqTargets, LeaseState, LinkError, RemoteDeviceInfo, RemoteDeviceLink,
+    DmaMapping, IrqKind, IrqTargets, KickDoorbells, LeaseState, LinkError, RemoteDeviceInfo,
+    RemoteDeviceLink,
 };
 use crate::pin::{PinError, PinnedRange, Pinner};
 
@@ -52,6 +53,22 @@ pub struct LinkState {
     pub dropped: bool,
     /// Eventfds last handed over per kind (kept to check they are real group notifiers).
     pub irq_fds: HashMap<&'static str, Vec<EventFd>>,
+    /// Kick-only doorbells the link has received (newest generation wins, as in
+    /// `KickCell`); tests set it directly to play an asynchronous event.
+    pub kicks: KickDoorbells,
+    /// What the next BAR write's reply carries.
+    pub kicks_after_write: Option<KickDoorbells>,
+    /// What the next reset's reply carries.
+    pub kicks_after_reset: Option<KickDoorbells>,
+}
+
+impl LinkState {
+    /// Receives `k` as a reply or event would: kept only if newer.
+    pub fn offer_kicks(&mut self, k: KickDoorbells) {
+        if k.generation > self.kicks.generation {
+            self.kicks = k;
+        }
+    }
 }
 
 pub struct FakeLink {
@@ -72,6 +89,9 @@ impl FakeLink {
             fail_map: false,
             dropped: false,
             irq_fds: HashMap::new(),
+            kicks: KickDoorbells::default(),
+            kicks_after_write: None,
+            kicks_after_reset: None,
         };
         Self {
             info,
@@ -151,6 +171,9 @@ impl RemoteDeviceLink for FakeLink {
             m.resize(o + data.len(), 0);
         }
         m[o..o + data.len()].copy_from_slice(data);
+        if let Some(k) = s.kicks_after_write.take() {
+            s.offer_kicks(k);
+        }
         Ok(())
     }
 
@@ -191,8 +214,20 @@ impl RemoteDeviceLink for FakeLink {
     }
 
     fn reset(&self) -> Result<(), LinkError> {
-        self.state.lock().unwrap().calls.push(LinkCall::Reset);
+        let mut s = self.state.lock().unwrap();
+        s.calls.push(LinkCall::Reset);
+        if let Some(k) = s.kicks_after_reset.take() {
+            s.offer_kicks(k);
+        }
         Ok(())
+    }
+
+    fn kick_generation(&self) -> u64 {
+        self.state.lock().unwrap().kicks.generation
+    }
+
+    fn kick_doorbells(&self) -> KickDoorbells {
+        self.state.lock().unwrap().kicks.clone()
     }
 
     fn lease_state(&self) -> LeaseState {
