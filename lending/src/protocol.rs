@@ -1506,8 +1506,14 @@ mod tests {
             kicks: too_many,
         });
         let (op, p) = ev.encode().unwrap();
-        assert!(Event::decode(op, &p).is_err(), "oversized kick list refused");
-        let ev = Event::Kicks(KicksEvent { lease: 3, kicks: k.clone() });
+        assert!(
+            Event::decode(op, &p).is_err(),
+            "oversized kick list refused"
+        );
+        let ev = Event::Kicks(KicksEvent {
+            lease: 3,
+            kicks: k.clone(),
+        });
         let (op, p) = ev.encode().unwrap();
         assert_eq!(Event::decode(op, &p).unwrap(), ev);
         // Newest wins whichever path delivered it.
@@ -1540,7 +1546,13 @@ mod tests {
             notify_doorbell: None,
         };
         let v2 = decode_borrowed(&encode_borrowed(&b, 2).unwrap(), 2).unwrap();
-        assert!(matches!(v2.info.bars[0].notify, NotifyWrites::Doorbells { .. }));
-        assert_eq!(decode_borrowed(&encode_borrowed(&b, 3).unwrap(), 3).unwrap(), b);
+        assert!(matches!(
+            v2.info.bars[0].notify,
+            NotifyWrites::Doorbells { .. }
+        ));
+        assert_eq!(
+            decode_borrowed(&encode_borrowed(&b, 3).unwrap(), 3).unwrap(),
+            b
+        );
     }
 }

@@ -256,7 +256,10 @@ mod tests {
             ("0000:81:00.0=nvme:path=x,size=1Q", "size \"1Q\""),
             ("0000:81:00.0=nvme:path=x,lba=1024", "lba \"1024\""),
             ("0000:81:00.0=nvme:path=x,mode=fast", "mode \"fast\""),
-            ("0000:81:00.0=nvme:path=x,dbbuf=yes", "dbbuf \"yes\" is not on or off"),
+            (
+                "0000:81:00.0=nvme:path=x,dbbuf=yes",
+                "dbbuf \"yes\" is not on or off",
+            ),
             (
                 "0000:81:00.0=nvme:path=x,colour=red",
                 "unknown nvme option \"colour\"",

@@ -87,10 +87,15 @@ fn store_then_exit_elf() -> Vec<u8> {
 
 fn start_lender(dir: &std::path::Path, notify: NotifyMode) -> (ClusterConfig, BackgroundLender) {
     let d = dir.display();
-    let node =
-        |n: &str| format!("[[node]]\nname = \"{n}\"\nfabric = \"shm\"\ncontrol = \"{d}/{n}.sock\"\n");
+    let node = |n: &str| {
+        format!("[[node]]\nname = \"{n}\"\nfabric = \"shm\"\ncontrol = \"{d}/{n}.sock\"\n")
+    };
     let path = dir.join("cluster.toml");
-    std::fs::write(&path, format!("version = 1\n{}{}", node("lender"), node("vmm"))).unwrap();
+    std::fs::write(
+        &path,
+        format!("version = 1\n{}{}", node("lender"), node("vmm")),
+    )
+    .unwrap();
     let cfg = ClusterConfig::load(&path).unwrap();
     let nvme = NvmeConfig {
         backing: dir.join("disk.img"),
@@ -213,10 +218,23 @@ fn guest_doorbell_store(mode: NotifyMode) {
     d.read_bar(bar0, CSTS, &mut csts);
     assert_eq!(u32::from_le_bytes(csts) & 1, 1, "ready");
     let qs = 1 | (15 << 16);
-    g.sqe(ASQ_GPA, 0, &[(0, 0x05), (6, CQ1_GPA as u32), (10, qs), (11, 1)]);
-    let sq = [(0, 0x01 | (1 << 16)), (6, SQ1_GPA as u32), (10, qs), (11, 1 | (1 << 16))];
+    g.sqe(
+        ASQ_GPA,
+        0,
+        &[(0, 0x05), (6, CQ1_GPA as u32), (10, qs), (11, 1)],
+    );
+    let sq = [
+        (0, 0x01 | (1 << 16)),
+        (6, SQ1_GPA as u32),
+        (10, qs),
+        (11, 1 | (1 << 16)),
+    ];
     g.sqe(ASQ_GPA, 1, &sq);
-    let dbbuf = [(0, 0x7c | (2 << 16)), (6, SHADOW_GPA as u32), (8, EVENTIDX_GPA as u32)];
+    let dbbuf = [
+        (0, 0x7c | (2 << 16)),
+        (6, SHADOW_GPA as u32),
+        (8, EVENTIDX_GPA as u32),
+    ];
     g.sqe(ASQ_GPA, 2, &dbbuf);
     let n = if polling { 2 } else { 3 };
     w32(&mut d, SQ0_TAIL, n as u32);
@@ -236,18 +254,26 @@ fn guest_doorbell_store(mode: NotifyMode) {
         std::thread::sleep(Duration::from_millis(5));
     }
     let offs = d.kick_ioeventfds().1;
-    assert!(offs.contains(&SQ1_TAIL) && offs.contains(&CQ1_HEAD), "{offs:?}");
+    assert!(
+        offs.contains(&SQ1_TAIL) && offs.contains(&CQ1_HEAD),
+        "{offs:?}"
+    );
     assert_eq!(ops.ioevents_registered(), offs.len(), "registered with KVM");
     assert_eq!(d.counters().ioeventfds, offs.len() as u64);
 
     // The guest's I/O: a Flush on SQ 1 with its tail in the shadow buffer; the vCPU's store
     // to the SQ 1 tail doorbell is the only kick.
-    ops.write_guest(SHADOW_GPA + 8, &1u32.to_le_bytes()).unwrap();
+    ops.write_guest(SHADOW_GPA + 8, &1u32.to_le_bytes())
+        .unwrap();
     drop(d);
     guest_store_completes(vm, dev, bar0, &*ops, bdf);
     // SQ 1's EventIdx asks for a doorbell at the next tail: the controller caught up.
     assert_eq!(Guest { ops: &*ops }.u32_at(EVENTIDX_GPA + 8), 1);
-    assert_eq!(ops.ioevents_registered(), 0, "ioeventfds leak counter back to 0");
+    assert_eq!(
+        ops.ioevents_registered(),
+        0,
+        "ioeventfds leak counter back to 0"
+    );
 }
 
 /// Runs the guest (a Flush queued on SQ 1, the vCPU stores tail 1 to BAR0's SQ 1 doorbell
@@ -273,7 +299,10 @@ fn guest_store_completes(
     assert_eq!(exit, VmExit::DebugExit(0));
     g.wait_posted(CQ1_GPA, 1);
     let after = counters.snapshot();
-    assert!(before.trapped_writes > 0, "the set-up's control writes trapped");
+    assert!(
+        before.trapped_writes > 0,
+        "the set-up's control writes trapped"
+    );
     assert_eq!(
         (after.trapped_writes, after.kicks),
         (before.trapped_writes, before.kicks),

@@ -661,7 +661,11 @@ impl NvmeDriver {
     /// shadow doorbells on (I/O queues only), store the value in the shadow slot, full
     /// fence, read EventIdx and write MMIO only if `(u16)(new - ei - 1) < (u16)(new - old)`.
     fn doorbell(&mut self, qid: u16, cq: bool, value: u16) {
-        let reg = if cq { cq_doorbell(qid) } else { sq_doorbell(qid) };
+        let reg = if cq {
+            cq_doorbell(qid)
+        } else {
+            sq_doorbell(qid)
+        };
         if qid == 0 {
             self.bar.write32(reg, u32::from(value));
             return;
@@ -676,7 +680,8 @@ impl NvmeDriver {
             let mut b = [0u8; 4];
             self.ram.read(shadow + slot, &mut b);
             let old = u32::from_le_bytes(b) as u16;
-            self.ram.write(shadow + slot, &u32::from(value).to_le_bytes());
+            self.ram
+                .write(shadow + slot, &u32::from(value).to_le_bytes());
             std::sync::atomic::fence(Ordering::SeqCst);
             self.ram.read(eventidx + slot, &mut b);
             let ei = u32::from_le_bytes(b) as u16;

@@ -55,7 +55,9 @@ fn bring_up(d: &mut NvmeDriver, pairs: u16) {
 /// compared. `per_request`: one doorbell update per command (Linux without plugging); else
 /// one per 8 (a plugged batch). Returns I/Os done.
 fn io_rounds(d: &mut NvmeDriver, qid: u16, batches: u64, seed: u8, per_request: bool) -> u64 {
-    let bufs: Vec<DataBuf> = (0..8).map(|_| d.alloc_data(4096, 0, false).unwrap()).collect();
+    let bufs: Vec<DataBuf> = (0..8)
+        .map(|_| d.alloc_data(4096, 0, false).unwrap())
+        .collect();
     let pat = |b: u64, i: usize| seed ^ (b as u8).wrapping_mul(31) ^ (i as u8);
     let lba = |b: u64, i: usize| (b * 8 + i as u64) * 8 % 8192;
     let mut ios = 0;
@@ -63,7 +65,8 @@ fn io_rounds(d: &mut NvmeDriver, qid: u16, batches: u64, seed: u8, per_request: 
         for write in [true, false] {
             for (i, buf) in bufs.iter().enumerate() {
                 buf.fill(d.ram(), &[if write { pat(b, i) } else { 0 }; 4096]);
-                d.push(qid, NvmeDriver::rw_sqe(write, lba(b, i), 8, buf)).unwrap();
+                d.push(qid, NvmeDriver::rw_sqe(write, lba(b, i), 8, buf))
+                    .unwrap();
                 if per_request {
                     d.ring(qid).unwrap();
                 }
@@ -94,7 +97,11 @@ fn shadow_doorbells_suppress_mmio_and_survive_resets() {
     let Rig { ctrl, bar, mut d } = kick_rig(cfg, TestMemory::new(RAM));
     bring_up(&mut d, 2);
     let id = d.identify_controller().unwrap();
-    assert_ne!(id.oacs & (1 << 8), 0, "OACS advertises Doorbell Buffer Config");
+    assert_ne!(
+        id.oacs & (1 << 8),
+        0,
+        "OACS advertises Doorbell Buffer Config"
+    );
     let k0 = ctrl.kick_doorbells();
     assert!(k0.offsets.is_empty(), "no kick-only doorbells before DBBUF");
 
@@ -103,7 +110,10 @@ fn shadow_doorbells_suppress_mmio_and_survive_resets() {
     let ios = io_rounds(&mut d, 1, 4, 1, false);
     let base = d.doorbell_counts().since(&c0);
     assert_eq!(base.writes(), base.updates());
-    assert!(base.writes() >= ios / 8 + ios / 8, "{base:?} for {ios} i/os");
+    assert!(
+        base.writes() >= ios / 8 + ios / 8,
+        "{base:?} for {ios} i/os"
+    );
 
     d.enable_dbbuf().unwrap();
     let k1 = ctrl.kick_doorbells();
@@ -121,7 +131,11 @@ fn shadow_doorbells_suppress_mmio_and_survive_resets() {
     let ios = io_rounds(&mut d, 1, 64, 2, true) + io_rounds(&mut d, 2, 8, 3, true);
     let c = d.doorbell_counts().since(&c1);
     eprintln!("per-request doorbells, shadowed: {c:?} for {ios} i/os");
-    assert_eq!(bar.kicks() - kicks1, c.writes(), "every i/o doorbell write was a kick");
+    assert_eq!(
+        bar.kicks() - kicks1,
+        c.writes(),
+        "every i/o doorbell write was a kick"
+    );
     assert_eq!(c.sq_updates, ios);
     assert!(c.cq_updates >= ios / 8);
     // CQ heads: EventIdx stays one behind the head, so only a wrap of the ring can ring.
@@ -152,7 +166,11 @@ fn shadow_doorbells_suppress_mmio_and_survive_resets() {
     let c3 = d.doorbell_counts();
     io_rounds(&mut d, 1, 2, 6, true);
     let c = d.doorbell_counts().since(&c3);
-    assert_eq!(c.writes(), c.updates(), "plain mmio doorbells after a reset");
+    assert_eq!(
+        c.writes(),
+        c.updates(),
+        "plain mmio doorbells after a reset"
+    );
     // Re-enable.
     d.enable_dbbuf().unwrap();
     let k3 = ctrl.kick_doorbells();
@@ -191,13 +209,20 @@ fn dbbuf_with_buffers_outside_the_window_or_misaligned_is_refused() {
     // The last page of the window: the slots of 5 queues fit; a buffer straddling the end
     // does not.
     let e = d.dbbuf_config(win_end - 0x1000, good2).unwrap();
-    assert_eq!(e.code(), status::SUCCESS, "a buffer at the window's last page fits");
+    assert_eq!(
+        e.code(),
+        status::SUCCESS,
+        "a buffer at the window's last page fits"
+    );
     d.disable().unwrap();
     bring_up(&mut d, 1);
     let e = d.dbbuf_config(good + 8, good2).unwrap();
     assert_eq!(e.code(), status::INVALID_FIELD, "misaligned shadow buffer");
     assert!(!d.dbbuf_enabled());
-    assert!(ctrl.kick_doorbells().offsets.is_empty(), "refused: no kick-only doorbells");
+    assert!(
+        ctrl.kick_doorbells().offsets.is_empty(),
+        "refused: no kick-only doorbells"
+    );
     // The controller is fine and plain MMIO doorbells keep working.
     io_rounds(&mut d, 1, 2, 9, true);
     d.enable_dbbuf().unwrap();

@@ -645,7 +645,13 @@ impl RemotePciDevice {
     pub fn kick_ioeventfds(&self) -> (u8, Vec<u64>) {
         let n = self.kicks.guards.len();
         let offs = if n > 0 {
-            self.kicks.doorbells.offsets.iter().take(n).copied().collect()
+            self.kicks
+                .doorbells
+                .offsets
+                .iter()
+                .take(n)
+                .copied()
+                .collect()
         } else {
             Vec::new()
         };
@@ -835,7 +841,10 @@ impl RemotePciDevice {
                             );
                             continue;
                         }
-                        match self.vm.register_ioevent(n, IoEventAddress::Mmio(gpa + off), None) {
+                        match self
+                            .vm
+                            .register_ioevent(n, IoEventAddress::Mmio(gpa + off), None)
+                        {
                             Ok(g) => self.kicks.guards.push(g),
                             Err(e) => {
                                 warn!(
@@ -864,7 +873,9 @@ impl RemotePciDevice {
                 .fetch_add(1, Ordering::Relaxed);
             self.sync_kicks();
         } else {
-            self.io_counters.trapped_reads.fetch_add(1, Ordering::Relaxed);
+            self.io_counters
+                .trapped_reads
+                .fetch_add(1, Ordering::Relaxed);
         }
         self.bar_access_inner(base, offset, read, write);
         if is_write {
@@ -874,13 +885,7 @@ impl RemotePciDevice {
         }
     }
 
-    fn bar_access_inner(
-        &mut self,
-        base: u64,
-        offset: u64,
-        read: Option<&mut [u8]>,
-        write: &[u8],
-    ) {
+    fn bar_access_inner(&mut self, base: u64, offset: u64, read: Option<&mut [u8]>, write: &[u8]) {
         let Some(i) = self.bar_index_at(base) else {
             debug!("{}: access to unknown bar at {base:#x}", self.id);
             if let Some(d) = read {

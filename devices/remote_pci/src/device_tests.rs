@@ -955,13 +955,12 @@ fn polled_doorbell_pages_are_mapped_writable() {
     f.cmd(command::MEMORY_SPACE);
     let bar0 = f.bar_addr(0);
     // Page 0 (control registers) read-only, page 1 (MSI-X) trapped, pages 2-3 writable.
-    let slots: Vec<(u64, u64, bool)> = f
-        .vm
-        .slots()
-        .iter()
-        .filter(|s| s.gpa >= bar0 && s.gpa < bar0 + BAR0_SIZE)
-        .map(|s| (s.gpa - bar0, s.size, s.readonly))
-        .collect();
+    let slots: Vec<(u64, u64, bool)> =
+        f.vm.slots()
+            .iter()
+            .filter(|s| s.gpa >= bar0 && s.gpa < bar0 + BAR0_SIZE)
+            .map(|s| (s.gpa - bar0, s.size, s.readonly))
+            .collect();
     assert_eq!(slots, vec![(0, 0x1000, true), (0x2000, 0x2000, false)]);
     // A store into the writable pages never reaches the VMM: no trapped access counted.
     f.bar0.write_u32(0x2008, 9);

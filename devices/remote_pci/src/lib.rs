@@ -22,6 +22,7 @@ pub use device::{
 };
 pub use link::{
     BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, KickCell, KickDoorbells,
-    LeaseState, LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
+    LeaseState, LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent,
+    RemoteMsix,
 };
 pub use pin::{MlockPinner, PinError, PinStats, PinnedRange, Pinner};

@@ -714,10 +714,23 @@ fn nvme_shadow_doorbells_become_ioeventfds_on_the_lenders_eventfd() {
     r.enable();
     // Create I/O CQ 1 + SQ 1 (16 entries, no interrupts), then Doorbell Buffer Config.
     let qs = 1 | (15 << 16);
-    r.push(ASQ_GPA, 0, &[(0, 0x05), (6, CQ1_GPA as u32), (10, qs), (11, 1)]);
-    let sq = [(0, 0x01 | (1 << 16)), (6, SQ1_GPA as u32), (10, qs), (11, 1 | (1 << 16))];
+    r.push(
+        ASQ_GPA,
+        0,
+        &[(0, 0x05), (6, CQ1_GPA as u32), (10, qs), (11, 1)],
+    );
+    let sq = [
+        (0, 0x01 | (1 << 16)),
+        (6, SQ1_GPA as u32),
+        (10, qs),
+        (11, 1 | (1 << 16)),
+    ];
     r.push(ASQ_GPA, 1, &sq);
-    let dbbuf = [(0, 0x7c | (2 << 16)), (6, SHADOW_GPA as u32), (8, EVENTIDX_GPA as u32)];
+    let dbbuf = [
+        (0, 0x7c | (2 << 16)),
+        (6, SHADOW_GPA as u32),
+        (8, EVENTIDX_GPA as u32),
+    ];
     r.push(ASQ_GPA, 2, &dbbuf);
     r.w32(SQ0_TAIL, 3);
     r.wait_posted(ACQ_GPA, 3);
@@ -734,8 +747,14 @@ fn nvme_shadow_doorbells_become_ioeventfds_on_the_lenders_eventfd() {
     }
     let (bar, offs) = r.dev().kick_ioeventfds();
     assert_eq!(bar, 0);
-    assert!(offs.contains(&SQ1_TAIL) && offs.contains(&CQ1_HEAD), "{offs:?}");
-    assert!(!offs.contains(&SQ0_TAIL) && !offs.contains(&CQ0_HEAD), "admin stays exact");
+    assert!(
+        offs.contains(&SQ1_TAIL) && offs.contains(&CQ1_HEAD),
+        "{offs:?}"
+    );
+    assert!(
+        !offs.contains(&SQ0_TAIL) && !offs.contains(&CQ0_HEAD),
+        "admin stays exact"
+    );
     let n = r.ioevents.lock().unwrap().len();
     assert_eq!(n, offs.len());
     assert_eq!(r.dev().counters().ioeventfds, n as u64);
@@ -744,7 +763,8 @@ fn nvme_shadow_doorbells_become_ioeventfds_on_the_lenders_eventfd() {
     // eventfd signalled as KVM does on the guest's MMIO store.
     let before = r.dev().counters();
     r.push(SQ1_GPA, 0, &[(0, 7 << 16), (1, 1)]);
-    r.vm.write_guest(SHADOW_GPA + 8, &1u32.to_le_bytes()).unwrap();
+    r.vm.write_guest(SHADOW_GPA + 8, &1u32.to_le_bytes())
+        .unwrap();
     let sq1 = r.bar0 + SQ1_TAIL;
     {
         let evs = r.ioevents.lock().unwrap();

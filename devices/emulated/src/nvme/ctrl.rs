@@ -125,7 +125,8 @@ impl DbbufState {
     fn set(&self, on: bool) {
         let (g, was) = self.get();
         if was != on {
-            self.0.store(((g + 1) << 1) | u64::from(on), Ordering::Release);
+            self.0
+                .store(((g + 1) << 1) | u64::from(on), Ordering::Release);
         }
     }
 }
@@ -180,7 +181,6 @@ impl Ctrl {
         engine: Box<dyn Engine>,
         stats: Arc<NvmeStats>,
         nsze: u64,
-        dbbuf_state: Arc<DbbufState>,
     ) -> Self {
         let mqes = u64::from(cfg.max_queue_entries - 1);
         // CAP: MQES, CQR, TO = 20 (10 s), DSTRD 0, CSS NVM (bit 37), MPSMIN = MPSMAX = 0.
@@ -216,7 +216,7 @@ impl Ctrl {
             started: Instant::now(),
             intx_level: false,
             dbbuf: None,
-            dbbuf_state,
+            dbbuf_state: Arc::default(),
         };
         c.write_ro_registers();
         c
@@ -228,6 +228,11 @@ impl Ctrl {
         self.regs.write32(REG_CSTS, self.csts);
         self.regs.write32(REG_INTMS, self.intmask);
         self.regs.write32(REG_INTMC, self.intmask);
+    }
+
+    /// The shadow doorbell state, for readers outside the controller lock.
+    pub(crate) fn dbbuf_state(&self) -> Arc<DbbufState> {
+        self.dbbuf_state.clone()
     }
 
     /// One round of work. Returns true if anything happened.
@@ -511,7 +516,10 @@ impl Ctrl {
                 continue;
             };
             let h = if cq.shadow {
-                match self.dbbuf.and_then(|d| read_slot(&*self.dma, d.shadow, cq_slot(qid))) {
+                match self
+                    .dbbuf
+                    .and_then(|d| read_slot(&*self.dma, d.shadow, cq_slot(qid)))
+                {
                     Some(h) => h,
                     None => continue,
                 }
@@ -560,7 +568,10 @@ impl Ctrl {
                 continue;
             }
             let tail = if sq.shadow {
-                match self.dbbuf.and_then(|d| read_slot(&*self.dma, d.shadow, sq_slot(qid))) {
+                match self
+                    .dbbuf
+                    .and_then(|d| read_slot(&*self.dma, d.shadow, sq_slot(qid)))
+                {
                     Some(t) => t,
                     None => continue,
                 }
@@ -667,7 +678,11 @@ impl Ctrl {
             if let Some(sq) = self.sqs[qid].as_mut() {
                 sq.shadow = true;
                 let tail = self.regs.read32(sq_doorbell(qid as u16));
-                let tail = if tail < u32::from(sq.size) { tail } else { u32::from(sq.head) };
+                let tail = if tail < u32::from(sq.size) {
+                    tail
+                } else {
+                    u32::from(sq.head)
+                };
                 write_slot(&*self.dma, shadow, sq_slot(qid), tail);
                 write_slot(&*self.dma, eventidx, sq_slot(qid), tail);
             }

@@ -265,7 +265,6 @@ impl NvmeController {
         let doorbell = EventFd::new(libc::EFD_NONBLOCK).map_err(os("doorbell eventfd"))?;
         let stats = Arc::new(NvmeStats::default());
         let cfg = Arc::new(cfg);
-        let dbbuf = Arc::new(DbbufState::default());
         let ctrl = Ctrl::new(
             cfg.clone(),
             regs.clone(),
@@ -274,8 +273,8 @@ impl NvmeController {
             engine,
             stats.clone(),
             nsze,
-            dbbuf.clone(),
         );
+        let dbbuf = ctrl.dbbuf_state();
         log::info!(
             "nvme {}: {} blocks of {} bytes, engine {engine_name}, {:?} mode",
             cfg.serial,
