@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -160,8 +160,49 @@ struct SessionLease {
     maps: Vec<DmaEntry>,
     /// BAR index -> fabric window id exported for it.
     bar_windows: HashMap<u8, u32>,
-    /// Generation of the kick-only doorbells the borrower was last told (reply or event).
-    kicks_told: u64,
+    /// Generation of the kick-only doorbells the borrower was last told (reply or event;
+    /// shared with the device's kick listener).
+    kicks_told: Arc<AtomicU64>,
+}
+
+impl Drop for SessionLease {
+    fn drop(&mut self) {
+        // The listener points at this session's link: gone before the device is lent again.
+        self.lease.backend().set_kick_listener(None);
+    }
+}
+
+/// Tells a version 3 borrower at once when the device's kick-only doorbells change (called
+/// on the device's threads; the session loop's [`Session::announce_kicks`] is the safety
+/// net). Holds only weak references: the lease owns the device, not the other way round.
+fn kick_listener(
+    ep: &Arc<dyn Endpoint>,
+    backend: &Arc<dyn DeviceBackend>,
+    lease: u64,
+    told: &Arc<AtomicU64>,
+) -> ::emulated::KickListener {
+    let (ep, backend, told) = (
+        Arc::downgrade(ep),
+        Arc::downgrade(backend),
+        Arc::clone(told),
+    );
+    Arc::new(move || {
+        let (Some(ep), Some(b)) = (ep.upgrade(), backend.upgrade()) else {
+            return;
+        };
+        let kicks = b.kick_doorbells();
+        if told.fetch_max(kicks.generation, Ordering::AcqRel) >= kicks.generation {
+            return;
+        }
+        match Event::Kicks(protocol::KicksEvent { lease, kicks }).encode() {
+            Ok((op, p)) => {
+                if let Err(e) = ep.send(Message::raw(op, p)) {
+                    log::debug!("kicks event to {}: {e}", ep.peer_node());
+                }
+            }
+            Err(e) => log::error!("kicks event encode: {e}"),
+        }
+    })
 }
 
 struct Session {
@@ -295,7 +336,7 @@ impl SessionLease {
     fn kicks_reply(&mut self, op: u16, version: u32) -> Reply {
         let k = self.lease.backend().kick_doorbells();
         if version >= 3 {
-            self.kicks_told = self.kicks_told.max(k.generation);
+            self.kicks_told.fetch_max(k.generation, Ordering::AcqRel);
         }
         protocol::encode_kicks_reply(op, &k, version)
             .map(|p| Message::raw(op, p))
@@ -313,11 +354,13 @@ impl Session {
         }
         for (&id, sl) in self.leases.iter_mut() {
             let b = sl.lease.backend();
-            if b.kick_generation() <= sl.kicks_told {
+            if b.kick_generation() <= sl.kicks_told.load(Ordering::Acquire) {
                 continue;
             }
             let kicks = b.kick_doorbells();
-            sl.kicks_told = kicks.generation;
+            if sl.kicks_told.fetch_max(kicks.generation, Ordering::AcqRel) >= kicks.generation {
+                continue;
+            }
             log::debug!(
                 "lease {id}: {} kick-only doorbells (generation {})",
                 kicks.offsets.len(),
@@ -599,6 +642,10 @@ impl Session {
         let msg = protocol::encode_borrowed(&reply, self.version)
             .map(|p| Message::raw(op, p).with_fds(fds))
             .map_err(proto_err)?;
+        let kicks_told = Arc::new(AtomicU64::new(0));
+        if self.version >= 3 {
+            backend.set_kick_listener(Some(kick_listener(&self.ep, &backend, id, &kicks_told)));
+        }
         self.leases.insert(
             id,
             SessionLease {
@@ -606,7 +653,7 @@ impl Session {
                 lease,
                 maps: Vec::new(),
                 bar_windows,
-                kicks_told: 0,
+                kicks_told,
             },
         );
         Ok(msg)

@@ -33,7 +33,8 @@ pub mod workload;
 pub use dma::{DmaFault, DmaMemory};
 pub use irq::{InterruptMode, InterruptSink};
 pub use model::{
-    BarInfo, DeviceError, DeviceModel, DoorbellRange, KickDoorbells, MsixInfo, PciIdentity,
+    BarInfo, DeviceError, DeviceModel, DoorbellRange, KickDoorbells, KickListener, MsixInfo,
+    PciIdentity,
 };
 pub use regs::{HeapRegisters, MappedRegisters, RawRegisters, RegisterMemory};
 

@@ -123,6 +123,9 @@ pub struct KickDoorbells {
     pub offsets: Vec<u64>,
 }
 
+/// Called after the kick-only doorbells changed (see [`DeviceModel::set_kick_listener`]).
+pub type KickListener = std::sync::Arc<dyn Fn() + Send + Sync>;
+
 /// Where the MSI-X table and PBA are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MsixInfo {
@@ -177,6 +180,12 @@ pub trait DeviceModel: Send + Sync {
     /// The generation of [`DeviceModel::kick_doorbells`], cheaply (polled by the lender).
     fn kick_generation(&self) -> u64 {
         self.kick_doorbells().generation
+    }
+    /// Calls `listener` (from the device's own threads) after every change of
+    /// [`DeviceModel::kick_doorbells`], so the lender can tell the borrower at once; `None`
+    /// removes it. Default: the set never changes, nothing to call.
+    fn set_kick_listener(&self, listener: Option<KickListener>) {
+        let _ = listener;
     }
     /// True when the device polls its doorbell range (polling mode): stores there need no
     /// notification, so a borrower may map those pages writable. Default: false.

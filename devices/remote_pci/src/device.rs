@@ -820,6 +820,7 @@ impl RemotePciDevice {
     /// VMM hop). Only doorbells of a mapped direct BAR with a notify eventfd, inside its
     /// doorbell range and outside the MSI-X pages qualify; the others keep the exact path.
     fn register_kicks(&mut self) {
+        let had = self.kicks.guards.len();
         self.kicks.guards.clear();
         let bar_idx = self.kicks.doorbells.bar;
         let holes = self.msix_holes(usize::from(bar_idx));
@@ -863,6 +864,14 @@ impl RemotePciDevice {
                 as u64,
             Ordering::Relaxed,
         );
+        // Rare (driver set-up, resets, BAR moves): worth a line at info.
+        let now = self.kicks.guards.len();
+        if now != had {
+            info!(
+                "{}: {now} doorbell ioeventfds (kick-only doorbells, generation {}; {had} before)",
+                self.id, self.kicks.doorbells.generation
+            );
+        }
     }
 
     fn bar_access(&mut self, base: u64, offset: u64, read: Option<&mut [u8]>, write: &[u8]) {
@@ -1377,7 +1386,11 @@ impl Drop for RemotePciDevice {
             b.slots.clear();
             b.mapped_at = None;
         }
-        info!("{}: released; returning {}", self.id, self.remote_id);
+        let c = self.io_counters.snapshot();
+        info!(
+            "{}: released; returning {} (trapped reads {}, trapped writes {}, vmm kicks {})",
+            self.id, self.remote_id, c.trapped_reads, c.trapped_writes, c.kicks
+        );
         // `link` is dropped after this: the lease is returned.
     }
 }

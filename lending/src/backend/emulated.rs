@@ -317,6 +317,10 @@ impl DeviceBackend for EmulatedBackend {
         self.model.kick_generation()
     }
 
+    fn set_kick_listener(&self, listener: Option<::emulated::KickListener>) {
+        self.model.set_kick_listener(listener);
+    }
+
     fn reset(&self) -> Result<(), BackendError> {
         self.model.reset();
         *self.shadow() = self.pristine;

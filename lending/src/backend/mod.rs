@@ -144,6 +144,10 @@ pub trait DeviceBackend: Send + Sync {
     fn kick_generation(&self) -> u64 {
         0
     }
+    /// Calls `listener` after every change of the kick-only doorbells (`None` removes it).
+    fn set_kick_listener(&self, listener: Option<::emulated::KickListener>) {
+        let _ = listener;
+    }
 }
 
 /// Applies the lender's filter to a borrower's config write, then performs it.

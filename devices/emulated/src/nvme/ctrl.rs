@@ -111,22 +111,39 @@ struct Dbbuf {
 pub(crate) const MAX_KICK_QUEUES: u16 = 32;
 
 /// Shadow doorbell state shared with [`super::NvmeController::kick_doorbells`]:
-/// `generation << 1 | on`, one atomic so readers never see a torn pair.
+/// `generation << 1 | on`, one atomic so readers never see a torn pair; and whom to tell
+/// about changes.
 #[derive(Default)]
-pub(crate) struct DbbufState(std::sync::atomic::AtomicU64);
+pub(crate) struct DbbufState {
+    state: std::sync::atomic::AtomicU64,
+    listener: std::sync::Mutex<Option<crate::KickListener>>,
+}
 
 impl DbbufState {
     /// (generation, on).
     pub(crate) fn get(&self) -> (u64, bool) {
-        let v = self.0.load(Ordering::Acquire);
+        let v = self.state.load(Ordering::Acquire);
         (v >> 1, v & 1 != 0)
+    }
+
+    pub(crate) fn set_listener(&self, l: Option<crate::KickListener>) {
+        *self.listener.lock().unwrap_or_else(|p| p.into_inner()) = l;
     }
 
     fn set(&self, on: bool) {
         let (g, was) = self.get();
-        if was != on {
-            self.0
-                .store(((g + 1) << 1) | u64::from(on), Ordering::Release);
+        if was == on {
+            return;
+        }
+        self.state
+            .store(((g + 1) << 1) | u64::from(on), Ordering::Release);
+        let l = self
+            .listener
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(l) = l {
+            l();
         }
     }
 }

@@ -475,6 +475,10 @@ impl DeviceModel for NvmeController {
         self.cfg.notify == NotifyMode::Polling
     }
 
+    fn set_kick_listener(&self, listener: Option<crate::KickListener>) {
+        self.inner.dbbuf.set_listener(listener);
+    }
+
     fn kick_doorbells(&self) -> KickDoorbells {
         let (generation, on) = self.inner.dbbuf.get();
         let offsets = if on {
