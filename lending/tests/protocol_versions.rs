@@ -1,5 +1,7 @@
 //! Protocol version negotiation against an in-process lender: a version 1 borrower keeps
-//! its layouts and meanings; a version 2 borrower gets per-BAR write notification.
+//! its layouts and meanings; a version 2 borrower gets per-BAR write notification, `()`
+//! replies to BAR_WRITE/RESET and `Doorbells` for a polled BAR; a version 3 borrower gets
+//! `Polled` and the kick-only doorbells in those replies.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -22,6 +24,10 @@ const TOKEN: &str = "v3rsions";
 const DEV: &str = "0000:00:05.0";
 
 fn lender() -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
+    lender_with(NotifyMode::Interrupt)
+}
+
+fn lender_with(mode: NotifyMode) -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
     let src = format!(
@@ -32,7 +38,7 @@ fn lender() -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
     let path = dir.path().join("cluster.toml");
     std::fs::write(&path, src).unwrap();
     let cfg = ClusterConfig::load(&path).unwrap();
-    let backend = Arc::new(EmulatedBackend::dmatest("versions", NotifyMode::Interrupt).unwrap());
+    let backend = Arc::new(EmulatedBackend::dmatest("versions", mode).unwrap());
     let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend as _)]).unwrap());
     let listener = SocketFabric::from_cluster(&cfg, "lender")
         .unwrap()
@@ -119,5 +125,54 @@ fn too_old_a_version_is_refused() {
     let ep = connect(&cfg);
     let e = call(&*ep, &hello(0), 1).unwrap_err();
     assert_eq!(e.code, code::VERSION);
-    assert!(e.message.contains("1..=2"), "{}", e.message);
+    let range = format!("1..={}", protocol::PROTOCOL_VERSION);
+    assert!(e.message.contains(&range), "{}", e.message);
+}
+
+#[test]
+fn version_2_and_3_replies_and_polled_bars() {
+    let (_dir, cfg, _l) = lender_with(NotifyMode::Polling);
+    let range = NotifyWrites::Polled {
+        offset: emulated::dmatest::REG_SRC,
+        len: emulated::dmatest::REG_CMD + 4 - emulated::dmatest::REG_SRC,
+    };
+    // Version 2: the polled BAR is described as doorbells, BAR_WRITE/RESET answer `()`.
+    let ep = connect(&cfg);
+    let m = call(&*ep, &hello(2), 2).unwrap();
+    let h: HelloReply = protocol::decode_reply(opcode::HELLO, &m.payload).unwrap();
+    assert_eq!(h.version, 2);
+    let borrow = Request::Borrow(Borrow {
+        device: DEV.into(),
+        vm: "vm0".into(),
+    });
+    let m = call(&*ep, &borrow, 2).unwrap();
+    let b = protocol::decode_borrowed(&m.payload, 2).unwrap();
+    let bar0 = b.info.bars.iter().find(|x| x.index == 0).unwrap();
+    let NotifyWrites::Polled { offset, len } = range else {
+        unreachable!()
+    };
+    assert_eq!(bar0.notify, NotifyWrites::Doorbells { offset, len });
+    let w = Request::BarWrite(protocol::BarWrite {
+        lease: b.lease,
+        bar: 0,
+        offset: 0,
+        data: vec![0; 4],
+    });
+    let m = call(&*ep, &w, 2).unwrap();
+    assert!(m.payload.is_empty(), "a version 2 BAR_WRITE reply is ()");
+    let r = Request::Reset(protocol::LeaseRef { lease: b.lease });
+    let m = call(&*ep, &r, 2).unwrap();
+    assert!(m.payload.is_empty());
+    let ret = Request::Return(protocol::LeaseRef { lease: b.lease });
+    call(&*ep, &ret, 2).unwrap();
+    drop(ep);
+    // Version 3: Polled, and the kick-only doorbells (none for a dmatest) in the replies.
+    let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "new").unwrap();
+    assert_eq!(c.protocol_version(), 3);
+    let lease = c.borrow(DEV, "vm1").unwrap();
+    let bar0 = lease.info().bars.iter().find(|x| x.index == 0).unwrap();
+    assert_eq!(bar0.notify, range);
+    let k = lease.bar_write_kicks(0, 0, &[0; 4]).unwrap().unwrap();
+    assert!(k.offsets.is_empty());
+    assert!(lease.reset_kicks().unwrap().unwrap().offsets.is_empty());
 }
