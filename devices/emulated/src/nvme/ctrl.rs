@@ -668,7 +668,7 @@ impl Ctrl {
     }
 
     /// Doorbell Buffer Config (admin 0x7C): PRP1 = shadow doorbells, PRP2 = EventIdx, both
-    /// page aligned and inside the DMA window for every queue slot. Existing I/O queues
+    /// page aligned and inside the DMA window for the slots of the granted queues. Existing I/O queues
     /// switch to the shadow buffer (seeded with the values seen so far); the admin queue
     /// never does. A refused command changes nothing.
     fn dbbuf_config(&mut self, sqe: &Sqe) -> Done {
@@ -680,7 +680,9 @@ impl Ctrl {
             log::debug!("nvme dbbuf config: buffers {shadow:#x}/{eventidx:#x} not page aligned");
             return err(status::INVALID_FIELD);
         }
-        let len = (usize::from(self.cfg.max_io_queues) + 1) * 8;
+        // The slots of the queues the driver may create (Set Features Number of Queues): a
+        // driver sizes its buffers by the queues it uses, not by what we could offer.
+        let len = (usize::from(self.nq_sq.max(self.nq_cq)) + 1) * 8;
         let mut probe = vec![0u8; len];
         for base in [shadow, eventidx] {
             if let Err(e) = self.dma.read(base, &mut probe) {
