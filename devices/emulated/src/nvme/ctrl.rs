@@ -668,9 +668,9 @@ impl Ctrl {
     }
 
     /// Doorbell Buffer Config (admin 0x7C): PRP1 = shadow doorbells, PRP2 = EventIdx, both
-    /// page aligned and inside the DMA window for the slots of the granted queues. Existing I/O queues
-    /// switch to the shadow buffer (seeded with the values seen so far); the admin queue
-    /// never does. A refused command changes nothing.
+    /// page aligned and inside the DMA window for the slots of the granted queues. Existing
+    /// I/O queues switch to the shadow buffer (seeded with the values seen so far); the
+    /// admin queue never does. A refused command changes nothing.
     fn dbbuf_config(&mut self, sqe: &Sqe) -> Done {
         if !self.cfg.dbbuf {
             return err(status::INVALID_OPCODE);
