@@ -692,15 +692,19 @@ impl Ctrl {
             }
         }
         let d = Dbbuf { shadow, eventidx };
-        self.dbbuf = Some(d);
+        // A second config moves shadowed queues to the new buffers: their latest tail is in
+        // the old shadow buffer (their MMIO doorbells may have been kicks only).
+        let old = self.dbbuf.replace(d);
         for qid in 1..self.sqs.len() {
             if let Some(sq) = self.sqs[qid].as_mut() {
+                let tail = match (sq.shadow, old) {
+                    (true, Some(o)) => read_slot(&*self.dma, o.shadow, sq_slot(qid)),
+                    _ => Some(self.regs.read32(sq_doorbell(qid as u16))),
+                };
                 sq.shadow = true;
-                let tail = self.regs.read32(sq_doorbell(qid as u16));
-                let tail = if tail < u32::from(sq.size) {
-                    tail
-                } else {
-                    u32::from(sq.head)
+                let tail = match tail {
+                    Some(t) if t < u32::from(sq.size) => t,
+                    _ => u32::from(sq.head),
                 };
                 write_slot(&*self.dma, shadow, sq_slot(qid), tail);
                 write_slot(&*self.dma, eventidx, sq_slot(qid), tail);
