@@ -230,7 +230,11 @@ fn dbbuf_with_buffers_outside_the_window_or_misaligned_is_refused() {
     // A second config moves the shadowed queue to new buffers without losing its tail.
     let g = ctrl.kick_doorbells().generation;
     d.enable_dbbuf().unwrap();
-    assert_eq!(ctrl.kick_doorbells().generation, g, "still on: no change to announce");
+    assert_eq!(
+        ctrl.kick_doorbells().generation,
+        g,
+        "still on: no change to announce"
+    );
     io_rounds(&mut d, 1, 3, 12, true);
 }
 
