@@ -191,8 +191,8 @@ impl DeviceCounters {
 struct KickState {
     /// What the link reported last (generation applied).
     doorbells: KickDoorbells,
-    /// One guard per registered doorbell; dropping unregisters it.
-    guards: Vec<IoEventGuard>,
+    /// (BAR offset, guard) per registered doorbell; dropping a guard unregisters it.
+    guards: Vec<(u64, IoEventGuard)>,
 }
 
 struct BarState {
@@ -643,18 +643,7 @@ impl RemotePciDevice {
 
     /// Kick-only doorbell offsets currently registered as ioeventfds (BAR index, offsets).
     pub fn kick_ioeventfds(&self) -> (u8, Vec<u64>) {
-        let n = self.kicks.guards.len();
-        let offs = if n > 0 {
-            self.kicks
-                .doorbells
-                .offsets
-                .iter()
-                .take(n)
-                .copied()
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let offs = self.kicks.guards.iter().map(|(o, _)| *o).collect();
         (self.kicks.doorbells.bar, offs)
     }
 
@@ -835,6 +824,10 @@ impl RemotePciDevice {
                         let inside = off.checked_add(4).is_some_and(|e| e <= bar.remote.size)
                             && w.store_is_direct(off, 4)
                             && !holes.iter().any(|&(s, e)| off + 4 > s && off < e);
+                        // A writable (polled) page never exits: nothing for KVM to catch.
+                        if inside && w.page_writable(off & !(PAGE_SIZE - 1), PAGE_SIZE) {
+                            continue;
+                        }
                         if !inside {
                             warn!(
                                 "{}: kick-only doorbell at bar {bar_idx}+{off:#x} is not a                                  doorbell of the window; it stays exact",
@@ -846,7 +839,7 @@ impl RemotePciDevice {
                             .vm
                             .register_ioevent(n, IoEventAddress::Mmio(gpa + off), None)
                         {
-                            Ok(g) => self.kicks.guards.push(g),
+                            Ok(g) => self.kicks.guards.push((off, g)),
                             Err(e) => {
                                 warn!(
                                     "{}: ioeventfd for doorbell bar {bar_idx}+{off:#x}: {e};                                      it stays exact",

@@ -974,4 +974,13 @@ fn polled_doorbell_pages_are_mapped_writable() {
         vec![LinkCall::BarWrite(0, 0x14, 1u32.to_le_bytes().to_vec())]
     );
     assert_eq!(f.dev().counters().trapped_writes, 1);
+    // Shadow doorbells on a polled BAR: its doorbells never exit, so no ioeventfds.
+    f.link.lock().unwrap().kicks = KickDoorbells {
+        generation: 1,
+        bar: 0,
+        offsets: vec![0x2008, 0x200c],
+    };
+    f.dev().write_bar(bar0, 0x14, &1u32.to_le_bytes());
+    assert_eq!(f.dev().kick_ioeventfds().1, Vec::<u64>::new());
+    assert_eq!(f.vm.ioevents().len(), 1, "BAR2's static one only");
 }
