@@ -36,6 +36,8 @@ struct CompQ {
     base: u64,
     /// Head comes from the shadow doorbell buffer, not BAR0.
     shadow: bool,
+    /// EventIdx last written for this CQ (written again only when it changes).
+    event_idx: Option<u32>,
     size: u16,
     tail: u16,
     head: u16,
@@ -382,6 +384,7 @@ impl Ctrl {
         self.cqs[0] = Some(CompQ {
             base: acq,
             shadow: false,
+            event_idx: None,
             size: acqs as u16,
             tail: 0,
             head: 0,
@@ -652,19 +655,24 @@ impl Ctrl {
     /// pass, so it needs a doorbell only when completions wait for room (overflow): then
     /// EventIdx = head (the next head update rings); otherwise one below the head, which a
     /// driver's new head only passes when it wraps the ring.
-    fn cq_event_idx(&self, qid: usize) {
-        let (Some(cq), Some(d)) = (self.cqs[qid].as_ref(), self.dbbuf) else {
+    fn cq_event_idx(&mut self, qid: usize) {
+        let (Some(cq), Some(d)) = (self.cqs[qid].as_mut(), self.dbbuf) else {
             return;
         };
         if !cq.shadow {
             return;
         }
-        let ei = if cq.overflow.is_empty() {
-            u32::from(cq.head.wrapping_sub(1) % cq.size)
+        let ei = if !cq.overflow.is_empty() {
+            cq.head
+        } else if cq.head == 0 {
+            cq.size - 1
         } else {
-            u32::from(cq.head)
+            cq.head - 1
         };
-        write_slot(&*self.dma, d.eventidx, cq_slot(qid), ei);
+        if cq.event_idx != Some(u32::from(ei)) {
+            cq.event_idx = Some(u32::from(ei));
+            write_slot(&*self.dma, d.eventidx, cq_slot(qid), u32::from(ei));
+        }
     }
 
     /// Doorbell Buffer Config (admin 0x7C): PRP1 = shadow doorbells, PRP2 = EventIdx, both
@@ -711,6 +719,7 @@ impl Ctrl {
             }
             if let Some(cq) = self.cqs[qid].as_mut() {
                 cq.shadow = true;
+                cq.event_idx = None;
                 write_slot(&*self.dma, shadow, cq_slot(qid), u32::from(cq.head));
                 self.cq_event_idx(qid);
             }
@@ -1091,6 +1100,7 @@ impl Ctrl {
         self.cqs[qid as usize] = Some(CompQ {
             base: prp1,
             shadow,
+            event_idx: None,
             size,
             tail: 0,
             head: 0,
