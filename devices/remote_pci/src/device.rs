@@ -193,6 +193,30 @@ struct KickState {
     doorbells: KickDoorbells,
     /// (BAR offset, guard) per registered doorbell; dropping a guard unregisters it.
     guards: Vec<(u64, IoEventGuard)>,
+    log: LogLimit,
+}
+
+/// At most one log line per second; counts what it held back.
+#[derive(Default)]
+struct LogLimit {
+    last: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+impl LogLimit {
+    /// `Some(lines held back since the last one)` when a line may be logged now.
+    fn allow(&mut self) -> Option<u64> {
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < std::time::Duration::from_secs(1))
+        {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
 }
 
 struct BarState {
@@ -811,6 +835,9 @@ impl RemotePciDevice {
     fn register_kicks(&mut self) {
         let had = self.kicks.guards.len();
         self.kicks.guards.clear();
+        // Offsets the lender named that are no doorbells of the window; a registration error.
+        let mut refused: Vec<u64> = Vec::new();
+        let mut failed = None;
         let bar_idx = self.kicks.doorbells.bar;
         let holes = self.msix_holes(usize::from(bar_idx));
         if let Some(bar) = self.bars.iter().find(|b| b.remote.index == bar_idx) {
@@ -829,10 +856,7 @@ impl RemotePciDevice {
                             continue;
                         }
                         if !inside {
-                            warn!(
-                                "{}: kick-only doorbell at bar {bar_idx}+{off:#x} is not a                                  doorbell of the window; it stays exact",
-                                self.id
-                            );
+                            refused.push(off);
                             continue;
                         }
                         match self
@@ -841,10 +865,7 @@ impl RemotePciDevice {
                         {
                             Ok(g) => self.kicks.guards.push((off, g)),
                             Err(e) => {
-                                warn!(
-                                    "{}: ioeventfd for doorbell bar {bar_idx}+{off:#x}: {e};                                      it stays exact",
-                                    self.id
-                                );
+                                failed = Some((off, e));
                                 break;
                             }
                         }
@@ -857,12 +878,37 @@ impl RemotePciDevice {
                 as u64,
             Ordering::Relaxed,
         );
-        // Rare (driver set-up, resets, BAR moves): worth a line at info.
+        // Driver set-up, resets and BAR moves change this: rare, but a guest can loop on it,
+        // hence the rate limit.
         let now = self.kicks.guards.len();
-        if now != had {
-            info!(
-                "{}: {now} doorbell ioeventfds (kick-only doorbells, generation {}; {had} before)",
-                self.id, self.kicks.doorbells.generation
+        if now == had && refused.is_empty() && failed.is_none() {
+            return;
+        }
+        let Some(suppressed) = self.kicks.log.allow() else {
+            return;
+        };
+        let gen = self.kicks.doorbells.generation;
+        info!(
+            "{}: {now} doorbell ioeventfds (kick-only doorbells, generation {gen}; {had} before){}",
+            self.id,
+            if suppressed > 0 {
+                format!("; {suppressed} changes not logged")
+            } else {
+                String::new()
+            }
+        );
+        if !refused.is_empty() {
+            warn!(
+                "{}: kick-only doorbells {refused:#x?} of bar {bar_idx} are no doorbells of \
+                 the window; they stay exact",
+                self.id
+            );
+        }
+        if let Some((off, e)) = failed {
+            warn!(
+                "{}: ioeventfd for doorbell bar {bar_idx}+{off:#x}: {e}; it and the rest stay \
+                 exact",
+                self.id
             );
         }
     }
