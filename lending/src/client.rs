@@ -697,13 +697,29 @@ impl Lease {
 
     /// Slow-path BAR write.
     pub fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), ClientError> {
+        self.bar_write_kicks(bar, offset, data).map(|_| ())
+    }
+
+    /// Slow-path BAR write; also returns the device's kick-only doorbells after the write
+    /// (`None` from a lender older than protocol version 3).
+    pub fn bar_write_kicks(
+        &self,
+        bar: u8,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<Option<protocol::DoorbellKicks>, ClientError> {
         let r = Request::BarWrite(BarWrite {
             lease: self.id,
             bar,
             offset,
             data: data.to_vec(),
         });
-        self.inner.call::<()>(&r, Vec::new()).map(|_| ())
+        let (op, payload, _) = self.inner.call_raw(&r, Vec::new())?;
+        Ok(protocol::decode_kicks_reply(
+            op,
+            &payload,
+            self.inner.version(),
+        )?)
     }
 
     /// Maps the lender's fabric window of `bar` (direct loads/stores on shm).
@@ -884,8 +900,19 @@ impl Lease {
 
     /// Resets the device (the lease stays; a quiesced device is resumed).
     pub fn reset(&self) -> Result<(), ClientError> {
+        self.reset_kicks().map(|_| ())
+    }
+
+    /// Resets the device; also returns its kick-only doorbells after the reset (`None`
+    /// from a lender older than protocol version 3).
+    pub fn reset_kicks(&self) -> Result<Option<protocol::DoorbellKicks>, ClientError> {
         let r = Request::Reset(LeaseRef { lease: self.id });
-        self.inner.call::<()>(&r, Vec::new()).map(|_| ())
+        let (op, payload, _) = self.inner.call_raw(&r, Vec::new())?;
+        Ok(protocol::decode_kicks_reply(
+            op,
+            &payload,
+            self.inner.version(),
+        )?)
     }
 
     /// Returns the device now and reports errors (dropping does it silently).

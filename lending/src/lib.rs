@@ -41,12 +41,14 @@ pub fn open_backend(spec: &DeviceSpec) -> Result<Arc<dyn DeviceBackend>, backend
             size,
             lba,
             mode,
+            dbbuf,
         } => {
             let cfg = emulated::nvme::NvmeConfig {
                 backing: path.clone(),
                 size: *size,
                 lba_size: *lba,
                 notify: *mode,
+                dbbuf: *dbbuf,
                 serial: format!("LENDVM{}", spec.id.replace([':', '.'], ""))
                     .chars()
                     .take(20)

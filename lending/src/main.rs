@@ -21,7 +21,7 @@ struct Args {
     /// Cluster description (TOML).
     #[arg(long)]
     cluster: PathBuf,
-    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling] | BDF=dmatest[:mode=...]
+    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off] | BDF=dmatest[:mode=...]
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
     /// Cluster auth token (visible in `ps`; prefer --token-file or $LENDVM_TOKEN).

@@ -12,11 +12,11 @@
 //! | 0x104 | [`ConfigRead`] | bytes | REGION_READ (config region) |
 //! | 0x105 | [`ConfigWrite`] | `()` | REGION_WRITE (config region, filtered) |
 //! | 0x106 | [`BarRead`] | bytes | REGION_READ |
-//! | 0x107 | [`BarWrite`] | `()` | REGION_WRITE |
+//! | 0x107 | [`BarWrite`] | `()`; version 3: [`DoorbellKicks`] | REGION_WRITE |
 //! | 0x108 | [`DmaMap`] | `()` | DMA_MAP (a fabric window instead of an fd) |
 //! | 0x109 | [`DmaUnmap`] | `()` | DMA_UNMAP |
 //! | 0x10a | [`SetIrqs`] (+ eventfds on shm) | `()` | SET_IRQS |
-//! | 0x10b | [`LeaseRef`] | `()` | DEVICE_RESET |
+//! | 0x10b | [`LeaseRef`] | `()`; version 3: [`DoorbellKicks`] | DEVICE_RESET |
 //! | 0x10c | [`LeaseRef`] | `()` | — (return the lease) |
 //! | 0x10d | `Status` | [`LenderStatus`] | — |
 //! | 0x10e | [`LeaseRef`] (version 3) | [`LeaseCounters`] | — (lender-side counters of the lease) |
@@ -24,9 +24,9 @@
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
 //! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it), 0x184
-//! [`IommuFaultEvent`] (a DMA the lease's IOMMU domain refused, rate-limited, version 3);
-//! borrower → lender 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it,
-//! version 2).
+//! [`IommuFaultEvent`] (a DMA the lease's IOMMU domain refused, rate-limited, version 3),
+//! 0x185 [`KicksEvent`] (the device's kick-only doorbells changed, version 3); borrower →
+//! lender 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it, version 2).
 //!
 //! Errors are wire error replies with the codes in [`code`]. Decoding never panics.
 //!
@@ -42,7 +42,7 @@
 //! |---|---|
 //! | 1 | first |
 //! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
-//! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event |
+//! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event; [`NotifyWrites::Polled`] (sent as `Doorbells` to older borrowers); BAR_WRITE and RESET replies carry [`DoorbellKicks`]; the [`KicksEvent`] event |
 //!
 //! New requests of a version are unknown opcodes in a session of an older version (both
 //! ways: the lender answers `UNKNOWN_OPCODE`, and [`Request::encode_versioned`] refuses to
@@ -111,6 +111,8 @@ pub mod opcode {
     pub const EVT_RESAMPLE: u16 = 0x183;
     /// Event: the lease's IOMMU domain refused a DMA (version 3).
     pub const EVT_IOMMU_FAULT: u16 = 0x184;
+    /// Event: the device's kick-only doorbells changed (version 3).
+    pub const EVT_KICKS: u16 = 0x185;
 }
 
 /// Error codes of error replies (the wire's generic codes are below 0x100).
@@ -291,6 +293,15 @@ pub enum NotifyWrites {
         /// Length of the range.
         len: u64,
     },
+    /// Version 3: as `Doorbells`, but the device polls the doorbell range, so the borrower
+    /// may map the pages inside it read-write (stores reach the device with no exit and no
+    /// notify). Sent as `Doorbells` to older borrowers (store + notify is also right).
+    Polled {
+        /// First byte of the doorbell range within the BAR.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+    },
 }
 
 impl NotifyWrites {
@@ -300,7 +311,8 @@ impl NotifyWrites {
     pub fn is_doorbell(&self, offset: u64, len: u64) -> bool {
         match *self {
             NotifyWrites::None | NotifyWrites::All => true,
-            NotifyWrites::Doorbells { offset: o, len: l } => {
+            NotifyWrites::Doorbells { offset: o, len: l }
+            | NotifyWrites::Polled { offset: o, len: l } => {
                 offset >= o
                     && offset
                         .checked_add(len)
@@ -651,6 +663,86 @@ pub struct IrqEvent {
     pub vector: u32,
 }
 
+/// The doorbells of a device whose written value it does not need (it reads shadow
+/// doorbells from memory): a store there is only a kick, which a borrower may turn into a
+/// KVM ioeventfd on the lease's notify eventfd (version 3). `generation` grows with every
+/// change; a borrower keeps the newest it has seen (from replies and events), so a late
+/// event never undoes a newer reply. Empty `offsets`: every doorbell needs its value.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DoorbellKicks {
+    /// Increases with every change.
+    pub generation: u64,
+    /// BAR the offsets are in.
+    pub bar: u8,
+    /// Offsets of kick-only 4-byte doorbells.
+    pub offsets: Vec<u64>,
+}
+
+/// Most kick-only doorbells in one [`DoorbellKicks`].
+pub const MAX_KICKS: usize = 256;
+
+impl DoorbellKicks {
+    fn check(&self, op: u16) -> Result<(), ProtocolError> {
+        if self.bar > 5 || self.offsets.len() > MAX_KICKS {
+            return Err(invalid(
+                op,
+                format!(
+                    "kick-only doorbells: bar {} with {} offsets (bar 0..=5, at most {MAX_KICKS})",
+                    self.bar,
+                    self.offsets.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The newer of `self` and `other` (by generation).
+    pub fn newest(self, other: DoorbellKicks) -> DoorbellKicks {
+        if other.generation > self.generation {
+            other
+        } else {
+            self
+        }
+    }
+}
+
+/// Decodes a BAR_WRITE or RESET reply sent in the layout of `version`: the device's
+/// kick-only doorbells from version 3 on, `None` before.
+pub fn decode_kicks_reply(
+    op: u16,
+    payload: &[u8],
+    version: u32,
+) -> Result<Option<DoorbellKicks>, ProtocolError> {
+    if version < 3 {
+        let () = dec(op, payload)?;
+        return Ok(None);
+    }
+    let k: DoorbellKicks = dec(op, payload)?;
+    k.check(op)?;
+    Ok(Some(k))
+}
+
+/// Encodes a BAR_WRITE or RESET reply in the layout of `version`.
+pub fn encode_kicks_reply(
+    op: u16,
+    kicks: &DoorbellKicks,
+    version: u32,
+) -> Result<Vec<u8>, ProtocolError> {
+    if version < 3 {
+        return enc(op, &());
+    }
+    enc(op, kicks)
+}
+
+/// Event (lender → borrower, version 3): the lease's kick-only doorbells changed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KicksEvent {
+    /// Lease.
+    pub lease: u64,
+    /// The new state.
+    pub kicks: DoorbellKicks,
+}
+
 /// Event (borrower → lender, version 2): the guest EOIed the device's INTx.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IrqResample {
@@ -788,6 +880,8 @@ pub enum Event {
     Resample(IrqResample),
     /// A refused DMA (version 3).
     IommuFault(IommuFaultEvent),
+    /// Kick-only doorbells changed (version 3).
+    Kicks(KicksEvent),
 }
 
 fn wire_err(opcode: u16) -> impl FnOnce(WireError) -> ProtocolError {
@@ -1076,6 +1170,7 @@ impl Event {
             Event::Irq(v) => Ok((opcode::EVT_IRQ, enc(opcode::EVT_IRQ, v)?)),
             Event::Resample(v) => Ok((opcode::EVT_RESAMPLE, enc(opcode::EVT_RESAMPLE, v)?)),
             Event::IommuFault(v) => Ok((opcode::EVT_IOMMU_FAULT, enc(opcode::EVT_IOMMU_FAULT, v)?)),
+            Event::Kicks(v) => Ok((opcode::EVT_KICKS, enc(opcode::EVT_KICKS, v)?)),
         }
     }
 
@@ -1087,6 +1182,11 @@ impl Event {
             opcode::EVT_IRQ => Ok(Event::Irq(dec(op, payload)?)),
             opcode::EVT_RESAMPLE => Ok(Event::Resample(dec(op, payload)?)),
             opcode::EVT_IOMMU_FAULT => Ok(Event::IommuFault(dec(op, payload)?)),
+            opcode::EVT_KICKS => {
+                let k: KicksEvent = dec(op, payload)?;
+                k.kicks.check(op)?;
+                Ok(Event::Kicks(k))
+            }
             other => Err(ProtocolError::UnknownOpcode(other)),
         }
     }
@@ -1123,6 +1223,13 @@ pub fn encode_borrowed(b: &Borrowed, version: u32) -> Result<Vec<u8>, ProtocolEr
         };
         return enc(op, &v1);
     }
+    if version < 3 {
+        let v2 = Borrowed {
+            info: without_polled(&b.info),
+            ..b.clone()
+        };
+        return enc(op, &v2);
+    }
     enc(op, b)
 }
 
@@ -1149,7 +1256,22 @@ pub fn encode_device_info(i: &DeviceInfo, version: u32) -> Result<Vec<u8>, Proto
     if version < 2 {
         return enc(op, &DeviceInfoV1::from_v2(i));
     }
+    if version < 3 {
+        return enc(op, &without_polled(i));
+    }
     enc(op, i)
+}
+
+/// Version 2 has no [`NotifyWrites::Polled`]: such BARs are sent as `Doorbells` (store +
+/// notify, also right for a polling device); the layout is otherwise the same.
+fn without_polled(i: &DeviceInfo) -> DeviceInfo {
+    let mut i = i.clone();
+    for b in i.bars.iter_mut() {
+        if let NotifyWrites::Polled { offset, len } = b.notify {
+            b.notify = NotifyWrites::Doorbells { offset, len };
+        }
+    }
+    i
 }
 
 /// Decodes a DEVICE_INFO reply sent in the layout of `version`; `has_notify`: whether the
@@ -1581,5 +1703,86 @@ mod tests {
             let _ = Request::decode(op, &m);
             let _ = Request::decode(op, &p[..cut % (p.len() + 1)]);
         }
+    }
+
+    #[test]
+    fn version_3_kicks_and_polled_bars_downgrade() {
+        let k = DoorbellKicks {
+            generation: 4,
+            bar: 0,
+            offsets: vec![0x1008, 0x100c],
+        };
+        let op = opcode::BAR_WRITE;
+        let p = encode_kicks_reply(op, &k, 3).unwrap();
+        assert_eq!(decode_kicks_reply(op, &p, 3).unwrap(), Some(k.clone()));
+        // Version 2 peers keep the `()` reply both ways.
+        let p2 = encode_kicks_reply(op, &k, 2).unwrap();
+        assert!(p2.is_empty());
+        assert_eq!(decode_kicks_reply(op, &p2, 2).unwrap(), None);
+        let bad = DoorbellKicks {
+            generation: 1,
+            bar: 9,
+            offsets: vec![],
+        };
+        let p = encode_kicks_reply(op, &bad, 3).unwrap();
+        assert!(decode_kicks_reply(op, &p, 3).is_err(), "bar 9 refused");
+        let too_many = DoorbellKicks {
+            generation: 1,
+            bar: 0,
+            offsets: vec![0; MAX_KICKS + 1],
+        };
+        let ev = Event::Kicks(KicksEvent {
+            lease: 3,
+            kicks: too_many,
+        });
+        let (op, p) = ev.encode().unwrap();
+        assert!(
+            Event::decode(op, &p).is_err(),
+            "oversized kick list refused"
+        );
+        let ev = Event::Kicks(KicksEvent {
+            lease: 3,
+            kicks: k.clone(),
+        });
+        let (op, p) = ev.encode().unwrap();
+        assert_eq!(Event::decode(op, &p).unwrap(), ev);
+        // Newest wins whichever path delivered it.
+        let old = DoorbellKicks {
+            generation: 3,
+            ..k.clone()
+        };
+        assert_eq!(old.clone().newest(k.clone()), k);
+        assert_eq!(k.clone().newest(old), k);
+        // A polled BAR reaches a version 2 borrower as store + notify doorbells.
+        let mut info = sample_info();
+        info.bars[0].notify = NotifyWrites::Polled {
+            offset: 0x1000,
+            len: 0x3000,
+        };
+        let v3 = decode_device_info(&encode_device_info(&info, 3).unwrap(), 3, true).unwrap();
+        assert_eq!(v3, info);
+        let v2 = decode_device_info(&encode_device_info(&info, 2).unwrap(), 2, true).unwrap();
+        assert_eq!(
+            v2.bars[0].notify,
+            NotifyWrites::Doorbells {
+                offset: 0x1000,
+                len: 0x3000
+            }
+        );
+        let b = Borrowed {
+            lease: 1,
+            info,
+            notify_fd: Some(0),
+            notify_doorbell: None,
+        };
+        let v2 = decode_borrowed(&encode_borrowed(&b, 2).unwrap(), 2).unwrap();
+        assert!(matches!(
+            v2.info.bars[0].notify,
+            NotifyWrites::Doorbells { .. }
+        ));
+        assert_eq!(
+            decode_borrowed(&encode_borrowed(&b, 3).unwrap(), 3).unwrap(),
+            b
+        );
     }
 }

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -141,6 +141,7 @@ impl Lender {
                 Err(FabricError::Timeout(_)) => {}
                 Err(e) => break e.to_string(),
             }
+            s.announce_kicks();
         };
         let n = s.leases.len();
         s.end_all(&format!("link to {peer} down: {reason}"), false);
@@ -168,6 +169,49 @@ struct SessionLease {
     maps: Vec<DmaEntry>,
     /// BAR index -> fabric window id exported for it.
     bar_windows: HashMap<u8, u32>,
+    /// Generation of the kick-only doorbells the borrower was last told (reply or event;
+    /// shared with the device's kick listener).
+    kicks_told: Arc<AtomicU64>,
+}
+
+impl Drop for SessionLease {
+    fn drop(&mut self) {
+        // The listener points at this session's link: gone before the device is lent again.
+        self.lease.backend().set_kick_listener(None);
+    }
+}
+
+/// Tells a version 3 borrower at once when the device's kick-only doorbells change (called
+/// on the device's threads; the session loop's [`Session::announce_kicks`] is the safety
+/// net). Holds only weak references: the lease owns the device, not the other way round.
+fn kick_listener(
+    ep: &Arc<dyn Endpoint>,
+    backend: &Arc<dyn DeviceBackend>,
+    lease: u64,
+    told: &Arc<AtomicU64>,
+) -> ::emulated::KickListener {
+    let (ep, backend, told) = (
+        Arc::downgrade(ep),
+        Arc::downgrade(backend),
+        Arc::clone(told),
+    );
+    Arc::new(move || {
+        let (Some(ep), Some(b)) = (ep.upgrade(), backend.upgrade()) else {
+            return;
+        };
+        let kicks = b.kick_doorbells();
+        if told.fetch_max(kicks.generation, Ordering::AcqRel) >= kicks.generation {
+            return;
+        }
+        match Event::Kicks(protocol::KicksEvent { lease, kicks }).encode() {
+            Ok((op, p)) => {
+                if let Err(e) = ep.send(Message::raw(op, p)) {
+                    log::debug!("kicks event to {}: {e}", ep.peer_node());
+                }
+            }
+            Err(e) => log::error!("kicks event encode: {e}"),
+        }
+    })
 }
 
 struct Session {
@@ -370,7 +414,52 @@ impl IrqTrigger for MessageTrigger {
     }
 }
 
+impl SessionLease {
+    /// A BAR_WRITE/RESET reply with the device's kick-only doorbells (version 3).
+    fn kicks_reply(&mut self, op: u16, version: u32) -> Reply {
+        let k = self.lease.backend().kick_doorbells();
+        if version >= 3 {
+            self.kicks_told.fetch_max(k.generation, Ordering::AcqRel);
+        }
+        protocol::encode_kicks_reply(op, &k, version)
+            .map(|p| Message::raw(op, p))
+            .map_err(proto_err)
+    }
+}
+
 impl Session {
+    /// Tells the borrower (version 3) about kick-only doorbell changes it has not seen in a
+    /// reply: shadow doorbells switched on by an admin command. Late is harmless (the
+    /// exact doorbell path keeps working until the borrower registers its ioeventfds).
+    fn announce_kicks(&mut self) {
+        if self.version < 3 || !self.hello {
+            return;
+        }
+        for (&id, sl) in self.leases.iter_mut() {
+            let b = sl.lease.backend();
+            if b.kick_generation() <= sl.kicks_told.load(Ordering::Acquire) {
+                continue;
+            }
+            let kicks = b.kick_doorbells();
+            if sl.kicks_told.fetch_max(kicks.generation, Ordering::AcqRel) >= kicks.generation {
+                continue;
+            }
+            log::debug!(
+                "lease {id}: {} kick-only doorbells (generation {})",
+                kicks.offsets.len(),
+                kicks.generation
+            );
+            match Event::Kicks(protocol::KicksEvent { lease: id, kicks }).encode() {
+                Ok((op, p)) => {
+                    if let Err(e) = self.ep.send(Message::raw(op, p)) {
+                        log::debug!("kicks event to {}: {e}", self.ep.peer_node());
+                    }
+                }
+                Err(e) => log::error!("kicks event encode: {e}"),
+            }
+        }
+    }
+
     fn peer(&self) -> String {
         self.ep.peer_node().to_string()
     }
@@ -507,12 +596,16 @@ impl Session {
                 ok(op, &buf)
             }
             Request::BarWrite(w) => {
+                let version = self.version;
                 let sl = self.lease(w.lease)?;
                 sl.lease
                     .backend()
                     .bar_write(w.bar, w.offset, &w.data)
                     .map_err(backend_err)?;
-                ok(op, &())
+                // The reply carries the kick-only doorbells as they are after this write (a
+                // CC.EN 1->0 ends shadow doorbells): the borrower applies them before the
+                // guest's next doorbell store.
+                sl.kicks_reply(op, version)
             }
             Request::DmaMap(m) => {
                 let ep = Arc::clone(&self.ep);
@@ -583,7 +676,9 @@ impl Session {
                 if !sl.maps.is_empty() {
                     b.set_bus_master(true).map_err(backend_err)?;
                 }
-                ok(op, &())
+                let version = self.version;
+                let sl = self.lease(l.lease)?;
+                sl.kicks_reply(op, version)
             }
             Request::Return(l) => {
                 let mut sl = self.leases.remove(&l.lease).ok_or_else(|| {
@@ -657,6 +752,10 @@ impl Session {
             })));
             FaultRelayGuard { domain }
         });
+        let kicks_told = Arc::new(AtomicU64::new(0));
+        if self.version >= 3 {
+            backend.set_kick_listener(Some(kick_listener(&self.ep, &backend, id, &kicks_told)));
+        }
         self.leases.insert(
             id,
             SessionLease {
@@ -666,6 +765,7 @@ impl Session {
                 lease,
                 maps: Vec::new(),
                 bar_windows,
+                kicks_told,
             },
         );
         Ok(msg)

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! 0000:81:00.0=vfio
-//! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling]
+//! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off]
 //! 0000:83:00.0=dmatest[:mode=interrupt|polling]
 //! ```
 
@@ -36,6 +36,8 @@ pub enum DeviceKind {
         lba: u32,
         /// Doorbell notification.
         mode: NotifyMode,
+        /// Offer shadow doorbells (Doorbell Buffer Config); `dbbuf=off` for comparisons.
+        dbbuf: bool,
     },
     /// Emulated dmatest copy engine.
     Dmatest {
@@ -141,6 +143,7 @@ impl std::str::FromStr for DeviceSpec {
                 let mut size = None;
                 let mut lba = 512;
                 let mut mode = NotifyMode::Interrupt;
+                let mut dbbuf = true;
                 for (k, v) in pairs {
                     match k {
                         "path" if !v.is_empty() => path = Some(PathBuf::from(v)),
@@ -158,6 +161,13 @@ impl std::str::FromStr for DeviceSpec {
                             }
                         }
                         "mode" => mode = parse_mode(v, &err)?,
+                        "dbbuf" => {
+                            dbbuf = match v {
+                                "on" => true,
+                                "off" => false,
+                                _ => return Err(err(format!("dbbuf {v:?} is not on or off"))),
+                            }
+                        }
                         other => return Err(err(format!("unknown nvme option {other:?}"))),
                     }
                 }
@@ -174,6 +184,7 @@ impl std::str::FromStr for DeviceSpec {
                     size,
                     lba,
                     mode,
+                    dbbuf,
                 }
             }
             other => {
@@ -206,7 +217,8 @@ mod tests {
                 path: "/var/lib/lendvm/disk0.img".into(),
                 size: Some(1 << 30),
                 lba: 512,
-                mode: NotifyMode::Interrupt
+                mode: NotifyMode::Interrupt,
+                dbbuf: true,
             }
         );
         let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,size=64M,lba=4096,mode=polling"
@@ -220,6 +232,10 @@ mod tests {
                 ..
             }
         ));
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,dbbuf=off".parse().unwrap();
+        assert!(matches!(s.kind, DeviceKind::Nvme { dbbuf: false, .. }));
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,dbbuf=on".parse().unwrap();
+        assert!(matches!(s.kind, DeviceKind::Nvme { dbbuf: true, .. }));
         let s: DeviceSpec = "0000:83:00.0=dmatest".parse().unwrap();
         assert_eq!(
             s.kind,
@@ -240,6 +256,10 @@ mod tests {
             ("0000:81:00.0=nvme:path=x,size=1Q", "size \"1Q\""),
             ("0000:81:00.0=nvme:path=x,lba=1024", "lba \"1024\""),
             ("0000:81:00.0=nvme:path=x,mode=fast", "mode \"fast\""),
+            (
+                "0000:81:00.0=nvme:path=x,dbbuf=yes",
+                "dbbuf \"yes\" is not on or off",
+            ),
             (
                 "0000:81:00.0=nvme:path=x,colour=red",
                 "unknown nvme option \"colour\"",

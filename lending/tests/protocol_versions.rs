@@ -1,7 +1,8 @@
 //! Protocol version negotiation against an in-process lender: a version 1 borrower keeps
-//! its layouts and meanings; a version 2 borrower gets per-BAR write notification and none of
-//! version 3 (no counters, no quiesce, no IOMMU fault events); a version 3 borrower gets
-//! them.
+//! its layouts and meanings; a version 2 borrower gets per-BAR write notification, `()`
+//! replies to BAR_WRITE/RESET, `Doorbells` for a polled BAR and none of version 3's counters,
+//! quiesce or IOMMU fault events; a version 3 borrower gets all of them, `Polled` and the
+//! kick-only doorbells in those replies.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -27,11 +28,18 @@ const TOKEN: &str = "v3rsions";
 const DEV: &str = "0000:00:05.0";
 
 fn lender() -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
-    let (dir, cfg, l, _) = lender_with_backend();
+    let (dir, cfg, l, _) = lender_with_backend(NotifyMode::Interrupt);
     (dir, cfg, l)
 }
 
-fn lender_with_backend() -> (
+fn lender_with(mode: NotifyMode) -> (tempfile::TempDir, ClusterConfig, BackgroundLender) {
+    let (dir, cfg, l, _) = lender_with_backend(mode);
+    (dir, cfg, l)
+}
+
+fn lender_with_backend(
+    mode: NotifyMode,
+) -> (
     tempfile::TempDir,
     ClusterConfig,
     BackgroundLender,
@@ -47,7 +55,7 @@ fn lender_with_backend() -> (
     let path = dir.path().join("cluster.toml");
     std::fs::write(&path, src).unwrap();
     let cfg = ClusterConfig::load(&path).unwrap();
-    let backend = Arc::new(EmulatedBackend::dmatest("versions", NotifyMode::Interrupt).unwrap());
+    let backend = Arc::new(EmulatedBackend::dmatest("versions", mode).unwrap());
     let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend.clone() as _)]).unwrap());
     let listener = SocketFabric::from_cluster(&cfg, "lender")
         .unwrap()
@@ -161,7 +169,8 @@ fn too_old_a_version_is_refused() {
     let ep = connect(&cfg);
     let e = call(&*ep, &hello(0), 1).unwrap_err();
     assert_eq!(e.code, code::VERSION);
-    assert!(e.message.contains("1..=3"), "{}", e.message);
+    let range = format!("1..={}", protocol::PROTOCOL_VERSION);
+    assert!(e.message.contains(&range), "{}", e.message);
 }
 
 /// A version 2 borrower of a version 3 lender: the session speaks 2; counters are `None`
@@ -169,7 +178,7 @@ fn too_old_a_version_is_refused() {
 /// in the session, and a DMA fault sends no event it could not decode.
 #[test]
 fn version_2_borrower_sees_nothing_of_version_3() {
-    let (_dir, cfg, _l, backend) = lender_with_backend();
+    let (_dir, cfg, _l, backend) = lender_with_backend(NotifyMode::Interrupt);
     let ep = connect(&cfg);
     let c = LenderClient::from_endpoint_with_version(ep, TOKEN, "v2", 2).unwrap();
     assert_eq!(c.protocol_version(), 2);
@@ -209,7 +218,7 @@ fn version_2_borrower_sees_nothing_of_version_3() {
 /// zero), quiesce accepted, and each IOMMU fault reported with the lease's exact total.
 #[test]
 fn version_3_borrower_gets_counters_quiesce_and_fault_events() {
-    let (_dir, cfg, _l, backend) = lender_with_backend();
+    let (_dir, cfg, _l, backend) = lender_with_backend(NotifyMode::Interrupt);
     let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "v3").unwrap();
     assert_eq!(c.protocol_version(), 3);
     let lease = c.borrow(DEV, "vm0").unwrap();
@@ -242,4 +251,52 @@ fn version_3_borrower_gets_counters_quiesce_and_fault_events() {
     let f = fault_event(&c, Duration::from_secs(5)).expect("iommu fault event");
     assert_eq!((f.lease, f.total), (lease.id(), 1));
     assert_eq!(lease.counters().unwrap().unwrap().iommu_faults, 1);
+}
+
+#[test]
+fn version_2_and_3_replies_and_polled_bars() {
+    let (_dir, cfg, _l) = lender_with(NotifyMode::Polling);
+    let range = NotifyWrites::Polled {
+        offset: emulated::dmatest::REG_SRC,
+        len: emulated::dmatest::REG_CMD + 4 - emulated::dmatest::REG_SRC,
+    };
+    // Version 2: the polled BAR is described as doorbells, BAR_WRITE/RESET answer `()`.
+    let ep = connect(&cfg);
+    let m = call(&*ep, &hello(2), 2).unwrap();
+    let h: HelloReply = protocol::decode_reply(opcode::HELLO, &m.payload).unwrap();
+    assert_eq!(h.version, 2);
+    let borrow = Request::Borrow(Borrow {
+        device: DEV.into(),
+        vm: "vm0".into(),
+    });
+    let m = call(&*ep, &borrow, 2).unwrap();
+    let b = protocol::decode_borrowed(&m.payload, 2).unwrap();
+    let bar0 = b.info.bars.iter().find(|x| x.index == 0).unwrap();
+    let NotifyWrites::Polled { offset, len } = range else {
+        unreachable!()
+    };
+    assert_eq!(bar0.notify, NotifyWrites::Doorbells { offset, len });
+    let w = Request::BarWrite(protocol::BarWrite {
+        lease: b.lease,
+        bar: 0,
+        offset: 0,
+        data: vec![0; 4],
+    });
+    let m = call(&*ep, &w, 2).unwrap();
+    assert!(m.payload.is_empty(), "a version 2 BAR_WRITE reply is ()");
+    let r = Request::Reset(protocol::LeaseRef { lease: b.lease });
+    let m = call(&*ep, &r, 2).unwrap();
+    assert!(m.payload.is_empty());
+    let ret = Request::Return(protocol::LeaseRef { lease: b.lease });
+    call(&*ep, &ret, 2).unwrap();
+    drop(ep);
+    // Version 3: Polled, and the kick-only doorbells (none for a dmatest) in the replies.
+    let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "new").unwrap();
+    assert_eq!(c.protocol_version(), 3);
+    let lease = c.borrow(DEV, "vm1").unwrap();
+    let bar0 = lease.info().bars.iter().find(|x| x.index == 0).unwrap();
+    assert_eq!(bar0.notify, range);
+    let k = lease.bar_write_kicks(0, 0, &[0; 4]).unwrap().unwrap();
+    assert!(k.offsets.is_empty());
+    assert!(lease.reset_kicks().unwrap().unwrap().offsets.is_empty());
 }

@@ -599,6 +599,13 @@ fn linux_boots_with_a_lent_nvme_disk() {
     let exit_wall = guest.expect_exit_0(&lender, deadline);
     let ok = check_guest_used_the_disk(&guest, &lender, &parts, lba, count, seed);
     assert_eq!(ok, ok_line);
+    // Linux's stock driver enabled shadow doorbells (lenderd's default dbbuf=on), so the VMM
+    // turned the I/O queue doorbells into ioeventfds.
+    let stderr = guest.out.stderr();
+    assert!(
+        stderr.contains("doorbell ioeventfds (kick-only doorbells"),
+        "no doorbell ioeventfds in the lendvm log\n{stderr}"
+    );
     let ok_guest_s = printk_time(&ok_line).unwrap_or(f64::NAN);
     report(&guest, "self-test", ok_wall, exit_wall, ok_guest_s);
 }

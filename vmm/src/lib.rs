@@ -24,6 +24,9 @@ pub mod vcpu;
 pub mod vm;
 pub mod vm_ops;
 
+#[cfg(test)]
+mod doorbell_tests;
+
 pub use config::{SerialConfig, VmConfig};
 pub use exit::VmExit;
 pub use vm::{Vm, VmError};

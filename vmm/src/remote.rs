@@ -25,8 +25,7 @@ use ntb::{ClusterConfig, NodeId};
 use pci::vm_ops::GuestRamRegion;
 use remote_pci::lending_link::{LendingLink, LendingLinkError, LendingLinkOptions};
 use remote_pci::{
-    BarAccess, DmaMapping, IrqTargets, LeaseState, LenderCounters, LinkError, LinkEventHook,
-    PinError, PinnedRange, Pinner, RemoteDeviceInfo, RemoteDeviceLink,
+    BarAccess, DmaMapping, IrqTargets, KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, PinError, PinnedRange, Pinner, RemoteDeviceInfo, RemoteDeviceLink,
 };
 
 /// Client name given in the lender hello (lenderd logs it).
@@ -349,6 +348,23 @@ impl RemoteDeviceLink for VmmLink {
 
     fn irq_counts(&self) -> Option<Vec<u64>> {
         self.inner.irq_counts()
+    }
+
+    fn kick_generation(&self) -> u64 {
+        self.inner.kick_generation()
+    }
+
+    fn kick_doorbells(&self) -> KickDoorbells {
+        // A trapped device has no direct window to put ioeventfds on (the device ignores
+        // them then anyway); the generation still moves so nothing is re-applied.
+        let k = self.inner.kick_doorbells();
+        if self.trapped {
+            return KickDoorbells {
+                generation: k.generation,
+                ..KickDoorbells::default()
+            };
+        }
+        k
     }
 
     fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {

@@ -224,6 +224,10 @@ impl DeviceModel for DmaTest {
         "dmatest"
     }
 
+    fn polls_doorbells(&self) -> bool {
+        self.inner.notify == NotifyMode::Polling
+    }
+
     fn identity(&self) -> PciIdentity {
         PciIdentity {
             vendor_id: 0x1b36,

@@ -32,7 +32,10 @@ pub mod workload;
 
 pub use dma::{DmaFault, DmaMemory};
 pub use irq::{InterruptMode, InterruptSink};
-pub use model::{BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity};
+pub use model::{
+    BarInfo, DeviceError, DeviceModel, DoorbellRange, KickDoorbells, KickListener, MsixInfo,
+    PciIdentity,
+};
 pub use regs::{HeapRegisters, MappedRegisters, RawRegisters, RegisterMemory};
 
 /// How a device's worker thread learns about register writes.

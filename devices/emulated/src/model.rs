@@ -105,6 +105,27 @@ impl DoorbellRange {
     }
 }
 
+/// Doorbells of a register BAR whose written value the device does not need right now (it
+/// reads the value from a shadow buffer in host memory, e.g. NVMe shadow doorbells): a write
+/// there is only a kick, so a borrower may turn it into a KVM ioeventfd on
+/// [`DeviceModel::doorbell_event`] (the value is then lost, which is fine).
+///
+/// `generation` grows with every change of the set, so a borrower that sees the set through
+/// several paths (a reply, an asynchronous event) keeps the newest. An empty `offsets`
+/// means every doorbell needs its value again (e.g. after a controller reset).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KickDoorbells {
+    /// Increases with every change.
+    pub generation: u64,
+    /// Register BAR the offsets are in.
+    pub bar: u8,
+    /// Offsets of 4-byte doorbell registers that are kick-only.
+    pub offsets: Vec<u64>,
+}
+
+/// Called after the kick-only doorbells changed (see [`DeviceModel::set_kick_listener`]).
+pub type KickListener = std::sync::Arc<dyn Fn() + Send + Sync>;
+
 /// Where the MSI-X table and PBA are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MsixInfo {
@@ -168,6 +189,25 @@ pub trait DeviceModel: Send + Sync {
     /// parked between passes); a host that resets to end a pause resumes after the reset.
     /// Default: nothing.
     fn quiesce(&self, _stop: bool) {}
+    /// Doorbells that are currently kick-only (see [`KickDoorbells`]). Default: none ever.
+    fn kick_doorbells(&self) -> KickDoorbells {
+        KickDoorbells::default()
+    }
+    /// The generation of [`DeviceModel::kick_doorbells`], cheaply (polled by the lender).
+    fn kick_generation(&self) -> u64 {
+        self.kick_doorbells().generation
+    }
+    /// Calls `listener` (from the device's own threads) after every change of
+    /// [`DeviceModel::kick_doorbells`], so the lender can tell the borrower at once; `None`
+    /// removes it. Default: the set never changes, nothing to call.
+    fn set_kick_listener(&self, listener: Option<KickListener>) {
+        let _ = listener;
+    }
+    /// True when the device polls its doorbell range (polling mode): stores there need no
+    /// notification, so a borrower may map those pages writable. Default: false.
+    fn polls_doorbells(&self) -> bool {
+        false
+    }
 }
 
 pub(crate) const CAP_PM: u8 = 0x40;

@@ -303,6 +303,64 @@ pub trait GuestBar: Send + Sync {
     }
 }
 
+/// What a borrower's VMM makes of a device's BAR 0 once it follows
+/// [`DeviceModel::kick_doorbells`]: a store to a kick-only doorbell only signals the
+/// doorbell eventfd (a KVM ioeventfd: the value is lost), a store to another doorbell is
+/// stored and signalled, any other store takes the exact [`DeviceModel::bar_write`]. The
+/// kick set is re-read on every store, as if the VMM applied each change at once.
+pub struct KickBar {
+    model: Arc<dyn DeviceModel>,
+    regs: Arc<dyn RegisterMemory>,
+    doorbells: Option<crate::DoorbellRange>,
+    kicks: AtomicU64,
+}
+
+impl KickBar {
+    /// Over `model`'s BAR 0 backed by `regs`.
+    pub fn new(model: Arc<dyn DeviceModel>, regs: Arc<dyn RegisterMemory>) -> Self {
+        let doorbells = model
+            .bars()
+            .iter()
+            .find(|b| b.index == 0)
+            .and_then(|b| b.doorbells);
+        KickBar {
+            model,
+            regs,
+            doorbells,
+            kicks: AtomicU64::new(0),
+        }
+    }
+
+    /// Stores that became kicks (their value dropped).
+    pub fn kicks(&self) -> u64 {
+        self.kicks.load(Ordering::Relaxed)
+    }
+}
+
+impl GuestBar for KickBar {
+    fn read32(&self, off: u64) -> u32 {
+        self.regs.read32(off)
+    }
+    fn write32(&self, off: u64, v: u32) {
+        let k = self.model.kick_doorbells();
+        if k.bar == 0 && k.offsets.contains(&off) {
+            self.kicks.fetch_add(1, Ordering::Relaxed);
+            let _ = self.model.doorbell_event().write(1);
+        } else if self.doorbells.is_some_and(|d| d.contains(off, 4)) {
+            self.regs.write32(off, v);
+            let _ = self.model.doorbell_event().write(1);
+        } else {
+            self.model.bar_write(0, off, &v.to_le_bytes());
+        }
+    }
+    fn read64(&self, off: u64) -> u64 {
+        self.regs.read64(off)
+    }
+    fn write64(&self, off: u64, v: u64) {
+        self.model.bar_write(0, off, &v.to_le_bytes());
+    }
+}
+
 /// Stores land directly in register memory (the shm fabric). With `notify`, every store also
 /// signals the device's doorbell eventfd (what the VMM trap or KVM ioeventfd does); without,
 /// the device must be in polling mode.
@@ -457,6 +515,8 @@ pub struct IdController {
     pub vwc: u8,
     /// ONCS.
     pub oncs: u16,
+    /// OACS (bit 8: Doorbell Buffer Config).
+    pub oacs: u16,
 }
 
 struct Queue {
@@ -494,6 +554,44 @@ pub struct NvmeDriver {
     next: u64,
     admin: Option<Queue>,
     io: Vec<Queue>,
+    /// Shadow doorbell and EventIdx buffers once Doorbell Buffer Config succeeded.
+    dbbuf: Option<(u64, u64)>,
+    doorbells: DoorbellCounts,
+}
+
+/// I/O queue doorbell accounting of [`NvmeDriver`] (the admin queue is not counted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DoorbellCounts {
+    /// SQ tail updates (each would be an MMIO write without shadow doorbells).
+    pub sq_updates: u64,
+    /// SQ tail MMIO writes made.
+    pub sq_writes: u64,
+    /// CQ head updates.
+    pub cq_updates: u64,
+    /// CQ head MMIO writes made.
+    pub cq_writes: u64,
+}
+
+impl DoorbellCounts {
+    /// MMIO doorbell writes.
+    pub fn writes(&self) -> u64 {
+        self.sq_writes + self.cq_writes
+    }
+
+    /// Doorbell updates.
+    pub fn updates(&self) -> u64 {
+        self.sq_updates + self.cq_updates
+    }
+
+    /// `self - earlier`, field by field.
+    pub fn since(&self, earlier: &DoorbellCounts) -> DoorbellCounts {
+        DoorbellCounts {
+            sq_updates: self.sq_updates - earlier.sq_updates,
+            sq_writes: self.sq_writes - earlier.sq_writes,
+            cq_updates: self.cq_updates - earlier.cq_updates,
+            cq_writes: self.cq_writes - earlier.cq_writes,
+        }
+    }
 }
 
 fn trim(b: &[u8]) -> String {
@@ -518,7 +616,85 @@ impl NvmeDriver {
             cfg,
             admin: None,
             io: Vec::new(),
+            dbbuf: None,
+            doorbells: DoorbellCounts::default(),
         }
+    }
+
+    /// I/O queue doorbell updates and MMIO writes so far.
+    pub fn doorbell_counts(&self) -> DoorbellCounts {
+        self.doorbells
+    }
+
+    /// Whether shadow doorbells are in use.
+    pub fn dbbuf_enabled(&self) -> bool {
+        self.dbbuf.is_some()
+    }
+
+    /// Send Doorbell Buffer Config with the given buffers (PRP1 shadow, PRP2 EventIdx) and
+    /// return its completion; on success the driver uses them, as Linux does.
+    pub fn dbbuf_config(&mut self, shadow: u64, eventidx: u64) -> Result<Cqe, DriverError> {
+        let mut s = Sqe::new(admin::DBBUF_CONFIG, 0);
+        s.set_prps(shadow, eventidx);
+        let e = self.execute(0, s)?;
+        if e.code() == status::SUCCESS {
+            self.dbbuf = Some((shadow, eventidx));
+        }
+        Ok(e)
+    }
+
+    /// Allocate zeroed shadow and EventIdx pages and enable shadow doorbells.
+    pub fn enable_dbbuf(&mut self) -> Result<(), DriverError> {
+        let shadow = self.alloc(PAGE_SIZE as usize, PAGE_SIZE)?;
+        let eventidx = self.alloc(PAGE_SIZE as usize, PAGE_SIZE)?;
+        let e = self.dbbuf_config(shadow, eventidx)?;
+        if e.code() != status::SUCCESS {
+            return Err(DriverError::Status {
+                opcode: admin::DBBUF_CONFIG,
+                status: e.code(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Write a doorbell the way Linux's `nvme_dbbuf_update_and_check_event` does: with
+    /// shadow doorbells on (I/O queues only), store the value in the shadow slot, full
+    /// fence, read EventIdx and write MMIO only if `(u16)(new - ei - 1) < (u16)(new - old)`.
+    fn doorbell(&mut self, qid: u16, cq: bool, value: u16) {
+        let reg = if cq {
+            cq_doorbell(qid)
+        } else {
+            sq_doorbell(qid)
+        };
+        if qid == 0 {
+            self.bar.write32(reg, u32::from(value));
+            return;
+        }
+        if cq {
+            self.doorbells.cq_updates += 1;
+        } else {
+            self.doorbells.sq_updates += 1;
+        }
+        if let Some((shadow, eventidx)) = self.dbbuf {
+            let slot = 8 * u64::from(qid) + if cq { 4 } else { 0 };
+            let mut b = [0u8; 4];
+            self.ram.read(shadow + slot, &mut b);
+            let old = u32::from_le_bytes(b) as u16;
+            self.ram
+                .write(shadow + slot, &u32::from(value).to_le_bytes());
+            std::sync::atomic::fence(Ordering::SeqCst);
+            self.ram.read(eventidx + slot, &mut b);
+            let ei = u32::from_le_bytes(b) as u16;
+            if value.wrapping_sub(ei).wrapping_sub(1) >= value.wrapping_sub(old) {
+                return;
+            }
+        }
+        if cq {
+            self.doorbells.cq_writes += 1;
+        } else {
+            self.doorbells.sq_writes += 1;
+        }
+        self.bar.write32(reg, u32::from(value));
     }
 
     /// The guest RAM.
@@ -641,6 +817,7 @@ impl NvmeDriver {
         // IOCQES 4, IOSQES 6, MPS 0, CSS NVM, EN.
         self.bar.write32(REG_CC, (4 << 20) | (6 << 16) | CC_EN);
         self.wait_csts("csts.rdy", |c| c & CSTS_RDY != 0)?;
+        self.dbbuf = None;
         self.admin = Some(Queue {
             qid: 0,
             sq,
@@ -671,6 +848,7 @@ impl NvmeDriver {
         self.wait_csts("csts.rdy clear", |c| c & CSTS_RDY == 0)?;
         self.admin = None;
         self.io.clear();
+        self.dbbuf = None;
         Ok(())
     }
 
@@ -702,10 +880,9 @@ impl NvmeDriver {
 
     /// Ring queue `qid`'s SQ tail doorbell.
     pub fn ring(&mut self, qid: u16) -> Result<(), DriverError> {
-        let bar = self.bar.clone();
-        let q = self.queue(qid)?;
+        let tail = self.queue(qid)?.tail;
         std::sync::atomic::fence(Ordering::SeqCst);
-        bar.write32(sq_doorbell(q.qid), u32::from(q.tail));
+        self.doorbell(qid, false, tail);
         Ok(())
     }
 
@@ -724,7 +901,6 @@ impl NvmeDriver {
     /// Take every completion currently posted on `qid`'s CQ (non-blocking).
     pub fn poll(&mut self, qid: u16, out: &mut Vec<Cqe>) -> Result<usize, DriverError> {
         let ram = self.ram.clone();
-        let bar = self.bar.clone();
         let q = self.queue(qid)?;
         let mut n = 0;
         loop {
@@ -745,7 +921,8 @@ impl NvmeDriver {
             n += 1;
         }
         if n > 0 {
-            bar.write32(cq_doorbell(q.qid), u32::from(q.head));
+            let head = q.head;
+            self.doorbell(qid, true, head);
         }
         Ok(n)
     }
@@ -830,6 +1007,7 @@ impl NvmeDriver {
             cqes: b[513],
             nn: u32::from_le_bytes([b[516], b[517], b[518], b[519]]),
             oncs: u16::from_le_bytes([b[520], b[521]]),
+            oacs: u16::from_le_bytes([b[256], b[257]]),
             vwc: b[525],
         })
     }

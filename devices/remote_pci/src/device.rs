@@ -24,6 +24,7 @@
 //!   enabled, else MSI if enabled, else INTx (with the resample eventfd).
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,7 +40,7 @@ use pci::vm_ops::{IoEventAddress, IoEventGuard, MemslotGuard, VmOps};
 use pci::ConfigError;
 
 use crate::link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, LeaseState, LenderCounters,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, KickDoorbells, LeaseState, LenderCounters,
     LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink,
 };
 use crate::observer::DeviceObserver;
@@ -159,6 +160,76 @@ pub struct RemoteDeviceStatus {
     pub quiesced: bool,
 }
 
+/// Per-device data-path counters, updated on the vCPU path (relaxed atomics) and readable
+/// from any thread through [`RemotePciDevice::counters_handle`] without the device lock.
+#[derive(Debug, Default)]
+pub struct DeviceCounters {
+    /// BAR reads that exited to the VMM (trapped BARs, MSI-X pages, read-only windows
+    /// never exit on reads).
+    pub trapped_reads: AtomicU64,
+    /// BAR writes that exited to the VMM (control registers, doorbells without an
+    /// ioeventfd or writable mapping, MSI-X table).
+    pub trapped_writes: AtomicU64,
+    /// Doorbell kicks the VMM signalled itself (store + notify on the exact path).
+    pub kicks: AtomicU64,
+    /// KVM ioeventfds registered for the device right now (kick-only doorbells and the
+    /// link's static ones).
+    pub ioeventfds: AtomicU64,
+}
+
+/// A snapshot of [`DeviceCounters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCountersSnapshot {
+    pub trapped_reads: u64,
+    pub trapped_writes: u64,
+    pub kicks: u64,
+    pub ioeventfds: u64,
+}
+
+impl DeviceCounters {
+    pub fn snapshot(&self) -> DeviceCountersSnapshot {
+        DeviceCountersSnapshot {
+            trapped_reads: self.trapped_reads.load(Ordering::Relaxed),
+            trapped_writes: self.trapped_writes.load(Ordering::Relaxed),
+            kicks: self.kicks.load(Ordering::Relaxed),
+            ioeventfds: self.ioeventfds.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The kick-only doorbells applied as KVM ioeventfds (see [`KickDoorbells`]).
+#[derive(Default)]
+struct KickState {
+    /// What the link reported last (generation applied).
+    doorbells: KickDoorbells,
+    /// (BAR offset, guard) per registered doorbell; dropping a guard unregisters it.
+    guards: Vec<(u64, IoEventGuard)>,
+    log: LogLimit,
+}
+
+/// At most one log line per second; counts what it held back.
+#[derive(Default)]
+struct LogLimit {
+    last: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+impl LogLimit {
+    /// `Some(lines held back since the last one)` when a line may be logged now.
+    fn allow(&mut self) -> Option<u64> {
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < std::time::Duration::from_secs(1))
+        {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
 struct BarState {
     remote: RemoteBar,
     region_type: PciBarRegionType,
@@ -208,6 +279,8 @@ pub struct RemotePciDevice {
     wired: Option<(IrqKind, usize)>,
     dma: Option<DmaState>,
     counters: Counters,
+    io_counters: Arc<DeviceCounters>,
+    kicks: KickState,
     pinner: Arc<dyn Pinner>,
     observer: Option<Arc<dyn DeviceObserver>>,
     quiesced: bool,
@@ -242,6 +315,22 @@ fn page_span(off: u64, len: u64) -> (u64, u64) {
 }
 
 /// `[0, size)` minus the `holes`, as sorted non-empty ranges.
+/// Splits `[start, end)` (page aligned) of a window into runs of pages with the same
+/// mapping: `(start, end, readonly)`.
+fn split_writable(w: &DirectWindow, start: u64, end: u64) -> Vec<(u64, u64, bool)> {
+    let mut out: Vec<(u64, u64, bool)> = Vec::new();
+    let mut p = start;
+    while p < end {
+        let ro = !w.page_writable(p, PAGE_SIZE);
+        match out.last_mut() {
+            Some(last) if last.2 == ro && last.1 == p => last.1 = p + PAGE_SIZE,
+            _ => out.push((p, p + PAGE_SIZE, ro)),
+        }
+        p += PAGE_SIZE;
+    }
+    out
+}
+
 fn subtract(size: u64, holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut holes: Vec<(u64, u64)> = holes.to_vec();
     holes.sort_unstable();
@@ -481,6 +570,8 @@ impl RemotePciDevice {
             wired: None,
             dma: None,
             counters: Counters::default(),
+            io_counters: Arc::default(),
+            kicks: KickState::default(),
             pinner: params.pinner,
             observer: params.observer,
             quiesced: false,
@@ -572,7 +663,8 @@ impl RemotePciDevice {
             dma_maps: self.counters.dma_maps,
             dma_map_failures: self.counters.dma_map_failures,
             memslots: self.bars.iter().map(|b| b.slots.len()).sum(),
-            ioevents: self.bars.iter().map(|b| b.ioevents.len()).sum(),
+            ioevents: self.bars.iter().map(|b| b.ioevents.len()).sum::<usize>()
+                + self.kicks.guards.len(),
             irq_mode: self.wired.map(|w| w.0),
             msix_enabled: self.msix.as_ref().is_some_and(|m| m.config.enabled()),
             msi_enabled: self.msi.as_ref().is_some_and(MsiConfig::enabled),
@@ -618,6 +710,22 @@ impl RemotePciDevice {
         Ok(())
     }
 
+    /// Data-path counters: trapped BAR reads/writes, VMM-signalled kicks, ioeventfds.
+    pub fn counters(&self) -> DeviceCountersSnapshot {
+        self.io_counters.snapshot()
+    }
+
+    /// The live counters, readable without holding the device.
+    pub fn counters_handle(&self) -> Arc<DeviceCounters> {
+        Arc::clone(&self.io_counters)
+    }
+
+    /// Kick-only doorbell offsets currently registered as ioeventfds (BAR index, offsets).
+    pub fn kick_ioeventfds(&self) -> (u8, Vec<u64>) {
+        let offs = self.kicks.guards.iter().map(|(o, _)| *o).collect();
+        (self.kicks.doorbells.bar, offs)
+    }
+
     /// The MSI-X state (table, PBA), if the device has MSI-X.
     pub fn msix(&self) -> Option<&MsixConfig> {
         self.msix.as_ref().map(|m| &m.config)
@@ -656,6 +764,7 @@ impl RemotePciDevice {
 
     /// Brings memslots and ioeventfds in line with Command and the BAR addresses.
     fn sync_bar_mappings(&mut self) {
+        let mut changed = false;
         for i in 0..self.bars.len() {
             let idx = usize::from(self.bars[i].remote.index);
             let decoded = match self.bars[i].region_type {
@@ -667,6 +776,9 @@ impl RemotePciDevice {
             if self.bars[i].mapped_at == want {
                 continue;
             }
+            changed = true;
+            // Kick ioeventfds point into the BAR's old address: gone before it moves.
+            self.kicks.guards.clear();
             let holes = self.msix_holes(idx);
             let vm = Arc::clone(&self.vm);
             let bar = &mut self.bars[i];
@@ -692,8 +804,18 @@ impl RemotePciDevice {
                         self.id, bar.remote.size
                     );
                 } else {
-                    let readonly = w.write_notify().is_some();
-                    for (start, end) in subtract(bar.remote.size, &holes) {
+                    // Read-only (stores exit and are notified or made exact) except pages the
+                    // device polls (writable: no exit at all) or windows needing no notify.
+                    let pieces: Vec<(u64, u64, bool)> = subtract(bar.remote.size, &holes)
+                        .into_iter()
+                        .flat_map(|(start, end)| split_writable(w, start, end))
+                        .collect();
+                    let writable_pages = pieces
+                        .iter()
+                        .filter(|p| !p.2)
+                        .map(|p| (p.1 - p.0) / PAGE_SIZE)
+                        .sum::<u64>();
+                    for (start, end, readonly) in pieces {
                         match vm.map_guest_region(
                             gpa + start,
                             end - start,
@@ -714,10 +836,9 @@ impl RemotePciDevice {
                         }
                     }
                     debug!(
-                        "{}: bar {idx} mapped at {gpa:#x} in {} slots{}",
+                        "{}: bar {idx} mapped at {gpa:#x} in {} slots ({writable_pages} writable pages)",
                         self.id,
                         bar.slots.len(),
-                        if readonly { " (read-only)" } else { "" }
                     );
                 }
             }
@@ -737,9 +858,137 @@ impl RemotePciDevice {
                 }
             }
         }
+        if changed {
+            self.register_kicks();
+        }
+    }
+
+    /// Applies the link's kick-only doorbells if their generation changed. Runs on the
+    /// vCPU thread after every exact BAR write and reset (whose replies carry the new
+    /// state: leaving shadow mode unregisters the ioeventfds before the guest's next
+    /// doorbell store) and before trapped writes (picks up an asynchronous "on").
+    fn sync_kicks(&mut self) {
+        if self.link.kick_generation() == self.kicks.doorbells.generation {
+            return;
+        }
+        let k = self.link.kick_doorbells();
+        debug!(
+            "{}: {} kick-only doorbells in bar {} (generation {})",
+            self.id,
+            k.offsets.len(),
+            k.bar,
+            k.generation
+        );
+        self.kicks.doorbells = k;
+        self.register_kicks();
+    }
+
+    /// (Re)registers one ioeventfd per kick-only doorbell, wired to the BAR's notify eventfd
+    /// (on shm, the lender's own doorbell eventfd: a guest store wakes the device with no
+    /// VMM hop). Only doorbells of a mapped direct BAR with a notify eventfd, inside its
+    /// doorbell range and outside the MSI-X pages qualify; the others keep the exact path.
+    fn register_kicks(&mut self) {
+        let had = self.kicks.guards.len();
+        self.kicks.guards.clear();
+        // Offsets the lender named that are no doorbells of the window; a registration error.
+        let mut refused: Vec<u64> = Vec::new();
+        let mut failed = None;
+        let bar_idx = self.kicks.doorbells.bar;
+        let holes = self.msix_holes(usize::from(bar_idx));
+        if let Some(bar) = self.bars.iter().find(|b| b.remote.index == bar_idx) {
+            if let (BarAccess::Direct(w), Some(gpa), false) = (
+                &bar.remote.access,
+                bar.mapped_at,
+                bar.region_type == PciBarRegionType::Io,
+            ) {
+                if let (Some(n), Some(_)) = (w.write_notify(), w.doorbells()) {
+                    for &off in &self.kicks.doorbells.offsets {
+                        let inside = off.checked_add(4).is_some_and(|e| e <= bar.remote.size)
+                            && w.store_is_direct(off, 4)
+                            && !holes.iter().any(|&(s, e)| off + 4 > s && off < e);
+                        // A writable (polled) page never exits: nothing for KVM to catch.
+                        if inside && w.page_writable(off & !(PAGE_SIZE - 1), PAGE_SIZE) {
+                            continue;
+                        }
+                        if !inside {
+                            refused.push(off);
+                            continue;
+                        }
+                        match self
+                            .vm
+                            .register_ioevent(n, IoEventAddress::Mmio(gpa + off), None)
+                        {
+                            Ok(g) => self.kicks.guards.push((off, g)),
+                            Err(e) => {
+                                failed = Some((off, e));
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        self.io_counters.ioeventfds.store(
+            (self.kicks.guards.len() + self.bars.iter().map(|b| b.ioevents.len()).sum::<usize>())
+                as u64,
+            Ordering::Relaxed,
+        );
+        // Driver set-up, resets and BAR moves change this: rare, but a guest can loop on it,
+        // hence the rate limit.
+        let now = self.kicks.guards.len();
+        if now == had && refused.is_empty() && failed.is_none() {
+            return;
+        }
+        let Some(suppressed) = self.kicks.log.allow() else {
+            return;
+        };
+        let gen = self.kicks.doorbells.generation;
+        info!(
+            "{}: {now} doorbell ioeventfds (kick-only doorbells, generation {gen}; {had} before){}",
+            self.id,
+            if suppressed > 0 {
+                format!("; {suppressed} changes not logged")
+            } else {
+                String::new()
+            }
+        );
+        if !refused.is_empty() {
+            warn!(
+                "{}: kick-only doorbells {refused:#x?} of bar {bar_idx} are no doorbells of \
+                 the window; they stay exact",
+                self.id
+            );
+        }
+        if let Some((off, e)) = failed {
+            warn!(
+                "{}: ioeventfd for doorbell bar {bar_idx}+{off:#x}: {e}; it and the rest stay \
+                 exact",
+                self.id
+            );
+        }
     }
 
     fn bar_access(&mut self, base: u64, offset: u64, read: Option<&mut [u8]>, write: &[u8]) {
+        let is_write = read.is_none();
+        if is_write {
+            self.io_counters
+                .trapped_writes
+                .fetch_add(1, Ordering::Relaxed);
+            self.sync_kicks();
+        } else {
+            self.io_counters
+                .trapped_reads
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        self.bar_access_inner(base, offset, read, write);
+        if is_write {
+            // An exact write's reply may have changed the kick-only doorbells (CC.EN 1 -> 0
+            // ends shadow doorbells): apply before the vCPU runs the guest again.
+            self.sync_kicks();
+        }
+    }
+
+    fn bar_access_inner(&mut self, base: u64, offset: u64, read: Option<&mut [u8]>, write: &[u8]) {
         let Some(i) = self.bar_index_at(base) else {
             debug!("{}: access to unknown bar at {base:#x}", self.id);
             if let Some(d) = read {
@@ -785,6 +1034,7 @@ impl RemotePciDevice {
                 let ok = window_write(w, offset, write);
                 if ok {
                     if let Some(n) = w.write_notify() {
+                        self.io_counters.kicks.fetch_add(1, Ordering::Relaxed);
                         if let Err(e) = n.write(1) {
                             warn!("{}: bar {idx} write notify: {e}", self.id);
                         }
@@ -981,6 +1231,8 @@ impl RemotePciDevice {
         if let Err(e) = self.link.reset() {
             error!("{}: lender reset: {e}", self.id);
         }
+        // The reset ended any shadow doorbells: the reply said so.
+        self.sync_kicks();
         self.sync_irqs();
         effects
     }
@@ -1242,12 +1494,18 @@ impl Drop for RemotePciDevice {
         self.msi_group = None;
         self.intx = None;
         // Memslots and ioeventfds (before the link unmaps the windows they point into).
+        self.kicks.guards.clear();
+        self.io_counters.ioeventfds.store(0, Ordering::Relaxed);
         for b in &mut self.bars {
             b.ioevents.clear();
             b.slots.clear();
             b.mapped_at = None;
         }
-        info!("{}: released; returning {}", self.id, self.remote_id);
+        let c = self.io_counters.snapshot();
+        info!(
+            "{}: released; returning {} (trapped reads {}, trapped writes {}, vmm kicks {})",
+            self.id, self.remote_id, c.trapped_reads, c.trapped_writes, c.kicks
+        );
         // `link` is dropped after this: the lease is returned.
     }
 }

@@ -16,7 +16,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::device::{RemotePciDevice, RemotePciDeviceParams, FORWARDED_COMMAND_BITS};
 use crate::link::{
-    BarAccess, BarKind, DirectWindow, IrqKind, RemoteBar, RemoteDeviceInfo, RemoteIoEvent,
+    BarAccess, BarKind, DirectWindow, IrqKind, KickDoorbells, RemoteBar, RemoteDeviceInfo,
+    RemoteIoEvent,
 };
 use crate::testing::{
     AnonMap, FakeIrqs, FakeLink, FakePinner, FakeVm, GroupCall, Journal, LinkCall, LinkState,
@@ -96,6 +97,8 @@ struct Opts {
     write_notify: bool,
     /// Doorbell range of BAR0 (with `write_notify`).
     doorbells: Option<(u64, u64)>,
+    /// Polled range of BAR0 (writable pages).
+    writable: Option<(u64, u64)>,
     fail_pin: bool,
     intx: bool,
 }
@@ -105,6 +108,7 @@ impl Default for Opts {
         Self {
             write_notify: false,
             doorbells: None,
+            writable: None,
             fail_pin: false,
             intx: true,
         }
@@ -122,6 +126,9 @@ fn fixture(o: Opts) -> Fx {
         unsafe { DirectWindow::new(bar0.addr, bar0.len, o.write_notify.then(|| notify.clone())) };
     if let Some((off, len)) = o.doorbells {
         win = win.with_doorbells(off, len);
+    }
+    if let Some((off, len)) = o.writable {
+        win = win.with_writable(off, len);
     }
     let info = RemoteDeviceInfo {
         id: "nvme0".into(),
@@ -846,4 +853,134 @@ fn real_pinning_of_guest_ram_on_bus_master() {
     dev.write_config_register(1, 0, &0u16.to_le_bytes());
     assert!(locked_bytes() <= before);
     drop(dev);
+}
+
+fn mmio(f: &mut Fx, off: u64) -> IoEventAddress {
+    IoEventAddress::Mmio(f.bar_addr(0) + off)
+}
+
+#[test]
+fn kick_only_doorbells_become_ioeventfds_until_the_reply_says_otherwise() {
+    let mut f = fixture(Opts {
+        write_notify: true,
+        doorbells: Some((0x2000, 0x2000)),
+        ..Default::default()
+    });
+    f.cmd(command::MEMORY_SPACE);
+    let bar0 = f.bar_addr(0);
+    // BAR2's static ioeventfd only.
+    assert_eq!(f.vm.ioevents().len(), 1);
+    assert_eq!(f.dev().counters().ioeventfds, 1, "BAR2's static one only");
+    // Shadow doorbells switched on (an asynchronous event): 0x2008/0x200c are kicks; a
+    // control register and an MSI-X page offset are refused by the VMM.
+    f.link.lock().unwrap().kicks = KickDoorbells {
+        generation: 1,
+        bar: 0,
+        offsets: vec![0x2008, 0x200c, 0x14, 0x1000],
+    };
+    // Picked up at the next trapped store, which itself still takes the exact path.
+    f.dev().write_bar(bar0, 0x2008, &3u32.to_le_bytes());
+    assert_eq!(f.bar0.read_u32(0x2008), 3);
+    assert_eq!(f.notify.read().unwrap(), 1);
+    let evs = f.vm.ioevents();
+    let (a, b) = (mmio(&mut f, 0x2008), mmio(&mut f, 0x200c));
+    assert!(evs.contains(&a) && evs.contains(&b), "{evs:?}");
+    assert!(!evs.contains(&mmio(&mut f, 0x14)) && !evs.contains(&mmio(&mut f, 0x1000)));
+    assert_eq!(evs.len(), 3);
+    assert_eq!(f.dev().status().ioevents, 3);
+    let c = f.dev().counters();
+    assert_eq!((c.trapped_writes, c.kicks, c.ioeventfds), (1, 1, 3));
+    assert_eq!(f.dev().kick_ioeventfds(), (0, vec![0x2008, 0x200c]));
+    // CC.EN 1 -> 0 takes the exact path; its reply ends shadowing: the ioeventfds are gone
+    // when the store returns to the guest.
+    f.link.lock().unwrap().kicks_after_write = Some(KickDoorbells {
+        generation: 2,
+        bar: 0,
+        offsets: vec![],
+    });
+    f.dev().write_bar(bar0, 0x14, &0u32.to_le_bytes());
+    assert_eq!(f.vm.ioevents().len(), 1);
+    assert_eq!(f.dev().counters().ioeventfds, 1);
+    // A stale event (generation 1) arriving late changes nothing.
+    f.link.lock().unwrap().offer_kicks(KickDoorbells {
+        generation: 1,
+        bar: 0,
+        offsets: vec![0x2008],
+    });
+    f.dev().write_bar(bar0, 0x2008, &4u32.to_le_bytes());
+    assert_eq!(f.vm.ioevents().len(), 1);
+    // On again; the ioeventfds follow the BAR when it is disabled and enabled.
+    f.link.lock().unwrap().offer_kicks(KickDoorbells {
+        generation: 3,
+        bar: 0,
+        offsets: vec![0x2010],
+    });
+    f.dev().write_bar(bar0, 0x2010, &1u32.to_le_bytes());
+    assert!(f.vm.ioevents().contains(&mmio(&mut f, 0x2010)));
+    f.cmd(0);
+    assert!(f.vm.ioevents().is_empty());
+    assert_eq!(f.dev().status().ioevents, 0);
+    f.cmd(command::MEMORY_SPACE);
+    assert!(f.vm.ioevents().contains(&mmio(&mut f, 0x2010)));
+    // FLR: the reset's reply ends shadowing.
+    f.link.lock().unwrap().kicks_after_reset = Some(KickDoorbells {
+        generation: 4,
+        bar: 0,
+        offsets: vec![],
+    });
+    let ctl = f.lay.pcie + 8;
+    f.write(ctl, &0x8000u16.to_le_bytes());
+    f.cmd(command::MEMORY_SPACE);
+    assert_eq!(f.vm.ioevents().len(), 1, "only BAR2's static ioeventfd");
+    f.link.lock().unwrap().offer_kicks(KickDoorbells {
+        generation: 5,
+        bar: 0,
+        offsets: vec![0x2008],
+    });
+    f.dev().write_bar(bar0, 0x2008, &1u32.to_le_bytes());
+    assert_eq!(f.vm.ioevents().len(), 2);
+    // Removal: every ioeventfd unregistered.
+    f.dev.take();
+    assert!(f.vm.ioevents().is_empty());
+}
+
+#[test]
+fn polled_doorbell_pages_are_mapped_writable() {
+    let mut f = fixture(Opts {
+        write_notify: true,
+        doorbells: Some((0x2000, 0x2000)),
+        writable: Some((0x2000, 0x2000)),
+        ..Default::default()
+    });
+    f.cmd(command::MEMORY_SPACE);
+    let bar0 = f.bar_addr(0);
+    // Page 0 (control registers) read-only, page 1 (MSI-X) trapped, pages 2-3 writable.
+    let slots: Vec<(u64, u64, bool)> =
+        f.vm.slots()
+            .iter()
+            .filter(|s| s.gpa >= bar0 && s.gpa < bar0 + BAR0_SIZE)
+            .map(|s| (s.gpa - bar0, s.size, s.readonly))
+            .collect();
+    assert_eq!(slots, vec![(0, 0x1000, true), (0x2000, 0x2000, false)]);
+    // A store into the writable pages never reaches the VMM: no trapped access counted.
+    f.bar0.write_u32(0x2008, 9);
+    let c = f.dev().counters();
+    assert_eq!((c.trapped_reads, c.trapped_writes, c.kicks), (0, 0, 0));
+    // Control registers still take the exact path.
+    f.calls();
+    f.dev().write_bar(bar0, 0x14, &1u32.to_le_bytes());
+    assert_eq!(
+        f.calls(),
+        vec![LinkCall::BarWrite(0, 0x14, 1u32.to_le_bytes().to_vec())]
+    );
+    assert_eq!(f.dev().counters().trapped_writes, 1);
+    // Shadow doorbells on a polled BAR: its doorbells never exit, so no ioeventfds.
+    f.link.lock().unwrap().kicks = KickDoorbells {
+        generation: 1,
+        bar: 0,
+        offsets: vec![0x2008, 0x200c],
+    };
+    f.dev().write_bar(bar0, 0x14, &1u32.to_le_bytes());
+    assert_eq!(f.dev().kick_ioeventfds().1, Vec::<u64>::new());
+    assert_eq!(f.vm.ioevents().len(), 1, "BAR2's static one only");
 }

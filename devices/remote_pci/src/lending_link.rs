@@ -45,9 +45,7 @@ use pci::vm_ops::GuestRamRegion;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets,
-    LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo,
-    RemoteDeviceLink, RemoteMsix,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickCell, KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteMsix,
 };
 
 /// Errors of setting up the link.
@@ -99,6 +97,14 @@ fn our_kind(k: protocol::IrqKind) -> IrqKind {
     }
 }
 
+fn our_kicks(k: protocol::DoorbellKicks) -> KickDoorbells {
+    KickDoorbells {
+        generation: k.generation,
+        bar: k.bar,
+        offsets: k.offsets,
+    }
+}
+
 fn link_err(op: &'static str, e: ClientError) -> LinkError {
     match e {
         ClientError::Remote { message, .. } => LinkError::Remote { op, message },
@@ -130,6 +136,8 @@ struct HookSlot {
 #[derive(Clone)]
 pub struct LendingEventSink {
     lease: u64,
+    /// Kick-only doorbells: from BAR_WRITE/RESET replies and KICKS events.
+    kicks: Arc<KickCell>,
     state: Arc<Mutex<LeaseState>>,
     hook: Arc<Mutex<HookSlot>>,
     /// Per kind: the eventfds to write on relayed interrupts (tcp).
@@ -193,6 +201,16 @@ impl LendingEventSink {
                         total: f.total,
                     });
                 }
+                true
+            }
+            Event::Kicks(k) if k.lease == self.lease => {
+                debug!(
+                    "lease {}: {} kick-only doorbells (generation {})",
+                    self.lease,
+                    k.kicks.offsets.len(),
+                    k.kicks.generation
+                );
+                self.kicks.offer(our_kicks(k.kicks.clone()));
                 true
             }
             Event::Fatal(f) if f.lease == self.lease => {
@@ -314,11 +332,16 @@ impl LendingLink {
                 BarKind::Mem32
             };
             let mut access = BarAccess::Trapped;
+            let mut polled = None;
             // How stores must reach the device; `None`: they cannot on this lease (trapped).
             let writes = match (b.notify, &notify) {
                 (NotifyWrites::None, _) => Some((None, None)),
                 (NotifyWrites::All, Some(n)) => Some((Some(Arc::clone(n)), None)),
                 (NotifyWrites::Doorbells { offset, len }, Some(n)) => {
+                    Some((Some(Arc::clone(n)), Some((offset, len))))
+                }
+                (NotifyWrites::Polled { offset, len }, Some(n)) => {
+                    polled = Some((offset, len));
                     Some((Some(Arc::clone(n)), Some((offset, len))))
                 }
                 (_, None) => None,
@@ -356,6 +379,9 @@ impl LendingLink {
                         if let Some((o, l)) = doorbells {
                             dw = dw.with_doorbells(o, l);
                         }
+                        if let Some((o, l)) = polled {
+                            dw = dw.with_writable(o, l);
+                        }
                         access = BarAccess::Direct(dw);
                         windows.push(w);
                     }
@@ -392,6 +418,7 @@ impl LendingLink {
         };
         let sink = LendingEventSink {
             lease: lease.id(),
+            kicks: Arc::default(),
             state: Arc::new(Mutex::new(LeaseState::Active)),
             hook: Arc::default(),
             relay: Arc::default(),
@@ -544,9 +571,14 @@ impl RemoteDeviceLink for LendingLink {
     }
 
     fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError> {
-        self.lease
-            .bar_write(bar, offset, data)
-            .map_err(|e| link_err("bar write", e))
+        let k = self
+            .lease
+            .bar_write_kicks(bar, offset, data)
+            .map_err(|e| link_err("bar write", e))?;
+        if let Some(k) = k {
+            self.sink.kicks.offer(our_kicks(k));
+        }
+        Ok(())
     }
 
     fn map_dma(&self, regions: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
@@ -607,7 +639,28 @@ impl RemoteDeviceLink for LendingLink {
     }
 
     fn reset(&self) -> Result<(), LinkError> {
-        self.lease.reset().map_err(|e| link_err("reset", e))
+        let k = self.lease.reset_kicks().map_err(|e| link_err("reset", e))?;
+        if let Some(k) = k {
+            self.sink.kicks.offer(our_kicks(k));
+        }
+        Ok(())
+    }
+
+    fn kick_generation(&self) -> u64 {
+        self.sink.kicks.generation()
+    }
+
+    fn kick_doorbells(&self) -> KickDoorbells {
+        // Only meaningful with a notify eventfd to wire the ioeventfds to (shm); on tcp the
+        // doorbells stay trapped and exact.
+        if self.kind == FabricKind::Shm {
+            self.sink.kicks.get()
+        } else {
+            KickDoorbells {
+                generation: self.sink.kicks.generation(),
+                ..KickDoorbells::default()
+            }
+        }
     }
 
     fn lease_state(&self) -> LeaseState {

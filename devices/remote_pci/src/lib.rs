@@ -17,11 +17,12 @@ mod device_tests;
 #[cfg(test)]
 mod testing;
 
-pub use device::{RemoteDeviceStatus, RemotePciDevice, RemotePciDeviceParams, RemotePciError};
+pub use device::{
+    DeviceCounters, DeviceCountersSnapshot, RemoteDeviceStatus, RemotePciDevice,
+    RemotePciDeviceParams, RemotePciError,
+};
 pub use link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets,
-    LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo,
-    RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickCell, KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
 pub use observer::DeviceObserver;
 pub use pin::{MlockPinner, PinError, PinStats, PinnedRange, Pinner};

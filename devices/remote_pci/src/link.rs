@@ -6,7 +6,8 @@
 //! adapter.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pci::vm_ops::GuestRamRegion;
 use vmm_sys_util::eventfd::EventFd;
@@ -59,6 +60,8 @@ pub struct DirectWindow {
     write_notify: Option<Arc<EventFd>>,
     /// `[offset, offset + len)` of the doorbells, when stores elsewhere must be exact.
     doorbells: Option<(u64, u64)>,
+    /// `[offset, offset + len)` the device polls: whole pages inside it are mapped writable.
+    writable: Option<(u64, u64)>,
 }
 
 impl fmt::Debug for DirectWindow {
@@ -68,6 +71,7 @@ impl fmt::Debug for DirectWindow {
             .field("len", &format_args!("{:#x}", self.len))
             .field("write_notify", &self.write_notify.is_some())
             .field("doorbells", &self.doorbells)
+            .field("writable", &self.writable)
             .finish()
     }
 }
@@ -88,7 +92,35 @@ impl DirectWindow {
             len,
             write_notify,
             doorbells: None,
+            writable: None,
         }
+    }
+
+    /// The device polls `[offset, offset + len)` (a polling-mode device's doorbells): the
+    /// pages entirely inside it are mapped writable, so guest stores there reach the device
+    /// with no exit; stores elsewhere are handled as without this.
+    pub fn with_writable(mut self, offset: u64, len: u64) -> Self {
+        self.writable = Some((offset, len));
+        self
+    }
+
+    /// The range the device polls, if any.
+    pub fn writable(&self) -> Option<(u64, u64)> {
+        self.writable
+    }
+
+    /// True when the page `[offset, offset + page)` may be mapped writable: a window nothing
+    /// needs to be notified of, or a page inside the polled range.
+    pub fn page_writable(&self, offset: u64, page: u64) -> bool {
+        if self.write_notify.is_none() {
+            return true;
+        }
+        self.writable.is_some_and(|(o, l)| {
+            offset >= o
+                && offset
+                    .checked_add(page)
+                    .is_some_and(|end| end <= o.saturating_add(l))
+        })
     }
 
     /// Only stores entirely inside `[offset, offset + len)` (the device's doorbells: absolute
@@ -163,6 +195,50 @@ impl fmt::Debug for RemoteIoEvent {
             .field("offset", &format_args!("{:#x}", self.offset))
             .field("datamatch", &self.datamatch)
             .finish()
+    }
+}
+
+/// Doorbells of the device whose stores are only kicks right now (the device reads the
+/// values from shadow doorbells in guest memory): the VMM may register them as KVM
+/// ioeventfds on the BAR's notify eventfd. `generation` grows with every change; empty
+/// `offsets` means every doorbell needs its value (the exact path) again.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KickDoorbells {
+    pub generation: u64,
+    /// BAR index the offsets are in.
+    pub bar: u8,
+    /// Offsets of kick-only doorbell registers.
+    pub offsets: Vec<u64>,
+}
+
+/// The newest [`KickDoorbells`] a link has seen, from replies (vCPU thread) and events
+/// (event thread): an older generation never replaces a newer one, so a late event is
+/// harmless. The generation is readable without the lock (checked on every trapped access).
+#[derive(Debug, Default)]
+pub struct KickCell {
+    generation: AtomicU64,
+    state: Mutex<KickDoorbells>,
+}
+
+impl KickCell {
+    /// Keeps `k` if it is newer than what the cell holds.
+    pub fn offer(&self, k: KickDoorbells) {
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if k.generation > s.generation {
+            self.generation.store(k.generation, Ordering::Release);
+            *s = k;
+        }
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    pub fn get(&self) -> KickDoorbells {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 }
 
@@ -280,6 +356,16 @@ pub trait RemoteDeviceLink: Send {
         None
     }
 
+    /// Generation of [`RemoteDeviceLink::kick_doorbells`]; cheap (read on every trapped
+    /// BAR access and after every exact write and reset).
+    fn kick_generation(&self) -> u64 {
+        0
+    }
+
+    /// The newest kick-only doorbells the lender reported. Default: none.
+    fn kick_doorbells(&self) -> KickDoorbells {
+        KickDoorbells::default()
+    }
     /// Registers the VMM's hook for the lease's asynchronous events (loss, IOMMU faults).
     /// The hook is called from the link's event thread and must not block. If the lease is
     /// already lost when the hook is set, `lease_lost` is called at once, so a loss is never

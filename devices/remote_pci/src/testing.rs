@@ -13,8 +13,7 @@ use pci::vm_ops::{
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
-    DmaMapping, IommuFaultReport, IrqKind, IrqTargets, LeaseState, LenderCounters, LinkError,
-    LinkEventHook, RemoteDeviceInfo, RemoteDeviceLink,
+    DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteDeviceInfo, RemoteDeviceLink,
 };
 use crate::pin::{PinError, PinnedRange, Pinner};
 
@@ -62,6 +61,22 @@ pub struct LinkState {
     pub lost: Option<String>,
     /// Whether the hook was told of the loss (once, like the real link).
     pub lost_reported: bool,
+    /// Kick-only doorbells the link has received (newest generation wins, as in
+    /// `KickCell`); tests set it directly to play an asynchronous event.
+    pub kicks: KickDoorbells,
+    /// What the next BAR write's reply carries.
+    pub kicks_after_write: Option<KickDoorbells>,
+    /// What the next reset's reply carries.
+    pub kicks_after_reset: Option<KickDoorbells>,
+}
+
+impl LinkState {
+    /// Receives `k` as a reply or event would: kept only if newer.
+    pub fn offer_kicks(&mut self, k: KickDoorbells) {
+        if k.generation > self.kicks.generation {
+            self.kicks = k;
+        }
+    }
 }
 
 pub struct FakeLink {
@@ -86,6 +101,9 @@ impl FakeLink {
             hook: None,
             lost: None,
             lost_reported: false,
+            kicks: KickDoorbells::default(),
+            kicks_after_write: None,
+            kicks_after_reset: None,
         };
         Self {
             info,
@@ -192,6 +210,9 @@ impl RemoteDeviceLink for FakeLink {
             m.resize(o + data.len(), 0);
         }
         m[o..o + data.len()].copy_from_slice(data);
+        if let Some(k) = s.kicks_after_write.take() {
+            s.offer_kicks(k);
+        }
         Ok(())
     }
 
@@ -232,8 +253,20 @@ impl RemoteDeviceLink for FakeLink {
     }
 
     fn reset(&self) -> Result<(), LinkError> {
-        self.state.lock().unwrap().calls.push(LinkCall::Reset);
+        let mut s = self.state.lock().unwrap();
+        s.calls.push(LinkCall::Reset);
+        if let Some(k) = s.kicks_after_reset.take() {
+            s.offer_kicks(k);
+        }
         Ok(())
+    }
+
+    fn kick_generation(&self) -> u64 {
+        self.state.lock().unwrap().kicks.generation
+    }
+
+    fn kick_doorbells(&self) -> KickDoorbells {
+        self.state.lock().unwrap().kicks.clone()
     }
 
     fn lease_state(&self) -> LeaseState {

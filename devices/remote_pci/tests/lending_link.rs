@@ -42,6 +42,8 @@ struct Vm {
     ram: Arc<std::fs::File>,
     host: u64,
     slots: Arc<AtomicUsize>,
+    /// Registered ioeventfds (address, a duplicate of the eventfd), removed by their guard.
+    ioevents: Arc<Mutex<Vec<(IoEventAddress, EventFd)>>>,
 }
 
 impl VmOps for Vm {
@@ -60,11 +62,20 @@ impl VmOps for Vm {
     }
     fn register_ioevent(
         &self,
-        _fd: &EventFd,
+        fd: &EventFd,
         addr: IoEventAddress,
         dm: Option<IoEventDatamatch>,
     ) -> Result<IoEventGuard, VmOpsError> {
-        Ok(IoEventGuard::new(addr, dm, || {}))
+        self.ioevents
+            .lock()
+            .unwrap()
+            .push((addr, fd.try_clone().unwrap()));
+        let evs = self.ioevents.clone();
+        Ok(IoEventGuard::new(addr, dm, move || {
+            let mut v = evs.lock().unwrap();
+            let i = v.iter().position(|e| e.0 == addr).unwrap();
+            v.remove(i);
+        }))
     }
     fn guest_ram_regions(&self) -> Vec<GuestRamRegion> {
         vec![GuestRamRegion {
@@ -293,6 +304,7 @@ fn borrowed_dmatest_copies_and_interrupts_through_remote_pci() {
         ram,
         host,
         slots: slots.clone(),
+        ioevents: Arc::default(),
     });
     let irqs = Irqs::default();
     let mut dev = RemotePciDevice::new(
@@ -397,6 +409,7 @@ const CC_EN: u32 = 1 | (6 << 16) | (4 << 20);
 struct NvmeRig {
     dev: Option<RemotePciDevice>,
     vm: Arc<dyn VmOps>,
+    ioevents: Arc<Mutex<Vec<(IoEventAddress, EventFd)>>>,
     irqs: Irqs,
     bar0: u64,
     client: Arc<LenderClient>,
@@ -413,10 +426,12 @@ impl NvmeRig {
         let lease = client.borrow(DEV, "vm0").unwrap();
         let link = LendingLink::new(client.clone(), lease, LendingLinkOptions::default()).unwrap();
         let (ram, host) = guest_ram();
+        let ioevents: Arc<Mutex<Vec<(IoEventAddress, EventFd)>>> = Arc::default();
         let vm: Arc<dyn VmOps> = Arc::new(Vm {
             ram,
             host,
             slots: Arc::default(),
+            ioevents: ioevents.clone(),
         });
         let irqs = Irqs::default();
         let mut dev = RemotePciDevice::new(
@@ -439,6 +454,7 @@ impl NvmeRig {
         NvmeRig {
             dev: Some(dev),
             vm,
+            ioevents,
             irqs,
             bar0,
             client,
@@ -491,13 +507,43 @@ impl NvmeRig {
 
     /// Completion queue entries of the first pass posted so far (phase 1).
     fn posted(&self) -> u64 {
+        self.posted_in(ACQ_GPA)
+    }
+
+    /// Phase-1 entries posted at the start of the 16-entry CQ at `cq`.
+    fn posted_in(&self, cq: u64) -> u64 {
         (0..16u64)
             .take_while(|i| {
                 let mut dw3 = [0u8; 4];
-                self.vm.read_guest(ACQ_GPA + i * 16 + 12, &mut dw3).unwrap();
+                self.vm.read_guest(cq + i * 16 + 12, &mut dw3).unwrap();
                 (u32::from_le_bytes(dw3) >> 16) & 1 == 1
             })
             .count() as u64
+    }
+
+    /// Status field (SCT << 8 | SC) of the CQE at `cq` slot `i`.
+    fn status_at(&self, cq: u64, i: u64) -> u16 {
+        let mut dw3 = [0u8; 4];
+        self.vm.read_guest(cq + i * 16 + 12, &mut dw3).unwrap();
+        ((u32::from_le_bytes(dw3) >> 17) & 0x7ff) as u16
+    }
+
+    /// Places an SQE with the given dwords at `sq` slot `slot`.
+    fn push(&self, sq: u64, slot: u64, dw: &[(usize, u32)]) {
+        let mut sqe = [0u8; 64];
+        for &(i, v) in dw {
+            sqe[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        self.vm.write_guest(sq + slot * 64, &sqe).unwrap();
+    }
+
+    /// Waits (at most 10 s) until `n` entries are posted in the CQ at `cq`.
+    fn wait_posted(&self, cq: u64, n: u64) {
+        let t0 = Instant::now();
+        while self.posted_in(cq) < n && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(self.posted_in(cq), n, "completions at {cq:#x}");
     }
 }
 
@@ -686,4 +732,103 @@ fn stopping_lender_reports_device_gone_once() {
         );
         assert!(matches!(link.lease_state(), LeaseState::Lost(_)));
     }
+}
+
+// ---- shadow doorbells + ioeventfd -------------------------------------------------------
+
+const SQ1_GPA: u64 = 0x3_0000;
+const CQ1_GPA: u64 = 0x4_0000;
+const SHADOW_GPA: u64 = 0x5_0000;
+const EVENTIDX_GPA: u64 = 0x6_0000;
+const SQ1_TAIL: u64 = 0x1008;
+const CQ1_HEAD: u64 = 0x100c;
+
+/// Over shm with the real lender: once the guest's Doorbell Buffer Config succeeds, the
+/// lender's KICKS event makes the VMM register the I/O queue doorbells as ioeventfds wired
+/// to the lender's own doorbell eventfd (a signal on it, as KVM makes on a guest store,
+/// makes the controller fetch from the shadow tail with no VMM code running); the exact
+/// CC.EN = 0 write's reply removes them before the store returns; removal leaves none.
+#[test]
+fn nvme_shadow_doorbells_become_ioeventfds_on_the_lenders_eventfd() {
+    let mut r = NvmeRig::new(FabricKind::Shm, false);
+    assert!(r.ioevents.lock().unwrap().is_empty());
+    r.enable();
+    // Create I/O CQ 1 + SQ 1 (16 entries, no interrupts), then Doorbell Buffer Config.
+    let qs = 1 | (15 << 16);
+    r.push(
+        ASQ_GPA,
+        0,
+        &[(0, 0x05), (6, CQ1_GPA as u32), (10, qs), (11, 1)],
+    );
+    let sq = [
+        (0, 0x01 | (1 << 16)),
+        (6, SQ1_GPA as u32),
+        (10, qs),
+        (11, 1 | (1 << 16)),
+    ];
+    r.push(ASQ_GPA, 1, &sq);
+    let dbbuf = [
+        (0, 0x7c | (2 << 16)),
+        (6, SHADOW_GPA as u32),
+        (8, EVENTIDX_GPA as u32),
+    ];
+    r.push(ASQ_GPA, 2, &dbbuf);
+    r.w32(SQ0_TAIL, 3);
+    r.wait_posted(ACQ_GPA, 3);
+    for i in 0..3 {
+        assert_eq!(r.status_at(ACQ_GPA, i), 0, "admin command {i}");
+    }
+    r.w32(CQ0_HEAD, 3);
+    // The KICKS event arrives asynchronously; the VMM applies it at a trapped store (here a
+    // harmless INTMC write), as it would at a guest's next exact doorbell store.
+    let t0 = Instant::now();
+    while r.dev().kick_ioeventfds().1.is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        r.w32(INTMC, 0);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (bar, offs) = r.dev().kick_ioeventfds();
+    assert_eq!(bar, 0);
+    assert!(
+        offs.contains(&SQ1_TAIL) && offs.contains(&CQ1_HEAD),
+        "{offs:?}"
+    );
+    assert!(
+        !offs.contains(&SQ0_TAIL) && !offs.contains(&CQ0_HEAD),
+        "admin stays exact"
+    );
+    let n = r.ioevents.lock().unwrap().len();
+    assert_eq!(n, offs.len());
+    assert_eq!(r.dev().counters().ioeventfds, n as u64);
+    assert_eq!(r.dev().status().ioevents, n);
+    // A guest I/O: Flush on SQ 1, its tail in the shadow buffer, then the ioeventfd's
+    // eventfd signalled as KVM does on the guest's MMIO store.
+    let before = r.dev().counters();
+    r.push(SQ1_GPA, 0, &[(0, 7 << 16), (1, 1)]);
+    r.vm.write_guest(SHADOW_GPA + 8, &1u32.to_le_bytes())
+        .unwrap();
+    let sq1 = r.bar0 + SQ1_TAIL;
+    {
+        let evs = r.ioevents.lock().unwrap();
+        let (_, fd) = evs
+            .iter()
+            .find(|(a, _)| *a == IoEventAddress::Mmio(sq1))
+            .expect("an ioeventfd at the sq 1 tail doorbell");
+        fd.write(1).unwrap();
+    }
+    r.wait_posted(CQ1_GPA, 1);
+    assert_eq!(r.status_at(CQ1_GPA, 0), 0, "flush completed");
+    assert_eq!(r.dev().counters(), before, "no trapped access, no vmm kick");
+    // SQ 1's EventIdx now asks for a doorbell at the next tail: the controller caught up.
+    let mut ei = [0u8; 4];
+    r.vm.read_guest(EVENTIDX_GPA + 8, &mut ei).unwrap();
+    assert_eq!(u32::from_le_bytes(ei), 1);
+    // Controller reset through the exact path: the reply ends shadowing; the ioeventfds are
+    // gone when the store returns (before the guest could ring a plain doorbell).
+    r.w32(CC, 0);
+    assert!(r.dev().kick_ioeventfds().1.is_empty());
+    assert!(r.ioevents.lock().unwrap().is_empty());
+    assert_eq!(r.dev().counters().ioeventfds, 0);
+    let evs = r.ioevents.clone();
+    drop(r);
+    assert!(evs.lock().unwrap().is_empty());
 }

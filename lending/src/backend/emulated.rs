@@ -15,7 +15,7 @@ use super::irq::LeaseIrqs;
 use super::{BackendError, BarExport, DeviceBackend, IrqTrigger};
 use crate::iommu::{IommuDomain, SoftIommu};
 use crate::protocol::{
-    BarDesc, DeviceInfo, IrqCounts, IrqKind, LeaseCounters, MsixDesc, NotifyWrites,
+    BarDesc, DeviceInfo, DoorbellKicks, IrqCounts, IrqKind, LeaseCounters, MsixDesc, NotifyWrites,
 };
 
 /// Register memory in a memfd, so the BAR can be exported as a fabric window and the
@@ -199,8 +199,13 @@ impl DeviceBackend for EmulatedBackend {
                 emulated_by_borrower: !b.register_memory,
                 // Register memory: the model's doorbells may be stored + notified, the
                 // control registers must take BAR_WRITE (the model's exact path).
+                // A polling model sees doorbell stores by itself: those pages may be writable.
                 notify: match (b.register_memory, b.doorbells) {
                     (false, _) => NotifyWrites::None,
+                    (true, Some(r)) if self.model.polls_doorbells() => NotifyWrites::Polled {
+                        offset: r.offset,
+                        len: r.len,
+                    },
                     (true, Some(r)) => NotifyWrites::Doorbells {
                         offset: r.offset,
                         len: r.len,
@@ -297,6 +302,23 @@ impl DeviceBackend for EmulatedBackend {
         }
         c[4..6].copy_from_slice(&cmd.to_le_bytes());
         Ok(())
+    }
+
+    fn kick_doorbells(&self) -> DoorbellKicks {
+        let k = self.model.kick_doorbells();
+        DoorbellKicks {
+            generation: k.generation,
+            bar: k.bar,
+            offsets: k.offsets,
+        }
+    }
+
+    fn kick_generation(&self) -> u64 {
+        self.model.kick_generation()
+    }
+
+    fn set_kick_listener(&self, listener: Option<::emulated::KickListener>) {
+        self.model.set_kick_listener(listener);
     }
 
     fn reset(&self) -> Result<(), BackendError> {

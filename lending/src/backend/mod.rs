@@ -22,7 +22,9 @@ use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::iommu::IommuDomain;
-use crate::protocol::{BarDesc, CapDesc, DeviceInfo, IrqCounts, IrqKind, LeaseCounters, MsixDesc};
+use crate::protocol::{
+    BarDesc, CapDesc, DeviceInfo, DoorbellKicks, IrqCounts, IrqKind, LeaseCounters, MsixDesc, MsixDescBarDesc,
+};
 
 pub use irq::IrqTrigger;
 
@@ -154,6 +156,19 @@ pub trait DeviceBackend: Send + Sync {
             iommu_faults: dom.fault_count(),
             ..LeaseCounters::default()
         }
+    }
+    /// Doorbells whose stores are only kicks right now (shadow doorbells); see
+    /// [`crate::protocol::DoorbellKicks`]. Default: none.
+    fn kick_doorbells(&self) -> DoorbellKicks {
+        DoorbellKicks::default()
+    }
+    /// Generation of [`DeviceBackend::kick_doorbells`], cheap enough to poll.
+    fn kick_generation(&self) -> u64 {
+        0
+    }
+    /// Calls `listener` after every change of the kick-only doorbells (`None` removes it).
+    fn set_kick_listener(&self, listener: Option<::emulated::KickListener>) {
+        let _ = listener;
     }
 }
 

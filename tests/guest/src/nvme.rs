@@ -2,6 +2,13 @@
 //! and namespace, one I/O queue pair on MSI-X vector 1, 64-LBA write / read-back / verify
 //! (PRP1 only, PRP1+PRP2, and PRP lists), Flush.
 //!
+//! When the controller offers Doorbell Buffer Config (OACS bit 8) the driver enables shadow
+//! doorbells after creating the I/O queues, as Linux does, and updates the I/O queue's
+//! doorbells the way Linux's `nvme_dbbuf_update_and_check_event` does: store the value in
+//! the shadow slot, full fence, read EventIdx, write MMIO only if
+//! `(u16)(new - ei - 1) < (u16)(new - old)`. `TEST nvme-doorbells` reports the I/O queue's
+//! doorbell updates and the MMIO writes made for them.
+//!
 //! Completions are polled by phase bit (a bounded spin, then `hlt` until an interrupt or the
 //! 1 ms tick, bounded in time); the I/O queue's MSI-X vector is counted and reported as
 //! `TEST nvme-msix ok count=N`. Everything is sized for KVM's instruction emulator: the whole
@@ -37,6 +44,9 @@ const OP_CREATE_SQ: u32 = 0x01;
 const OP_CREATE_CQ: u32 = 0x05;
 const OP_IDENTIFY: u32 = 0x06;
 const OP_SET_FEATURES: u32 = 0x09;
+const OP_DBBUF_CONFIG: u32 = 0x7c;
+/// OACS: Doorbell Buffer Config supported.
+const OACS_DBBUF: u32 = 1 << 8;
 const FEAT_NUM_QUEUES: u32 = 0x07;
 
 const ADMIN_ENTRIES: u16 = 8;
@@ -48,6 +58,8 @@ const P_IOSQ: u64 = 2;
 const P_IOCQ: u64 = 3;
 const P_IDENT: u64 = 4;
 const P_PRPLIST: u64 = 5;
+const P_SHADOW: u64 = 6;
+const P_EVENTIDX: u64 = 7;
 
 /// LBAs written and read back.
 pub const TEST_LBAS: u64 = 64;
@@ -98,6 +110,11 @@ struct Nvme {
     admin: Queue,
     io: Queue,
     cid: u16,
+    /// Shadow doorbell and EventIdx pages once Doorbell Buffer Config succeeded.
+    dbbuf: Option<(u64, u64)>,
+    /// I/O queue doorbell updates, and MMIO doorbell writes made for them.
+    io_updates: u64,
+    io_mmio: u64,
 }
 
 impl Nvme {
@@ -114,12 +131,33 @@ impl Nvme {
         self.set_reg32(off + 4, (v >> 32) as u32);
     }
 
+    /// Sets doorbell `db` (0: SQ tail, 1: CQ head) of queue `qid` to `v`: an MMIO write, or
+    /// for a shadowed I/O queue the shadow slot plus an MMIO write only if EventIdx asks.
+    fn doorbell(&mut self, qid: u16, db: u64, v: u16) {
+        let idx = 2 * qid as u64 + db;
+        if qid != 0 {
+            self.io_updates += 1;
+            if let Some((shadow, eventidx)) = self.dbbuf {
+                let slot = idx * self.stride;
+                let old = dma::read32(shadow + slot) as u16;
+                dma::write32(shadow + slot, v as u32);
+                // SAFETY: a full fence; no memory operands.
+                unsafe { core::arch::asm!("mfence", options(nostack, preserves_flags)) };
+                let ei = dma::read32(eventidx + slot) as u16;
+                if v.wrapping_sub(ei).wrapping_sub(1) >= v.wrapping_sub(old) {
+                    return;
+                }
+            }
+            self.io_mmio += 1;
+        }
+        mmio::write32(self.bar0 + REG_DBS + idx * self.stride, v as u32);
+    }
+
     /// Submits `cmd` (the command id is filled in) and waits for its completion.
     fn exec(&mut self, io: bool, mut cmd: [u32; 16]) -> Option<Completion> {
         self.cid = self.cid.wrapping_add(1);
         let cid = self.cid;
         cmd[0] |= (cid as u32) << 16;
-        let (bar0, stride) = (self.bar0, self.stride);
         let q = if io { &mut self.io } else { &mut self.admin };
         let slot = q.sq + 64 * q.tail as u64;
         for (i, d) in cmd.iter().enumerate() {
@@ -130,7 +168,9 @@ impl Nvme {
         } else {
             q.tail + 1
         };
-        mmio::write32(bar0 + REG_DBS + 2 * q.qid as u64 * stride, q.tail as u32);
+        let (qid, tail) = (q.qid, q.tail);
+        self.doorbell(qid, 0, tail);
+        let q = if io { &mut self.io } else { &mut self.admin };
         let entry = q.cq + 16 * q.head as u64;
         let phase = q.phase;
         let posted = || (dma::read32(entry + 12) >> 16) & 1 == phase;
@@ -163,10 +203,8 @@ impl Nvme {
         } else {
             q.head += 1;
         }
-        mmio::write32(
-            bar0 + REG_DBS + (2 * q.qid as u64 + 1) * stride,
-            q.head as u32,
-        );
+        let (qid, head) = (q.qid, q.head);
+        self.doorbell(qid, 1, head);
         if c.status != 0 {
             Out.s("NVME status ")
                 .hex(c.status as u64)
@@ -276,6 +314,9 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
         admin: Queue::new(0, dma::page(P_ASQ), dma::page(P_ACQ), ADMIN_ENTRIES),
         io: Queue::new(1, dma::page(P_IOSQ), dma::page(P_IOCQ), IO_ENTRIES),
         cid: 0,
+        dbbuf: None,
+        io_updates: 0,
+        io_mmio: 0,
     };
     n.set_reg32(REG_CC, 0);
     let disabled = wait_until(|| n.reg32(REG_CSTS) & CSTS_RDY == 0, TIMEOUT_MS);
@@ -323,6 +364,7 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
     if !ok {
         return;
     }
+    let oacs = dma::read32(ident + 256) & 0xffff;
     dma::zero(ident, PAGE);
     let ok = n.ok(false, command(OP_IDENTIFY, 1, ident, 0)).is_some();
     let nsze = dma::read64(ident);
@@ -358,6 +400,28 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
         .nl();
     if !ok {
         return;
+    }
+
+    // Shadow doorbells, when offered (after the I/O queues exist, as Linux does).
+    if oacs & OACS_DBBUF != 0 {
+        let (shadow, eventidx) = (dma::page(P_SHADOW), dma::page(P_EVENTIDX));
+        dma::zero(shadow, PAGE);
+        dma::zero(eventidx, PAGE);
+        let ok = n
+            .ok(false, command(OP_DBBUF_CONFIG, 0, shadow, eventidx))
+            .is_some();
+        if ok {
+            n.dbbuf = Some((shadow, eventidx));
+        }
+        r.report("nvme-dbbuf", ok)
+            .s("shadow ")
+            .hex(shadow)
+            .s(" eventidx ")
+            .hex(eventidx)
+            .nl();
+        if !ok {
+            return;
+        }
     }
 
     // Write 64 LBAs from buffer A in three commands: one page (PRP1), two pages
@@ -439,6 +503,14 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
 
     let flushed = n.ok(true, command(OP_FLUSH, 1, 0, 0)).is_some();
     r.report("nvme-flush", flushed).s("nsid 1").nl();
+    r.report("nvme-doorbells", true)
+        .s("shadow ")
+        .s(if n.dbbuf.is_some() { "on" } else { "off" })
+        .s(" updates=")
+        .dec(n.io_updates)
+        .s(" mmio=")
+        .dec(n.io_mmio)
+        .nl();
 
     // Every I/O completion raised vector 1; at least one must have reached the IDT.
     let got = wait_until(|| irq_count(NVME_IO_VECTOR) > io_irqs, 1_000);

@@ -15,6 +15,10 @@ use crate::dma::DmaMemory;
 use crate::engine::{AlignedBuf, Engine, IoDone, IoKind, IoOp};
 use crate::irq::{InterruptMode, InterruptSink};
 use crate::regs::RegisterMemory;
+use dbbuf::{cq_slot, read_slot, sq_slot, Dbbuf};
+pub(crate) use dbbuf::{DbbufState, MAX_KICK_QUEUES};
+
+mod dbbuf;
 
 /// Outstanding Asynchronous Event Requests allowed (AERL + 1).
 const MAX_AERS: usize = 4;
@@ -23,6 +27,8 @@ const FETCH_BUDGET: usize = 64;
 
 struct SubQ {
     base: u64,
+    /// Tail comes from the shadow doorbell buffer (Doorbell Buffer Config), not BAR0.
+    shadow: bool,
     size: u16,
     head: u16,
     cqid: u16,
@@ -32,6 +38,10 @@ struct SubQ {
 
 struct CompQ {
     base: u64,
+    /// Head comes from the shadow doorbell buffer, not BAR0.
+    shadow: bool,
+    /// EventIdx last written for this CQ (written again only when it changes).
+    event_idx: Option<u32>,
     size: u16,
     tail: u16,
     head: u16,
@@ -131,6 +141,8 @@ pub(crate) struct Ctrl {
     smart: SmartCounters,
     started: Instant,
     intx_level: bool,
+    dbbuf: Option<Dbbuf>,
+    dbbuf_state: Arc<DbbufState>,
 }
 
 impl Ctrl {
@@ -176,6 +188,8 @@ impl Ctrl {
             smart: SmartCounters::default(),
             started: Instant::now(),
             intx_level: false,
+            dbbuf: None,
+            dbbuf_state: Arc::default(),
         };
         c.write_ro_registers();
         c
@@ -187,6 +201,11 @@ impl Ctrl {
         self.regs.write32(REG_CSTS, self.csts);
         self.regs.write32(REG_INTMS, self.intmask);
         self.regs.write32(REG_INTMC, self.intmask);
+    }
+
+    /// The shadow doorbell state, for readers outside the controller lock.
+    pub(crate) fn dbbuf_state(&self) -> Arc<DbbufState> {
+        self.dbbuf_state.clone()
     }
 
     /// One round of work. Returns true if anything happened.
@@ -201,6 +220,9 @@ impl Ctrl {
         self.finish_deletes();
         self.engine.commit();
         self.signal();
+        if self.dbbuf.is_some() {
+            work |= self.arm_cq_events();
+        }
         work
     }
 
@@ -296,6 +318,8 @@ impl Ctrl {
         }
         self.cqs[0] = Some(CompQ {
             base: acq,
+            shadow: false,
+            event_idx: None,
             size: acqs as u16,
             tail: 0,
             head: 0,
@@ -308,6 +332,7 @@ impl Ctrl {
         });
         self.sqs[0] = Some(SubQ {
             base: asq,
+            shadow: false,
             size: asqs as u16,
             head: 0,
             cqid: 0,
@@ -330,6 +355,9 @@ impl Ctrl {
         }
         self.aers.clear();
         self.pool.clear();
+        // Shadow doorbells end with the controller: the driver configures them again.
+        self.dbbuf = None;
+        self.dbbuf_state.set(false);
         self.enabled = false;
         self.csts &= !(CSTS_RDY | CSTS_CFS);
         self.intmask = 0;
@@ -442,7 +470,17 @@ impl Ctrl {
             let Some(cq) = self.cqs[qid].as_mut() else {
                 continue;
             };
-            let h = self.regs.read32(cq_doorbell(qid as u16));
+            let h = if cq.shadow {
+                match self
+                    .dbbuf
+                    .and_then(|d| read_slot(&*self.dma, d.shadow, cq_slot(qid)))
+                {
+                    Some(h) => h,
+                    None => continue,
+                }
+            } else {
+                self.regs.read32(cq_doorbell(qid as u16))
+            };
             if h >= u32::from(cq.size) {
                 continue;
             }
@@ -484,7 +522,17 @@ impl Ctrl {
             if sq.deleting.is_some() {
                 continue;
             }
-            let tail = self.regs.read32(sq_doorbell(qid as u16));
+            let tail = if sq.shadow {
+                match self
+                    .dbbuf
+                    .and_then(|d| read_slot(&*self.dma, d.shadow, sq_slot(qid)))
+                {
+                    Some(t) => t,
+                    None => continue,
+                }
+            } else {
+                self.regs.read32(sq_doorbell(qid as u16))
+            };
             if tail >= u32::from(sq.size) {
                 continue;
             }
@@ -517,6 +565,7 @@ impl Ctrl {
                     self.complete(qid as u16, sqe.cid(), dw0, st);
                 }
             }
+            work |= self.sq_event_idx(qid, tail);
         }
         work
     }
@@ -727,6 +776,7 @@ impl Ctrl {
             }
             // Commands are executed as soon as they are fetched: nothing is ever abortable.
             admin::ABORT => ok(1),
+            admin::DBBUF_CONFIG => self.dbbuf_config(sqe),
             op => {
                 log::debug!("nvme admin opcode {op:#x} not supported");
                 err(status::INVALID_OPCODE)
@@ -887,8 +937,11 @@ impl Ctrl {
         if ien && iv >= vectors {
             return err(status::INVALID_VECTOR);
         }
+        let shadow = self.init_slots(cq_slot(qid as usize));
         self.cqs[qid as usize] = Some(CompQ {
             base: prp1,
+            shadow,
+            event_idx: None,
             size,
             tail: 0,
             head: 0,
@@ -919,8 +972,10 @@ impl Ctrl {
         if !pc || prp1 & (PAGE_SIZE - 1) != 0 || (self.last_cc >> 16) & 0xf != 6 {
             return err(status::INVALID_FIELD);
         }
+        let shadow = self.init_slots(sq_slot(qid as usize));
         self.sqs[qid as usize] = Some(SubQ {
             base: prp1,
+            shadow,
             size,
             head: 0,
             cqid,

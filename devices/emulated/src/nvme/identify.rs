@@ -43,7 +43,8 @@ pub fn controller(cfg: &NvmeConfig, max_cmds: u16) -> [u8; 4096] {
     put32(&mut b, 84, 1_000_000); // RTD3R 1 s
     put32(&mut b, 88, 1_000_000); // RTD3E 1 s
     b[111] = 1; // CNTRLTYPE: I/O controller
-    put16(&mut b, 256, 0); // OACS: no optional admin commands
+                // OACS: Doorbell Buffer Config (bit 8) when shadow doorbells are on; nothing else.
+    put16(&mut b, 256, if cfg.dbbuf { 1 << 8 } else { 0 });
     b[258] = 3; // ACL: 4 outstanding aborts
     b[259] = 3; // AERL: 4 outstanding AERs
     b[260] = 0x3; // FRMW: slot 1 read-only, 1 slot

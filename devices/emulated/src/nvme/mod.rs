@@ -28,13 +28,14 @@ use crate::dma::DmaMemory;
 use crate::engine::{create_engine, EngineKind};
 use crate::irq::InterruptSink;
 use crate::model::{
-    build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity,
+    build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, KickDoorbells, MsixInfo,
+    PciIdentity,
 };
 use crate::regs::RegisterMemory;
 use crate::waiter::{WaitState, Waiter};
 use crate::NotifyMode;
-use ctrl::Ctrl;
-use spec::{REG_CSTS, REG_DBS, REG_INTMC, REG_INTMS};
+use ctrl::{Ctrl, DbbufState, MAX_KICK_QUEUES};
+use spec::{cq_doorbell, sq_doorbell, REG_CSTS, REG_DBS, REG_INTMC, REG_INTMS};
 
 /// Size of BAR0 (registers + doorbells for up to 1535 queue pairs).
 pub const BAR0_SIZE: u64 = 0x4000;
@@ -64,6 +65,8 @@ pub struct NvmeConfig {
     pub io_depth: u32,
     /// Interrupt (eventfd) or polling doorbell mode.
     pub notify: NotifyMode,
+    /// Offer Doorbell Buffer Config (shadow doorbells + EventIdx, OACS bit 8).
+    pub dbbuf: bool,
     /// I/O queue pairs offered (1..=1024).
     pub max_io_queues: u16,
     /// Maximum entries per queue (MQES + 1), 2..=4096.
@@ -93,6 +96,7 @@ impl Default for NvmeConfig {
             io_threads: 4,
             io_depth: 256,
             notify: NotifyMode::Interrupt,
+            dbbuf: true,
             max_io_queues: 16,
             max_queue_entries: 1024,
             msix_vectors: 17,
@@ -170,6 +174,7 @@ struct Inner {
     doorbell: EventFd,
     engine_event: EventFd,
     stop: AtomicBool,
+    dbbuf: Arc<DbbufState>,
     notify: NotifyMode,
     wait: Arc<WaitState>,
 }
@@ -270,6 +275,7 @@ impl NvmeController {
             stats.clone(),
             nsze,
         );
+        let dbbuf = ctrl.dbbuf_state();
         log::info!(
             "nvme {}: {} blocks of {} bytes, engine {engine_name}, {:?} mode",
             cfg.serial,
@@ -284,6 +290,7 @@ impl NvmeController {
                 doorbell,
                 engine_event,
                 stop: AtomicBool::new(false),
+                dbbuf,
                 notify: cfg.notify,
                 wait: WaitState::new().map_err(os("worker wake eventfd"))?,
             }),
@@ -461,6 +468,34 @@ impl DeviceModel for NvmeController {
 
     fn reset(&self) {
         self.inner.lock().function_reset();
+    }
+
+    fn kick_generation(&self) -> u64 {
+        self.inner.dbbuf.get().0
+    }
+
+    fn polls_doorbells(&self) -> bool {
+        self.cfg.notify == NotifyMode::Polling
+    }
+
+    fn set_kick_listener(&self, listener: Option<crate::KickListener>) {
+        self.inner.dbbuf.set_listener(listener);
+    }
+
+    fn kick_doorbells(&self) -> KickDoorbells {
+        let (generation, on) = self.inner.dbbuf.get();
+        let offsets = if on {
+            (1..=self.cfg.max_io_queues.min(MAX_KICK_QUEUES))
+                .flat_map(|q| [sq_doorbell(q), cq_doorbell(q)])
+                .collect()
+        } else {
+            Vec::new()
+        };
+        KickDoorbells {
+            generation,
+            bar: 0,
+            offsets,
+        }
     }
 
     fn intx_resample(&self) {

@@ -75,6 +75,8 @@ pub mod admin {
     pub const ASYNC_EVENT: u8 = 0x0c;
     /// Keep Alive (not supported: Invalid Opcode).
     pub const KEEP_ALIVE: u8 = 0x18;
+    /// Doorbell Buffer Config (shadow doorbells + EventIdx, OACS bit 8).
+    pub const DBBUF_CONFIG: u8 = 0x7c;
 }
 
 /// NVM command set opcodes.
