@@ -277,6 +277,7 @@ impl FakeVmm {
                     size: self.config.vm.memory_size,
                 },
                 interrupts: InterruptCounts::default(),
+                access: None,
             },
         );
         Ok(PciDeviceInfo { id, bdf: guest_bdf })
@@ -322,6 +323,7 @@ impl ApiHandler for FakeVmm {
                 state: self.state,
                 remote_devices: self.devices.values().cloned().collect(),
                 counters: None,
+                kvm: None,
             })),
             ApiRequest::VmAddRemoteDevice(data) => self.add(data).map(ApiResponse::DeviceAdded),
             ApiRequest::VmRemoveDevice(data) => self.remove(data).map(|()| ApiResponse::Empty),

@@ -456,6 +456,35 @@ pub struct RemoteDeviceInfo {
     pub lease_state: LeaseState,
     pub dma_window: DmaWindowInfo,
     pub interrupts: InterruptCounts,
+    /// How the guest reached the device; absent when the VMM does not count it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access: Option<DeviceAccessCounts>,
+}
+
+/// Per-device data-path counters in `vm.info`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceAccessCounts {
+    /// BAR reads that exited to the VMM.
+    pub trapped_bar_reads: u64,
+    /// BAR writes that exited to the VMM.
+    pub trapped_bar_writes: u64,
+    /// Doorbell kicks the VMM signalled itself (store + notify on the exact path).
+    pub vmm_doorbell_kicks: u64,
+    /// KVM ioeventfds registered for the device now.
+    pub ioeventfds: u64,
+    /// Doorbell kicks the lender received in total (every path), when it reports them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lender_doorbell_kicks: Option<u64>,
+}
+
+/// The vCPUs' KVM exit statistics, summed, in `vm.info`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvmExitCounts {
+    pub exits: u64,
+    /// MMIO exits to user space.
+    pub mmio_exits: u64,
+    pub io_exits: u64,
+    pub halt_exits: u64,
 }
 
 /// VMM-wide resources held for remote devices (`vm.info`'s optional `counters`), for leak
@@ -494,6 +523,9 @@ pub struct VmInfo {
     /// Resource counters; absent when the VMM does not report them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<VmCounters>,
+    /// KVM exit statistics; absent when KVM does not provide them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvm: Option<KvmExitCounts>,
 }
 
 #[cfg(test)]

@@ -44,10 +44,10 @@ use api::events::EventBus;
 use api::request::{already_attached, id_in_use, pause_refusal, ApiResponse};
 use api::request::{ApiError, ApiHandler, ApiReply, ApiRequest};
 use api::types::{
-    DmaWindowInfo, InterruptCounts, LeaseState as ApiLeaseState, PciBdf as ApiBdf, PciDeviceInfo,
-    RemoteDeviceConfig, RemoteDeviceInfo, RemoteDeviceMode, RemoteDeviceSpec,
-    VmAddRemoteDeviceData, VmConfigInfo, VmCounters, VmCountersReport, VmInfo, VmRemoveDeviceData,
-    VmState, VmmPingResponse,
+    DeviceAccessCounts, DmaWindowInfo, InterruptCounts, KvmExitCounts, LeaseState as ApiLeaseState,
+    PciBdf as ApiBdf, PciDeviceInfo, RemoteDeviceConfig, RemoteDeviceInfo, RemoteDeviceMode,
+    RemoteDeviceSpec, VmAddRemoteDeviceData, VmConfigInfo, VmCounters, VmCountersReport, VmInfo,
+    VmRemoveDeviceData, VmState, VmmPingResponse,
 };
 use pci::vm_ops::VmOps;
 use pci::{BusDevice, PciBdf, SharedPciDevice};
@@ -751,6 +751,27 @@ impl Controller {
     }
 
     fn device_info(id: &str, e: &Entry) -> RemoteDeviceInfo {
+        // Lender-side counts (one round trip; vm.info runs on the control thread).
+        let lender = e
+            .device
+            .as_ref()
+            .and_then(|d| match lock(d).lender_counters() {
+                Ok(c) => c,
+                Err(err) => {
+                    log::debug!("{id}: lender counters: {err}");
+                    None
+                }
+            });
+        let access = e.device.as_ref().map(|d| {
+            let c = lock(d).counters();
+            DeviceAccessCounts {
+                trapped_bar_reads: c.trapped_reads,
+                trapped_bar_writes: c.trapped_writes,
+                vmm_doorbell_kicks: c.kicks,
+                ioeventfds: c.ioeventfds,
+                lender_doorbell_kicks: lender.as_ref().map(|l| l.doorbell_kicks),
+            }
+        });
         let st = e.device.as_ref().map(|d| lock(d).status());
         let st = st.as_ref().or(e.last.as_ref());
         let live = e.device.is_some();
@@ -772,6 +793,11 @@ impl Controller {
                 None => {}
             }
         }
+        // On shm the lender signals KVM's irqfds itself, so only it can count them.
+        if let Some(l) = &lender {
+            interrupts.msix = interrupts.msix.max(l.msix.iter().sum());
+            interrupts.intx = interrupts.intx.max(l.intx);
+        }
         RemoteDeviceInfo {
             id: id.to_string(),
             node: e.spec.node.clone(),
@@ -786,6 +812,7 @@ impl Controller {
             lease_state: e.state,
             dma_window,
             interrupts,
+            access,
         }
     }
 
@@ -865,6 +892,13 @@ impl Controller {
         }
         for (id, e) in &self.entries {
             let mut c = BTreeMap::new();
+            if let Some(d) = &e.device {
+                let io = lock(d).counters();
+                c.insert("trapped_bar_reads".into(), io.trapped_reads);
+                c.insert("trapped_bar_writes".into(), io.trapped_writes);
+                c.insert("vmm_doorbell_kicks".into(), io.kicks);
+                c.insert("ioeventfds".into(), io.ioeventfds);
+            }
             let status = e.device.as_ref().map(|d| lock(d).status());
             if let Some(st) = status.as_ref().or(e.last.as_ref()) {
                 c.insert("bme_transitions".into(), st.bme_transitions);
@@ -903,6 +937,28 @@ impl Controller {
         report
     }
 
+    /// The headline KVM exit counts, if KVM gives statistics.
+    fn kvm_exits(&self) -> Option<KvmExitCounts> {
+        if !self.h.vcpus.has_stats() {
+            return None;
+        }
+        match self.h.vcpus.kvm_stats() {
+            Ok(s) => {
+                let g = |k: &str| s.get(k).copied().unwrap_or(0);
+                Some(KvmExitCounts {
+                    exits: g("exits"),
+                    mmio_exits: g("mmio_exits"),
+                    io_exits: g("io_exits"),
+                    halt_exits: g("halt_exits"),
+                })
+            }
+            Err(e) => {
+                log::warn!("kvm statistics: {e}");
+                None
+            }
+        }
+    }
+
     /// `vm.info`.
     pub fn info(&self) -> VmInfo {
         VmInfo {
@@ -914,6 +970,7 @@ impl Controller {
                 .map(|(id, e)| Self::device_info(id, e))
                 .collect(),
             counters: Some(self.counters()),
+            kvm: self.kvm_exits(),
         }
     }
 }

@@ -25,7 +25,8 @@ use ntb::{ClusterConfig, NodeId};
 use pci::vm_ops::GuestRamRegion;
 use remote_pci::lending_link::{LendingLink, LendingLinkError, LendingLinkOptions};
 use remote_pci::{
-    BarAccess, DmaMapping, IrqTargets, KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, PinError, PinnedRange, Pinner, RemoteDeviceInfo, RemoteDeviceLink,
+    BarAccess, DmaMapping, IrqTargets, KickDoorbells, LeaseState, LenderCounters, LinkError,
+    LinkEventHook, PinError, PinnedRange, Pinner, RemoteDeviceInfo, RemoteDeviceLink,
 };
 
 /// Client name given in the lender hello (lenderd logs it).

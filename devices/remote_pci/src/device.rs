@@ -40,8 +40,8 @@ use pci::vm_ops::{IoEventAddress, IoEventGuard, MemslotGuard, VmOps};
 use pci::ConfigError;
 
 use crate::link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, KickDoorbells, LeaseState, LenderCounters,
-    LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IrqKind, IrqTargets, KickDoorbells, LeaseState,
+    LenderCounters, LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink,
 };
 use crate::observer::DeviceObserver;
 use crate::pin::{pin_all, MlockPinner, PinStats, PinnedRange, Pinner};

@@ -45,7 +45,9 @@ use pci::vm_ops::GuestRamRegion;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickCell, KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteMsix,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickCell,
+    KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar,
+    RemoteDeviceInfo, RemoteDeviceLink, RemoteMsix,
 };
 
 /// Errors of setting up the link.

@@ -22,7 +22,9 @@ pub use device::{
     RemotePciDeviceParams, RemotePciError,
 };
 pub use link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickCell, KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
+    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickCell,
+    KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar,
+    RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
 pub use observer::DeviceObserver;
 pub use pin::{MlockPinner, PinError, PinStats, PinnedRange, Pinner};

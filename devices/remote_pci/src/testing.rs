@@ -13,7 +13,8 @@ use pci::vm_ops::{
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
-    DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteDeviceInfo, RemoteDeviceLink,
+    DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickDoorbells, LeaseState, LenderCounters,
+    LinkError, LinkEventHook, RemoteDeviceInfo, RemoteDeviceLink,
 };
 use crate::pin::{PinError, PinnedRange, Pinner};
 

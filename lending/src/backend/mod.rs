@@ -23,7 +23,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::iommu::IommuDomain;
 use crate::protocol::{
-    BarDesc, CapDesc, DeviceInfo, DoorbellKicks, IrqCounts, IrqKind, LeaseCounters, MsixDesc, MsixDescBarDesc,
+    BarDesc, CapDesc, DeviceInfo, DoorbellKicks, IrqCounts, IrqKind, LeaseCounters, MsixDesc,
 };
 
 pub use irq::IrqTrigger;
