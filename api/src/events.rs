@@ -375,6 +375,23 @@ mod tests {
     }
 
     #[test]
+    fn monitor_fd_takes_an_inherited_pipe() {
+        use std::io::Read;
+        use std::os::fd::IntoRawFd;
+        let (mut rx, tx) = std::io::pipe().unwrap();
+        let fd = tx.into_raw_fd();
+        let bus = EventBus::with_monitor(&MonitorTarget::Fd(fd)).unwrap();
+        bus.emit("vm", "vm-paused", Vec::<(String, Value)>::new());
+        // Closing the bus closes the write end, so the read ends.
+        bus.close();
+        drop(bus);
+        let mut text = String::new();
+        rx.read_to_string(&mut text).unwrap();
+        let ev: VmEvent = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(ev.event, "vm-paused");
+    }
+
+    #[test]
     fn subscribe_replays_after_since_then_follows() {
         let bus = EventBus::new();
         for i in 0..3 {
