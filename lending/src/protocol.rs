@@ -19,6 +19,7 @@
 //! | 0x10b | [`LeaseRef`] | `()` | DEVICE_RESET |
 //! | 0x10c | [`LeaseRef`] | `()` | — (return the lease) |
 //! | 0x10d | `Status` | [`LenderStatus`] | — |
+//! | 0x10e | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
 //! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it); borrower → lender
@@ -37,6 +38,7 @@
 //! | version | change |
 //! |---|---|
 //! | 1 | first |
+//! | any | 0x10e [`BorrowClaimed`] is a new opcode, not a new layout: a lender that predates it answers `unknown opcode`, so it needs no version |
 //! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
 
 use serde::{Deserialize, Serialize};
@@ -87,6 +89,8 @@ pub mod opcode {
     pub const RETURN: u16 = 0x10c;
     /// Lender inventory with states.
     pub const STATUS: u16 = 0x10d;
+    /// Borrow a device under a cluster-directory claim (fencing token).
+    pub const BORROW_CLAIMED: u16 = 0x10e;
     /// Event: the device is gone (lease ended by the lender).
     pub const EVT_DEVICE_GONE: u16 = 0x180;
     /// Event: fatal device error.
@@ -116,6 +120,11 @@ pub mod code {
     pub const DEVICE_UNAVAILABLE: u32 = 0x106;
     /// Hello not yet done.
     pub const NO_HELLO: u32 = 0x107;
+    /// This lender lends only under a directory claim ([`super::BorrowClaimed`]).
+    pub const CLAIM_REQUIRED: u32 = 0x108;
+    /// The claim presented is not the device's current claim (expired, released, or
+    /// someone else's): the fencing token is stale.
+    pub const STALE_CLAIM: u32 = 0x109;
 }
 
 /// Errors of encoding/decoding protocol messages.
@@ -246,6 +255,20 @@ pub struct Borrow {
     pub device: String,
     /// Borrowing VM's name.
     pub vm: String,
+}
+
+/// Borrow request under a cluster-directory claim (`lending::directory`): the lender lends
+/// only if `claim` is the revision of the device's current claim and the claim names this
+/// borrower; the revision is the fencing token that keeps a borrower whose claim expired
+/// from using the device again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BorrowClaimed {
+    /// Device id.
+    pub device: String,
+    /// Borrowing VM's name.
+    pub vm: String,
+    /// The claim's revision in the directory (etcd `create_revision` of the claim key).
+    pub claim: i64,
 }
 
 /// Reference to a lease of this link.
@@ -673,6 +696,8 @@ pub enum Request {
     Return(LeaseRef),
     /// Status.
     Status,
+    /// Borrow under a directory claim.
+    BorrowClaimed(BorrowClaimed),
 }
 
 /// An event, decoded.
@@ -732,6 +757,7 @@ impl Request {
             Request::Reset(_) => opcode::RESET,
             Request::Return(_) => opcode::RETURN,
             Request::Status => opcode::STATUS,
+            Request::BorrowClaimed(_) => opcode::BORROW_CLAIMED,
         }
     }
 
@@ -746,7 +772,11 @@ impl Request {
             Request::DmaMap(r) => Some(r.lease),
             Request::DmaUnmap(r) => Some(r.lease),
             Request::SetIrqs(r) => Some(r.lease),
-            Request::Hello(_) | Request::List | Request::Borrow(_) | Request::Status => None,
+            Request::Hello(_)
+            | Request::List
+            | Request::Borrow(_)
+            | Request::Status
+            | Request::BorrowClaimed(_) => None,
         }
     }
 
@@ -779,6 +809,7 @@ impl Request {
             Request::Hello(v) => enc(op, v)?,
             Request::List | Request::Status => enc(op, &())?,
             Request::Borrow(v) => enc(op, v)?,
+            Request::BorrowClaimed(v) => enc(op, v)?,
             Request::DeviceInfo(v) | Request::Reset(v) | Request::Return(v) => enc(op, v)?,
             Request::ConfigRead(v) => enc(op, v)?,
             Request::ConfigWrite(v) => enc(op, v)?,
@@ -823,6 +854,18 @@ impl Request {
                 check_str(op, "device id", &b.device)?;
                 check_str(op, "vm name", &b.vm)?;
                 Request::Borrow(b)
+            }
+            opcode::BORROW_CLAIMED => {
+                let b: BorrowClaimed = dec(op, payload)?;
+                check_str(op, "device id", &b.device)?;
+                check_str(op, "vm name", &b.vm)?;
+                if b.claim <= 0 {
+                    return Err(invalid(
+                        op,
+                        format!("claim revision {} is not positive", b.claim),
+                    ));
+                }
+                Request::BorrowClaimed(b)
             }
             opcode::DEVICE_INFO => Request::DeviceInfo(dec(op, payload)?),
             opcode::RESET => Request::Reset(dec(op, payload)?),
@@ -1098,6 +1141,11 @@ mod tests {
             }),
             Request::Reset(LeaseRef { lease: 7 }),
             Request::Return(LeaseRef { lease: 7 }),
+            Request::BorrowClaimed(BorrowClaimed {
+                device: "0000:81:00.0".into(),
+                vm: "vm0".into(),
+                claim: 42,
+            }),
         ]
     }
 
