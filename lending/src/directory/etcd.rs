@@ -107,22 +107,40 @@ struct Shared {
 }
 
 impl Shared {
-    /// Runs one etcd call to completion on the runtime, bounded by [`CALL_TIMEOUT`].
-    fn call<T, F>(&self, op: &str, f: F) -> Result<T, DirectoryError>
+    /// Runs one etcd call to completion on the runtime, bounded by [`CALL_TIMEOUT`]. An
+    /// unreachable member (`Unavailable`: a dead endpoint of the balanced channel, no leader
+    /// during an election) is retried until the bound, so one dead member of three or a
+    /// leader change costs time, not an error. Callers whose operation is not idempotent
+    /// check for their own earlier success (see the claim).
+    fn call<T, F, Fut>(&self, op: &str, mut f: F) -> Result<T, DirectoryError>
     where
-        F: Future<Output = Result<T, etcd_client::Error>>,
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
         self.rt.block_on(async {
-            match tokio::time::timeout(CALL_TIMEOUT, f).await {
-                Ok(r) => r.map_err(|source| DirectoryError::Etcd {
-                    op: op.to_string(),
-                    source,
-                }),
-                Err(_) => Err(DirectoryError::Timeout {
-                    op: op.to_string(),
-                    timeout: CALL_TIMEOUT,
-                    endpoints: self.cfg.etcd.join(","),
-                }),
+            let deadline = Instant::now() + CALL_TIMEOUT;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, f(self.client.clone())).await {
+                    Ok(Ok(v)) => return Ok(v),
+                    Ok(Err(e)) if transient(&e) && Instant::now() + RETRY < deadline => {
+                        log::debug!("etcd {op}: {e}; retrying");
+                        tokio::time::sleep(RETRY / 2).await;
+                    }
+                    Ok(Err(source)) => {
+                        return Err(DirectoryError::Etcd {
+                            op: op.to_string(),
+                            source,
+                        })
+                    }
+                    Err(_) => {
+                        return Err(DirectoryError::Timeout {
+                            op: op.to_string(),
+                            timeout: CALL_TIMEOUT,
+                            endpoints: self.cfg.etcd.join(","),
+                        })
+                    }
+                }
             }
         })
     }
@@ -131,6 +149,16 @@ impl Shared {
         i64::try_from(self.cfg.lease_ttl.as_secs())
             .unwrap_or(5)
             .max(1)
+    }
+}
+
+/// Whether an etcd error may go away on its own (another member, a new leader).
+fn transient(e: &etcd_client::Error) -> bool {
+    match e {
+        // gRPC UNAVAILABLE (14): connection refused or reset, no leader.
+        etcd_client::Error::GRpcStatus(s) => i32::from(s.code()) == 14,
+        etcd_client::Error::TransportError(_) => true,
+        _ => false,
     }
 }
 
@@ -175,8 +203,7 @@ impl EtcdDirectory {
             },
             cfg: cfg.clone(),
         });
-        let mut c = shared.client.clone();
-        shared.call("status", async move { c.status().await })?;
+        shared.call("status", |mut c| async move { c.status().await })?;
         Ok(EtcdDirectory { shared })
     }
 
@@ -315,9 +342,10 @@ async fn watch_from<F>(
 
 /// Grants a lease of the directory's TTL.
 fn grant(shared: &Shared) -> Result<i64, DirectoryError> {
-    let mut c = shared.client.clone();
     let ttl = shared.ttl_secs();
-    let r = shared.call("lease grant", async move { c.lease_grant(ttl, None).await })?;
+    let r = shared.call("lease grant", |mut c| async move {
+        c.lease_grant(ttl, None).await
+    })?;
     Ok(r.id())
 }
 
@@ -338,11 +366,10 @@ fn put_records(
             opts(),
         ));
     }
-    let mut c = shared.client.clone();
-    shared.call(
-        "register",
-        async move { c.txn(Txn::new().and_then(ops)).await },
-    )?;
+    shared.call("register", |mut c| {
+        let ops = ops.clone();
+        async move { c.txn(Txn::new().and_then(ops)).await }
+    })?;
     Ok(())
 }
 
@@ -383,9 +410,9 @@ impl Registration for EtcdRegistration {
                 )
             })
             .collect();
-        let mut c = self.shared.client.clone();
-        match self.shared.call("update devices", async move {
-            c.txn(Txn::new().and_then(ops)).await
+        match self.shared.call("update devices", |mut c| {
+            let ops = ops.clone();
+            async move { c.txn(Txn::new().and_then(ops)).await }
         }) {
             Ok(_) => {
                 for d in changed {
@@ -411,11 +438,9 @@ impl Drop for EtcdRegistration {
         // A clean stop takes the lender out of the directory at once rather than after the
         // TTL: the revoke deletes every key under the lease.
         let lease = self.lease.load(Ordering::SeqCst);
-        let mut c = self.shared.client.clone();
-        match self
-            .shared
-            .call("lease revoke", async move { c.lease_revoke(lease).await })
-        {
+        match self.shared.call("lease revoke", |mut c| async move {
+            c.lease_revoke(lease).await
+        }) {
             Ok(_) => log::info!("lender {} left the directory", self.node.name),
             Err(e) => log::warn!(
                 "lender {}: revoking the registration (it expires within its ttl): {e}",
@@ -518,11 +543,12 @@ impl EtcdClaims {
 impl ClaimAuthority for EtcdClaims {
     fn verify(&self, device: &str, holder: &str, vm: &str, revision: i64) -> Result<(), String> {
         let key = self.shared.keys.claim(&self.node, device);
-        let mut c = self.shared.client.clone();
-        let k = key.clone();
         let r = self
             .shared
-            .call("get claim", async move { c.get(k, None).await })
+            .call("get claim", |mut c| {
+                let k = key.clone();
+                async move { c.get(k, None).await }
+            })
             .map_err(|e| format!("cannot check the claim: {e}"))?;
         let Some(kv) = r.kvs().first() else {
             return Err("no current claim (expired or released)".into());
@@ -576,16 +602,67 @@ impl Drop for EtcdClaim {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
         let lease = self.lease;
-        let mut c = self.shared.client.clone();
-        if let Err(e) = self
-            .shared
-            .call("lease revoke", async move { c.lease_revoke(lease).await })
-        {
+        if let Err(e) = self.shared.call("lease revoke", |mut c| async move {
+            c.lease_revoke(lease).await
+        }) {
             log::warn!(
                 "releasing claim {} (it expires within its ttl): {e}",
                 self.key
             );
         }
+    }
+}
+
+impl EtcdDirectory {
+    /// Keeps the claim's lease alive and watches the lender, the device and the claim.
+    fn hold_claim(&self, node: &str, bdf: &str, lease: i64, revision: i64) -> Box<dyn ClaimHandle> {
+        let shared = &self.shared;
+        let keys = &shared.keys;
+        let (ckey, nkey, dkey) = (
+            keys.claim(node, bdf),
+            keys.node(node),
+            keys.device(node, bdf),
+        );
+        let (stop, stop_rx) = watch::channel(false);
+        let lost = Arc::new(Mutex::new(None));
+        shared.rt.spawn(keep_alive(
+            shared.client.clone(),
+            lease,
+            shared.cfg.lease_ttl,
+            stop_rx.clone(),
+            Arc::clone(&lost),
+        ));
+        // The device is lost when its lender, its record or our claim leaves the directory.
+        for (key, why) in [
+            (nkey, format!("lender {node} left the directory")),
+            (dkey, format!("device {node}:{bdf} left the directory")),
+            (ckey.clone(), format!("claim on {node}:{bdf} ended")),
+        ] {
+            let lost = Arc::clone(&lost);
+            shared.rt.spawn(watch_from(
+                shared.client.clone(),
+                key,
+                false,
+                revision + 1,
+                stop_rx.clone(),
+                move |ev, _, rev| {
+                    if ev == EventType::Delete {
+                        log::warn!("{why} (revision {rev})");
+                        lock(&lost).get_or_insert_with(|| why.clone());
+                        return false;
+                    }
+                    true
+                },
+            ));
+        }
+        Box::new(EtcdClaim {
+            shared: Arc::clone(shared),
+            key: ckey,
+            lease,
+            revision,
+            lost,
+            stop,
+        })
     }
 }
 
@@ -600,10 +677,10 @@ impl Directory for EtcdDirectory {
 
     fn lender(&self, node: &str) -> Result<NodeConfig, DirectoryError> {
         let key = self.shared.keys.node(node);
-        let mut c = self.shared.client.clone();
-        let r = self
-            .shared
-            .call("get node", async move { c.get(key, None).await })?;
+        let r = self.shared.call("get node", |mut c| {
+            let key = key.clone();
+            async move { c.get(key, None).await }
+        })?;
         let kv = r
             .kvs()
             .first()
@@ -616,9 +693,9 @@ impl Directory for EtcdDirectory {
 
     fn snapshot(&self) -> Result<Snapshot, DirectoryError> {
         let key = self.shared.keys.all();
-        let mut c = self.shared.client.clone();
-        let r = self.shared.call("list", async move {
-            c.get(key, Some(GetOptions::new().with_prefix())).await
+        let r = self.shared.call("list", |mut c| {
+            let key = key.clone();
+            async move { c.get(key, Some(GetOptions::new().with_prefix())).await }
         })?;
         let mut s = Snapshot {
             revision: r.header().map_or(0, |h| h.revision()),
@@ -665,10 +742,9 @@ impl Directory for EtcdDirectory {
         });
         // The claims already there, then every change after that read.
         let prefix = shared.keys.claims_of(&node.name);
-        let mut c = shared.client.clone();
-        let p = prefix.clone();
-        let r = shared.call("get claims", async move {
-            c.get(p, Some(GetOptions::new().with_prefix())).await
+        let r = shared.call("get claims", |mut c| {
+            let p = prefix.clone();
+            async move { c.get(p, Some(GetOptions::new().with_prefix())).await }
         })?;
         for kv in r.kvs() {
             claims.apply(EventType::Put, kv);
@@ -748,8 +824,10 @@ impl Directory for EtcdDirectory {
                 TxnOp::get(nkey.clone(), None),
                 TxnOp::get(dkey.clone(), None),
             ]);
-        let mut c = shared.client.clone();
-        let r = shared.call("claim", async move { c.txn(txn).await });
+        let r = shared.call("claim", |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        });
         let r = match r {
             Ok(r) => r,
             Err(e) => {
@@ -758,7 +836,6 @@ impl Directory for EtcdDirectory {
             }
         };
         if !r.succeeded() {
-            revoke_quietly(shared, lease);
             let got: Vec<Option<KeyValue>> = r
                 .op_responses()
                 .into_iter()
@@ -767,6 +844,13 @@ impl Directory for EtcdDirectory {
                     _ => None,
                 })
                 .collect();
+            if let Some(Some(kv)) = got.first() {
+                if kv.lease() == lease {
+                    // A retried transaction whose first attempt did land: the claim is ours.
+                    return Ok(self.hold_claim(node, bdf, lease, kv.create_revision()));
+                }
+            }
+            revoke_quietly(shared, lease);
             if let Some(Some(kv)) = got.first() {
                 let other: ClaimRecord = decode(kv)?;
                 return Err(DirectoryError::Claimed {
@@ -790,46 +874,7 @@ impl Directory for EtcdDirectory {
         }
         let revision = r.header().map_or(0, |h| h.revision());
         log::info!("claimed {node}:{bdf} for {holder}/{vm} (revision {revision})");
-        let (stop, stop_rx) = watch::channel(false);
-        let lost = Arc::new(Mutex::new(None));
-        shared.rt.spawn(keep_alive(
-            shared.client.clone(),
-            lease,
-            shared.cfg.lease_ttl,
-            stop_rx.clone(),
-            Arc::clone(&lost),
-        ));
-        // The device is lost when its lender, its record or our claim leaves the directory.
-        for (key, why) in [
-            (nkey, format!("lender {node} left the directory")),
-            (dkey, format!("device {node}:{bdf} left the directory")),
-            (ckey.clone(), format!("claim on {node}:{bdf} ended")),
-        ] {
-            let lost = Arc::clone(&lost);
-            shared.rt.spawn(watch_from(
-                shared.client.clone(),
-                key,
-                false,
-                revision + 1,
-                stop_rx.clone(),
-                move |ev, _, rev| {
-                    if ev == EventType::Delete {
-                        log::warn!("{why} (revision {rev})");
-                        lock(&lost).get_or_insert_with(|| why.clone());
-                        return false;
-                    }
-                    true
-                },
-            ));
-        }
-        Ok(Box::new(EtcdClaim {
-            shared: Arc::clone(shared),
-            key: ckey,
-            lease,
-            revision,
-            lost,
-            stop,
-        }))
+        Ok(self.hold_claim(node, bdf, lease, revision))
     }
 
     fn watch(
@@ -838,12 +883,13 @@ impl Directory for EtcdDirectory {
     {
         let shared = &self.shared;
         let key = shared.keys.all();
-        let mut c = shared.client.clone();
-        let k = key.clone();
         // The revision to start from: now.
-        let r = shared.call("watch start", async move {
-            c.get(k, Some(GetOptions::new().with_prefix().with_count_only()))
-                .await
+        let r = shared.call("watch start", |mut c| {
+            let k = key.clone();
+            async move {
+                c.get(k, Some(GetOptions::new().with_prefix().with_count_only()))
+                    .await
+            }
         })?;
         let start = r.header().map_or(0, |h| h.revision()) + 1;
         let (tx, rx) = std::sync::mpsc::channel();
@@ -907,8 +953,9 @@ fn event_of(
 
 /// Revokes a lease we no longer need; failure only delays its expiry.
 fn revoke_quietly(shared: &Shared, lease: i64) {
-    let mut c = shared.client.clone();
-    if let Err(e) = shared.call("lease revoke", async move { c.lease_revoke(lease).await }) {
+    if let Err(e) = shared.call("lease revoke", |mut c| async move {
+        c.lease_revoke(lease).await
+    }) {
         log::debug!("revoking unused lease {lease:x}: {e}");
     }
 }
