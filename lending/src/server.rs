@@ -8,9 +8,8 @@
 //!
 //! With a cluster directory ([`Lender::with_claims`]) a device is lent only under a current
 //! directory claim (`BORROW_CLAIMED` with the claim's revision as fencing token; a plain
-//! `BORROW` is refused), and a lease whose claim stops being current (expired, released,
-//! replaced, or this lender can no longer tell) is ended with a `DeviceGone` event within one
-//! poll period ([`POLL`]).
+//! `BORROW` is refused), and a lease whose claim this lender sees end (expired, released,
+//! replaced) is ended with a `DeviceGone` event within one poll period ([`POLL`]).
 
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};

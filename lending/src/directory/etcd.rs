@@ -213,21 +213,31 @@ impl EtcdDirectory {
     }
 }
 
-/// Keeps one lease alive until `stop`; reports loss (`Some(reason)`) through `lost` once no
-/// renewal succeeded for a whole TTL or etcd says the lease is gone. Returns when stopped or
-/// lost.
+/// How a [`keep_alive`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeepAliveEnd {
+    Stopped,
+    /// etcd answered that the lease no longer exists: its keys are gone.
+    Expired,
+    /// No renewal succeeded for a whole TTL (etcd unreachable, or an election). The lease may
+    /// still exist: etcd does not expire leases without a leader, and a new leader extends
+    /// them.
+    Unrenewed,
+}
+
+/// Keeps one lease alive until `stop`, etcd says it is gone, or no renewal succeeded for a
+/// whole TTL.
 async fn keep_alive(
     client: Client,
     lease: i64,
     ttl: Duration,
     mut stop: watch::Receiver<bool>,
-    lost: Arc<Mutex<Option<String>>>,
-) {
+) -> KeepAliveEnd {
     let period = (ttl / 3).max(Duration::from_millis(300));
     let mut deadline = Instant::now() + ttl;
     'outer: loop {
         if *stop.borrow() {
-            return;
+            return KeepAliveEnd::Stopped;
         }
         let mut c = client.clone();
         let opened = tokio::time::timeout(period, c.lease_keep_alive(lease)).await;
@@ -243,10 +253,7 @@ async fn keep_alive(
                     Ok(Ok(Some(r))) if r.ttl() > 0 => {
                         deadline = sent + Duration::from_secs(u64::try_from(r.ttl()).unwrap_or(0));
                     }
-                    Ok(Ok(Some(_))) => {
-                        *lock(&lost) = Some(format!("etcd lease {lease:x} expired"));
-                        return;
-                    }
+                    Ok(Ok(Some(_))) => return KeepAliveEnd::Expired,
                     Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
                         log::debug!("etcd lease {lease:x}: keep-alive stream failed, re-opening");
                         break;
@@ -257,7 +264,7 @@ async fn keep_alive(
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(period) => {}
-                    _ = stop.changed() => return,
+                    _ = stop.changed() => return KeepAliveEnd::Stopped,
                 }
             }
         }
@@ -266,12 +273,34 @@ async fn keep_alive(
         }
         tokio::select! {
             _ = tokio::time::sleep(RETRY) => {}
-            _ = stop.changed() => return,
+            _ = stop.changed() => return KeepAliveEnd::Stopped,
         }
     }
-    *lock(&lost) = Some(format!(
-        "etcd lease {lease:x} not renewed for its ttl of {ttl:?}"
-    ));
+    KeepAliveEnd::Unrenewed
+}
+
+/// Keeps a borrower's claim lease alive. Only etcd's word that the lease is gone makes the
+/// claim lost; not hearing from etcd does not (the lender ends the lease if the claim does
+/// expire, and the claim watch sees the deletion once etcd is reachable again).
+async fn keep_claim(
+    client: Client,
+    lease: i64,
+    ttl: Duration,
+    stop: watch::Receiver<bool>,
+    lost: Arc<Mutex<Option<String>>>,
+) {
+    loop {
+        match keep_alive(client.clone(), lease, ttl, stop.clone()).await {
+            KeepAliveEnd::Stopped => return,
+            KeepAliveEnd::Expired => {
+                lock(&lost).get_or_insert_with(|| format!("claim lease {lease:x} expired"));
+                return;
+            }
+            KeepAliveEnd::Unrenewed => {
+                log::warn!("claim lease {lease:x}: etcd unreachable for {ttl:?}; still trying")
+            }
+        }
+    }
 }
 
 /// Watches `key` (`prefix`: every key below it) from `start`; calls `on` for every event
@@ -380,6 +409,8 @@ struct EtcdRegistration {
     lease: Arc<AtomicI64>,
     lost: Arc<Mutex<Option<String>>>,
     written: Mutex<HashMap<String, DeviceRecord>>,
+    /// What a re-registration writes (the last states published).
+    devices: Arc<Mutex<Vec<DeviceRecord>>>,
     claims: Arc<EtcdClaims>,
     stop: watch::Sender<bool>,
 }
@@ -418,6 +449,7 @@ impl Registration for EtcdRegistration {
                 for d in changed {
                     written.insert(d.device.id.clone(), d);
                 }
+                *lock(&self.devices) = devices.to_vec();
             }
             Err(e) => log::warn!("lender {}: publishing device states: {e}", self.node.name),
         }
@@ -463,13 +495,16 @@ async fn registration_task(
     let ttl = shared.cfg.lease_ttl;
     loop {
         let id = lease.load(Ordering::SeqCst);
-        keep_alive(shared.client.clone(), id, ttl, stop.clone(), lost.clone()).await;
-        if *stop.borrow() {
-            return;
-        }
-        let why = lock(&lost).clone().unwrap_or_default();
+        let why = match keep_alive(shared.client.clone(), id, ttl, stop.clone()).await {
+            KeepAliveEnd::Stopped => return,
+            KeepAliveEnd::Expired => format!("etcd lease {id:x} expired"),
+            KeepAliveEnd::Unrenewed => format!("etcd lease {id:x} not renewed for {ttl:?}"),
+        };
+        *lock(&lost) = Some(why.clone());
+        // Running leases continue (their claims have not been seen to end; a claim cannot
+        // expire without an etcd leader either); only new borrows wait for etcd.
         log::error!(
-            "lender {}: registration lost ({why}); fenced leases end, re-registering",
+            "lender {}: registration lost ({why}); re-registering",
             node.name
         );
         // Re-register until it works or we are stopped.
@@ -494,6 +529,9 @@ async fn registration_task(
             }
             let put = tokio::time::timeout(CALL_TIMEOUT, c.txn(Txn::new().and_then(ops))).await;
             if matches!(put, Ok(Ok(_))) {
+                // The keys now live under the new lease; the old one (if etcd still has it)
+                // holds nothing any more.
+                let _ = tokio::time::timeout(CALL_TIMEOUT, c.lease_revoke(id)).await;
                 lease.store(g.id(), Ordering::SeqCst);
                 *lock(&lost) = None;
                 log::info!(
@@ -513,8 +551,6 @@ struct EtcdClaims {
     node: String,
     /// Device → revision of its current claim.
     current: Mutex<HashMap<String, i64>>,
-    /// The lender's own registration; no claim is current while it is lost.
-    registration_lost: Arc<Mutex<Option<String>>>,
 }
 
 impl EtcdClaims {
@@ -573,8 +609,7 @@ impl ClaimAuthority for EtcdClaims {
     }
 
     fn is_current(&self, device: &str, revision: i64) -> bool {
-        lock(&self.registration_lost).is_none()
-            && lock(&self.current).get(device) == Some(&revision)
+        lock(&self.current).get(device) == Some(&revision)
     }
 }
 
@@ -625,7 +660,7 @@ impl EtcdDirectory {
         );
         let (stop, stop_rx) = watch::channel(false);
         let lost = Arc::new(Mutex::new(None));
-        shared.rt.spawn(keep_alive(
+        shared.rt.spawn(keep_claim(
             shared.client.clone(),
             lease,
             shared.cfg.lease_ttl,
@@ -738,7 +773,6 @@ impl Directory for EtcdDirectory {
             shared: Arc::clone(shared),
             node: node.name.clone(),
             current: Mutex::new(HashMap::new()),
-            registration_lost: Arc::clone(&lost),
         });
         // The claims already there, then every change after that read.
         let prefix = shared.keys.claims_of(&node.name);
@@ -762,10 +796,11 @@ impl Directory for EtcdDirectory {
                 true
             },
         ));
+        let current = Arc::new(Mutex::new(devices.to_vec()));
         shared.rt.spawn(registration_task(
             Arc::clone(shared),
             node.clone(),
-            Arc::new(Mutex::new(devices.to_vec())),
+            Arc::clone(&current),
             Arc::clone(&lease),
             Arc::clone(&lost),
             stop_rx,
@@ -781,6 +816,7 @@ impl Directory for EtcdDirectory {
                     .map(|d| (d.device.id.clone(), d.clone()))
                     .collect(),
             ),
+            devices: current,
             claims,
             stop,
         }))
