@@ -553,3 +553,133 @@ fn an_etcd_outage_keeps_running_leases_and_refuses_new_borrows() {
         Ok(_) => panic!("claimed without etcd"),
     }
 }
+
+/// A TCP proxy in front of one etcd member that the test can cut and restore: the lender's
+/// only way to etcd, while its fabric link to the borrower keeps working.
+struct Proxy {
+    port: u16,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+    conns: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    fn start(target: String) -> Proxy {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let port = l.local_addr().unwrap().port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (c2, s2, k2) = (cut.clone(), stop.clone(), conns.clone());
+        std::thread::spawn(move || {
+            while !s2.load(Ordering::SeqCst) {
+                let Ok((a, _)) = l.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                if c2.load(Ordering::SeqCst) {
+                    drop(a);
+                    continue;
+                }
+                a.set_nonblocking(false).unwrap();
+                let Ok(b) = std::net::TcpStream::connect(&target) else {
+                    continue;
+                };
+                let mut k = k2.lock().unwrap();
+                k.push(a.try_clone().unwrap());
+                k.push(b.try_clone().unwrap());
+                for (mut from, mut to) in [(a.try_clone().unwrap(), b.try_clone().unwrap()), (b, a)]
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Proxy {
+            port,
+            cut,
+            conns,
+            stop,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Drops every connection and refuses new ones.
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn restore(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.cut();
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_lender_cut_off_from_etcd_leaves_the_directory_although_its_fabric_works() {
+    let etcd = EtcdCluster::single();
+    let s = site(&etcd);
+    // The lender reaches etcd only through the proxy; the borrower directly.
+    let proxy = Proxy::start(etcd.members[0].endpoint());
+    let lender_site = Site {
+        path: s.dir.path().join("lender.toml"),
+        cfg: DirectoryConfig {
+            etcd: vec![proxy.endpoint()],
+            ..s.cfg.clone()
+        },
+        dir: tempfile::tempdir().unwrap(),
+    };
+    let src = std::fs::read_to_string(&s.path)
+        .unwrap()
+        .replace(&etcd.members[0].endpoint(), &proxy.endpoint());
+    std::fs::write(&lender_site.path, src).unwrap();
+    let d = lenderd(&lender_site, "node3", 1);
+    let a = Borrower::new(&s, "vmm-a");
+    let ca = a.connect("node3");
+    let claim = a.dir.claim("node3", &dev(0), "vmm-a", "vm0").unwrap();
+    let lease = ca
+        .borrow_claimed(&dev(0), "vm0", claim.revision().unwrap())
+        .unwrap();
+
+    proxy.cut();
+    // The directory wins: the lender's registration expires, and the borrower, watching it,
+    // is told the device is lost (lendvm then does its surprise removal) ...
+    wait_for("borrower told", TTL + SLACK, || claim.lost().is_some());
+    let why = claim.lost().unwrap();
+    assert!(why.contains("left the directory"), "{why}");
+    assert!(listed(&s).is_empty());
+    // ... although the fabric link still works: it is not what decides membership.
+    assert_eq!(lease.config_read(0, 4).unwrap().len(), 4);
+    // The borrower lets go (as lendvm's teardown does): lease returned, claim released.
+    lease.return_device().unwrap();
+    drop(claim);
+
+    // Back in touch, the lender registers again and the device can be claimed anew.
+    proxy.restore();
+    wait_for("lender re-registered", Duration::from_secs(15), || {
+        listed(&s).len() == 1
+    });
+    wait_for("re-registration logged", Duration::from_secs(5), || {
+        d.log().contains("registered again")
+    });
+    let claim = a.dir.claim("node3", &dev(0), "vmm-a", "vm1").unwrap();
+    let _l = ca
+        .borrow_claimed(&dev(0), "vm1", claim.revision().unwrap())
+        .unwrap();
+}

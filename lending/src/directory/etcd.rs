@@ -529,9 +529,6 @@ async fn registration_task(
             }
             let put = tokio::time::timeout(CALL_TIMEOUT, c.txn(Txn::new().and_then(ops))).await;
             if matches!(put, Ok(Ok(_))) {
-                // The keys now live under the new lease; the old one (if etcd still has it)
-                // holds nothing any more.
-                let _ = tokio::time::timeout(CALL_TIMEOUT, c.lease_revoke(id)).await;
                 lease.store(g.id(), Ordering::SeqCst);
                 *lock(&lost) = None;
                 log::info!(
@@ -539,6 +536,9 @@ async fn registration_task(
                     node.name,
                     g.id()
                 );
+                // The keys now live under the new lease; the old one (if etcd still has it)
+                // holds nothing any more.
+                let _ = tokio::time::timeout(CALL_TIMEOUT, c.lease_revoke(id)).await;
                 break;
             }
         }
