@@ -995,3 +995,29 @@ fn revoke_quietly(shared: &Shared, lease: i64) {
         log::debug!("revoking unused lease {lease:x}: {e}");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_classified_below_the_prefix_only() {
+        let k = Keys {
+            prefix: "/lendvm".into(),
+        };
+        assert!(matches!(classify(&k, &k.node("n3")), KeyKind::Node("n3")));
+        assert!(matches!(
+            classify(&k, &k.device("n3", "0000:81:00.0")),
+            KeyKind::Device("n3", "0000:81:00.0")
+        ));
+        assert!(matches!(
+            classify(&k, &k.claim("n3", "0000:81:00.0")),
+            KeyKind::Claim("n3", "0000:81:00.0")
+        ));
+        assert!(k.claim("n3", "x").starts_with(&k.claims_of("n3")));
+        // Another prefix that merely starts the same, or a foreign key, is not ours.
+        assert!(matches!(classify(&k, "/lendvm2/nodes/n3"), KeyKind::Other));
+        assert!(matches!(classify(&k, "/lendvm/nodes/n3/x"), KeyKind::Other));
+        assert!(matches!(classify(&k, "/lendvm/other/n3"), KeyKind::Other));
+    }
+}
