@@ -683,3 +683,50 @@ fn a_lender_cut_off_from_etcd_leaves_the_directory_although_its_fabric_works() {
         .borrow_claimed(&dev(0), "vm1", claim.revision().unwrap())
         .unwrap();
 }
+
+#[test]
+fn the_static_file_directory_fans_out_to_every_lender() {
+    use lending::directory::static_file::FanOut;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "version = 1\ntoken = \"{TOKEN}\"\n\
+             [[node]]\nname = \"node3\"\nfabric = \"shm\"\ncontrol = \"{d}/node3.sock\"\n\
+             [[node]]\nname = \"node2\"\nfabric = \"shm\"\ncontrol = \"{d}/node2.sock\"\n"
+        ),
+    )
+    .unwrap();
+    let _l = Lenderd::command(lenderd_binary(), "node3", &path)
+        .log(dir.path().join("node3.log"))
+        .device(format!("{}=dmatest", dev(0)))
+        .spawn_until_listening(&dir.path().join("node3.sock"));
+    let (dir_, file) = lending::directory::open(
+        path.to_str().unwrap(),
+        FanOut {
+            local: "lendctl-test".into(),
+            token: TOKEN.into(),
+            client: "directory-test".into(),
+            connect_timeout: Duration::from_secs(2),
+        },
+    )
+    .unwrap();
+    assert!(file.unwrap().directory.is_none());
+    assert!(
+        dir_.describe().starts_with("static file"),
+        "{}",
+        dir_.describe()
+    );
+    let snap = dir_.snapshot().unwrap();
+    assert_eq!(snap.devices.len(), 1);
+    assert_eq!(snap.devices[0].node, "node3");
+    assert_eq!(snap.unreachable.len(), 1);
+    assert_eq!(snap.unreachable[0].0, "node2");
+    // No shared state: claims are the lender's inventory, watching is not possible.
+    let c = dir_.claim("node3", &dev(0), "b", "vm0").unwrap();
+    assert_eq!(c.revision(), None);
+    assert!(dir_.claim("node9", &dev(0), "b", "vm0").is_err());
+    assert!(dir_.watch().is_err());
+}
