@@ -8,6 +8,12 @@ command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v objdump >/dev/null 2>&1 || need_apt+=(binutils)
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 command -v iasl >/dev/null 2>&1 || need_apt+=(acpica-tools)
+# etcd-client (the etcd cluster directory) compiles etcd's .proto files at build time: protoc
+# and the well-known types (google/protobuf/*.proto).
+command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
+[ -e /usr/include/google/protobuf/descriptor.proto ] || need_apt+=(libprotobuf-dev)
+# The directory tests start their own etcd members on loopback (Debian's 3.4, binary `etcd`).
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

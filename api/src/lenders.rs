@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 use lending::client::{ClientError, LenderClient};
+use lending::directory::{DirectoryEvent, Snapshot};
 use lending::protocol::{DeviceState, DeviceSummary, HelloReply, LenderStatus};
 use ntb::{ClusterConfig, NodeConfig, NodeId};
 use serde::Serialize;
@@ -205,6 +206,17 @@ pub struct DeviceRow {
     pub lent_to: Option<Borrower>,
     /// Why the device failed.
     pub reason: Option<String>,
+    /// The directory claim on the device (etcd directory only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub claim: Option<ClaimView>,
+}
+
+/// A directory claim: who holds it and its revision (the fencing token).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ClaimView {
+    pub node: String,
+    pub vm: String,
+    pub revision: i64,
 }
 
 impl DeviceRow {
@@ -232,11 +244,16 @@ impl DeviceRow {
             state,
             lent_to,
             reason,
+            claim: None,
         }
     }
 
-    /// `available`, `lent to node1/vm0`, `resetting`, `failed: why`.
+    /// `available`, `lent to node1/vm0`, `resetting`, `failed: why`; a claim not yet (or
+    /// no longer) matched by a lease shows as `claimed by node1/vm0`.
     pub fn state_text(&self) -> String {
+        if let (None, Some(c)) = (&self.lent_to, &self.claim) {
+            return format!("{} (claimed by {}/{})", self.state, c.node, c.vm);
+        }
         match (&self.lent_to, &self.reason) {
             (Some(b), _) => format!("lent to {}/{}", b.node, b.vm),
             (None, Some(r)) => format!("{}: {r}", self.state),
@@ -275,6 +292,85 @@ impl DeviceList {
             }
         }
         out
+    }
+}
+
+impl DeviceList {
+    /// The rows of a directory snapshot (every registered device with its claim).
+    pub fn from_snapshot(s: &Snapshot) -> Self {
+        let mut out = DeviceList::default();
+        for d in &s.devices {
+            let mut row = DeviceRow::new(&d.node, &d.device);
+            row.claim = s.claim(&d.node, &d.device.id).map(|c| ClaimView {
+                node: c.record.holder.clone(),
+                vm: c.record.vm.clone(),
+                revision: c.revision,
+            });
+            out.devices.push(row);
+        }
+        out.devices
+            .sort_by(|a, b| (&a.node, &a.bdf).cmp(&(&b.node, &b.bdf)));
+        out.unreachable = s
+            .unreachable
+            .iter()
+            .map(|(node, error)| Unreachable {
+                node: node.clone(),
+                error: error.clone(),
+            })
+            .collect();
+        out
+    }
+}
+
+/// `lendctl lenders` from a directory: every registered lender (registered means alive
+/// within its lease TTL).
+pub fn directory_lenders(s: &Snapshot) -> Vec<LenderRow> {
+    let mut rows: Vec<LenderRow> = s
+        .nodes
+        .iter()
+        .map(|n| LenderRow {
+            node: n.name.clone(),
+            fabric: n.fabric.clone(),
+            control: n.control.clone(),
+            reachable: true,
+            error: None,
+            devices: Some(s.devices.iter().filter(|d| d.node == n.name).count()),
+        })
+        .collect();
+    rows.sort_by(|a, b| a.node.cmp(&b.node));
+    rows
+}
+
+/// One line of `lendctl watch`.
+pub fn render_event(e: &DirectoryEvent) -> String {
+    match e {
+        DirectoryEvent::NodeUp { revision, node } => format!(
+            "{revision} lender-up {} {} {}",
+            node.name, node.fabric, node.control
+        ),
+        DirectoryEvent::NodeGone { revision, node } => format!("{revision} lender-gone {node}"),
+        DirectoryEvent::Device { revision, device } => format!(
+            "{revision} device {}:{} {}",
+            device.node, device.device.id, device.device.state
+        ),
+        DirectoryEvent::DeviceGone {
+            revision,
+            node,
+            bdf,
+        } => format!("{revision} device-gone {node}:{bdf}"),
+        DirectoryEvent::Claimed { revision, claim } => format!(
+            "{revision} claimed {}:{} by {}/{} (claim {})",
+            claim.record.node,
+            claim.record.bdf,
+            claim.record.holder,
+            claim.record.vm,
+            claim.revision
+        ),
+        DirectoryEvent::Released {
+            revision,
+            node,
+            bdf,
+        } => format!("{revision} released {node}:{bdf}"),
     }
 }
 

@@ -6,7 +6,13 @@
 //!                        |remove-device X [--force]|events [--since SEQ] [--no-follow]
 //! lendctl --cluster F [--token T] [--node NAME] lenders|list
 //! lendctl --cluster F --lender NODE list|status
+//! lendctl --cluster etcd://HOST:PORT[,...] list|watch|lenders    (or a file with [directory])
 //! ```
+//!
+//! With an etcd directory `list` is one range read of the directory (every device, its
+//! state and its claim holder; no lender is contacted), `watch` prints every change as it
+//! happens, and `--lender NODE list|status` still asks that one lender directly (its address
+//! comes from the directory).
 //!
 //! Tables by default, `--json` prints the server's JSON (lender commands: see
 //! [`api::lenders`]). Exit codes: 0 ok, 1 the server (or the connection, or a lender) reported
@@ -40,8 +46,9 @@ struct Cli {
     /// The VMM's REST socket (lendvm --api-socket).
     #[arg(long, global = true, value_name = "PATH")]
     api_socket: Option<PathBuf>,
-    /// Cluster config file: talk to every lender in it.
-    #[arg(long, global = true, value_name = "FILE")]
+    /// Cluster config file (talk to every lender in it), or an etcd directory
+    /// (`etcd://host:port[,host:port...]`, or a file with a `[directory]` table).
+    #[arg(long, global = true, value_name = "FILE|etcd://...")]
     cluster: Option<PathBuf>,
     /// Talk to one lender (node name from the cluster config).
     #[arg(long, global = true, value_name = "NODE")]
@@ -121,6 +128,16 @@ enum Command {
     List,
     /// Show one lender's status (--lender).
     Status,
+    /// Stream directory changes (etcd directory): lenders, devices and claims coming and
+    /// going, one line each.
+    Watch {
+        /// Stop after this many events.
+        #[arg(long, value_name = "N")]
+        count: Option<usize>,
+        /// Stop after this many seconds.
+        #[arg(long, value_name = "SECS")]
+        seconds: Option<u64>,
+    },
 }
 
 fn usage_error(msg: &str) -> ! {
@@ -377,7 +394,7 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
                 })?;
             }
         }
-        Command::Lenders | Command::List | Command::Status => {
+        Command::Lenders | Command::List | Command::Status | Command::Watch { .. } => {
             return Err(Failure("internal: not a vmm command".into()))
         }
     }
@@ -395,13 +412,35 @@ fn lender_command(cli: &Cli) -> Result<(), Failure> {
         (_, Some(p), _) => p,
         (_, None, None) => usage_error("lender commands need --cluster FILE"),
     };
+    let text = cluster_path.to_string_lossy();
+    let file = if text.starts_with("etcd://") {
+        None
+    } else {
+        Some(
+            ntb::ClusterConfig::load(cluster_path)
+                .map_err(|e| Failure(format!("cluster file {e}")))?,
+        )
+    };
+    let directory = match &file {
+        None => Some(ntb::DirectoryConfig::from_url(&text).map_err(Failure)?),
+        Some(f) => f.directory.clone(),
+    };
+    if let Some(cfg) = directory {
+        return directory_command(cli, &cfg, file.as_ref(), cluster_path);
+    }
+    if matches!(cli.command, Command::Watch { .. }) {
+        usage_error(
+            "`watch` needs an etcd directory (--cluster etcd://HOST:PORT or a [directory] table)",
+        );
+    }
     let local = match &cli.node {
         Some(n) => ntb::NodeId::new(n).unwrap_or_else(|e| usage_error(&format!("--node: {e}"))),
         None => ntb::NodeId::new(&format!("lendctl-{}", std::process::id()))
             .map_err(|e| Failure(e.to_string()))?,
     };
-    let cluster =
-        ntb::ClusterConfig::load(cluster_path).map_err(|e| Failure(format!("cluster file {e}")))?;
+    let Some(cluster) = file else {
+        return Err(Failure("internal: no cluster file".into()));
+    };
     let token = cluster_token(cli, &cluster, cluster_path)?;
     let session = Session {
         local,
@@ -478,6 +517,136 @@ fn lender_command(cli: &Cli) -> Result<(), Failure> {
     }
 }
 
+/// Our node name on the fabric: `--node`, else `lendctl-<pid>`.
+fn local_node(cli: &Cli) -> Result<ntb::NodeId, Failure> {
+    match &cli.node {
+        Some(n) => Ok(ntb::NodeId::new(n).unwrap_or_else(|e| usage_error(&format!("--node: {e}")))),
+        None => ntb::NodeId::new(&format!("lendctl-{}", std::process::id()))
+            .map_err(|e| Failure(e.to_string())),
+    }
+}
+
+/// The lender commands on an etcd directory.
+fn directory_command(
+    cli: &Cli,
+    cfg: &ntb::DirectoryConfig,
+    file: Option<&ntb::ClusterConfig>,
+    cluster_path: &std::path::Path,
+) -> Result<(), Failure> {
+    use lending::directory::etcd::EtcdDirectory;
+    use lending::directory::Directory;
+    let dir = EtcdDirectory::connect(cfg).map_err(|e| Failure(format!("directory: {e}")))?;
+    let fail = |e: lenders::LendersError| Failure(e.to_string());
+    // One lender, asked directly over the fabric (diagnosis): its address is in the directory.
+    if let Some(name) = &cli.lender {
+        let node = dir
+            .lender(name)
+            .map_err(|e| Failure(format!("{}: {e}", dir.describe())))?;
+        let cluster = lending::directory::cluster_of(node);
+        let token = match file {
+            Some(f) => cluster_token(cli, f, cluster_path)?,
+            None => cli
+                .token
+                .clone()
+                .or_else(|| std::env::var("LENDVM_TOKEN").ok().filter(|t| !t.is_empty()))
+                .ok_or_else(|| {
+                    Failure("no cluster token: pass --token or set LENDVM_TOKEN".into())
+                })?,
+        };
+        let session = Session {
+            local: local_node(cli)?,
+            token,
+            connect_timeout: Duration::from_secs(cli.timeout.max(1)),
+        };
+        let node = &cluster.nodes[0];
+        return match &cli.command {
+            Command::Status => {
+                let st = session.status(&cluster, node).map_err(fail)?;
+                if cli.json {
+                    print_value(&st)
+                } else {
+                    println!("{}", lenders::render_status(&st));
+                    Ok(())
+                }
+            }
+            Command::List => {
+                let devices = session.probe(&cluster, node).map_err(fail)?;
+                let list = DeviceList::new(&[lenders::Probe {
+                    node,
+                    result: Ok(devices),
+                }]);
+                if cli.json {
+                    print_value(&list)
+                } else {
+                    println!("{}", lenders::render_devices(&list.devices));
+                    Ok(())
+                }
+            }
+            _ => usage_error("--lender works with `list` and `status`"),
+        };
+    }
+    match &cli.command {
+        Command::List => {
+            let snap = dir
+                .snapshot()
+                .map_err(|e| Failure(format!("{}: {e}", dir.describe())))?;
+            let list = DeviceList::from_snapshot(&snap);
+            if cli.json {
+                print_value(&list)
+            } else {
+                println!("{}", lenders::render_devices(&list.devices));
+                Ok(())
+            }
+        }
+        Command::Lenders => {
+            let snap = dir
+                .snapshot()
+                .map_err(|e| Failure(format!("{}: {e}", dir.describe())))?;
+            let rows = lenders::directory_lenders(&snap);
+            if cli.json {
+                print_value(&rows)
+            } else {
+                println!("{}", lenders::render_lenders(&rows));
+                Ok(())
+            }
+        }
+        Command::Watch { count, seconds } => {
+            let rx = dir
+                .watch()
+                .map_err(|e| Failure(format!("{}: {e}", dir.describe())))?;
+            let deadline = seconds.map(|s| std::time::Instant::now() + Duration::from_secs(s));
+            let mut seen = 0usize;
+            while count.is_none_or(|c| seen < c) {
+                let wait = match deadline {
+                    Some(d) => d.saturating_duration_since(std::time::Instant::now()),
+                    None => Duration::from_secs(3600),
+                };
+                if wait.is_zero() {
+                    break;
+                }
+                let ev = match rx.recv_timeout(wait) {
+                    Ok(ev) => ev.map_err(|e| Failure(e.to_string()))?,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                        return Err(Failure("the directory watch ended".into()))
+                    }
+                };
+                if cli.json {
+                    let line = serde_json::to_string(&ev)
+                        .map_err(|e| Failure(format!("encoding JSON: {e}")))?;
+                    println!("{line}");
+                } else {
+                    println!("{}", lenders::render_event(&ev));
+                }
+                seen += 1;
+            }
+            Ok(())
+        }
+        Command::Status => usage_error("`status` needs --lender NODE"),
+        _ => Err(Failure("internal: not a lender command".into())),
+    }
+}
+
 /// `--token`, else `$LENDVM_TOKEN` (if not empty), else the cluster file's token.
 fn cluster_token(
     cli: &Cli,
@@ -515,7 +684,9 @@ fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Lenders | Command::List | Command::Status => lender_command(&cli),
+        Command::Lenders | Command::List | Command::Status | Command::Watch { .. } => {
+            lender_command(&cli)
+        }
         _ => {
             let Some(socket) = cli.api_socket.clone() else {
                 usage_error("this command needs --api-socket PATH");

@@ -536,10 +536,25 @@ impl LenderClient {
 
     /// Borrows `device` for `vm` (exclusive).
     pub fn borrow(&self, device: &str, vm: &str) -> Result<Lease, ClientError> {
-        let req = Request::Borrow(Borrow {
+        self.borrow_request(Request::Borrow(Borrow {
             device: device.to_string(),
             vm: vm.to_string(),
-        });
+        }))
+    }
+
+    /// Borrows `device` for `vm` under the directory claim whose revision is `claim` (the
+    /// fencing token; see [`crate::directory`]). A lender without a directory ignores the
+    /// claim; one with a directory refuses a claim that is not current
+    /// ([`crate::protocol::code::STALE_CLAIM`]).
+    pub fn borrow_claimed(&self, device: &str, vm: &str, claim: i64) -> Result<Lease, ClientError> {
+        self.borrow_request(Request::BorrowClaimed(crate::protocol::BorrowClaimed {
+            device: device.to_string(),
+            vm: vm.to_string(),
+            claim,
+        }))
+    }
+
+    fn borrow_request(&self, req: Request) -> Result<Lease, ClientError> {
         let (_, payload, mut fds) = self.inner.call_raw(&req, Vec::new())?;
         let b = protocol::decode_borrowed(&payload, self.inner.version())?;
         let notify = match b.notify_fd {

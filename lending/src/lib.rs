@@ -9,11 +9,14 @@
 //! * [`inventory`]: device states and exclusive [`inventory::Lease`]s whose drop gives the
 //!   device back.
 //! * [`server`]: the per-link protocol server; [`client`]: the borrower's [`client::LenderClient`].
+//! * [`directory`]: the cluster directory (static file or etcd): registration, claims and
+//!   fencing.
 //! * [`spec`]: `--device` parsing.
 //! * `testing` (cargo feature `testing`): the real `lenderd` as a child process of a test.
 
 pub mod backend;
 pub mod client;
+pub mod directory;
 pub mod inventory;
 pub mod iommu;
 pub mod protocol;

@@ -4,12 +4,18 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
+use lending::directory::etcd::EtcdDirectory;
+use lending::directory::{self, DeviceRecord, Directory, NodeRecord, Registration};
 use lending::inventory::Inventory;
 use lending::server::Lender;
 use lending::spec::DeviceSpec;
-use ntb::{ClusterConfig, Fabric, SocketFabric};
+use ntb::{
+    ClusterConfig, ControlAddr, DirectoryConfig, Fabric, FabricKind, LinkConfig, NodeConfig,
+    NodeId, SocketFabric,
+};
 
 /// Lends this node's PCI devices over the NTB fabric.
 #[derive(Parser, Debug)]
@@ -18,9 +24,14 @@ struct Args {
     /// This node's name in the cluster file.
     #[arg(long)]
     node: String,
-    /// Cluster description (TOML).
+    /// Cluster description: a TOML file (its `[directory]` table, if any, names etcd), or
+    /// `etcd://host:port[,host:port...]` to register in etcd without a file.
     #[arg(long)]
-    cluster: PathBuf,
+    cluster: String,
+    /// Where to listen, for a lender that is not in the cluster file (etcd directory): an
+    /// absolute Unix socket path (shm fabric) or ip:port (tcp fabric).
+    #[arg(long, value_name = "ADDR")]
+    control: Option<String>,
     /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off] | BDF=dmatest[:mode=...]
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
@@ -40,7 +51,7 @@ extern "C" fn on_signal(_: libc::c_int) {
 
 /// The cluster token: `--token`, else `--token-file`, else `$LENDVM_TOKEN`, else the cluster
 /// file's `token`/`token_file`; never empty.
-fn token(args: &Args, cluster: &ClusterConfig) -> Result<String, String> {
+fn token(args: &Args, cluster: Option<&ClusterConfig>) -> Result<String, String> {
     let (t, from) = if let Some(t) = &args.token {
         (t.clone(), "--token".to_string())
     } else if let Some(p) = &args.token_file {
@@ -49,8 +60,13 @@ fn token(args: &Args, cluster: &ClusterConfig) -> Result<String, String> {
         (t.trim().to_string(), format!("token file {}", p.display()))
     } else if let Ok(t) = std::env::var("LENDVM_TOKEN") {
         (t, "$LENDVM_TOKEN".to_string())
-    } else if let Some(t) = cluster.auth_token().map_err(|e| e.to_string())? {
-        (t, format!("cluster file {}", args.cluster.display()))
+    } else if let Some(t) = cluster
+        .map(ClusterConfig::auth_token)
+        .transpose()
+        .map_err(|e| e.to_string())?
+        .flatten()
+    {
+        (t, format!("cluster file {}", args.cluster))
     } else {
         return Err(
             "no cluster token: pass --token, --token-file, set LENDVM_TOKEN or put token_file in the cluster file"
@@ -63,10 +79,70 @@ fn token(args: &Args, cluster: &ClusterConfig) -> Result<String, String> {
     Ok(t)
 }
 
+/// This node's config: from the cluster file, or (etcd directory) from `--control`.
+fn own_node(args: &Args, file: Option<&ClusterConfig>) -> Result<NodeConfig, String> {
+    if let Some(addr) = &args.control {
+        let kind = if addr.starts_with('/') {
+            FabricKind::Shm
+        } else {
+            FabricKind::Tcp
+        };
+        let base = file
+            .and_then(|f| f.nodes.first())
+            .map_or_else(LinkConfig::default, |n| {
+                // The cluster-wide timers; this node's own NTB resources are the defaults.
+                LinkConfig {
+                    limits: LinkConfig::default().limits,
+                    doorbells: LinkConfig::default().doorbells,
+                    scratchpads: LinkConfig::default().scratchpads,
+                    ..n.link.clone()
+                }
+            });
+        return Ok(NodeConfig {
+            name: NodeId::new(&args.node).map_err(|e| format!("--node {}: {e}", args.node))?,
+            fabric: kind,
+            control: ControlAddr::parse(kind, addr).map_err(|e| format!("--control: {e}"))?,
+            link: base,
+        });
+    }
+    match file.and_then(|f| f.node(&args.node)) {
+        Some(n) => Ok(n.clone()),
+        None => Err(format!(
+            "node {} is not in the cluster file; pass --control ADDR to say where it listens",
+            args.node
+        )),
+    }
+}
+
+/// The device records of the inventory, for the directory.
+fn records(node: &str, inventory: &Inventory) -> Vec<DeviceRecord> {
+    inventory
+        .list()
+        .into_iter()
+        .map(|device| DeviceRecord {
+            node: node.to_string(),
+            device,
+        })
+        .collect()
+}
+
 fn run(args: Args) -> Result<(), String> {
-    let cluster = ClusterConfig::load(&args.cluster).map_err(|e| e.to_string())?;
-    let token = token(&args, &cluster)?;
-    let fabric = SocketFabric::from_cluster(&cluster, &args.node)
+    let (file, dir_cfg): (Option<ClusterConfig>, Option<DirectoryConfig>) =
+        if args.cluster.starts_with("etcd://") {
+            (None, Some(DirectoryConfig::from_url(&args.cluster)?))
+        } else {
+            let f = ClusterConfig::load(std::path::Path::new(&args.cluster))
+                .map_err(|e| e.to_string())?;
+            let d = f.directory.clone();
+            (Some(f), d)
+        };
+    let token = token(&args, file.as_ref())?;
+    let me = own_node(&args, file.as_ref())?;
+    let fabric_cluster = match &file {
+        Some(f) if args.control.is_none() => f.clone(),
+        _ => directory::cluster_of(me.clone()),
+    };
+    let fabric = SocketFabric::from_cluster(&fabric_cluster, &args.node)
         .map_err(|e| format!("node {}: {e}", args.node))?;
     let mut devices = Vec::new();
     for spec in &args.devices {
@@ -76,16 +152,46 @@ fn run(args: Args) -> Result<(), String> {
     }
     let inventory = Arc::new(Inventory::new(devices).map_err(|e| e.to_string())?);
     let listener = fabric.listen().map_err(|e| format!("listen: {e}"))?;
-    let lender = Lender::new(inventory, &args.node, &token);
+    // Registered only once the control address listens, so a borrower that finds the
+    // lender in the directory can connect.
+    let registration: Option<Box<dyn Registration>> = match &dir_cfg {
+        None => None,
+        Some(cfg) => {
+            let dir = EtcdDirectory::connect(cfg).map_err(|e| format!("directory: {e}"))?;
+            let reg = dir
+                .register(
+                    &NodeRecord::from_config(&me),
+                    &records(&args.node, &inventory),
+                )
+                .map_err(|e| format!("registering in {}: {e}", dir.describe()))?;
+            Some(reg)
+        }
+    };
+    let lender = match registration.as_ref().and_then(|r| r.claim_authority()) {
+        Some(claims) => Lender::with_claims(Arc::clone(&inventory), &args.node, &token, claims),
+        None => Lender::new(Arc::clone(&inventory), &args.node, &token),
+    };
     let stop = lender.stop_flag();
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
+    let registration = registration.map(Arc::<dyn Registration>::from);
+    let reg = registration.clone();
+    let node = args.node.clone();
+    let inv = Arc::clone(&inventory);
     let watcher = std::thread::spawn(move || {
+        // Device states are published from here (a change shows within ~0.5 s).
+        let mut published = Instant::now();
         while !STOP.load(Ordering::SeqCst) {
-            std::thread::sleep(std::time::Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(50));
+            if let Some(r) = &reg {
+                if published.elapsed() >= Duration::from_millis(500) {
+                    r.update_devices(&records(&node, &inv));
+                    published = Instant::now();
+                }
+            }
         }
         stop.store(true, Ordering::SeqCst);
     });
@@ -98,6 +204,9 @@ fn run(args: Args) -> Result<(), String> {
     let r = lender.serve(listener.as_ref()).map_err(|e| e.to_string());
     STOP.store(true, Ordering::SeqCst);
     let _ = watcher.join();
+    // Sessions have ended and devices are back: leave the directory now (revoke), not after
+    // the TTL.
+    drop(registration);
     log::info!("lenderd {} stopped", args.node);
     r
 }

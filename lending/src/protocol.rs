@@ -21,6 +21,7 @@
 //! | 0x10d | `Status` | [`LenderStatus`] | — |
 //! | 0x10e | [`LeaseRef`] (version 3) | [`LeaseCounters`] | — (lender-side counters of the lease) |
 //! | 0x10f | [`Quiesce`] (version 3) | `()` | — (pause/resume fetching) |
+//! | 0x110 | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
 //! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it), 0x184
@@ -41,6 +42,7 @@
 //! | version | change |
 //! |---|---|
 //! | 1 | first |
+//! | any | 0x10e [`BorrowClaimed`] is a new opcode, not a new layout: a lender that predates it answers `unknown opcode`, so it needs no version |
 //! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
 //! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event; [`NotifyWrites::Polled`] (sent as `Doorbells` to older borrowers); BAR_WRITE and RESET replies carry [`DoorbellKicks`]; the [`KicksEvent`] event |
 //!
@@ -101,6 +103,8 @@ pub mod opcode {
     pub const LEASE_COUNTERS: u16 = 0x10e;
     /// Quiesce or resume the device (version 3).
     pub const QUIESCE: u16 = 0x10f;
+    /// Borrow a device under a cluster-directory claim (fencing token).
+    pub const BORROW_CLAIMED: u16 = 0x110;
     /// Event: the device is gone (lease ended by the lender).
     pub const EVT_DEVICE_GONE: u16 = 0x180;
     /// Event: fatal device error.
@@ -134,6 +138,11 @@ pub mod code {
     pub const DEVICE_UNAVAILABLE: u32 = 0x106;
     /// Hello not yet done.
     pub const NO_HELLO: u32 = 0x107;
+    /// This lender lends only under a directory claim ([`super::BorrowClaimed`]).
+    pub const CLAIM_REQUIRED: u32 = 0x108;
+    /// The claim presented is not the device's current claim (expired, released, or
+    /// someone else's): the fencing token is stale.
+    pub const STALE_CLAIM: u32 = 0x109;
 }
 
 /// Errors of encoding/decoding protocol messages.
@@ -264,6 +273,20 @@ pub struct Borrow {
     pub device: String,
     /// Borrowing VM's name.
     pub vm: String,
+}
+
+/// Borrow request under a cluster-directory claim (`lending::directory`): the lender lends
+/// only if `claim` is the revision of the device's current claim and the claim names this
+/// borrower; the revision is the fencing token that keeps a borrower whose claim expired
+/// from using the device again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BorrowClaimed {
+    /// Device id.
+    pub device: String,
+    /// Borrowing VM's name.
+    pub vm: String,
+    /// The claim's revision in the directory (etcd `create_revision` of the claim key).
+    pub claim: i64,
 }
 
 /// Reference to a lease of this link.
@@ -865,6 +888,8 @@ pub enum Request {
     LeaseCounters(LeaseRef),
     /// Quiesce/resume (version 3).
     Quiesce(Quiesce),
+    /// Borrow under a directory claim.
+    BorrowClaimed(BorrowClaimed),
 }
 
 /// An event, decoded.
@@ -930,6 +955,7 @@ impl Request {
             Request::Status => opcode::STATUS,
             Request::LeaseCounters(_) => opcode::LEASE_COUNTERS,
             Request::Quiesce(_) => opcode::QUIESCE,
+            Request::BorrowClaimed(_) => opcode::BORROW_CLAIMED,
         }
     }
 
@@ -948,7 +974,11 @@ impl Request {
             Request::DmaMap(r) => Some(r.lease),
             Request::DmaUnmap(r) => Some(r.lease),
             Request::SetIrqs(r) => Some(r.lease),
-            Request::Hello(_) | Request::List | Request::Borrow(_) | Request::Status => None,
+            Request::Hello(_)
+            | Request::List
+            | Request::Borrow(_)
+            | Request::Status
+            | Request::BorrowClaimed(_) => None,
         }
     }
 
@@ -989,6 +1019,7 @@ impl Request {
             Request::Hello(v) => enc(op, v)?,
             Request::List | Request::Status => enc(op, &())?,
             Request::Borrow(v) => enc(op, v)?,
+            Request::BorrowClaimed(v) => enc(op, v)?,
             Request::DeviceInfo(v) | Request::Reset(v) | Request::Return(v) => enc(op, v)?,
             Request::ConfigRead(v) => enc(op, v)?,
             Request::ConfigWrite(v) => enc(op, v)?,
@@ -1049,6 +1080,18 @@ impl Request {
                 check_str(op, "device id", &b.device)?;
                 check_str(op, "vm name", &b.vm)?;
                 Request::Borrow(b)
+            }
+            opcode::BORROW_CLAIMED => {
+                let b: BorrowClaimed = dec(op, payload)?;
+                check_str(op, "device id", &b.device)?;
+                check_str(op, "vm name", &b.vm)?;
+                if b.claim <= 0 {
+                    return Err(invalid(
+                        op,
+                        format!("claim revision {} is not positive", b.claim),
+                    ));
+                }
+                Request::BorrowClaimed(b)
             }
             opcode::DEVICE_INFO => Request::DeviceInfo(dec(op, payload)?),
             opcode::RESET => Request::Reset(dec(op, payload)?),
@@ -1358,6 +1401,11 @@ mod tests {
             Request::Quiesce(Quiesce {
                 lease: 7,
                 stop: true,
+            }),
+            Request::BorrowClaimed(BorrowClaimed {
+                device: "0000:81:00.0".into(),
+                vm: "vm0".into(),
+                claim: 42,
             }),
         ]
     }

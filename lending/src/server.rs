@@ -5,6 +5,11 @@
 //! it; when the link goes down (orderly close, process death, or missed heartbeats detected by
 //! the fabric within its peer timeout) the session ends and its leases are dropped, which
 //! gives the devices back (see [`crate::inventory::Lease`]).
+//!
+//! With a cluster directory ([`Lender::with_claims`]) a device is lent only under a current
+//! directory claim (`BORROW_CLAIMED` with the claim's revision as fencing token; a plain
+//! `BORROW` is refused), and a lease whose claim this lender sees end (expired, released,
+//! replaced) is ended with a `DeviceGone` event within one poll period ([`POLL`]).
 
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
@@ -21,6 +26,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::backend::irq::IrqRelay;
 use crate::backend::{filtered_config_write, BackendError, DeviceBackend, IrqTrigger};
+use crate::directory::ClaimAuthority;
 use crate::inventory::{Inventory, InventoryError, Lease};
 use crate::iommu::{
     BackingError, DmaBacking, FaultListener, IommuDomain, IommuError, IommuFault, MAX_MAPPINGS,
@@ -48,6 +54,8 @@ pub struct Lender {
     node: String,
     token: String,
     stop: Arc<AtomicBool>,
+    /// The cluster directory's claims, when lending is fenced by them.
+    claims: Option<Arc<dyn ClaimAuthority>>,
 }
 
 impl Lender {
@@ -58,6 +66,23 @@ impl Lender {
             node: node.to_string(),
             token: token.to_string(),
             stop: Arc::new(AtomicBool::new(false)),
+            claims: None,
+        })
+    }
+
+    /// Like [`Lender::new`], lending only under current directory claims (module docs).
+    pub fn with_claims(
+        inventory: Arc<Inventory>,
+        node: &str,
+        token: &str,
+        claims: Arc<dyn ClaimAuthority>,
+    ) -> Arc<Self> {
+        Arc::new(Lender {
+            inventory,
+            node: node.to_string(),
+            token: token.to_string(),
+            stop: Arc::new(AtomicBool::new(false)),
+            claims: Some(claims),
         })
     }
 
@@ -142,6 +167,7 @@ impl Lender {
                 Err(e) => break e.to_string(),
             }
             s.announce_kicks();
+            s.end_stale_claims();
         };
         let n = s.leases.len();
         s.end_all(&format!("link to {peer} down: {reason}"), false);
@@ -169,6 +195,8 @@ struct SessionLease {
     maps: Vec<DmaEntry>,
     /// BAR index -> fabric window id exported for it.
     bar_windows: HashMap<u8, u32>,
+    /// The directory claim revision the lease was granted under (fenced leases only).
+    claim: Option<i64>,
     /// Generation of the kick-only doorbells the borrower was last told (reply or event;
     /// shared with the device's kick listener).
     kicks_told: Arc<AtomicU64>,
@@ -554,7 +582,46 @@ impl Session {
                     devices: self.lender.inventory.status(),
                 },
             ),
-            Request::Borrow(b) => self.borrow(op, &b.device, &b.vm),
+            Request::Borrow(b) => {
+                if self.lender.claims.is_some() {
+                    log::info!(
+                        "{}/{}: borrow {} refused: no directory claim",
+                        self.peer(),
+                        b.vm,
+                        b.device
+                    );
+                    return Err(error(
+                        code::CLAIM_REQUIRED,
+                        format!(
+                            "lender {} lends only under a cluster directory claim; claim {} first",
+                            self.lender.node, b.device
+                        ),
+                    ));
+                }
+                self.borrow(op, &b.device, &b.vm, None)
+            }
+            Request::BorrowClaimed(b) => {
+                let claim = match &self.lender.claims {
+                    None => None,
+                    Some(c) => {
+                        let peer = self.peer();
+                        c.verify(&b.device, &peer, &b.vm, b.claim).map_err(|why| {
+                            log::warn!(
+                                "{peer}/{}: borrow {} under claim {} refused: {why}",
+                                b.vm,
+                                b.device,
+                                b.claim
+                            );
+                            error(
+                                code::STALE_CLAIM,
+                                format!("claim {} on {}: {why}", b.claim, b.device),
+                            )
+                        })?;
+                        Some(b.claim)
+                    }
+                };
+                self.borrow(op, &b.device, &b.vm, claim)
+            }
             Request::DeviceInfo(l) => {
                 let version = self.version;
                 let sl = self.lease(l.lease)?;
@@ -691,7 +758,7 @@ impl Session {
         }
     }
 
-    fn borrow(&mut self, op: u16, device: &str, vm: &str) -> Reply {
+    fn borrow(&mut self, op: u16, device: &str, vm: &str, claim: Option<i64>) -> Reply {
         let peer = self.peer();
         let mut lease = self
             .lender
@@ -766,6 +833,7 @@ impl Session {
                 maps: Vec::new(),
                 bar_windows,
                 kicks_told,
+                claim,
             },
         );
         Ok(msg)
@@ -872,6 +940,47 @@ impl Session {
                 );
                 false
             });
+        }
+    }
+
+    /// Ends, with a `DeviceGone` event, every lease whose directory claim is no longer
+    /// current (the fencing half that does not wait for the borrower to come back).
+    fn end_stale_claims(&mut self) {
+        let Some(claims) = self.lender.claims.clone() else {
+            return;
+        };
+        let stale: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, sl)| {
+                sl.claim
+                    .is_some_and(|c| !claims.is_current(sl.lease.device().id(), c))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            if let Some(mut sl) = self.leases.remove(&id) {
+                let reason = format!(
+                    "directory claim {} on {} is no longer current",
+                    sl.claim.unwrap_or_default(),
+                    sl.lease.device().id()
+                );
+                log::warn!("lease {id} of {}: {reason}", self.peer());
+                self.send_gone(id, &reason);
+                sl.lease.set_end_reason(&reason);
+            }
+        }
+    }
+
+    fn send_gone(&self, id: u64, reason: &str) {
+        let ev = Event::DeviceGone(DeviceGone {
+            lease: id,
+            reason: reason.to_string(),
+        });
+        if let Ok((op, p)) = ev.encode() {
+            if let Err(e) = self.ep.send(Message::raw(op, p)) {
+                log::debug!("device-gone event: {e}");
+            }
         }
     }
 

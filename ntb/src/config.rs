@@ -1,6 +1,8 @@
 //! Cluster description (`resources/cluster.example.toml`): nodes, their control addresses and
 //! fabric kinds, optional per-node NTB limits, link timers and policies, and the cluster auth
-//! token (`token = "..."` or `token_file = "path"`, relative to the cluster file).
+//! token (`token = "..."` or `token_file = "path"`, relative to the cluster file), and the
+//! optional `[directory]` table that moves node discovery and device claims to etcd
+//! (`lending::directory`); with it the file may list no nodes at all.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -145,11 +147,74 @@ pub struct ClusterConfig {
     /// The cluster auth token setting, if the file has one; read it with
     /// [`ClusterConfig::auth_token`].
     pub token: Option<ClusterToken>,
+    /// `[directory]`: the cluster directory is etcd, not this file's node list.
+    pub directory: Option<DirectoryConfig>,
+}
+
+/// The `[directory]` table: where lenders register and borrowers claim devices.
+///
+/// ```toml
+/// [directory]
+/// etcd = ["127.0.0.1:2379"]   # client endpoints (host:port), at least one
+/// prefix = "/lendvm"          # key prefix (default /lendvm)
+/// lease_ttl_s = 5             # TTL of lender registrations and borrower claims (2..=300)
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectoryConfig {
+    pub etcd: Vec<String>,
+    pub prefix: String,
+    pub lease_ttl: Duration,
+}
+
+/// Default key prefix of the etcd directory.
+pub const DEFAULT_DIRECTORY_PREFIX: &str = "/lendvm";
+/// Default TTL of directory leases.
+pub const DEFAULT_DIRECTORY_TTL: Duration = Duration::from_secs(5);
+
+impl DirectoryConfig {
+    /// Parses `etcd://host:port[,host:port...]` (the `--cluster` form) with default prefix
+    /// and TTL.
+    pub fn from_url(url: &str) -> Result<DirectoryConfig, String> {
+        let rest = url
+            .strip_prefix("etcd://")
+            .ok_or_else(|| format!("directory {url:?} does not start with etcd://"))?;
+        let etcd: Vec<String> = rest
+            .trim_end_matches('/')
+            .split(',')
+            .map(str::to_string)
+            .collect();
+        for e in &etcd {
+            check_endpoint(e)?;
+        }
+        Ok(DirectoryConfig {
+            etcd,
+            prefix: DEFAULT_DIRECTORY_PREFIX.into(),
+            lease_ttl: DEFAULT_DIRECTORY_TTL,
+        })
+    }
+}
+
+/// `host:port` with a non-empty host and a port number.
+fn check_endpoint(e: &str) -> Result<(), String> {
+    match e.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() && !e.contains('/') => Ok(()),
+        _ => Err(format!("etcd endpoint {e:?} is not host:port")),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDirectory {
+    etcd: Spanned<Vec<String>>,
+    prefix: Option<Spanned<String>>,
+    lease_ttl_s: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawCluster {
+    #[serde(default)]
+    directory: Option<RawDirectory>,
     version: Option<Spanned<u32>>,
     token: Option<Spanned<String>>,
     token_file: Option<Spanned<String>>,
@@ -311,7 +376,50 @@ impl ClusterConfig {
                 });
             }
         }
-        if raw.node.is_empty() {
+        let directory = match &raw.directory {
+            None => None,
+            Some(d) => {
+                if d.etcd.get_ref().is_empty() {
+                    return cx.invalid("directory.etcd", d.etcd.span(), "no endpoints".into());
+                }
+                for e in d.etcd.get_ref() {
+                    if let Err(m) = check_endpoint(e) {
+                        return cx.invalid("directory.etcd", d.etcd.span(), m);
+                    }
+                }
+                let prefix = match &d.prefix {
+                    None => DEFAULT_DIRECTORY_PREFIX.to_string(),
+                    Some(p) => {
+                        let v = p.get_ref();
+                        if !v.starts_with('/') || v.ends_with('/') || v.len() > 256 {
+                            return cx.invalid(
+                                "directory.prefix",
+                                p.span(),
+                                format!("{v:?} must start with / and not end with /"),
+                            );
+                        }
+                        v.clone()
+                    }
+                };
+                let lease_ttl = match &d.lease_ttl_s {
+                    None => DEFAULT_DIRECTORY_TTL,
+                    Some(t) if (2..=300).contains(t.get_ref()) => Duration::from_secs(*t.get_ref()),
+                    Some(t) => {
+                        return cx.invalid(
+                            "directory.lease_ttl_s",
+                            t.span(),
+                            format!("{} is not in 2..=300", t.get_ref()),
+                        )
+                    }
+                };
+                Some(DirectoryConfig {
+                    etcd: d.etcd.get_ref().clone(),
+                    prefix,
+                    lease_ttl,
+                })
+            }
+        };
+        if raw.node.is_empty() && directory.is_none() {
             return Err(ConfigError::Cluster {
                 origin: origin.into(),
                 message: "no [[node]] entries".into(),
@@ -423,7 +531,11 @@ impl ClusterConfig {
                 link,
             });
         }
-        Ok(ClusterConfig { nodes, token })
+        Ok(ClusterConfig {
+            nodes,
+            token,
+            directory,
+        })
     }
 
     /// The cluster auth token: the inline `token`, or the trimmed contents of `token_file`
@@ -616,6 +728,31 @@ doorbells = 32
         assert!(e.starts_with("c.toml:3: field `token_file`"), "{e}");
         let e = err(&with_top("token = 5"));
         assert!(e.starts_with("c.toml:3:"), "{e}");
+    }
+
+    #[test]
+    fn directory_table_is_parsed_and_checked() {
+        let src = "version = 1\n[directory]\netcd = [\"127.0.0.1:2379\", \"h2:2379\"]\n\
+                   lease_ttl_s = 3\n";
+        let c = ClusterConfig::parse(src, "t.toml").unwrap();
+        let d = c.directory.unwrap();
+        assert_eq!(d.etcd, ["127.0.0.1:2379", "h2:2379"]);
+        assert_eq!(d.prefix, "/lendvm");
+        assert_eq!(d.lease_ttl, Duration::from_secs(3));
+        assert!(c.nodes.is_empty());
+        let e = err(&src.replace("lease_ttl_s = 3", "lease_ttl_s = 1"));
+        assert!(
+            e.starts_with("c.toml:4: field `directory.lease_ttl_s`"),
+            "{e}"
+        );
+        let e = err(&src.replace("\"h2:2379\"", "\"h2\""));
+        assert!(e.contains("\"h2\" is not host:port"), "{e}");
+        let e = err(&format!("{src}prefix = \"x/\"\n"));
+        assert!(e.contains("directory.prefix"), "{e}");
+        let u = DirectoryConfig::from_url("etcd://a:1,b:2").unwrap();
+        assert_eq!(u.etcd, ["a:1", "b:2"]);
+        assert!(DirectoryConfig::from_url("etcd://a").is_err());
+        assert!(DirectoryConfig::from_url("http://a:1").is_err());
     }
 
     #[test]

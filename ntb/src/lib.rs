@@ -17,7 +17,7 @@ pub mod shm;
 pub mod tcp;
 pub mod wire;
 
-pub use config::{ClusterConfig, ConfigError, ControlAddr, NodeConfig};
+pub use config::{ClusterConfig, ConfigError, ControlAddr, DirectoryConfig, NodeConfig};
 pub use fabric::{
     Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming, LinkConfig, LinkStats,
     Listener, Message, NodeId, PeerInfo, PeerWindow, RequestId, WindowId, WindowInfo, WindowLimits,

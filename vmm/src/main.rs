@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::mpsc::channel;
+use std::sync::Arc;
 
 use api::events::{EventBus, MonitorTarget};
 use api::request::serve_pending;
@@ -54,8 +55,10 @@ struct Cli {
     /// Borrow a remote device at boot (repeatable): NODE:BDF[,id=ID][,mode=direct|trapped].
     #[arg(long, value_name = "NODE:BDF[,id=ID][,mode=direct|trapped]")]
     remote_device: Vec<RemoteDeviceConfig>,
-    /// Cluster description (nodes, control addresses, token); needed to borrow devices.
-    #[arg(long, value_name = "FILE")]
+    /// Cluster description (nodes, control addresses, token); needed to borrow devices. Or an
+    /// etcd cluster directory: `etcd://host:port[,host:port...]` (or a file with a
+    /// `[directory]` table), where lenders register and devices are claimed.
+    #[arg(long, value_name = "FILE|etcd://...")]
     cluster: Option<PathBuf>,
     /// This VMM's node name on the fabric (default lendvm-<pid>; need not be in the cluster).
     #[arg(long, value_name = "NAME")]
@@ -188,9 +191,27 @@ fn main() -> ExitCode {
             Box::new(NoCluster)
         }
         Some(path) => {
-            let cluster = match ClusterConfig::load(path) {
-                Ok(c) => c,
-                Err(e) => return usage_error(format!("cluster file: {e}")),
+            let text = path.to_string_lossy();
+            let (cluster, directory) = if text.starts_with("etcd://") {
+                match ntb::DirectoryConfig::from_url(&text) {
+                    Ok(d) => (
+                        ClusterConfig {
+                            nodes: Vec::new(),
+                            token: None,
+                            directory: None,
+                        },
+                        Some(d),
+                    ),
+                    Err(e) => return usage_error(format!("--cluster: {e}")),
+                }
+            } else {
+                match ClusterConfig::load(path) {
+                    Ok(c) => {
+                        let d = c.directory.clone();
+                        (c, d)
+                    }
+                    Err(e) => return usage_error(format!("cluster file: {e}")),
+                }
             };
             let token =
                 match token(&cli, &cluster) {
@@ -208,14 +229,18 @@ fn main() -> ExitCode {
                     ),
                     Err(e) => return usage_error(e),
                 };
-            let source = LenderSource::new(
-                cluster,
-                FabricIdentity {
-                    local: cli.node.clone().unwrap_or_else(|| format!("lendvm-{pid}")),
-                    vm_name: cli.name.clone().unwrap_or_else(|| format!("vm-{pid}")),
-                    token,
+            let id = FabricIdentity {
+                local: cli.node.clone().unwrap_or_else(|| format!("lendvm-{pid}")),
+                vm_name: cli.name.clone().unwrap_or_else(|| format!("vm-{pid}")),
+                token,
+            };
+            let source = match directory {
+                None => LenderSource::new(cluster, id),
+                Some(d) => match lending::directory::etcd::EtcdDirectory::connect(&d) {
+                    Ok(dir) => LenderSource::with_directory(cluster, id, Arc::new(dir)),
+                    Err(e) => return usage_error(format!("cluster directory: {e}")),
                 },
-            );
+            };
             for d in &cli.remote_device {
                 if let Err(e) = source.check_node(&d.device.node) {
                     return usage_error(e);

@@ -13,6 +13,11 @@
 //!   trapped one, and the wrapper counts live leases in [`ResourceCounters`] until it is
 //!   dropped (after the inner link has returned the lease).
 //! * [`CountingPinner`] wraps the pinner so pinned bytes are counted VMM-wide.
+//! * With a cluster directory ([`LenderSource::with_directory`], etcd) the lender's address
+//!   comes from the directory, the device is claimed there first (create-if-absent, under
+//!   this VMM's own lease) and borrowed with the claim's revision as fencing token; the
+//!   [`ClaimedLink`] reports the lease lost when the directory says the lender, the device or
+//!   the claim is gone, so the event loop's lease check performs the usual surprise removal.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -20,8 +25,9 @@ use std::time::Duration;
 
 use api::types::{RemoteDeviceMode, RemoteDeviceSpec};
 use lending::client::{ClientError, LenderClient};
+use lending::directory::{ClaimHandle, Directory, DirectoryError};
 use lending::protocol::code;
-use ntb::{ClusterConfig, NodeId};
+use ntb::{ClusterConfig, NodeConfig, NodeId};
 use pci::vm_ops::GuestRamRegion;
 use remote_pci::lending_link::{LendingLink, LendingLinkError, LendingLinkOptions};
 use remote_pci::{
@@ -126,15 +132,145 @@ pub struct FabricIdentity {
     pub token: String,
 }
 
-/// Borrows from the lenders of a cluster file.
+/// Borrows from the lenders of a cluster file, or of a cluster directory.
 pub struct LenderSource {
     cluster: ClusterConfig,
     id: FabricIdentity,
+    directory: Option<Arc<dyn Directory>>,
 }
 
 impl LenderSource {
     pub fn new(cluster: ClusterConfig, id: FabricIdentity) -> Self {
-        Self { cluster, id }
+        Self {
+            cluster,
+            id,
+            directory: None,
+        }
+    }
+
+    /// Lenders are found, and devices claimed, in `directory`; `cluster` (possibly without
+    /// nodes) still gives this VMM's own link settings if it names it.
+    pub fn with_directory(
+        cluster: ClusterConfig,
+        id: FabricIdentity,
+        directory: Arc<dyn Directory>,
+    ) -> Self {
+        Self {
+            cluster,
+            id,
+            directory: Some(directory),
+        }
+    }
+}
+
+/// Why a directory step failed, as an attach error of `node:bdf`.
+fn directory_err(node: &str, bdf: &str, e: DirectoryError) -> AttachError {
+    match e {
+        DirectoryError::UnknownLender { .. } => AttachError::UnknownNode {
+            node: node.to_string(),
+            known: "not registered in the cluster directory".into(),
+        },
+        DirectoryError::UnknownDevice { .. } => AttachError::UnknownDevice {
+            node: node.to_string(),
+            bdf: bdf.to_string(),
+        },
+        DirectoryError::Claimed { .. } => AttachError::Busy {
+            node: node.to_string(),
+            bdf: bdf.to_string(),
+            message: e.to_string(),
+        },
+        other => AttachError::Borrow {
+            node: node.to_string(),
+            bdf: bdf.to_string(),
+            reason: format!("cluster directory: {other}"),
+        },
+    }
+}
+
+/// A borrowed device held under a directory claim. Field order is drop order: the lease is
+/// returned, then the claim is released.
+pub struct ClaimedLink {
+    inner: Box<dyn RemoteDeviceLink>,
+    claim: Box<dyn ClaimHandle>,
+}
+
+impl ClaimedLink {
+    pub fn new(inner: Box<dyn RemoteDeviceLink>, claim: Box<dyn ClaimHandle>) -> Self {
+        Self { inner, claim }
+    }
+}
+
+impl RemoteDeviceLink for ClaimedLink {
+    fn device_info(&self) -> RemoteDeviceInfo {
+        self.inner.device_info()
+    }
+
+    fn config_read(&self, offset: u16, data: &mut [u8]) -> Result<(), LinkError> {
+        self.inner.config_read(offset, data)
+    }
+
+    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), LinkError> {
+        self.inner.config_write(offset, data)
+    }
+
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), LinkError> {
+        self.inner.bar_read(bar, offset, data)
+    }
+
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError> {
+        self.inner.bar_write(bar, offset, data)
+    }
+
+    fn map_dma(&self, regions: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
+        self.inner.map_dma(regions)
+    }
+
+    fn set_irqs(&self, targets: &IrqTargets<'_>) -> Result<(), LinkError> {
+        self.inner.set_irqs(targets)
+    }
+
+    fn reset(&self) -> Result<(), LinkError> {
+        self.inner.reset()
+    }
+
+    /// Lost when the link says so, or when the directory says the lender, the device or
+    /// the claim is gone.
+    fn lease_state(&self) -> LeaseState {
+        match self.inner.lease_state() {
+            LeaseState::Active => match self.claim.lost() {
+                Some(why) => LeaseState::Lost(why),
+                None => LeaseState::Active,
+            },
+            other => other,
+        }
+    }
+
+    fn irq_counts(&self) -> Option<Vec<u64>> {
+        self.inner.irq_counts()
+    }
+
+    /// The link's own events, plus the directory's word that the device is gone, both as
+    /// lease loss.
+    fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
+        self.inner.set_event_hook(hook.clone());
+        self.claim
+            .on_lost(Arc::new(move |why: &str| hook.lease_lost(why)));
+    }
+
+    fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
+        self.inner.lender_counters()
+    }
+
+    fn quiesce(&self, stop: bool) -> Result<(), LinkError> {
+        self.inner.quiesce(stop)
+    }
+
+    fn kick_generation(&self) -> u64 {
+        self.inner.kick_generation()
+    }
+
+    fn kick_doorbells(&self) -> KickDoorbells {
+        self.inner.kick_doorbells()
     }
 }
 
@@ -157,6 +293,10 @@ pub fn lender_device_id(spec: &RemoteDeviceSpec) -> String {
 
 impl LinkSource for LenderSource {
     fn check_node(&self, node: &str) -> Result<(), AttachError> {
+        if self.directory.is_some() {
+            // Lenders come and go: the borrow asks the directory.
+            return Ok(());
+        }
         self.cluster
             .node(node)
             .map(|_| ())
@@ -166,10 +306,41 @@ impl LinkSource for LenderSource {
     fn borrow(&self, spec: &RemoteDeviceSpec) -> Result<Box<dyn RemoteDeviceLink>, AttachError> {
         let node = spec.node.as_str();
         let bdf = lender_device_id(spec);
-        let lender = self
-            .cluster
-            .node(node)
-            .ok_or_else(|| unknown_node(&self.cluster, node))?;
+        let Some(dir) = &self.directory else {
+            let lender = self
+                .cluster
+                .node(node)
+                .ok_or_else(|| unknown_node(&self.cluster, node))?;
+            return Ok(Box::new(self.borrow_from(
+                &self.cluster,
+                lender,
+                spec,
+                None,
+            )?));
+        };
+        let lender = dir.lender(node).map_err(|e| directory_err(node, &bdf, e))?;
+        let mut cluster = self.cluster.clone();
+        cluster.nodes.retain(|n| n.name != lender.name);
+        cluster.nodes.push(lender.clone());
+        let claim = dir
+            .claim(node, &bdf, &self.id.local, &self.id.vm_name)
+            .map_err(|e| directory_err(node, &bdf, e))?;
+        let link = self.borrow_from(&cluster, &lender, spec, claim.revision())?;
+        Ok(Box::new(ClaimedLink::new(Box::new(link), claim)))
+    }
+}
+
+impl LenderSource {
+    /// Connects to `lender`, borrows the device (under `claim` if given) and maps it.
+    fn borrow_from(
+        &self,
+        cluster: &ClusterConfig,
+        lender: &NodeConfig,
+        spec: &RemoteDeviceSpec,
+        claim: Option<i64>,
+    ) -> Result<LendingLink, AttachError> {
+        let node = spec.node.as_str();
+        let bdf = lender_device_id(spec);
         let unreachable = |reason: String| AttachError::Unreachable {
             node: node.to_string(),
             addr: lender.control.to_string(),
@@ -182,7 +353,7 @@ impl LinkSource for LenderSource {
         };
         let local = NodeId::new(&self.id.local).map_err(|e| local_err(e.to_string()))?;
         let client = LenderClient::connect_node(
-            &self.cluster,
+            cluster,
             lender,
             &local,
             CONNECT_TIMEOUT,
@@ -201,7 +372,11 @@ impl LinkSource for LenderSource {
             other => unreachable(other.to_string()),
         })?;
         let client = Arc::new(client);
-        let lease = client.borrow(&bdf, &self.id.vm_name).map_err(|e| match e {
+        let lease = match claim {
+            Some(rev) => client.borrow_claimed(&bdf, &self.id.vm_name, rev),
+            None => client.borrow(&bdf, &self.id.vm_name),
+        };
+        let lease = lease.map_err(|e| match e {
             ClientError::Remote {
                 code: c, message, ..
             } if c == code::UNKNOWN_DEVICE => {
@@ -213,11 +388,17 @@ impl LinkSource for LenderSource {
             }
             ClientError::Remote {
                 code: c, message, ..
-            } if c == code::DEVICE_BUSY || c == code::DEVICE_UNAVAILABLE => AttachError::Busy {
-                node: node.to_string(),
-                bdf: bdf.clone(),
-                message,
-            },
+            } if c == code::DEVICE_BUSY
+                || c == code::DEVICE_UNAVAILABLE
+                || c == code::STALE_CLAIM
+                || c == code::CLAIM_REQUIRED =>
+            {
+                AttachError::Busy {
+                    node: node.to_string(),
+                    bdf: bdf.clone(),
+                    message,
+                }
+            }
             other if is_local(&other) => local_err(other.to_string()),
             other => AttachError::Borrow {
                 node: node.to_string(),
@@ -243,7 +424,7 @@ impl LinkSource for LenderSource {
             "borrowed {spec} (lease {lease_id}) for vm {}",
             self.id.vm_name
         );
-        Ok(Box::new(link))
+        Ok(link)
     }
 }
 
