@@ -471,6 +471,12 @@ pub trait Endpoint: Send + Sync {
     fn local_node(&self) -> &NodeId;
     fn peer_node(&self) -> &NodeId;
     fn kind(&self) -> FabricKind;
+    /// Where the peer is, for logs, errors and per-address limits: `ip:port` on tcp; on shm
+    /// `unix:uid=U,pid=P` of the connecting process (accepting side) or the socket path
+    /// (connecting side); empty when unknown.
+    fn peer_addr(&self) -> String {
+        String::new()
+    }
     /// Local inbound window limits.
     fn limits(&self) -> WindowLimits;
     /// The peer's inbound window limits (from the handshake).

@@ -52,6 +52,41 @@ impl Stream {
         }
     }
 
+    /// The peer's address (see [`crate::Endpoint::peer_addr`]).
+    fn peer_desc(&self, initiator: bool) -> String {
+        match self {
+            Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
+            Stream::Unix(s) if initiator => s
+                .peer_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
+                .unwrap_or_default(),
+            Stream::Unix(s) => {
+                let mut cred = libc::ucred {
+                    pid: 0,
+                    uid: 0,
+                    gid: 0,
+                };
+                let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+                // SAFETY: getsockopt writes at most `len` bytes into `cred`, a ucred we own.
+                let r = unsafe {
+                    libc::getsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_PEERCRED,
+                        (&mut cred as *mut libc::ucred).cast(),
+                        &mut len,
+                    )
+                };
+                if r == 0 {
+                    format!("unix:uid={},pid={}", cred.uid, cred.pid)
+                } else {
+                    "unix:unknown".into()
+                }
+            }
+        }
+    }
+
     fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
@@ -225,6 +260,7 @@ pub(crate) struct Inner {
     kind: FabricKind,
     local: NodeId,
     peer: NodeId,
+    peer_addr: String,
     cfg: LinkConfig,
     peer_hello: msg::Hello,
     writer: Mutex<Stream>,
@@ -883,6 +919,7 @@ pub(crate) fn establish(
         kind,
         local: local.clone(),
         peer: peer.clone(),
+        peer_addr: stream.peer_desc(initiator),
         cfg: cfg.clone(),
         peer_hello,
         writer: Mutex::new(stream),
@@ -1149,6 +1186,9 @@ impl Endpoint for LinkEndpoint {
     }
     fn kind(&self) -> FabricKind {
         self.inner.kind
+    }
+    fn peer_addr(&self) -> String {
+        self.inner.peer_addr.clone()
     }
     fn limits(&self) -> WindowLimits {
         self.inner.cfg.limits
