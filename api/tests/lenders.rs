@@ -269,10 +269,7 @@ fn token_sources_and_refusals() {
     ));
     // A bad token makes the lender unreachable in `lenders`, which still exits 0.
     let t = ok(&lendctl(&c, &["--token", "wrong", "lenders"], None));
-    assert!(
-        row(&t, "node3").contains("no: lender node3 at "),
-        "{t}"
-    );
+    assert!(row(&t, "node3").contains("no: lender node3 at "), "{t}");
     assert!(row(&t, "node3").contains("did not prove"), "{t}");
 
     // Inline token in the cluster file.

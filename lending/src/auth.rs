@@ -238,8 +238,7 @@ impl FailureLimiter {
         let mut map = self.lock();
         if map.len() >= MAX_TRACKED && !map.contains_key(key) {
             map.retain(|_, e| {
-                now.duration_since(e.since) < FAIL_WINDOW
-                    || e.locked_until.is_some_and(|t| t > now)
+                now.duration_since(e.since) < FAIL_WINDOW || e.locked_until.is_some_and(|t| t > now)
             });
             if map.len() >= MAX_TRACKED {
                 if let Some(oldest) = map
@@ -257,8 +256,7 @@ impl FailureLimiter {
             locked_until: None,
             unlogged: 0,
         });
-        if now.duration_since(e.since) >= FAIL_WINDOW && e.locked_until.is_none_or(|t| t <= now)
-        {
+        if now.duration_since(e.since) >= FAIL_WINDOW && e.locked_until.is_none_or(|t| t <= now) {
             e.failures = 0;
             e.since = now;
             e.locked_until = None;
@@ -316,10 +314,19 @@ mod tests {
         let tr = t(&nb, &nl);
         let p = tr.prove("secret", Role::Borrower).unwrap();
         assert!(tr.verify("secret", Role::Borrower, &p).unwrap());
-        assert!(!tr.verify("secret", Role::Lender, &p).unwrap(), "reflection");
-        assert!(!tr.verify("other", Role::Borrower, &p).unwrap(), "wrong token");
+        assert!(
+            !tr.verify("secret", Role::Lender, &p).unwrap(),
+            "reflection"
+        );
+        assert!(
+            !tr.verify("other", Role::Borrower, &p).unwrap(),
+            "wrong token"
+        );
         let nl2 = nonce().unwrap();
-        assert!(!t(&nb, &nl2).verify("secret", Role::Borrower, &p).unwrap(), "replay");
+        assert!(
+            !t(&nb, &nl2).verify("secret", Role::Borrower, &p).unwrap(),
+            "replay"
+        );
         let swapped = Transcript {
             borrower: "node3",
             lender: "node1",
@@ -346,7 +353,10 @@ mod tests {
         assert_eq!(rate_key("10.0.0.1:4242"), "10.0.0.1");
         assert_eq!(rate_key("[::1]:4242"), "[::1]");
         assert_eq!(rate_key("unix:uid=1000,pid=77"), "uid=1000");
-        assert_eq!(rate_key("/run/lendvm/lender.sock"), "/run/lendvm/lender.sock");
+        assert_eq!(
+            rate_key("/run/lendvm/lender.sock"),
+            "/run/lendvm/lender.sock"
+        );
     }
 
     #[test]

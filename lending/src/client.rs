@@ -41,10 +41,10 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::auth::{self, Role, Transcript};
 use crate::backend::irq::IrqRelay;
 use crate::protocol::{
-    self, code, AuthChallenge, AuthResponse, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite, DeviceInfo, DeviceSummary,
-    DmaMap, DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample, IrqTarget, LeaseCounters,
-    LeaseRef, LenderStatus, ProtocolError, Quiesce, Request, SetIrqs, MIN_PROTOCOL_VERSION,
-    PROTOCOL_VERSION,
+    self, code, AuthChallenge, AuthResponse, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite,
+    DeviceInfo, DeviceSummary, DmaMap, DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample,
+    IrqTarget, LeaseCounters, LeaseRef, LenderStatus, ProtocolError, Quiesce, Request, SetIrqs,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 
 /// Default bound on one request.

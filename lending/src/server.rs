@@ -29,9 +29,10 @@ use crate::iommu::{
     BackingError, DmaBacking, FaultListener, IommuDomain, IommuError, IommuFault, MAX_MAPPINGS,
 };
 use crate::protocol::{
-    self, code, error, AuthChallenge, AuthResponse, Borrowed, DeviceGone, Event, HelloReply, IommuFaultEvent, IrqEvent, IrqKind,
-    IrqTarget, LeaseCounters, LenderStatus, ProtocolError, Request, IOMMU_FAULT_BURST,
-    IOMMU_FAULT_INTERVAL_MS, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    self, code, error, AuthChallenge, AuthResponse, Borrowed, DeviceGone, Event, HelloReply,
+    IommuFaultEvent, IrqEvent, IrqKind, IrqTarget, LeaseCounters, LenderStatus, ProtocolError,
+    Request, IOMMU_FAULT_BURST, IOMMU_FAULT_INTERVAL_MS, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
 };
 
 /// How often idle loops look at the stop flag.
@@ -485,9 +486,10 @@ impl Session {
                 true,
             );
         }
-        self.lender
-            .auth_failures
-            .fail(&self.rate_key, &format!("{}: challenge not (yet) answered", self.peer()));
+        self.lender.auth_failures.fail(
+            &self.rate_key,
+            &format!("{}: challenge not (yet) answered", self.peer()),
+        );
         let c: AuthChallenge = match protocol::decode_reply(op, payload) {
             Ok(c) => c,
             Err(e) => return (Err(proto_err(e)), true),

@@ -105,14 +105,10 @@ fn hello(ep: &dyn Endpoint, version: u32) -> Request {
     use lending::auth::{self, Role, Transcript};
     let nb = auth::nonce().unwrap();
     let op = opcode::AUTH;
-    let p = protocol::encode_reply(
-        op,
-        &protocol::AuthChallenge {
-            nonce: nb.to_vec(),
-        },
-    )
-    .unwrap();
-    let m = ep.request(Message::raw(op, p), Duration::from_secs(5)).unwrap();
+    let p = protocol::encode_reply(op, &protocol::AuthChallenge { nonce: nb.to_vec() }).unwrap();
+    let m = ep
+        .request(Message::raw(op, p), Duration::from_secs(5))
+        .unwrap();
     let r: protocol::AuthResponse = protocol::decode_reply(op, &m.payload).unwrap();
     let (b, l) = (ep.local_node().to_string(), ep.peer_node().to_string());
     let t = Transcript {

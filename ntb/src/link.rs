@@ -32,6 +32,40 @@ use crate::wire::{
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest window label.
 pub const MAX_LABEL: usize = 256;
+/// Most received messages (requests, events, window notices) waiting for the user.
+pub(crate) const MAX_INCOMING: usize = 4096;
+
+/// Lets a log line through at most once per `every`; counts the ones held back.
+#[derive(Debug)]
+pub(crate) struct RateLimit {
+    every: Duration,
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl RateLimit {
+    pub(crate) fn new(every: Duration) -> RateLimit {
+        RateLimit {
+            every,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(held back since the last line)` when a line may be logged now.
+    pub(crate) fn hit(&self) -> Option<u64> {
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        match st.0 {
+            Some(t) if now.duration_since(t) < self.every => {
+                st.1 += 1;
+                None
+            }
+            _ => {
+                st.0 = Some(now);
+                Some(std::mem::take(&mut st.1))
+            }
+        }
+    }
+}
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -153,8 +187,29 @@ impl Stream {
         }
     }
 
-    fn read_exact(&self, mut buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<()> {
+    fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_read_timeout(Some(t)),
+            Stream::Tcp(s) => s.set_read_timeout(Some(t)),
+        }
+    }
+
+    /// Reads all of `buf`; with a `deadline`, the whole read ends by then however slowly the
+    /// peer trickles bytes (each read's timeout is the time left).
+    fn read_exact(
+        &self,
+        mut buf: &mut [u8],
+        fds: &mut Vec<OwnedFd>,
+        deadline: Option<Instant>,
+    ) -> io::Result<()> {
         while !buf.is_empty() {
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::from(io::ErrorKind::TimedOut));
+                }
+                self.set_read_timeout(left)?;
+            }
             match self.read_some(buf, fds) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
                 Ok(n) => buf = &mut buf[n..],
@@ -186,6 +241,14 @@ impl std::fmt::Display for ReadError {
 }
 
 fn read_frame(s: &Stream) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
+    read_frame_until(s, None)
+}
+
+/// [`read_frame`] that fails once `deadline` passes (the handshake's bound).
+fn read_frame_until(
+    s: &Stream,
+    deadline: Option<Instant>,
+) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
     let conv = |e: io::Error| match e.kind() {
         io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => ReadError::Closed,
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ReadError::TimedOut,
@@ -193,10 +256,11 @@ fn read_frame(s: &Stream) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>)
     };
     let mut fds = Vec::new();
     let mut hb = [0u8; HEADER_LEN];
-    s.read_exact(&mut hb, &mut fds).map_err(conv)?;
+    s.read_exact(&mut hb, &mut fds, deadline).map_err(conv)?;
     let h = Header::decode(&hb).map_err(|e| ReadError::Protocol(e.to_string()))?;
     let mut payload = vec![0u8; h.len as usize];
-    s.read_exact(&mut payload, &mut fds).map_err(conv)?;
+    s.read_exact(&mut payload, &mut fds, deadline)
+        .map_err(conv)?;
     if fds.len() != h.fds as usize {
         return Err(ReadError::Protocol(format!(
             "frame announces {} fds but {} arrived",
@@ -276,6 +340,8 @@ pub(crate) struct Inner {
     peer_spads: Option<Mapping>,
     stats: Counters,
     svc_tx: Mutex<Option<mpsc::Sender<Svc>>>,
+    /// Rate limit of the warnings about a misbehaving peer.
+    abuse_log: RateLimit,
 }
 
 fn spad_bytes(n: u32) -> u64 {
@@ -447,9 +513,27 @@ impl Inner {
         }
     }
 
-    fn push_incoming(&self, i: Incoming) {
-        lock(&self.state).incoming.push_back(i);
+    /// Queues a message for the user; refuses (false) when [`MAX_INCOMING`] wait already, so
+    /// a peer that sends faster than the user reads cannot grow memory or hold fds without
+    /// bound.
+    fn push_incoming(&self, i: Incoming) -> bool {
+        {
+            let mut st = lock(&self.state);
+            if st.incoming.len() >= MAX_INCOMING {
+                drop(st);
+                if let Some(n) = self.abuse_log.hit() {
+                    log::warn!(
+                        "peer {}: {MAX_INCOMING} messages already wait to be read, dropping more \
+                         ({n} more dropped or refused since the last report)",
+                        self.peer
+                    );
+                }
+                return false;
+            }
+            st.incoming.push_back(i);
+        }
         self.cond.notify_all();
+        true
     }
 
     fn serve_mapping(&self, id: WindowId) -> std::result::Result<Arc<Mapping>, ErrorReply> {
@@ -470,6 +554,19 @@ impl Inner {
         let r: msg::WindowRead =
             wire::decode_payload(p).map_err(|e| ErrorReply::new(code::INVALID, e.to_string()))?;
         let m = self.serve_mapping(r.id)?;
+        // Check before allocating: the peer chooses `len` (up to 4 GiB).
+        if r.len as usize > wire::MAX_DATA_CHUNK {
+            return Err(ErrorReply::new(
+                code::OUT_OF_RANGE,
+                format!(
+                    "read of {} bytes exceeds the largest transfer of {} bytes",
+                    r.len,
+                    wire::MAX_DATA_CHUNK
+                ),
+            ));
+        }
+        crate::mem::check_range(r.offset, u64::from(r.len), m.len() as u64)
+            .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
         let mut out = vec![0u8; r.len as usize];
         m.read_at(r.offset, &mut out)
             .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
@@ -483,6 +580,38 @@ impl Inner {
         m.write_at(w.offset, data)
             .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
         Ok(Vec::new())
+    }
+
+    /// Whether the peer may add window `a`: within the limits it announced at the handshake
+    /// (at most `max_windows` at once, aligned, not oversized), with exactly one fd on shm.
+    fn check_window_add(
+        &self,
+        a: &msg::WindowAdd,
+        has_fd: bool,
+    ) -> std::result::Result<(), String> {
+        if self.kind == FabricKind::Shm && !has_fd {
+            return Err("a shm window needs exactly one fd".into());
+        }
+        if a.label.len() > MAX_LABEL {
+            return Err(format!(
+                "label of {} bytes exceeds {MAX_LABEL}",
+                a.label.len()
+            ));
+        }
+        let limits = self.peer_hello.limits;
+        limits
+            .check_window(a.fd_offset, a.size)
+            .map_err(|e| e.to_string())?;
+        let st = lock(&self.state);
+        if !st.peer_windows.contains_key(&a.id)
+            && st.peer_windows.len() >= limits.max_windows as usize
+        {
+            return Err(format!(
+                "the peer already has {} windows, its announced maximum",
+                limits.max_windows
+            ));
+        }
+        Ok(())
     }
 
     fn spad_ptr(&self, index: u32) -> Result<*const AtomicU32> {
@@ -559,14 +688,25 @@ impl Inner {
                 payload,
                 fds,
             };
-            self.push_incoming(if h.id != 0 {
+            let id = h.id;
+            let queued = self.push_incoming(if id != 0 {
                 Incoming::Request {
-                    id: RequestId(h.id),
+                    id: RequestId(id),
                     msg: m,
                 }
             } else {
                 Incoming::Event(m)
             });
+            if !queued && id != 0 {
+                self.queue_reply(
+                    id,
+                    h.opcode,
+                    Err(ErrorReply::new(
+                        code::BUSY,
+                        format!("{MAX_INCOMING} requests already wait on this link"),
+                    )),
+                );
+            }
             return true;
         }
         match h.opcode {
@@ -576,10 +716,23 @@ impl Inner {
             }
             op::WINDOW_ADD => match wire::decode_payload::<msg::WindowAdd>(&payload) {
                 Ok(a) => {
+                    // Any fd beyond the window's one is closed here (dropped with `fds`).
                     let mut fds = fds;
-                    let fd = fds.pop().map(Arc::new);
-                    if self.kind == FabricKind::Shm && fd.is_none() {
-                        log::warn!("peer {} exported window {} without an fd", self.peer, a.id);
+                    let fd = if self.kind == FabricKind::Shm && fds.len() == 1 {
+                        fds.pop().map(Arc::new)
+                    } else {
+                        None
+                    };
+                    if let Err(why) = self.check_window_add(&a, fd.is_some()) {
+                        if let Some(n) = self.abuse_log.hit() {
+                            log::warn!(
+                                "peer {}: refusing window {} ({:?}): {why} ({n} more refused \
+                                 since the last report)",
+                                self.peer,
+                                a.id,
+                                a.label
+                            );
+                        }
                         return true;
                     }
                     let info = WindowInfo {
@@ -587,14 +740,18 @@ impl Inner {
                         size: a.size,
                         label: a.label,
                     };
-                    lock(&self.state).peer_windows.insert(
-                        a.id,
-                        PeerWin {
-                            info: info.clone(),
-                            fd,
-                            fd_offset: a.fd_offset,
-                        },
-                    );
+                    {
+                        let mut st = lock(&self.state);
+                        // The count was checked above; this thread is the only inserter.
+                        st.peer_windows.insert(
+                            a.id,
+                            PeerWin {
+                                info: info.clone(),
+                                fd,
+                                fd_offset: a.fd_offset,
+                            },
+                        );
+                    }
                     self.push_incoming(Incoming::WindowAdded(info));
                 }
                 Err(e) => log::warn!("bad window add from {}: {e}", self.peer),
@@ -834,9 +991,13 @@ pub(crate) fn establish(
     stream
         .set_timeouts(cfg.connect_timeout)
         .map_err(FabricError::io("set socket timeouts"))?;
+    // The whole handshake ends within connect_timeout, however slowly the peer sends.
+    let deadline = Instant::now() + cfg.connect_timeout;
     let hs_err = |m: String| FabricError::Handshake(m);
-    let read =
-        |what: &str| read_frame(&stream).map_err(|e| hs_err(format!("waiting for {what}: {e}")));
+    let read = |what: &str| {
+        read_frame_until(&stream, Some(deadline))
+            .map_err(|e| hs_err(format!("waiting for {what}: {e}")))
+    };
     let (peer_hello, peer_fds) = if initiator {
         send_raw(&stream, 0, op::HELLO, 1, &hello_bytes, &my_fds)?;
         let (h, p, fds) = read("the hello reply")?;
@@ -938,6 +1099,7 @@ pub(crate) fn establish(
         peer_spads,
         stats: Counters::default(),
         svc_tx: Mutex::new(Some(svc_tx)),
+        abuse_log: RateLimit::new(Duration::from_secs(1)),
     });
     let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
         std::thread::Builder::new()
@@ -1545,5 +1707,122 @@ impl Endpoint for LinkEndpoint {
             let _ = self.inner.send_frame(0, op::GOODBYE, 0, &[], &[]);
         }
         self.inner.mark_gone("closed locally");
+    }
+}
+
+/// Most handshakes a listener runs at once; connections beyond are closed at once.
+pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// The accepting side's handshakes, each on its own thread and bounded by
+/// `connect_timeout`, so a silent or slow peer never delays the others: `accept` hands out
+/// whichever link finishes its handshake first.
+pub(crate) struct Handshakes {
+    local: NodeId,
+    cfg: LinkConfig,
+    tx: mpsc::Sender<Result<LinkEndpoint>>,
+    rx: Mutex<mpsc::Receiver<Result<LinkEndpoint>>>,
+    /// Written by a handshake thread when it has sent its result.
+    done: Arc<EventFd>,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
+    log: Arc<RateLimit>,
+}
+
+impl Handshakes {
+    pub(crate) fn new(local: &NodeId, cfg: &LinkConfig) -> Result<Handshakes> {
+        let (tx, rx) = mpsc::channel();
+        Ok(Handshakes {
+            local: local.clone(),
+            cfg: cfg.clone(),
+            tx,
+            rx: Mutex::new(rx),
+            done: Arc::new(new_eventfd()?),
+            pending: Arc::default(),
+            log: Arc::new(RateLimit::new(Duration::from_secs(1))),
+        })
+    }
+
+    /// Starts the handshake of a freshly accepted connection from `from`.
+    fn start(&self, stream: Stream, from: String) {
+        if self.pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HANDSHAKES {
+            self.pending.fetch_sub(1, Ordering::AcqRel);
+            if let Some(n) = self.log.hit() {
+                log::warn!(
+                    "{MAX_PENDING_HANDSHAKES} handshakes already pending, closing the connection \
+                     from {from} ({n} more closed or failed since the last report)"
+                );
+            }
+            return;
+        }
+        let (local, cfg, tx) = (self.local.clone(), self.cfg.clone(), self.tx.clone());
+        let (done, pending, log) = (self.done.clone(), self.pending.clone(), self.log.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ntb-handshake".into())
+            .spawn(move || {
+                let r = establish(stream, &local, &cfg, false);
+                if let Err(e) = &r {
+                    if let Some(n) = log.hit() {
+                        log::warn!(
+                            "handshake with {from} failed: {e} ({n} more closed or failed since \
+                             the last report)"
+                        );
+                    }
+                }
+                pending.fetch_sub(1, Ordering::AcqRel);
+                if r.is_ok() {
+                    // Fails only when the listener is gone; the link then closes on drop.
+                    let _ = tx.send(r);
+                }
+                let _ = done.write(1);
+            });
+        if let Err(e) = spawned {
+            self.pending.fetch_sub(1, Ordering::AcqRel);
+            log::warn!("cannot start a handshake thread: {e}");
+        }
+    }
+
+    /// Waits up to `timeout` (`None`: forever) for a link whose handshake succeeded, starting
+    /// the handshake of every connection `accept_one` takes from the readable `listener`.
+    pub(crate) fn accept(
+        &self,
+        listener: BorrowedFd<'_>,
+        mut accept_one: impl FnMut() -> io::Result<(Stream, String)>,
+        timeout: Option<Duration>,
+    ) -> Result<LinkEndpoint> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if let Ok(r) = lock(&self.rx).try_recv() {
+                return r;
+            }
+            let left = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(FabricError::Timeout(timeout.unwrap_or_default()));
+                    }
+                    left
+                }
+                None => Duration::from_secs(3600),
+            };
+            // SAFETY: the eventfd lives in self for the whole call.
+            let done = unsafe { BorrowedFd::borrow_raw(self.done.as_raw_fd()) };
+            if !poll_fds(&[listener, done], left)? {
+                continue;
+            }
+            let _ = self.done.read();
+            // The listener is non-blocking: take every waiting connection.
+            loop {
+                match accept_one() {
+                    Ok((s, from)) => self.start(s, from),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        return Err(FabricError::Io {
+                            op: "accept link",
+                            source: e,
+                        })
+                    }
+                }
+            }
+        }
     }
 }

@@ -5,14 +5,14 @@
 //! directly (like TLPs through an NTB). Doorbells are eventfds passed the same way, so KVM
 //! ioeventfd/irqfd can be wired to them; scratchpads are a shared memfd page.
 
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::config::ControlAddr;
 use crate::fabric::{Endpoint, FabricError, LinkConfig, Listener, NodeId, Result};
-use crate::link::{establish, Stream};
+use crate::link::{establish, Handshakes, Stream};
 
 /// Connects to a node listening at `path`.
 pub fn connect(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn Endpoint>> {
@@ -27,8 +27,7 @@ pub fn connect(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn 
 pub struct ShmListener {
     listener: UnixListener,
     path: PathBuf,
-    local: NodeId,
-    cfg: LinkConfig,
+    handshakes: Handshakes,
 }
 
 impl ShmListener {
@@ -45,11 +44,13 @@ impl ShmListener {
             op: "bind shm control socket",
             source,
         })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(FabricError::io("make the shm listener non-blocking"))?;
         Ok(ShmListener {
             listener,
             path: path.to_path_buf(),
-            local: local.clone(),
-            cfg: cfg.clone(),
+            handshakes: Handshakes::new(local, cfg)?,
         })
     }
 }
@@ -60,61 +61,23 @@ impl Drop for ShmListener {
     }
 }
 
-/// Waits until `fd` is readable; false on timeout.
-pub(crate) fn wait_readable(
-    fd: std::os::fd::BorrowedFd<'_>,
-    timeout: Option<Duration>,
-) -> Result<bool> {
-    let deadline = timeout.map(|t| std::time::Instant::now() + t);
-    loop {
-        let ms = match deadline {
-            None => -1,
-            Some(d) => {
-                let left = d.saturating_duration_since(std::time::Instant::now());
-                i32::try_from(left.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
-            }
-        };
-        let mut p = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        if r > 0 {
-            return Ok(true);
-        }
-        if r == 0 {
-            return Ok(false);
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(FabricError::Io {
-                op: "poll listener",
-                source: e,
-            });
-        }
-    }
-}
-
 impl Listener for ShmListener {
     fn local_addr(&self) -> ControlAddr {
         ControlAddr::Unix(self.path.clone())
     }
 
+    /// The handshakes run off this thread ([`Handshakes`]): the first link to finish one is
+    /// returned, so a silent peer delays nobody.
     fn accept(&self, timeout: Option<Duration>) -> Result<Box<dyn Endpoint>> {
-        if !wait_readable(self.listener.as_fd(), timeout)? {
-            return Err(FabricError::Timeout(timeout.unwrap_or_default()));
-        }
-        let (s, _) = self.listener.accept().map_err(|source| FabricError::Io {
-            op: "accept shm link",
-            source,
-        })?;
-        Ok(Box::new(establish(
-            Stream::Unix(s),
-            &self.local,
-            &self.cfg,
-            false,
-        )?))
+        let ep = self.handshakes.accept(
+            self.listener.as_fd(),
+            || {
+                let (s, _) = self.listener.accept()?;
+                s.set_nonblocking(false)?;
+                Ok((Stream::Unix(s), format!("{}", self.path.display())))
+            },
+            timeout,
+        )?;
+        Ok(Box::new(ep))
     }
 }

@@ -11,8 +11,7 @@ use std::time::Duration;
 
 use crate::config::ControlAddr;
 use crate::fabric::{Endpoint, FabricError, LinkConfig, Listener, NodeId, Result};
-use crate::link::{establish, Stream};
-use crate::shm::wait_readable;
+use crate::link::{establish, Handshakes, Stream};
 
 fn prepare(s: TcpStream) -> Result<Stream> {
     s.set_nodelay(true)
@@ -34,8 +33,7 @@ pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box
 /// Listens on a TCP address.
 pub struct TcpFabricListener {
     listener: TcpListener,
-    local: NodeId,
-    cfg: LinkConfig,
+    handshakes: Handshakes,
 }
 
 impl TcpFabricListener {
@@ -45,10 +43,12 @@ impl TcpFabricListener {
             op: "bind tcp control address",
             source,
         })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(FabricError::io("make the tcp listener non-blocking"))?;
         Ok(TcpFabricListener {
             listener,
-            local: local.clone(),
-            cfg: cfg.clone(),
+            handshakes: Handshakes::new(local, cfg)?,
         })
     }
 }
@@ -61,19 +61,19 @@ impl Listener for TcpFabricListener {
         }
     }
 
+    /// The handshakes run off this thread ([`Handshakes`]): the first link to finish one is
+    /// returned, so a silent peer delays nobody.
     fn accept(&self, timeout: Option<Duration>) -> Result<Box<dyn Endpoint>> {
-        if !wait_readable(self.listener.as_fd(), timeout)? {
-            return Err(FabricError::Timeout(timeout.unwrap_or_default()));
-        }
-        let (s, _) = self.listener.accept().map_err(|source| FabricError::Io {
-            op: "accept tcp link",
-            source,
-        })?;
-        Ok(Box::new(establish(
-            prepare(s)?,
-            &self.local,
-            &self.cfg,
-            false,
-        )?))
+        let ep = self.handshakes.accept(
+            self.listener.as_fd(),
+            || {
+                let (s, from) = self.listener.accept()?;
+                s.set_nonblocking(false)?;
+                s.set_nodelay(true)?;
+                Ok((Stream::Tcp(s), from.to_string()))
+            },
+            timeout,
+        )?;
+        Ok(Box::new(ep))
     }
 }
