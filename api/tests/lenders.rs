@@ -276,6 +276,17 @@ fn token_sources_and_refusals() {
     let c2 = cluster(&format!("token = \"{TOKEN}\""));
     let _d2 = start_lenderd(&c2);
     ok(&lendctl(&c2, &["--lender", "node3", "list"], None));
+    // A token file group or others can read is refused, naming the file and its mode.
+    let c4 = cluster("token_file = \"cluster.token\"");
+    let tok4 = c4.dir.path().join("cluster.token");
+    std::fs::set_permissions(&tok4, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let o = lendctl(&c4, &["--lender", "node3", "list"], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        err(&o).contains(&format!("token file {} has mode 0640", tok4.display())),
+        "{}",
+        err(&o)
+    );
     // A token file that is missing is named.
     let c3 = cluster("token_file = \"missing.token\"");
     let o = lendctl(&c3, &["--lender", "node3", "list"], None);

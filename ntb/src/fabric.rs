@@ -365,6 +365,8 @@ pub enum FabricError {
     Remote(ErrorReply),
     #[error("handshake failed: {0}")]
     Handshake(String),
+    #[error(transparent)]
+    Listen(#[from] crate::sock::BindError),
     #[error("bad node name {0:?}")]
     BadNodeName(String),
     #[error("bad limits: {0}")]

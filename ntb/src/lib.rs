@@ -14,6 +14,7 @@ mod link;
 pub mod mem;
 pub mod node;
 pub mod shm;
+pub mod sock;
 pub mod tcp;
 pub mod wire;
 

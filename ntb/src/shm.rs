@@ -23,41 +23,36 @@ pub fn connect(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn 
     Ok(Box::new(establish(Stream::Unix(s), local, cfg, true)?))
 }
 
-/// Listens on a Unix socket; the socket file is removed on drop.
+/// Listens on a Unix socket (mode 0600); the socket file is removed on drop.
 pub struct ShmListener {
     listener: UnixListener,
     path: PathBuf,
+    file: crate::sock::SocketFile,
     handshakes: Handshakes,
 }
 
 impl ShmListener {
-    /// Binds `path`, replacing a stale socket file.
+    /// Binds `path` with mode 0600 from the start, replacing a stale socket file; refuses a
+    /// path a live listener holds, or one that is not a socket ([`crate::sock`]).
     pub fn bind(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<ShmListener> {
         cfg.validate()?;
-        if let Ok(m) = std::fs::symlink_metadata(path) {
-            use std::os::unix::fs::FileTypeExt;
-            if m.file_type().is_socket() {
-                let _ = std::fs::remove_file(path);
-            }
-        }
-        let listener = UnixListener::bind(path).map_err(|source| FabricError::Io {
-            op: "bind shm control socket",
-            source,
-        })?;
+        let (listener, file) = crate::sock::bind_private(path)?;
         listener
             .set_nonblocking(true)
             .map_err(FabricError::io("make the shm listener non-blocking"))?;
         Ok(ShmListener {
             listener,
             path: path.to_path_buf(),
+            file,
             handshakes: Handshakes::new(local, cfg)?,
         })
     }
 }
 
 impl Drop for ShmListener {
+    /// Removes the socket file unless another listener has replaced it since.
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        self.file.remove_if_ours(&self.path);
     }
 }
 
