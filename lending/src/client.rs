@@ -427,10 +427,14 @@ impl Inner {
     }
 }
 
-/// Runs AUTH on a fresh session: checks the lender's proof of `token` and returns the
-/// borrower's proof for HELLO's token field ([`crate::auth`]).
-fn authenticate(inner: &Inner, token: &str) -> Result<String, ClientError> {
-    let ep = &inner.ep;
+/// Runs AUTH on a fresh session over `ep`: checks the lender's proof of `token` and returns
+/// the borrower's proof for HELLO's token field ([`crate::auth`]). [`LenderClient`] does this
+/// itself; it is public for tests and tools that speak the protocol by hand.
+pub fn authenticate(
+    ep: &dyn Endpoint,
+    token: &str,
+    timeout: Duration,
+) -> Result<String, ClientError> {
     let lender = ep.peer_node().to_string();
     let borrower = ep.local_node().to_string();
     let refuse = |why: String| ClientError::LenderNotAuthenticated {
@@ -443,7 +447,7 @@ fn authenticate(inner: &Inner, token: &str) -> Result<String, ClientError> {
     let op = protocol::opcode::AUTH;
     let payload = protocol::encode_reply(op, &AuthChallenge { nonce: nb.to_vec() })?;
     let reply = ep
-        .request(Message::raw(op, payload), inner.timeout)
+        .request(Message::raw(op, payload), timeout)
         .map_err(|e| match e {
             FabricError::Remote(r) if r.code == code::UNKNOWN_OPCODE => {
                 refuse("it does not support challenge-response authentication".into())
@@ -558,7 +562,7 @@ impl LenderClient {
             resamplers: Mutex::default(),
             pump: Mutex::new(None),
         });
-        let proof = authenticate(&inner, token)?;
+        let proof = authenticate(&*inner.ep, token, inner.timeout)?;
         let req = Request::Hello(Hello {
             version: offer,
             token: proof,

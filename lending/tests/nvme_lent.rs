@@ -327,7 +327,7 @@ fn lenderd_token_sources() {
     assert!(!ok);
     assert!(err.contains("no cluster token"), "{err}");
     let empty = c.dir.path().join("empty");
-    std::fs::write(&empty, "  \n").unwrap();
+    ntb::config::write_token_file(&empty, "  \n").unwrap();
     let (ok, err) = lenderd_status(&c, &["--token-file", empty.to_str().unwrap()], None);
     assert!(!ok);
     assert!(err.contains("is empty"), "{err}");

@@ -87,14 +87,9 @@ impl Stream {
     }
 
     /// The peer's address (see [`crate::Endpoint::peer_addr`]).
-    fn peer_desc(&self, initiator: bool) -> String {
+    fn peer_desc(&self) -> String {
         match self {
             Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
-            Stream::Unix(s) if initiator => s
-                .peer_addr()
-                .ok()
-                .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
-                .unwrap_or_default(),
             Stream::Unix(s) => {
                 let mut cred = libc::ucred {
                     pid: 0,
@@ -958,11 +953,14 @@ pub(crate) fn check_sealed(
 }
 
 /// Runs the handshake on a connected stream and starts the link.
+/// `peer_addr` names the peer when the caller knows better than the socket (a Unix socket's
+/// peer name is where it was bound, not the path it was connected by).
 pub(crate) fn establish(
     stream: Stream,
     local: &NodeId,
     cfg: &LinkConfig,
     initiator: bool,
+    peer_addr: Option<String>,
 ) -> Result<LinkEndpoint> {
     cfg.validate()?;
     let kind = stream.kind();
@@ -1080,7 +1078,7 @@ pub(crate) fn establish(
         kind,
         local: local.clone(),
         peer: peer.clone(),
-        peer_addr: stream.peer_desc(initiator),
+        peer_addr: peer_addr.unwrap_or_else(|| stream.peer_desc()),
         cfg: cfg.clone(),
         peer_hello,
         writer: Mutex::new(stream),
@@ -1758,7 +1756,7 @@ impl Handshakes {
         let spawned = std::thread::Builder::new()
             .name("ntb-handshake".into())
             .spawn(move || {
-                let r = establish(stream, &local, &cfg, false);
+                let r = establish(stream, &local, &cfg, false, None);
                 if let Err(e) = &r {
                     if let Some(n) = log.hit() {
                         log::warn!(

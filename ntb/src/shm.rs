@@ -20,7 +20,13 @@ pub fn connect(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn 
         op: "connect to shm control socket",
         source,
     })?;
-    Ok(Box::new(establish(Stream::Unix(s), local, cfg, true)?))
+    Ok(Box::new(establish(
+        Stream::Unix(s),
+        local,
+        cfg,
+        true,
+        Some(path.display().to_string()),
+    )?))
 }
 
 /// Listens on a Unix socket (mode 0600); the socket file is removed on drop.

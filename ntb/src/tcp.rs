@@ -27,7 +27,7 @@ pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box
             source,
         }
     })?;
-    Ok(Box::new(establish(prepare(s)?, local, cfg, true)?))
+    Ok(Box::new(establish(prepare(s)?, local, cfg, true, None)?))
 }
 
 /// Listens on a TCP address.
