@@ -5,19 +5,19 @@
 //!
 //! 1. borrower → lender: a fresh 32-byte nonce `nb`;
 //! 2. lender → borrower: its node name, a fresh nonce `nl` and
-//!    `HMAC-SHA256(token, "lendvm-auth-v1 lender" ‖ nb ‖ nl ‖ borrower ‖ lender)`; the borrower
+//!    `HMAC-SHA256(token, "lendvm-auth-v1 lender" ‖ nb ‖ nl ‖ borrower ‖ lender ‖ binding)`;
+//!    the borrower
 //!    checks it (constant time) and refuses a lender that does not know the token;
 //! 3. borrower → lender: HELLO whose `token` field is [`PROOF_PREFIX`] + hex of
-//!    `HMAC-SHA256(token, "lendvm-auth-v1 borrower" ‖ nb ‖ nl ‖ borrower ‖ lender)`.
+//!    `HMAC-SHA256(token, "lendvm-auth-v1 borrower" ‖ nb ‖ nl ‖ borrower ‖ lender ‖ binding)`.
 //!
 //! Every field is length-prefixed, so no two different inputs hash alike; the direction label
 //! stops a peer from reflecting one side's proof back as the other's; the fresh nonce of each
 //! side stops replay; the node names (as the fabric handshake announced them) bind the proof
-//! to this pair, so a proof made for another borrower or lender does not verify.
-//!
-//! What this does not do: encrypt, or bind the proof to the transport. An active attacker
-//! who can relay a whole connection (on tcp) can still sit in the middle of a session it
-//! cannot authenticate itself; see docs/SECURITY.md.
+//! to this pair, so a proof made for another borrower or lender does not verify; the channel
+//! binding (the TLS exporter of a tcp link, [`ntb::tls`]) binds it to this TLS session, so a
+//! relay in the middle, which holds two sessions, cannot pass. On shm there is no binding:
+//! the control socket's permissions (0600) keep other users off the channel.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -88,6 +88,9 @@ pub struct Transcript<'a> {
     pub borrower: &'a str,
     /// The lender's node name.
     pub lender: &'a str,
+    /// The link's channel binding ([`ntb::Endpoint::channel_binding`]: the TLS exporter on
+    /// tcp, empty on shm), so a proof made through a relay does not verify.
+    pub binding: &'a [u8],
 }
 
 impl Transcript<'_> {
@@ -122,6 +125,7 @@ impl Transcript<'_> {
         field(self.lender_nonce);
         field(self.borrower.as_bytes());
         field(self.lender.as_bytes());
+        field(self.binding);
         Ok(m)
     }
 
@@ -304,6 +308,7 @@ mod tests {
             lender_nonce: nl,
             borrower: "node1",
             lender: "node3",
+            binding: b"session-1",
         }
     }
 
@@ -333,6 +338,14 @@ mod tests {
             ..tr
         };
         assert!(!swapped.verify("secret", Role::Borrower, &p).unwrap());
+        let relayed = Transcript {
+            binding: b"session-2",
+            ..tr
+        };
+        assert!(
+            !relayed.verify("secret", Role::Borrower, &p).unwrap(),
+            "relay"
+        );
         assert!(!tr.verify("secret", Role::Borrower, &p[..31]).unwrap());
         assert!(tr.prove("secret", Role::Lender).is_ok());
         assert!(t(&nb[..16], &nl).prove("secret", Role::Lender).is_err());

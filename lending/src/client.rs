@@ -467,11 +467,13 @@ pub fn authenticate(
             r.node
         )));
     }
+    let binding = ep.channel_binding();
     let t = Transcript {
         borrower_nonce: &nb,
         lender_nonce: &r.nonce,
         borrower: &borrower,
         lender: &lender,
+        binding: &binding,
     };
     match t.verify(token, Role::Lender, &r.proof) {
         Ok(true) => {}

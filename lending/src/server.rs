@@ -508,6 +508,7 @@ impl Session {
             );
         };
         let peer = self.peer();
+        let binding = self.ep.channel_binding();
         let nl = match auth::nonce() {
             Ok(n) => n,
             Err(e) => return (Err(error(code::INTERNAL, e.to_string())), true),
@@ -517,6 +518,7 @@ impl Session {
             lender_nonce: &nl,
             borrower: &peer,
             lender: &self.lender.node,
+            binding: &binding,
         };
         let proof = match t.prove(&self.lender.token, Role::Lender) {
             Ok(p) => p,
@@ -547,11 +549,13 @@ impl Session {
             ));
         };
         let peer = self.peer();
+        let binding = self.ep.channel_binding();
         let t = Transcript {
             borrower_nonce: &nb,
             lender_nonce: &nl,
             borrower: &peer,
             lender: &self.lender.node,
+            binding: &binding,
         };
         match t.verify(&self.lender.token, Role::Borrower, &proof) {
             Ok(true) => Ok(()),

@@ -120,6 +120,7 @@ fn wrong_token_and_plain_token_are_refused_by_the_lender() {
         lender_nonce: &a.nonce,
         borrower: "vmm",
         lender: "lender",
+        binding: &[],
     };
     let bad = t.prove("not-the-token", Role::Borrower).unwrap();
     let e = req(&*ep, &hello(auth::encode_proof(&bad))).unwrap_err();
@@ -147,6 +148,7 @@ fn wrong_token_and_plain_token_are_refused_by_the_lender() {
         lender_nonce: &a.nonce,
         borrower: "vmm",
         lender: "lender",
+        binding: &[],
     }
     .prove(TOKEN, Role::Borrower)
     .unwrap();
@@ -256,6 +258,7 @@ fn rogue_lender_without_the_token_is_refused_and_learns_nothing() {
             lender_nonce: &nl,
             borrower: "vmm",
             lender: "lender",
+            binding: &[],
         }
         .prove("rogue-guess", Role::Lender)
         .unwrap();
@@ -395,4 +398,82 @@ fn a_second_connection_cannot_touch_a_lease_it_does_not_hold() {
     assert_eq!(lease.config_read(0, 4).unwrap(), before);
     assert!(lease.info().bars.iter().any(|b| b.index == 0));
     lease.return_device().unwrap();
+}
+
+#[test]
+fn a_relay_between_borrower_and_lender_cannot_pass_on_tcp() {
+    // A real lender on tcp.
+    let port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (pl, pv) = (port(), port());
+    let src = format!(
+        "version = 1\n\
+         [[node]]\nname = \"lender\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{pl}\"\n\
+         [[node]]\nname = \"vmm\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{pv}\"\n"
+    );
+    let cfg = ClusterConfig::parse(&src, "relay.toml").unwrap();
+    let backend = Arc::new(EmulatedBackend::dmatest("relay", NotifyMode::Interrupt).unwrap());
+    let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend as _)]).unwrap());
+    let listener = SocketFabric::from_cluster(&cfg, "lender")
+        .unwrap()
+        .listen()
+        .unwrap();
+    let _l = BackgroundLender::start(Lender::new(inv, "lender", TOKEN), listener).unwrap();
+    let real = cfg.node("lender").unwrap().clone();
+    // The right token works directly.
+    let vmm = NodeId::new("vmm").unwrap();
+    LenderClient::connect_node(&cfg, &real, &vmm, T, TOKEN, "direct")
+        .unwrap()
+        .list()
+        .unwrap();
+
+    // A relay that answers as "lender" and forwards every request to the real lender over
+    // its own link: it holds two TLS sessions.
+    let link_cfg = real.link.clone();
+    let relay = ntb::listen_addr(
+        &ntb::ControlAddr::Tcp("127.0.0.1:0".parse().unwrap()),
+        &NodeId::new("lender").unwrap(),
+        &link_cfg,
+    )
+    .unwrap();
+    let mut fake = real.clone();
+    fake.control = relay.local_addr();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s2 = Arc::clone(&seen);
+    let (real_addr, c2) = (real.control.clone(), link_cfg.clone());
+    let h = std::thread::spawn(move || {
+        let b = relay.accept(Some(T)).unwrap();
+        let up = ntb::connect_addr(&real_addr, &NodeId::new("vmm").unwrap(), &c2).unwrap();
+        while let Ok(i) = b.recv(Duration::from_secs(2)) {
+            let Incoming::Request { id, msg } = i else {
+                continue;
+            };
+            s2.lock().unwrap().push(msg.opcode);
+            let fwd = Message::raw(msg.opcode, msg.payload.clone());
+            let r = match up.request(fwd, T) {
+                Ok(m) => Ok(Message::raw(m.opcode, m.payload)),
+                Err(FabricError::Remote(e)) => Err(e),
+                Err(e) => Err(ErrorReply::new(code::INTERNAL, e.to_string())),
+            };
+            let _ = b.reply(id, r);
+        }
+    });
+    let e = LenderClient::connect_node(&cfg, &fake, &vmm, T, TOKEN, "through-relay")
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, ClientError::LenderNotAuthenticated { why, .. } if why.contains("does not verify")),
+        "{e}"
+    );
+    h.join().unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![opcode::AUTH],
+        "the relay got no further than AUTH"
+    );
 }

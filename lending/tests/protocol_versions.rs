@@ -116,6 +116,7 @@ fn hello(ep: &dyn Endpoint, version: u32) -> Request {
         lender_nonce: &r.nonce,
         borrower: &b,
         lender: &l,
+        binding: &[],
     };
     assert!(t.verify(TOKEN, Role::Lender, &r.proof).unwrap());
     Request::Hello(Hello {

@@ -479,6 +479,13 @@ pub trait Endpoint: Send + Sync {
     fn peer_addr(&self) -> String {
         String::new()
     }
+    /// Bytes unique to this link's secure channel that both ends see alike (the TLS exporter
+    /// on tcp, [`crate::tls`]); empty when the link has none (shm, where the socket's
+    /// permissions protect the channel). Authentication above the fabric mixes it into its
+    /// proofs, so they do not verify through a relay.
+    fn channel_binding(&self) -> Vec<u8> {
+        Vec::new()
+    }
     /// Local inbound window limits.
     fn limits(&self) -> WindowLimits;
     /// The peer's inbound window limits (from the handshake).

@@ -16,6 +16,7 @@ pub mod node;
 pub mod shm;
 pub mod sock;
 pub mod tcp;
+pub mod tls;
 pub mod wire;
 
 pub use config::{ClusterConfig, ConfigError, ControlAddr, NodeConfig};

@@ -75,21 +75,22 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub(crate) enum Stream {
     Unix(UnixStream),
-    Tcp(TcpStream),
+    /// A tcp link's plaintext, through the TLS pump ([`crate::tls`]).
+    Tls(UnixStream),
 }
 
 impl Stream {
     pub(crate) fn kind(&self) -> FabricKind {
         match self {
             Stream::Unix(_) => FabricKind::Shm,
-            Stream::Tcp(_) => FabricKind::Tcp,
+            Stream::Tls(_) => FabricKind::Tcp,
         }
     }
 
     /// The peer's address (see [`crate::Endpoint::peer_addr`]).
     fn peer_desc(&self) -> String {
         match self {
-            Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
+            Stream::Tls(_) => String::new(),
             Stream::Unix(s) => {
                 let mut cred = libc::ucred {
                     pid: 0,
@@ -119,24 +120,19 @@ impl Stream {
     fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Tls(s) => Stream::Tls(s.try_clone()?),
         })
     }
 
     fn shutdown(&self) {
         let _ = match self {
-            Stream::Unix(s) => s.shutdown(Shutdown::Both),
-            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
+            Stream::Unix(s) | Stream::Tls(s) => s.shutdown(Shutdown::Both),
         };
     }
 
     fn set_timeouts(&self, t: Duration) -> io::Result<()> {
         match self {
-            Stream::Unix(s) => {
-                s.set_read_timeout(Some(t))?;
-                s.set_write_timeout(Some(t))
-            }
-            Stream::Tcp(s) => {
+            Stream::Unix(s) | Stream::Tls(s) => {
                 s.set_read_timeout(Some(t))?;
                 s.set_write_timeout(Some(t))
             }
@@ -154,13 +150,13 @@ impl Stream {
                 }
                 (&*s).write_all(bytes.get(off..).unwrap_or_default())
             }
-            Stream::Tcp(s) => (&*s).write_all(bytes),
+            Stream::Tls(s) => (&*s).write_all(bytes),
         }
     }
 
     fn read_some(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
         match self {
-            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Tls(s) => (&*s).read(buf),
             Stream::Unix(s) => {
                 let mut raw = [-1 as RawFd; MAX_FDS];
                 let mut iov = [libc::iovec {
@@ -184,8 +180,7 @@ impl Stream {
 
     fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
         match self {
-            Stream::Unix(s) => s.set_read_timeout(Some(t)),
-            Stream::Tcp(s) => s.set_read_timeout(Some(t)),
+            Stream::Unix(s) | Stream::Tls(s) => s.set_read_timeout(Some(t)),
         }
     }
 
@@ -320,6 +315,8 @@ pub(crate) struct Inner {
     local: NodeId,
     peer: NodeId,
     peer_addr: String,
+    /// The TLS channel binding (empty on shm).
+    binding: Vec<u8>,
     cfg: LinkConfig,
     peer_hello: msg::Hello,
     writer: Mutex<Stream>,
@@ -952,15 +949,50 @@ pub(crate) fn check_sealed(
     Ok(())
 }
 
+/// What the caller knows about a connection beyond its stream.
+#[derive(Default)]
+pub(crate) struct LinkOpts {
+    /// Names the peer when the caller knows better than the socket (a Unix socket's peer
+    /// name is where it was bound, not the path it was connected by; a TLS link's plaintext
+    /// end has no peer).
+    pub(crate) peer_addr: Option<String>,
+    /// The TLS session's channel binding (tcp).
+    pub(crate) binding: Vec<u8>,
+    /// The TLS pump thread (tcp), joined with the link's threads.
+    pub(crate) pump: Option<JoinHandle<()>>,
+    /// When the handshake must be done (default: `connect_timeout` from now).
+    pub(crate) deadline: Option<Instant>,
+}
+
+impl LinkOpts {
+    /// A tcp connection: runs the TLS handshake by `deadline` and returns the plaintext
+    /// stream with its options.
+    pub(crate) fn tls(
+        tcp: TcpStream,
+        initiator: bool,
+        deadline: Instant,
+    ) -> Result<(Stream, LinkOpts)> {
+        let peer_addr = tcp.peer_addr().map(|a| a.to_string()).ok();
+        let t = crate::tls::wrap(tcp, initiator, deadline)?;
+        Ok((
+            Stream::Tls(t.plain),
+            LinkOpts {
+                peer_addr,
+                binding: t.binding,
+                pump: Some(t.pump),
+                deadline: Some(deadline),
+            },
+        ))
+    }
+}
+
 /// Runs the handshake on a connected stream and starts the link.
-/// `peer_addr` names the peer when the caller knows better than the socket (a Unix socket's
-/// peer name is where it was bound, not the path it was connected by).
 pub(crate) fn establish(
     stream: Stream,
     local: &NodeId,
     cfg: &LinkConfig,
     initiator: bool,
-    peer_addr: Option<String>,
+    opts: LinkOpts,
 ) -> Result<LinkEndpoint> {
     cfg.validate()?;
     let kind = stream.kind();
@@ -990,7 +1022,9 @@ pub(crate) fn establish(
         .set_timeouts(cfg.connect_timeout)
         .map_err(FabricError::io("set socket timeouts"))?;
     // The whole handshake ends within connect_timeout, however slowly the peer sends.
-    let deadline = Instant::now() + cfg.connect_timeout;
+    let deadline = opts
+        .deadline
+        .unwrap_or_else(|| Instant::now() + cfg.connect_timeout);
     let hs_err = |m: String| FabricError::Handshake(m);
     let read = |what: &str| {
         read_frame_until(&stream, Some(deadline))
@@ -1078,7 +1112,8 @@ pub(crate) fn establish(
         kind,
         local: local.clone(),
         peer: peer.clone(),
-        peer_addr: peer_addr.unwrap_or_else(|| stream.peer_desc()),
+        peer_addr: opts.peer_addr.unwrap_or_else(|| stream.peer_desc()),
+        binding: opts.binding,
         cfg: cfg.clone(),
         peer_hello,
         writer: Mutex::new(stream),
@@ -1116,9 +1151,11 @@ pub(crate) fn establish(
         Box::new(move || service_loop(i2, svc_rx)),
     )?;
     log::info!("ntb {kind} link {local} <-> {peer} up");
+    let mut threads = vec![t1, t2];
+    threads.extend(opts.pump);
     Ok(LinkEndpoint {
         inner,
-        threads: Mutex::new(vec![t1, t2]),
+        threads: Mutex::new(threads),
     })
 }
 
@@ -1349,6 +1386,9 @@ impl Endpoint for LinkEndpoint {
     }
     fn peer_addr(&self) -> String {
         self.inner.peer_addr.clone()
+    }
+    fn channel_binding(&self) -> Vec<u8> {
+        self.inner.binding.clone()
     }
     fn limits(&self) -> WindowLimits {
         self.inner.cfg.limits
@@ -1708,6 +1748,14 @@ impl Endpoint for LinkEndpoint {
     }
 }
 
+/// A connection just accepted, before its handshake.
+pub(crate) enum Accepted {
+    /// Runs the fabric handshake as is (shm).
+    Plain(Stream),
+    /// Runs TLS first (tcp).
+    Tls(TcpStream),
+}
+
 /// Most handshakes a listener runs at once; connections beyond are closed at once.
 pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
 
@@ -1740,7 +1788,7 @@ impl Handshakes {
     }
 
     /// Starts the handshake of a freshly accepted connection from `from`.
-    fn start(&self, stream: Stream, from: String) {
+    fn start(&self, stream: Accepted, from: String) {
         if self.pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HANDSHAKES {
             self.pending.fetch_sub(1, Ordering::AcqRel);
             if let Some(n) = self.log.hit() {
@@ -1756,7 +1804,21 @@ impl Handshakes {
         let spawned = std::thread::Builder::new()
             .name("ntb-handshake".into())
             .spawn(move || {
-                let r = establish(stream, &local, &cfg, false, None);
+                let deadline = Instant::now() + cfg.connect_timeout;
+                let r = match stream {
+                    Accepted::Plain(s) => establish(
+                        s,
+                        &local,
+                        &cfg,
+                        false,
+                        LinkOpts {
+                            deadline: Some(deadline),
+                            ..LinkOpts::default()
+                        },
+                    ),
+                    Accepted::Tls(t) => LinkOpts::tls(t, false, deadline)
+                        .and_then(|(s, o)| establish(s, &local, &cfg, false, o)),
+                };
                 if let Err(e) = &r {
                     if let Some(n) = log.hit() {
                         log::warn!(
@@ -1783,7 +1845,7 @@ impl Handshakes {
     pub(crate) fn accept(
         &self,
         listener: BorrowedFd<'_>,
-        mut accept_one: impl FnMut() -> io::Result<(Stream, String)>,
+        mut accept_one: impl FnMut() -> io::Result<(Accepted, String)>,
         timeout: Option<Duration>,
     ) -> Result<LinkEndpoint> {
         let deadline = timeout.map(|t| Instant::now() + t);

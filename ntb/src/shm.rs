@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::config::ControlAddr;
 use crate::fabric::{Endpoint, FabricError, LinkConfig, Listener, NodeId, Result};
-use crate::link::{establish, Handshakes, Stream};
+use crate::link::{establish, Accepted, Handshakes, LinkOpts, Stream};
 
 /// Connects to a node listening at `path`.
 pub fn connect(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn Endpoint>> {
@@ -25,7 +25,10 @@ pub fn connect(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn 
         local,
         cfg,
         true,
-        Some(path.display().to_string()),
+        LinkOpts {
+            peer_addr: Some(path.display().to_string()),
+            ..LinkOpts::default()
+        },
     )?))
 }
 
@@ -75,7 +78,10 @@ impl Listener for ShmListener {
             || {
                 let (s, _) = self.listener.accept()?;
                 s.set_nonblocking(false)?;
-                Ok((Stream::Unix(s), format!("{}", self.path.display())))
+                Ok((
+                    Accepted::Plain(Stream::Unix(s)),
+                    format!("{}", self.path.display()),
+                ))
             },
             timeout,
         )?;

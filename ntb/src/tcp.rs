@@ -4,6 +4,7 @@
 //! [`MAX_DATA_CHUNK`](crate::wire::MAX_DATA_CHUNK) bytes, a few kept in flight (a slow path,
 //! like vfio-user without fds); doorbells and scratchpad writes become one-way messages.
 //! Direct mappings and fd passing fail with a clear error so the VMM can fall back to trapping.
+//! Every link runs inside TLS 1.3 ([`crate::tls`]).
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
@@ -11,13 +12,7 @@ use std::time::Duration;
 
 use crate::config::ControlAddr;
 use crate::fabric::{Endpoint, FabricError, LinkConfig, Listener, NodeId, Result};
-use crate::link::{establish, Handshakes, Stream};
-
-fn prepare(s: TcpStream) -> Result<Stream> {
-    s.set_nodelay(true)
-        .map_err(FabricError::io("set TCP_NODELAY"))?;
-    Ok(Stream::Tcp(s))
-}
+use crate::link::{establish, Accepted, Handshakes, LinkOpts};
 
 /// Connects to a node listening at `addr`.
 pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn Endpoint>> {
@@ -27,7 +22,12 @@ pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box
             source,
         }
     })?;
-    Ok(Box::new(establish(prepare(s)?, local, cfg, true, None)?))
+    s.set_nodelay(true)
+        .map_err(FabricError::io("set TCP_NODELAY"))?;
+    // TLS first, then the fabric handshake, both within connect_timeout.
+    let deadline = std::time::Instant::now() + cfg.connect_timeout;
+    let (stream, opts) = LinkOpts::tls(s, true, deadline)?;
+    Ok(Box::new(establish(stream, local, cfg, true, opts)?))
 }
 
 /// Listens on a TCP address.
@@ -70,7 +70,7 @@ impl Listener for TcpFabricListener {
                 let (s, from) = self.listener.accept()?;
                 s.set_nonblocking(false)?;
                 s.set_nodelay(true)?;
-                Ok((Stream::Tcp(s), from.to_string()))
+                Ok((Accepted::Tls(s), from.to_string()))
             },
             timeout,
         )?;

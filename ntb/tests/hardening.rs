@@ -134,10 +134,12 @@ impl Raw {
                 RawStream::Unix(UnixStream::connect(p).unwrap()),
                 FabricKind::Shm,
             ),
-            ControlAddr::Tcp(a) => (
-                RawStream::Tcp(TcpStream::connect(a).unwrap()),
-                FabricKind::Tcp,
-            ),
+            ControlAddr::Tcp(a) => {
+                // tcp links run inside TLS: speak the frames through its plaintext end.
+                let (plain, binding) = ntb::tls::client(TcpStream::connect(a).unwrap(), T).unwrap();
+                assert_eq!(binding.len(), ntb::tls::BINDING_LEN);
+                (RawStream::Unix(plain), FabricKind::Tcp)
+            }
         };
         let mut raw = Raw {
             s,
@@ -255,28 +257,44 @@ fn silent_peer_does_not_delay_another_hello_tcp() {
     silent_peer_does_not_delay(FabricKind::Tcp);
 }
 
-#[test]
-fn trickled_hello_is_cut_off_at_connect_timeout() {
+/// A peer that sends its first bytes at 10 bytes/s: each read sees data well within any
+/// per-read timeout, but the whole handshake would take several times `connect_timeout`.
+fn trickled_handshake_is_cut_off(kind: FabricKind) {
     let _g = serial();
-    let (l, addr) = tcp_listener("lender", &victim_cfg(Duration::from_millis(500)));
-    let ControlAddr::Tcp(a) = addr else { panic!() };
-    let acceptor = std::thread::spawn(move || l.accept(Some(Duration::from_secs(8))).err());
-    let hello = msg::Hello {
-        version: wire::VERSION,
-        node: "slowloris".into(),
-        kind: FabricKind::Tcp,
-        limits: WindowLimits::default(),
-        doorbells: 4,
-        scratchpads: 16,
-        heartbeat_ms: 250,
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = victim_cfg(Duration::from_millis(500));
+    let (l, addr) = match kind {
+        FabricKind::Shm => shm_listener(&dir, "lender", &cfg),
+        FabricKind::Tcp => tcp_listener("lender", &cfg),
     };
-    let frame =
-        wire::encode_frame(0, op::HELLO, 1, &wire::encode_payload(&hello).unwrap(), 0).unwrap();
-    let mut s = TcpStream::connect(a).unwrap();
-    // One byte every 100 ms: each read sees data well within any per-read timeout, but the
-    // whole hello takes several times connect_timeout.
+    let acceptor = std::thread::spawn(move || l.accept(Some(Duration::from_secs(8))).err());
+    let bytes: Vec<u8> = match kind {
+        // The fabric hello.
+        FabricKind::Shm => {
+            let hello = msg::Hello {
+                version: wire::VERSION,
+                node: "slowloris".into(),
+                kind,
+                limits: WindowLimits::default(),
+                doorbells: 4,
+                scratchpads: 16,
+                heartbeat_ms: 250,
+            };
+            wire::encode_frame(0, op::HELLO, 1, &wire::encode_payload(&hello).unwrap(), 0).unwrap()
+        }
+        // A TLS handshake record of 512 bytes, most of which never comes in time.
+        FabricKind::Tcp => {
+            let mut b = vec![0x16, 0x03, 0x01, 0x02, 0x00];
+            b.resize(60, 0);
+            b
+        }
+    };
+    let mut s: Box<dyn Write> = match &addr {
+        ControlAddr::Unix(p) => Box::new(UnixStream::connect(p).unwrap()),
+        ControlAddr::Tcp(a) => Box::new(TcpStream::connect(a).unwrap()),
+    };
     let mut cut_after = None;
-    for (i, b) in frame.iter().enumerate() {
+    for (i, b) in bytes.iter().enumerate() {
         if s.write_all(&[*b]).is_err() {
             cut_after = Some(i);
             break;
@@ -285,15 +303,21 @@ fn trickled_hello_is_cut_off_at_connect_timeout() {
     }
     assert!(
         cut_after.is_some(),
-        "a {}-byte hello trickled at 10 bytes/s was never cut off",
-        frame.len()
-    );
-    assert!(
-        cut_after.unwrap() < frame.len(),
-        "cut before the hello was complete"
+        "{} bytes trickled at 10 bytes/s were never cut off",
+        bytes.len()
     );
     let e = acceptor.join().unwrap();
     assert!(e.is_some(), "accept handed out the slow peer's link");
+}
+
+#[test]
+fn trickled_hello_is_cut_off_at_connect_timeout_shm() {
+    trickled_handshake_is_cut_off(FabricKind::Shm);
+}
+
+#[test]
+fn trickled_tls_handshake_is_cut_off_at_connect_timeout_tcp() {
+    trickled_handshake_is_cut_off(FabricKind::Tcp);
 }
 
 #[test]
