@@ -8,6 +8,7 @@
 //! protocol of the lender and borrower ([`Endpoint::request`], [`Endpoint::recv`], with fds on
 //! shm) in the [`wire`] format. [`config`] loads the cluster description.
 
+mod accept;
 pub mod config;
 pub mod fabric;
 mod link;

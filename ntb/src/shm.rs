@@ -10,9 +10,10 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::accept::{Accepted, Handshakes};
 use crate::config::ControlAddr;
 use crate::fabric::{Endpoint, FabricError, LinkConfig, Listener, NodeId, Result};
-use crate::link::{establish, Accepted, Handshakes, LinkOpts, Stream};
+use crate::link::{establish, LinkOpts, Stream};
 
 /// Connects to a node listening at `path`.
 pub fn connect(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn Endpoint>> {

@@ -10,9 +10,10 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::time::Duration;
 
+use crate::accept::{Accepted, Handshakes};
 use crate::config::ControlAddr;
 use crate::fabric::{Endpoint, FabricError, LinkConfig, Listener, NodeId, Result};
-use crate::link::{establish, Accepted, Handshakes, LinkOpts};
+use crate::link::{establish, LinkOpts};
 
 /// Connects to a node listening at `addr`.
 pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn Endpoint>> {
