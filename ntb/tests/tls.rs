@@ -120,3 +120,57 @@ fn shm_links_have_no_channel_binding() {
     let b = t.join().unwrap();
     assert!(a.channel_binding().is_empty() && b.channel_binding().is_empty());
 }
+
+/// Captures warnings (this test binary owns the global logger).
+struct Capture(std::sync::Mutex<Vec<String>>);
+
+static LOGS: Capture = Capture(std::sync::Mutex::new(Vec::new()));
+
+impl log::Log for Capture {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        m.level() <= log::Level::Warn
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        if self.enabled(r.metadata()) {
+            self.0.lock().unwrap().push(r.args().to_string());
+        }
+    }
+    fn flush(&self) {}
+}
+
+#[test]
+fn a_peer_without_tls_is_refused_with_a_clear_reason() {
+    let _ = log::set_logger(&LOGS).map(|()| log::set_max_level(log::LevelFilter::Warn));
+    let l = listen_addr(
+        &ControlAddr::Tcp("127.0.0.1:0".parse().unwrap()),
+        &NodeId::new("a").unwrap(),
+        &LinkConfig::default(),
+    )
+    .unwrap();
+    let ControlAddr::Tcp(addr) = l.local_addr() else {
+        panic!()
+    };
+    // What a node from before TLS sends first: a plain fabric frame.
+    let mut s = TcpStream::connect(addr).unwrap();
+    let frame = ntb::wire::encode_frame(0, ntb::wire::op::HELLO, 1, b"x", 0).unwrap();
+    s.write_all(&frame).unwrap();
+    assert!(l.accept(Some(Duration::from_millis(500))).is_err());
+    // The connection is closed, and the reason is logged.
+    s.set_read_timeout(Some(T)).unwrap();
+    let mut b = [0u8; 16];
+    assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
+    let t0 = std::time::Instant::now();
+    let found = loop {
+        let hit = LOGS
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|m| m.contains("speaks the fabric without TLS (an older lendvm)"));
+        if hit || t0.elapsed() > T {
+            break hit;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(found, "{:?}", LOGS.0.lock().unwrap());
+}
