@@ -34,10 +34,10 @@
 //! the VMM is fine, the upstream lender is not) from a failure of the VMM, and keeps 500 for
 //! real VMM-internal failures.
 
-use std::fs;
 use std::io;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::{UnixListener as StdUnixListener, UnixStream as StdUnixStream};
+
+use ntb::sock::{bind_private, BindError, SocketFile};
+use std::os::unix::net::UnixListener as StdUnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
@@ -138,6 +138,8 @@ impl ApiServerConfig {
 #[derive(Debug)]
 pub struct ApiServer {
     socket_path: PathBuf,
+    /// The socket file this server created (removed only if still there).
+    file: SocketFile,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -505,29 +507,19 @@ fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Binds `path`, replacing a stale socket file nobody listens on, refusing a live one or a
-/// non-socket file.
-fn bind(path: &Path) -> Result<StdUnixListener, ServerError> {
-    if let Ok(meta) = fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            return Err(ServerError::NotASocket(path.to_path_buf()));
-        }
-        match StdUnixStream::connect(path) {
-            Ok(_) => return Err(ServerError::InUse(path.to_path_buf())),
-            Err(_) => {
-                log::info!("api: removing stale socket {}", path.display());
-                fs::remove_file(path)
-                    .map_err(|e| ServerError::RemoveStale(path.to_path_buf(), e))?;
-            }
-        }
-    }
-    let listener =
-        StdUnixListener::bind(path).map_err(|e| ServerError::Bind(path.to_path_buf(), e))?;
+/// Binds `path` with mode 0600 from the start (the API can attach devices and stop the VM:
+/// owner only), replacing a stale socket file nobody listens on, refusing a live one or a
+/// non-socket file ([`ntb::sock::bind_private`]: bound in a private 0700 directory, then
+/// renamed into place).
+fn bind(path: &Path) -> Result<(StdUnixListener, SocketFile), ServerError> {
+    let (listener, file) = bind_private(path).map_err(|e| match e {
+        BindError::NotASocket(p) => ServerError::NotASocket(p),
+        BindError::InUse(p) => ServerError::InUse(p),
+        BindError::Io { source, .. } => ServerError::Bind(path.to_path_buf(), source),
+    })?;
     let setup = |e| ServerError::Setup(path.to_path_buf(), e);
-    // The API can attach devices and stop the VM: owner only.
-    fs::set_permissions(path, fs::Permissions::from_mode(0o600)).map_err(setup)?;
     listener.set_nonblocking(true).map_err(setup)?;
-    Ok(listener)
+    Ok((listener, file))
 }
 
 impl ApiServer {
@@ -538,9 +530,9 @@ impl ApiServer {
         api_tx: Sender<ApiMessage>,
         api_evt: EventFd,
     ) -> Result<ApiServer, ServerError> {
-        let listener = bind(&config.socket_path)?;
+        let (listener, file) = bind(&config.socket_path)?;
         let cleanup = |e: ServerError| {
-            let _ = fs::remove_file(&config.socket_path);
+            file.remove_if_ours(&config.socket_path);
             e
         };
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -566,6 +558,7 @@ impl ApiServer {
         log::info!("api: listening on {}", config.socket_path.display());
         Ok(ApiServer {
             socket_path: config.socket_path,
+            file,
             stop: Some(stop_tx),
             thread: Some(thread),
         })
@@ -589,14 +582,7 @@ impl ApiServer {
             Some(t) => t.join().map_err(|_| ServerError::ThreadPanicked),
             None => Ok(()),
         };
-        match fs::remove_file(&self.socket_path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => log::warn!(
-                "api: cannot remove socket {}: {e}",
-                self.socket_path.display()
-            ),
-        }
+        self.file.remove_if_ours(&self.socket_path);
         joined
     }
 }

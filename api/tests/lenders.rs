@@ -256,7 +256,12 @@ fn token_sources_and_refusals() {
     ok(&lendctl(&c, &["--lender", "node3", "list"], Some(TOKEN)));
     let o = lendctl(&c, &["--lender", "node3", "list"], Some("wrong"));
     assert_eq!(o.status.code(), Some(1));
-    assert!(err(&o).contains("refused: bad token"), "{}", err(&o));
+    // Mutual authentication: with the wrong token lendctl cannot verify the lender's proof.
+    assert!(
+        err(&o).contains("did not prove that it knows the cluster token"),
+        "{}",
+        err(&o)
+    );
     ok(&lendctl(
         &c,
         &["--lender", "node3", "--token", TOKEN, "list"],
@@ -264,12 +269,24 @@ fn token_sources_and_refusals() {
     ));
     // A bad token makes the lender unreachable in `lenders`, which still exits 0.
     let t = ok(&lendctl(&c, &["--token", "wrong", "lenders"], None));
-    assert!(row(&t, "node3").contains("no: refused: bad token"), "{t}");
+    assert!(row(&t, "node3").contains("no: lender node3 at "), "{t}");
+    assert!(row(&t, "node3").contains("did not prove"), "{t}");
 
     // Inline token in the cluster file.
     let c2 = cluster(&format!("token = \"{TOKEN}\""));
     let _d2 = start_lenderd(&c2);
     ok(&lendctl(&c2, &["--lender", "node3", "list"], None));
+    // A token file group or others can read is refused, naming the file and its mode.
+    let c4 = cluster("token_file = \"cluster.token\"");
+    let tok4 = c4.dir.path().join("cluster.token");
+    std::fs::set_permissions(&tok4, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let o = lendctl(&c4, &["--lender", "node3", "list"], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        err(&o).contains(&format!("token file {} has mode 0640", tok4.display())),
+        "{}",
+        err(&o)
+    );
     // A token file that is missing is named.
     let c3 = cluster("token_file = \"missing.token\"");
     let o = lendctl(&c3, &["--lender", "node3", "list"], None);

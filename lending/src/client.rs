@@ -38,12 +38,13 @@ use serde::de::DeserializeOwned;
 use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::auth::{self, Role, Transcript};
 use crate::backend::irq::IrqRelay;
 use crate::protocol::{
-    self, code, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite, DeviceInfo, DeviceSummary,
-    DmaMap, DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample, IrqTarget, LeaseCounters,
-    LeaseRef, LenderStatus, ProtocolError, Quiesce, Request, SetIrqs, MIN_PROTOCOL_VERSION,
-    PROTOCOL_VERSION,
+    self, code, AuthChallenge, AuthResponse, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite,
+    DeviceInfo, DeviceSummary, DmaMap, DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample,
+    IrqTarget, LeaseCounters, LeaseRef, LenderStatus, ProtocolError, Quiesce, Request, SetIrqs,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 
 /// Default bound on one request.
@@ -98,6 +99,20 @@ pub enum ClientError {
         version: u32,
         /// The version that has it.
         needs: u32,
+    },
+    /// The lender did not prove that it knows the cluster token (an impostor, or this node's
+    /// token is wrong).
+    #[error(
+        "lender {lender} at {addr} did not prove that it knows the cluster token ({why}): \
+         it is an impostor or this node's token differs; refusing it"
+    )]
+    LenderNotAuthenticated {
+        /// The node that answered.
+        lender: String,
+        /// Its address.
+        addr: String,
+        /// What was wrong.
+        why: String,
     },
     /// An fd operation failed.
     #[error("{what}: {source}")]
@@ -412,6 +427,63 @@ impl Inner {
     }
 }
 
+/// Runs AUTH on a fresh session over `ep`: checks the lender's proof of `token` and returns
+/// the borrower's proof for HELLO's token field ([`crate::auth`]). [`LenderClient`] does this
+/// itself; it is public for tests and tools that speak the protocol by hand.
+pub fn authenticate(
+    ep: &dyn Endpoint,
+    token: &str,
+    timeout: Duration,
+) -> Result<String, ClientError> {
+    let lender = ep.peer_node().to_string();
+    let borrower = ep.local_node().to_string();
+    let refuse = |why: String| ClientError::LenderNotAuthenticated {
+        lender: lender.clone(),
+        addr: ep.peer_addr(),
+        why,
+    };
+    let auth_err = |e: auth::AuthError| ClientError::BadReply(e.to_string());
+    let nb = auth::nonce().map_err(auth_err)?;
+    let op = protocol::opcode::AUTH;
+    let payload = protocol::encode_reply(op, &AuthChallenge { nonce: nb.to_vec() })?;
+    let reply = ep
+        .request(Message::raw(op, payload), timeout)
+        .map_err(|e| match e {
+            FabricError::Remote(r) if r.code == code::UNKNOWN_OPCODE => {
+                refuse("it does not support challenge-response authentication".into())
+            }
+            FabricError::Remote(r) => ClientError::Remote {
+                lender: lender.clone(),
+                code: r.code,
+                message: r.message,
+            },
+            other => ClientError::Fabric(other),
+        })?;
+    let r: AuthResponse =
+        protocol::decode_reply(op, &reply.payload).map_err(|e| refuse(e.to_string()))?;
+    if r.node != lender {
+        return Err(refuse(format!(
+            "it names itself {:?} in AUTH but {lender:?} on the fabric",
+            r.node
+        )));
+    }
+    let binding = ep.channel_binding();
+    let t = Transcript {
+        borrower_nonce: &nb,
+        lender_nonce: &r.nonce,
+        borrower: &borrower,
+        lender: &lender,
+        binding: &binding,
+    };
+    match t.verify(token, Role::Lender, &r.proof) {
+        Ok(true) => {}
+        Ok(false) => return Err(refuse("its proof does not verify".into())),
+        Err(e) => return Err(refuse(e.to_string())),
+    }
+    let proof = t.prove(token, Role::Borrower).map_err(auth_err)?;
+    Ok(auth::encode_proof(&proof))
+}
+
 /// A session with one lender.
 pub struct LenderClient {
     inner: Arc<Inner>,
@@ -492,9 +564,10 @@ impl LenderClient {
             resamplers: Mutex::default(),
             pump: Mutex::new(None),
         });
+        let proof = authenticate(&*inner.ep, token, inner.timeout)?;
         let req = Request::Hello(Hello {
             version: offer,
-            token: token.to_string(),
+            token: proof,
             client: client.to_string(),
         });
         let (hello, _): (HelloReply, _) = inner.call(&req, Vec::new())?;

@@ -14,6 +14,7 @@
 //! * [`spec`]: `--device` parsing.
 //! * `testing` (cargo feature `testing`): the real `lenderd` as a child process of a test.
 
+pub mod auth;
 pub mod backend;
 pub mod client;
 pub mod directory;

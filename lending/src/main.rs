@@ -38,7 +38,8 @@ struct Args {
     /// Cluster auth token (visible in `ps`; prefer --token-file or $LENDVM_TOKEN).
     #[arg(long, conflicts_with = "token_file")]
     token: Option<String>,
-    /// File holding the cluster auth token (surrounding whitespace is ignored).
+    /// File holding the cluster auth token (surrounding whitespace is ignored); it must not be
+    /// readable by group or others (mode 0600 or stricter).
     #[arg(long)]
     token_file: Option<PathBuf>,
 }
@@ -55,9 +56,9 @@ fn token(args: &Args, cluster: Option<&ClusterConfig>) -> Result<String, String>
     let (t, from) = if let Some(t) = &args.token {
         (t.clone(), "--token".to_string())
     } else if let Some(p) = &args.token_file {
-        let t =
-            std::fs::read_to_string(p).map_err(|e| format!("token file {}: {e}", p.display()))?;
-        (t.trim().to_string(), format!("token file {}", p.display()))
+        // Refuses a file group or others can read, naming it and its mode.
+        let t = ntb::config::read_token_file(p).map_err(|e| e.to_string())?;
+        (t, format!("token file {}", p.display()))
     } else if let Ok(t) = std::env::var("LENDVM_TOKEN") {
         (t, "$LENDVM_TOKEN".to_string())
     } else if let Some(t) = cluster

@@ -22,12 +22,19 @@
 //! | 0x10e | [`LeaseRef`] (version 3) | [`LeaseCounters`] | — (lender-side counters of the lease) |
 //! | 0x10f | [`Quiesce`] (version 3) | `()` | — (pause/resume fetching) |
 //! | 0x110 | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
+//! | 0x120 | [`AuthChallenge`] (before HELLO) | [`AuthResponse`] | — (mutual challenge–response, [`crate::auth`]) |
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
 //! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it), 0x184
 //! [`IommuFaultEvent`] (a DMA the lease's IOMMU domain refused, rate-limited, version 3),
 //! 0x185 [`KicksEvent`] (the device's kick-only doorbells changed, version 3); borrower →
 //! lender 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it, version 2).
+//!
+//! AUTH is outside the versioned requests: it precedes HELLO in every session, and HELLO's
+//! `token` then carries the borrower's proof instead of the token ([`crate::auth`]). A lender
+//! refuses a HELLO with a plain token, and a borrower refuses a lender that does not answer
+//! AUTH with a valid proof, so peers from before challenge–response are refused both ways
+//! with a clear error.
 //!
 //! Errors are wire error replies with the codes in [`code`]. Decoding never panics.
 //!
@@ -105,6 +112,8 @@ pub mod opcode {
     pub const QUIESCE: u16 = 0x10f;
     /// Borrow a device under a cluster-directory claim (fencing token).
     pub const BORROW_CLAIMED: u16 = 0x110;
+    /// Mutual authentication challenge (before HELLO, any version).
+    pub const AUTH: u16 = 0x120;
     /// Event: the device is gone (lease ended by the lender).
     pub const EVT_DEVICE_GONE: u16 = 0x180;
     /// Event: fatal device error.
@@ -178,6 +187,24 @@ pub struct Hello {
     pub token: String,
     /// Free-form client name for logs (`lendvm`, `lendctl`).
     pub client: String,
+}
+
+/// AUTH: the borrower's challenge (first request of a session).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthChallenge {
+    /// The borrower's fresh nonce ([`crate::auth::NONCE_LEN`] bytes).
+    pub nonce: Vec<u8>,
+}
+
+/// Reply to [`AuthChallenge`]: the lender's nonce and its proof of the cluster token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthResponse {
+    /// Lender node name (must be the fabric peer's).
+    pub node: String,
+    /// The lender's fresh nonce ([`crate::auth::NONCE_LEN`] bytes).
+    pub nonce: Vec<u8>,
+    /// `HMAC-SHA256(token, lender transcript)` ([`crate::auth::Transcript`]).
+    pub proof: Vec<u8>,
 }
 
 /// Reply to [`Hello`].

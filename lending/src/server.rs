@@ -1,7 +1,9 @@
 //! lenderd's control-protocol server: one thread per fabric link (borrower session).
 //!
-//! A session must start with HELLO carrying the cluster token; a wrong token gets a
-//! `bad token` error and the link is closed. Every lease belongs to the session that took
+//! A session must start with AUTH and a HELLO carrying the borrower's proof of the cluster
+//! token (mutual challenge–response, [`crate::auth`]); a missing or wrong proof gets a
+//! `bad token` error and the link is closed, and an address that fails too often is refused
+//! for a while ([`crate::auth::FailureLimiter`]). Every lease belongs to the session that took
 //! it; when the link goes down (orderly close, process death, or missed heartbeats detected by
 //! the fabric within its peer timeout) the session ends and its leases are dropped, which
 //! gives the devices back (see [`crate::inventory::Lease`]).
@@ -24,6 +26,7 @@ use ntb::{Endpoint, FabricError, FabricKind, Incoming, Listener, Message, PeerWi
 use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::auth::{self, FailureLimiter, Role, Transcript};
 use crate::backend::irq::IrqRelay;
 use crate::backend::{filtered_config_write, BackendError, DeviceBackend, IrqTrigger};
 use crate::directory::ClaimAuthority;
@@ -32,9 +35,10 @@ use crate::iommu::{
     BackingError, DmaBacking, FaultListener, IommuDomain, IommuError, IommuFault, MAX_MAPPINGS,
 };
 use crate::protocol::{
-    self, code, error, Borrowed, DeviceGone, Event, HelloReply, IommuFaultEvent, IrqEvent, IrqKind,
-    IrqTarget, LeaseCounters, LenderStatus, ProtocolError, Request, IOMMU_FAULT_BURST,
-    IOMMU_FAULT_INTERVAL_MS, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    self, code, error, AuthChallenge, AuthResponse, Borrowed, DeviceGone, Event, HelloReply,
+    IommuFaultEvent, IrqEvent, IrqKind, IrqTarget, LeaseCounters, LenderStatus, ProtocolError,
+    Request, IOMMU_FAULT_BURST, IOMMU_FAULT_INTERVAL_MS, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
 };
 
 /// How often idle loops look at the stop flag.
@@ -56,6 +60,8 @@ pub struct Lender {
     stop: Arc<AtomicBool>,
     /// The cluster directory's claims, when lending is fenced by them.
     claims: Option<Arc<dyn ClaimAuthority>>,
+    /// Failed authentications per peer address.
+    auth_failures: FailureLimiter,
 }
 
 impl Lender {
@@ -67,6 +73,7 @@ impl Lender {
             token: token.to_string(),
             stop: Arc::new(AtomicBool::new(false)),
             claims: None,
+            auth_failures: FailureLimiter::default(),
         })
     }
 
@@ -83,6 +90,7 @@ impl Lender {
             token: token.to_string(),
             stop: Arc::new(AtomicBool::new(false)),
             claims: Some(claims),
+            auth_failures: FailureLimiter::default(),
         })
     }
 
@@ -135,6 +143,8 @@ impl Lender {
             lender: Arc::clone(&self),
             ep: Arc::clone(&ep),
             hello: false,
+            challenge: None,
+            rate_key: auth::rate_key(&ep.peer_addr()),
             version: PROTOCOL_VERSION,
             leases: HashMap::new(),
         };
@@ -155,7 +165,7 @@ impl Lender {
                         // Let the error reply leave before the link goes down.
                         std::thread::sleep(Duration::from_millis(50));
                         ep.close();
-                        break "closed after a rejected hello".into();
+                        break "closed after a refused authentication".into();
                     }
                 }
                 Ok(Incoming::Event(m)) => s.event(m),
@@ -246,6 +256,10 @@ struct Session {
     lender: Arc<Lender>,
     ep: Arc<dyn Endpoint>,
     hello: bool,
+    /// The nonces of the session's AUTH (borrower's, lender's), until HELLO uses them.
+    challenge: Option<([u8; auth::NONCE_LEN], [u8; auth::NONCE_LEN])>,
+    /// The peer's address as counted by the failure limiter.
+    rate_key: String,
     /// Protocol version agreed at hello (layouts of versioned messages).
     version: u32,
     leases: HashMap<u64, SessionLease>,
@@ -507,6 +521,9 @@ impl Session {
     /// Handles one request; returns the reply and whether to close the link.
     fn handle(&mut self, msg: Message) -> (Reply, bool) {
         let op = msg.opcode;
+        if op == protocol::opcode::AUTH {
+            return self.auth(&msg.payload);
+        }
         // HELLO's layout never changes; everything else is read in the agreed version.
         let req = match Request::decode_versioned(op, &msg.payload, self.version) {
             Ok(r) => r,
@@ -516,14 +533,17 @@ impl Session {
             }
         };
         if let Request::Hello(h) = &req {
-            if h.token != self.lender.token {
-                log::warn!(
-                    "{}: hello from {:?} with a bad token, closing",
-                    self.peer(),
-                    h.client
-                );
-                return (Err(error(code::BAD_TOKEN, "bad token")), true);
+            if self.hello {
+                return (Err(error(code::INVALID, "hello already done")), false);
             }
+            if let Err(e) = self.check_proof(&h.token) {
+                self.lender.auth_failures.fail(
+                    &self.rate_key,
+                    &format!("{} ({:?}): {}", self.peer(), h.client, e.message),
+                );
+                return (Err(e), true);
+            }
+            self.lender.auth_failures.succeed(&self.rate_key);
             let Some(version) = protocol::negotiate(h.version, PROTOCOL_VERSION) else {
                 return (
                     Err(error(
@@ -559,6 +579,107 @@ impl Session {
             );
         }
         (self.dispatch(op, req, msg.fds), false)
+    }
+
+    /// AUTH: answers the borrower's nonce with ours and our proof. Counts as a failure of the
+    /// peer's address until a HELLO proves the token.
+    fn auth(&mut self, payload: &[u8]) -> (Reply, bool) {
+        let op = protocol::opcode::AUTH;
+        if self.hello || self.challenge.is_some() {
+            return (
+                Err(error(code::INVALID, "authentication already started")),
+                true,
+            );
+        }
+        if let Err(l) = self.lender.auth_failures.check(&self.rate_key) {
+            return (
+                Err(error(
+                    code::BAD_TOKEN,
+                    format!(
+                        "too many failed authentications from {}; retry in {}s",
+                        self.rate_key,
+                        l.retry_in.as_secs() + 1
+                    ),
+                )),
+                true,
+            );
+        }
+        self.lender.auth_failures.fail(
+            &self.rate_key,
+            &format!("{}: challenge not (yet) answered", self.peer()),
+        );
+        let c: AuthChallenge = match protocol::decode_reply(op, payload) {
+            Ok(c) => c,
+            Err(e) => return (Err(proto_err(e)), true),
+        };
+        let Ok(nb) = <[u8; auth::NONCE_LEN]>::try_from(c.nonce.as_slice()) else {
+            return (
+                Err(error(
+                    code::INVALID,
+                    format!(
+                        "auth nonce is {} bytes, expected {}",
+                        c.nonce.len(),
+                        auth::NONCE_LEN
+                    ),
+                )),
+                true,
+            );
+        };
+        let peer = self.peer();
+        let binding = self.ep.channel_binding();
+        let nl = match auth::nonce() {
+            Ok(n) => n,
+            Err(e) => return (Err(error(code::INTERNAL, e.to_string())), true),
+        };
+        let t = Transcript {
+            borrower_nonce: &nb,
+            lender_nonce: &nl,
+            borrower: &peer,
+            lender: &self.lender.node,
+            binding: &binding,
+        };
+        let proof = match t.prove(&self.lender.token, Role::Lender) {
+            Ok(p) => p,
+            Err(e) => return (Err(error(code::INTERNAL, e.to_string())), true),
+        };
+        self.challenge = Some((nb, nl));
+        let r = AuthResponse {
+            node: self.lender.node.clone(),
+            nonce: nl.to_vec(),
+            proof: proof.to_vec(),
+        };
+        (ok(op, &r), false)
+    }
+
+    /// Checks HELLO's token field: the borrower's proof for this session's AUTH.
+    fn check_proof(&mut self, token: &str) -> Result<(), ErrorReply> {
+        let Some((nb, nl)) = self.challenge.take() else {
+            return Err(error(
+                code::BAD_TOKEN,
+                "bad token: authenticate with AUTH before HELLO (this lender accepts no plain \
+                 tokens; upgrade the borrower)",
+            ));
+        };
+        let Some(proof) = auth::decode_proof(token) else {
+            return Err(error(
+                code::BAD_TOKEN,
+                "bad token: HELLO carries no challenge-response proof",
+            ));
+        };
+        let peer = self.peer();
+        let binding = self.ep.channel_binding();
+        let t = Transcript {
+            borrower_nonce: &nb,
+            lender_nonce: &nl,
+            borrower: &peer,
+            lender: &self.lender.node,
+            binding: &binding,
+        };
+        match t.verify(&self.lender.token, Role::Borrower, &proof) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(error(code::BAD_TOKEN, "bad token")),
+            Err(e) => Err(error(code::INTERNAL, e.to_string())),
+        }
     }
 
     fn lease(&mut self, id: u64) -> Result<&mut SessionLease, ErrorReply> {

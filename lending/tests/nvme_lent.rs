@@ -327,7 +327,7 @@ fn lenderd_token_sources() {
     assert!(!ok);
     assert!(err.contains("no cluster token"), "{err}");
     let empty = c.dir.path().join("empty");
-    std::fs::write(&empty, "  \n").unwrap();
+    ntb::config::write_token_file(&empty, "  \n").unwrap();
     let (ok, err) = lenderd_status(&c, &["--token-file", empty.to_str().unwrap()], None);
     assert!(!ok);
     assert!(err.contains("is empty"), "{err}");
@@ -340,7 +340,29 @@ fn lenderd_token_sources() {
 
     // An explicit token file wins over a stale $LENDVM_TOKEN.
     let tok = c.dir.path().join("tok");
+    // A token file others may read is refused, naming the file and its mode.
     std::fs::write(&tok, format!("{TOKEN}\n")).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tok, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_lenderd"))
+        .args(["--node", LENDER, "--cluster"])
+        .arg(&c.path)
+        .args(["--device", "0000:00:04.0=dmatest", "--token-file"])
+        .arg(&tok)
+        .env_remove("LENDVM_TOKEN")
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("token file {} has mode 0644", tok.display())),
+        "{err}"
+    );
+    std::fs::remove_file(&tok).unwrap();
+    ntb::config::write_token_file(&tok, &format!("{TOKEN}\n")).unwrap();
     let log = c.dir.path().join("lenderd-prec.log");
     let child = Command::new(env!("CARGO_BIN_EXE_lenderd"))
         .args(["--node", LENDER, "--cluster"])
@@ -361,7 +383,7 @@ fn lenderd_token_sources() {
 fn lenderd_reads_the_token_from_the_cluster_file() {
     let c = cluster(FabricKind::Shm);
     let tok = c.dir.path().join("tok");
-    std::fs::write(&tok, format!("{TOKEN}\n")).unwrap();
+    ntb::config::write_token_file(&tok, &format!("{TOKEN}\n")).unwrap();
     // Top-level keys must precede the tables: put token_file first.
     let original = std::fs::read_to_string(&c.path).unwrap();
     std::fs::write(&c.path, format!("token_file = \"tok\"\n{original}")).unwrap();

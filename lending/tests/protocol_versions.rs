@@ -108,10 +108,28 @@ fn call(ep: &dyn Endpoint, r: &Request, version: u32) -> Result<Message, ErrorRe
     }
 }
 
-fn hello(version: u32) -> Request {
+/// AUTH on `ep`, then a HELLO of `version` carrying the borrower's proof.
+fn hello(ep: &dyn Endpoint, version: u32) -> Request {
+    use lending::auth::{self, Role, Transcript};
+    let nb = auth::nonce().unwrap();
+    let op = opcode::AUTH;
+    let p = protocol::encode_reply(op, &protocol::AuthChallenge { nonce: nb.to_vec() }).unwrap();
+    let m = ep
+        .request(Message::raw(op, p), Duration::from_secs(5))
+        .unwrap();
+    let r: protocol::AuthResponse = protocol::decode_reply(op, &m.payload).unwrap();
+    let (b, l) = (ep.local_node().to_string(), ep.peer_node().to_string());
+    let t = Transcript {
+        borrower_nonce: &nb,
+        lender_nonce: &r.nonce,
+        borrower: &b,
+        lender: &l,
+        binding: &[],
+    };
+    assert!(t.verify(TOKEN, Role::Lender, &r.proof).unwrap());
     Request::Hello(Hello {
         version,
-        token: TOKEN.into(),
+        token: auth::encode_proof(&t.prove(TOKEN, Role::Borrower).unwrap()),
         client: "old".into(),
     })
 }
@@ -120,7 +138,7 @@ fn hello(version: u32) -> Request {
 fn version_1_borrower_is_served_in_version_1() {
     let (_dir, cfg, _l) = lender();
     let ep = connect(&cfg);
-    let m = call(&*ep, &hello(1), 1).unwrap();
+    let m = call(&*ep, &hello(&*ep, 1), 1).unwrap();
     let h: HelloReply = protocol::decode_reply(opcode::HELLO, &m.payload).unwrap();
     assert_eq!(h.version, 1);
     let borrow = Request::Borrow(Borrow {
@@ -167,7 +185,7 @@ fn version_2_borrower_gets_doorbell_ranges() {
 fn too_old_a_version_is_refused() {
     let (_dir, cfg, _l) = lender();
     let ep = connect(&cfg);
-    let e = call(&*ep, &hello(0), 1).unwrap_err();
+    let e = call(&*ep, &hello(&*ep, 0), 1).unwrap_err();
     assert_eq!(e.code, code::VERSION);
     let range = format!("1..={}", protocol::PROTOCOL_VERSION);
     assert!(e.message.contains(&range), "{}", e.message);
@@ -201,7 +219,7 @@ fn version_2_borrower_sees_nothing_of_version_3() {
 
     // The same requests sent raw in a version 2 session: unknown opcodes.
     let ep = connect(&cfg);
-    call(&*ep, &hello(2), 2).unwrap();
+    call(&*ep, &hello(&*ep, 2), 2).unwrap();
     for r in [
         Request::LeaseCounters(LeaseRef { lease: 1 }),
         Request::Quiesce(Quiesce {
@@ -262,7 +280,7 @@ fn version_2_and_3_replies_and_polled_bars() {
     };
     // Version 2: the polled BAR is described as doorbells, BAR_WRITE/RESET answer `()`.
     let ep = connect(&cfg);
-    let m = call(&*ep, &hello(2), 2).unwrap();
+    let m = call(&*ep, &hello(&*ep, 2), 2).unwrap();
     let h: HelloReply = protocol::decode_reply(opcode::HELLO, &m.payload).unwrap();
     assert_eq!(h.version, 2);
     let borrow = Request::Borrow(Borrow {

@@ -41,6 +41,11 @@ pub enum ConfigError {
     Cluster { origin: String, message: String },
     #[error("token file {path} is empty")]
     EmptyToken { path: String },
+    #[error(
+        "token file {path} has mode {mode:04o}: group or others may read it; \
+         run `chmod 600 {path}`"
+    )]
+    TokenFileMode { path: String, mode: u32 },
 }
 
 /// Where the cluster auth token comes from.
@@ -79,6 +84,51 @@ fn token_problem(t: &str) -> Option<String> {
     } else {
         None
     }
+}
+
+/// Reads a cluster token file: refuses one that group or others may read (its mode is
+/// checked on the opened file, so it cannot be swapped between the check and the read), and
+/// returns the trimmed, checked token.
+pub fn read_token_file(path: &Path) -> Result<String, ConfigError> {
+    use std::io::Read;
+    use std::os::unix::fs::PermissionsExt;
+    let shown = path.display().to_string();
+    let io = |source| ConfigError::Io {
+        path: format!("token file {shown}"),
+        source,
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mode = f.metadata().map_err(io)?.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(ConfigError::TokenFileMode { path: shown, mode });
+    }
+    let mut text = String::new();
+    f.read_to_string(&mut text).map_err(io)?;
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(ConfigError::EmptyToken { path: shown });
+    }
+    if let Some(m) = token_problem(t) {
+        return Err(ConfigError::Cluster {
+            origin: format!("token file {shown}"),
+            message: format!("the token {m}"),
+        });
+    }
+    Ok(t.to_string())
+}
+
+/// Writes `token` to a new file at `path` with mode 0600 from the start (for tools and
+/// tests that make token files).
+pub fn write_token_file(path: &Path, token: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(token.as_bytes())
 }
 
 /// Where a node listens for links.
@@ -546,33 +596,7 @@ impl ClusterConfig {
             Some(ClusterToken::Inline(t)) => return Ok(Some(t.clone())),
             Some(ClusterToken::File(p)) => p,
         };
-        let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: format!("token file {shown}"),
-            source,
-        })?;
-        let t = text.trim();
-        if t.is_empty() {
-            return Err(ConfigError::EmptyToken { path: shown });
-        }
-        if let Some(m) = token_problem(t) {
-            return Err(ConfigError::Cluster {
-                origin: format!("token file {shown}"),
-                message: format!("the token {m}"),
-            });
-        }
-        {
-            use std::os::unix::fs::PermissionsExt;
-            if let Ok(meta) = std::fs::metadata(path) {
-                if meta.permissions().mode() & 0o077 != 0 {
-                    log::warn!(
-                        "token file {shown} is readable by group or others (mode {:o})",
-                        meta.permissions().mode() & 0o777
-                    );
-                }
-            }
-        }
-        Ok(Some(t.to_string()))
+        read_token_file(path).map(Some)
     }
 
     /// The node called `name`.
@@ -691,14 +715,22 @@ doorbells = 32
         let e = c.auth_token().unwrap_err().to_string();
         assert!(e.contains(&tok.display().to_string()), "{e}");
         std::fs::create_dir(dir.path().join("etc/secrets")).unwrap();
-        std::fs::write(&tok, "  \n\t\n").unwrap();
+        write_token_file(&tok, "  \n\t\n").unwrap();
         let e = c.auth_token().unwrap_err().to_string();
         assert_eq!(e, format!("token file {} is empty", tok.display()));
-        std::fs::write(&tok, "abc\ndef\n").unwrap();
+        write_token_file(&tok, "abc\ndef\n").unwrap();
         let e = c.auth_token().unwrap_err().to_string();
         assert!(e.contains("control characters"), "{e}");
-        std::fs::write(&tok, "\n  t0ken-1  \n").unwrap();
+        write_token_file(&tok, "\n  t0ken-1  \n").unwrap();
         assert_eq!(c.auth_token().unwrap().as_deref(), Some("t0ken-1"));
+        // A token file group or others can read is refused, naming the file and its mode.
+        for mode in [0o640, 0o604, 0o644] {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&tok, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = c.auth_token().unwrap_err().to_string();
+            assert!(e.contains(&tok.display().to_string()), "{e}");
+            assert!(e.contains(&format!("mode {mode:04o}")), "{e}");
+        }
         // An absolute path stays as given.
         let c = ClusterConfig::parse_in(
             &with_top("token_file = \"/etc/lendvm/token\""),

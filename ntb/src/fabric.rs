@@ -365,6 +365,8 @@ pub enum FabricError {
     Remote(ErrorReply),
     #[error("handshake failed: {0}")]
     Handshake(String),
+    #[error(transparent)]
+    Listen(#[from] crate::sock::BindError),
     #[error("bad node name {0:?}")]
     BadNodeName(String),
     #[error("bad limits: {0}")]
@@ -471,6 +473,19 @@ pub trait Endpoint: Send + Sync {
     fn local_node(&self) -> &NodeId;
     fn peer_node(&self) -> &NodeId;
     fn kind(&self) -> FabricKind;
+    /// Where the peer is, for logs, errors and per-address limits: `ip:port` on tcp; on shm
+    /// `unix:uid=U,pid=P` of the connecting process (accepting side) or the socket path
+    /// (connecting side); empty when unknown.
+    fn peer_addr(&self) -> String {
+        String::new()
+    }
+    /// Bytes unique to this link's secure channel that both ends see alike (the TLS exporter
+    /// on tcp, [`crate::tls`]); empty when the link has none (shm, where the socket's
+    /// permissions protect the channel). Authentication above the fabric mixes it into its
+    /// proofs, so they do not verify through a relay.
+    fn channel_binding(&self) -> Vec<u8> {
+        Vec::new()
+    }
     /// Local inbound window limits.
     fn limits(&self) -> WindowLimits;
     /// The peer's inbound window limits (from the handshake).

@@ -8,13 +8,16 @@
 //! protocol of the lender and borrower ([`Endpoint::request`], [`Endpoint::recv`], with fds on
 //! shm) in the [`wire`] format. [`config`] loads the cluster description.
 
+mod accept;
 pub mod config;
 pub mod fabric;
 mod link;
 pub mod mem;
 pub mod node;
 pub mod shm;
+pub mod sock;
 pub mod tcp;
+pub mod tls;
 pub mod wire;
 
 pub use config::{ClusterConfig, ConfigError, ControlAddr, DirectoryConfig, NodeConfig};

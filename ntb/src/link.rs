@@ -1,6 +1,6 @@
 //! The link core shared by the shm and tcp backends: framing over a stream socket, the
-//! handshake, request/reply routing, heartbeats and peer-gone detection, window tables,
-//! doorbells and scratchpads.
+//! handshake ([`crate::accept`] runs it off the accepting thread), request/reply routing,
+//! heartbeats and peer-gone detection, window tables, doorbells and scratchpads.
 //!
 //! Each link runs two threads: a reader (never blocks on writes; it answers fabric-internal
 //! requests through the service thread) and a service thread (sends those replies and the
@@ -32,6 +32,40 @@ use crate::wire::{
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest window label.
 pub const MAX_LABEL: usize = 256;
+/// Most received messages (requests, events, window notices) waiting for the user.
+pub(crate) const MAX_INCOMING: usize = 4096;
+
+/// Lets a log line through at most once per `every`; counts the ones held back.
+#[derive(Debug)]
+pub(crate) struct RateLimit {
+    every: Duration,
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl RateLimit {
+    pub(crate) fn new(every: Duration) -> RateLimit {
+        RateLimit {
+            every,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(held back since the last line)` when a line may be logged now.
+    pub(crate) fn hit(&self) -> Option<u64> {
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        match st.0 {
+            Some(t) if now.duration_since(t) < self.every => {
+                st.1 += 1;
+                None
+            }
+            _ => {
+                st.0 = Some(now);
+                Some(std::mem::take(&mut st.1))
+            }
+        }
+    }
+}
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -41,38 +75,64 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub(crate) enum Stream {
     Unix(UnixStream),
-    Tcp(TcpStream),
+    /// A tcp link's plaintext, through the TLS pump ([`crate::tls`]).
+    Tls(UnixStream),
 }
 
 impl Stream {
     pub(crate) fn kind(&self) -> FabricKind {
         match self {
             Stream::Unix(_) => FabricKind::Shm,
-            Stream::Tcp(_) => FabricKind::Tcp,
+            Stream::Tls(_) => FabricKind::Tcp,
+        }
+    }
+
+    /// The peer's address (see [`crate::Endpoint::peer_addr`]).
+    fn peer_desc(&self) -> String {
+        match self {
+            Stream::Tls(_) => String::new(),
+            Stream::Unix(s) => {
+                let mut cred = libc::ucred {
+                    pid: 0,
+                    uid: 0,
+                    gid: 0,
+                };
+                let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+                // SAFETY: getsockopt writes at most `len` bytes into `cred`, a ucred we own.
+                let r = unsafe {
+                    libc::getsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_PEERCRED,
+                        (&mut cred as *mut libc::ucred).cast(),
+                        &mut len,
+                    )
+                };
+                if r == 0 {
+                    format!("unix:uid={},pid={}", cred.uid, cred.pid)
+                } else {
+                    "unix:unknown".into()
+                }
+            }
         }
     }
 
     fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Tls(s) => Stream::Tls(s.try_clone()?),
         })
     }
 
     fn shutdown(&self) {
         let _ = match self {
-            Stream::Unix(s) => s.shutdown(Shutdown::Both),
-            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
+            Stream::Unix(s) | Stream::Tls(s) => s.shutdown(Shutdown::Both),
         };
     }
 
     fn set_timeouts(&self, t: Duration) -> io::Result<()> {
         match self {
-            Stream::Unix(s) => {
-                s.set_read_timeout(Some(t))?;
-                s.set_write_timeout(Some(t))
-            }
-            Stream::Tcp(s) => {
+            Stream::Unix(s) | Stream::Tls(s) => {
                 s.set_read_timeout(Some(t))?;
                 s.set_write_timeout(Some(t))
             }
@@ -90,13 +150,13 @@ impl Stream {
                 }
                 (&*s).write_all(bytes.get(off..).unwrap_or_default())
             }
-            Stream::Tcp(s) => (&*s).write_all(bytes),
+            Stream::Tls(s) => (&*s).write_all(bytes),
         }
     }
 
     fn read_some(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
         match self {
-            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Tls(s) => (&*s).read(buf),
             Stream::Unix(s) => {
                 let mut raw = [-1 as RawFd; MAX_FDS];
                 let mut iov = [libc::iovec {
@@ -118,8 +178,28 @@ impl Stream {
         }
     }
 
-    fn read_exact(&self, mut buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<()> {
+    fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) | Stream::Tls(s) => s.set_read_timeout(Some(t)),
+        }
+    }
+
+    /// Reads all of `buf`; with a `deadline`, the whole read ends by then however slowly the
+    /// peer trickles bytes (each read's timeout is the time left).
+    fn read_exact(
+        &self,
+        mut buf: &mut [u8],
+        fds: &mut Vec<OwnedFd>,
+        deadline: Option<Instant>,
+    ) -> io::Result<()> {
         while !buf.is_empty() {
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::from(io::ErrorKind::TimedOut));
+                }
+                self.set_read_timeout(left)?;
+            }
             match self.read_some(buf, fds) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
                 Ok(n) => buf = &mut buf[n..],
@@ -151,6 +231,14 @@ impl std::fmt::Display for ReadError {
 }
 
 fn read_frame(s: &Stream) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
+    read_frame_until(s, None)
+}
+
+/// [`read_frame`] that fails once `deadline` passes (the handshake's bound).
+fn read_frame_until(
+    s: &Stream,
+    deadline: Option<Instant>,
+) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
     let conv = |e: io::Error| match e.kind() {
         io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => ReadError::Closed,
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ReadError::TimedOut,
@@ -158,10 +246,11 @@ fn read_frame(s: &Stream) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>)
     };
     let mut fds = Vec::new();
     let mut hb = [0u8; HEADER_LEN];
-    s.read_exact(&mut hb, &mut fds).map_err(conv)?;
+    s.read_exact(&mut hb, &mut fds, deadline).map_err(conv)?;
     let h = Header::decode(&hb).map_err(|e| ReadError::Protocol(e.to_string()))?;
     let mut payload = vec![0u8; h.len as usize];
-    s.read_exact(&mut payload, &mut fds).map_err(conv)?;
+    s.read_exact(&mut payload, &mut fds, deadline)
+        .map_err(conv)?;
     if fds.len() != h.fds as usize {
         return Err(ReadError::Protocol(format!(
             "frame announces {} fds but {} arrived",
@@ -225,6 +314,9 @@ pub(crate) struct Inner {
     kind: FabricKind,
     local: NodeId,
     peer: NodeId,
+    peer_addr: String,
+    /// The TLS channel binding (empty on shm).
+    binding: Vec<u8>,
     cfg: LinkConfig,
     peer_hello: msg::Hello,
     writer: Mutex<Stream>,
@@ -240,6 +332,8 @@ pub(crate) struct Inner {
     peer_spads: Option<Mapping>,
     stats: Counters,
     svc_tx: Mutex<Option<mpsc::Sender<Svc>>>,
+    /// Rate limit of the warnings about a misbehaving peer.
+    abuse_log: RateLimit,
 }
 
 fn spad_bytes(n: u32) -> u64 {
@@ -411,9 +505,27 @@ impl Inner {
         }
     }
 
-    fn push_incoming(&self, i: Incoming) {
-        lock(&self.state).incoming.push_back(i);
+    /// Queues a message for the user; refuses (false) when [`MAX_INCOMING`] wait already, so
+    /// a peer that sends faster than the user reads cannot grow memory or hold fds without
+    /// bound.
+    fn push_incoming(&self, i: Incoming) -> bool {
+        {
+            let mut st = lock(&self.state);
+            if st.incoming.len() >= MAX_INCOMING {
+                drop(st);
+                if let Some(n) = self.abuse_log.hit() {
+                    log::warn!(
+                        "peer {}: {MAX_INCOMING} messages already wait to be read, dropping more \
+                         ({n} more dropped or refused since the last report)",
+                        self.peer
+                    );
+                }
+                return false;
+            }
+            st.incoming.push_back(i);
+        }
         self.cond.notify_all();
+        true
     }
 
     fn serve_mapping(&self, id: WindowId) -> std::result::Result<Arc<Mapping>, ErrorReply> {
@@ -434,6 +546,19 @@ impl Inner {
         let r: msg::WindowRead =
             wire::decode_payload(p).map_err(|e| ErrorReply::new(code::INVALID, e.to_string()))?;
         let m = self.serve_mapping(r.id)?;
+        // Check before allocating: the peer chooses `len` (up to 4 GiB).
+        if r.len as usize > wire::MAX_DATA_CHUNK {
+            return Err(ErrorReply::new(
+                code::OUT_OF_RANGE,
+                format!(
+                    "read of {} bytes exceeds the largest transfer of {} bytes",
+                    r.len,
+                    wire::MAX_DATA_CHUNK
+                ),
+            ));
+        }
+        crate::mem::check_range(r.offset, u64::from(r.len), m.len() as u64)
+            .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
         let mut out = vec![0u8; r.len as usize];
         m.read_at(r.offset, &mut out)
             .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
@@ -447,6 +572,38 @@ impl Inner {
         m.write_at(w.offset, data)
             .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
         Ok(Vec::new())
+    }
+
+    /// Whether the peer may add window `a`: within the limits it announced at the handshake
+    /// (at most `max_windows` at once, aligned, not oversized), with exactly one fd on shm.
+    fn check_window_add(
+        &self,
+        a: &msg::WindowAdd,
+        has_fd: bool,
+    ) -> std::result::Result<(), String> {
+        if self.kind == FabricKind::Shm && !has_fd {
+            return Err("a shm window needs exactly one fd".into());
+        }
+        if a.label.len() > MAX_LABEL {
+            return Err(format!(
+                "label of {} bytes exceeds {MAX_LABEL}",
+                a.label.len()
+            ));
+        }
+        let limits = self.peer_hello.limits;
+        limits
+            .check_window(a.fd_offset, a.size)
+            .map_err(|e| e.to_string())?;
+        let st = lock(&self.state);
+        if !st.peer_windows.contains_key(&a.id)
+            && st.peer_windows.len() >= limits.max_windows as usize
+        {
+            return Err(format!(
+                "the peer already has {} windows, its announced maximum",
+                limits.max_windows
+            ));
+        }
+        Ok(())
     }
 
     fn spad_ptr(&self, index: u32) -> Result<*const AtomicU32> {
@@ -523,14 +680,25 @@ impl Inner {
                 payload,
                 fds,
             };
-            self.push_incoming(if h.id != 0 {
+            let id = h.id;
+            let queued = self.push_incoming(if id != 0 {
                 Incoming::Request {
-                    id: RequestId(h.id),
+                    id: RequestId(id),
                     msg: m,
                 }
             } else {
                 Incoming::Event(m)
             });
+            if !queued && id != 0 {
+                self.queue_reply(
+                    id,
+                    h.opcode,
+                    Err(ErrorReply::new(
+                        code::BUSY,
+                        format!("{MAX_INCOMING} requests already wait on this link"),
+                    )),
+                );
+            }
             return true;
         }
         match h.opcode {
@@ -540,10 +708,23 @@ impl Inner {
             }
             op::WINDOW_ADD => match wire::decode_payload::<msg::WindowAdd>(&payload) {
                 Ok(a) => {
+                    // Any fd beyond the window's one is closed here (dropped with `fds`).
                     let mut fds = fds;
-                    let fd = fds.pop().map(Arc::new);
-                    if self.kind == FabricKind::Shm && fd.is_none() {
-                        log::warn!("peer {} exported window {} without an fd", self.peer, a.id);
+                    let fd = if self.kind == FabricKind::Shm && fds.len() == 1 {
+                        fds.pop().map(Arc::new)
+                    } else {
+                        None
+                    };
+                    if let Err(why) = self.check_window_add(&a, fd.is_some()) {
+                        if let Some(n) = self.abuse_log.hit() {
+                            log::warn!(
+                                "peer {}: refusing window {} ({:?}): {why} ({n} more refused \
+                                 since the last report)",
+                                self.peer,
+                                a.id,
+                                a.label
+                            );
+                        }
                         return true;
                     }
                     let info = WindowInfo {
@@ -551,14 +732,18 @@ impl Inner {
                         size: a.size,
                         label: a.label,
                     };
-                    lock(&self.state).peer_windows.insert(
-                        a.id,
-                        PeerWin {
-                            info: info.clone(),
-                            fd,
-                            fd_offset: a.fd_offset,
-                        },
-                    );
+                    {
+                        let mut st = lock(&self.state);
+                        // The count was checked above; this thread is the only inserter.
+                        st.peer_windows.insert(
+                            a.id,
+                            PeerWin {
+                                info: info.clone(),
+                                fd,
+                                fd_offset: a.fd_offset,
+                            },
+                        );
+                    }
                     self.push_incoming(Incoming::WindowAdded(info));
                 }
                 Err(e) => log::warn!("bad window add from {}: {e}", self.peer),
@@ -688,7 +873,7 @@ fn service_loop(inner: Arc<Inner>, rx: mpsc::Receiver<Svc>) {
     }
 }
 
-fn new_eventfd() -> Result<EventFd> {
+pub(crate) fn new_eventfd() -> Result<EventFd> {
     EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(FabricError::io("eventfd"))
 }
 
@@ -764,12 +949,50 @@ pub(crate) fn check_sealed(
     Ok(())
 }
 
+/// What the caller knows about a connection beyond its stream.
+#[derive(Default)]
+pub(crate) struct LinkOpts {
+    /// Names the peer when the caller knows better than the socket (a Unix socket's peer
+    /// name is where it was bound, not the path it was connected by; a TLS link's plaintext
+    /// end has no peer).
+    pub(crate) peer_addr: Option<String>,
+    /// The TLS session's channel binding (tcp).
+    pub(crate) binding: Vec<u8>,
+    /// The TLS pump thread (tcp), joined with the link's threads.
+    pub(crate) pump: Option<JoinHandle<()>>,
+    /// When the handshake must be done (default: `connect_timeout` from now).
+    pub(crate) deadline: Option<Instant>,
+}
+
+impl LinkOpts {
+    /// A tcp connection: runs the TLS handshake by `deadline` and returns the plaintext
+    /// stream with its options.
+    pub(crate) fn tls(
+        tcp: TcpStream,
+        initiator: bool,
+        deadline: Instant,
+    ) -> Result<(Stream, LinkOpts)> {
+        let peer_addr = tcp.peer_addr().map(|a| a.to_string()).ok();
+        let t = crate::tls::wrap(tcp, initiator, deadline)?;
+        Ok((
+            Stream::Tls(t.plain),
+            LinkOpts {
+                peer_addr,
+                binding: t.binding,
+                pump: Some(t.pump),
+                deadline: Some(deadline),
+            },
+        ))
+    }
+}
+
 /// Runs the handshake on a connected stream and starts the link.
 pub(crate) fn establish(
     stream: Stream,
     local: &NodeId,
     cfg: &LinkConfig,
     initiator: bool,
+    opts: LinkOpts,
 ) -> Result<LinkEndpoint> {
     cfg.validate()?;
     let kind = stream.kind();
@@ -798,9 +1021,15 @@ pub(crate) fn establish(
     stream
         .set_timeouts(cfg.connect_timeout)
         .map_err(FabricError::io("set socket timeouts"))?;
+    // The whole handshake ends within connect_timeout, however slowly the peer sends.
+    let deadline = opts
+        .deadline
+        .unwrap_or_else(|| Instant::now() + cfg.connect_timeout);
     let hs_err = |m: String| FabricError::Handshake(m);
-    let read =
-        |what: &str| read_frame(&stream).map_err(|e| hs_err(format!("waiting for {what}: {e}")));
+    let read = |what: &str| {
+        read_frame_until(&stream, Some(deadline))
+            .map_err(|e| hs_err(format!("waiting for {what}: {e}")))
+    };
     let (peer_hello, peer_fds) = if initiator {
         send_raw(&stream, 0, op::HELLO, 1, &hello_bytes, &my_fds)?;
         let (h, p, fds) = read("the hello reply")?;
@@ -883,6 +1112,8 @@ pub(crate) fn establish(
         kind,
         local: local.clone(),
         peer: peer.clone(),
+        peer_addr: opts.peer_addr.unwrap_or_else(|| stream.peer_desc()),
+        binding: opts.binding,
         cfg: cfg.clone(),
         peer_hello,
         writer: Mutex::new(stream),
@@ -901,6 +1132,7 @@ pub(crate) fn establish(
         peer_spads,
         stats: Counters::default(),
         svc_tx: Mutex::new(Some(svc_tx)),
+        abuse_log: RateLimit::new(Duration::from_secs(1)),
     });
     let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
         std::thread::Builder::new()
@@ -919,9 +1151,11 @@ pub(crate) fn establish(
         Box::new(move || service_loop(i2, svc_rx)),
     )?;
     log::info!("ntb {kind} link {local} <-> {peer} up");
+    let mut threads = vec![t1, t2];
+    threads.extend(opts.pump);
     Ok(LinkEndpoint {
         inner,
-        threads: Mutex::new(vec![t1, t2]),
+        threads: Mutex::new(threads),
     })
 }
 
@@ -1115,7 +1349,7 @@ fn check_doorbell_bits(bits: u64, count: u32) -> Result<()> {
     Ok(())
 }
 
-fn poll_fds(fds: &[BorrowedFd<'_>], timeout: Duration) -> Result<bool> {
+pub(crate) fn poll_fds(fds: &[BorrowedFd<'_>], timeout: Duration) -> Result<bool> {
     let mut pfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|f| libc::pollfd {
@@ -1149,6 +1383,12 @@ impl Endpoint for LinkEndpoint {
     }
     fn kind(&self) -> FabricKind {
         self.inner.kind
+    }
+    fn peer_addr(&self) -> String {
+        self.inner.peer_addr.clone()
+    }
+    fn channel_binding(&self) -> Vec<u8> {
+        self.inner.binding.clone()
     }
     fn limits(&self) -> WindowLimits {
         self.inner.cfg.limits

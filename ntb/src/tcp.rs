@@ -4,21 +4,16 @@
 //! [`MAX_DATA_CHUNK`](crate::wire::MAX_DATA_CHUNK) bytes, a few kept in flight (a slow path,
 //! like vfio-user without fds); doorbells and scratchpad writes become one-way messages.
 //! Direct mappings and fd passing fail with a clear error so the VMM can fall back to trapping.
+//! Every link runs inside TLS 1.3 ([`crate::tls`]).
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::time::Duration;
 
+use crate::accept::{Accepted, Handshakes};
 use crate::config::ControlAddr;
 use crate::fabric::{Endpoint, FabricError, LinkConfig, Listener, NodeId, Result};
-use crate::link::{establish, Stream};
-use crate::shm::wait_readable;
-
-fn prepare(s: TcpStream) -> Result<Stream> {
-    s.set_nodelay(true)
-        .map_err(FabricError::io("set TCP_NODELAY"))?;
-    Ok(Stream::Tcp(s))
-}
+use crate::link::{establish, LinkOpts};
 
 /// Connects to a node listening at `addr`.
 pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn Endpoint>> {
@@ -28,14 +23,18 @@ pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box
             source,
         }
     })?;
-    Ok(Box::new(establish(prepare(s)?, local, cfg, true)?))
+    s.set_nodelay(true)
+        .map_err(FabricError::io("set TCP_NODELAY"))?;
+    // TLS first, then the fabric handshake, both within connect_timeout.
+    let deadline = std::time::Instant::now() + cfg.connect_timeout;
+    let (stream, opts) = LinkOpts::tls(s, true, deadline)?;
+    Ok(Box::new(establish(stream, local, cfg, true, opts)?))
 }
 
 /// Listens on a TCP address.
 pub struct TcpFabricListener {
     listener: TcpListener,
-    local: NodeId,
-    cfg: LinkConfig,
+    handshakes: Handshakes,
 }
 
 impl TcpFabricListener {
@@ -45,10 +44,12 @@ impl TcpFabricListener {
             op: "bind tcp control address",
             source,
         })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(FabricError::io("make the tcp listener non-blocking"))?;
         Ok(TcpFabricListener {
             listener,
-            local: local.clone(),
-            cfg: cfg.clone(),
+            handshakes: Handshakes::new(local, cfg)?,
         })
     }
 }
@@ -61,19 +62,19 @@ impl Listener for TcpFabricListener {
         }
     }
 
+    /// The handshakes run off this thread ([`Handshakes`]): the first link to finish one is
+    /// returned, so a silent peer delays nobody.
     fn accept(&self, timeout: Option<Duration>) -> Result<Box<dyn Endpoint>> {
-        if !wait_readable(self.listener.as_fd(), timeout)? {
-            return Err(FabricError::Timeout(timeout.unwrap_or_default()));
-        }
-        let (s, _) = self.listener.accept().map_err(|source| FabricError::Io {
-            op: "accept tcp link",
-            source,
-        })?;
-        Ok(Box::new(establish(
-            prepare(s)?,
-            &self.local,
-            &self.cfg,
-            false,
-        )?))
+        let ep = self.handshakes.accept(
+            self.listener.as_fd(),
+            || {
+                let (s, from) = self.listener.accept()?;
+                s.set_nonblocking(false)?;
+                s.set_nodelay(true)?;
+                Ok((Accepted::Tls(s), from.to_string()))
+            },
+            timeout,
+        )?;
+        Ok(Box::new(ep))
     }
 }

@@ -104,7 +104,7 @@ pub fn start_lenderd(c: &Cluster, tag: &str, devices: &[String], via: TokenVia) 
         TokenVia::Flag => cmd.token(TOKEN),
         TokenVia::File => {
             let f = c.dir.path().join("token");
-            std::fs::write(&f, format!("{TOKEN}\n")).unwrap();
+            ntb::config::write_token_file(&f, &format!("{TOKEN}\n")).unwrap();
             cmd.arg("--token-file").arg(f)
         }
         TokenVia::Env => cmd.env("LENDVM_TOKEN", TOKEN),

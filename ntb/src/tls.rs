@@ -1,0 +1,383 @@
+//! TLS 1.3 on tcp links (rustls, ring provider).
+//!
+//! Every tcp link runs inside TLS: control messages, BAR accesses and the window data that
+//! carries guest memory are encrypted and integrity-protected. Each process presents a
+//! self-signed certificate made at start-up, and neither side checks the other's
+//! certificate chain: who the peer is, is decided above, by the cluster token
+//! (`lending::auth`), whose proofs include this session's [channel binding](channel_binding)
+//! (the TLS exporter, RFC 8446 §7.5). A relay in the middle holds two TLS sessions with two
+//! different exporters, so proofs made through it do not verify: it cannot pass
+//! authentication, and after authentication it cannot read or change the traffic. The
+//! cluster token stays the only secret; there are no certificates to distribute or rotate.
+//! (rustls has no TLS 1.3 PSK mode to derive keys from the token directly.)
+//!
+//! The link code reads and writes plain frames from two threads at once, which one rustls
+//! connection cannot serve, so a pump thread per link moves bytes between the TCP socket
+//! (TLS records) and one end of a Unix socket pair (plaintext); the link uses the other end.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
+use rustls::{ClientConfig, ClientConnection, Connection, DigitallySignedStruct, ServerConfig};
+use rustls::{ServerConnection, SignatureScheme};
+
+use crate::fabric::{FabricError, Result};
+
+/// Length of the channel binding.
+pub const BINDING_LEN: usize = 32;
+/// The exporter label of the channel binding.
+const BINDING_LABEL: &[u8] = b"EXPORTER-lendvm-fabric-channel-binding";
+/// The name both sides use in SNI and the certificate (no meaning: chains are not checked).
+const NAME: &str = "lendvm-fabric";
+/// How long a closing link waits for the peer to close its side.
+const LINGER: Duration = Duration::from_secs(1);
+/// Plaintext the pump holds for the link before it stops reading the socket.
+const PUMP_CAP: usize = 4 << 20;
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn tls_err(what: &str, e: impl std::fmt::Display) -> FabricError {
+    FabricError::Handshake(format!("tls {what}: {e}"))
+}
+
+/// Accepts any certificate but checks that the peer holds its key (the handshake
+/// signature): identity is proven by the cluster token over the channel binding.
+#[derive(Debug)]
+struct BindingOnly(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for BindingOnly {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        // Only TLS 1.3 is offered.
+        Err(rustls::Error::PeerIncompatible(
+            rustls::PeerIncompatible::Tls12NotOffered,
+        ))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+fn client_config() -> Result<Arc<ClientConfig>> {
+    static CFG: OnceLock<std::result::Result<Arc<ClientConfig>, String>> = OnceLock::new();
+    CFG.get_or_init(|| {
+        let p = provider();
+        ClientConfig::builder_with_provider(p.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| e.to_string())
+            .map(|b| {
+                Arc::new(
+                    b.dangerous()
+                        .with_custom_certificate_verifier(Arc::new(BindingOnly(p)))
+                        .with_no_client_auth(),
+                )
+            })
+    })
+    .clone()
+    .map_err(|e| tls_err("client config", e))
+}
+
+fn server_config() -> Result<Arc<ServerConfig>> {
+    static CFG: OnceLock<std::result::Result<Arc<ServerConfig>, String>> = OnceLock::new();
+    CFG.get_or_init(|| {
+        let ck = rcgen::generate_simple_self_signed(vec![NAME.to_string()])
+            .map_err(|e| format!("self-signed certificate: {e}"))?;
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.key_pair.serialize_der()));
+        ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| e.to_string())?
+            .with_no_client_auth()
+            .with_single_cert(vec![ck.cert.der().clone()], key)
+            .map(Arc::new)
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+    .map_err(|e| tls_err("server config", e))
+}
+
+/// A tcp connection inside TLS: the plaintext end for the link, the session's channel
+/// binding, and the pump thread (ends when either side closes).
+pub(crate) struct TlsLink {
+    pub(crate) plain: UnixStream,
+    pub(crate) binding: Vec<u8>,
+    pub(crate) pump: JoinHandle<()>,
+}
+
+/// Runs the TLS handshake on `tcp` (as the client when `initiator`), done by `deadline`
+/// however slowly the peer sends, and starts the pump.
+pub(crate) fn wrap(tcp: TcpStream, initiator: bool, deadline: Instant) -> Result<TlsLink> {
+    let mut conn: Connection = if initiator {
+        let name = ServerName::try_from(NAME).map_err(|e| tls_err("server name", e))?;
+        ClientConnection::new(client_config()?, name)
+            .map_err(|e| tls_err("client", e))?
+            .into()
+    } else {
+        ServerConnection::new(server_config()?)
+            .map_err(|e| tls_err("server", e))?
+            .into()
+    };
+    let mut sock = &tcp;
+    while conn.is_handshaking() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(tls_err("handshake", "timed out"));
+        }
+        tcp.set_read_timeout(Some(left))
+            .and_then(|_| tcp.set_write_timeout(Some(left)))
+            .map_err(|e| tls_err("socket timeouts", e))?;
+        if conn.wants_write() {
+            conn.write_tls(&mut sock)
+                .map_err(|e| tls_err("handshake send", e))?;
+            continue;
+        }
+        let mut peek = [0u8; 4];
+        if !initiator {
+            // A peer from before TLS starts with a plain fabric frame: say so.
+            if let Ok(4) = tcp.peek(&mut peek) {
+                if peek == crate::wire::MAGIC {
+                    return Err(tls_err(
+                        "handshake",
+                        "the peer speaks the fabric without TLS (an older lendvm); refused",
+                    ));
+                }
+            }
+        }
+        match conn.read_tls(&mut sock) {
+            Ok(0) => return Err(tls_err("handshake", "peer closed the connection")),
+            Ok(_) => {
+                if let Err(e) = conn.process_new_packets() {
+                    // Tell the peer why (best effort).
+                    let _ = conn.write_tls(&mut sock);
+                    return Err(tls_err("handshake", e));
+                }
+            }
+            Err(e) => return Err(tls_err("handshake receive", e)),
+        }
+    }
+    while conn.wants_write() {
+        conn.write_tls(&mut sock)
+            .map_err(|e| tls_err("handshake send", e))?;
+    }
+    let binding = conn
+        .export_keying_material([0u8; BINDING_LEN], BINDING_LABEL, None)
+        .map_err(|e| tls_err("exporter", e))?
+        .to_vec();
+    conn.set_buffer_limit(None);
+    let (plain, inner) = UnixStream::pair().map_err(FabricError::io("socketpair"))?;
+    let peer = tcp.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let pump = std::thread::Builder::new()
+        .name("ntb-tls".into())
+        .spawn(move || {
+            if let Err(e) = pump(conn, tcp, inner) {
+                log::debug!("tls link with {peer} ended: {e}");
+            }
+        })
+        .map_err(FabricError::io("spawn tls thread"))?;
+    Ok(TlsLink {
+        plain,
+        binding,
+        pump,
+    })
+}
+
+fn poll2(
+    tcp: &TcpStream,
+    tcp_ev: i16,
+    local: &UnixStream,
+    local_ev: i16,
+) -> io::Result<(i16, i16)> {
+    let mut p = [
+        libc::pollfd {
+            fd: tcp.as_raw_fd(),
+            events: tcp_ev,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: local.as_raw_fd(),
+            events: local_ev,
+            revents: 0,
+        },
+    ];
+    // SAFETY: two valid pollfds; a timeout so a stuck state is re-examined.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), 2, 1000) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok((0, 0));
+        }
+        return Err(e);
+    }
+    Ok((p[0].revents, p[1].revents))
+}
+
+fn would_block(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+    )
+}
+
+/// Moves bytes both ways until either side closes; then closes the other.
+fn pump(mut conn: Connection, tcp: TcpStream, local: UnixStream) -> io::Result<()> {
+    tcp.set_nonblocking(true)?;
+    local.set_nonblocking(true)?;
+    let close = |tcp: &TcpStream, local: &UnixStream| {
+        let _ = tcp.shutdown(Shutdown::Both);
+        let _ = local.shutdown(Shutdown::Both);
+    };
+    let mut to_local: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    let mut peer_done = false;
+    let r = (|| -> io::Result<()> {
+        loop {
+            // Plaintext rustls decrypted, to the link.
+            while to_local.len() < PUMP_CAP {
+                match conn.reader().read(&mut buf) {
+                    Ok(0) => {
+                        peer_done = true;
+                        break;
+                    }
+                    Ok(n) => to_local.extend_from_slice(&buf[..n]),
+                    Err(e) if would_block(&e) => break,
+                    Err(_) => {
+                        peer_done = true;
+                        break;
+                    }
+                }
+            }
+            while !to_local.is_empty() {
+                match (&local).write(&to_local) {
+                    Ok(n) => {
+                        to_local.drain(..n);
+                    }
+                    Err(e) if would_block(&e) => break,
+                    Err(_) => {
+                        // The link stopped reading (it is closing): drop what it would have
+                        // read, but keep forwarding what it still writes (its GOODBYE).
+                        to_local.clear();
+                    }
+                }
+            }
+            while conn.wants_write() {
+                match conn.write_tls(&mut &tcp) {
+                    Ok(_) => {}
+                    Err(e) if would_block(&e) => break,
+                    Err(e) => return Err(e),
+                }
+            }
+            if peer_done && to_local.is_empty() {
+                return Ok(());
+            }
+            let mut tcp_ev = 0;
+            if !peer_done && to_local.len() < PUMP_CAP {
+                tcp_ev |= libc::POLLIN;
+            }
+            if conn.wants_write() {
+                tcp_ev |= libc::POLLOUT;
+            }
+            let mut local_ev = 0;
+            if !conn.wants_write() {
+                local_ev |= libc::POLLIN;
+            }
+            if !to_local.is_empty() {
+                local_ev |= libc::POLLOUT;
+            }
+            let (tr, lr) = poll2(&tcp, tcp_ev, &local, local_ev)?;
+            let bad = libc::POLLERR | libc::POLLHUP;
+            if tr & (libc::POLLIN | bad) != 0 && !peer_done {
+                match conn.read_tls(&mut &tcp) {
+                    Ok(0) => peer_done = true,
+                    Ok(_) => {
+                        conn.process_new_packets()
+                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                    }
+                    Err(e) if would_block(&e) => {}
+                    Err(_) => peer_done = true,
+                }
+            }
+            if lr & (libc::POLLIN | bad) != 0 && local_ev & libc::POLLIN != 0 {
+                match (&local).read(&mut buf) {
+                    Ok(0) => {
+                        // The link closed: say goodbye to the peer (best effort), then wait
+                        // briefly for it to close too. Closing a TCP socket with unread data
+                        // sends a reset, which can destroy our last records (the fabric's
+                        // GOODBYE) in the peer's receive queue before it reads them.
+                        conn.send_close_notify();
+                        tcp.set_nonblocking(false)?;
+                        tcp.set_write_timeout(Some(Duration::from_millis(200)))?;
+                        while conn.wants_write() {
+                            if conn.write_tls(&mut &tcp).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = tcp.shutdown(Shutdown::Write);
+                        let until = Instant::now() + LINGER;
+                        let mut sink = [0u8; 4096];
+                        while let Some(left) = until.checked_duration_since(Instant::now()) {
+                            let _ = tcp.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+                            match (&tcp).read(&mut sink) {
+                                Ok(0) | Err(_) => break,
+                                Ok(_) => {}
+                            }
+                        }
+                        return Ok(());
+                    }
+                    Ok(n) => conn.writer().write_all(&buf[..n])?,
+                    Err(e) if would_block(&e) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    })();
+    close(&tcp, &local);
+    r
+}
+
+/// Connects the plaintext side of a TLS link to `tcp` as a client, for tests and tools that
+/// speak the wire format by hand; returns the plaintext stream and the channel binding.
+pub fn client(tcp: TcpStream, timeout: Duration) -> Result<(UnixStream, Vec<u8>)> {
+    let l = wrap(tcp, true, Instant::now() + timeout)?;
+    // The pump runs detached; it ends when the returned stream is closed.
+    drop(l.pump);
+    Ok((l.plain, l.binding))
+}

@@ -1,0 +1,421 @@
+//! Pre-authentication denial of service against a listening node (issue 13, item 3), driven
+//! by a raw peer that speaks the wire format by hand:
+//! - a silent peer does not delay another peer's handshake, and a peer that trickles its
+//!   hello is cut off at `connect_timeout`;
+//! - WINDOW_ADDs beyond the peer's announced window count are refused, and their fds closed;
+//! - a WINDOW_READ of up to 4 GiB is refused before anything of that size is allocated.
+//!
+//! The tests count fds (`/proc/self/fd`) and the largest allocation of this process, so they
+//! run one at a time ([`SERIAL`]).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ntb::wire::{self, msg, op, ErrorReply, Header, FLAG_ERROR, FLAG_REPLY, HEADER_LEN};
+use ntb::{
+    connect_addr, listen_addr, ControlAddr, FabricKind, LinkConfig, Listener, NodeId, SharedMemory,
+    WindowLimits,
+};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+/// Records the largest single allocation of the process.
+struct Counting;
+
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call unchanged to the system allocator; only records sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LARGEST.fetch_max(l.size(), Ordering::Relaxed);
+        // SAFETY: same layout contract as our caller's.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        LARGEST.fetch_max(l.size(), Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: `p` came from System with layout `l`.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LARGEST.fetch_max(new, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+const T: Duration = Duration::from_secs(10);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The listening side's settings: a long peer timeout so a raw peer need not heartbeat.
+fn victim_cfg(connect_timeout: Duration) -> LinkConfig {
+    LinkConfig {
+        peer_timeout: Duration::from_secs(30),
+        connect_timeout,
+        ..LinkConfig::default()
+    }
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+enum RawStream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+/// A peer that speaks the wire format by hand.
+struct Raw {
+    s: RawStream,
+    /// Kept open for the life of the link (its doorbells and scratchpad on shm).
+    _keep: Vec<Box<dyn Send>>,
+}
+
+impl Raw {
+    fn stream(&mut self) -> &mut dyn ReadWrite {
+        match &mut self.s {
+            RawStream::Unix(s) => s,
+            RawStream::Tcp(s) => s,
+        }
+    }
+
+    fn send(&mut self, flags: u8, opcode: u16, id: u64, payload: &[u8], fds: &[RawFd]) {
+        let bytes = wire::encode_frame(flags, opcode, id, payload, fds.len()).unwrap();
+        match &mut self.s {
+            RawStream::Unix(s) if !fds.is_empty() => {
+                let n = s.send_with_fds(&[&bytes[..]], fds).unwrap();
+                s.write_all(&bytes[n..]).unwrap();
+            }
+            RawStream::Unix(s) => s.write_all(&bytes).unwrap(),
+            RawStream::Tcp(s) => s.write_all(&bytes).unwrap(),
+        }
+    }
+
+    /// Reads frames (fds attached to them are discarded by the kernel) until `want` says yes.
+    fn read_until(&mut self, want: impl Fn(&Header) -> bool) -> (Header, Vec<u8>) {
+        let t0 = Instant::now();
+        loop {
+            assert!(t0.elapsed() < T, "no wanted frame within {T:?}");
+            let s = self.stream();
+            let mut hb = [0u8; HEADER_LEN];
+            s.read_exact(&mut hb).unwrap();
+            let h = Header::decode(&hb).unwrap();
+            let mut p = vec![0u8; h.len as usize];
+            s.read_exact(&mut p).unwrap();
+            if want(&h) {
+                return (h, p);
+            }
+        }
+    }
+
+    /// Connects to `addr` as node `name` and completes the handshake.
+    fn connect(addr: &ControlAddr, name: &str) -> Raw {
+        let (s, kind) = match addr {
+            ControlAddr::Unix(p) => (
+                RawStream::Unix(UnixStream::connect(p).unwrap()),
+                FabricKind::Shm,
+            ),
+            ControlAddr::Tcp(a) => {
+                // tcp links run inside TLS: speak the frames through its plaintext end.
+                let (plain, binding) = ntb::tls::client(TcpStream::connect(a).unwrap(), T).unwrap();
+                assert_eq!(binding.len(), ntb::tls::BINDING_LEN);
+                (RawStream::Unix(plain), FabricKind::Tcp)
+            }
+        };
+        let mut raw = Raw {
+            s,
+            _keep: Vec::new(),
+        };
+        match &raw.s {
+            RawStream::Unix(s) => s.set_read_timeout(Some(T)).unwrap(),
+            RawStream::Tcp(s) => s.set_read_timeout(Some(T)).unwrap(),
+        }
+        let hello = msg::Hello {
+            version: wire::VERSION,
+            node: name.into(),
+            kind,
+            limits: WindowLimits::default(),
+            doorbells: 4,
+            scratchpads: 16,
+            heartbeat_ms: 250,
+        };
+        let p = wire::encode_payload(&hello).unwrap();
+        let mut fds = Vec::new();
+        if kind == FabricKind::Shm {
+            for _ in 0..4 {
+                let e = EventFd::new(libc::EFD_CLOEXEC).unwrap();
+                fds.push(e.as_raw_fd());
+                raw._keep.push(Box::new(e));
+            }
+            let spad = SharedMemory::new("raw-spad", 4096).unwrap();
+            fds.push(spad.fd().as_raw_fd());
+            raw._keep.push(Box::new(spad));
+        }
+        raw.send(0, op::HELLO, 1, &p, &fds);
+        let (h, _) = raw.read_until(|h| h.opcode == op::HELLO);
+        assert!(h.is_reply() && !h.is_error(), "hello refused");
+        raw
+    }
+}
+
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}
+
+fn tcp_listener(name: &str, cfg: &LinkConfig) -> (Box<dyn Listener>, ControlAddr) {
+    let l = listen_addr(
+        &ControlAddr::Tcp("127.0.0.1:0".parse().unwrap()),
+        &NodeId::new(name).unwrap(),
+        cfg,
+    )
+    .unwrap();
+    let addr = l.local_addr();
+    (l, addr)
+}
+
+fn shm_listener(
+    dir: &tempfile::TempDir,
+    name: &str,
+    cfg: &LinkConfig,
+) -> (Box<dyn Listener>, ControlAddr) {
+    let addr = ControlAddr::Unix(dir.path().join(format!("{name}.sock")));
+    let l = listen_addr(&addr, &NodeId::new(name).unwrap(), cfg).unwrap();
+    (l, addr)
+}
+
+/// Whether the raw socket is still open (nothing to read yet, no EOF).
+fn still_open(s: &RawStream) -> bool {
+    let mut b = [0u8; 1];
+    let r = match s {
+        RawStream::Unix(s) => {
+            s.set_nonblocking(true).unwrap();
+            (&*s).read(&mut b)
+        }
+        RawStream::Tcp(s) => {
+            s.set_nonblocking(true).unwrap();
+            (&*s).read(&mut b)
+        }
+    };
+    matches!(r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
+
+fn silent_peer_does_not_delay(kind: FabricKind) {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    // A long handshake bound: on a listener that shakes hands on its accept thread the
+    // second peer would wait for all of it.
+    let cfg = victim_cfg(Duration::from_secs(60));
+    let (l, addr) = match kind {
+        FabricKind::Shm => shm_listener(&dir, "lender", &cfg),
+        FabricKind::Tcp => tcp_listener("lender", &cfg),
+    };
+    let silent = match &addr {
+        ControlAddr::Unix(p) => RawStream::Unix(UnixStream::connect(p).unwrap()),
+        ControlAddr::Tcp(a) => RawStream::Tcp(TcpStream::connect(a).unwrap()),
+    };
+    let a2 = addr.clone();
+    let good = std::thread::spawn(move || {
+        let c = LinkConfig {
+            connect_timeout: Duration::from_secs(60),
+            ..LinkConfig::default()
+        };
+        connect_addr(&a2, &NodeId::new("borrower2").unwrap(), &c)
+    });
+    let ep = l.accept(Some(T)).expect("the second borrower's link");
+    assert_eq!(ep.peer_node().as_str(), "borrower2");
+    // The silent peer's handshake is still pending, not failed and not finished.
+    assert!(still_open(&silent), "silent peer still waiting");
+    let b = good.join().unwrap().unwrap();
+    assert!(b.is_up() && ep.is_up());
+}
+
+#[test]
+fn silent_peer_does_not_delay_another_hello_shm() {
+    silent_peer_does_not_delay(FabricKind::Shm);
+}
+
+#[test]
+fn silent_peer_does_not_delay_another_hello_tcp() {
+    silent_peer_does_not_delay(FabricKind::Tcp);
+}
+
+/// A peer that sends its first bytes at 10 bytes/s: each read sees data well within any
+/// per-read timeout, but the whole handshake would take several times `connect_timeout`.
+fn trickled_handshake_is_cut_off(kind: FabricKind) {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = victim_cfg(Duration::from_millis(500));
+    let (l, addr) = match kind {
+        FabricKind::Shm => shm_listener(&dir, "lender", &cfg),
+        FabricKind::Tcp => tcp_listener("lender", &cfg),
+    };
+    let acceptor = std::thread::spawn(move || l.accept(Some(Duration::from_secs(8))).err());
+    let bytes: Vec<u8> = match kind {
+        // The fabric hello.
+        FabricKind::Shm => {
+            let hello = msg::Hello {
+                version: wire::VERSION,
+                node: "slowloris".into(),
+                kind,
+                limits: WindowLimits::default(),
+                doorbells: 4,
+                scratchpads: 16,
+                heartbeat_ms: 250,
+            };
+            wire::encode_frame(0, op::HELLO, 1, &wire::encode_payload(&hello).unwrap(), 0).unwrap()
+        }
+        // A TLS handshake record of 512 bytes, most of which never comes in time.
+        FabricKind::Tcp => {
+            let mut b = vec![0x16, 0x03, 0x01, 0x02, 0x00];
+            b.resize(60, 0);
+            b
+        }
+    };
+    let mut s: Box<dyn Write> = match &addr {
+        ControlAddr::Unix(p) => Box::new(UnixStream::connect(p).unwrap()),
+        ControlAddr::Tcp(a) => Box::new(TcpStream::connect(a).unwrap()),
+    };
+    let mut cut_after = None;
+    for (i, b) in bytes.iter().enumerate() {
+        if s.write_all(&[*b]).is_err() {
+            cut_after = Some(i);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        cut_after.is_some(),
+        "{} bytes trickled at 10 bytes/s were never cut off",
+        bytes.len()
+    );
+    let e = acceptor.join().unwrap();
+    assert!(e.is_some(), "accept handed out the slow peer's link");
+}
+
+#[test]
+fn trickled_hello_is_cut_off_at_connect_timeout_shm() {
+    trickled_handshake_is_cut_off(FabricKind::Shm);
+}
+
+#[test]
+fn trickled_tls_handshake_is_cut_off_at_connect_timeout_tcp() {
+    trickled_handshake_is_cut_off(FabricKind::Tcp);
+}
+
+#[test]
+fn window_add_flood_is_capped_without_fd_leaks() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (l, addr) = shm_listener(&dir, "lender", &victim_cfg(Duration::from_secs(5)));
+    let a2 = addr.clone();
+    let raw = std::thread::spawn(move || Raw::connect(&a2, "flooder"));
+    let ep = l.accept(Some(T)).unwrap();
+    let mut raw = raw.join().unwrap();
+    let mem = SharedMemory::new("flood", 4096).unwrap();
+    let spare: Vec<EventFd> = (0..8)
+        .map(|_| EventFd::new(libc::EFD_CLOEXEC).unwrap())
+        .collect();
+    let before = open_fds();
+    let max = WindowLimits::default().max_windows as usize;
+    const FLOOD: u32 = 400;
+    for id in 1..=FLOOD {
+        let p = wire::encode_payload(&msg::WindowAdd {
+            id,
+            size: 4096,
+            fd_offset: 0,
+            label: format!("w{id}"),
+        })
+        .unwrap();
+        // Every tenth frame also carries fds a window does not need.
+        let mut fds = vec![mem.fd().as_raw_fd()];
+        if id % 10 == 0 {
+            fds.extend(spare.iter().map(|e| e.as_raw_fd()));
+        }
+        raw.send(0, op::WINDOW_ADD, 0, &p, &fds);
+    }
+    // A request after the flood: its reply means every WINDOW_ADD was handled.
+    let p = wire::encode_payload(&msg::SpadRead { index: 0 }).unwrap();
+    raw.send(0, op::SPAD_READ, 77, &p, &[]);
+    raw.read_until(|h| h.id == 77 && h.is_reply());
+    assert_eq!(
+        ep.peer_windows().len(),
+        max,
+        "windows beyond the announced maximum"
+    );
+    let after = open_fds();
+    assert!(
+        after <= before + max + 4,
+        "{FLOOD} WINDOW_ADDs left {} more fds open (windows kept: {max})",
+        after.saturating_sub(before)
+    );
+    // The link still works, and closing it gives every window fd back.
+    assert!(ep.is_up());
+    drop(ep);
+    drop(raw);
+    let t0 = Instant::now();
+    while open_fds() > before && t0.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(open_fds() <= before, "fds left after the link closed");
+}
+
+#[test]
+fn huge_window_read_is_refused_before_allocating() {
+    let _g = serial();
+    let (l, addr) = tcp_listener("lender", &victim_cfg(Duration::from_secs(5)));
+    let a2 = addr.clone();
+    let raw = std::thread::spawn(move || Raw::connect(&a2, "reader"));
+    let ep = l.accept(Some(T)).unwrap();
+    let mut raw = raw.join().unwrap();
+    let mem = SharedMemory::new("win", 4096).unwrap();
+    let w = ep.export_window(mem.fd(), 0, 4096, "ram").unwrap();
+    let id = w.info().id;
+    raw.read_until(|h| h.opcode == op::WINDOW_ADD);
+    let read = |raw: &mut Raw, rid: u64, offset: u64, len: u32| {
+        let p = wire::encode_payload(&msg::WindowRead { id, offset, len }).unwrap();
+        raw.send(0, op::WINDOW_READ, rid, &p, &[]);
+        raw.read_until(|h| h.id == rid && h.flags & FLAG_REPLY != 0)
+    };
+    LARGEST.store(0, Ordering::Relaxed);
+    for (rid, offset, len) in [
+        (10, 0, u32::MAX),
+        (11, 0, 4097),
+        (12, 1 << 40, 4096),
+        (13, 4095, 2),
+    ] {
+        let (h, p) = read(&mut raw, rid, offset, len);
+        assert!(
+            h.flags & FLAG_ERROR != 0,
+            "read {offset:#x}+{len:#x} answered"
+        );
+        let e: ErrorReply = wire::decode_payload(&p).unwrap();
+        assert_eq!(e.code, wire::code::OUT_OF_RANGE, "{e}");
+    }
+    let largest = LARGEST.load(Ordering::Relaxed);
+    assert!(
+        largest < 8 << 20,
+        "refusing reads allocated {largest} bytes at once"
+    );
+    // A read inside the window is served.
+    let (h, p) = read(&mut raw, 14, 4000, 96);
+    assert!(h.flags & FLAG_ERROR == 0);
+    assert_eq!(p.len(), 96);
+}
