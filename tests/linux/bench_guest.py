@@ -412,12 +412,15 @@ def fmt(v, spec):
 
 
 def markdown(results, meta):
-    out = [f"Run {meta['date']} (`scripts/bench-guest.sh`), {meta['host']}; kernel "
+    out = [f"Run {meta['date']} (`scripts/bench-guest.sh`, lendvm from `{meta['bin_dir']}`), {meta['host']}; kernel "
            f"`{meta['kernel']}`, initramfs `{meta['initramfs']}`; fio pause "
            f"{meta['pause_s']} s around each job.", ""]
     for c in results:
         if "error" in c:
             out.append(f"* **{c['name']}** ({c['description']}): **failed**: {c['error']}")
+        elif c.get("counters_missing"):
+            out.append(f"* {c['name']}: exits n/a, the VMM has no counters endpoint "
+                       f"({c['counters_missing'].splitlines()[0]})")
     out.append("")
     out.append("| configuration | job | IOPS | MiB/s | clat p50 µs | clat p99 µs | exits/IO | "
                "user-space exits/IO | exits/IO net of idle | user-space net | IOPS ÷ QEMU |")
@@ -549,6 +552,7 @@ def main():
             "host": f"{os.cpu_count()} CPUs, {uname.sysname} {uname.release}",
             "kernel": os.path.basename(os.path.dirname(args.vmlinux)),
             "initramfs": os.path.basename(args.initramfs), "pause_s": args.pause,
+            "bin_dir": args.bin_dir,
             "jobs": [{"job": j, "direction": d, "bs": b} for j, d, b in JOBS]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
