@@ -5,12 +5,15 @@
 #
 # 1. builds (or takes from the cache) the guest kernel: scripts/build-guest-kernel.sh,
 #    ~6-7 min the first time, instant when cached;
-# 2. builds (or takes from the cache) the busybox initramfs: tests/linux/make-initramfs.sh
-#    (installs busybox-static when missing; cached by content like the kernel);
+# 2. builds (or takes from the cache) the initramfs: tests/linux/make-initramfs.sh (busybox
+#    from busybox-static and a static fio from Debian's fio source, tests/linux/build-fio.sh,
+#    ~2 min the first time; cached by content like the kernel);
 # 3. builds lendvm and lenderd (the tests spawn them from the same target dir);
-# 4. runs the three #[ignore]d tests of `--test linux`, two boots at a time (one per core):
+# 4. runs the four #[ignore]d tests of `--test linux`, two boots at a time (one per core):
 #    a boot with a lent NVMe disk, a boot without it plus an ACPI hot-add (both checked by
-#    the in-kernel self-test), and a boot with the lent disk checked from busybox user space.
+#    the in-kernel self-test), a boot with the lent disk checked from busybox user space, and
+#    a boot that runs fio's crc32c verify job on the lent disk (fio's JSON checked: no errors,
+#    the expected number of writes and verify reads, the blocks in the lender's file).
 #
 # The user-space test always runs: on this PVM host user space needs the kernel's
 # `lendvm_syscall_fixup` (docs/linux-guest-on-pvm.md), which the test passes and which does

@@ -4,6 +4,8 @@
 #   /init            busybox script (tests/linux/initramfs/init): user-space
 #                    NVMe write/read-back check, prints LENDVM-USERSPACE ...
 #   /bin/busybox     from Debian's busybox-static
+#   /bin/fio         static fio built from Debian's fio source (build-fio.sh)
+#   /fio/<job>.fio   fio jobs for /init's fio runner (tests/linux/initramfs/fio)
 #   /probe-<name>    libc-free probes of CPL 3 -> CPL 0 transitions
 #                    (tests/linux/initramfs/probes.S; select with rdinit=)
 #   /dev/console     so init has a console before devtmpfs is mounted
@@ -14,7 +16,8 @@
 #
 # Without OUTPUT the archive is cached like the guest kernel:
 # $CACHE/linux/initramfs-<key>.cpio with key = sha256 of (busybox-static and
-# gcc package versions, this script, lib.sh, tests/linux/initramfs/*); a rerun
+# gcc package versions, this script, lib.sh, build-fio.sh, the fio binary,
+# tests/linux/initramfs/**); a rerun
 # with the same key prints the path at once. $CACHE/linux/initramfs.cpio is a
 # symlink to the newest one.
 set -euo pipefail
@@ -26,14 +29,19 @@ BUSYBOX=/bin/busybox
 [ -x "$BUSYBOX" ] || die "$BUSYBOX missing after installing busybox-static"
 file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
 file_is_static "$BUSYBOX" || die "$BUSYBOX is not static (is busybox-static installed?)"
+FIO=$("$LINUX_TESTS_DIR/build-fio.sh" | tail -n 1)
+[ -x "$FIO" ] || die "tests/linux/build-fio.sh printed no fio binary"
+file_is_static "$FIO" || die "$FIO is not static"
 
 if [ $# -ge 1 ]; then
 	OUT=$1 KEY=""
 else
 	KEY=$( {
 		dpkg-query -W -f='busybox-static ${Version}\ngcc ${Version}\n' busybox-static gcc
-		for f in "${BASH_SOURCE[0]}" "$LINUX_TESTS_DIR/lib.sh" "$LINUX_TESTS_DIR"/initramfs/*; do
-			echo "file $(basename "$f")"
+		echo "fio $(sha256sum <"$FIO")"
+		for f in "${BASH_SOURCE[0]}" "$LINUX_TESTS_DIR/lib.sh" "$LINUX_TESTS_DIR/build-fio.sh" \
+			$(find "$LINUX_TESTS_DIR/initramfs" -type f | LC_ALL=C sort); do
+			echo "file ${f#"$LINUX_TESTS_DIR"/}"
 			cat "$f"
 		done
 	} | sha256sum | cut -c1-16)
@@ -47,8 +55,10 @@ fi
 
 STAGE=$(mktemp -d "${TMPDIR:-/tmp}/lendvm-initramfs.XXXXXX")
 trap 'rm -rf "$STAGE"' EXIT
-mkdir -p "$STAGE"/{bin,dev,proc,sys,tmp}
+mkdir -p "$STAGE"/{bin,dev,proc,sys,tmp,fio}
 cp "$BUSYBOX" "$STAGE/bin/busybox"
+cp "$FIO" "$STAGE/bin/fio"
+cp "$LINUX_TESTS_DIR"/initramfs/fio/*.fio "$STAGE/fio/"
 install -m 0755 "$LINUX_TESTS_DIR/initramfs/init" "$STAGE/init"
 for p in syscall int80 ud2 spin; do
 	def=PROBE_$(tr a-z A-Z <<<"$p")

@@ -30,6 +30,13 @@
 //!   `LENDVM-USERSPACE nvme0n1 ok sectors=<n> lba=<lba> size=<bytes> parts=<n>` and runs
 //!   `poweroff -f`, which the kernel turns into exit code 0 on the exit port. The test checks
 //!   the line and the sectors in the lender's backing file.
+//! * `linux_fio_verify_on_a_lent_disk`: the same initramfs with `lendvm_fio=verify@nvme0n1`:
+//!   its runner runs fio (a static build from Debian's source, `tests/linux/build-fio.sh`)
+//!   with `tests/linux/initramfs/fio/verify.fio` — 128 random 4 KiB writes at QD4 through
+//!   libaio + O_DIRECT, each block read back and checked with crc32c — and prints fio's JSON
+//!   between markers. The test parses it (`lendvm_tests::fio`): exit code 0, no error, 128
+//!   writes and 128 verify reads of 512 KiB each way, and every block in the lender's backing
+//!   file carries fio's verify header with its own offset.
 //!
 //! All tests print their boot times (wall clock and the guest's printk clock); nothing
 //! asserts on timing. Every wait is bounded ([`BOOT_TIMEOUT`] per boot) and every child
@@ -809,4 +816,113 @@ fn linux_busybox_user_space_on_a_lent_disk() {
         }
     );
     report(&guest, "user space", ok_wall, exit_wall, t("uptime"));
+}
+
+/// fio's verify job (`tests/linux/initramfs/fio/verify.fio`): 4 KiB random writes at QD4 from
+/// 8 MiB on, 512 KiB in all, each block read back and checked with crc32c.
+const FIO_VERIFY_OFFSET: u64 = 8 << 20;
+/// Bound on the verify job after the boot: 20–80 ms of emulated kernel time per I/O here.
+const FIO_VERIFY_TIME: Duration = Duration::from_secs(4 * 60);
+const FIO_VERIFY_BYTES: u64 = 512 << 10;
+const FIO_VERIFY_BS: u64 = 4096;
+/// fio's verify header magic (`FIO_HDR_MAGIC`), the first two bytes of every written block.
+const FIO_HDR_MAGIC: u16 = 0xacca;
+
+#[test]
+#[ignore = "needs the guest kernel and initramfs: scripts/test-linux.sh"]
+fn linux_fio_verify_on_a_lent_disk() {
+    use lendvm_tests::fio::{parse_runs, Dir};
+    kernel();
+    let initrd = initramfs();
+    let parts = [Part {
+        start: 2048,
+        sectors: (DISK_SIZE / SECTOR) as u32 - 2048,
+    }];
+    let lender = Lender::start(&parts);
+    // The initramfs' fio runner instead of the dd check: one run of the verify job on the lent
+    // disk, its JSON printed between markers, then `poweroff -f` → exit 0 on the exit port.
+    let cmd = cmdline(
+        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_fio=verify@nvme0n1",
+    );
+    let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
+    let mut guest = Guest::start(
+        "linux_fio_verify_on_a_lent_disk",
+        &lender,
+        &cmd,
+        &[
+            "--name",
+            "linux-fio",
+            "--remote-device",
+            &dev,
+            "--initramfs",
+            initrd.to_str().unwrap(),
+        ],
+    );
+    // A boot plus fio: its start-up, 256 I/Os and the JSON on the serial console.
+    let deadline = guest.out.started() + BOOT_TIMEOUT + FIO_VERIFY_TIME;
+    guest.expect_line(&lender, "Linux version ", deadline);
+    lender.expect_lent_to("linux-fio");
+    let (run_wall, _) = guest.expect_line(&lender, "LENDVM-FIO run i=1 ", deadline);
+    let (ran_wall, _) = guest.expect_line(&lender, "LENDVM-FIO ran i=1 ", deadline);
+    let (_, done) = guest.expect_line(&lender, "LENDVM-FIO done ", deadline);
+    let exit_wall = guest.expect_exit_0(&lender, deadline);
+    let diag = || guest.diag(&lender);
+    assert_eq!(
+        (field(&done, "runs"), field(&done, "failed")),
+        (Some("1"), Some("0")),
+        "{done}\n{}",
+        diag()
+    );
+    check_nvme_probe_and_parts(&guest, &lender, &parts);
+    let runs = parse_runs(&guest.out.lines()).unwrap_or_else(|e| panic!("{e}\n{}", diag()));
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let run = &runs[0];
+    assert_eq!((run.job.as_str(), run.disk.as_str()), ("verify", "nvme0n1"));
+    assert_eq!(run.rc, "0", "fio's exit code\n{}", diag());
+    assert_eq!(
+        run.error().unwrap(),
+        0,
+        "fio reported an error: {:#}",
+        run.json
+    );
+    let ios = FIO_VERIFY_BYTES / FIO_VERIFY_BS;
+    let w = run.dir(Dir::Write).unwrap();
+    let r = run.dir(Dir::Read).unwrap();
+    // Every block written once, and read back once by the verify pass.
+    assert_eq!(
+        (w.total_ios, w.io_bytes),
+        (ios, FIO_VERIFY_BYTES),
+        "writes: {w:?}"
+    );
+    assert_eq!(
+        (r.total_ios, r.io_bytes),
+        (ios, FIO_VERIFY_BYTES),
+        "verify reads: {r:?}"
+    );
+    // fio's blocks went through the fabric into the lender's file: each starts with fio's
+    // verify header, which holds the block's own offset.
+    let data = std::fs::read(&lender.disk).unwrap();
+    for b in 0..ios {
+        let off = FIO_VERIFY_OFFSET + b * FIO_VERIFY_BS;
+        let h = &data[off as usize..off as usize + 24];
+        let magic = u16::from_le_bytes([h[0], h[1]]);
+        let len = u32::from_le_bytes(h[4..8].try_into().unwrap());
+        let at = u64::from_le_bytes(h[16..24].try_into().unwrap());
+        assert_eq!(
+            (magic, u64::from(len), at),
+            (FIO_HDR_MAGIC, FIO_VERIFY_BS, off),
+            "lender's backing file block at {off:#x} has no fio verify header for itself"
+        );
+    }
+    assert_mbr_intact(&lender.disk, &parts);
+    lender.expect_available();
+    println!(
+        "linux_fio_verify_on_a_lent_disk: fio started after {:.1} s wall, ran {:.1} s \
+         ({:.0} write IOPS, {:.0} verify-read IOPS in the guest), lendvm exit 0 after {:.1} s",
+        run_wall.as_secs_f64(),
+        (ran_wall.saturating_sub(run_wall)).as_secs_f64(),
+        w.iops,
+        r.iops,
+        exit_wall.as_secs_f64()
+    );
 }
