@@ -26,50 +26,11 @@ use std::time::{Duration, Instant};
 
 use api::client::ApiClient;
 use api::events::VmEvent;
-use api::types::{RemoteDeviceSpec, VmAddRemoteDeviceData, VmRemoveDeviceData, VmState};
+use api::types::VmState;
 use common::*;
 
 const T: Duration = BOOT_TIMEOUT;
 const SLBA: u64 = 16;
-
-fn spec(bdf: &str) -> RemoteDeviceSpec {
-    format!("{LENDER}:{bdf}").parse().unwrap()
-}
-
-fn add(api: &ApiClient, bdf: &str, id: &str) -> api::types::PciDeviceInfo {
-    api.add_remote_device(&VmAddRemoteDeviceData {
-        device: spec(bdf),
-        id: Some(id.to_string()),
-        mode: None,
-        replace_lost: false,
-    })
-    .unwrap_or_else(|e| panic!("add {bdf} as {id}: {e}"))
-}
-
-fn remove(api: &ApiClient, id: &str) {
-    api.remove_device(&VmRemoveDeviceData {
-        id: id.to_string(),
-        force: false,
-    })
-    .unwrap_or_else(|e| panic!("remove {id}: {e}"))
-}
-
-fn boot(cluster: &Cluster, cmdline: &str, extra: &[&str]) -> Vm {
-    let cluster_arg = cluster.path.display().to_string();
-    let sock = cluster.file("api.sock").display().to_string();
-    let mut args = vec![
-        "--cluster",
-        &cluster_arg,
-        "--api-socket",
-        &sock,
-        "--cmdline",
-        cmdline,
-    ];
-    args.extend_from_slice(extra);
-    let vm = Vm::start("64M", &args);
-    vm.wait_api();
-    vm
-}
 
 /// Follows `vm.events` on a thread; events arrive on the receiver.
 fn follow(api: ApiClient) -> mpsc::Receiver<VmEvent> {
@@ -101,7 +62,7 @@ fn device_lost_is_an_event_within_a_bound_of_the_lenders_death() {
     let mut lender = cluster.start_lenderd(&[format!("{DMATEST_BDF}=dmatest")]);
     let monitor = cluster.file("events.jsonl");
     let monitor_arg = format!("path={}", monitor.display());
-    let mut vm = boot(
+    let mut vm = boot_with_api(
         &cluster,
         &format!("tests=hotplug rounds=2 seed={SEED:#x} eject_delay_ms=500"),
         &["--event-monitor", &monitor_arg],
@@ -177,7 +138,7 @@ fn pause_mid_io_then_resume_loses_no_interrupt() {
     let disk = cluster.file("disk.img");
     let _lender =
         cluster.start_lenderd(&[format!("{NVME_BDF}=nvme:path={},size=4M", disk.display())]);
-    let mut vm = boot(
+    let mut vm = boot_with_api(
         &cluster,
         &format!("tests=hotplug rounds=2 seed={SEED:#x} lba={SLBA}"),
         &[],

@@ -28,37 +28,12 @@ mod common;
 use std::time::Duration;
 
 use api::client::ApiClient;
-use api::types::{
-    LeaseState, RemoteDeviceSpec, VmAddRemoteDeviceData, VmCounters, VmInfo, VmRemoveDeviceData,
-    VmState,
-};
+use api::types::{LeaseState, VmCounters, VmInfo, VmState};
 use common::*;
 use lending::protocol::DeviceState;
 
 const SLBA: u64 = 16;
 const T: Duration = BOOT_TIMEOUT;
-
-fn spec(bdf: &str) -> RemoteDeviceSpec {
-    format!("{LENDER}:{bdf}").parse().unwrap()
-}
-
-fn add(api: &ApiClient, bdf: &str, id: &str) -> api::types::PciDeviceInfo {
-    api.add_remote_device(&VmAddRemoteDeviceData {
-        device: spec(bdf),
-        id: Some(id.to_string()),
-        mode: None,
-        replace_lost: false,
-    })
-    .unwrap_or_else(|e| panic!("add {bdf} as {id}: {e}"))
-}
-
-fn remove(api: &ApiClient, id: &str) {
-    api.remove_device(&VmRemoveDeviceData {
-        id: id.to_string(),
-        force: false,
-    })
-    .unwrap_or_else(|e| panic!("remove {id}: {e}"))
-}
 
 fn info(api: &ApiClient) -> VmInfo {
     api.info().unwrap()
@@ -76,34 +51,16 @@ fn wait_no_devices(api: &ApiClient) {
     assert!(gone.is_some(), "devices still listed: {last:?}");
 }
 
-/// Boots the test guest with an API socket and no remote devices.
-fn boot(cluster: &Cluster, cmdline: &str) -> Vm {
-    let cluster_arg = cluster.path.display().to_string();
-    let sock = cluster.file("api.sock").display().to_string();
-    let vm = Vm::start(
-        "64M",
-        &[
-            "--cluster",
-            &cluster_arg,
-            "--api-socket",
-            &sock,
-            "--cmdline",
-            cmdline,
-        ],
-    );
-    vm.wait_api();
-    vm
-}
-
 #[test]
 fn hot_add_io_remove_and_re_add() {
     let cluster = Cluster::new(Fabric::Shm);
     let disk = cluster.file("disk.img");
     let _lender =
         cluster.start_lenderd(&[format!("{NVME_BDF}=nvme:path={},size=4M", disk.display())]);
-    let mut vm = boot(
+    let mut vm = boot_with_api(
         &cluster,
         &format!("tests=hotplug rounds=2 seed={SEED:#x} lba={SLBA}"),
+        &[],
     );
     let api = vm.api();
     vm.expect_line("HOTPLUG ready", T);
@@ -164,9 +121,10 @@ fn fifty_add_remove_cycles_leak_nothing() {
     let cluster = Cluster::new(Fabric::Shm);
     let _lender = cluster.start_lenderd(&[format!("{DMATEST_BDF}=dmatest")]);
     // One extra round after the measurement shows the VM still works and ends the guest.
-    let mut vm = boot(
+    let mut vm = boot_with_api(
         &cluster,
         &format!("tests=hotplug rounds={} seed={SEED:#x}", CYCLES + 1),
+        &[],
     );
     let api = vm.api();
     vm.expect_line("HOTPLUG ready", T);
@@ -254,7 +212,7 @@ fn api_abuse_gets_4xx_and_the_vm_keeps_running() {
             cluster.file("disk.img").display()
         ),
     ]);
-    let mut vm = boot(&cluster, "tests=idle total_ms=120000");
+    let mut vm = boot_with_api(&cluster, "tests=idle total_ms=120000", &[]);
     let api = vm.api();
     vm.expect_line("HOTPLUG ready", T);
     let add_ep = "vm.add-remote-device";
@@ -383,9 +341,10 @@ fn lender_death_is_a_surprise_removal() {
     let cluster = Cluster::new(Fabric::Shm);
     let mut lender = cluster.start_lenderd(&[format!("{DMATEST_BDF}=dmatest")]);
     // The guest holds its eject back 2 s so the `lost` state is observable.
-    let mut vm = boot(
+    let mut vm = boot_with_api(
         &cluster,
         &format!("tests=hotplug rounds=2 seed={SEED:#x} eject_delay_ms=2000"),
+        &[],
     );
     let api = vm.api();
     vm.expect_line("HOTPLUG ready", T);

@@ -448,3 +448,47 @@ pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace()
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
 }
+
+/// `LENDER:bdf` as an API device spec.
+pub fn spec(bdf: &str) -> api::types::RemoteDeviceSpec {
+    format!("{LENDER}:{bdf}").parse().unwrap()
+}
+
+/// Hot-adds `LENDER:bdf` as `id` through the API (panics with the API's message).
+pub fn add(api: &ApiClient, bdf: &str, id: &str) -> api::types::PciDeviceInfo {
+    api.add_remote_device(&api::types::VmAddRemoteDeviceData {
+        device: spec(bdf),
+        id: Some(id.to_string()),
+        mode: None,
+        replace_lost: false,
+    })
+    .unwrap_or_else(|e| panic!("add {bdf} as {id}: {e}"))
+}
+
+/// Asks the guest to eject `id` (`vm.remove-device` without force).
+pub fn remove(api: &ApiClient, id: &str) {
+    api.remove_device(&api::types::VmRemoveDeviceData {
+        id: id.to_string(),
+        force: false,
+    })
+    .unwrap_or_else(|e| panic!("remove {id}: {e}"))
+}
+
+/// Boots the test guest with `cmdline`, the cluster file, an API socket and `extra`
+/// arguments, and waits until the API answers.
+pub fn boot_with_api(cluster: &Cluster, cmdline: &str, extra: &[&str]) -> Vm {
+    let cluster_arg = cluster.path.display().to_string();
+    let sock = cluster.file("api.sock").display().to_string();
+    let mut args = vec![
+        "--cluster",
+        &cluster_arg,
+        "--api-socket",
+        &sock,
+        "--cmdline",
+        cmdline,
+    ];
+    args.extend_from_slice(extra);
+    let vm = Vm::start("64M", &args);
+    vm.wait_api();
+    vm
+}
