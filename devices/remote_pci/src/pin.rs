@@ -591,10 +591,8 @@ mod tests {
         let hole = map.addr + (9 << 20);
         // SAFETY: unmaps 1 MiB inside our own test mapping (`Map` unmaps the whole range
         // again on drop, which is fine for a hole).
-        assert_eq!(
-            unsafe { libc::munmap(hole as *mut libc::c_void, 1 << 20) },
-            0
-        );
+        let r = unsafe { libc::munmap(hole as *mut libc::c_void, 1 << 20) };
+        assert_eq!(r, 0);
         let before = locked_bytes();
         let e = ParallelPinner::new(4)
             .with_min_chunk(2 << 20)
