@@ -11,6 +11,49 @@ pub enum ConfigError {
     Serial(String),
     #[error("invalid CPU count {0}: must be between 1 and {max}", max = MAX_CPUS)]
     Cpus(u32),
+    #[error(
+        "invalid memory option '{0}': expected SIZE[,hugepages=on|off][,thp=on|off] (e.g. 8G,hugepages=on)"
+    )]
+    MemoryOption(String),
+}
+
+/// How guest RAM is backed (`--memory SIZE,hugepages=on,thp=on`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RamBacking {
+    /// A hugetlbfs memfd (`MFD_HUGETLB`): needs huge pages reserved (`vm.nr_hugepages`).
+    pub hugepages: bool,
+    /// Transparent huge pages: `MADV_HUGEPAGE` on the mapping (effective only where
+    /// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` allows `advise`).
+    pub thp: bool,
+}
+
+/// `--memory`: a size and backing options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryConfig {
+    pub size: u64,
+    pub backing: RamBacking,
+}
+
+/// Parses `8G`, `8G,hugepages=on`, `1G,thp=on`.
+pub fn parse_memory(s: &str) -> Result<MemoryConfig, ConfigError> {
+    let mut parts = s.split(',');
+    let size = parse_size(parts.next().unwrap_or_default())?;
+    let mut backing = RamBacking::default();
+    for opt in parts {
+        let bad = || ConfigError::MemoryOption(opt.to_owned());
+        let (key, value) = opt.split_once('=').ok_or_else(bad)?;
+        let on = match value {
+            "on" => true,
+            "off" => false,
+            _ => return Err(bad()),
+        };
+        match key {
+            "hugepages" => backing.hugepages = on,
+            "thp" => backing.thp = on,
+            _ => return Err(bad()),
+        }
+    }
+    Ok(MemoryConfig { size, backing })
 }
 
 /// Most vCPUs a VM may have (APIC ids fit one byte).
@@ -67,6 +110,8 @@ impl std::str::FromStr for SerialConfig {
 #[derive(Clone, Debug)]
 pub struct VmConfig {
     pub memory_size: u64,
+    /// Hugetlbfs / THP backing of guest RAM.
+    pub ram_backing: RamBacking,
     pub cpus: u8,
     pub kernel: PathBuf,
     pub cmdline: String,
@@ -107,6 +152,30 @@ mod tests {
         ] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn memory_options() {
+        assert_eq!(
+            parse_memory("8G"),
+            Ok(MemoryConfig {
+                size: 8 << 30,
+                backing: RamBacking::default()
+            })
+        );
+        let m = parse_memory("8G,hugepages=on").unwrap();
+        assert!(m.backing.hugepages && !m.backing.thp);
+        let m = parse_memory("1G,thp=on,hugepages=off").unwrap();
+        assert!(!m.backing.hugepages && m.backing.thp);
+        assert_eq!(parse_memory("x,thp=on"), Err(ConfigError::Size("x".into())));
+        for bad in ["1G,hugepages", "1G,hugepages=yes", "1G,numa=on", "1G,"] {
+            let e = parse_memory(bad).unwrap_err();
+            assert!(matches!(e, ConfigError::MemoryOption(_)), "{bad}: {e}");
+        }
+        assert!(parse_memory("1G,hugepages=yes")
+            .unwrap_err()
+            .to_string()
+            .contains("'hugepages=yes'"));
     }
 
     #[test]

@@ -52,7 +52,7 @@ use api::types::{
 use pci::vm_ops::VmOps;
 use pci::{BusDevice, PciBdf, SharedPciDevice};
 use remote_pci::{
-    IrqKind, LeaseState, MlockPinner, RemoteDeviceLink, RemoteDeviceStatus, RemotePciDevice,
+    IrqKind, LeaseState, RemoteDeviceLink, RemoteDeviceStatus, RemotePciDevice,
     RemotePciDeviceParams,
 };
 use serde_json::Value;
@@ -60,12 +60,11 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::device_events::DeviceHook;
 use crate::device_manager::DeviceManager;
+use crate::dma::DmaManager;
 use crate::exit::{ExitNotifier, VmExit};
 use crate::interrupt::KvmInterruptManager;
 use crate::platform::slot_intx_gsi;
-use crate::remote::{
-    effective_mode, AttachError, CountingPinner, LinkSource, ResourceCounters, VmmLink,
-};
+use crate::remote::{effective_mode, AttachError, LinkSource, ResourceCounters, VmmLink};
 use crate::vcpu::VcpuControl;
 use crate::vm_ops::KvmVmOps;
 
@@ -161,6 +160,8 @@ pub struct Controller {
     h: VmHandles,
     source: Box<dyn LinkSource>,
     counters: Arc<ResourceCounters>,
+    /// The VM's one pin of guest RAM, shared by the devices with Bus Master Enable set.
+    dma: Arc<DmaManager>,
     entries: BTreeMap<String, Entry>,
     state: VmState,
     config: VmConfigInfo,
@@ -175,10 +176,12 @@ pub struct Controller {
 
 impl Controller {
     pub fn new(h: VmHandles, source: Box<dyn LinkSource>, config: VmConfigInfo) -> Self {
+        let counters: Arc<ResourceCounters> = Arc::default();
         Self {
             h,
             source,
-            counters: Arc::default(),
+            dma: Arc::new(DmaManager::new(counters.clone())),
+            counters,
             entries: BTreeMap::new(),
             state: VmState::Created,
             config,
@@ -188,13 +191,36 @@ impl Controller {
             subscriber_changes: Vec::new(),
             deferred: Vec::new(),
             release_timer: match vmm_sys_util::timerfd::TimerFd::new() {
-                Ok(t) => Some(t),
+                Ok(t) => {
+                    // Non-blocking, so a check with nothing expired returns at once.
+                    // SAFETY: F_SETFL on an fd the TimerFd owns; no memory is involved.
+                    let r = unsafe { libc::fcntl(t.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+                    if r < 0 {
+                        log::warn!(
+                            "release timer: O_NONBLOCK: {}",
+                            std::io::Error::last_os_error()
+                        );
+                    }
+                    Some(t)
+                }
                 Err(e) => {
                     log::error!("release timer: {e}; a device a vCPU still holds is dropped late");
                     None
                 }
             },
         }
+    }
+
+    /// Pins through `pinner` from now on (tests: a recording pinner). Only before any
+    /// device has DMA enabled.
+    #[cfg(test)]
+    pub(crate) fn set_dma_pinner(&mut self, pinner: Arc<dyn remote_pci::Pinner>) {
+        self.dma = Arc::new(DmaManager::with_pinner(pinner, self.counters.clone()));
+    }
+
+    /// The VM's DMA manager.
+    pub fn dma(&self) -> &Arc<DmaManager> {
+        &self.dma
     }
 
     /// The VM exited: the API answers from now on as for a VM shutting down.
@@ -381,10 +407,7 @@ impl Controller {
             PciBdf::new(0, slot, 0).requester_id(),
             Some(slot_intx_gsi(slot)),
         );
-        params.pinner = Arc::new(CountingPinner::new(
-            Arc::new(MlockPinner),
-            self.counters.clone(),
-        ));
+        params.dma_pins = Some(self.dma.clone());
         params.observer = Some(hook);
         let vm_ops: Arc<dyn VmOps> = self.h.vm_ops.clone();
         let device = RemotePciDevice::new(params, Box::new(link), vm_ops, &*self.h.interrupts)

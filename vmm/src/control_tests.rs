@@ -22,6 +22,8 @@ use crate::vm::Vm;
 struct FakeLink {
     state: Arc<Mutex<LeaseState>>,
     live: Arc<AtomicUsize>,
+    /// `Some(live mappings)` if the device can DMA (bus 0x82 in the spec).
+    dma: Option<Arc<AtomicUsize>>,
     hook: Arc<Mutex<Option<Arc<dyn LinkEventHook>>>>,
 }
 
@@ -64,8 +66,15 @@ impl RemoteDeviceLink for FakeLink {
     fn bar_write(&self, _: u8, _: u64, _: &[u8]) -> Result<(), LinkError> {
         Ok(())
     }
-    fn map_dma(&self, _: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
-        Err(LinkError::Down("fake".into()))
+    fn map_dma(&self, r: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
+        let Some(live) = &self.dma else {
+            return Err(LinkError::Down("fake".into()));
+        };
+        live.fetch_add(1, Ordering::SeqCst);
+        Ok(Box::new(FakeMapping {
+            size: r.iter().map(|r| r.size).sum(),
+            live: live.clone(),
+        }))
     }
     fn set_irqs(&self, _: &IrqTargets<'_>) -> Result<(), LinkError> {
         Ok(())
@@ -81,9 +90,29 @@ impl RemoteDeviceLink for FakeLink {
     }
 }
 
+/// A lender's IOMMU mapping of guest RAM; counted while alive.
+struct FakeMapping {
+    size: u64,
+    live: Arc<AtomicUsize>,
+}
+
+impl DmaMapping for FakeMapping {
+    fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+impl Drop for FakeMapping {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 #[derive(Clone, Default)]
 struct FakeSource {
     live: Arc<AtomicUsize>,
+    /// Live DMA mappings of all links.
+    dma_maps: Arc<AtomicUsize>,
     /// State of the most recently borrowed link.
     last: Arc<Mutex<Option<Arc<Mutex<LeaseState>>>>>,
     /// Event hook of the most recently borrowed link.
@@ -137,6 +166,7 @@ impl LinkSource for FakeSource {
         let link = FakeLink {
             state,
             live: self.live.clone(),
+            dma: (spec.bdf.bus == 0x82).then(|| self.dma_maps.clone()),
             hook: hook.clone(),
         };
         // Mirror the hook the VMM sets into the source, so a test can fire it.
@@ -208,6 +238,7 @@ fn rig() -> Option<Rig> {
     std::fs::write(&kernel, spin_elf()).unwrap();
     let mut vm = Vm::new(&VmConfig {
         memory_size: 64 << 20,
+        ram_backing: Default::default(),
         cpus: 1,
         kernel,
         cmdline: String::new(),
@@ -787,4 +818,113 @@ fn a_device_a_vcpu_still_holds_is_dropped_later_on_the_control_thread() {
     assert_eq!(rig.ctl.counters(), VmCounters::default());
     assert_eq!(rig.source.live.load(Ordering::SeqCst), 0);
     assert!(events(&rig.ctl).contains(&"lease-returned".to_string()));
+}
+
+// ---- one DMA manager per VM ------------------------------------------------------------------
+
+/// The real parallel pinner, recording every `RLIMIT_MEMLOCK` demand.
+struct RecordingPinner {
+    inner: remote_pci::ParallelPinner,
+    checks: Mutex<Vec<u64>>,
+}
+
+impl remote_pci::Pinner for RecordingPinner {
+    fn check(&self, total: u64) -> Result<(), remote_pci::PinError> {
+        lock(&self.checks).push(total);
+        self.inner.check(total)
+    }
+    fn pin(&self, addr: u64, len: u64) -> Result<remote_pci::PinnedRange, remote_pci::PinError> {
+        self.inner.pin(addr, len)
+    }
+}
+
+/// Sets or clears Bus Master Enable of the device in `slot` as a guest config write does.
+fn set_bme(rig: &Rig, slot: u8, on: bool) {
+    let dev = rig.vm.devices().pci_bus().device(slot).unwrap();
+    let v: u16 = if on { 0x6 } else { 0x2 };
+    lock(&dev).write_config_register(1, 0, &v.to_le_bytes());
+}
+
+/// (dma maps made, pinned bytes held) of device `id` per `vm.counters`.
+fn dma_status(ctl: &Controller, id: &str) -> (u64, u64) {
+    let c = ctl.counters_report();
+    let d = &c[id];
+    (d["dma_maps"], d["pinned_bytes"])
+}
+
+#[test]
+fn two_dma_devices_pin_guest_ram_once() {
+    let mut rig = rig().unwrap();
+    let rec = Arc::new(RecordingPinner {
+        inner: remote_pci::ParallelPinner::new(2).with_min_chunk(16 << 20),
+        checks: Mutex::new(Vec::new()),
+    });
+    rig.ctl.set_dma_pinner(rec.clone());
+    let ram: u64 = 64 << 20;
+    add(&mut rig.ctl, "node3:0000:82:00.0", Some("a")).unwrap();
+    add(&mut rig.ctl, "node3:0000:82:01.0", Some("b")).unwrap();
+    let slot = |id: &str| {
+        rig.ctl
+            .info()
+            .remote_devices
+            .iter()
+            .find(|d| d.id == id)
+            .map(|d| d.guest_bdf.device)
+            .unwrap()
+    };
+    let (sa, sb) = (slot("a"), slot("b"));
+    let locked0 = remote_pci::pin::locked_bytes();
+    set_bme(&rig, sa, true);
+    set_bme(&rig, sb, true);
+    assert_eq!(
+        rig.source.dma_maps.load(Ordering::SeqCst),
+        2,
+        "each device mapped"
+    );
+    assert_eq!(
+        rig.ctl.counters().pinned_bytes,
+        ram,
+        "pinned once, not twice"
+    );
+    assert_eq!(rig.ctl.dma().holders(), 2);
+    assert_eq!(
+        *lock(&rec.checks),
+        vec![ram],
+        "the memlock check asks for ram once"
+    );
+    let locked = remote_pci::pin::locked_bytes();
+    assert!(
+        locked >= locked0 + ram && locked < locked0 + 2 * ram,
+        "VmLck {locked0:#x} -> {locked:#x}"
+    );
+    assert_eq!(dma_status(&rig.ctl, "a"), (1, ram));
+    assert_eq!(dma_status(&rig.ctl, "b"), (1, ram));
+
+    // Removing one keeps the other's pin and mapping.
+    assert_eq!(remove(&mut rig.ctl, "a", true), Ok(ApiResponse::Empty));
+    assert_eq!(rig.ctl.deferred_drops(), 0);
+    assert_eq!(rig.source.dma_maps.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.ctl.counters().pinned_bytes, ram);
+    assert_eq!(rig.ctl.dma().holders(), 1);
+    assert!(
+        remote_pci::pin::locked_bytes() >= locked0 + ram,
+        "b's ram got unpinned"
+    );
+    assert_eq!(dma_status(&rig.ctl, "b"), (1, ram));
+
+    // Clearing BME on the last one unpins; setting it again pins again.
+    set_bme(&rig, sb, false);
+    assert_eq!(rig.ctl.counters().pinned_bytes, 0);
+    assert_eq!(rig.source.dma_maps.load(Ordering::SeqCst), 0);
+    set_bme(&rig, sb, true);
+    assert_eq!(rig.ctl.counters().pinned_bytes, ram);
+    assert_eq!(lock(&rec.checks).len(), 2);
+
+    // Removing the last returns every counter to 0.
+    assert_eq!(remove(&mut rig.ctl, "b", true), Ok(ApiResponse::Empty));
+    assert_eq!(rig.ctl.deferred_drops(), 0);
+    assert_eq!(rig.ctl.counters(), VmCounters::default());
+    assert_eq!(rig.ctl.dma().holders(), 0);
+    assert_eq!(rig.source.dma_maps.load(Ordering::SeqCst), 0);
+    assert!(remote_pci::pin::locked_bytes() <= locked0 + (ram / 2));
 }

@@ -172,6 +172,7 @@ fn guest_doorbell_store(mode: NotifyMode) {
     std::fs::write(&kernel, store_then_exit_elf()).unwrap();
     let vm = Vm::new(&VmConfig {
         memory_size: 64 << 20,
+        ram_backing: Default::default(),
         cpus: 1,
         kernel,
         cmdline: String::new(),

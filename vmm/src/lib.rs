@@ -9,6 +9,7 @@ pub mod control;
 pub mod cpuid;
 pub mod device_events;
 pub mod device_manager;
+pub mod dma;
 pub mod event_loop;
 pub mod exit;
 pub mod id_alloc;

@@ -40,9 +40,15 @@ struct Cli {
     /// Initramfs image.
     #[arg(long, value_name = "PATH")]
     initramfs: Option<PathBuf>,
-    /// Guest RAM size (K/M/G suffixes).
-    #[arg(long, value_name = "SIZE", default_value = "512M", value_parser = config::parse_size)]
-    memory: u64,
+    /// Guest RAM size (K/M/G suffixes) and backing: `8G,hugepages=on` (hugetlbfs; needs
+    /// reserved huge pages), `8G,thp=on` (transparent huge pages).
+    #[arg(
+        long,
+        value_name = "SIZE[,hugepages=on][,thp=on]",
+        default_value = "512M",
+        value_parser = config::parse_memory
+    )]
+    memory: config::MemoryConfig,
     /// Number of vCPUs.
     #[arg(long, value_name = "N", default_value = "1", value_parser = parse_cpus)]
     cpus: u8,
@@ -250,7 +256,8 @@ fn main() -> ExitCode {
         }
     };
     let cfg = VmConfig {
-        memory_size: cli.memory,
+        memory_size: cli.memory.size,
+        ram_backing: cli.memory.backing,
         cpus: cli.cpus,
         kernel: cli.kernel.clone(),
         cmdline: cli.cmdline.clone(),
@@ -286,7 +293,7 @@ fn main() -> ExitCode {
     };
     let info = VmConfigInfo {
         cpus: u32::from(cli.cpus),
-        memory_size: cli.memory,
+        memory_size: cli.memory.size,
         kernel: cli.kernel.display().to_string(),
         cmdline: vm.cmdline().to_string(),
         initramfs: cli.initramfs.as_ref().map(|p| p.display().to_string()),
@@ -341,7 +348,7 @@ fn main() -> ExitCode {
         "vm-booted",
         [
             ("cpus", Value::from(cli.cpus)),
-            ("memory", Value::from(cli.memory)),
+            ("memory", Value::from(cli.memory.size)),
             ("remote_devices", Value::from(cli.remote_device.len())),
         ],
     );

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap};
 
+use crate::config::RamBacking;
 use crate::layout::{MEM_32BIT_GAP_START, RAM_64BIT_START};
 
 /// Guest memory type used across the VMM.
@@ -42,6 +43,62 @@ pub enum MemoryError {
     },
     #[error("cannot map guest memory")]
     Map(#[source] vm_memory::mmap::FromRangesError),
+    #[error(
+        "hugepages=on needs {size:#x} bytes of guest ram in {page_size:#x}-byte huge pages \
+         ({needed} pages) but only {free} are free (HugePages_Free in /proc/meminfo); reserve \
+         them (echo {needed} > /proc/sys/vm/nr_hugepages) or drop hugepages=on"
+    )]
+    NoHugepages {
+        size: u64,
+        page_size: u64,
+        needed: u64,
+        free: u64,
+    },
+    #[error("hugepages=on: guest memory size {size:#x} is not a multiple of the huge page size {page_size:#x}")]
+    HugepageUnaligned { size: u64, page_size: u64 },
+    #[error("hugepages=on: cannot read the huge page pool from /proc/meminfo")]
+    HugepageInfo(#[source] std::io::Error),
+    #[error("thp=on: madvise(MADV_HUGEPAGE) of {addr:#x}+{len:#x} failed")]
+    Thp {
+        addr: u64,
+        len: u64,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// (free huge pages, huge page size in bytes) of the default pool from /proc/meminfo text.
+pub fn hugepage_pool(meminfo: &str) -> Option<(u64, u64)> {
+    let field = |name: &str| {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    };
+    Some((field("HugePages_Free:")?, field("Hugepagesize:")? * 1024))
+}
+
+/// Checks up front that `size` bytes of huge pages are free, so a missing reservation is an
+/// error naming it rather than an `ENOMEM` from mmap (or a SIGBUS on first touch).
+fn check_hugepages(size: u64, meminfo: &str) -> Result<(), MemoryError> {
+    let (free, page_size) = hugepage_pool(meminfo).ok_or_else(|| {
+        MemoryError::HugepageInfo(std::io::Error::other(
+            "no HugePages_Free / Hugepagesize lines",
+        ))
+    })?;
+    if page_size == 0 || !size.is_multiple_of(page_size) {
+        return Err(MemoryError::HugepageUnaligned { size, page_size });
+    }
+    let needed = size / page_size;
+    if free < needed {
+        return Err(MemoryError::NoHugepages {
+            size,
+            page_size,
+            needed,
+            free,
+        });
+    }
+    Ok(())
 }
 
 /// One contiguous piece of guest RAM and where it lives in the memfd.
@@ -91,6 +148,13 @@ impl GuestRam {
     /// Creates a memfd of `size` bytes, seals its size ([`GUEST_RAM_SEALS`]) and maps it per
     /// the memory map.
     pub fn new(size: u64) -> Result<Self, MemoryError> {
+        Self::with_backing(size, RamBacking::default())
+    }
+
+    /// [`GuestRam::new`] with huge pages: `hugepages` makes the memfd a hugetlbfs one
+    /// (`MFD_HUGETLB`, after checking the pool has `size` bytes free), `thp` advises
+    /// transparent huge pages on the mapping (pinning then faults 2 MiB at a time).
+    pub fn with_backing(size: u64, backing: RamBacking) -> Result<Self, MemoryError> {
         if size < MIN_RAM_SIZE {
             return Err(MemoryError::TooSmall {
                 size,
@@ -100,11 +164,16 @@ impl GuestRam {
         if !size.is_multiple_of(4096) {
             return Err(MemoryError::Unaligned(size));
         }
+        let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+        if backing.hugepages {
+            let meminfo =
+                std::fs::read_to_string("/proc/meminfo").map_err(MemoryError::HugepageInfo)?;
+            check_hugepages(size, &meminfo)?;
+            flags |= libc::MFD_HUGETLB;
+        }
         let name = CString::new("lendvm-guest-ram").unwrap_or_default();
         // SAFETY: `name` is a valid NUL-terminated string; the return value is checked.
-        let fd = unsafe {
-            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
         if fd < 0 {
             return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
         }
@@ -130,6 +199,9 @@ impl GuestRam {
             )
         });
         let memory = GuestMemory::from_ranges_with_files(ranges).map_err(MemoryError::Map)?;
+        if backing.thp {
+            advise_thp(&memory)?;
+        }
         log::debug!(
             "guest RAM {size:#x} bytes in memfd {}: {regions:x?}",
             memfd.as_raw_fd()
@@ -169,6 +241,39 @@ impl GuestRam {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// `MADV_HUGEPAGE` on every region of `memory`.
+fn advise_thp(memory: &GuestMemory) -> Result<(), MemoryError> {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    let shmem = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .unwrap_or_default();
+    if !shmem.contains("[advise]")
+        && !shmem.contains("[always]")
+        && !shmem.contains("[within_size]")
+        && !shmem.contains("[force]")
+    {
+        log::warn!(
+            "thp=on: /sys/kernel/mm/transparent_hugepage/shmem_enabled is '{}', so the kernel \
+             ignores MADV_HUGEPAGE on guest ram (set it to advise)",
+            shmem.trim()
+        );
+    }
+    for region in memory.iter() {
+        let addr = region.as_ptr() as u64;
+        let len = region.len();
+        // SAFETY: advice on a mapping the guest memory owns; it does not change contents.
+        if unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_HUGEPAGE) }
+            != 0
+        {
+            return Err(MemoryError::Thp {
+                addr,
+                len,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -239,5 +344,117 @@ mod tests {
         let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
         assert_eq!(r, -1, "F_SEAL_SEAL forbids more seals");
         assert_eq!(ram.size(), MIN_RAM_SIZE);
+    }
+
+    const MEMINFO: &str = "MemTotal:       24000000 kB\nHugePages_Total:       4\n\
+                           HugePages_Free:        3\nHugepagesize:       2048 kB\n";
+
+    #[test]
+    fn hugepage_pool_is_checked_against_the_size() {
+        assert_eq!(hugepage_pool(MEMINFO), Some((3, 2 << 20)));
+        assert!(check_hugepages(6 << 20, MEMINFO).is_ok());
+        let e = check_hugepages(8 << 20, MEMINFO).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            matches!(
+                e,
+                MemoryError::NoHugepages {
+                    needed: 4,
+                    free: 3,
+                    ..
+                }
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains("HugePages_Free") && s.contains("nr_hugepages"),
+            "{s}"
+        );
+        assert!(matches!(
+            check_hugepages(3 << 20, MEMINFO),
+            Err(MemoryError::HugepageUnaligned { .. })
+        ));
+        assert!(matches!(
+            check_hugepages(2 << 20, "MemTotal: 1 kB\n"),
+            Err(MemoryError::HugepageInfo(_))
+        ));
+    }
+
+    /// This host's pool decides which path runs; both are asserted (CI hosts reserve none).
+    #[test]
+    fn hugepages_on_fails_clearly_or_maps_hugetlb_ram() {
+        let size = 64 << 20;
+        let (free, page) = hugepage_pool(&std::fs::read_to_string("/proc/meminfo").unwrap())
+            .expect("/proc/meminfo has a huge page pool");
+        let r = GuestRam::with_backing(
+            size,
+            RamBacking {
+                hugepages: true,
+                thp: false,
+            },
+        );
+        if free * page < size {
+            let e = r
+                .err()
+                .expect("hugepages=on without reserved pages must fail");
+            assert!(matches!(e, MemoryError::NoHugepages { .. }), "{e}");
+            assert!(e.to_string().contains("hugepages=on"), "{e}");
+        } else {
+            let ram = r.unwrap();
+            ram.memory()
+                .write_obj(0x1234_5678u32, GuestAddress(0x1000))
+                .unwrap();
+            assert_eq!(
+                ram.memory().read_obj::<u32>(GuestAddress(0x1000)).unwrap(),
+                0x1234_5678
+            );
+        }
+    }
+
+    #[test]
+    fn thp_backed_ram_works_and_is_advised() {
+        let ram = GuestRam::with_backing(
+            32 << 20,
+            RamBacking {
+                hugepages: false,
+                thp: true,
+            },
+        )
+        .unwrap();
+        ram.memory()
+            .write_obj(7u64, GuestAddress(0x20_0000))
+            .unwrap();
+        assert_eq!(
+            ram.memory()
+                .read_obj::<u64>(GuestAddress(0x20_0000))
+                .unwrap(),
+            7
+        );
+        // The advice is on the vma: /proc/self/smaps marks it "hg".
+        let host = ram.memory().get_host_address(GuestAddress(0)).unwrap() as u64;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut in_vma = false;
+        let mut flags = None;
+        for l in smaps.lines() {
+            if let Some((range, _)) = l.split_once(' ') {
+                if let Some((a, _)) = range.split_once('-') {
+                    if let Ok(a) = u64::from_str_radix(a, 16) {
+                        in_vma = a == host;
+                        continue;
+                    }
+                }
+            }
+            if in_vma {
+                if let Some(f) = l.strip_prefix("VmFlags:") {
+                    flags = Some(f.to_string());
+                    break;
+                }
+            }
+        }
+        let flags = flags.expect("guest ram vma in smaps");
+        assert!(
+            flags.split_whitespace().any(|f| f == "hg"),
+            "VmFlags: {flags}"
+        );
     }
 }

@@ -95,7 +95,7 @@ impl Vm {
         })
         .map_err(kvm_op("KVM_CREATE_PIT2"))?;
 
-        let ram = Arc::new(GuestRam::new(cfg.memory_size)?);
+        let ram = Arc::new(GuestRam::with_backing(cfg.memory_size, cfg.ram_backing)?);
         let mem = ram.memory();
         for (slot, region) in ram.regions().iter().enumerate() {
             let host = mem

@@ -15,8 +15,10 @@
 //!   `MsixConfig`, to the window through the host pointer (stores: then the notify eventfd),
 //!   or to the lender (`Trapped` BARs, and stores into a write-notified BAR outside its
 //!   doorbell range: control registers take the device's exact `bar_write`).
-//! * **DMA**: Bus Master Enable 0→1 pins guest RAM and asks the lender to map it at
-//!   IOVA = GPA; 1→0, FLR, reset and drop unmap first, then unpin. A failed pin or map leaves
+//! * **DMA**: Bus Master Enable 0→1 takes a share of the VM's pin of guest RAM
+//!   ([`DmaPinSource`]: pinned by the first device, shared by the rest) and asks the lender
+//!   to map it at IOVA = GPA; 1→0, FLR, reset and drop unmap first, then drop the share (the
+//!   last share unpins). A failed pin or map leaves
 //!   the guest running with DMA unmapped, logs an error and sets Status *Received Master
 //!   Abort* (what a requester sees when its DMA is refused), visible to the guest.
 //! * **Interrupts**: MSI-X/MSI/INTx groups from the VMM's `InterruptManager`; the lender is
@@ -44,7 +46,7 @@ use crate::link::{
     LenderCounters, LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink,
 };
 use crate::observer::DeviceObserver;
-use crate::pin::{pin_all, MlockPinner, PinStats, PinnedRange, Pinner};
+use crate::pin::{DmaPin, DmaPinSource, MlockPinner, PinStats, Pinner, PrivatePins};
 
 /// Granule of KVM memslots.
 pub const PAGE_SIZE: u64 = 4096;
@@ -107,8 +109,12 @@ pub struct RemotePciDeviceParams {
     pub devid: u32,
     /// IOAPIC pin for INTx, if the slot has one (ignored when the device has no pin).
     pub intx_irq: Option<u32>,
-    /// How guest RAM is pinned on Bus Master Enable ([`MlockPinner`] by default).
+    /// How guest RAM is pinned on Bus Master Enable ([`MlockPinner`] by default) when
+    /// `dma_pins` is not given: then the device pins RAM for itself alone.
     pub pinner: Arc<dyn Pinner>,
+    /// The VM's shared pin of guest RAM (its DMA manager): every device with Bus Master
+    /// Enable set holds one share of it, so RAM is pinned once per VM. Overrides `pinner`.
+    pub dma_pins: Option<Arc<dyn DmaPinSource>>,
     /// Told when DMA is mapped and unmapped (the VMM's event stream).
     pub observer: Option<Arc<dyn DeviceObserver>>,
 }
@@ -120,6 +126,7 @@ impl RemotePciDeviceParams {
             devid,
             intx_irq,
             pinner: Arc::new(MlockPinner),
+            dma_pins: None,
             observer: None,
         }
     }
@@ -246,8 +253,10 @@ struct MsixState {
 }
 
 struct DmaState {
+    // Field order is drop order: the lender unmaps before the share of the pin goes.
     mapping: Box<dyn DmaMapping>,
-    pins: Vec<PinnedRange>,
+    pin: DmaPin,
+    ranges: usize,
     since: Instant,
 }
 
@@ -281,7 +290,7 @@ pub struct RemotePciDevice {
     counters: Counters,
     io_counters: Arc<DeviceCounters>,
     kicks: KickState,
-    pinner: Arc<dyn Pinner>,
+    dma_pins: Arc<dyn DmaPinSource>,
     observer: Option<Arc<dyn DeviceObserver>>,
     quiesced: bool,
     vm: Arc<dyn VmOps>,
@@ -572,7 +581,9 @@ impl RemotePciDevice {
             counters: Counters::default(),
             io_counters: Arc::default(),
             kicks: KickState::default(),
-            pinner: params.pinner,
+            dma_pins: params
+                .dma_pins
+                .unwrap_or_else(|| Arc::new(PrivatePins(params.pinner))),
             observer: params.observer,
             quiesced: false,
             vm,
@@ -654,11 +665,8 @@ impl RemotePciDevice {
             bus_master: self.config.bus_master_enabled(),
             dma_mapped: self.dma.is_some(),
             dma_bytes: self.dma.as_ref().map_or(0, |d| d.mapping.size()),
-            pinned_bytes: self
-                .dma
-                .as_ref()
-                .map_or(0, |d| d.pins.iter().map(PinnedRange::len).sum()),
-            pinned_ranges: self.dma.as_ref().map_or(0, |d| d.pins.len()),
+            pinned_bytes: self.dma.as_ref().map_or(0, |d| d.pin.bytes()),
+            pinned_ranges: self.dma.as_ref().map_or(0, |d| d.ranges),
             last_pin: self.counters.last_pin,
             dma_maps: self.counters.dma_maps,
             dma_map_failures: self.counters.dma_map_failures,
@@ -1076,14 +1084,17 @@ impl RemotePciDevice {
         let t0 = Instant::now();
         let regions = self.vm.guest_ram_regions();
         let ranges: Vec<(u64, u64)> = regions.iter().map(|r| (r.host_addr, r.size)).collect();
-        let (pins, stats) = match pin_all(self.pinner.as_ref(), &ranges) {
+        // The first device of the VM to master the bus pins guest RAM; later ones share it.
+        let pin = match self.dma_pins.acquire(&ranges) {
             Ok(p) => p,
             Err(e) => {
                 self.dma_failed(&format!("pinning guest ram: {e}"));
                 return;
             }
         };
-        self.counters.last_pin = Some(stats);
+        if let Some(stats) = pin.fresh() {
+            self.counters.last_pin = Some(stats);
+        }
         match self.link.map_dma(&regions) {
             Ok(mapping) => {
                 info!(
@@ -1093,10 +1104,11 @@ impl RemotePciDevice {
                 );
                 self.counters.dma_maps += 1;
                 let bytes = mapping.size();
-                let pinned = pins.iter().map(PinnedRange::len).sum();
+                let pinned = pin.bytes();
                 self.dma = Some(DmaState {
                     mapping,
-                    pins,
+                    pin,
+                    ranges: ranges.len(),
                     since: Instant::now(),
                 });
                 if let Some(o) = &self.observer {
@@ -1104,7 +1116,7 @@ impl RemotePciDevice {
                 }
             }
             Err(e) => {
-                drop(pins);
+                drop(pin);
                 self.dma_failed(&format!("lender dma map: {e}"));
             }
         }
@@ -1124,14 +1136,16 @@ impl RemotePciDevice {
     fn disable_dma(&mut self) {
         if let Some(DmaState {
             mapping,
-            pins,
+            pin,
             since,
+            ..
         }) = self.dma.take()
         {
             let t0 = Instant::now();
             let size = mapping.size();
             drop(mapping);
-            drop(pins);
+            // Unpins only if this was the last device of the VM with DMA enabled.
+            drop(pin);
             self.counters.pinned_time += since.elapsed();
             if let Some(o) = &self.observer {
                 o.dma_unmapped(&self.id, size, t0.elapsed());

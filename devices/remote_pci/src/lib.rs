@@ -27,4 +27,7 @@ pub use link::{
     RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
 pub use observer::DeviceObserver;
-pub use pin::{MlockPinner, PinError, PinStats, PinnedRange, Pinner};
+pub use pin::{
+    split_range, DmaPin, DmaPinSource, MlockPinner, ParallelPinner, PinError, PinStats,
+    PinnedRange, Pinner, PrivatePins,
+};
