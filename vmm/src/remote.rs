@@ -187,6 +187,79 @@ fn directory_err(node: &str, bdf: &str, e: DirectoryError) -> AttachError {
     }
 }
 
+/// Writes `RemoteDeviceLink` methods of a wrapper that only hand the call to `self.inner`.
+/// Several methods have default bodies, so a wrapper that forgets one compiles and silently
+/// turns the feature off (it happened twice): wrappers list what they forward here and write
+/// only what they change.
+macro_rules! forward_link {
+    ($($m:ident),* $(,)?) => { $(forward_link!(@ $m);)* };
+    (@ device_info) => {
+        fn device_info(&self) -> RemoteDeviceInfo {
+            self.inner.device_info()
+        }
+    };
+    (@ config_read) => {
+        fn config_read(&self, offset: u16, data: &mut [u8]) -> Result<(), LinkError> {
+            self.inner.config_read(offset, data)
+        }
+    };
+    (@ config_write) => {
+        fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), LinkError> {
+            self.inner.config_write(offset, data)
+        }
+    };
+    (@ bar_read) => {
+        fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), LinkError> {
+            self.inner.bar_read(bar, offset, data)
+        }
+    };
+    (@ bar_write) => {
+        fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError> {
+            self.inner.bar_write(bar, offset, data)
+        }
+    };
+    (@ map_dma) => {
+        fn map_dma(&self, regions: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
+            self.inner.map_dma(regions)
+        }
+    };
+    (@ set_irqs) => {
+        fn set_irqs(&self, targets: &IrqTargets<'_>) -> Result<(), LinkError> {
+            self.inner.set_irqs(targets)
+        }
+    };
+    (@ reset) => {
+        fn reset(&self) -> Result<(), LinkError> {
+            self.inner.reset()
+        }
+    };
+    (@ irq_counts) => {
+        fn irq_counts(&self) -> Option<Vec<u64>> {
+            self.inner.irq_counts()
+        }
+    };
+    (@ lender_counters) => {
+        fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
+            self.inner.lender_counters()
+        }
+    };
+    (@ quiesce) => {
+        fn quiesce(&self, stop: bool) -> Result<(), LinkError> {
+            self.inner.quiesce(stop)
+        }
+    };
+    (@ kick_generation) => {
+        fn kick_generation(&self) -> u64 {
+            self.inner.kick_generation()
+        }
+    };
+    (@ kick_doorbells) => {
+        fn kick_doorbells(&self) -> KickDoorbells {
+            self.inner.kick_doorbells()
+        }
+    };
+}
+
 /// A borrowed device held under a directory claim. Field order is drop order: the lease is
 /// returned, then the claim is released.
 pub struct ClaimedLink {
@@ -201,37 +274,21 @@ impl ClaimedLink {
 }
 
 impl RemoteDeviceLink for ClaimedLink {
-    fn device_info(&self) -> RemoteDeviceInfo {
-        self.inner.device_info()
-    }
-
-    fn config_read(&self, offset: u16, data: &mut [u8]) -> Result<(), LinkError> {
-        self.inner.config_read(offset, data)
-    }
-
-    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), LinkError> {
-        self.inner.config_write(offset, data)
-    }
-
-    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), LinkError> {
-        self.inner.bar_read(bar, offset, data)
-    }
-
-    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError> {
-        self.inner.bar_write(bar, offset, data)
-    }
-
-    fn map_dma(&self, regions: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
-        self.inner.map_dma(regions)
-    }
-
-    fn set_irqs(&self, targets: &IrqTargets<'_>) -> Result<(), LinkError> {
-        self.inner.set_irqs(targets)
-    }
-
-    fn reset(&self) -> Result<(), LinkError> {
-        self.inner.reset()
-    }
+    forward_link!(
+        device_info,
+        config_read,
+        config_write,
+        bar_read,
+        bar_write,
+        map_dma,
+        set_irqs,
+        reset,
+        irq_counts,
+        lender_counters,
+        quiesce,
+        kick_generation,
+        kick_doorbells
+    );
 
     /// Lost when the link says so, or when the directory says the lender, the device or
     /// the claim is gone.
@@ -245,32 +302,12 @@ impl RemoteDeviceLink for ClaimedLink {
         }
     }
 
-    fn irq_counts(&self) -> Option<Vec<u64>> {
-        self.inner.irq_counts()
-    }
-
     /// The link's own events, plus the directory's word that the device is gone, both as
     /// lease loss.
     fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
         self.inner.set_event_hook(hook.clone());
         self.claim
             .on_lost(Arc::new(move |why: &str| hook.lease_lost(why)));
-    }
-
-    fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
-        self.inner.lender_counters()
-    }
-
-    fn quiesce(&self, stop: bool) -> Result<(), LinkError> {
-        self.inner.quiesce(stop)
-    }
-
-    fn kick_generation(&self) -> u64 {
-        self.inner.kick_generation()
-    }
-
-    fn kick_doorbells(&self) -> KickDoorbells {
-        self.inner.kick_doorbells()
     }
 }
 
@@ -485,6 +522,20 @@ pub fn effective_mode(info: &RemoteDeviceInfo) -> RemoteDeviceMode {
 }
 
 impl RemoteDeviceLink for VmmLink {
+    forward_link!(
+        config_read,
+        config_write,
+        bar_read,
+        bar_write,
+        map_dma,
+        set_irqs,
+        reset,
+        irq_counts,
+        lender_counters,
+        quiesce,
+        kick_generation
+    );
+
     fn device_info(&self) -> RemoteDeviceInfo {
         let mut info = self.inner.device_info();
         if self.trapped {
@@ -496,44 +547,8 @@ impl RemoteDeviceLink for VmmLink {
         info
     }
 
-    fn config_read(&self, offset: u16, data: &mut [u8]) -> Result<(), LinkError> {
-        self.inner.config_read(offset, data)
-    }
-
-    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), LinkError> {
-        self.inner.config_write(offset, data)
-    }
-
-    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), LinkError> {
-        self.inner.bar_read(bar, offset, data)
-    }
-
-    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), LinkError> {
-        self.inner.bar_write(bar, offset, data)
-    }
-
-    fn map_dma(&self, regions: &[GuestRamRegion]) -> Result<Box<dyn DmaMapping>, LinkError> {
-        self.inner.map_dma(regions)
-    }
-
-    fn set_irqs(&self, targets: &IrqTargets<'_>) -> Result<(), LinkError> {
-        self.inner.set_irqs(targets)
-    }
-
-    fn reset(&self) -> Result<(), LinkError> {
-        self.inner.reset()
-    }
-
     fn lease_state(&self) -> LeaseState {
         self.inner.lease_state()
-    }
-
-    fn irq_counts(&self) -> Option<Vec<u64>> {
-        self.inner.irq_counts()
-    }
-
-    fn kick_generation(&self) -> u64 {
-        self.inner.kick_generation()
     }
 
     fn kick_doorbells(&self) -> KickDoorbells {
@@ -551,14 +566,6 @@ impl RemoteDeviceLink for VmmLink {
 
     fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
         self.inner.set_event_hook(hook)
-    }
-
-    fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
-        self.inner.lender_counters()
-    }
-
-    fn quiesce(&self, stop: bool) -> Result<(), LinkError> {
-        self.inner.quiesce(stop)
     }
 }
 
