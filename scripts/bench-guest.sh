@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # fio inside the Linux guest on each VMM configuration, side by side with QEMU's NVMe:
 #
-#   scripts/bench-guest.sh [--configs a,b,...] [--allow-missing-counters] [--no-docs]
+#   scripts/bench-guest.sh [--configs a,b,...] [--repeat N] [--allow-missing-counters] [--no-docs]
+#                          [--name NAME]   (outputs target/bench/NAME.{json,svg}, NAME-logs/;
+#                                           implies --no-docs; default guest-fio)
 #
 # Configurations (one boot each, same kernel, same initramfs, same fio jobs):
 #   lendvm-shm-irq-dbbuf-off  NVMe lent over shm, interrupt mode, shadow doorbells off
@@ -15,7 +17,9 @@
 #
 # Reports per configuration and job: IOPS, MiB/s, clat p50/p99 (fio's JSON), KVM exits per
 # I/O (all, and to user space) raw and net of the idle guest's exit rate, and IOPS relative
-# to qemu-nvme. lendvm's counters come from `lendctl counters --json` (GET /api/v1/vm.counters),
+# to qemu-nvme of the same round (--repeat N boots every configuration N times, in rounds), and
+# where the CPU went during each job (the vCPU thread's run time and run-queue wait, the
+# lender's threads, the rest of the host: schedstat). lendvm's counters come from `lendctl counters --json` (GET /api/v1/vm.counters),
 # QEMU's from QMP query-stats. --allow-missing-counters reports exits as n/a on a lendvm
 # without that endpoint instead of failing.
 #
@@ -31,13 +35,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source tests/linux/lib.sh
 
-configs="" extra=() docs=1
+configs="" extra=() docs=1 name=guest-fio
 while [ $# -gt 0 ]; do
 	case $1 in
 	--configs) configs=$2; shift 2 ;;
 	--configs=*) configs=${1#--configs=}; shift ;;
 	--allow-missing-counters) extra+=(--allow-missing-counters); shift ;;
+	--repeat) extra+=(--repeat "$2"); shift 2 ;;
+	--repeat=*) extra+=(--repeat "${1#--repeat=}"); shift ;;
 	--no-docs) docs=0; shift ;;
+	--name) name=$2; docs=0; shift 2 ;;
+	--name=*) name=${1#--name=}; docs=0; shift ;;
 	-h | --help) sed -n '2,30p' "$0"; exit 0 ;;
 	*) die "unknown argument $1 (see --help)" ;;
 	esac
@@ -55,14 +63,14 @@ log "building lendvm, lenderd, lendctl (release)"
 nice cargo build --release --workspace --bins --locked >&2
 
 args=(--vmlinux "$vmlinux" --bzimage "$bzimage" --initramfs "$initramfs"
-	--bin-dir target/release --out target/bench/guest-fio.json --svg target/bench/guest-fio.svg
-	--log-dir target/bench/guest-fio-logs)
+	--bin-dir target/release --out "target/bench/$name.json" --svg "target/bench/$name.svg"
+	--log-dir "target/bench/$name-logs")
 [ -z "$configs" ] || args+=(--configs "$configs")
 [ "$docs" = 0 ] || args+=(--markdown docs/BENCHMARKS.md --svg-rel bench-guest.svg)
 mkdir -p target/bench
 rc=0
 python3 tests/linux/bench_guest.py "${args[@]}" ${extra[@]+"${extra[@]}"} || rc=$?
-[ "$docs" = 0 ] || [ ! -f target/bench/guest-fio.svg ] || cp target/bench/guest-fio.svg docs/bench-guest.svg
+[ "$docs" = 0 ] || [ ! -f "target/bench/$name.svg" ] || cp "target/bench/$name.svg" docs/bench-guest.svg
 if [ "$rc" != 0 ]; then
 	echo "bench-guest: FAILED (see the lines above and target/bench/guest-fio-logs/)" >&2
 	exit 1

@@ -74,6 +74,8 @@ DISK_SIZE = 64 << 20
 TOKEN = "lendvm-bench-guest-token"
 BDF = "0000:82:00.0"
 COUNTER_KEYS = ("exits", "mmio_exits", "io_exits", "halt_exits")
+# The vCPU threads' names (/proc/.../comm): lendvm's vcpu.rs, QEMU's "CPU n/KVM".
+VCPU_THREADS = {"lendvm": {"vcpu0"}, "qemu": {"CPU 0/KVM"}}
 
 MARK = re.compile(r"LENDVM-FIO (idle-begin|idle-end|run|ran|done)\b(.*)")
 
@@ -122,7 +124,11 @@ class LendvmCounters:
             return None
         try:
             vm = json.loads(out.stdout)["vm"]
-            return {k: int(vm[k]) for k in COUNTER_KEYS}
+            snap = {k: int(vm[k]) for k in COUNTER_KEYS}
+            # Every other KVM statistic too (page faults, emulated instructions, interrupt
+            # windows, ...): the per-reason profile of a job.
+            snap.update({k: v for k, v in vm.items() if isinstance(v, int) and k not in snap})
+            return snap
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigFailed(f"lendctl counters printed no vm.{{{','.join(COUNTER_KEYS)}}}: {e}: "
                                f"{out.stdout[:300]!r}")
@@ -172,12 +178,74 @@ class QmpCounters:
         seen = set()
         for vcpu in r:
             for st in vcpu.get("stats", []):
-                if st["name"] in tot:
-                    tot[st["name"]] += int(st["value"])
+                if isinstance(st.get("value"), int):
+                    tot[st["name"]] = tot.get(st["name"], 0) + st["value"]
                     seen.add(st["name"])
-        if seen != set(COUNTER_KEYS):
+        if not set(COUNTER_KEYS) <= seen:
             raise ConfigFailed(f"QMP query-stats lacks {sorted(set(COUNTER_KEYS) - seen)}")
         return tot
+
+
+class CpuProbe:
+    """Where the CPU went: per-thread run time and run-queue wait (/proc/PID/task/TID/schedstat)
+    of the VM process and the lender, and the host's busy time (/proc/stat).
+
+    The guest kernel runs in KVM's instruction emulator on this host, so a job's IOPS follow
+    how much CPU its vCPU thread gets. Run-queue wait is time the vCPU thread was runnable
+    but another thread had the core: the direct measure of contention."""
+
+    def __init__(self, pids):
+        self.pids = pids  # role -> pid
+        self.hz = os.sysconf("SC_CLK_TCK")
+
+    def _host_busy_ns(self):
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return (sum(v[:8]) - idle) * 1_000_000_000 // self.hz
+
+    def snapshot(self):
+        threads = {}
+        for role, pid in self.pids.items():
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                        comm = f.read().strip()
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        run_ns, wait_ns, _ = (int(x) for x in f.read().split())
+                except (OSError, ValueError):
+                    continue  # the thread ended
+                threads[(role, int(tid))] = (comm, run_ns, wait_ns)
+        return {"host_busy_ns": self._host_busy_ns(), "threads": threads}
+
+    @staticmethod
+    def delta(a, b, window_s, vcpu_names):
+        """Cores used per role over the window, the vCPU thread's run and wait shares, and the
+        rest of the host's busy time (other processes)."""
+        win = window_s * 1e9
+        out = {"vcpu_cpu": 0.0, "vcpu_wait": 0.0, "vmm_other_cpu": 0.0, "lender_cpu": 0.0}
+        busiest = ("", 0.0)
+        for key, (comm, run, wait) in b["threads"].items():
+            run0, wait0 = (a["threads"][key][1:] if key in a["threads"] else (0, 0))
+            dr, dw = (run - run0) / win, (wait - wait0) / win
+            role = key[0]
+            if role == "vm" and comm in vcpu_names:
+                out["vcpu_cpu"] += dr
+                out["vcpu_wait"] += dw
+            elif role == "vm":
+                out["vmm_other_cpu"] += dr
+            else:
+                out["lender_cpu"] += dr
+                if dr > busiest[1]:
+                    busiest = (comm, dr)
+        out["lender_busiest_thread"] = busiest[0]
+        own = out["vcpu_cpu"] + out["vmm_other_cpu"] + out["lender_cpu"]
+        out["host_other_cpu"] = max(0.0, (b["host_busy_ns"] - a["host_busy_ns"]) / win - own)
+        return out
 
 
 # --------------------------------------------------------------------------------------
@@ -230,27 +298,28 @@ def parse_fio_json(lines, index):
         raise ConfigFailed(f"run {index}: fio's JSON does not parse: {e}")
 
 
-def run_config(name, args, workdir):
+def run_config(name, args, workdir, rep=1):
     desc, kind, devopts, fabric, mode = CONFIGS[name]
     cdir = os.path.join(workdir, name)
     os.makedirs(cdir)
+    tag = name if args.repeat <= 1 else f"{name}.rep{rep}"
     disk = os.path.join(cdir, "disk.img")
     with open(disk, "wb") as f:
         f.truncate(DISK_SIZE)
     runs = ",".join(f"{j}@nvme0n1" for j, _, _ in JOBS)
     cmdline = f"{BASE_CMDLINE} {USERSPACE_CMDLINE} lendvm_fio={runs} lendvm_fio_pause={args.pause}"
-    logpath = os.path.join(args.log_dir, f"{name}.log")
+    logpath = os.path.join(args.log_dir, f"{tag}.log")
     logf = open(logpath, "w")
     procs = []
     snaps = {}
-    counters = {"src": None}
+    counters = {"src": None, "cpu": None}
 
     def on_marker(kind_, f, t):
         key = {"idle-begin": ("idle", "begin"), "idle-end": ("idle", "end"),
                "run": (f.get("i"), "begin"), "ran": (f.get("i"), "end")}.get(kind_)
         if key is None or counters["src"] is None:
             return
-        snaps[key] = (t, counters["src"].snapshot())
+        snaps[key] = (t, counters["src"].snapshot(), counters["cpu"].snapshot())
 
     try:
         if kind == "lendvm":
@@ -263,14 +332,14 @@ def run_config(name, args, workdir):
             spec = f"{BDF}=nvme:path={disk},size={DISK_SIZE}" + (f",{devopts}" if devopts else "")
             lenderd = subprocess.Popen(
                 [args.lenderd, "--node", "node1", "--cluster", cluster, "--device", spec],
-                stdout=subprocess.DEVNULL, stderr=open(os.path.join(args.log_dir, f"{name}.lenderd.log"), "w"),
+                stdout=subprocess.DEVNULL, stderr=open(os.path.join(args.log_dir, f"{tag}.lenderd.log"), "w"),
                 env=dict(os.environ, RUST_LOG="info"))
             procs.append(lenderd)
             t_end = time.time() + 30
             while True:
                 if lenderd.poll() is not None:
                     raise ConfigFailed(f"lenderd exited with {lenderd.returncode} "
-                                       f"(device spec {spec!r}; see {args.log_dir}/{name}.lenderd.log)")
+                                       f"(device spec {spec!r}; see {args.log_dir}/{tag}.lenderd.log)")
                 if fabric == "shm" and os.path.exists(f"{cdir}/node1.sock"):
                     break
                 if fabric == "tcp":
@@ -289,15 +358,18 @@ def run_config(name, args, workdir):
                     "--cluster", cluster, "--name", f"bench-{name}",
                     "--remote-device", dev, "--api-socket", api]
             vm = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(
-                os.path.join(args.log_dir, f"{name}.lendvm.log"), "w"),
+                os.path.join(args.log_dir, f"{tag}.lendvm.log"), "w"),
                 stdin=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="info"))
             procs.append(vm)
+            counters["cpu"] = CpuProbe({"vm": vm.pid, "lender": lenderd.pid})
             counters["src"] = LendvmCounters(args.lendctl, api, not args.allow_missing_counters)
             ok_exit = 0
         else:
             qmp = os.path.join(cdir, "qmp.sock")
             argv = ["qemu-system-x86_64", "-enable-kvm", "-cpu", QEMU_CPU, "-machine", "q35",
                     "-m", "128M", "-smp", "1", "-display", "none", "-no-reboot",
+                    # Names the vCPU thread "CPU 0/KVM" for the CPU profile.
+                    "-name", "bench,debug-threads=on",
                     "-monitor", "none", "-net", "none", "-serial", "stdio",
                     "-device", "isa-debug-exit,iobase=0xf4,iosize=0x04",
                     "-kernel", args.bzimage, "-initrd", args.initramfs,
@@ -308,8 +380,9 @@ def run_config(name, args, workdir):
                     "-device", "nvme,serial=lendvmbench,drive=nvm,ioeventfd=on",
                     "-qmp", f"unix:{qmp},server=on,wait=off"]
             vm = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(
-                os.path.join(args.log_dir, f"{name}.qemu.log"), "w"), stdin=subprocess.DEVNULL)
+                os.path.join(args.log_dir, f"{tag}.qemu.log"), "w"), stdin=subprocess.DEVNULL)
             procs.append(vm)
+            counters["cpu"] = CpuProbe({"vm": vm.pid})
             counters["src"] = QmpCounters(qmp)
             ok_exit = 1  # isa-debug-exit: (0 << 1) | 1
         log(f"{name}: booting ({desc}); console in {logpath}")
@@ -338,7 +411,7 @@ def run_config(name, args, workdir):
         if f.get("failed") != "0" or f.get("runs") != str(len(JOBS)):
             raise ConfigFailed(f"guest runner: {done.strip()} (see {logpath})")
         missing = counters["src"].missing_reason if isinstance(counters["src"], LendvmCounters) else None
-        return collect(name, desc, con.lines, snaps, missing, args)
+        return collect(name, desc, con.lines, snaps, missing, args, VCPU_THREADS[kind])
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -347,10 +420,35 @@ def run_config(name, args, workdir):
         logf.close()
 
 
-def collect(name, desc, lines, snaps, missing, args):
+GSTAT = re.compile(r"LENDVM-FIO gstat i=(\d+) when=(before|after) cpu ((?:\s*\d+)+)")
+GIRQ = re.compile(r"LENDVM-FIO girq i=(\d+) when=(before|after)((?: \S+=\d+)*)")
+GSTAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def guest_profile(lines, index, ios):
+    """The guest's own accounting around fio (the runner's gstat/girq lines): guest CPU
+    milliseconds per I/O by kind (USER_HZ = 100, so 10 ms a tick) and interrupts per I/O by
+    source. None if the initramfs predates these lines."""
+    stat, irq = {}, {}
+    for l in lines:
+        m = GSTAT.search(l)
+        if m and int(m.group(1)) == index:
+            stat[m.group(2)] = [int(x) for x in m.group(3).split()]
+        m = GIRQ.search(l)
+        if m and int(m.group(1)) == index:
+            irq[m.group(2)] = dict((k, int(v)) for k, v in (w.split("=") for w in m.group(3).split()))
+    if set(stat) != {"before", "after"} or set(irq) != {"before", "after"} or not ios:
+        return None
+    cpu = {f: 10.0 * (b - a) / ios for f, a, b in zip(GSTAT_FIELDS, stat["before"], stat["after"])}
+    irqs = {k: (irq["after"][k] - irq["before"].get(k, 0)) / ios for k in irq["after"]
+            if irq["after"][k] != irq["before"].get(k, 0)}
+    return {"cpu_ms_per_io": cpu, "irqs_per_io": irqs}
+
+
+def collect(name, desc, lines, snaps, missing, args, vcpu_names):
     idle_rate = None
     if ("idle", "begin") in snaps and ("idle", "end") in snaps:
-        (t0, a), (t1, b) = snaps[("idle", "begin")], snaps[("idle", "end")]
+        (t0, a, _), (t1, b, _) = snaps[("idle", "begin")], snaps[("idle", "end")]
         if a is not None and b is not None and t1 > t0:
             idle_rate = {k: (b[k] - a[k]) / (t1 - t0) for k in COUNTER_KEYS}
     jobs = []
@@ -373,10 +471,17 @@ def collect(name, desc, lines, snaps, missing, args):
             "clat_p99_us": pct.get("99.000000", 0) / 1000.0,
             "fio_runtime_ms": int(jj.get("job_runtime", 0)),
         }
+        g = guest_profile(lines, i, ios)
+        if g is not None:
+            r["guest"] = g
         key = str(i)
         if (key, "begin") in snaps and (key, "end") in snaps and snaps[(key, "begin")][1] is not None:
-            (t0, a), (t1, b) = snaps[(key, "begin")], snaps[(key, "end")]
+            (t0, a, ca), (t1, b, cb) = snaps[(key, "begin")], snaps[(key, "end")]
+            r["cpu"] = CpuProbe.delta(ca, cb, t1 - t0, vcpu_names)
             delta = {k: b[k] - a[k] for k in COUNTER_KEYS}
+            # Every KVM statistic that moved, per I/O (time and histogram statistics left out).
+            r["kvm_per_io"] = {k: (b[k] - a[k]) / ios for k in sorted(b)
+                               if k in a and b[k] != a[k] and not k.endswith("_ns") and "hist" not in k}
             r["window_s"] = t1 - t0
             r["exits"] = delta
             r["exits_per_io"] = delta["exits"] / ios
@@ -397,8 +502,10 @@ def collect(name, desc, lines, snaps, missing, args):
 # Report.
 
 def ratios(results):
-    base = next((c for c in results if c["name"] == BASELINE and "error" not in c), None)
     for c in results:
+        # Pair with QEMU's boot of the same repetition: the host's load varies by the minute.
+        base = next((b for b in results if b["name"] == BASELINE and "error" not in b
+                     and b.get("rep") == c.get("rep")), None)
         if "error" in c or base is None:
             continue
         for j, bj in zip(c["jobs"], base["jobs"]):
@@ -421,6 +528,7 @@ def markdown(results, meta):
         elif c.get("counters_missing"):
             out.append(f"* {c['name']}: exits n/a, the VMM has no counters endpoint "
                        f"({c['counters_missing'].splitlines()[0]})")
+    reps = max((c.get("rep", 1) for c in results), default=1)
     out.append("")
     out.append("| configuration | job | IOPS | MiB/s | clat p50 µs | clat p99 µs | exits/IO | "
                "user-space exits/IO | exits/IO net of idle | user-space net | IOPS ÷ QEMU |")
@@ -430,7 +538,7 @@ def markdown(results, meta):
             continue
         for j in c["jobs"]:
             out.append(
-                f"| {c['name']} | {j['job']} | {j['iops']:.0f} | {j['mib_per_s']:.2f} | "
+                f"| {label(c, reps)} | {j['job']} | {j['iops']:.0f} | {j['mib_per_s']:.2f} | "
                 f"{j['clat_p50_us']:.0f} | {j['clat_p99_us']:.0f} | "
                 f"{fmt(j.get('exits_per_io'), '.2f')} | {fmt(j.get('user_exits_per_io'), '.2f')} | "
                 f"{fmt(j.get('net_exits_per_io'), '.2f')} | {fmt(j.get('net_user_exits_per_io'), '.2f')} | "
@@ -440,11 +548,60 @@ def markdown(results, meta):
     if idle:
         out.append("")
         out.append("Idle guest exit rate (subtracted for the *net* columns): " + ", ".join(idle) + ".")
+    out += ["", "**Where the CPU went**, per job (`/proc/PID/task/TID/schedstat` and `/proc/stat`, "
+            "over the job's window including the runner's pauses): the vCPU thread's CPU in cores; "
+            "*vCPU wait* is the share of the vCPU thread's runnable time spent waiting for a core "
+            "(another thread had it); the VMM's other threads; the lender process (its busiest "
+            "thread); everything else on the host.", "",
+            "The guest's columns come from its own /proc/stat and /proc/interrupts just before and "
+            "after the fio process (so they include fio's start-up, seconds of emulated kernel time "
+            "here): guest seconds in user and in kernel (system+irq+softirq) mode, and the NVMe "
+            "queue and local timer (LOC) interrupts per I/O.", "",
+            "*KVM per I/O* lists the vCPU statistics (KVM_GET_STATS_FD / query-stats) that moved most "
+            "per I/O, after `exits`.", "",
+            "| configuration | job | IOPS | vCPU CPU | vCPU wait | VMM other | lender (busiest thread) | rest of host "
+            "| guest user s | guest kernel s | non-timer irqs/IO | timer irqs/IO | KVM per I/O |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in results:
+        if "error" in c:
+            continue
+        for j in c["jobs"]:
+            p = j.get("cpu")
+            if p is None:
+                continue
+            runnable = p["vcpu_cpu"] + p["vcpu_wait"]
+            wait = p["vcpu_wait"] / runnable if runnable > 0 else 0.0
+            lender = (f"{p['lender_cpu']:.2f} ({p['lender_busiest_thread']})"
+                      if p["lender_busiest_thread"] else "—")
+            g = j.get("guest")
+            if g is None:
+                gcols = "n/a | n/a | n/a | n/a"
+            else:
+                cm, ir = g["cpu_ms_per_io"], g["irqs_per_io"]
+                sec = j["ios"] / 1000.0  # ms per I/O -> seconds over the process
+                gcols = (f"{(cm['user'] + cm['nice']) * sec:.1f} | "
+                         f"{(cm['system'] + cm['irq'] + cm['softirq']) * sec:.1f} | "
+                         f"{sum(v for k, v in ir.items() if k != 'LOC'):.2f} | {ir.get('LOC', 0.0):.2f}")
+            out.append(f"| {label(c, reps)} | {j['job']} | {j['iops']:.0f} | {p['vcpu_cpu']:.2f} | "
+                       f"{100 * wait:.0f} % | {p['vmm_other_cpu']:.2f} | {lender} | {p['host_other_cpu']:.2f} | {gcols} | "
+                       f"{top_kvm(j.get('kvm_per_io'))} |")
     return "\n".join(out) + "\n"
+
+
+def top_kvm(per_io, n=5):
+    if not per_io:
+        return "n/a"
+    top = sorted(((v, k) for k, v in per_io.items() if k != "exits"), reverse=True)[:n]
+    return ", ".join(f"{k} {v:.1f}" for v, k in top)
+
+
+def label(c, reps=2):
+    return c["name"] if reps <= 1 else f"{c['name']} #{c.get('rep', 1)}"
 
 
 def svg(results):
     ok = [c for c in results if "error" not in c]
+    reps = max((c.get("rep", 1) for c in results), default=1)
     jobs = [j for j, _, _ in JOBS]
     colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1"]
     panels = [("IOPS (fio, in the guest)", "iops"), ("KVM exits per I/O, net of idle", "net_exits_per_io"),
@@ -477,12 +634,12 @@ def svg(results):
                     continue
                 bh = (ph - 30) * v / vmax
                 s.append(f'<rect x="{gx + ci * bw:.1f}" y="{base - bh:.1f}" width="{bw - 1:.1f}" '
-                         f'height="{bh:.1f}" fill="{colors[ci % len(colors)]}"><title>{c["name"]} '
+                         f'height="{bh:.1f}" fill="{colors[ci % len(colors)]}"><title>{label(c, reps)} '
                          f'{job}: {v:.3g}</title></rect>')
     ly = top + len(panels) * (ph + 60)
     for ci, c in enumerate(ok):
         s.append(f'<rect x="{left}" y="{ly + ci * 16}" width="10" height="10" fill="{colors[ci % len(colors)]}"/>')
-        s.append(f'<text x="{left + 16}" y="{ly + ci * 16 + 9}">{c["name"]}: {c["description"]}</text>')
+        s.append(f'<text x="{left + 16}" y="{ly + ci * 16 + 9}">{label(c, reps)}: {c["description"]}</text>')
     s.append("</svg>")
     return "\n".join(s) + "\n"
 
@@ -502,6 +659,12 @@ def update_benchmarks_md(path, table, svg_rel):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if len(sys.argv) >= 3 and sys.argv[1] == "--render":
+        # Re-render the Markdown of an earlier run's JSON (e.g. after changing the report).
+        with open(sys.argv[2]) as f:
+            d = json.load(f)
+        print(markdown(d["configs"], d["meta"]), end="")
+        return 0
     ap.add_argument("--vmlinux", required=True)
     ap.add_argument("--bzimage", required=True)
     ap.add_argument("--initramfs", required=True)
@@ -509,6 +672,8 @@ def main():
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated subset of {', '.join(CONFIGS)}")
     ap.add_argument("--pause", type=int, default=2, help="guest pause around each job, seconds")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="boot every configuration this many times (rounds in turn), to see the spread")
     ap.add_argument("--timeout", type=int, default=1500, help="bound on one boot, seconds")
     ap.add_argument("--allow-missing-counters", action="store_true",
                     help="report exits as n/a when lendvm has no vm.counters endpoint")
@@ -535,16 +700,17 @@ def main():
     os.makedirs(args.log_dir, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="lendvm-bench-guest.") as work:
-        for n in names:
+        for rep, n in ((r, n) for r in range(1, args.repeat + 1) for n in names):
             t0 = time.time()
             try:
-                r = run_config(n, args, work)
+                r = run_config(n, args, os.path.join(work, f"rep{rep}"), rep)
                 r["wall_s"] = round(time.time() - t0, 1)
                 log(f"{n}: ok in {r['wall_s']} s: " + ", ".join(
                     f"{j['job']} {j['iops']:.0f} IOPS" for j in r["jobs"]))
             except ConfigFailed as e:
                 log(f"{n}: FAILED: {e}")
                 r = {"name": n, "description": CONFIGS[n][0], "error": str(e)}
+            r["rep"] = rep
             results.append(r)
     ratios(results)
     uname = os.uname()
@@ -552,7 +718,7 @@ def main():
             "host": f"{os.cpu_count()} CPUs, {uname.sysname} {uname.release}",
             "kernel": os.path.basename(os.path.dirname(args.vmlinux)),
             "initramfs": os.path.basename(args.initramfs), "pause_s": args.pause,
-            "bin_dir": args.bin_dir,
+            "bin_dir": args.bin_dir, "repeat": args.repeat,
             "jobs": [{"job": j, "direction": d, "bs": b} for j, d, b in JOBS]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
