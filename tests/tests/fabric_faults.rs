@@ -20,7 +20,7 @@
 //!   3. **long cut**: the borrower's veth end goes down and stays down. Both sides' heartbeats
 //!      detect it within the configured bound (peer timeout + slack): lendvm reports the
 //!      device lost (`vm.info` lease state `lost`, `device-lost` event) and asks the guest
-//!      to eject it, which it does; lenderd ends the lease and resets the device (available
+//!      to eject it, which it does (after holding it back 3 s so the `lost` state shows); lenderd ends the lease and resets the device (available
 //!      again). A `vm.info` issued while the link is down (it asks the lender for counters
 //!      over the dead link) returns within the bound instead of hanging. Neither process dies.
 //!   4. The link comes back: the device can be hot-added again, the guest's I/O goes through
@@ -307,7 +307,7 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
     let mut vm = in_netns(&nb, || {
         boot_with_api(
             &cluster,
-            &format!("tests=hotplug rounds=2 seed={SEED:#x} lba={SLBA} wait_ms=300000"),
+            &format!("tests=hotplug rounds=2 seed={SEED:#x} lba={SLBA} wait_ms=300000 eject_delay_ms=3000"),
             &[],
         )
     });
@@ -397,7 +397,9 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
             })
         });
         let vmm = poll(bound + Duration::from_secs(10), || {
-            (device_lost_events(&api) > 0).then(|| t_cut.elapsed())
+            // vm.info right after the event: the guest holds its eject back 3 s
+            // (`eject_delay_ms`), so the device is still listed, as lost.
+            (device_lost_events(&api) > 0).then(|| (t_cut.elapsed(), lease_state(&api, "nvme0")))
         });
         (
             vmm,
@@ -405,7 +407,12 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
             lender_side.join().unwrap(),
         )
     });
-    let vmm_detect = vmm_detect.expect("lendvm never reported the device lost");
+    let (vmm_detect, state_at_event) = vmm_detect.expect("lendvm never reported the device lost");
+    assert_eq!(
+        state_at_event,
+        Some(LeaseState::Lost),
+        "vm.info right after the device-lost event"
+    );
     let lender_detect = lender_detect.expect("lenderd never reclaimed the device");
     let (info_time, info_result) = vm_info_during;
     println!(
@@ -423,6 +430,12 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
     assert!(
         info_result.is_ok() && info_time <= bound,
         "vm.info during the cut: {info_result:?} after {info_time:?}"
+    );
+    // The lender took everything of the lease back: no DMA mapping is left.
+    let reclaimed = lender_device();
+    assert!(
+        reclaimed.dma_maps.is_empty(),
+        "DMA maps left after the reclaim: {reclaimed:?}"
     );
     // The borrower: lost in vm.info and in the event log, the guest told and ejecting.
     let ev = api.events(0).unwrap();
