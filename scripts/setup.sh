@@ -5,6 +5,8 @@ set -euo pipefail
 
 need_apt=()
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v tc >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v iptables-legacy >/dev/null 2>&1 || need_apt+=(iptables)
 command -v objdump >/dev/null 2>&1 || need_apt+=(binutils)
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 command -v iasl >/dev/null 2>&1 || need_apt+=(acpica-tools)

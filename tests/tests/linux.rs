@@ -37,6 +37,14 @@
 //!   between markers. The test parses it (`lendvm_tests::fio`): exit code 0, no error, 128
 //!   writes and 128 verify reads of 512 KiB each way, and every block in the lender's backing
 //!   file carries fio's verify header with its own offset.
+//! * `linux_lender_crash_mid_write_loses_no_acknowledged_block`: the initramfs' crash writer
+//!   (`lendvm_crash=`) streams synced 4 KiB writes (`dd conv=fsync`, one per block, each
+//!   acknowledged on the console) to the lent disk and the test SIGKILLs lenderd mid-stream:
+//!   lendvm stays up and reports the disk lost (`vm.info`, `device-lost` event), the writer
+//!   gets an error within a bound (no hang), the disk goes away in the guest, every
+//!   acknowledged block is intact in the backing file; a restarted lenderd's disk is hot-added
+//!   again and a second pass is written, read back and compared in the guest and found in the
+//!   file. Figures: `target/reliability/lender_crash.json`.
 //!
 //! All tests print their boot times (wall clock and the guest's printk clock); nothing
 //! asserts on timing. Every wait is bounded ([`BOOT_TIMEOUT`] per boot) and every child
@@ -181,14 +189,7 @@ impl Lender {
         )
         .unwrap();
         let cfg = ClusterConfig::load(&cluster).unwrap();
-        let lenderd = Lenderd::command(binary("lenderd"), LENDER, &cluster)
-            .log(dir.path().join("lenderd.log"))
-            .token(TOKEN)
-            .device(format!(
-                "{NVME_BDF}=nvme:path={},size={DISK_SIZE}",
-                disk.display()
-            ))
-            .spawn_until_listening(&dir.path().join(format!("{LENDER}.sock")));
+        let lenderd = Self::spawn_lenderd(dir.path(), &cluster, &disk, "lenderd.log");
         Lender {
             dir,
             cluster,
@@ -196,6 +197,27 @@ impl Lender {
             disk,
             _lenderd: lenderd,
         }
+    }
+
+    fn spawn_lenderd(dir: &Path, cluster: &Path, disk: &Path, log: &str) -> Lenderd {
+        Lenderd::command(binary("lenderd"), LENDER, cluster)
+            .log(dir.join(log))
+            .token(TOKEN)
+            .device(format!(
+                "{NVME_BDF}=nvme:path={},size={DISK_SIZE}",
+                disk.display()
+            ))
+            .spawn_until_listening(&dir.join(format!("{LENDER}.sock")))
+    }
+
+    /// SIGKILLs lenderd (no chance to close links or reset anything).
+    fn kill(&mut self) {
+        self._lenderd.kill();
+    }
+
+    /// Starts lenderd again on the same cluster file and disk (its log: `log`).
+    fn restart(&mut self, log: &str) {
+        self._lenderd = Self::spawn_lenderd(self.dir.path(), &self.cluster, &self.disk, log);
     }
 
     fn file(&self, name: &str) -> PathBuf {
@@ -924,5 +946,308 @@ fn linux_fio_verify_on_a_lent_disk() {
         w.iops,
         r.iops,
         exit_wall.as_secs_f64()
+    );
+}
+
+/// The lender-crash writer of `tests/linux/initramfs/init` (`lendvm_crash=`): 4 KiB blocks,
+/// pass 1 from 8 MiB, pass 2 (after the re-add) from 32 MiB.
+const CRASH_BLOCK: u64 = 4096;
+const CRASH_BASE1: u64 = 8 << 20;
+const CRASH_BASE2: u64 = 32 << 20;
+/// Acknowledged blocks the test waits for before it kills lenderd.
+const CRASH_ACKS_BEFORE_KILL: u64 = 8;
+const CRASH_PASS2_BLOCKS: u64 = 8;
+/// The guest's nvme I/O timeout (`nvme_core.io_timeout=`, seconds): the backstop that fails a
+/// write stuck on the dead device even if the removal request did not come.
+const CRASH_NVME_IO_TIMEOUT_S: u64 = 15;
+/// Bound on the guest seeing the loss as a failed write: the nvme I/O timeout, the driver's
+/// reset attempt and the block layer's error path, in emulated time on a loaded host. The
+/// device-lost removal request normally ends it much earlier.
+const CRASH_ERROR_BOUND: Duration = Duration::from_secs(CRASH_NVME_IO_TIMEOUT_S * 4);
+/// Bound on lendvm reporting the device lost after the lender's death (its shm link sees the
+/// socket close at once; the heartbeat timeout is the backstop).
+const CRASH_LOST_BOUND: Duration = Duration::from_secs(10);
+
+/// Block `n` of pass `pass` as the crash writer writes it.
+fn crash_block(pass: u32, n: u64) -> Vec<u8> {
+    let mut b = format!("LENDVM-CRASH pass={pass} block={n}\n").into_bytes();
+    b.resize(CRASH_BLOCK as usize, 0);
+    b
+}
+
+/// `target/reliability` (next to the profile directory of this test executable).
+fn reliability_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let target = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .and_then(|d| d.parent())
+        .unwrap();
+    let dir = target.join("reliability");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Lender crash mid-I/O: the guest streams synced 4 KiB writes to the lent disk (one `dd
+/// conv=fsync` per block, each acknowledged on the console) and lenderd is SIGKILLed the moment
+/// a block's data has reached its file, before the guest has its completion and flush. lendvm
+/// stays up and reports the device lost (`vm.info`, `device-lost` event); the guest's writer
+/// gets an error (not a hang) within a bound and the disk goes away; every acknowledged block
+/// is intact in the backing file; after lenderd restarts the disk is hot-added again and a
+/// second pass of writes is read back and compared in the guest and found in the file.
+/// Figures: `target/reliability/lender_crash.json`.
+#[test]
+#[ignore = "needs the guest kernel and initramfs: scripts/test-linux.sh"]
+fn linux_lender_crash_mid_write_loses_no_acknowledged_block() {
+    kernel();
+    let initrd = initramfs();
+    let parts = [Part {
+        start: 2048,
+        sectors: (DISK_SIZE / SECTOR) as u32 - 2048,
+    }];
+    let mut lender = Lender::start(&parts);
+    let socket = lender.file("api.sock");
+    let cmd = cmdline(&format!(
+        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
+         nvme_core.io_timeout={CRASH_NVME_IO_TIMEOUT_S} \
+         lendvm_crash=nvme0n1,4096,{CRASH_PASS2_BLOCKS}"
+    ));
+    let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
+    let name = "linux_lender_crash_mid_write_loses_no_acknowledged_block";
+    let mut guest = Guest::start(
+        name,
+        &lender,
+        &cmd,
+        &[
+            "--name",
+            "linux-crash",
+            "--remote-device",
+            &dev,
+            "--initramfs",
+            initrd.to_str().unwrap(),
+            "--api-socket",
+            socket.to_str().unwrap(),
+        ],
+    );
+    let deadline = guest.out.started() + BOOT_TIMEOUT + Duration::from_secs(5 * 60);
+    guest.expect_line(&lender, "Linux version ", deadline);
+    lender.expect_lent_to("linux-crash");
+    guest.expect_line(&lender, "LENDVM-CRASH start disk=nvme0n1", deadline);
+    guest.expect_line(
+        &lender,
+        &format!("LENDVM-CRASH ack block={}", CRASH_ACKS_BEFORE_KILL - 1),
+        deadline,
+    );
+
+    // SIGKILL mid-operation: as soon as the next block's data has reached the lender's file,
+    // while the guest's write completion and flush for it are still on their way (its ack is
+    // not printed yet).
+    let next = CRASH_ACKS_BEFORE_KILL;
+    let want = crash_block(1, next);
+    let f = std::fs::File::open(&lender.disk).unwrap();
+    let mut head = vec![0u8; 48];
+    let t_wait = Instant::now();
+    loop {
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut head, CRASH_BASE1 + next * CRASH_BLOCK)
+            .unwrap();
+        if head == want[..48] {
+            break;
+        }
+        assert!(
+            t_wait.elapsed() < Duration::from_secs(60),
+            "block {next} never reached the lender's file\n{}",
+            guest.diag(&lender)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let kill_wall = guest.out.started().elapsed();
+    let t_kill = Instant::now();
+    lender.kill();
+    let api = ApiClient::new(&socket, Duration::from_secs(30));
+
+    // lendvm: lost in vm.info and in the event log, within the bound.
+    let mut lost_info = false;
+    let mut lost_event = None;
+    while t_kill.elapsed() < CRASH_LOST_BOUND && !(lost_info && lost_event.is_some()) {
+        if !lost_info {
+            let info = api
+                .info()
+                .unwrap_or_else(|e| panic!("vm.info after the kill: {e}\n{}", guest.diag(&lender)));
+            lost_info = info
+                .remote_devices
+                .iter()
+                .any(|d| d.id == "disk0" && d.lease_state == api::types::LeaseState::Lost);
+        }
+        if lost_event.is_none() {
+            let ev = api.events(0).unwrap();
+            if let Some(e) = ev.iter().find(|e| e.event == "device-lost") {
+                assert_eq!(
+                    e.properties.get("id").and_then(|v| v.as_str()),
+                    Some("disk0"),
+                    "{e:?}"
+                );
+                lost_event = Some(t_kill.elapsed());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let lost_event = lost_event.unwrap_or_else(|| {
+        panic!(
+            "no device-lost event within {CRASH_LOST_BOUND:?}\n{}",
+            guest.diag(&lender)
+        )
+    });
+    assert!(
+        lost_info,
+        "vm.info never showed disk0 lost\n{}",
+        guest.diag(&lender)
+    );
+
+    // The guest: the writer gets an error, not a hang, and the disk goes away.
+    let (err_wall, err_line) = guest
+        .wait_line("LENDVM-CRASH error ", t_kill + CRASH_ERROR_BOUND)
+        .unwrap_or_else(|| {
+            panic!(
+                "the guest's writer saw no error within {CRASH_ERROR_BOUND:?} of the kill\n{}",
+                guest.diag(&lender)
+            )
+        });
+    let to_error = err_wall.saturating_sub(kill_wall);
+    guest.expect_line(&lender, "LENDVM-CRASH gone disk=nvme0n1", deadline);
+    assert!(
+        guest.child.try_wait().unwrap().is_none(),
+        "lendvm exited\n{}",
+        guest.diag(&lender)
+    );
+    assert_eq!(api.info().unwrap().state, api::types::VmState::Running);
+    // Every block the guest saw acknowledged is intact in the backing file.
+    let acked: Vec<u64> = guest
+        .out
+        .lines()
+        .iter()
+        .filter_map(|l| {
+            l.split("LENDVM-CRASH ack block=")
+                .nth(1)?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(
+        acked,
+        (0..acked.len() as u64).collect::<Vec<_>>(),
+        "acknowledgements out of order"
+    );
+    assert!(acked.len() as u64 >= CRASH_ACKS_BEFORE_KILL);
+    let data = std::fs::read(&lender.disk).unwrap();
+    let mut verified = 0u64;
+    for &n in &acked {
+        let off = (CRASH_BASE1 + n * CRASH_BLOCK) as usize;
+        let got = &data[off..off + CRASH_BLOCK as usize];
+        assert!(
+            got == crash_block(1, n).as_slice(),
+            "acknowledged block {n} is not intact in the backing file: starts {:?}",
+            String::from_utf8_lossy(&got[..48])
+        );
+        verified += 1;
+    }
+    let nvme_lines: Vec<String> = guest
+        .out
+        .timed_lines()
+        .into_iter()
+        .filter(|(t, l)| *t >= kill_wall && l.contains("nvme"))
+        .map(|(_, l)| l)
+        .collect();
+
+    // The guest ejected the lost disk: lendvm holds nothing of it any more.
+    let gone = {
+        let t0 = Instant::now();
+        loop {
+            if api.info().unwrap().remote_devices.is_empty() {
+                break true;
+            }
+            if t0.elapsed() > Duration::from_secs(60) {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert!(
+        gone,
+        "the lost disk is still listed: {:?}\n{}",
+        api.info(),
+        guest.diag(&lender)
+    );
+    // Nothing of it is left: no lease, memslot, GSI, irqfd, ioeventfd or pinned byte.
+    let leftover = api.info().unwrap().counters.unwrap();
+    assert_eq!(
+        leftover,
+        api::types::VmCounters::default(),
+        "resources left after the lost disk was ejected"
+    );
+
+    // lenderd restarts; the disk is hot-added again and used.
+    lender.restart("lenderd-restarted.log");
+    lender.expect_available();
+    api.add_remote_device(&VmAddRemoteDeviceData {
+        device: format!("{LENDER}:{NVME_BDF}").parse().unwrap(),
+        id: Some("disk1".into()),
+        mode: None,
+        replace_lost: false,
+    })
+    .unwrap_or_else(|e| panic!("re-add after the restart: {e}\n{}", guest.diag(&lender)));
+    lender.expect_lent_to("linux-crash");
+    guest.expect_line(&lender, "LENDVM-CRASH back disk=", deadline);
+    let (_, ok) = guest.expect_line(&lender, "LENDVM-CRASH pass2 ", deadline);
+    assert!(
+        ok.contains(&format!(
+            "LENDVM-CRASH pass2 ok blocks={CRASH_PASS2_BLOCKS}"
+        )),
+        "{ok}\n{}",
+        guest.diag(&lender)
+    );
+    guest.expect_exit_0(&lender, deadline);
+    let data = std::fs::read(&lender.disk).unwrap();
+    for n in 0..CRASH_PASS2_BLOCKS {
+        let off = (CRASH_BASE2 + n * CRASH_BLOCK) as usize;
+        assert!(
+            &data[off..off + CRASH_BLOCK as usize] == crash_block(2, n).as_slice(),
+            "pass-2 block {n} not in the backing file"
+        );
+    }
+    // Pass 1 is still intact after the second lease.
+    for &n in &acked {
+        let off = (CRASH_BASE1 + n * CRASH_BLOCK) as usize;
+        assert!(&data[off..off + CRASH_BLOCK as usize] == crash_block(1, n).as_slice());
+    }
+    assert_mbr_intact(&lender.disk, &parts);
+    lender.expect_available();
+
+    let json = serde_json::json!({
+        "test": name,
+        "fabric": "shm",
+        "block_bytes": CRASH_BLOCK,
+        "lender_kills": 1,
+        "blocks_acknowledged": acked.len(),
+        "blocks_verified": verified,
+        "blocks_lost": acked.len() as u64 - verified,
+        "guest_error_after_kill_s": to_error.as_secs_f64(),
+        "guest_error_line": err_line,
+        "device_lost_event_after_kill_s": lost_event.as_secs_f64(),
+        "guest_nvme_lines_after_kill": nvme_lines,
+        "lendvm_crashes": 0,
+        "vmm_resources_left_after_eject": serde_json::to_value(leftover).unwrap(),
+        "readd_after_restart": "ok",
+        "pass2_blocks_verified": CRASH_PASS2_BLOCKS
+    });
+    let out = reliability_dir().join("lender_crash.json");
+    std::fs::write(&out, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+    println!(
+        "{name}: {} blocks acknowledged and intact, guest write error {:.1} s after the kill, \
+         device-lost event after {:.2} s; figures in {}",
+        acked.len(),
+        to_error.as_secs_f64(),
+        lost_event.as_secs_f64(),
+        out.display()
     );
 }
