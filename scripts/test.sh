@@ -16,6 +16,8 @@ cargo test --workspace --locked
 # are shorter.
 PROPTEST_CASES=25000 cargo test -p ntb --locked --test wire_fuzz
 PROPTEST_CASES=100000 cargo test -p lending --locked --lib protocol
+# Config-space requests through the lender's gate (conventional filter + extended space).
+PROPTEST_CASES=20000 cargo test -p lending --locked --lib backend::config::fuzz
 if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
   echo "test: LENDVM_SKIP_LINUX=1: Linux end-to-end tests skipped"
 else

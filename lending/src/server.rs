@@ -27,8 +27,9 @@ use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::auth::{self, FailureLimiter, Role, Transcript};
+use crate::backend::config::{virtualized_info, ConfigGate};
 use crate::backend::irq::IrqRelay;
-use crate::backend::{filtered_config_write, BackendError, DeviceBackend, IrqTrigger};
+use crate::backend::{BackendError, DeviceBackend, IrqTrigger};
 use crate::directory::ClaimAuthority;
 use crate::inventory::{Inventory, InventoryError, Lease};
 use crate::iommu::{
@@ -210,6 +211,9 @@ struct SessionLease {
     /// Generation of the kick-only doorbells the borrower was last told (reply or event;
     /// shared with the device's kick listener).
     kicks_told: Arc<AtomicU64>,
+    /// Every CONFIG_READ/CONFIG_WRITE of the lease passes here (filter, extended-space view,
+    /// counts of refused/dropped writes).
+    config: ConfigGate,
 }
 
 impl Drop for SessionLease {
@@ -274,7 +278,7 @@ fn backend_err(e: BackendError) -> ErrorReply {
         | BackendError::BorrowerBar(_)
         | BackendError::OutOfRange { .. }
         | BackendError::BadAccess { .. } => code::OUT_OF_RANGE,
-        BackendError::TooManyVectors { .. } => code::INVALID,
+        BackendError::TooManyVectors { .. } | BackendError::BadConfigAccess { .. } => code::INVALID,
         _ => code::INTERNAL,
     };
     error(c, e.to_string())
@@ -746,7 +750,8 @@ impl Session {
             Request::DeviceInfo(l) => {
                 let version = self.version;
                 let sl = self.lease(l.lease)?;
-                let mut info = sl.lease.backend().describe(sl.lease.device().id());
+                let mut info =
+                    virtualized_info(sl.lease.backend().as_ref(), sl.lease.device().id());
                 for b in info.bars.iter_mut() {
                     b.window = sl.bar_windows.get(&b.index).copied();
                 }
@@ -757,21 +762,17 @@ impl Session {
             Request::ConfigRead(r) => {
                 let sl = self.lease(r.lease)?;
                 let mut buf = vec![0u8; usize::from(r.len)];
-                sl.lease
-                    .backend()
-                    .config_read(r.offset, &mut buf)
+                sl.config
+                    .read(sl.lease.backend().as_ref(), r.offset, &mut buf)
                     .map_err(backend_err)?;
                 ok(op, &buf)
             }
             Request::ConfigWrite(w) => {
-                let peer = self.peer();
+                // The gate logs refused and dropped writes itself, rate-limited.
                 let sl = self.lease(w.lease)?;
-                filtered_config_write(sl.lease.backend().as_ref(), w.offset, &w.data).map_err(
-                    |e| {
-                        log::warn!("{peer}: lease {}: {e}", w.lease);
-                        backend_err(e)
-                    },
-                )?;
+                sl.config
+                    .write(sl.lease.backend().as_ref(), w.offset, &w.data)
+                    .map_err(backend_err)?;
                 ok(op, &())
             }
             Request::BarRead(r) => {
@@ -891,7 +892,13 @@ impl Session {
             })?;
         let id = lease.id();
         let backend = Arc::clone(lease.backend());
-        let mut info = backend.describe(device);
+        // The filter is built from the device as the lease begins (see ConfigGate).
+        let config = ConfigGate::new(
+            &format!("{peer}/{vm}: lease {id} of {device}"),
+            backend.as_ref(),
+        )
+        .map_err(backend_err)?;
+        let mut info = virtualized_info(backend.as_ref(), device);
         let mut bar_windows = HashMap::new();
         for b in info.bars.iter_mut() {
             if let Some(x) = backend.bar_export(b.index) {
@@ -955,6 +962,7 @@ impl Session {
                 bar_windows,
                 kicks_told,
                 claim,
+                config,
             },
         );
         Ok(msg)

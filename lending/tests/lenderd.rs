@@ -298,6 +298,23 @@ fn exclusive_leases_bad_token_and_filtered_config() {
         .offset;
     let e = _lease.config_write(msix + 2, &[0, 0x80]).err().unwrap();
     assert!(e.to_string().contains("SET_IRQS"), "{e}");
+    // Through the lender's per-lease config gate: extended config space (which this device
+    // does not have) reads as 0 and writes there are dropped; a write no config cycle can be
+    // is refused with a clear error; the status register's Capabilities List bit stays.
+    _lease.config_write(0x100, &[0xff; 4]).unwrap();
+    assert_eq!(_lease.config_read(0x100, 8).unwrap(), vec![0; 8]);
+    let e = _lease.config_write(0x80, &[1; 8]).err().unwrap();
+    assert_eq!(e.code(), Some(code::INVALID), "{e}");
+    assert!(
+        e.to_string().contains("1, 2 or 4 bytes inside one dword"),
+        "{e}"
+    );
+    let e = _lease.config_write(0x82, &[1; 4]).err().unwrap();
+    assert_eq!(e.code(), Some(code::INVALID), "{e}");
+    _lease.config_write(6, &[0, 0]).unwrap();
+    assert_eq!(_lease.config_read(6, 1).unwrap()[0] & 0x10, 0x10);
+    let fresh = _lease.device_info().unwrap();
+    assert!(fresh.caps.iter().any(|c| c.id == 0x11), "{:?}", fresh.caps);
     // Unknown lease ids are per link.
     let e = b.borrow(DEV, "x").err().unwrap();
     assert_eq!(e.code(), Some(code::DEVICE_BUSY));

@@ -25,7 +25,7 @@ pub use fabric::{
     Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming, LinkConfig, LinkStats,
     Listener, Message, NodeId, PeerInfo, PeerWindow, RequestId, WindowId, WindowInfo, WindowLimits,
 };
-pub use link::MAX_LABEL;
+pub use link::{RateLimit, MAX_LABEL};
 pub use mem::{MemError, SharedMemory};
 pub use node::{connect_addr, listen_addr, SocketFabric};
 pub use wire::{ErrorReply, WireError};

@@ -35,15 +35,16 @@ pub const MAX_LABEL: usize = 256;
 /// Most received messages (requests, events, window notices) waiting for the user.
 pub(crate) const MAX_INCOMING: usize = 4096;
 
-/// Lets a log line through at most once per `every`; counts the ones held back.
+/// Lets a log line through at most once per `every`; counts the ones held back. Public so the
+/// lender's own peer-triggerable logs (config filter) use the same pattern.
 #[derive(Debug)]
-pub(crate) struct RateLimit {
+pub struct RateLimit {
     every: Duration,
     state: Mutex<(Option<Instant>, u64)>,
 }
 
 impl RateLimit {
-    pub(crate) fn new(every: Duration) -> RateLimit {
+    pub fn new(every: Duration) -> RateLimit {
         RateLimit {
             every,
             state: Mutex::new((None, 0)),
@@ -51,7 +52,7 @@ impl RateLimit {
     }
 
     /// `Some(held back since the last line)` when a line may be logged now.
-    pub(crate) fn hit(&self) -> Option<u64> {
+    pub fn hit(&self) -> Option<u64> {
         let now = Instant::now();
         let mut st = lock(&self.state);
         match st.0 {
@@ -920,8 +921,8 @@ fn check_hello(
 }
 
 /// Checks that a peer's memory fd cannot shrink under a mapping of it: a memfd must carry
-/// `F_SEAL_SHRINK`; fds that cannot be sealed pass only if their extent is fixed (VFIO device
-/// fds, character devices). Otherwise the mapping is refused when
+/// `F_SEAL_SHRINK`; fds that cannot be sealed pass only if their extent is fixed (sysfs BAR
+/// resource files, character devices). Otherwise the mapping is refused when
 /// [`LinkConfig::require_sealed_windows`] is set, and logged as a warning when not.
 pub(crate) fn check_sealed(
     fd: BorrowedFd<'_>,

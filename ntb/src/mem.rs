@@ -60,10 +60,14 @@ pub fn fd_seals(fd: BorrowedFd<'_>) -> Result<Option<libc::c_int>, MemError> {
 }
 
 /// Whether `fd` is a file whose size cannot change under a mapping even though it carries no
-/// seals: character devices and anonymous-inode files (VFIO device fds). Regular files (on
-/// disk, tmpfs without seals) can be truncated by whoever holds them, so they are not.
+/// seals: character devices, anonymous-inode files, and sysfs files (a lender exports a VFIO
+/// device's BAR as its sysfs `resourceN` file, whose size is the BAR's and which kernfs never
+/// truncates). Regular files (on disk, tmpfs without seals) can be truncated by whoever holds
+/// them, so they are not. (This only answers "can it shrink": a window must still be as large
+/// as the file's `st_size` says, which a VFIO device fd, of size 0, never is.)
 pub fn fd_has_fixed_extent(fd: BorrowedFd<'_>) -> Result<bool, MemError> {
     const ANON_INODE_FS_MAGIC: i64 = 0x0904_1934;
+    const SYSFS_MAGIC: i64 = 0x6265_6572;
     let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
     // SAFETY: fstat writes into the valid, properly sized stat buffer; the fd is borrowed live.
     if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } < 0 {
@@ -82,7 +86,10 @@ pub fn fd_has_fixed_extent(fd: BorrowedFd<'_>) -> Result<bool, MemError> {
     // SAFETY: fstatfs succeeded, so the buffer is initialised.
     let sfs = unsafe { sfs.assume_init() };
     #[allow(clippy::unnecessary_cast)] // f_type's integer type differs between libcs
-    Ok(sfs.f_type as i64 == ANON_INODE_FS_MAGIC)
+    Ok(matches!(
+        sfs.f_type as i64,
+        ANON_INODE_FS_MAGIC | SYSFS_MAGIC
+    ))
 }
 
 /// Checks that `offset..offset+len` lies within `size`.
@@ -365,6 +372,12 @@ mod tests {
         // SAFETY: the eventfd outlives the borrow.
         let b = unsafe { BorrowedFd::borrow_raw(e.as_raw_fd()) };
         assert!(fd_has_fixed_extent(b).unwrap(), "anon inode");
+        // A sysfs file (what a VFIO BAR is exported as): fixed, and not sealable.
+        let sys = std::fs::File::open("/sys/kernel/mm/transparent_hugepage/enabled")
+            .or_else(|_| std::fs::File::open("/sys/devices/system/cpu/online"))
+            .expect("a sysfs file (is /sys mounted?)");
+        assert_eq!(fd_seals(sys.as_fd()).unwrap(), None);
+        assert!(fd_has_fixed_extent(sys.as_fd()).unwrap(), "sysfs");
     }
 
     #[test]

@@ -7,8 +7,8 @@
 //!   fake VFIO layer; untested on hardware).
 //!
 //! Every backend owns one IOMMU domain for its whole life; a lease maps the borrower's windows
-//! into it and unmaps them when it ends. Config writes from a borrower pass the lender-side
-//! [`config::ConfigFilter`] first.
+//! into it and unmaps them when it ends. Config accesses from a borrower pass the lender-side
+//! [`config::ConfigGate`] (conventional filter, extended-space view) first.
 
 pub mod config;
 pub mod emulated;
@@ -59,6 +59,17 @@ pub enum BackendError {
         /// Length.
         len: usize,
     },
+    /// A config write that no PCI config cycle can be.
+    #[error(
+        "config write of {len} bytes at {offset:#x} refused: config writes must be 1, 2 or 4 \
+         bytes inside one dword"
+    )]
+    BadConfigAccess {
+        /// Offset.
+        offset: u16,
+        /// Length.
+        len: usize,
+    },
     /// The config filter refused a write.
     #[error(transparent)]
     Forbidden(#[from] config::FilterError),
@@ -105,6 +116,11 @@ pub trait DeviceBackend: Send + Sync {
     fn kind(&self) -> &str;
     /// Config snapshot (current), BARs (without window ids), capabilities, IRQ counts.
     fn describe(&self, id: &str) -> DeviceInfo;
+    /// Size of the function's config space: 256 (conventional) or 4096 (PCIe extended).
+    /// Default: 256.
+    fn config_size(&self) -> u16 {
+        256
+    }
     /// Reads config space.
     fn config_read(&self, offset: u16, buf: &mut [u8]) -> Result<(), BackendError>;
     /// Writes config space. Callers pass borrower writes through [`config::ConfigFilter`]
@@ -172,18 +188,14 @@ pub trait DeviceBackend: Send + Sync {
     }
 }
 
-/// Applies the lender's filter to a borrower's config write, then performs it.
+/// Applies the lender's filter to a borrower's config write, then performs it (a one-off
+/// [`config::ConfigGate`]; the server keeps one per lease).
 pub fn filtered_config_write(
     backend: &dyn DeviceBackend,
     offset: u16,
     data: &[u8],
-) -> Result<(), BackendError> {
-    let mut snapshot = vec![0u8; 256];
-    backend.config_read(0, &mut snapshot)?;
-    let filter = config::ConfigFilter::from_config(&snapshot);
-    let cmd = u16::from_le_bytes([snapshot[4], snapshot[5]]);
-    let data = filter.filter_write(offset, data, cmd)?;
-    backend.config_write(offset, &data)
+) -> Result<config::WriteOutcome, BackendError> {
+    config::ConfigGate::new(backend.kind(), backend)?.write(backend, offset, data)
 }
 
 /// Walks the standard capability list of a config snapshot (bounded, loop-safe).
@@ -217,11 +229,15 @@ pub fn capabilities(config: &[u8]) -> Vec<CapDesc> {
         if h == 0 || h == u32::MAX {
             break;
         }
-        out.push(CapDesc {
-            id: (h & 0xffff) as u16,
-            offset: ext as u16,
-            extended: true,
-        });
+        // ID 0 is a null capability (a placeholder the lender's view puts at 0x100 when the
+        // device's first capability is hidden): walked past, not listed.
+        if h & 0xffff != 0 {
+            out.push(CapDesc {
+                id: (h & 0xffff) as u16,
+                offset: ext as u16,
+                extended: true,
+            });
+        }
         ext = (h >> 20) as usize & 0xffc;
         seen += 1;
     }
@@ -246,6 +262,54 @@ pub fn device_info(
         caps,
         irqs,
         msix,
+    }
+}
+
+/// A logger for the crate's unit tests that keeps every line at info and above, so tests can
+/// check what was logged (and how often). Tests run in parallel: match on something unique
+/// to the test (a device name, a path).
+#[cfg(test)]
+pub(crate) mod test_log {
+    use std::sync::{Mutex, Once};
+
+    struct Capture(Mutex<Vec<String>>);
+
+    static LINES: Capture = Capture(Mutex::new(Vec::new()));
+    static INIT: Once = Once::new();
+
+    impl log::Log for Capture {
+        fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+            m.level() <= log::Level::Info
+        }
+        fn log(&self, r: &log::Record<'_>) {
+            if self.enabled(r.metadata()) {
+                let line = format!("{} {}", r.level(), r.args());
+                match self.0.lock() {
+                    Ok(mut g) => g.push(line),
+                    Err(p) => p.into_inner().push(line),
+                }
+            }
+        }
+        fn flush(&self) {}
+    }
+
+    /// Installs the capture (once per test binary; fails loudly if another logger is set).
+    pub(crate) fn init() {
+        INIT.call_once(|| {
+            if let Err(e) = log::set_logger(&LINES) {
+                panic!("test logger: {e}");
+            }
+            log::set_max_level(log::LevelFilter::Info);
+        });
+    }
+
+    /// The captured lines that contain `needle`.
+    pub(crate) fn lines_with(needle: &str) -> Vec<String> {
+        let g = match LINES.0.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        g.iter().filter(|l| l.contains(needle)).cloned().collect()
     }
 }
 

@@ -4,16 +4,26 @@
 //! [`VfioDeviceOps`] (implemented for [`vfio_ioctls::VfioDevice`]) and is unit-tested with
 //! [`fake::FakeVfioDevice`].
 //!
-//! * config space: VFIO config region (index 7), borrower writes filtered by the lender;
-//! * BARs: mmap-able regions are exported as fabric windows straight from the device fd at the
-//!   region offset; others use region read/write;
+//! * config space: VFIO config region (index 7), borrower accesses through the lender's
+//!   [`super::config::ConfigGate`];
+//! * BARs: a BAR is exported as a fabric window through the device's sysfs
+//!   `/sys/bus/pci/devices/<BDF>/resourceN` file, which grants that BAR's memory and nothing
+//!   else (no ioctls, no config space, no other BAR); the lender opens it when the backend is
+//!   built and checks it (size exactly the BAR's, mmap-able). **Never the VFIO device fd**: on
+//!   shm a window fd goes to the borrower, and the device fd would let it issue any VFIO
+//!   ioctl and write config space past the lender's filter. A BAR without a usable resource
+//!   file (missing, wrong size, not mmap-able, an I/O BAR, not mappable per VFIO, holding the
+//!   MSI-X table or PBA) is *trapped*: BAR_READ/BAR_WRITE through VFIO region read/write. Why,
+//!   is logged once per BAR;
 //! * interrupts: `VFIO_DEVICE_SET_IRQS` with the borrower's eventfds (shm) or with local
 //!   eventfds relayed to doorbells/messages ([`super::irq::IrqRelay`]);
 //! * reset: `VFIO_DEVICE_RESET` (FLR or whatever the kernel picks);
 //! * DMA: one VFIO container per device ([`crate::iommu::vfio::VfioDomain`]).
 
-use std::os::fd::BorrowedFd;
-use std::path::Path;
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use vfio_bindings::bindings::vfio::{
@@ -56,7 +66,8 @@ pub trait VfioDeviceOps: Send + Sync {
     fn disable_irq(&self, index: u32) -> Result<(), String>;
     /// `VFIO_DEVICE_RESET`.
     fn reset(&self);
-    /// The device fd (BAR mmaps).
+    /// The device fd. Never exported (see the module documentation); tests compare what is
+    /// exported against it.
     fn device_fd(&self) -> BorrowedFd<'_>;
 }
 
@@ -115,12 +126,33 @@ struct Wiring {
     _relay: Option<IrqRelay>,
 }
 
+/// Where the kernel shows PCI functions (`<BDF>/resourceN`).
+pub const SYSFS_PCI_DEVICES: &str = "/sys/bus/pci/devices";
+
+/// How one BAR reaches the borrower.
+#[derive(Debug)]
+pub enum BarAccess {
+    /// Exported as a fabric window: the BAR's sysfs resource file, opened and checked.
+    Direct {
+        /// The resource file (its fd is what a shm borrower receives).
+        file: File,
+        /// Its path, for logs.
+        path: PathBuf,
+        /// BAR size (= the file's size).
+        size: u64,
+    },
+    /// BAR_READ/BAR_WRITE through the lender; why it is not exported.
+    Trapped(String),
+}
+
 /// A vfio-pci function as a [`DeviceBackend`].
 pub struct VfioBackend<D: VfioDeviceOps> {
     name: String,
     dev: D,
     domain: Arc<dyn IommuDomain>,
     wiring: Mutex<Vec<(IrqKind, Wiring)>>,
+    /// BAR index -> how it is lent (BARs the device implements).
+    bars: Vec<(u8, BarAccess)>,
 }
 
 impl VfioBackend<vfio_ioctls::VfioDevice> {
@@ -129,7 +161,7 @@ impl VfioBackend<vfio_ioctls::VfioDevice> {
         let container = Arc::new(
             vfio_ioctls::VfioContainer::new(None).map_err(|e| BackendError::Vfio(e.to_string()))?,
         );
-        let path = Path::new("/sys/bus/pci/devices").join(bdf);
+        let path = Path::new(SYSFS_PCI_DEVICES).join(bdf);
         let dev = vfio_ioctls::VfioDevice::new(
             &path,
             Arc::clone(&container) as Arc<dyn vfio_ioctls::VfioOps>,
@@ -137,22 +169,158 @@ impl VfioBackend<vfio_ioctls::VfioDevice> {
         )
         .map_err(|e| BackendError::Vfio(format!("{}: {e}", path.display())))?;
         let domain = Arc::new(VfioDomain::new(format!("vfio {bdf}"), container));
-        Ok(VfioBackend::with_parts(bdf, dev, domain))
+        Ok(VfioBackend::with_parts(
+            bdf,
+            dev,
+            domain,
+            Path::new(SYSFS_PCI_DEVICES),
+        ))
     }
 }
 
+/// Whether `bdf` can name a directory under the sysfs root (no path tricks).
+fn plain_name(bdf: &str) -> bool {
+    !bdf.is_empty() && bdf != "." && bdf != ".." && !bdf.contains(['/', '\0'])
+}
+
 impl<D: VfioDeviceOps> VfioBackend<D> {
-    /// Assembles a backend (tests use a fake device and domain).
-    pub fn with_parts(name: &str, dev: D, domain: Arc<dyn IommuDomain>) -> Self {
-        VfioBackend {
+    /// Assembles a backend for the function `name` (its BDF): `sysfs` is the directory that
+    /// holds `<name>/resourceN` ([`SYSFS_PCI_DEVICES`]; tests pass a directory of fakes).
+    /// Decides once, per BAR, whether it is exported or trapped, and logs why a BAR is
+    /// trapped.
+    pub fn with_parts(name: &str, dev: D, domain: Arc<dyn IommuDomain>, sysfs: &Path) -> Self {
+        let mut b = VfioBackend {
             name: name.to_string(),
             dev,
             domain,
             wiring: Mutex::new(Vec::new()),
+            bars: Vec::new(),
+        };
+        b.bars = b.decide_bars(sysfs);
+        for (i, a) in &b.bars {
+            match a {
+                BarAccess::Direct { path, size, .. } => log::info!(
+                    "{name}: bar {i} lent directly through {} ({size:#x} bytes)",
+                    path.display()
+                ),
+                BarAccess::Trapped(why) => log::info!(
+                    "{name}: bar {i} is trapped (every access a BAR_READ/BAR_WRITE through the \
+                     lender): {why}"
+                ),
+            }
+        }
+        b
+    }
+
+    /// How bar `i` is lent, if the device implements it.
+    pub fn bar_access(&self, bar: u8) -> Option<&BarAccess> {
+        self.bars.iter().find(|(i, _)| *i == bar).map(|(_, a)| a)
+    }
+
+    fn decide_bars(&self, sysfs: &Path) -> Vec<(u8, BarAccess)> {
+        let mut cfg = [0u8; 256];
+        self.dev
+            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut cfg);
+        let msix = super::capabilities(&cfg)
+            .into_iter()
+            .find(|c| c.id == 0x11 && !c.extended)
+            .map(|c| {
+                let o = u64::from(c.offset);
+                (
+                    (self.config_u32(o + 4) & 7) as u8,
+                    (self.config_u32(o + 8) & 7) as u8,
+                )
+            });
+        (0..6u8)
+            .filter_map(|i| {
+                let r = self.dev.region(u32::from(i))?;
+                let at = 0x10 + 4 * usize::from(i);
+                let reg = u32::from_le_bytes([cfg[at], cfg[at + 1], cfg[at + 2], cfg[at + 3]]);
+                Some((i, self.decide_bar(sysfs, i, &r, reg, msix)))
+            })
+            .collect()
+    }
+
+    fn decide_bar(
+        &self,
+        sysfs: &Path,
+        i: u8,
+        r: &RegionInfo,
+        reg: u32,
+        msix: Option<(u8, u8)>,
+    ) -> BarAccess {
+        let trapped = |why: String| BarAccess::Trapped(why);
+        if reg & 1 != 0 {
+            return trapped("it is an i/o bar (port space cannot be mapped)".into());
+        }
+        if r.flags & VFIO_REGION_INFO_FLAG_MMAP == 0 {
+            return trapped("vfio does not allow mapping it".into());
+        }
+        if r.size < 4096 || !r.size.is_multiple_of(4096) {
+            return trapped(format!(
+                "its {:#x} bytes are not whole pages (fabric windows are)",
+                r.size
+            ));
+        }
+        if let Some((table, pba)) = msix {
+            if i == table || i == pba {
+                return trapped(
+                    "it holds the msi-x table or pba, which the borrower emulates: mapping it \
+                     would let the borrower program the device's real msi-x entries"
+                        .into(),
+                );
+            }
+        }
+        if !plain_name(&self.name) {
+            return trapped(format!(
+                "{:?} is not a pci address that names a sysfs directory",
+                self.name
+            ));
+        }
+        let path = sysfs.join(&self.name).join(format!("resource{i}"));
+        // Not through a symlink in the last component: the file must be the kernel's own.
+        let file = match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) => return trapped(format!("cannot open {}: {e}", path.display())),
+        };
+        let meta = match file.metadata() {
+            Ok(m) => m,
+            Err(e) => return trapped(format!("cannot stat {}: {e}", path.display())),
+        };
+        if !meta.file_type().is_file() {
+            return trapped(format!("{} is not a regular file", path.display()));
+        }
+        let have = meta.size();
+        if have != r.size {
+            let how = if have < r.size {
+                "smaller than"
+            } else {
+                "larger than (it would grant more than)"
+            };
+            return trapped(format!(
+                "{} is {have:#x} bytes, {how} the {:#x}-byte bar",
+                path.display(),
+                r.size
+            ));
+        }
+        // A trial mapping of the first page (no access): a kernel with
+        // CONFIG_IO_STRICT_DEVMEM refuses to map a BAR that a driver (vfio-pci) claimed.
+        if let Err(e) = ntb::mem::Mapping::map_shared(file.as_fd(), 0, 4096) {
+            return trapped(format!("{} cannot be mapped: {e}", path.display()));
+        }
+        BarAccess::Direct {
+            file,
+            path,
+            size: r.size,
         }
     }
 
-    fn config_size(&self) -> u64 {
+    fn config_len(&self) -> u64 {
         self.dev
             .region(VFIO_PCI_CONFIG_REGION_INDEX)
             .map_or(256, |r| r.size.min(4096))
@@ -199,8 +367,12 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
         "vfio"
     }
 
+    fn config_size(&self) -> u16 {
+        self.config_len() as u16
+    }
+
     fn describe(&self, id: &str) -> DeviceInfo {
-        let mut config = vec![0u8; self.config_size() as usize];
+        let mut config = vec![0u8; self.config_len() as usize];
         self.dev
             .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut config);
         let mut bars = Vec::new();
@@ -260,7 +432,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     }
 
     fn config_read(&self, offset: u16, buf: &mut [u8]) -> Result<(), BackendError> {
-        let size = self.config_size();
+        let size = self.config_len();
         if u64::from(offset) + buf.len() as u64 > size {
             return Err(BackendError::OutOfRange {
                 what: "config space".into(),
@@ -275,7 +447,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     }
 
     fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), BackendError> {
-        let size = self.config_size();
+        let size = self.config_len();
         if u64::from(offset) + data.len() as u64 > size {
             return Err(BackendError::OutOfRange {
                 what: "config space".into(),
@@ -290,12 +462,15 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     }
 
     fn bar_export(&self, bar: u8) -> Option<BarExport<'_>> {
-        let r = self.bar_region(bar).ok()?;
-        (r.flags & VFIO_REGION_INFO_FLAG_MMAP != 0 && r.size >= 4096).then(|| BarExport {
-            fd: self.dev.device_fd(),
-            offset: r.offset,
-            size: r.size,
-        })
+        match self.bar_access(bar)? {
+            // The resource file holds exactly this BAR, from offset 0.
+            BarAccess::Direct { file, size, .. } => Some(BarExport {
+                fd: file.as_fd(),
+                offset: 0,
+                size: *size,
+            }),
+            BarAccess::Trapped(_) => None,
+        }
     }
 
     fn bar_read(&self, bar: u8, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
@@ -484,6 +659,42 @@ pub mod fake {
         }
     }
 
+    /// A directory standing in for `/sys/bus/pci/devices`: `<bdf>/resourceN` files are plain
+    /// files of the BAR's size (sized and mmap-able like the kernel's).
+    #[cfg(any(test, feature = "testing"))]
+    pub struct FakeSysfs {
+        dir: tempfile::TempDir,
+    }
+
+    #[cfg(any(test, feature = "testing"))]
+    impl FakeSysfs {
+        /// An empty root (no device has resource files).
+        pub fn new() -> std::io::Result<Self> {
+            Ok(FakeSysfs {
+                dir: tempfile::tempdir()?,
+            })
+        }
+
+        /// The root to pass to [`super::VfioBackend::with_parts`].
+        pub fn root(&self) -> &std::path::Path {
+            self.dir.path()
+        }
+
+        /// Creates `<bdf>/resource<bar>` of `size` bytes.
+        pub fn add_resource(
+            &self,
+            bdf: &str,
+            bar: u8,
+            size: u64,
+        ) -> std::io::Result<std::path::PathBuf> {
+            let d = self.dir.path().join(bdf);
+            std::fs::create_dir_all(&d)?;
+            let p = d.join(format!("resource{bar}"));
+            std::fs::File::create(&p)?.set_len(size)?;
+            Ok(p)
+        }
+    }
+
     impl VfioDeviceOps for FakeVfioDevice {
         fn region(&self, index: u32) -> Option<RegionInfo> {
             self.regions.lock().ok()?.get(&index).map(|(r, _)| *r)
@@ -548,35 +759,56 @@ pub mod fake {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::fake::FakeVfioDevice;
+pub(crate) mod tests {
+    use super::fake::{FakeSysfs, FakeVfioDevice};
     use super::*;
     use crate::backend::filtered_config_write;
+    use crate::backend::test_log;
     use crate::iommu::vfio::fake::FakeVfioContainer;
     use crate::iommu::MmapBacking;
+    use std::os::fd::AsRawFd;
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::time::{Duration, Instant};
     use vfio_bindings::bindings::vfio::VFIO_REGION_INFO_FLAG_READ;
 
-    fn nic_like() -> FakeVfioDevice {
-        let mut cfg = vec![0u8; 256];
+    pub(crate) const BDF: &str = "0000:81:00.0";
+
+    /// Config space of the fake NIC: BAR0 64-bit prefetchable memory, BAR2 32-bit memory,
+    /// MSI-X at 0x40 (8 vectors, table in BAR2 at 0, PBA in BAR2 at 0x800) → PCI Express at
+    /// 0x60. With `ext`, 4 KiB with the extended chain of
+    /// [`crate::backend::config::extended::tests::ext_chain`] (AER, ACS, SR-IOV, ATS, PRI,
+    /// PASID, resizable BAR and an unknown one).
+    pub(crate) fn nic_config(ext: bool) -> Vec<u8> {
+        let mut cfg = vec![0u8; if ext { 4096 } else { 256 }];
         cfg[0..4].copy_from_slice(&[0x86, 0x80, 0x3e, 0x15]);
         cfg[6] = 0x10;
         cfg[0x10..0x14].copy_from_slice(&0x0000_000cu32.to_le_bytes()); // 64-bit prefetch
         cfg[0x18..0x1c].copy_from_slice(&0u32.to_le_bytes()); // BAR2 32-bit
         cfg[0x34] = 0x40;
         cfg[0x40] = 0x11; // MSI-X
-        cfg[0x41] = 0;
+        cfg[0x41] = 0x60;
         cfg[0x42..0x44].copy_from_slice(&7u16.to_le_bytes()); // 8 vectors
         cfg[0x44..0x48].copy_from_slice(&2u32.to_le_bytes()); // table in BAR2 @0
         cfg[0x48..0x4c].copy_from_slice(&(0x800u32 | 2).to_le_bytes());
+        cfg[0x60] = 0x10; // PCI Express, device control at 0x68
+        cfg[0x61] = 0;
+        cfg[0x62] = 0x02;
+        if ext {
+            crate::backend::config::extended::tests::put_ext_chain(&mut cfg);
+        }
+        cfg
+    }
+
+    /// The fake NIC over `cfg`; BAR2 (MSI-X) is mmap-able per VFIO when `bar2_mmap`.
+    pub(crate) fn nic_with(cfg: Vec<u8>, bar2_mmap: bool) -> FakeVfioDevice {
         let rw = VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE;
+        let cfg_size = cfg.len() as u64;
         FakeVfioDevice::new(
             vec![
                 (
                     VFIO_PCI_CONFIG_REGION_INDEX,
                     RegionInfo {
-                        size: 256,
+                        size: cfg_size,
                         offset: 7 << 40,
                         flags: rw,
                     },
@@ -596,7 +828,11 @@ mod tests {
                     RegionInfo {
                         size: 0x1000,
                         offset: 2 << 40,
-                        flags: rw,
+                        flags: if bar2_mmap {
+                            rw | VFIO_REGION_INFO_FLAG_MMAP
+                        } else {
+                            rw
+                        },
                     },
                     vec![0; 0x1000],
                 ),
@@ -606,16 +842,50 @@ mod tests {
         .unwrap()
     }
 
-    fn backend() -> (VfioBackend<FakeVfioDevice>, Arc<FakeVfioContainer>) {
+    fn nic_like() -> FakeVfioDevice {
+        nic_with(nic_config(false), false)
+    }
+
+    /// A backend over `dev` whose sysfs root is `sysfs`.
+    pub(crate) fn backend_with(
+        dev: FakeVfioDevice,
+        sysfs: &FakeSysfs,
+    ) -> (VfioBackend<FakeVfioDevice>, Arc<FakeVfioContainer>) {
         let c = Arc::new(FakeVfioContainer::default());
         let dom = Arc::new(VfioDomain::new("fake", Arc::clone(&c)));
-        (VfioBackend::with_parts("0000:81:00.0", nic_like(), dom), c)
+        (VfioBackend::with_parts(BDF, dev, dom, sysfs.root()), c)
+    }
+
+    /// The fake NIC with a fake sysfs that has BAR0's resource file.
+    fn backend() -> (
+        VfioBackend<FakeVfioDevice>,
+        Arc<FakeVfioContainer>,
+        FakeSysfs,
+    ) {
+        let sysfs = FakeSysfs::new().unwrap();
+        sysfs.add_resource(BDF, 0, 0x4000).unwrap();
+        let (b, c) = backend_with(nic_like(), &sysfs);
+        (b, c, sysfs)
+    }
+
+    fn stat(fd: BorrowedFd<'_>) -> libc::stat {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+        // SAFETY: fstat writes into the properly sized buffer; the fd is borrowed live.
+        assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) }, 0);
+        // SAFETY: fstat succeeded.
+        unsafe { st.assume_init() }
+    }
+
+    fn config_of(b: &VfioBackend<FakeVfioDevice>) -> Vec<u8> {
+        b.dev.regions.lock().unwrap()[&VFIO_PCI_CONFIG_REGION_INDEX]
+            .1
+            .clone()
     }
 
     #[test]
     fn describe_reads_bars_caps_and_irqs() {
-        let (b, _) = backend();
-        let info = b.describe("0000:81:00.0");
+        let (b, _, _sysfs) = backend();
+        let info = b.describe(BDF);
         assert_eq!(info.bars.len(), 2);
         assert_eq!(info.bars[0].index, 0);
         assert!(info.bars[0].is_64bit && info.bars[0].prefetchable);
@@ -627,9 +897,185 @@ mod tests {
         assert!(b.bar_export(2).is_none(), "not mmap-able");
     }
 
+    /// What a shm borrower receives for a BAR is the BAR's resource file: sized exactly as the
+    /// BAR, not the device fd, no VFIO ioctl works on it, and writing it at config offsets
+    /// never reaches config space.
+    #[test]
+    fn bar_export_is_the_resource_file_never_the_device_fd() {
+        let (b, _, sysfs) = backend();
+        let path = sysfs.root().join(BDF).join("resource0");
+        let cfg_before = config_of(&b);
+        let x = b.bar_export(0).expect("bar 0 has a resource file");
+        assert_eq!((x.offset, x.size), (0, 0x4000));
+        let st = stat(x.fd);
+        let file = std::fs::metadata(&path).unwrap();
+        assert_eq!((st.st_dev, st.st_ino), (file.dev(), file.ino()));
+        assert_eq!(st.st_size as u64, 0x4000, "exactly the bar's size");
+        let dev = stat(b.dev.device_fd());
+        assert_ne!(
+            (st.st_dev, st.st_ino),
+            (dev.st_dev, dev.st_ino),
+            "the export is not the device fd"
+        );
+        // VFIO_DEVICE_GET_INFO = _IO(';', 100 + 7): not a VFIO device.
+        const VFIO_DEVICE_GET_INFO: libc::Ioctl = 0x3b6b;
+        let mut info = [16u32, 0, 0, 0];
+        // SAFETY: an ioctl on a live fd with a 16-byte buffer the kernel may write.
+        let r = unsafe { libc::ioctl(x.fd.as_raw_fd(), VFIO_DEVICE_GET_INFO, info.as_mut_ptr()) };
+        assert_eq!(r, -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::ENOTTY)
+        );
+        // pwrite at config offsets (command, BAR0, MSI-X control, the PCIe FLR bit) lands in
+        // BAR memory, never in config space.
+        for (off, data) in [
+            (0x04i64, [0x07u8, 0x04, 0, 0]),
+            (0x10, [0xff; 4]),
+            (0x40, [0x11, 0, 0xff, 0xc0]),
+            (0x68, [0, 0x80, 0, 0]),
+        ] {
+            // SAFETY: pwrite of a 4-byte buffer on a live fd.
+            let n = unsafe { libc::pwrite(x.fd.as_raw_fd(), data.as_ptr().cast(), 4, off) };
+            assert_eq!(n, 4);
+            let mut back = [0u8; 4];
+            // SAFETY: pread into a 4-byte buffer on a live fd.
+            let n = unsafe { libc::pread(x.fd.as_raw_fd(), back.as_mut_ptr().cast(), 4, off) };
+            assert_eq!((n, back), (4, data));
+        }
+        assert_eq!(config_of(&b), cfg_before, "config space untouched");
+        // Nothing past the BAR: the file ends where the BAR does.
+        let mut byte = [0u8; 1];
+        // SAFETY: pread into a 1-byte buffer on a live fd.
+        let n = unsafe { libc::pread(x.fd.as_raw_fd(), byte.as_mut_ptr().cast(), 1, 0x4000) };
+        assert_eq!(n, 0);
+    }
+
+    /// Over a real shm link: the window the borrower maps for the BAR is the resource file.
+    #[test]
+    fn shm_window_of_a_bar_maps_the_resource_file() {
+        use ntb::{connect_addr, listen_addr, ControlAddr, LinkConfig, NodeId};
+        let (b, _, sysfs) = backend();
+        let dir = tempfile::tempdir().unwrap();
+        let addr = ControlAddr::Unix(dir.path().join("l.sock"));
+        let l = listen_addr(
+            &addr,
+            &NodeId::new("lender").unwrap(),
+            &LinkConfig::default(),
+        )
+        .unwrap();
+        // The fake resource file is a plain file (real sysfs files pass the seal check as
+        // fixed-extent files, see ntb::mem::fd_has_fixed_extent).
+        let bcfg = LinkConfig {
+            require_sealed_windows: false,
+            ..LinkConfig::default()
+        };
+        let t = std::thread::spawn(move || {
+            connect_addr(&addr, &NodeId::new("borrower").unwrap(), &bcfg).unwrap()
+        });
+        let lender = l.accept(Some(Duration::from_secs(5))).unwrap();
+        let borrower = t.join().unwrap();
+        // The size check stays meaningful: a device fd (size 0) cannot back any window.
+        let Err(e) = lender.export_window(b.dev.device_fd(), 0, 0x4000, "device-fd") else {
+            panic!("a size-0 fd must be refused as a window");
+        };
+        assert!(
+            matches!(e, ntb::FabricError::RegionTooSmall { have: 0, .. }),
+            "{e}"
+        );
+        let x = b.bar_export(0).unwrap();
+        let w = lender
+            .export_window(x.fd, x.offset, x.size, "bar0")
+            .unwrap();
+        let info = borrower
+            .wait_peer_window("bar0", Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(info.size, 0x4000);
+        let win = borrower.map_peer_window(info.id).unwrap();
+        let cfg_before = config_of(&b);
+        win.write_at(0x10, &[0xde, 0xad, 0xbe, 0xef]).unwrap();
+        win.write_at(0x3ffc, &[1, 2, 3, 4]).unwrap();
+        assert!(
+            win.write_at(0x3ffe, &[0; 4]).is_err(),
+            "nothing past the bar"
+        );
+        let file = std::fs::read(sysfs.root().join(BDF).join("resource0")).unwrap();
+        assert_eq!(&file[0x10..0x14], &[0xde, 0xad, 0xbe, 0xef]);
+        assert_eq!(&file[0x3ffc..], &[1, 2, 3, 4]);
+        assert_eq!(config_of(&b), cfg_before);
+        drop(w);
+    }
+
+    /// Every way a BAR can lack a usable resource file leaves it trapped, says why once, and
+    /// still works through BAR_READ/BAR_WRITE.
+    #[test]
+    fn bars_without_a_usable_resource_file_are_trapped_and_say_why() {
+        test_log::init();
+        let why = |b: &VfioBackend<FakeVfioDevice>, bar: u8| match b.bar_access(bar) {
+            Some(BarAccess::Trapped(w)) => w.clone(),
+            other => panic!("bar {bar}: {other:?}"),
+        };
+        // No resource file at all.
+        let sysfs = FakeSysfs::new().unwrap();
+        let (b, _) = backend_with(nic_like(), &sysfs);
+        assert!(b.bar_export(0).is_none());
+        let w = why(&b, 0);
+        assert!(
+            w.starts_with("cannot open ") && w.contains("resource0"),
+            "{w}"
+        );
+        let logged = test_log::lines_with(&w);
+        assert_eq!(logged.len(), 1, "logged once: {logged:?}");
+        assert!(logged[0].contains("bar 0 is trapped"), "{}", logged[0]);
+        b.bar_write(0, 0x20, &[9, 8, 7, 6]).unwrap();
+        let mut v = [0u8; 4];
+        b.bar_read(0, 0x20, &mut v).unwrap();
+        assert_eq!(v, [9, 8, 7, 6], "trapped access reaches the device");
+        // Smaller and larger than the BAR.
+        for (size, says) in [(0x1000u64, "smaller than"), (0x8000, "larger than")] {
+            let sysfs = FakeSysfs::new().unwrap();
+            sysfs.add_resource(BDF, 0, size).unwrap();
+            let (b, _) = backend_with(nic_like(), &sysfs);
+            assert!(b.bar_export(0).is_none());
+            assert!(why(&b, 0).contains(says), "{}", why(&b, 0));
+        }
+        // Not a file (a directory in its place), or a symlink to one of the right size.
+        let sysfs = FakeSysfs::new().unwrap();
+        std::fs::create_dir_all(sysfs.root().join(BDF).join("resource0")).unwrap();
+        let (b, _) = backend_with(nic_like(), &sysfs);
+        assert!(b.bar_export(0).is_none(), "{}", why(&b, 0));
+        let sysfs = FakeSysfs::new().unwrap();
+        let real = sysfs.add_resource("elsewhere", 0, 0x4000).unwrap();
+        std::fs::create_dir_all(sysfs.root().join(BDF)).unwrap();
+        std::os::unix::fs::symlink(&real, sysfs.root().join(BDF).join("resource0")).unwrap();
+        let (b, _) = backend_with(nic_like(), &sysfs);
+        assert!(why(&b, 0).starts_with("cannot open"), "{}", why(&b, 0));
+        // The MSI-X BAR, even when VFIO would let it be mapped and its file exists.
+        let sysfs = FakeSysfs::new().unwrap();
+        sysfs.add_resource(BDF, 2, 0x1000).unwrap();
+        let (b, _) = backend_with(nic_with(nic_config(false), true), &sysfs);
+        assert!(b.bar_export(2).is_none());
+        assert!(why(&b, 2).contains("msi-x"), "{}", why(&b, 2));
+        // Not mappable per VFIO (BAR2 without the flag).
+        let (b, _) = backend_with(nic_like(), &sysfs);
+        assert!(why(&b, 2).contains("vfio does not allow"), "{}", why(&b, 2));
+        // An I/O BAR.
+        let mut cfg = nic_config(false);
+        cfg[0x10..0x14].copy_from_slice(&0x0000_0001u32.to_le_bytes());
+        let sysfs = FakeSysfs::new().unwrap();
+        sysfs.add_resource(BDF, 0, 0x4000).unwrap();
+        let (b, _) = backend_with(nic_with(cfg, false), &sysfs);
+        assert!(why(&b, 0).contains("i/o bar"), "{}", why(&b, 0));
+        // A name that is not a plain directory name.
+        let c = Arc::new(FakeVfioContainer::default());
+        let dom = Arc::new(VfioDomain::new("fake", c));
+        let b = VfioBackend::with_parts("../x", nic_like(), dom, sysfs.root());
+        assert!(why(&b, 0).contains("not a pci address"), "{}", why(&b, 0));
+    }
+
     #[test]
     fn config_filter_bar_io_reset_and_dma() {
-        let (b, c) = backend();
+        let (b, c, _sysfs) = backend();
         assert!(filtered_config_write(&b, 0x10, &[0; 4]).is_err());
         assert!(filtered_config_write(&b, 0x42, &[0; 2]).is_err());
         filtered_config_write(&b, 4, &[0x06, 0]).unwrap();
@@ -661,7 +1107,7 @@ mod tests {
 
     #[test]
     fn irqs_go_direct_or_through_relay() {
-        let (b, _) = backend();
+        let (b, _, _sysfs) = backend();
         let direct = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
         let counted = Arc::new(Count::default());
         b.set_irqs(

@@ -11,13 +11,30 @@
 //! * PCIe device control "initiate FLR" bit: use RESET.
 //! * Command register Bus Master Enable: silently kept at the lender's value (the lender sets
 //!   it when a DMA window is mapped and clears it when the last one goes).
+//! * Status register Capabilities List bit: kept at the device's value (an emulated device
+//!   stores status bytes; clearing the bit would hide every capability from the walk that
+//!   decides what is protected).
+//!
+//! The extended space (0x100–0xFFF) is virtualized by [`extended`]: hidden capabilities
+//! (SR-IOV, ATS, PRI, PASID, resizable BAR, anything unknown) are unlinked, AER and ACS are
+//! read-only, and no borrower write reaches it. [`ConfigGate`] is the per-lease entry point
+//! that applies all of this, checks sizes and alignment, counts and logs (rate-limited).
+
+pub mod extended;
+#[cfg(test)]
+mod fuzz;
+mod gate;
 
 use thiserror::Error;
 
 use super::capabilities;
 
+pub use gate::{virtualized_info, ConfigGate, GateCounts, WriteOutcome};
+
 /// Command register bit: Bus Master Enable.
 pub const CMD_BUS_MASTER: u16 = 1 << 2;
+/// Status register (low byte) bit: Capabilities List.
+pub const STATUS_CAP_LIST: u8 = 1 << 4;
 
 /// A config write the borrower may not make.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -46,6 +63,9 @@ struct Protected {
 pub struct ConfigFilter {
     protected: Vec<Protected>,
     flr_bit_at: Option<usize>,
+    /// The device's Capabilities List status bit (0x10 of the status low byte): read-only,
+    /// kept at this value, because the filter's own capability walk depends on it.
+    status_caps: u8,
 }
 
 impl ConfigFilter {
@@ -140,6 +160,7 @@ impl ConfigFilter {
         ConfigFilter {
             protected: p,
             flr_bit_at,
+            status_caps: config.get(6).copied().unwrap_or(0) & STATUS_CAP_LIST,
         }
     }
 
@@ -179,6 +200,11 @@ impl ConfigFilter {
             let i = 4 - start;
             out[i] =
                 (out[i] & !(CMD_BUS_MASTER as u8)) | (current_cmd as u8 & CMD_BUS_MASTER as u8);
+        }
+        // Status low byte: Capabilities List stays the device's.
+        if (start..end).contains(&6) {
+            let i = 6 - start;
+            out[i] = (out[i] & !STATUS_CAP_LIST) | self.status_caps;
         }
         Ok(out)
     }
@@ -239,10 +265,18 @@ mod tests {
         );
         // Borrower clears BME; lender has it set.
         assert_eq!(f.filter_write(4, &[0x02], 0x0004).unwrap(), vec![0x06]);
-        // Status writes go through unchanged.
+        // Status writes go through, except that Capabilities List stays the device's.
         assert_eq!(
             f.filter_write(6, &[0xff, 0xff], 0).unwrap(),
             vec![0xff, 0xff]
+        );
+        assert_eq!(
+            f.filter_write(6, &[0x00, 0xff], 0).unwrap(),
+            vec![0x10, 0xff]
+        );
+        assert_eq!(
+            f.filter_write(4, &[0, 0, 0, 0], 0).unwrap(),
+            vec![0, 0, 0x10, 0]
         );
     }
 }
