@@ -768,7 +768,16 @@ impl Session {
                 let sl = self.lease(w.lease)?;
                 filtered_config_write(sl.lease.backend().as_ref(), w.offset, &w.data).map_err(
                     |e| {
-                        log::warn!("{peer}: lease {}: {e}", w.lease);
+                        // A hostile guest can loop on forbidden writes: first 16, then 1/1024.
+                        static REFUSED: std::sync::atomic::AtomicU64 =
+                            std::sync::atomic::AtomicU64::new(0);
+                        let n = REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                        if n <= 16 || n.is_multiple_of(1024) {
+                            log::warn!(
+                                "{peer}: lease {}: {e} (refused config write #{n})",
+                                w.lease
+                            );
+                        }
                         backend_err(e)
                     },
                 )?;
