@@ -257,7 +257,9 @@ fn hostile_guest_is_refused_or_contained() {
     let after = api.info().unwrap().counters.unwrap();
     assert_eq!(after, before, "vm.info counters");
     // API connections come and go: the count must come back to the baseline (or below).
-    let settled = poll(Duration::from_secs(5), || (vm.fd_count() <= vm_fds).then_some(()));
+    let settled = poll(Duration::from_secs(5), || {
+        (vm.fd_count() <= vm_fds).then_some(())
+    });
     assert!(
         settled.is_some(),
         "vmm fds {vm_fds} -> {}:\n{:#?}",

@@ -307,7 +307,7 @@ fn outside() -> impl Strategy<Value = u64> {
         Just(0xc000_0000u64),
         Just(0xe000_0000u64),
         Just(0xfee0_0000u64),
-        Just(u64::MAX & !0xfff),
+        Just(!0xfffu64),
         any::<u64>().prop_map(|a| (a | 1 << 40) & !0xfff),
     ]
 }
@@ -599,7 +599,7 @@ impl DmaMemory for ListMemory {
                 0 => h,
                 1 => iova & !(PAGE - 1),
                 2 => (iova & !(PAGE - 1)) + PAGE - 8,
-                _ => self.window.0 + (h % (self.window.1 - self.window.0)) & !(PAGE - 1),
+                _ => (self.window.0 + h % (self.window.1 - self.window.0)) & !(PAGE - 1),
             };
             let b = v.to_le_bytes();
             c.copy_from_slice(&b[..c.len()]);

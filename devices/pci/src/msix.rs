@@ -337,7 +337,7 @@ impl MsixConfig {
         }
         self.refused += 1;
         let n = self.refused;
-        if n <= 16 || n.is_multiple_of(1024) {
+        if n <= 16 || n % 1024 == 0 {
             log::warn!(
                 "msi-x vector {vector} (devid {:#x}): message address {:#x}:{:#x} data {:#x} \
                  is not an x86 interrupt; not routed until the guest writes a valid one \

@@ -259,7 +259,7 @@ impl PciBus {
                     .refused_moves
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                     + 1;
-                if n <= 16 || n.is_multiple_of(1024) {
+                if n <= 16 || n % 1024 == 0 {
                     log::warn!(
                         "{bdf}: bar {} move {:#x} -> {:#x} refused: {e}; it stays where it was \
                          (refused move #{n})",

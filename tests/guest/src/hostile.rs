@@ -19,7 +19,9 @@
 use core::ptr::{addr_of, read_volatile, write_volatile};
 
 use crate::dma::{self, PAGE};
-use crate::interrupts::{irq_count, ticks, wait_until, DMATEST_VECTOR, NVME_ADMIN_VECTOR, NVME_IO_VECTOR};
+use crate::interrupts::{
+    irq_count, ticks, wait_until, DMATEST_VECTOR, NVME_ADMIN_VECTOR, NVME_IO_VECTOR,
+};
 use crate::mmio;
 use crate::nvme::{self, Nvme, Setup};
 use crate::pci::{self, Func, Msix, CAP_MSIX, CMD_BUS_MASTER, CMD_INTX_DISABLE, CMD_MEM};
@@ -131,11 +133,14 @@ impl Tally {
     }
 
     fn report(&self, r: &mut Results, name: &str) -> Out {
-        r.report(name, !self.broken && self.refused == self.injected && self.injected > 0)
-            .s("injected=")
-            .dec(self.injected)
-            .s(" refused=")
-            .dec(self.refused)
+        r.report(
+            name,
+            !self.broken && self.refused == self.injected && self.injected > 0,
+        )
+        .s("injected=")
+        .dec(self.injected)
+        .s(" refused=")
+        .dec(self.refused)
     }
 }
 
@@ -248,7 +253,8 @@ pub fn run(r: &mut Results, p: Params) {
 
     let bad = c.guards.check();
     let works = c.io_works();
-    let o = r.report("hostile-guards", bad.is_none() && works)
+    let o = r
+        .report("hostile-guards", bad.is_none() && works)
         .s("regions=")
         .dec(c.guards.len as u64)
         .s(" io-after=")
@@ -278,7 +284,9 @@ fn dma_outside_ram(c: &mut Ctx, r: &mut Results) {
         for &a in &targets {
             let st = sc(&c.n().exec(true, nvme::rw(nvme::OP_READ, a, 0, good, lpp)));
             t.expect(st == Some(SC_DATA_TRANSFER_ERROR));
-            let st = sc(&c.n().exec(true, nvme::rw(nvme::OP_WRITE, a, 0, poison, lpp)));
+            let st = sc(&c
+                .n()
+                .exec(true, nvme::rw(nvme::OP_WRITE, a, 0, poison, lpp)));
             t.expect(st == Some(SC_DATA_TRANSFER_ERROR));
         }
     }
@@ -299,14 +307,18 @@ fn prp_lists(c: &mut Ctx, r: &mut Results) {
         // (1) The last slot of the list page chains to itself: the walk consumes nothing.
         let last = b + PAGE - 8;
         dma::write64(last, last);
-        let st = sc(&c.n().exec(true, nvme::rw(nvme::OP_READ, a, last, good, 3 * lpp)));
+        let st = sc(&c
+            .n()
+            .exec(true, nvme::rw(nvme::OP_READ, a, last, good, 3 * lpp)));
         t.expect(st == Some(SC_PRP_OFFSET_INVALID));
         // (2) A two-slot list at the end of a page chains back to its own start: the same
         // data page repeats. Legal but odd: must complete, any status, guards untouched.
         let l2 = b + 2 * PAGE - 16;
         dma::write64(l2, a + PAGE);
         dma::write64(l2 + 8, l2);
-        let st = sc(&c.n().exec(true, nvme::rw(nvme::OP_READ, a, l2, good, 8 * lpp)));
+        let st = sc(&c
+            .n()
+            .exec(true, nvme::rw(nvme::OP_READ, a, l2, good, 8 * lpp)));
         t.expect(st == Some(SC_SUCCESS) || st == Some(SC_PRP_OFFSET_INVALID));
         // (3) List entries into MMIO holes (BAR window, ECAM): write refused whole, read
         // fails.
@@ -314,13 +326,20 @@ fn prp_lists(c: &mut Ctx, r: &mut Results) {
         dma::write64(l3, a + 2 * PAGE);
         dma::write64(l3 + 8, 0xc000_0000);
         dma::write64(l3 + 16, 0xe000_0000);
-        let st = sc(&c.n().exec(true, nvme::rw(nvme::OP_WRITE, a + PAGE, l3, poison, 4 * lpp)));
+        let st = sc(&c.n().exec(
+            true,
+            nvme::rw(nvme::OP_WRITE, a + PAGE, l3, poison, 4 * lpp),
+        ));
         t.expect(st == Some(SC_DATA_TRANSFER_ERROR));
-        let st = sc(&c.n().exec(true, nvme::rw(nvme::OP_READ, a + PAGE, l3, good, 4 * lpp)));
+        let st = sc(&c
+            .n()
+            .exec(true, nvme::rw(nvme::OP_READ, a + PAGE, l3, good, 4 * lpp)));
         t.expect(st == Some(SC_DATA_TRANSFER_ERROR));
         // (4) The list itself in the ECAM, and past RAM.
         for l in [0xe000_0000, past] {
-            let st = sc(&c.n().exec(true, nvme::rw(nvme::OP_WRITE, a, l, poison, 3 * lpp)));
+            let st = sc(&c
+                .n()
+                .exec(true, nvme::rw(nvme::OP_WRITE, a, l, poison, 3 * lpp)));
             t.expect(st == Some(SC_DATA_TRANSFER_ERROR));
         }
     }
@@ -337,20 +356,30 @@ fn doorbells(c: &mut Ctx, r: &mut Results) {
     let cq1 = c.s.n.doorbell_reg(1, 1);
     let events_before = irq_count(NVME_ADMIN_VECTOR);
     // SQ tail beyond the queue, with an AER outstanding.
-    let aer = c.n().submit(false, nvme::command(nvme::OP_ASYNC_EVENT, 0, 0, 0));
+    let aer = c
+        .n()
+        .submit(false, nvme::command(nvme::OP_ASYNC_EVENT, 0, 0, 0));
     mmio::write32(bar0 + sq1, nvme::IO_ENTRIES as u32 + 3);
     let e = c.n().wait(false, aer, nvme::OP_ASYNC_EVENT);
-    t.expect(e.as_ref().is_some_and(|e| e.status == 0 && e.dw0 == AEN_INVALID_DOORBELL));
+    t.expect(
+        e.as_ref()
+            .is_some_and(|e| e.status == 0 && e.dw0 == AEN_INVALID_DOORBELL),
+    );
     t.broken |= !c.io_works();
     // Read the Error Information log (re-arms error events), then a CQ head beyond the queue.
     let page = dma::data_b() + 3 * PAGE;
     let mut cmd = nvme::command(nvme::OP_GET_LOG_PAGE, 0xffff_ffff, page, 0);
     cmd[10] = 1 | 15 << 16;
     t.broken |= c.n().ok(false, cmd).is_none();
-    let aer = c.n().submit(false, nvme::command(nvme::OP_ASYNC_EVENT, 0, 0, 0));
+    let aer = c
+        .n()
+        .submit(false, nvme::command(nvme::OP_ASYNC_EVENT, 0, 0, 0));
     mmio::write32(bar0 + cq1, nvme::IO_ENTRIES as u32 + 9);
     let e = c.n().wait(false, aer, nvme::OP_ASYNC_EVENT);
-    t.expect(e.as_ref().is_some_and(|e| e.status == 0 && e.dw0 == AEN_INVALID_DOORBELL));
+    t.expect(
+        e.as_ref()
+            .is_some_and(|e| e.status == 0 && e.dw0 == AEN_INVALID_DOORBELL),
+    );
     t.broken |= !c.io_works();
     // A storm of distinct bad values (events stay masked: nothing to complete).
     let storm = 16 * c.p.reps;
@@ -484,14 +513,19 @@ fn dmatest_outside(c: &mut Ctx, r: &mut Results) {
     dma::fill_pattern(src, PAGE, 0x5eed);
     let past = c.past_ram();
     for _ in 0..c.p.reps {
-        for (s, d) in [(src, past), (src, 0xfee0_0000), (0xe000_0000, dst), (src, c.s.n.bar0)] {
+        for (s, d) in [
+            (src, past),
+            (src, 0xfee0_0000),
+            (0xe000_0000, dst),
+            (src, c.s.n.bar0),
+        ] {
             t.expect(dt_copy(c.df, s, d) == Some(DT_ERROR));
         }
     }
     let counted = mmio::read32(bar0 + DT_FAULTS).wrapping_sub(faults) as u64;
     dma::zero(dst, PAGE);
-    let works = dt_copy(c.df, src, dst) == Some(DT_DONE)
-        && dma::check_pattern(dst, PAGE, 0x5eed).is_none();
+    let works =
+        dt_copy(c.df, src, dst) == Some(DT_DONE) && dma::check_pattern(dst, PAGE, 0x5eed).is_none();
     t.broken = !works || counted < t.injected;
     t.report(r, "hostile-dmatest-outside-ram")
         .s(" device-faults=")
@@ -538,7 +572,8 @@ fn bars(c: &mut Ctx, r: &mut Results, target: u64) {
         // LAPIC: the NVMe table stays the NVMe's.
         for over in [nvme_bar4, dt_bar1, 0xfee0_0000] {
             df.write32(0x10, over as u32);
-            let ok = mmio::read32(nvme_table + 16) == entry1 && mmio::read32(dt_bar0) == DT_ID_VALUE;
+            let ok =
+                mmio::read32(nvme_table + 16) == entry1 && mmio::read32(dt_bar0) == DT_ID_VALUE;
             t.expect(ok);
             df.write32(0x10, dt_reg);
         }
