@@ -18,6 +18,9 @@ PROPTEST_CASES=25000 cargo test -p ntb --locked --test wire_fuzz
 PROPTEST_CASES=100000 cargo test -p lending --locked --lib protocol
 # Config-space requests through the lender's gate (conventional filter + extended space).
 PROPTEST_CASES=20000 cargo test -p lending --locked --lib backend::config::fuzz
+# NVMe submission entries and PRP lists against the emulated controller (each case is real
+# I/O through the controller thread and its file: ~30 s at this budget on 2 cores).
+PROPTEST_CASES=96 cargo test -p emulated --locked --test fuzz
 if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
   echo "test: LENDVM_SKIP_LINUX=1: Linux end-to-end tests skipped"
 else

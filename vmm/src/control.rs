@@ -921,6 +921,10 @@ impl Controller {
                 c.insert("trapped_bar_writes".into(), io.trapped_writes);
                 c.insert("vmm_doorbell_kicks".into(), io.kicks);
                 c.insert("ioeventfds".into(), io.ioeventfds);
+                c.insert("msix_refused".into(), io.msix_refused);
+                c.insert("bar_moves_refused".into(), io.bar_moves_refused);
+                c.insert("flrs".into(), io.flrs);
+                c.insert("config_writes_refused".into(), io.config_writes_refused);
             }
             let status = e.device.as_ref().map(|d| lock(d).status());
             if let Some(st) = status.as_ref().or(e.last.as_ref()) {

@@ -90,11 +90,42 @@ impl BusDevice for BarBusDevice {
 type BarTable = Arc<Mutex<BTreeMap<u8, Vec<PciBarConfiguration>>>>;
 
 /// Moves bus ranges and allocator reservations when the guest reprograms a BAR.
+///
+/// A guest may write any address into a BAR. The move is refused (the BAR keeps decoding
+/// where it was placed last; the device maps nothing at the new address) when the new range
+/// is not inside the PCI windows the VMM gives the guest — the 32-bit window
+/// 0xC000_0000..0xE000_0000 or the 64-bit window after RAM for memory BARs, the I/O window
+/// for I/O BARs — or overlaps another bus range (another BAR, this device's included, or
+/// the ECAM). Guest RAM, the ECAM, the platform devices, the IOAPIC and the LAPIC/MSI
+/// window all lie outside those windows, so no BAR is ever mapped over them.
 pub struct BarRelocator {
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
     allocators: Arc<Mutex<PciBarAllocators>>,
     bars: BarTable,
+    /// Start of the 64-bit BAR window.
+    mmio64_start: u64,
+}
+
+impl BarRelocator {
+    /// The windows a BAR of `region_type` may be placed in.
+    fn windows(&self, region_type: PciBarRegionType) -> Vec<(u64, u64)> {
+        match region_type {
+            PciBarRegionType::Io => vec![(pci::device::PCI_IO_BASE, pci::device::PCI_IO_SIZE)],
+            _ => vec![
+                (pci::device::MMIO32_BASE, pci::device::MMIO32_SIZE),
+                (self.mmio64_start, PCI_MMIO64_SIZE),
+            ],
+        }
+    }
+
+    fn inside_windows(&self, region_type: PciBarRegionType, base: u64, len: u64) -> bool {
+        base.checked_add(len).is_some_and(|end| {
+            self.windows(region_type)
+                .iter()
+                .any(|&(w, size)| base >= w && end <= w + size)
+        })
+    }
 }
 
 impl DeviceRelocation for BarRelocator {
@@ -109,10 +140,27 @@ impl DeviceRelocation for BarRelocator {
         } else {
             &self.mmio
         };
-        bus.relocate(mv.old, mv.new).map_err(|e| mv.failed(e))?;
+        if !self.inside_windows(mv.region_type, mv.new, mv.len) {
+            return Err(mv.failed(format!(
+                "{:#x}+{:#x} is outside the pci windows (guest ram, platform mmio or unbacked)",
+                mv.new, mv.len
+            )));
+        }
+        let mut bars = self.bars.lock().unwrap_or_else(|e| e.into_inner());
+        // Where the BAR is on the bus now: its last accepted address, which differs from
+        // `mv.old` (the guest's previous value) after a refused move.
+        let entry = bars
+            .get_mut(&bdf.device())
+            .and_then(|v| v.iter_mut().find(|b| b.idx == mv.bar_idx));
+        let from = entry.as_ref().map_or(mv.old, |b| b.addr);
+        bus.relocate(from, mv.new).map_err(|e| mv.failed(e))?;
+        if let Some(b) = entry {
+            b.addr = mv.new;
+        }
+        drop(bars);
         let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = alloc.free(mv.region_type, mv.old, mv.len) {
-            log::warn!("{bdf}: freeing old bar range {:#x}: {e}", mv.old);
+        if let Err(e) = alloc.free(mv.region_type, from, mv.len) {
+            log::warn!("{bdf}: freeing old bar range {from:#x}: {e}");
         }
         if let Err(e) = alloc.allocate_at(mv.region_type, mv.new, mv.len) {
             log::warn!(
@@ -120,19 +168,7 @@ impl DeviceRelocation for BarRelocator {
                 mv.new
             );
         }
-        let mut bars = self.bars.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(b) = bars
-            .get_mut(&bdf.device())
-            .and_then(|v| v.iter_mut().find(|b| b.addr == mv.old))
-        {
-            b.addr = mv.new;
-        }
-        log::debug!(
-            "{bdf}: bar {} moved {:#x} -> {:#x}",
-            mv.bar_idx,
-            mv.old,
-            mv.new
-        );
+        log::debug!("{bdf}: bar {} moved {from:#x} -> {:#x}", mv.bar_idx, mv.new);
         Ok(())
     }
 }
@@ -209,6 +245,7 @@ impl DeviceManager {
             mmio: mmio.clone(),
             allocators: allocators.clone(),
             bars: bars.clone(),
+            mmio64_start,
         })));
         pio.insert(
             Arc::new(Mutex::new(PciConfigIo::new(pci_bus.clone()))),
@@ -486,5 +523,80 @@ mod tests {
             .read(PCI_ECAM_START | (2 << 15) | 0x10, &mut bar0)
             .unwrap();
         assert_eq!(u64::from(u32::from_le_bytes(bar0) & !0xf), base);
+    }
+
+    /// A guest writes BAR addresses over RAM, over the ECAM / LAPIC, over another device's
+    /// BAR and outside every window: each move is refused and the BAR keeps decoding where it
+    /// was; a later valid move still works (it used to be looked up by the refused address
+    /// and fail for good), and removal frees the range the BAR really occupies.
+    #[test]
+    fn bar_moves_outside_the_windows_or_over_other_bars_are_refused() {
+        let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
+        let vm = kvm.create_vm().unwrap();
+        let dm = DeviceManager::new(
+            &vm,
+            &SerialConfig::Off,
+            Arc::new(ExitNotifier::new()),
+            1 << 32,
+        )
+        .unwrap();
+        let ranges = dm.mmio_bus().len();
+        dm.add_pci_device(test_dev(), Some(1)).unwrap();
+        dm.add_pci_device(test_dev(), Some(2)).unwrap();
+        let cfg = |slot: u64, off: u64| PCI_ECAM_START | (slot << 15) | off;
+        let bar = |slot: u64| {
+            let mut b = [0u8; 4];
+            dm.mmio_bus().read(cfg(slot, 0x10), &mut b).unwrap();
+            u64::from(u32::from_le_bytes(b) & !0xf)
+        };
+        let set_bar = |slot: u64, addr: u32| {
+            dm.mmio_bus()
+                .write(cfg(slot, 0x10), &addr.to_le_bytes())
+                .unwrap();
+        };
+        // Reaches slot 1's read_bar at `addr`.
+        let decodes = |addr: u64| {
+            let mut b = [0u8; 1];
+            dm.mmio_bus().read(addr + 3, &mut b).is_ok() && b[0] == 3 ^ 0xa5
+        };
+        let (one, two) = (bar(1), bar(2));
+        assert_ne!(one, two);
+        let refused = dm.pci_bus().refused_bar_moves();
+        for bad in [
+            0x10_0000u32,          // guest RAM
+            0x0u32,                // address 0
+            PCI_ECAM_START as u32, // ECAM
+            0xfee0_0000,           // LAPIC / MSI window
+            0xfec0_0000,           // IOAPIC
+            two as u32,            // the other device's BAR
+            0xf000_0000,           // between the ECAM and the platform devices
+        ] {
+            set_bar(1, bad);
+            assert!(decodes(one), "bar left its place for {bad:#x}");
+            if bad as u64 != two {
+                let mut b = [0u8; 1];
+                assert!(
+                    dm.mmio_bus().read(u64::from(bad) + 3, &mut b).is_err() || b[0] != 3 ^ 0xa5,
+                    "slot 1 decodes at {bad:#x}"
+                );
+            }
+        }
+        assert_eq!(dm.pci_bus().refused_bar_moves(), refused + 7);
+        // A valid move after the refused ones: from where the BAR really is.
+        let free = (crate::layout::PCI_MMIO32_START + 0x100_0000) as u32;
+        set_bar(1, free);
+        assert!(decodes(u64::from(free)), "valid move after refusals");
+        assert!(!decodes(one));
+        // And back, then removal frees exactly what is on the bus.
+        set_bar(1, 0x10_0000);
+        set_bar(1, one as u32);
+        assert!(decodes(one));
+        dm.remove_pci_device(1).unwrap();
+        dm.remove_pci_device(2).unwrap();
+        assert_eq!(dm.mmio_bus().len(), ranges, "bar ranges removed");
+        // Both windows were freed: new devices get the first two addresses again.
+        dm.add_pci_device(test_dev(), Some(3)).unwrap();
+        dm.add_pci_device(test_dev(), Some(4)).unwrap();
+        assert_eq!((bar(3), bar(4)), (one, two));
     }
 }

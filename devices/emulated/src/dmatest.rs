@@ -18,7 +18,7 @@
 //! A copy whose source or destination is outside the DMA window completes with STATUS.error
 //! set, FAULTS incremented, and nothing written.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -86,6 +86,8 @@ struct Inner {
     state: Mutex<State>,
     notify: NotifyMode,
     wait: Arc<WaitState>,
+    /// Copies the DMA window refused (for the log rate limit).
+    refused: AtomicU64,
 }
 
 impl Inner {
@@ -156,7 +158,11 @@ impl Inner {
             .read(src, &mut buf)
             .and_then(|_| self.dma.write(dst, &buf))
         {
-            log::warn!("dmatest: {e}");
+            // A guest can loop on refused copies: the first 16, then one in 1024.
+            let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+            if n <= 16 || n.is_multiple_of(1024) {
+                log::warn!("dmatest: {e} (refused copy #{n})");
+            }
             return false;
         }
         true
@@ -210,6 +216,7 @@ impl DmaTest {
                 what: "worker wake eventfd",
                 source,
             })?,
+            refused: AtomicU64::new(0),
         };
         inner.publish(&State::default());
         Ok(DmaTest {

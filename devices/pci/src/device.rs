@@ -334,6 +334,12 @@ pub trait PciDevice: Send {
         Ok(())
     }
 
+    /// Called instead of [`PciDevice::move_bar`] when the VMM refused the guest's new
+    /// address for a BAR (it overlaps another BAR, guest RAM or platform MMIO, or lies
+    /// outside the PCI windows): the BAR keeps decoding where it was placed last, so the
+    /// device must not map anything at `mv.new`.
+    fn bar_move_refused(&mut self, _mv: &BarMove) {}
+
     /// Function reset (e.g. FLR or VM reset). Devices drop DMA pins and mappings here.
     fn reset(&mut self) -> Result<(), PciDeviceError> {
         Ok(())

@@ -8,6 +8,13 @@
 //! Interrupts signalled directly on a group notifier (irqfd) while masked stay in the
 //! eventfd and are delivered by KVM when the irqfd is registered again; they do not show
 //! in the PBA.
+//!
+//! A guest can write anything into the table. A message that is not an x86 interrupt
+//! ([`msi_message_valid`]: address outside the 0xFEEx_xxxx window, a non-zero upper
+//! address, reserved data bits or delivery modes) is never routed: the vector behaves as
+//! masked (no KVM route, no irqfd; signals wait in the eventfd or the PBA) until the guest
+//! writes a valid message. Each refusal is counted ([`MsixConfig::refused_messages`]) and
+//! logged rate-limited; the other vectors are not affected.
 
 use std::sync::Arc;
 
@@ -30,6 +37,21 @@ pub const MSIX_CTL_TABLE_SIZE_MASK: u16 = 0x07ff;
 pub const MSIX_VECTOR_CTL_MASK: u32 = 1;
 /// Size of the capability in configuration space.
 pub const MSIX_CAP_SIZE: usize = 12;
+/// The x86 MSI address window (the local APICs): address bits 31:20 are 0xFEE.
+pub const MSI_ADDRESS_WINDOW: u32 = 0xfee0_0000;
+const MSI_ADDRESS_WINDOW_MASK: u32 = 0xfff0_0000;
+
+/// Whether an MSI/MSI-X message is an interrupt an x86 guest can be given: the address lies
+/// in the 0xFEEx_xxxx window with a zero upper half, the data's reserved upper half is zero
+/// and its delivery mode (bits 10:8) is not one of the reserved encodings 011b and 110b.
+pub fn msi_message_valid(addr_lo: u32, addr_hi: u32, data: u32) -> bool {
+    let delivery = (data >> 8) & 7;
+    addr_lo & MSI_ADDRESS_WINDOW_MASK == MSI_ADDRESS_WINDOW
+        && addr_hi == 0
+        && data >> 16 == 0
+        && delivery != 0b011
+        && delivery != 0b110
+}
 
 /// Errors of MSI-X setup.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -191,6 +213,11 @@ impl MsixTableEntry {
     pub fn masked(&self) -> bool {
         self.vector_ctl & MSIX_VECTOR_CTL_MASK != 0
     }
+
+    /// Whether the message may be routed ([`msi_message_valid`]).
+    pub fn message_valid(&self) -> bool {
+        msi_message_valid(self.msg_addr_lo, self.msg_addr_hi, self.msg_data)
+    }
 }
 
 /// MSI-X table, PBA and control state of one function.
@@ -203,6 +230,10 @@ pub struct MsixConfig {
     enabled: bool,
     /// Masked by the VMM, not the guest (`vm.pause`): invisible in the guest's view.
     host_masked: bool,
+    /// Per vector: the guest unmasked it with a message the VMM refuses to route.
+    refusing: Vec<bool>,
+    /// Times a vector entered that state.
+    refused: u64,
 }
 
 impl std::fmt::Debug for MsixConfig {
@@ -240,7 +271,15 @@ impl MsixConfig {
             masked: false,
             enabled: false,
             host_masked: false,
+            refusing: vec![false; usize::from(vectors)],
+            refused: 0,
         })
+    }
+
+    /// How many times the guest unmasked a vector (or changed an unmasked vector's message)
+    /// with a message the VMM refused to route.
+    pub fn refused_messages(&self) -> u64 {
+        self.refused
     }
 
     /// The interrupt group.
@@ -265,13 +304,50 @@ impl MsixConfig {
         self.table_entries.get(vector).copied()
     }
 
-    /// True if `vector` cannot be delivered now (disabled, function or vector masked, or
-    /// masked by the VMM).
+    /// True if `vector` cannot be delivered now (disabled, function or vector masked,
+    /// masked by the VMM, or its message is refused).
     pub fn is_vector_masked(&self, vector: usize) -> bool {
-        !self.enabled
-            || self.masked
+        self.guest_masked(vector)
             || self.host_masked
-            || self.table_entries.get(vector).is_none_or(|e| e.masked())
+            || self
+                .table_entries
+                .get(vector)
+                .is_none_or(|e| !e.message_valid())
+    }
+
+    /// Masked as the guest sees it (disabled, function mask, vector mask).
+    fn guest_masked(&self, vector: usize) -> bool {
+        !self.enabled || self.masked || self.table_entries.get(vector).is_none_or(|e| e.masked())
+    }
+
+    /// Counts (and logs, rate-limited) a vector the guest made deliverable with a message
+    /// that is not routed.
+    fn note_refusal(&mut self, vector: usize) {
+        let Some(e) = self.table_entries.get(vector).copied() else {
+            return;
+        };
+        let now = !self.guest_masked(vector) && !e.message_valid();
+        let Some(was) = self.refusing.get_mut(vector) else {
+            return;
+        };
+        let newly = now && !*was;
+        *was = now;
+        if !newly {
+            return;
+        }
+        self.refused += 1;
+        let n = self.refused;
+        if n <= 16 || n % 1024 == 0 {
+            log::warn!(
+                "msi-x vector {vector} (devid {:#x}): message address {:#x}:{:#x} data {:#x} \
+                 is not an x86 interrupt; not routed until the guest writes a valid one \
+                 (refusal #{n})",
+                self.devid,
+                e.msg_addr_hi,
+                e.msg_addr_lo,
+                e.msg_data
+            );
+        }
     }
 
     /// Masks every vector from the VMM's side (`vm.pause`) or lifts that mask, without
@@ -338,6 +414,13 @@ impl MsixConfig {
     /// After the effective mask of `vector` went from `before` to the current state,
     /// update the route and inject a pending interrupt on unmask.
     fn sync_vector(&mut self, vector: usize, before: bool, msg_changed: bool) {
+        if msg_changed {
+            // A new bogus message on an unmasked vector is a new refusal.
+            if let Some(r) = self.refusing.get_mut(vector) {
+                *r = false;
+            }
+        }
+        self.note_refusal(vector);
         let after = self.is_vector_masked(vector);
         if before != after || (msg_changed && !after) {
             self.route(vector, after);
@@ -509,6 +592,7 @@ impl MsixConfig {
             }
         }
         self.pba_entries.fill(0);
+        self.refusing.fill(false);
         self.enabled = false;
         self.masked = false;
         if was_enabled {
@@ -586,6 +670,64 @@ mod tests {
                 needed: 4
             }
         );
+    }
+
+    #[test]
+    fn bogus_messages_are_never_routed_and_are_counted() {
+        let (g, mut msix) = setup(4);
+        msix.set_msg_ctl(MSIX_CTL_ENABLE);
+        program(&mut msix, 0, 0xfee0_0000, 0x30, false);
+        g.take();
+        // Outside the MSI window, a non-zero upper address, reserved data bits, reserved
+        // delivery modes: the vector is unrouted (masked at KVM), counted once each.
+        let bogus: [(u64, u32); 5] = [
+            (0xdead_0000, 0x31),
+            (0x1_fee0_0000, 0x31),
+            (0xfee0_0000, 0x1_0031),
+            (0xfee0_0000, 0x331),
+            (0xfee0_0000, 0x631),
+        ];
+        for (i, (addr, data)) in bogus.iter().enumerate() {
+            program(&mut msix, 1, 0xfee0_0000, 0x31, true);
+            g.take();
+            program(&mut msix, 1, *addr, *data, false);
+            let calls = g.take();
+            assert!(
+                !calls
+                    .iter()
+                    .any(|c| matches!(c, GroupCall::Update(1, _, false))),
+                "{addr:#x}/{data:#x} routed: {calls:?}"
+            );
+            assert_eq!(msix.refused_messages(), i as u64 + 1);
+            assert!(msix.is_vector_masked(1));
+            // The guest still reads what it wrote.
+            let mut q = [0u8; 8];
+            msix.read_table(16, &mut q);
+            assert_eq!(u64::from_le_bytes(q), *addr);
+        }
+        // A VMM-side trigger of the refused vector waits in the PBA; vector 0 still works.
+        assert!(!msix.trigger(1));
+        assert_eq!(pba(&msix), 0b10);
+        assert!(msix.trigger(0));
+        assert_eq!(g.take(), vec![GroupCall::Trigger(0)]);
+        // A valid message routes it and delivers what was pending.
+        msix.write_table(16, &0xfee0_0000u64.to_le_bytes());
+        msix.write_table(24, &0x31u32.to_le_bytes());
+        assert_eq!(
+            g.take(),
+            vec![
+                GroupCall::Update(1, msg(0xfee0_0000, 0x31), false),
+                GroupCall::Trigger(1)
+            ]
+        );
+        assert_eq!(pba(&msix), 0);
+        assert_eq!(msix.refused_messages(), 5);
+        // Reserved messages on masked vectors or with MSI-X off are not refusals.
+        program(&mut msix, 2, 0xdead_0000, 0x31, true);
+        msix.set_msg_ctl(0);
+        program(&mut msix, 3, 0xdead_0000, 0x31, false);
+        assert_eq!(msix.refused_messages(), 5);
+        assert!(msi_message_valid(0xfee0_1008, 0, 0x4041));
     }
 
     #[test]

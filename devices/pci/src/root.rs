@@ -144,6 +144,8 @@ impl PciDevice for PciHostBridge {
 pub struct PciBus {
     devices: RwLock<BTreeMap<u8, SharedPciDevice>>,
     relocation: Arc<dyn DeviceRelocation>,
+    /// BAR moves the relocation refused (a guest can loop on them: logged rate-limited).
+    refused_moves: std::sync::atomic::AtomicU64,
 }
 
 impl PciBus {
@@ -154,7 +156,14 @@ impl PciBus {
         Self {
             devices: RwLock::new(devices),
             relocation,
+            refused_moves: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// BAR moves refused so far, all devices.
+    pub fn refused_bar_moves(&self) -> u64 {
+        self.refused_moves
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn devices_read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<u8, SharedPciDevice>> {
@@ -246,7 +255,20 @@ impl PciBus {
         let effects = dev.write_config_register(reg_idx, offset, data);
         for mv in &effects.bar_moves {
             if let Err(e) = self.relocation.move_bar(bdf, mv, &mut *dev) {
-                log::error!("{bdf}: relocating bar {}: {e}", mv.bar_idx);
+                let n = self
+                    .refused_moves
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    + 1;
+                if n <= 16 || n % 1024 == 0 {
+                    log::warn!(
+                        "{bdf}: bar {} move {:#x} -> {:#x} refused: {e}; it stays where it was \
+                         (refused move #{n})",
+                        mv.bar_idx,
+                        mv.old,
+                        mv.new
+                    );
+                }
+                dev.bar_move_refused(mv);
                 continue;
             }
             if let Err(e) = dev.move_bar(mv.old, mv.new) {

@@ -9,7 +9,11 @@
 //!   FLR (bit 15), which performs a function reset (lender `reset()`, DMA torn down, MSI/MSI-X
 //!   reset); its Device Capabilities advertise FLR. Every other write is forwarded to the
 //!   lender and the touched dword is read back into the shadow.
-//! * **BARs**: allocated by the VMM. A `Direct` BAR (shm) is mapped as KVM memslots at the
+//! * **BARs**: allocated by the VMM. A guest BAR move takes effect only once the VMM's
+//!   buses accepted it ([`PciDevice::move_bar`]); a refused one
+//!   ([`PciDevice::bar_move_refused`]: over RAM, another BAR, platform MMIO) leaves the BAR
+//!   decoding where it was placed last, whatever the register says. A `Direct` BAR (shm) is
+//!   mapped as KVM memslots at the
 //!   guest address while Memory Space is enabled (read-only when stores must be notified),
 //!   minus the pages holding the MSI-X table/PBA, which stay trapped. Trapped accesses go to
 //!   `MsixConfig`, to the window through the host pointer (stores: then the notify eventfd),
@@ -34,7 +38,9 @@ use log::{debug, error, info, warn};
 use pci::configuration::{
     cap_id, command, status, PciBarConfiguration, PciBarRegionType, PciConfiguration, COMMAND_REG,
 };
-use pci::device::{BarRequest, ConfigWriteEffects, PciBarAllocators, PciDevice, PciDeviceError};
+use pci::device::{
+    BarMove, BarRequest, ConfigWriteEffects, PciBarAllocators, PciDevice, PciDeviceError,
+};
 use pci::interrupt::{InterruptError, InterruptManager, InterruptSourceGroup};
 use pci::msi::{MsiConfig, MsiError};
 use pci::msix::{MsixCap, MsixConfig, MsixError, MSIX_CTL_ENABLE, MSIX_CTL_FUNCTION_MASK};
@@ -182,6 +188,16 @@ pub struct DeviceCounters {
     /// KVM ioeventfds registered for the device right now (kick-only doorbells and the
     /// link's static ones).
     pub ioeventfds: AtomicU64,
+    /// MSI-X messages the VMM refused to route (not an x86 interrupt; see
+    /// `pci::msix::msi_message_valid`).
+    pub msix_refused: AtomicU64,
+    /// Guest BAR moves the VMM refused (over RAM, another BAR, platform MMIO or outside
+    /// the PCI windows): the BAR stayed where it was.
+    pub bar_moves_refused: AtomicU64,
+    /// Function level resets the guest asked for.
+    pub flrs: AtomicU64,
+    /// Config writes the lender refused (its filter: identity, BARs, capabilities it owns).
+    pub config_writes_refused: AtomicU64,
 }
 
 /// A snapshot of [`DeviceCounters`].
@@ -191,6 +207,10 @@ pub struct DeviceCountersSnapshot {
     pub trapped_writes: u64,
     pub kicks: u64,
     pub ioeventfds: u64,
+    pub msix_refused: u64,
+    pub bar_moves_refused: u64,
+    pub flrs: u64,
+    pub config_writes_refused: u64,
 }
 
 impl DeviceCounters {
@@ -200,6 +220,10 @@ impl DeviceCounters {
             trapped_writes: self.trapped_writes.load(Ordering::Relaxed),
             kicks: self.kicks.load(Ordering::Relaxed),
             ioeventfds: self.ioeventfds.load(Ordering::Relaxed),
+            msix_refused: self.msix_refused.load(Ordering::Relaxed),
+            bar_moves_refused: self.bar_moves_refused.load(Ordering::Relaxed),
+            flrs: self.flrs.load(Ordering::Relaxed),
+            config_writes_refused: self.config_writes_refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -240,6 +264,9 @@ impl LogLimit {
 struct BarState {
     remote: RemoteBar,
     region_type: PciBarRegionType,
+    /// Guest address the VMM's buses accepted for the BAR (0 before allocation). It differs
+    /// from the BAR register after a refused move: the BAR keeps decoding here.
+    placed: u64,
     /// Guest address the memslots/ioevents are installed at.
     mapped_at: Option<u64>,
     slots: Vec<MemslotGuard>,
@@ -290,6 +317,10 @@ pub struct RemotePciDevice {
     counters: Counters,
     io_counters: Arc<DeviceCounters>,
     kicks: KickState,
+    /// Function resets are guest-triggerable in a loop (FLR storms): logged rate-limited.
+    reset_log: LogLimit,
+    /// Refused config writes: the same.
+    config_log: LogLimit,
     dma_pins: Arc<dyn DmaPinSource>,
     observer: Option<Arc<dyn DeviceObserver>>,
     quiesced: bool,
@@ -581,6 +612,8 @@ impl RemotePciDevice {
             counters: Counters::default(),
             io_counters: Arc::default(),
             kicks: KickState::default(),
+            reset_log: LogLimit::default(),
+            config_log: LogLimit::default(),
             dma_pins: params
                 .dma_pins
                 .unwrap_or_else(|| Arc::new(PrivatePins(params.pinner))),
@@ -637,6 +670,7 @@ impl RemotePciDevice {
                     BarKind::Mem32 => PciBarRegionType::Memory32,
                     BarKind::Mem64 => PciBarRegionType::Memory64,
                 },
+                placed: 0,
                 mapped_at: None,
                 slots: Vec::new(),
                 ioevents: Vec::new(),
@@ -748,11 +782,9 @@ impl RemotePciDevice {
     // ---- BARs -------------------------------------------------------------------------
 
     fn bar_index_at(&self, base: u64) -> Option<usize> {
-        self.bars.iter().position(|b| {
-            self.config
-                .bar(usize::from(b.remote.index))
-                .is_some_and(|c| c.addr == base)
-        })
+        self.bars
+            .iter()
+            .position(|b| self.allocated && b.placed == base)
     }
 
     /// MSI-X pages (BAR offsets, page aligned) inside BAR `idx`.
@@ -779,7 +811,8 @@ impl RemotePciDevice {
                 PciBarRegionType::Io => self.config.io_enabled(),
                 _ => self.config.memory_enabled(),
             };
-            let addr = self.config.bar(idx).map_or(0, |b| b.addr);
+            // Where the VMM placed the BAR, not what the guest last wrote (a refused move).
+            let addr = self.bars[i].placed;
             let want = (self.allocated && decoded && addr != 0).then_some(addr);
             if self.bars[i].mapped_at == want {
                 continue;
@@ -1009,7 +1042,12 @@ impl RemotePciDevice {
             if let Some(o) = m.cap.table_hit(idx, offset) {
                 match read {
                     Some(d) => m.config.read_table(o, d),
-                    None => m.config.write_table(o, write),
+                    None => {
+                        m.config.write_table(o, write);
+                        self.io_counters
+                            .msix_refused
+                            .store(m.config.refused_messages(), Ordering::Relaxed);
+                    }
                 }
                 return;
             }
@@ -1221,7 +1259,18 @@ impl RemotePciDevice {
     /// the lender resets the real device, interrupts rewired (INTx). Returns the Command
     /// change.
     fn function_reset(&mut self, why: &str) -> ConfigWriteEffects {
-        info!("{}: function reset ({why})", self.id);
+        if let Some(held) = self.reset_log.allow() {
+            info!(
+                "{}: function reset ({why}; {} so far{})",
+                self.id,
+                self.counters.resets + 1,
+                if held > 0 {
+                    format!(", {held} not logged")
+                } else {
+                    String::new()
+                }
+            );
+        }
         self.counters.resets += 1;
         self.disable_dma();
         if let Some(m) = &mut self.msix {
@@ -1258,7 +1307,21 @@ impl RemotePciDevice {
             return;
         };
         if let Err(e) = self.link.config_write(off, data) {
-            warn!("{}: config write at {abs:#x}: {e}", self.id);
+            // A guest can write forbidden fields in a loop: counted, logged rate-limited.
+            self.io_counters
+                .config_writes_refused
+                .fetch_add(1, Ordering::Relaxed);
+            if let Some(held) = self.config_log.allow() {
+                warn!(
+                    "{}: config write at {abs:#x}: {e}{}",
+                    self.id,
+                    if held > 0 {
+                        format!(" ({held} more not logged)")
+                    } else {
+                        String::new()
+                    }
+                );
+            }
         }
         let dword = abs & !3;
         let mut b = [0u8; 4];
@@ -1360,6 +1423,13 @@ impl PciDevice for RemotePciDevice {
                 "{}: bar {} at {:#x} ({:#x} bytes, {:?})",
                 self.id, b.idx, b.addr, b.size, b.region_type
             );
+            if let Some(s) = self
+                .bars
+                .iter_mut()
+                .find(|s| usize::from(s.remote.index) == b.idx)
+            {
+                s.placed = b.addr;
+            }
         }
         self.allocated = true;
         Ok(done)
@@ -1369,11 +1439,19 @@ impl PciDevice for RemotePciDevice {
         if !self.allocated {
             return Ok(());
         }
-        let bars = self.config.bars();
+        let mut bars = self.config.bars();
         self.allocated = false;
         self.sync_bar_mappings();
-        for b in &bars {
+        for b in &mut bars {
             self.config.remove_pci_bar(b.idx);
+            // Free what the allocators hold: the placed address, not a refused one.
+            if let Some(s) = self
+                .bars
+                .iter_mut()
+                .find(|s| usize::from(s.remote.index) == b.idx)
+            {
+                b.addr = std::mem::take(&mut s.placed);
+            }
         }
         allocators.free_all(&bars)
     }
@@ -1423,6 +1501,9 @@ impl PciDevice for RemotePciDevice {
             self.config.write_config_register(reg_idx, offset, data);
             m.config
                 .handle_config_write(&self.config, m.offset, reg_idx, offset, data.len());
+            self.io_counters
+                .msix_refused
+                .store(m.config.refused_messages(), Ordering::Relaxed);
             self.sync_irqs();
         } else if let (Some(m), Some((off, len))) = (self.msi.as_mut(), self.msi_cap) {
             if overlaps(dword, 4, off, len) {
@@ -1449,8 +1530,29 @@ impl PciDevice for RemotePciDevice {
 
     fn move_bar(&mut self, old_base: u64, new_base: u64) -> Result<(), PciDeviceError> {
         debug!("{}: bar moved {old_base:#x} -> {new_base:#x}", self.id);
+        // The VMM moved the bus range: the BAR whose register now holds `new_base` (and is
+        // not already there) decodes at it.
+        for i in 0..self.bars.len() {
+            let idx = usize::from(self.bars[i].remote.index);
+            let committed = self.config.bar(idx).map_or(0, |b| b.addr);
+            if committed == new_base && self.bars[i].placed != new_base {
+                self.bars[i].placed = new_base;
+                break;
+            }
+        }
         self.sync_bar_mappings();
         Ok(())
+    }
+
+    fn bar_move_refused(&mut self, mv: &BarMove) {
+        // Nothing moves: the BAR's memslots and bus range stay at its placed address.
+        self.io_counters
+            .bar_moves_refused
+            .fetch_add(1, Ordering::Relaxed);
+        debug!(
+            "{}: bar {} stays at its placed address; {:#x} refused",
+            self.id, mv.bar_idx, mv.new
+        );
     }
 
     fn reset(&mut self) -> Result<(), PciDeviceError> {
@@ -1480,6 +1582,7 @@ impl RemotePciDevice {
                 let mut d = data.to_vec();
                 d[hi - abs] &= !((PCIE_DEVCTL_FLR >> 8) as u8);
                 self.forward_and_refresh(abs, &d);
+                self.io_counters.flrs.fetch_add(1, Ordering::Relaxed);
                 return self.function_reset("guest flr");
             }
         }

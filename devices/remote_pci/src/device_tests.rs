@@ -501,6 +501,46 @@ fn bar_memslots_split_around_msix_pages_and_follow_moves() {
     let _ = &f.ioevent;
 }
 
+/// A move the VMM refused (over RAM, another BAR, the MSI-X page of another device...) maps
+/// nothing at the new address: the BAR keeps its memslots and trapped accesses where it was
+/// placed, counted; a later accepted move starts from there, and unplug frees the placed
+/// range. Before, the write alone moved the memslots to wherever the guest pointed.
+#[test]
+fn refused_bar_moves_keep_the_bar_where_it_was() {
+    let mut f = fixture(Opts::default());
+    f.cmd(command::MEMORY_SPACE);
+    let bar0 = f.bar_addr(0);
+    let before = f.vm.slots();
+    let over = 0x10_0000u64; // e.g. guest RAM
+    let fx = f.write(0x10, &((over as u32) | 4).to_le_bytes());
+    assert_eq!(fx.bar_moves.len(), 1);
+    f.dev().bar_move_refused(&fx.bar_moves[0]);
+    assert_eq!(f.vm.slots(), before, "memslots moved to a refused address");
+    assert_eq!(f.dev().counters().bar_moves_refused, 1);
+    // Trapped accesses still reach the BAR at its placed address.
+    f.bar0.write_u32(0x1c, 0x1234_5678);
+    let mut b = [0u8; 4];
+    f.dev().read_bar(bar0, 0x1c, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 0x1234_5678);
+    let mut b = [0u8; 4];
+    f.dev().read_bar(over, 0x1c, &mut b);
+    assert_eq!(
+        u32::from_le_bytes(b),
+        0xffff_ffff,
+        "decodes at the refused address"
+    );
+    // Memory Space off and on again: mapped at the placed address, not the register's.
+    f.cmd(0);
+    f.cmd(command::MEMORY_SPACE);
+    assert_eq!(f.vm.slots(), before);
+    // An accepted move starts from the placed address.
+    let new = bar0 + 0x10_0000;
+    f.write(0x10, &((new as u32) | 4).to_le_bytes());
+    f.dev().move_bar(over, new).unwrap();
+    let slots = f.vm.slots();
+    assert_eq!(slots[0].gpa, new, "{slots:?}");
+}
+
 #[test]
 fn write_notify_bar_is_readonly_and_trapped_writes_notify() {
     let mut f = fixture(Opts {

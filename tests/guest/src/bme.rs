@@ -23,7 +23,13 @@ fn mailbox() -> u64 {
     unsafe { read_volatile(addr_of!(BME_MAILBOX)) }
 }
 
-fn step(n: u64, name: &str, wait_ms: u64) -> bool {
+/// Prints `MAILBOX 0x<gpa>` (the host writes step acknowledgements there).
+pub fn announce_mailbox() {
+    Out.s("MAILBOX ").hex(addr_of!(BME_MAILBOX) as u64).nl();
+}
+
+/// Prints `STEP <n> <name>` and waits (bounded) until the host acknowledged step `n`.
+pub fn step(n: u64, name: &str, wait_ms: u64) -> bool {
     Out.s("STEP ").dec(n).s(" ").s(name).nl();
     let acked = wait_until(|| mailbox() >= n, wait_ms);
     if !acked {

@@ -15,6 +15,7 @@
 //! | `bme-steps` | Memory → Bus Master on → off, each step acknowledged by the host through a mailbox | `wait_ms=` |
 //! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0) |
 //! | `idle` | the same loop without I/O, for `total_ms=` (default 600000), then exit 0 | `total_ms=` |
+//! | `hostile` | abuse of a lent NVMe + dmatest (DMA outside RAM, PRP loops, bad doorbells, bogus MSI-X, BAR moves, forbidden config writes, FLR storms), each group checked; two host-acknowledged steps | `seed=`, `lba=`, `reps=` (4), `flrs=` (32), `wait_ms=` (30000) |
 //!
 //! Built without SSE (the host's KVM runs this guest in its instruction emulator, which cannot
 //! decode vector instructions) and without `core::fmt`; see `tests/build.rs`.
@@ -29,6 +30,7 @@ mod dma;
 mod dmatest;
 mod exit;
 mod fault;
+mod hostile;
 mod hotplug;
 mod interrupts;
 mod io;
@@ -116,6 +118,16 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
     }
     if info.wants_explicitly("bme-steps") {
         bme::run(&mut r, info.param_u64("wait_ms", 30_000), params.seed);
+    }
+    if info.wants_explicitly("hostile") {
+        let p = hostile::Params {
+            nvme: params,
+            reps: info.param_u64("reps", 4),
+            flrs: info.param_u64("flrs", 32),
+            wait_ms: info.param_u64("wait_ms", 30_000),
+            ram_top: info.ram_bytes().min(0xc000_0000),
+        };
+        hostile::run(&mut r, p);
     }
     if info.wants_explicitly("hotplug") {
         let mode = hotplug::Mode {

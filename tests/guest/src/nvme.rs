@@ -24,33 +24,35 @@ use crate::Results;
 /// Mass storage / NVM / NVMe.
 pub const CLASS: u32 = 0x01_08_02;
 
-const REG_CAP: u64 = 0x00;
+pub const REG_CAP: u64 = 0x00;
 const REG_VS: u64 = 0x08;
 const REG_CC: u64 = 0x14;
-const REG_CSTS: u64 = 0x1c;
+pub const REG_CSTS: u64 = 0x1c;
 const REG_AQA: u64 = 0x24;
 const REG_ASQ: u64 = 0x28;
 const REG_ACQ: u64 = 0x30;
-const REG_DBS: u64 = 0x1000;
-const CSTS_RDY: u32 = 1;
+pub const REG_DBS: u64 = 0x1000;
+pub const CSTS_RDY: u32 = 1;
 const CSTS_CFS: u32 = 2;
 /// CC: EN, IOSQES 64 B (2^6), IOCQES 16 B (2^4), MPS 4 KiB, NVM command set, RR arbitration.
 const CC_ENABLE: u32 = 1 | 6 << 16 | 4 << 20;
 
 const OP_FLUSH: u32 = 0x00;
-const OP_WRITE: u32 = 0x01;
-const OP_READ: u32 = 0x02;
+pub const OP_WRITE: u32 = 0x01;
+pub const OP_READ: u32 = 0x02;
 const OP_CREATE_SQ: u32 = 0x01;
 const OP_CREATE_CQ: u32 = 0x05;
-const OP_IDENTIFY: u32 = 0x06;
+pub const OP_IDENTIFY: u32 = 0x06;
+pub const OP_GET_LOG_PAGE: u32 = 0x02;
+pub const OP_ASYNC_EVENT: u32 = 0x0c;
 const OP_SET_FEATURES: u32 = 0x09;
 const OP_DBBUF_CONFIG: u32 = 0x7c;
 /// OACS: Doorbell Buffer Config supported.
 const OACS_DBBUF: u32 = 1 << 8;
 const FEAT_NUM_QUEUES: u32 = 0x07;
 
-const ADMIN_ENTRIES: u16 = 8;
-const IO_ENTRIES: u16 = 16;
+pub const ADMIN_ENTRIES: u16 = 8;
+pub const IO_ENTRIES: u16 = 16;
 /// Control pages of the DMA arena.
 const P_ASQ: u64 = 0;
 const P_ACQ: u64 = 1;
@@ -73,7 +75,7 @@ pub struct Params {
     pub slba: u64,
 }
 
-struct Queue {
+pub struct Queue {
     qid: u16,
     sq: u64,
     cq: u64,
@@ -99,14 +101,14 @@ impl Queue {
     }
 }
 
-struct Completion {
-    dw0: u32,
-    status: u32,
+pub struct Completion {
+    pub dw0: u32,
+    pub status: u32,
 }
 
-struct Nvme {
-    bar0: u64,
-    stride: u64,
+pub struct Nvme {
+    pub bar0: u64,
+    pub stride: u64,
     admin: Queue,
     io: Queue,
     cid: u16,
@@ -115,6 +117,8 @@ struct Nvme {
     /// I/O queue doorbell updates, and MMIO doorbell writes made for them.
     io_updates: u64,
     io_mmio: u64,
+    /// No console line per error completion (the hostile tests cause hundreds).
+    pub quiet: bool,
 }
 
 impl Nvme {
@@ -153,8 +157,19 @@ impl Nvme {
         mmio::write32(self.bar0 + REG_DBS + idx * self.stride, v as u32);
     }
 
+    /// Doorbell register offset of queue `qid` (`db` 0: SQ tail, 1: CQ head).
+    pub fn doorbell_reg(&self, qid: u16, db: u64) -> u64 {
+        REG_DBS + (2 * qid as u64 + db) * self.stride
+    }
+
     /// Submits `cmd` (the command id is filled in) and waits for its completion.
-    fn exec(&mut self, io: bool, mut cmd: [u32; 16]) -> Option<Completion> {
+    pub fn exec(&mut self, io: bool, cmd: [u32; 16]) -> Option<Completion> {
+        let cid = self.submit(io, cmd);
+        self.wait(io, cid, cmd[0] & 0xff)
+    }
+
+    /// Writes `cmd` into the SQ and rings its doorbell; returns the command id.
+    pub fn submit(&mut self, io: bool, mut cmd: [u32; 16]) -> u16 {
         self.cid = self.cid.wrapping_add(1);
         let cid = self.cid;
         cmd[0] |= (cid as u32) << 16;
@@ -170,6 +185,12 @@ impl Nvme {
         };
         let (qid, tail) = (q.qid, q.tail);
         self.doorbell(qid, 0, tail);
+        cid
+    }
+
+    /// Waits for the next completion of the queue, which must be `cid`'s.
+    pub fn wait(&mut self, io: bool, cid: u16, opcode: u32) -> Option<Completion> {
+        let cmd = [opcode; 1];
         let q = if io { &mut self.io } else { &mut self.admin };
         let entry = q.cq + 16 * q.head as u64;
         let phase = q.phase;
@@ -205,7 +226,7 @@ impl Nvme {
         }
         let (qid, head) = (q.qid, q.head);
         self.doorbell(qid, 1, head);
-        if c.status != 0 {
+        if c.status != 0 && !self.quiet {
             Out.s("NVME status ")
                 .hex(c.status as u64)
                 .s(" opcode ")
@@ -216,7 +237,7 @@ impl Nvme {
     }
 
     /// Runs an admin or I/O command; `Some(dw0)` on success.
-    fn ok(&mut self, io: bool, cmd: [u32; 16]) -> Option<u32> {
+    pub fn ok(&mut self, io: bool, cmd: [u32; 16]) -> Option<u32> {
         match self.exec(io, cmd) {
             Some(c) if c.status == 0 => Some(c.dw0),
             _ => None,
@@ -224,7 +245,7 @@ impl Nvme {
     }
 }
 
-fn command(opcode: u32, nsid: u32, prp1: u64, prp2: u64) -> [u32; 16] {
+pub fn command(opcode: u32, nsid: u32, prp1: u64, prp2: u64) -> [u32; 16] {
     let mut c = [0u32; 16];
     c[0] = opcode;
     c[1] = nsid;
@@ -235,7 +256,7 @@ fn command(opcode: u32, nsid: u32, prp1: u64, prp2: u64) -> [u32; 16] {
     c
 }
 
-fn rw(opcode: u32, prp1: u64, prp2: u64, slba: u64, nlb: u64) -> [u32; 16] {
+pub fn rw(opcode: u32, prp1: u64, prp2: u64, slba: u64, nlb: u64) -> [u32; 16] {
     let mut c = command(opcode, 1, prp1, prp2);
     c[10] = slba as u32;
     c[11] = (slba >> 32) as u32;
@@ -276,8 +297,38 @@ pub fn test(r: &mut Results, p: Params) {
     }
 }
 
+/// A controller brought up by [`setup`]: admin and one I/O queue pair (vector 1), no shadow
+/// doorbells yet.
+pub struct Setup {
+    pub n: Nvme,
+    pub msix: Msix,
+    /// log2 of the LBA size.
+    pub lbads: u32,
+    /// Identify Controller OACS.
+    pub oacs: u32,
+    pub admin_irqs: u64,
+    pub io_irqs: u64,
+}
+
 /// The full driver test on function `f`.
 pub fn test_on(f: Func, r: &mut Results, p: Params) {
+    let Some(Setup {
+        mut n,
+        msix: _msix,
+        lbads,
+        oacs,
+        admin_irqs,
+        io_irqs,
+    }) = setup(f, r, p)
+    else {
+        return;
+    };
+    run_io(&mut n, r, p, lbads, oacs, admin_irqs, io_irqs);
+}
+
+/// Probe, MSI-X (vectors 0 and 1), enable, identify, one I/O queue pair. Reports
+/// `nvme-probe`, `nvme-enable`, `nvme-identify`, `nvme-namespace`, `nvme-queues`.
+pub fn setup(f: Func, r: &mut Results, p: Params) -> Option<Setup> {
     let bar0 = f.bar(0);
     f.set_command(CMD_MEM | CMD_BUS_MASTER | CMD_INTX_DISABLE);
     let msix = Msix::probe(f);
@@ -295,9 +346,9 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
             .nl(),
         None => o.s(" no msi-x").nl(),
     }
-    let Some(msix) = msix else { return };
+    let msix = msix?;
     if !ok {
-        return;
+        return None;
     }
     msix.route(0, NVME_ADMIN_VECTOR);
     msix.route(1, NVME_IO_VECTOR);
@@ -317,6 +368,7 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
         dbbuf: None,
         io_updates: 0,
         io_mmio: 0,
+        quiet: false,
     };
     n.set_reg32(REG_CC, 0);
     let disabled = wait_until(|| n.reg32(REG_CSTS) & CSTS_RDY == 0, TIMEOUT_MS);
@@ -343,7 +395,7 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
         .hex(csts as u64)
         .nl();
     if !ok {
-        return;
+        return None;
     }
 
     // Identify controller (CNS 1) and namespace 1 (CNS 0).
@@ -362,7 +414,7 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
         .s("\"")
         .nl();
     if !ok {
-        return;
+        return None;
     }
     let oacs = dma::read32(ident + 256) & 0xffff;
     dma::zero(ident, PAGE);
@@ -378,7 +430,7 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
         .dec(1 << lbads)
         .nl();
     if !ok {
-        return;
+        return None;
     }
 
     // One I/O queue pair: Set Features (Number of Queues), Create CQ (vector 1), Create SQ.
@@ -399,9 +451,28 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
         .hex(granted.unwrap_or(0) as u64)
         .nl();
     if !ok {
-        return;
+        return None;
     }
+    Some(Setup {
+        n,
+        msix,
+        lbads,
+        oacs,
+        admin_irqs,
+        io_irqs,
+    })
+}
 
+/// Shadow doorbells (if offered), the 64-LBA write / read-back, Flush, interrupts.
+fn run_io(
+    n: &mut Nvme,
+    r: &mut Results,
+    p: Params,
+    lbads: u32,
+    oacs: u32,
+    admin_irqs: u64,
+    io_irqs: u64,
+) {
     // Shadow doorbells, when offered (after the I/O queues exist, as Linux does).
     if oacs & OACS_DBBUF != 0 {
         let (shadow, eventidx) = (dma::page(P_SHADOW), dma::page(P_EVENTIDX));

@@ -24,6 +24,15 @@ mod dbbuf;
 const MAX_AERS: usize = 4;
 /// SQEs fetched from one queue per pass (fairness between queues).
 const FETCH_BUDGET: usize = 64;
+/// Asynchronous event (completion dword 0): type Error Status (0), information Invalid
+/// Doorbell Write Value (01h), log page Error Information (01h). NVMe 1.4 5.2.1.
+pub(crate) const AEN_INVALID_DOORBELL_VALUE: u32 = 1 << 16 | 1 << 8;
+
+/// Whether the `n`th occurrence of a guest-triggerable event is logged at warn level: the
+/// first 16, then one in 1024 (a hostile guest can repeat it in a loop).
+fn loud(n: u64) -> bool {
+    n <= 16 || n.is_multiple_of(1024)
+}
 
 struct SubQ {
     base: u64,
@@ -34,6 +43,8 @@ struct SubQ {
     cqid: u16,
     inflight: u32,
     deleting: Option<u16>,
+    /// The out-of-range tail last refused (counted once per value written, not per pass).
+    bad_tail: Option<u32>,
 }
 
 struct CompQ {
@@ -51,6 +62,8 @@ struct CompQ {
     overflow: VecDeque<Cqe>,
     unsignalled: u32,
     first_unsignalled: Option<Instant>,
+    /// The out-of-range head last refused.
+    bad_head: Option<u32>,
 }
 
 impl CompQ {
@@ -133,6 +146,11 @@ pub(crate) struct Ctrl {
     nq_cq: u16,
     feats: Features,
     aers: Vec<u16>,
+    /// An asynchronous event waiting for an Asynchronous Event Request to complete.
+    pending_aen: Option<u32>,
+    /// Error events are masked from the one reported until the host reads the Error
+    /// Information log page (NVMe 1.4 5.2: one event of a type until its log is read).
+    aen_error_masked: bool,
     inflight: Vec<Option<Inflight>>,
     free_tags: Vec<usize>,
     backlog: VecDeque<IoOp>,
@@ -180,6 +198,8 @@ impl Ctrl {
             last_cc: 0,
             intmask: 0,
             aers: Vec::new(),
+            pending_aen: None,
+            aen_error_masked: false,
             inflight: Vec::new(),
             free_tags: Vec::new(),
             backlog: VecDeque::new(),
@@ -310,9 +330,14 @@ impl Ctrl {
         let mps = (cc >> 7) & 0xf;
         let ams = (cc >> 11) & 7;
         if asqs < 2 || acqs < 2 || css != 0 || mps != 0 || ams != 0 {
-            log::warn!(
-                "nvme enable refused: aqa {aqa:#x} (sq {asqs}, cq {acqs}), css {css}, mps {mps}, ams {ams}"
-            );
+            static REFUSED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = REFUSED.fetch_add(1, Ordering::Relaxed) + 1;
+            if loud(n) {
+                log::warn!(
+                    "nvme enable refused: aqa {aqa:#x} (sq {asqs}, cq {acqs}), css {css}, \
+                     mps {mps}, ams {ams} (refusal #{n})"
+                );
+            }
             self.csts |= CSTS_CFS;
             return;
         }
@@ -329,6 +354,7 @@ impl Ctrl {
             overflow: VecDeque::new(),
             unsignalled: 0,
             first_unsignalled: None,
+            bad_head: None,
         });
         self.sqs[0] = Some(SubQ {
             base: asq,
@@ -338,6 +364,7 @@ impl Ctrl {
             cqid: 0,
             inflight: 0,
             deleting: None,
+            bad_tail: None,
         });
         self.enabled = true;
         self.csts = (self.csts & !(CSTS_CFS | CSTS_SHST_MASK)) | CSTS_RDY;
@@ -354,6 +381,8 @@ impl Ctrl {
             *c = None;
         }
         self.aers.clear();
+        self.pending_aen = None;
+        self.aen_error_masked = false;
         self.pool.clear();
         // Shadow doorbells end with the controller: the driver configures them again.
         self.dbbuf = None;
@@ -482,8 +511,16 @@ impl Ctrl {
                 self.regs.read32(cq_doorbell(qid as u16))
             };
             if h >= u32::from(cq.size) {
+                // Invalid Doorbell Write Value: ignored (the head stays), reported once per
+                // value written.
+                if cq.bad_head != Some(h) {
+                    cq.bad_head = Some(h);
+                    let size = cq.size;
+                    self.invalid_doorbell("cq head", qid, h, size);
+                }
                 continue;
             }
+            cq.bad_head = None;
             if h as u16 != cq.head {
                 cq.head = h as u16;
                 work = true;
@@ -534,7 +571,17 @@ impl Ctrl {
                 self.regs.read32(sq_doorbell(qid as u16))
             };
             if tail >= u32::from(sq.size) {
+                // Invalid Doorbell Write Value: ignored, nothing fetched (never an entry
+                // outside the queue), reported once per value written.
+                let size = sq.size;
+                if let Some(sq) = self.sqs[qid].as_mut().filter(|s| s.bad_tail != Some(tail)) {
+                    sq.bad_tail = Some(tail);
+                    self.invalid_doorbell("sq tail", qid, tail, size);
+                }
                 continue;
+            }
+            if let Some(sq) = self.sqs[qid].as_mut() {
+                sq.bad_tail = None;
             }
             let mut budget = FETCH_BUDGET;
             while budget > 0 && (qid == 0 || self.backlog.is_empty()) {
@@ -550,8 +597,10 @@ impl Ctrl {
                 work = true;
                 let mut raw = [0u8; 64];
                 if let Err(e) = self.dma.read(addr, &mut raw) {
-                    self.stats.dma_faults.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("nvme sq {qid}: {e}; entry dropped");
+                    let n = self.stats.dma_faults.fetch_add(1, Ordering::Relaxed) + 1;
+                    if loud(n) {
+                        log::warn!("nvme sq {qid}: {e}; entry dropped (dma fault #{n})");
+                    }
                     continue;
                 }
                 let sqe = Sqe::from_bytes(&raw);
@@ -610,8 +659,10 @@ impl Ctrl {
             self.dma.write(addr + 12, &b[12..])
         });
         if let Err(f) = r {
-            self.stats.dma_faults.fetch_add(1, Ordering::Relaxed);
-            log::warn!("nvme cq {cqid}: {f}; completion lost");
+            let n = self.stats.dma_faults.fetch_add(1, Ordering::Relaxed) + 1;
+            if loud(n) {
+                log::warn!("nvme cq {cqid}: {f}; completion lost (dma fault #{n})");
+            }
         }
         cq.tail = (cq.tail + 1) % cq.size;
         if cq.tail == 0 {
@@ -622,6 +673,34 @@ impl Ctrl {
             cq.first_unsignalled = Some(Instant::now());
         }
         self.stats.completions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A doorbell write with a value outside its queue (NVMe 1.4 3.1.x: the write is
+    /// ignored and, with an Asynchronous Event Request outstanding, reported as an Error
+    /// event "Invalid Doorbell Write Value"). Counted; logged rate-limited.
+    fn invalid_doorbell(&mut self, what: &str, qid: usize, value: u32, size: u16) {
+        let n = self.stats.invalid_doorbells.fetch_add(1, Ordering::Relaxed) + 1;
+        if loud(n) {
+            log::warn!(
+                "nvme queue {qid}: {what} doorbell {value} is outside the queue of {size} \
+                 entries; ignored (invalid doorbell write #{n})"
+            );
+        }
+        if !self.aen_error_masked {
+            self.aen_error_masked = true;
+            self.pending_aen = Some(AEN_INVALID_DOORBELL_VALUE);
+            self.deliver_aen();
+        }
+    }
+
+    /// Completes an outstanding Asynchronous Event Request with the pending event, if both.
+    fn deliver_aen(&mut self) {
+        if self.pending_aen.is_none() || self.aers.is_empty() {
+            return;
+        }
+        let cid = self.aers.remove(0);
+        let dw0 = self.pending_aen.take().unwrap_or(0);
+        self.complete(0, cid, dw0, status::SUCCESS);
     }
 
     fn finish_deletes(&mut self) {
@@ -713,9 +792,10 @@ impl Ctrl {
 
     fn segments(&self, sqe: &Sqe, len: usize) -> Result<Vec<Segment>, u16> {
         prp::segments(&*self.dma, sqe.prp1(), sqe.prp2(), len).map_err(|e| {
-            if e == prp::PrpError::Fault {
-                self.stats.dma_faults.fetch_add(1, Ordering::Relaxed);
-            }
+            match e {
+                prp::PrpError::Fault => self.stats.dma_faults.fetch_add(1, Ordering::Relaxed),
+                prp::PrpError::Offset => self.stats.invalid_prps.fetch_add(1, Ordering::Relaxed),
+            };
             e.status()
         })
     }
@@ -771,6 +851,7 @@ impl Ctrl {
                     err(status::AER_LIMIT_EXCEEDED)
                 } else {
                     self.aers.push(sqe.cid());
+                    self.deliver_aen();
                     None
                 }
             }
@@ -951,6 +1032,7 @@ impl Ctrl {
             overflow: VecDeque::new(),
             unsignalled: 0,
             first_unsignalled: None,
+            bad_head: None,
         });
         self.regs.write32(cq_doorbell(qid), 0);
         ok(0)
@@ -981,6 +1063,7 @@ impl Ctrl {
             cqid,
             inflight: 0,
             deleting: None,
+            bad_tail: None,
         });
         self.regs.write32(sq_doorbell(qid), 0);
         ok(0)
@@ -1028,7 +1111,14 @@ impl Ctrl {
             return err(status::INVALID_FIELD);
         }
         let log = match lid {
-            1 => identify::error_log(),
+            1 => {
+                // Reading the Error Information log (Retain Asynchronous Event clear)
+                // re-arms error events.
+                if cdw10 & (1 << 15) == 0 {
+                    self.aen_error_masked = false;
+                }
+                identify::error_log()
+            }
             2 => identify::smart_log(&self.smart, self.started.elapsed().as_secs()),
             3 => identify::fw_slot_log(&self.cfg),
             _ => return err(status::INVALID_LOG_PAGE),

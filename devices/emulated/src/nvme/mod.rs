@@ -166,6 +166,12 @@ pub struct NvmeStats {
     pub completions: AtomicU64,
     /// MSI-X signals sent plus INTx assertions.
     pub interrupts: AtomicU64,
+    /// Doorbell writes refused because the value lies outside the queue (SQ tail or CQ
+    /// head >= the queue size), counted once per value written.
+    pub invalid_doorbells: AtomicU64,
+    /// Commands refused for their PRPs (misaligned entries, a list walk that exceeds its
+    /// bound: loops).
+    pub invalid_prps: AtomicU64,
 }
 
 struct Inner {
