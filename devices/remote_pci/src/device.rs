@@ -34,7 +34,9 @@ use log::{debug, error, info, warn};
 use pci::configuration::{
     cap_id, command, status, PciBarConfiguration, PciBarRegionType, PciConfiguration, COMMAND_REG,
 };
-use pci::device::{BarRequest, ConfigWriteEffects, PciBarAllocators, PciDevice, PciDeviceError};
+use pci::device::{
+    BarAllocation, BarRequest, ConfigWriteEffects, PciDevice, PciDeviceError, SharedBarAllocators,
+};
 use pci::interrupt::{InterruptError, InterruptManager, InterruptSourceGroup};
 use pci::msi::{MsiConfig, MsiError};
 use pci::msix::{MsixCap, MsixConfig, MsixError, MSIX_CTL_ENABLE, MSIX_CTL_FUNCTION_MASK};
@@ -276,7 +278,8 @@ pub struct RemotePciDevice {
     remote_id: String,
     config: PciConfiguration,
     bars: Vec<BarState>,
-    allocated: bool,
+    /// The BARs' address reservations: freed when the device is dropped.
+    bar_allocs: Vec<BarAllocation>,
     msix: Option<MsixState>,
     msi: Option<MsiConfig>,
     msi_cap: Option<(usize, usize)>,
@@ -569,7 +572,7 @@ impl RemotePciDevice {
             remote_id: dev,
             config,
             bars,
-            allocated: false,
+            bar_allocs: Vec::new(),
             msix,
             msi,
             msi_cap,
@@ -780,7 +783,7 @@ impl RemotePciDevice {
                 _ => self.config.memory_enabled(),
             };
             let addr = self.config.bar(idx).map_or(0, |b| b.addr);
-            let want = (self.allocated && decoded && addr != 0).then_some(addr);
+            let want = (!self.bar_allocs.is_empty() && decoded && addr != 0).then_some(addr);
             if self.bars[i].mapped_at == want {
                 continue;
             }
@@ -1325,9 +1328,9 @@ impl PciDevice for RemotePciDevice {
 
     fn allocate_bars(
         &mut self,
-        allocators: &mut PciBarAllocators,
+        allocators: &SharedBarAllocators,
     ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
-        if self.allocated {
+        if !self.bar_allocs.is_empty() {
             return Err(PciDeviceError::Device(format!(
                 "{}: bars already allocated",
                 self.id
@@ -1343,39 +1346,29 @@ impl PciDevice for RemotePciDevice {
                 prefetchable: b.remote.prefetchable,
             })
             .collect();
-        let done = allocators.allocate_all(&requests)?;
-        for (i, bar) in done.iter().enumerate() {
+        // On any error below `done` is dropped, which frees what was reserved.
+        let done = BarAllocation::allocate_all(allocators, &requests)?;
+        let configs: Vec<PciBarConfiguration> = done.iter().map(BarAllocation::config).collect();
+        for (i, bar) in configs.iter().enumerate() {
             if let Err(e) = self.config.add_pci_bar(bar) {
-                for b in &done[..i] {
+                for b in &configs[..i] {
                     self.config.remove_pci_bar(b.idx);
-                }
-                if let Err(fe) = allocators.free_all(&done) {
-                    error!("{}: rollback of bar allocation: {fe}", self.id);
                 }
                 return Err(e.into());
             }
         }
-        for b in &done {
+        for b in &configs {
             debug!(
                 "{}: bar {} at {:#x} ({:#x} bytes, {:?})",
                 self.id, b.idx, b.addr, b.size, b.region_type
             );
         }
-        self.allocated = true;
-        Ok(done)
+        self.bar_allocs = done;
+        Ok(configs)
     }
 
-    fn free_bars(&mut self, allocators: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
-        if !self.allocated {
-            return Ok(());
-        }
-        let bars = self.config.bars();
-        self.allocated = false;
-        self.sync_bar_mappings();
-        for b in &bars {
-            self.config.remove_pci_bar(b.idx);
-        }
-        allocators.free_all(&bars)
+    fn bar_allocations(&mut self) -> &mut [BarAllocation] {
+        &mut self.bar_allocs
     }
 
     fn read_config_register(&mut self, reg_idx: usize) -> u32 {
