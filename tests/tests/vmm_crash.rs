@@ -343,11 +343,16 @@ fn vmm_crash(fabric: Fabric, json: &str) {
     assert_backing_has_pattern(&disk, SLBA, 64, SEED);
 
     let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
+    let reclaim_ms: serde_json::Map<String, serde_json::Value> = nodes
+        .iter()
+        .zip(&times)
+        .map(|(n, t)| (n.name.to_string(), serde_json::json!(ms(*t))))
+        .collect();
     let summary = serde_json::json!({
         "test": "vmm_crash",
         "fabric": format!("{fabric:?}").to_lowercase(),
         "lenders": nodes.len(),
-        "reclaim_ms": nodes.iter().zip(&times).map(|(n, t)| (n.name.to_string(), serde_json::json!(ms(*t)))).collect::<serde_json::Map<_, _>>(),
+        "reclaim_ms": reclaim_ms,
         "reclaim_bound_ms": ms(RECLAIM_BOUND),
         "leaked": {
             "lender_dma_maps": leaks.iter().map(|l| l.0).sum::<usize>(),
