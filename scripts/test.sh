@@ -21,6 +21,14 @@ PROPTEST_CASES=20000 cargo test -p lending --locked --lib backend::config::fuzz
 # NVMe submission entries and PRP lists against the emulated controller (each case is real
 # I/O through the controller thread and its file: ~30 s at this budget on 2 cores).
 PROPTEST_CASES=96 cargo test -p emulated --locked --test fuzz
+# REST request bodies: random and mutated bodies against the real server in front of the
+# fake VMM (api/tests/rest_fuzz.rs), at a fixed budget.
+PROPTEST_CASES=2000 cargo test -p api --locked --test rest_fuzz
+# Soak (tests/tests/soak.rs, #[ignore]d in the plain run above): hot-add/remove cycles of
+# real devices with lender restarts, then zero leaks. Longer or shorter locally with
+# LENDVM_SOAK_CYCLES / LENDVM_SOAK_RESTARTS.
+LENDVM_SOAK_CYCLES="${LENDVM_SOAK_CYCLES:-500}" LENDVM_SOAK_RESTARTS="${LENDVM_SOAK_RESTARTS:-10}" \
+  cargo test -p lendvm-tests --locked --test soak -- --ignored --nocapture
 if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
   echo "test: LENDVM_SKIP_LINUX=1: Linux end-to-end tests skipped"
 else

@@ -324,10 +324,29 @@ impl AppState {
                 format!("invalid request body: {e}"),
             )
         };
-        let data = serde_json::from_slice(&body).map_err(|e| invalid(&e))?;
+        let data = from_json(&body).map_err(|e| invalid(&e))?;
         validate(&data).map_err(|e| invalid(&e))?;
         Ok(data)
     }
+}
+
+/// Parses a JSON body like `serde_json::from_slice`, but an error inside a field names it
+/// (`field mode: unknown variant ...`): serde_json's own messages give only a line and
+/// column, which says little to a client that built the body programmatically.
+fn from_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let data = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path.is_empty() || path == "." {
+            inner.to_string()
+        } else {
+            format!("field {path}: {inner}")
+        }
+    })?;
+    // Trailing characters after the object are an error, as in `from_slice`.
+    de.end().map_err(|e| e.to_string())?;
+    Ok(data)
 }
 
 async fn vmm_ping(State(s): State<AppState>) -> Response {

@@ -6,6 +6,10 @@
 //! accesses reach `PciDevice::read_bar`/`write_bar`, and plugs it into a slot;
 //! [`DeviceManager::remove_pci_device`] undoes all of it. Guest BAR moves arrive through
 //! [`BarRelocator`] (the root complex's `DeviceRelocation`).
+//!
+//! Release is by drop only: a device keeps its BARs' `BarAllocation`s (freed when the device
+//! is dropped), and the manager keeps each slot's `BusRange` guards (dropped on unplug). No
+//! path frees a BAR by address.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -13,10 +17,12 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::VmFd;
-use pci::device::{BarMove, DeviceRelocation, PciBarAllocators, PciDeviceError};
+use pci::device::{
+    BarMove, DeviceRelocation, PciBarAllocators, PciDeviceError, SharedBarAllocators,
+};
 use pci::root::PciRootError;
 use pci::{
-    Bus, BusDevice, BusError, PciBarConfiguration, PciBarRegionType, PciBdf, PciBus, PciConfigIo,
+    Bus, BusDevice, BusError, BusRange, PciBarRegionType, PciBdf, PciBus, PciConfigIo,
     PciConfigMmio, PciDevice, SharedPciDevice,
 };
 use vmm_sys_util::eventfd::EventFd;
@@ -86,10 +92,12 @@ impl BusDevice for BarBusDevice {
     }
 }
 
-/// BAR ranges currently on the buses, per slot.
-type BarTable = Arc<Mutex<BTreeMap<u8, Vec<PciBarConfiguration>>>>;
+/// The bus ranges of each plugged device's BARs, per slot: dropping a slot's entry takes
+/// its ranges off the buses.
+/// Each range is keyed by its BAR index, so a move finds the BAR wherever it really is.
+type BarRanges = Arc<Mutex<BTreeMap<u8, Vec<(usize, BusRange)>>>>;
 
-/// Moves bus ranges and allocator reservations when the guest reprograms a BAR.
+/// Moves bus ranges and swaps allocator reservations when the guest reprograms a BAR.
 ///
 /// A guest may write any address into a BAR. The move is refused (the BAR keeps decoding
 /// where it was placed last; the device maps nothing at the new address) when the new range
@@ -99,10 +107,7 @@ type BarTable = Arc<Mutex<BTreeMap<u8, Vec<PciBarConfiguration>>>>;
 /// the ECAM). Guest RAM, the ECAM, the platform devices, the IOAPIC and the LAPIC/MSI
 /// window all lie outside those windows, so no BAR is ever mapped over them.
 pub struct BarRelocator {
-    pio: Arc<Bus>,
-    mmio: Arc<Bus>,
-    allocators: Arc<Mutex<PciBarAllocators>>,
-    bars: BarTable,
+    ranges: BarRanges,
     /// Start of the 64-bit BAR window.
     mmio64_start: u64,
 }
@@ -133,40 +138,41 @@ impl DeviceRelocation for BarRelocator {
         &self,
         bdf: PciBdf,
         mv: &BarMove,
-        _device: &mut dyn PciDevice,
+        device: &mut dyn PciDevice,
     ) -> Result<(), PciDeviceError> {
-        let bus = if mv.region_type == PciBarRegionType::Io {
-            &self.pio
-        } else {
-            &self.mmio
-        };
         if !self.inside_windows(mv.region_type, mv.new, mv.len) {
             return Err(mv.failed(format!(
                 "{:#x}+{:#x} is outside the pci windows (guest ram, platform mmio or unbacked)",
                 mv.new, mv.len
             )));
         }
-        let mut bars = self.bars.lock().unwrap_or_else(|e| e.into_inner());
         // Where the BAR is on the bus now: its last accepted address, which differs from
         // `mv.old` (the guest's previous value) after a refused move.
-        let entry = bars
-            .get_mut(&bdf.device())
-            .and_then(|v| v.iter_mut().find(|b| b.idx == mv.bar_idx));
-        let from = entry.as_ref().map_or(mv.old, |b| b.addr);
-        bus.relocate(from, mv.new).map_err(|e| mv.failed(e))?;
-        if let Some(b) = entry {
-            b.addr = mv.new;
-        }
-        drop(bars);
-        let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = alloc.free(mv.region_type, from, mv.len) {
-            log::warn!("{bdf}: freeing old bar range {from:#x}: {e}");
-        }
-        if let Err(e) = alloc.allocate_at(mv.region_type, mv.new, mv.len) {
-            log::warn!(
-                "{bdf}: bar moved to {:#x} outside the managed window: {e}",
-                mv.new
-            );
+        let from = {
+            let mut ranges = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
+            let range = ranges
+                .get_mut(&bdf.device())
+                .and_then(|v| v.iter_mut().find(|(idx, _)| *idx == mv.bar_idx))
+                .map(|(_, r)| r)
+                .ok_or_else(|| mv.failed("no bus range for this bar"))?;
+            let from = range.base();
+            range.relocate(mv.new).map_err(|e| mv.failed(e))?;
+            from
+        };
+        match device
+            .bar_allocations()
+            .iter_mut()
+            .find(|a| a.base() == from)
+        {
+            Some(a) => {
+                if let Err(e) = a.relocate(mv.new) {
+                    log::warn!(
+                        "{bdf}: bar moved to {:#x} outside the managed window: {e}",
+                        mv.new
+                    );
+                }
+            }
+            None => log::warn!("{bdf}: no reservation for the bar at {from:#x}"),
         }
         log::debug!("{bdf}: bar {} moved {from:#x} -> {:#x}", mv.bar_idx, mv.new);
         Ok(())
@@ -179,8 +185,8 @@ pub struct DeviceManager {
     mmio: Arc<Bus>,
     serial: Option<Arc<Mutex<SerialDevice>>>,
     pci_bus: Arc<PciBus>,
-    allocators: Arc<Mutex<PciBarAllocators>>,
-    bars: BarTable,
+    allocators: SharedBarAllocators,
+    ranges: BarRanges,
 }
 
 impl DeviceManager {
@@ -239,12 +245,9 @@ impl DeviceManager {
             mmio64_start,
             PCI_MMIO64_SIZE,
         )?));
-        let bars: BarTable = Arc::default();
+        let ranges: BarRanges = Arc::default();
         let pci_bus = Arc::new(PciBus::new(Arc::new(BarRelocator {
-            pio: pio.clone(),
-            mmio: mmio.clone(),
-            allocators: allocators.clone(),
-            bars: bars.clone(),
+            ranges: ranges.clone(),
             mmio64_start,
         })));
         pio.insert(
@@ -271,7 +274,7 @@ impl DeviceManager {
             serial,
             pci_bus,
             allocators,
-            bars,
+            ranges,
         })
     }
 
@@ -281,12 +284,13 @@ impl DeviceManager {
     }
 
     /// The BAR allocators (I/O, 32-bit and 64-bit MMIO windows).
-    pub fn bar_allocators(&self) -> &Arc<Mutex<PciBarAllocators>> {
+    pub fn bar_allocators(&self) -> &SharedBarAllocators {
         &self.allocators
     }
 
     /// Gives `device` its BARs, puts them on the buses and plugs it into `slot` (or the lowest
-    /// free one). Everything is rolled back on failure.
+    /// free one). On failure the bus ranges placed so far are dropped (removed); the BAR
+    /// reservations stay with the device and go when the caller drops it.
     pub fn add_pci_device(
         &self,
         device: SharedPciDevice,
@@ -305,78 +309,42 @@ impl DeviceManager {
         if self.pci_bus.device(slot).is_some() {
             return Err(PciRootError::SlotInUse(slot).into());
         }
-        let bars = {
-            let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
-            device
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .allocate_bars(&mut alloc)?
-        };
-        let mut placed: Vec<&PciBarConfiguration> = Vec::new();
-        let mut result = Ok(());
+        let bars = device
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .allocate_bars(&self.allocators)?;
+        let mut placed: Vec<(usize, BusRange)> = Vec::with_capacity(bars.len());
         for bar in &bars {
-            let bus = self.bus_for(bar.region_type);
             let dev = Arc::new(Mutex::new(BarBusDevice {
                 device: device.clone(),
             }));
-            if let Err(source) = bus.insert(dev, bar.addr, bar.size) {
-                result = Err(DeviceError::Bus {
+            let range = self
+                .bus_for(bar.region_type)
+                .insert_range(dev, bar.addr, bar.size)
+                .map_err(|source| DeviceError::Bus {
                     what: "a PCI BAR",
                     source,
-                });
-                break;
-            }
-            placed.push(bar);
+                })?;
+            placed.push((bar.idx, range));
         }
-        let result = result.and_then(|()| {
-            self.pci_bus
-                .add_device(Some(slot), device.clone())
-                .map_err(DeviceError::from)
-        });
-        match result {
-            Ok(bdf) => {
-                self.bars
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(slot, bars);
-                Ok(bdf)
-            }
-            Err(e) => {
-                for bar in placed {
-                    let _ = self.bus_for(bar.region_type).remove(bar.addr);
-                }
-                let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
-                if let Err(fe) = device
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .free_bars(&mut alloc)
-                {
-                    log::error!("rollback of bars for slot {slot}: {fe}");
-                }
-                Err(e)
-            }
-        }
+        let bdf = self.pci_bus.add_device(Some(slot), device)?;
+        self.ranges
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(slot, placed);
+        Ok(bdf)
     }
 
-    /// Unplugs the device in `slot`: removes its BAR ranges and frees its BARs.
+    /// Unplugs the device in `slot`: its BAR ranges leave the buses here; its BAR
+    /// reservations are freed when the returned device is dropped.
     pub fn remove_pci_device(&self, slot: u8) -> Result<SharedPciDevice, DeviceError> {
         let device = self.pci_bus.remove_device(slot)?;
-        let bars = self
-            .bars
+        let ranges = self
+            .ranges
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&slot)
-            .unwrap_or_default();
-        for bar in &bars {
-            if let Err(e) = self.bus_for(bar.region_type).remove(bar.addr) {
-                log::warn!("slot {slot}: bar {} range: {e}", bar.idx);
-            }
-        }
-        let mut alloc = self.allocators.lock().unwrap_or_else(|e| e.into_inner());
-        device
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .free_bars(&mut alloc)?;
+            .remove(&slot);
+        drop(ranges);
         Ok(device)
     }
 
@@ -409,35 +377,36 @@ impl DeviceManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pci::device::{BarRequest, ConfigWriteEffects};
-    use pci::{PciConfiguration, PciConfigurationParams};
+    use pci::device::{BarAllocation, BarRequest, ConfigWriteEffects};
+    use pci::{PciBarConfiguration, PciConfiguration, PciConfigurationParams};
     use std::any::Any;
 
     struct TestDev {
         config: PciConfiguration,
-        bar: Option<PciBarConfiguration>,
+        bar: Vec<BarAllocation>,
     }
 
     impl PciDevice for TestDev {
         fn allocate_bars(
             &mut self,
-            alloc: &mut PciBarAllocators,
+            alloc: &SharedBarAllocators,
         ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
-            let bar = alloc.allocate(&BarRequest {
-                idx: 0,
-                size: 0x4000,
-                region_type: PciBarRegionType::Memory32,
-                prefetchable: false,
-            })?;
-            self.config.add_pci_bar(&bar)?;
-            self.bar = Some(bar);
-            Ok(vec![bar])
+            let bar = BarAllocation::allocate(
+                alloc,
+                &BarRequest {
+                    idx: 0,
+                    size: 0x4000,
+                    region_type: PciBarRegionType::Memory32,
+                    prefetchable: false,
+                },
+            )?;
+            let config = bar.config();
+            self.config.add_pci_bar(&config)?;
+            self.bar = vec![bar];
+            Ok(vec![config])
         }
-        fn free_bars(&mut self, alloc: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
-            if let Some(b) = self.bar.take() {
-                alloc.free(b.region_type, b.addr, b.size)?;
-            }
-            Ok(())
+        fn bar_allocations(&mut self) -> &mut [BarAllocation] {
+            &mut self.bar
         }
         fn read_config_register(&mut self, reg_idx: usize) -> u32 {
             self.config.read_reg(reg_idx)
@@ -468,7 +437,7 @@ mod tests {
                 device_id: 0x0010,
                 ..Default::default()
             }),
-            bar: None,
+            bar: Vec::new(),
         }))
     }
 
@@ -598,5 +567,76 @@ mod tests {
         dm.add_pci_device(test_dev(), Some(3)).unwrap();
         dm.add_pci_device(test_dev(), Some(4)).unwrap();
         assert_eq!((bar(3), bar(4)), (one, two));
+    }
+
+    /// Guest BAR moves and unplugs through the real relocator: after many cycles every
+    /// range is back (the whole 32-bit window can be reserved in one piece), nothing is
+    /// left on the MMIO bus, and no range was freed twice (a double free would error).
+    #[test]
+    fn bar_moves_and_unplugs_return_every_range() {
+        let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
+        let vm = kvm.create_vm().unwrap();
+        let dm = DeviceManager::new(
+            &vm,
+            &SerialConfig::Off,
+            Arc::new(ExitNotifier::new()),
+            1 << 32,
+        )
+        .unwrap();
+        let ranges = dm.mmio_bus().len();
+        let bar0 = |slot: u8| PCI_ECAM_START | u64::from(slot) << 15 | 0x10;
+        for cycle in 0..50u64 {
+            let dev = test_dev();
+            let bdf = dm.add_pci_device(dev.clone(), None).unwrap();
+            let base = {
+                let mut b = [0u8; 4];
+                dm.mmio_bus().read(bar0(bdf.device()), &mut b).unwrap();
+                u64::from(u32::from_le_bytes(b) & !0xf)
+            };
+            // The guest moves BAR0 up; the old address is free at once.
+            let new = base + 0x10_0000 + cycle * 0x4000;
+            dm.mmio_bus()
+                .write(bar0(bdf.device()), &(new as u32).to_le_bytes())
+                .unwrap();
+            let mut b = [0u8; 1];
+            dm.mmio_bus().read(new + 1, &mut b).unwrap();
+            assert_eq!(
+                b[0],
+                1 ^ 0xa5,
+                "cycle {cycle}: bar answers at its new address"
+            );
+            assert!(dm.mmio_bus().read(base + 1, &mut b).is_err());
+            let probe = BarAllocation::allocate(
+                dm.bar_allocators(),
+                &BarRequest {
+                    idx: 0,
+                    size: 0x4000,
+                    region_type: PciBarRegionType::Memory32,
+                    prefetchable: false,
+                },
+            )
+            .unwrap();
+            assert_eq!(
+                probe.base(),
+                base,
+                "cycle {cycle}: old range freed by the move"
+            );
+            drop(probe);
+            let removed = dm.remove_pci_device(bdf.device()).unwrap();
+            assert_eq!(dm.mmio_bus().len(), ranges, "cycle {cycle}: bus range left");
+            drop(removed);
+            drop(dev);
+        }
+        let whole = BarAllocation::allocate(
+            dm.bar_allocators(),
+            &BarRequest {
+                idx: 0,
+                size: crate::layout::PCI_MMIO32_SIZE,
+                region_type: PciBarRegionType::Memory32,
+                prefetchable: false,
+            },
+        )
+        .expect("a bar reservation leaked");
+        assert_eq!(whole.base(), crate::layout::PCI_MMIO32_START);
     }
 }

@@ -3,6 +3,9 @@
 //! Modelled on Cloud Hypervisor's `vm-device` bus: a sorted map from range base to device,
 //! devices behind `Arc<Mutex<_>>` so one device can sit on several ranges (e.g. a PCI BAR
 //! and its config space) and be removed on hot-unplug.
+//!
+//! [`Bus::insert_range`] returns a [`BusRange`] guard: dropping it takes the range off the
+//! bus, so a hot-unplugged device's BAR ranges go with the value that registered them.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -63,6 +66,21 @@ impl Bus {
         }
         ranges.insert(Range { base, len }, device);
         Ok(())
+    }
+
+    /// Puts `device` at `[base, base + len)` and returns the guard that removes it again.
+    pub fn insert_range(
+        self: &Arc<Self>,
+        device: SharedBusDevice,
+        base: u64,
+        len: u64,
+    ) -> Result<BusRange, BusError> {
+        self.insert(device, base, len)?;
+        Ok(BusRange {
+            bus: Arc::clone(self),
+            base,
+            len,
+        })
     }
 
     /// Removes the range that starts at `base`; returns its device.
@@ -145,6 +163,54 @@ impl Bus {
     }
 }
 
+/// A range registered on a [`Bus`]; dropping it removes the range (and the bus's reference
+/// to the device behind it).
+pub struct BusRange {
+    bus: Arc<Bus>,
+    base: u64,
+    len: u64,
+}
+
+impl BusRange {
+    /// Current start of the range.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Length of the range.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false: a bus range is never empty (zero lengths are refused at insert).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Moves the range to `new_base` (the guest reprogrammed a BAR); on an overlap the
+    /// range stays where it was.
+    pub fn relocate(&mut self, new_base: u64) -> Result<(), BusError> {
+        self.bus.relocate(self.base, new_base)?;
+        self.base = new_base;
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for BusRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BusRange({:#x}+{:#x})", self.base, self.len)
+    }
+}
+
+impl Drop for BusRange {
+    fn drop(&mut self) {
+        if let Err(e) = self.bus.remove(self.base) {
+            // Only possible if someone removed the range behind the guard's back.
+            log::warn!("bus range {:#x}+{:#x}: {e}", self.base, self.len);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,5 +254,33 @@ mod tests {
         bus.remove(0x200).unwrap();
         assert_eq!(bus.len(), 1);
         assert_eq!(bus.insert(dev, 0x5, 0), Err(BusError::ZeroLength(5)));
+    }
+
+    #[test]
+    fn bus_range_guard_removes_and_relocates() {
+        let bus = Arc::new(Bus::new());
+        let dev = Arc::new(Mutex::new(Recorder { last: vec![] }));
+        let mut g = bus.insert_range(dev.clone(), 0x100, 0x10).unwrap();
+        assert_eq!(Arc::strong_count(&dev), 2, "the bus holds the device");
+        assert!(bus.insert_range(dev.clone(), 0x108, 0x10).is_err());
+        let mut b = [0u8; 1];
+        g.relocate(0x200).unwrap();
+        assert_eq!(g.base(), 0x200);
+        assert!(bus.read(0x100, &mut b).is_err());
+        bus.read(0x200, &mut b).unwrap();
+        let other = bus.insert_range(dev.clone(), 0x300, 0x10).unwrap();
+        assert!(g.relocate(0x308).is_err(), "overlap refused");
+        assert_eq!(g.base(), 0x200, "a refused move leaves the range");
+        drop(g);
+        assert!(
+            bus.read(0x200, &mut b).is_err(),
+            "dropping the guard removes the range"
+        );
+        assert_eq!(bus.len(), 1);
+        drop(other);
+        assert!(bus.is_empty());
+        assert_eq!(Arc::strong_count(&dev), 1, "no reference left on the bus");
+        // The freed range can be registered again.
+        let _again = bus.insert_range(dev, 0x100, 0x10).unwrap();
     }
 }

@@ -5,11 +5,12 @@
 //! -> `PciDevice::write_config_register` returns [`ConfigWriteEffects`]; the device has
 //! already reacted to its own Command change (e.g. pinning guest RAM on BME 0->1). For
 //! every [`BarMove`], the bus calls [`DeviceRelocation::move_bar`] (the VMM moves the
-//! MMIO/PIO bus range and its allocator reservation) and then
+//! MMIO/PIO bus range and swaps the BAR's [`BarAllocation`]) and then
 //! [`PciDevice::move_bar`] (the device moves its memslots/ioeventfds). Command changes
 //! are passed to [`DeviceRelocation::command_changed`] for bookkeeping.
 
 use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use vm_allocator::{AddressAllocator, AllocPolicy, RangeInclusive};
 
@@ -200,7 +201,10 @@ impl PciBarAllocators {
     }
 
     /// Allocates a naturally aligned range for `req`; returns the BAR with its address.
-    pub fn allocate(&mut self, req: &BarRequest) -> Result<PciBarConfiguration, PciDeviceError> {
+    pub(crate) fn allocate(
+        &mut self,
+        req: &BarRequest,
+    ) -> Result<PciBarConfiguration, PciDeviceError> {
         let range = self
             .for_type(req.region_type)
             .allocate(req.size, req.size, AllocPolicy::FirstMatch)
@@ -219,7 +223,7 @@ impl PciBarAllocators {
     }
 
     /// Reserves exactly `[base, base+size)` (e.g. when the guest moves a BAR).
-    pub fn allocate_at(
+    pub(crate) fn allocate_at(
         &mut self,
         region_type: PciBarRegionType,
         base: u64,
@@ -235,8 +239,9 @@ impl PciBarAllocators {
             })
     }
 
-    /// Frees `[base, base+size)`.
-    pub fn free(
+    /// Frees `[base, base+size)`. Only [`BarAllocation`]'s drop calls this: a reservation
+    /// is released by dropping the value that holds it, never by bookkeeping elsewhere.
+    fn free(
         &mut self,
         region_type: PciBarRegionType,
         base: u64,
@@ -252,39 +257,123 @@ impl PciBarAllocators {
         let range = RangeInclusive::new(base, end).map_err(err)?;
         self.for_type(region_type).free(&range).map_err(err)
     }
+}
 
-    /// Allocates all `requests`; on failure frees what was allocated so far.
-    pub fn allocate_all(
-        &mut self,
-        requests: &[BarRequest],
-    ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
-        let mut done: Vec<PciBarConfiguration> = Vec::with_capacity(requests.len());
-        for req in requests {
-            match self.allocate(req) {
-                Ok(bar) => done.push(bar),
-                Err(e) => {
-                    for bar in &done {
-                        if let Err(fe) = self.free(bar.region_type, bar.addr, bar.size) {
-                            log::error!("rollback of bar {}: {fe}", bar.idx);
-                        }
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(done)
+/// The VMM's BAR allocators, shared by every [`BarAllocation`] (each holds a handle so its
+/// drop can give the range back; Cloud Hypervisor shares its allocators the same way).
+pub type SharedBarAllocators = Arc<Mutex<PciBarAllocators>>;
+
+/// One BAR's reservation in the VMM's address windows: dropping it frees the range, so
+/// a device returns its BAR addresses when it is dropped, whoever drops it. A guest BAR
+/// move swaps the reservation for one at the new address ([`BarAllocation::relocate`]).
+pub struct BarAllocation {
+    allocators: SharedBarAllocators,
+    bar: PciBarConfiguration,
+    /// False after the guest moved the BAR to an address the windows do not manage (or that
+    /// is already reserved): there is nothing to free then.
+    reserved: bool,
+}
+
+fn lock(a: &SharedBarAllocators) -> MutexGuard<'_, PciBarAllocators> {
+    a.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl BarAllocation {
+    /// Reserves a naturally aligned range for `req`.
+    pub fn allocate(
+        allocators: &SharedBarAllocators,
+        req: &BarRequest,
+    ) -> Result<Self, PciDeviceError> {
+        let bar = lock(allocators).allocate(req)?;
+        Ok(Self {
+            allocators: Arc::clone(allocators),
+            bar,
+            reserved: true,
+        })
     }
 
-    /// Frees all `bars`, returning the first error after trying all of them.
-    pub fn free_all(&mut self, bars: &[PciBarConfiguration]) -> Result<(), PciDeviceError> {
-        let mut first = None;
-        for bar in bars {
-            if let Err(e) = self.free(bar.region_type, bar.addr, bar.size) {
-                log::error!("freeing bar {}: {e}", bar.idx);
-                first.get_or_insert(e);
+    /// Reserves every request; on failure the ones already reserved are dropped (freed).
+    pub fn allocate_all(
+        allocators: &SharedBarAllocators,
+        requests: &[BarRequest],
+    ) -> Result<Vec<Self>, PciDeviceError> {
+        requests
+            .iter()
+            .map(|req| Self::allocate(allocators, req))
+            .collect()
+    }
+
+    /// The BAR with its current address.
+    pub fn config(&self) -> PciBarConfiguration {
+        self.bar
+    }
+
+    /// Current address of the BAR.
+    pub fn base(&self) -> u64 {
+        self.bar.addr
+    }
+
+    /// Whether the range is reserved in the allocators (false after a move outside them).
+    pub fn is_reserved(&self) -> bool {
+        self.reserved
+    }
+
+    /// Swaps the reservation for one at `new_base`: the new range is reserved first, then
+    /// the old one is freed by dropping its guard. If `new_base` cannot be reserved (outside
+    /// the managed windows, or taken), the old range is still freed (the BAR is no longer
+    /// there), the BAR is recorded at `new_base` unreserved, and the error is returned.
+    pub fn relocate(&mut self, new_base: u64) -> Result<(), PciDeviceError> {
+        if new_base == self.bar.addr {
+            return Ok(());
+        }
+        let moved = lock(&self.allocators)
+            .allocate_at(self.bar.region_type, new_base, self.bar.size)
+            .map(|()| Self {
+                allocators: Arc::clone(&self.allocators),
+                bar: PciBarConfiguration {
+                    addr: new_base,
+                    ..self.bar
+                },
+                reserved: true,
+            });
+        match moved {
+            Ok(new) => {
+                // The old guard drops here and frees the old range.
+                *self = new;
+                Ok(())
+            }
+            Err(e) => {
+                self.release();
+                self.bar.addr = new_base;
+                Err(e)
             }
         }
-        first.map_or(Ok(()), Err)
+    }
+
+    fn release(&mut self) {
+        if !std::mem::replace(&mut self.reserved, false) {
+            return;
+        }
+        let b = &self.bar;
+        if let Err(e) = lock(&self.allocators).free(b.region_type, b.addr, b.size) {
+            // Cannot happen while only guards free ranges; logged rather than lost.
+            log::error!("bar {}: {e}", b.idx);
+        }
+    }
+}
+
+impl std::fmt::Debug for BarAllocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BarAllocation")
+            .field("bar", &self.bar)
+            .field("reserved", &self.reserved)
+            .finish()
+    }
+}
+
+impl Drop for BarAllocation {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 
@@ -295,18 +384,20 @@ pub trait PciDevice: Send {
         None
     }
 
-    /// Chooses addresses for the device's BARs from `allocators` and programs them into
-    /// its configuration space. Returns the BARs so the VMM can insert bus ranges.
+    /// Reserves addresses for the device's BARs from `allocators` (as [`BarAllocation`]s the
+    /// device keeps: dropping the device frees them) and programs them into its
+    /// configuration space. Returns the BARs so the VMM can insert bus ranges.
     fn allocate_bars(
         &mut self,
-        _allocators: &mut PciBarAllocators,
+        _allocators: &SharedBarAllocators,
     ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
         Ok(Vec::new())
     }
 
-    /// Returns the device's BAR ranges (at their current addresses) to `allocators`.
-    fn free_bars(&mut self, _allocators: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
-        Ok(())
+    /// The device's BAR reservations, so a guest BAR move can swap the moved BAR's
+    /// reservation ([`BarAllocation::relocate`]). Devices without BARs keep the default.
+    fn bar_allocations(&mut self) -> &mut [BarAllocation] {
+        &mut []
     }
 
     /// Reads configuration register `reg_idx` (dword index; 0..64 or 0..1024).

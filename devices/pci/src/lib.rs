@@ -13,14 +13,14 @@ pub mod msix;
 pub mod root;
 pub mod vm_ops;
 
-pub use bus::{Bus, BusDevice, BusError, SharedBusDevice};
+pub use bus::{Bus, BusDevice, BusError, BusRange, SharedBusDevice};
 pub use configuration::{
     ConfigError, PciBarConfiguration, PciBarRegionType, PciConfiguration, PciConfigurationParams,
     PciHeaderType, PciInterruptPin,
 };
 pub use device::{
-    BarMove, BarRequest, CommandChange, ConfigWriteEffects, DeviceRelocation, PciBarAllocators,
-    PciDevice, PciDeviceError,
+    BarAllocation, BarMove, BarRequest, CommandChange, ConfigWriteEffects, DeviceRelocation,
+    PciBarAllocators, PciDevice, PciDeviceError, SharedBarAllocators,
 };
 pub use interrupt::{
     InterruptError, InterruptIndex, InterruptManager, InterruptSourceGroup, MsiIrqSourceConfig,

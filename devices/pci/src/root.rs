@@ -408,14 +408,15 @@ mod tests {
     use crate::bus::Bus;
     use crate::configuration::{command, PciBarConfiguration, PciBarRegionType, BAR0_REG};
     use crate::device::{
-        BarMove, BarRequest, CommandChange, NoRelocation, PciBarAllocators, PciDeviceError,
-        ECAM_BASE, ECAM_SIZE,
+        BarAllocation, BarMove, BarRequest, CommandChange, NoRelocation, PciBarAllocators,
+        PciDeviceError, SharedBarAllocators, ECAM_BASE, ECAM_SIZE,
     };
 
     struct TestDev {
         config: PciConfiguration,
         moved: Vec<(u64, u64)>,
         bme: bool,
+        bars: Vec<BarAllocation>,
     }
 
     impl TestDev {
@@ -428,6 +429,7 @@ mod tests {
                 }),
                 moved: Vec::new(),
                 bme: false,
+                bars: Vec::new(),
             }
         }
     }
@@ -435,35 +437,40 @@ mod tests {
     impl PciDevice for TestDev {
         fn allocate_bars(
             &mut self,
-            allocators: &mut PciBarAllocators,
+            allocators: &SharedBarAllocators,
         ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
-            let bars = allocators.allocate_all(&[
-                BarRequest {
-                    idx: 0,
-                    size: 0x4000,
-                    region_type: PciBarRegionType::Memory32,
-                    prefetchable: false,
-                },
-                BarRequest {
-                    idx: 2,
-                    size: 0x10_0000,
-                    region_type: PciBarRegionType::Memory64,
-                    prefetchable: true,
-                },
-                BarRequest {
-                    idx: 4,
-                    size: 0x40,
-                    region_type: PciBarRegionType::Io,
-                    prefetchable: false,
-                },
-            ])?;
+            let bars = BarAllocation::allocate_all(
+                allocators,
+                &[
+                    BarRequest {
+                        idx: 0,
+                        size: 0x4000,
+                        region_type: PciBarRegionType::Memory32,
+                        prefetchable: false,
+                    },
+                    BarRequest {
+                        idx: 2,
+                        size: 0x10_0000,
+                        region_type: PciBarRegionType::Memory64,
+                        prefetchable: true,
+                    },
+                    BarRequest {
+                        idx: 4,
+                        size: 0x40,
+                        region_type: PciBarRegionType::Io,
+                        prefetchable: false,
+                    },
+                ],
+            )?;
             for b in &bars {
-                self.config.add_pci_bar(b)?;
+                self.config.add_pci_bar(&b.config())?;
             }
-            Ok(bars)
+            let configs = bars.iter().map(BarAllocation::config).collect();
+            self.bars = bars;
+            Ok(configs)
         }
-        fn free_bars(&mut self, allocators: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
-            allocators.free_all(&self.config.bars())
+        fn bar_allocations(&mut self) -> &mut [BarAllocation] {
+            &mut self.bars
         }
         fn read_config_register(&mut self, reg_idx: usize) -> u32 {
             self.config.read_reg(reg_idx)
@@ -505,10 +512,21 @@ mod tests {
             &self,
             bdf: PciBdf,
             mv: &BarMove,
-            _device: &mut dyn PciDevice,
+            device: &mut dyn PciDevice,
         ) -> Result<(), PciDeviceError> {
             self.moves.lock().unwrap().push((bdf, *mv));
-            self.mmio.relocate(mv.old, mv.new).map_err(|e| mv.failed(e))
+            self.mmio
+                .relocate(mv.old, mv.new)
+                .map_err(|e| mv.failed(e))?;
+            if let Some(a) = device
+                .bar_allocations()
+                .iter_mut()
+                .find(|a| a.base() == mv.old)
+            {
+                // Outside the windows is allowed here (the test moves BAR2 to 0).
+                let _ = a.relocate(mv.new);
+            }
+            Ok(())
         }
         fn command_changed(&self, bdf: PciBdf, change: &CommandChange) {
             self.commands.lock().unwrap().push((bdf, *change));
@@ -678,9 +696,9 @@ mod tests {
     fn bar_allocation_and_guest_move_through_ecam() {
         let reloc = Arc::new(Relocator::default());
         let bus = Arc::new(PciBus::new(reloc.clone()));
-        let mut alloc = PciBarAllocators::x86_64(0x100_0000_0000, 0x10_0000_0000).unwrap();
+        let alloc = shared(PciBarAllocators::x86_64(0x100_0000_0000, 0x10_0000_0000).unwrap());
         let dev = Arc::new(Mutex::new(TestDev::new()));
-        let bars = dev.lock().unwrap().allocate_bars(&mut alloc).unwrap();
+        let bars = dev.lock().unwrap().allocate_bars(&alloc).unwrap();
         assert_eq!(bars[0].addr, 0xc000_0000);
         assert_eq!(bars[1].addr, 0x100_0000_0000);
         assert_eq!(bars[2].addr, 0x1000);
@@ -712,6 +730,15 @@ mod tests {
         let mut probe = [0u8; 1];
         assert!(reloc.mmio.read(0xc010_0000, &mut probe).is_ok());
         assert!(reloc.mmio.read(0xc000_0000, &mut probe).is_err());
+        // The reservation moved with it: the old range is free, the new one taken.
+        assert!(alloc
+            .lock()
+            .unwrap()
+            .allocate_at(PciBarRegionType::Memory32, 0xc010_0000, 0x4000)
+            .is_err());
+        let probe_old = BarAllocation::allocate(&alloc, &mem32(0x4000)).unwrap();
+        assert_eq!(probe_old.base(), 0xc000_0000, "old bar range given back");
+        drop(probe_old);
 
         // A failed relocation (overlap) is not forwarded to the device.
         mmio.write(cfg(BAR0_REG as u64), &0u32.to_le_bytes())
@@ -740,51 +767,158 @@ mod tests {
             .unwrap();
         assert!(!dev.lock().unwrap().bme);
 
-        // Unplug returns the device; the test relocator did not move allocator
-        // reservations, so BAR freeing is covered in `allocators_free_and_reuse`.
+        // Unplug returns the device; dropping it (the last reference) frees its BARs.
         let removed = bus.remove_device(bdf.device()).unwrap();
         assert_eq!(Arc::strong_count(&removed), 2);
+        drop(removed);
+        drop(dev);
+        let again = TestDev::new().allocate_bars(&alloc);
+        let again = again.unwrap();
+        assert_eq!(again[0].addr, 0xc000_0000);
+        assert_eq!(again[1].addr, 0x100_0000_0000);
+        assert_eq!(again[2].addr, 0x1000);
+    }
+
+    fn shared(a: PciBarAllocators) -> SharedBarAllocators {
+        Arc::new(Mutex::new(a))
+    }
+
+    fn mem32(size: u64) -> BarRequest {
+        BarRequest {
+            idx: 0,
+            size,
+            region_type: PciBarRegionType::Memory32,
+            prefetchable: false,
+        }
     }
 
     #[test]
-    fn allocators_free_and_reuse() {
-        let mut alloc = PciBarAllocators::x86_64(0x100_0000_0000, 0x1000_0000).unwrap();
+    fn allocations_are_guards() {
+        let alloc = shared(PciBarAllocators::x86_64(0x100_0000_0000, 0x1000_0000).unwrap());
         let req = BarRequest {
             idx: 0,
             size: 0x1000_0000,
             region_type: PciBarRegionType::Memory64,
             prefetchable: false,
         };
-        let bar = alloc.allocate(&req).unwrap();
-        assert!(alloc.allocate(&req).is_err(), "64-bit window is full");
-        // allocate_all rolls back on failure.
-        let small = BarRequest {
-            idx: 0,
-            size: 0x1000,
-            region_type: PciBarRegionType::Memory32,
-            prefetchable: false,
-        };
-        assert!(alloc.allocate_all(&[small, req]).is_err());
-        assert_eq!(alloc.allocate(&small).unwrap().addr, 0xc000_0000);
-        alloc.free(bar.region_type, bar.addr, bar.size).unwrap();
-        assert_eq!(alloc.allocate(&req).unwrap().addr, 0x100_0000_0000);
-        alloc
-            .allocate_at(PciBarRegionType::Memory32, 0xd000_0000, 0x1000)
-            .unwrap();
-        assert!(alloc
-            .allocate_at(PciBarRegionType::Memory32, 0xd000_0000, 0x1000)
-            .is_err());
-        // A device's BARs go back on free_bars and the same addresses come out again.
-        let mut alloc = PciBarAllocators::x86_64(0x100_0000_0000, 0x10_0000_0000).unwrap();
-        let mut d = TestDev::new();
-        let first = d.allocate_bars(&mut alloc).unwrap();
-        d.free_bars(&mut alloc).unwrap();
-        let mut d2 = TestDev::new();
-        let second = d2.allocate_bars(&mut alloc).unwrap();
-        assert_eq!(first, second);
+        let bar = BarAllocation::allocate(&alloc, &req).unwrap();
         assert!(
-            alloc.free(PciBarRegionType::Io, 0x8000, 0x40).is_err(),
-            "freeing a range never allocated fails"
+            BarAllocation::allocate(&alloc, &req).is_err(),
+            "64-bit window is full"
         );
+        // allocate_all rolls back on failure: the guards already made are dropped.
+        assert!(BarAllocation::allocate_all(&alloc, &[mem32(0x1000), req]).is_err());
+        let small = BarAllocation::allocate(&alloc, &mem32(0x1000)).unwrap();
+        assert_eq!(small.base(), 0xc000_0000);
+        drop(bar);
+        let bar = BarAllocation::allocate(&alloc, &req).unwrap();
+        assert_eq!(
+            bar.base(),
+            0x100_0000_0000,
+            "the dropped range comes out again"
+        );
+
+        // A device's BARs go back when the device is dropped: the same addresses again.
+        drop((bar, small));
+        let alloc = shared(PciBarAllocators::x86_64(0x100_0000_0000, 0x10_0000_0000).unwrap());
+        let mut d = TestDev::new();
+        let first = d.allocate_bars(&alloc).unwrap();
+        drop(d);
+        let mut d2 = TestDev::new();
+        let second = d2.allocate_bars(&alloc).unwrap();
+        assert_eq!(first, second);
+    }
+
+    #[test]
+    fn relocation_swaps_the_reservation() {
+        let alloc = shared(PciBarAllocators::x86_64(0x100_0000_0000, 0x1000_0000).unwrap());
+        let mut a = BarAllocation::allocate(&alloc, &mem32(0x1000)).unwrap();
+        assert_eq!(a.base(), 0xc000_0000);
+        a.relocate(0xc000_4000).unwrap();
+        assert_eq!(a.base(), 0xc000_4000);
+        assert!(a.is_reserved());
+        // The old range is free again, the new one is not.
+        let b = BarAllocation::allocate(&alloc, &mem32(0x1000)).unwrap();
+        assert_eq!(b.base(), 0xc000_0000, "old range freed by the move");
+        assert!(alloc
+            .lock()
+            .unwrap()
+            .allocate_at(PciBarRegionType::Memory32, 0xc000_4000, 0x1000)
+            .is_err());
+        // Onto a taken range: the old range is freed, the BAR is recorded unreserved.
+        assert!(a.relocate(0xc000_0000).is_err());
+        assert!(!a.is_reserved());
+        assert_eq!(a.base(), 0xc000_0000);
+        // Dropping an unreserved allocation frees nothing (no double free of b's range).
+        drop(a);
+        assert!(alloc
+            .lock()
+            .unwrap()
+            .allocate_at(PciBarRegionType::Memory32, 0xc000_0000, 0x1000)
+            .is_err());
+        // Moving outside the windows, then back in, reserves again.
+        let mut c = BarAllocation::allocate(&alloc, &mem32(0x1000)).unwrap();
+        let c0 = c.base();
+        assert!(c.relocate(0x1_0000).is_err());
+        assert!(!c.is_reserved());
+        c.relocate(c0).unwrap();
+        assert!(c.is_reserved());
+        drop((b, c));
+        // Everything is free: the whole 32-bit window fits in one allocation.
+        let whole = BarAllocation::allocate(&alloc, &mem32(0x2000_0000)).unwrap();
+        assert_eq!(whole.base(), 0xc000_0000);
+    }
+
+    /// A leaked guard would exhaust a window that holds only two devices' BARs.
+    #[test]
+    fn add_remove_cycles_do_not_exhaust_a_small_window() {
+        let alloc = shared(
+            PciBarAllocators::new(
+                (0x1000, 0x80),
+                (0xc000_0000, 0x8000),
+                (0x1_0000_0000, 0x20_0000),
+            )
+            .unwrap(),
+        );
+        let reloc = Arc::new(Relocator::default());
+        let bus = Arc::new(PciBus::new(reloc.clone()));
+        let mmio = ecam_bus(bus.clone());
+        for cycle in 0..100u32 {
+            let dev = Arc::new(Mutex::new(TestDev::new()));
+            let bars = dev
+                .lock()
+                .unwrap()
+                .allocate_bars(&alloc)
+                .unwrap_or_else(|e| panic!("cycle {cycle}: {e}"));
+            for b in bars.iter().filter(|b| b.region_type.is_memory()) {
+                reloc
+                    .mmio
+                    .insert(Arc::new(Mutex::new(Null)), b.addr, b.size)
+                    .unwrap();
+            }
+            let bdf = bus.add_device(None, dev.clone()).unwrap();
+            // Every other cycle the guest moves BAR0 within the window first.
+            if cycle % 2 == 1 {
+                let reg = ECAM_BASE + (u64::from(bdf.device()) << 15) + BAR0_REG as u64 * 4;
+                mmio.write(reg, &0xc000_4000u32.to_le_bytes()).unwrap();
+                assert_eq!(dev.lock().unwrap().moved.len(), 1, "cycle {cycle}");
+            }
+            let removed = bus.remove_device(bdf.device()).unwrap();
+            let bars = removed
+                .lock()
+                .unwrap()
+                .as_any()
+                .downcast_ref::<TestDev>()
+                .unwrap()
+                .bars
+                .iter()
+                .map(|a| a.config())
+                .collect::<Vec<_>>();
+            for b in bars.iter().filter(|b| b.region_type.is_memory()) {
+                reloc.mmio.remove(b.addr).unwrap();
+            }
+            drop(removed);
+            drop(dev);
+        }
     }
 }

@@ -39,7 +39,8 @@ use pci::configuration::{
     cap_id, command, status, PciBarConfiguration, PciBarRegionType, PciConfiguration, COMMAND_REG,
 };
 use pci::device::{
-    BarMove, BarRequest, ConfigWriteEffects, PciBarAllocators, PciDevice, PciDeviceError,
+    BarAllocation, BarMove, BarRequest, ConfigWriteEffects, PciDevice, PciDeviceError,
+    SharedBarAllocators,
 };
 use pci::interrupt::{InterruptError, InterruptManager, InterruptSourceGroup};
 use pci::msi::{MsiConfig, MsiError};
@@ -303,7 +304,8 @@ pub struct RemotePciDevice {
     remote_id: String,
     config: PciConfiguration,
     bars: Vec<BarState>,
-    allocated: bool,
+    /// The BARs' address reservations: freed when the device is dropped.
+    bar_allocs: Vec<BarAllocation>,
     msix: Option<MsixState>,
     msi: Option<MsiConfig>,
     msi_cap: Option<(usize, usize)>,
@@ -600,7 +602,7 @@ impl RemotePciDevice {
             remote_id: dev,
             config,
             bars,
-            allocated: false,
+            bar_allocs: Vec::new(),
             msix,
             msi,
             msi_cap,
@@ -784,7 +786,7 @@ impl RemotePciDevice {
     fn bar_index_at(&self, base: u64) -> Option<usize> {
         self.bars
             .iter()
-            .position(|b| self.allocated && b.placed == base)
+            .position(|b| !self.bar_allocs.is_empty() && b.placed == base)
     }
 
     /// MSI-X pages (BAR offsets, page aligned) inside BAR `idx`.
@@ -813,7 +815,7 @@ impl RemotePciDevice {
             };
             // Where the VMM placed the BAR, not what the guest last wrote (a refused move).
             let addr = self.bars[i].placed;
-            let want = (self.allocated && decoded && addr != 0).then_some(addr);
+            let want = (!self.bar_allocs.is_empty() && decoded && addr != 0).then_some(addr);
             if self.bars[i].mapped_at == want {
                 continue;
             }
@@ -1388,9 +1390,9 @@ impl PciDevice for RemotePciDevice {
 
     fn allocate_bars(
         &mut self,
-        allocators: &mut PciBarAllocators,
+        allocators: &SharedBarAllocators,
     ) -> Result<Vec<PciBarConfiguration>, PciDeviceError> {
-        if self.allocated {
+        if !self.bar_allocs.is_empty() {
             return Err(PciDeviceError::Device(format!(
                 "{}: bars already allocated",
                 self.id
@@ -1406,19 +1408,18 @@ impl PciDevice for RemotePciDevice {
                 prefetchable: b.remote.prefetchable,
             })
             .collect();
-        let done = allocators.allocate_all(&requests)?;
-        for (i, bar) in done.iter().enumerate() {
+        // On any error below `done` is dropped, which frees what was reserved.
+        let done = BarAllocation::allocate_all(allocators, &requests)?;
+        let configs: Vec<PciBarConfiguration> = done.iter().map(BarAllocation::config).collect();
+        for (i, bar) in configs.iter().enumerate() {
             if let Err(e) = self.config.add_pci_bar(bar) {
-                for b in &done[..i] {
+                for b in &configs[..i] {
                     self.config.remove_pci_bar(b.idx);
-                }
-                if let Err(fe) = allocators.free_all(&done) {
-                    error!("{}: rollback of bar allocation: {fe}", self.id);
                 }
                 return Err(e.into());
             }
         }
-        for b in &done {
+        for b in &configs {
             debug!(
                 "{}: bar {} at {:#x} ({:#x} bytes, {:?})",
                 self.id, b.idx, b.addr, b.size, b.region_type
@@ -1431,29 +1432,12 @@ impl PciDevice for RemotePciDevice {
                 s.placed = b.addr;
             }
         }
-        self.allocated = true;
-        Ok(done)
+        self.bar_allocs = done;
+        Ok(configs)
     }
 
-    fn free_bars(&mut self, allocators: &mut PciBarAllocators) -> Result<(), PciDeviceError> {
-        if !self.allocated {
-            return Ok(());
-        }
-        let mut bars = self.config.bars();
-        self.allocated = false;
-        self.sync_bar_mappings();
-        for b in &mut bars {
-            self.config.remove_pci_bar(b.idx);
-            // Free what the allocators hold: the placed address, not a refused one.
-            if let Some(s) = self
-                .bars
-                .iter_mut()
-                .find(|s| usize::from(s.remote.index) == b.idx)
-            {
-                b.addr = std::mem::take(&mut s.placed);
-            }
-        }
-        allocators.free_all(&bars)
+    fn bar_allocations(&mut self) -> &mut [BarAllocation] {
+        &mut self.bar_allocs
     }
 
     fn read_config_register(&mut self, reg_idx: usize) -> u32 {

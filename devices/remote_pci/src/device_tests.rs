@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use pci::configuration::{
     cap_id, class, command, status, PciConfiguration, PciConfigurationParams, PciInterruptPin,
 };
-use pci::device::{PciBarAllocators, PciDevice};
+use pci::device::{BarAllocation, BarRequest, PciBarAllocators, PciDevice, SharedBarAllocators};
 use pci::interrupt::InterruptSourceGroup;
 use pci::msi::MsiCap;
 use pci::msix::{MsixCap, MSIX_CTL_ENABLE};
@@ -81,7 +81,7 @@ struct Fx {
     journal: Journal,
     notify: Arc<EventFd>,
     ioevent: Arc<EventFd>,
-    alloc: PciBarAllocators,
+    alloc: SharedBarAllocators,
     lay: Layout,
     bar0: AnonMap,
 }
@@ -196,8 +196,10 @@ fn fixture(o: Opts) -> Fx {
     params.pinner = pinner;
     let vm_ops: Arc<dyn VmOps> = vm.clone();
     let mut dev = RemotePciDevice::new(params, Box::new(link), vm_ops, irqs.as_ref()).unwrap();
-    let mut alloc = PciBarAllocators::x86_64(0x0010_0000_0000, 1 << 36).unwrap();
-    dev.allocate_bars(&mut alloc).unwrap();
+    let alloc = Arc::new(Mutex::new(
+        PciBarAllocators::x86_64(0x0010_0000_0000, 1 << 36).unwrap(),
+    ));
+    dev.allocate_bars(&alloc).unwrap();
     Fx {
         dev: Some(dev),
         link: link_state,
@@ -788,15 +790,34 @@ fn drop_releases_everything_after_moves_and_bme_cycles() {
 }
 
 #[test]
-fn free_bars_returns_ranges_and_drops_slots() {
+fn dropping_the_device_returns_its_bar_ranges_and_slots() {
     let mut f = fixture(Opts::default());
     f.cmd(command::MEMORY_SPACE);
     assert_eq!(f.vm.slots().len(), 2);
-    let mut alloc = f.alloc.clone();
-    f.dev().free_bars(&mut alloc).unwrap();
+    let bars = f.dev().configuration().bars();
+    assert!(!bars.is_empty());
+    let alloc = f.alloc.clone();
+    assert!(
+        f.dev().allocate_bars(&alloc).is_err(),
+        "bars are allocated once"
+    );
+    f.dev.take();
     assert!(f.vm.slots().is_empty());
-    // The same ranges can be allocated again.
-    f.dev().allocate_bars(&mut alloc).unwrap();
+    // Nobody called a free path: the device's guards gave the same ranges back.
+    let again: Vec<BarAllocation> = bars
+        .iter()
+        .map(|b| {
+            let req = BarRequest {
+                idx: b.idx,
+                size: b.size,
+                region_type: b.region_type,
+                prefetchable: b.prefetchable,
+            };
+            BarAllocation::allocate(&f.alloc, &req).unwrap()
+        })
+        .collect();
+    let addrs: Vec<u64> = again.iter().map(BarAllocation::base).collect();
+    assert_eq!(addrs, bars.iter().map(|b| b.addr).collect::<Vec<_>>());
 }
 
 #[test]

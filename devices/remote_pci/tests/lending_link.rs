@@ -314,8 +314,10 @@ fn borrowed_dmatest_copies_and_interrupts_through_remote_pci() {
         &irqs,
     )
     .unwrap();
-    let mut alloc = PciBarAllocators::x86_64(1 << 36, 1 << 36).unwrap();
-    let bars = dev.allocate_bars(&mut alloc).unwrap();
+    let alloc = Arc::new(Mutex::new(
+        PciBarAllocators::x86_64(1 << 36, 1 << 36).unwrap(),
+    ));
+    let bars = dev.allocate_bars(&alloc).unwrap();
     let bar0 = bars.iter().find(|b| b.idx == 0).unwrap().addr;
     let msix_bar = dev
         .msix()
@@ -441,8 +443,10 @@ impl NvmeRig {
             &irqs,
         )
         .unwrap();
-        let mut alloc = PciBarAllocators::x86_64(1 << 36, 1 << 36).unwrap();
-        let bars = dev.allocate_bars(&mut alloc).unwrap();
+        let alloc = Arc::new(Mutex::new(
+            PciBarAllocators::x86_64(1 << 36, 1 << 36).unwrap(),
+        ));
+        let bars = dev.allocate_bars(&alloc).unwrap();
         let bar0 = bars.iter().find(|b| b.idx == 0).unwrap().addr;
         dev.write_config_register(
             1,
