@@ -2,7 +2,7 @@
 # fio inside the Linux guest on each VMM configuration, side by side with QEMU's NVMe:
 #
 #   scripts/bench-guest.sh [--configs a,b,...] [--repeat N] [--allow-missing-counters] [--no-docs]
-#                          [--name NAME]   (outputs target/bench/NAME.{json,svg}, NAME-logs/;
+#                          [--perf] [--name NAME]   (outputs target/bench/NAME.{json,svg}, NAME-logs/;
 #                                           implies --no-docs; default guest-fio)
 #
 # Configurations (one boot each, same kernel, same initramfs, same fio jobs):
@@ -35,13 +35,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source tests/linux/lib.sh
 
-configs="" extra=() docs=1 name=guest-fio
+configs="" extra=() docs=1 name=guest-fio perf=0
 while [ $# -gt 0 ]; do
 	case $1 in
 	--configs) configs=$2; shift 2 ;;
 	--configs=*) configs=${1#--configs=}; shift ;;
 	--allow-missing-counters) extra+=(--allow-missing-counters); shift ;;
 	--repeat) extra+=(--repeat "$2"); shift 2 ;;
+	--perf) extra+=(--perf); perf=1; shift ;;
 	--repeat=*) extra+=(--repeat "${1#--repeat=}"); shift ;;
 	--no-docs) docs=0; shift ;;
 	--name) name=$2; docs=0; shift 2 ;;
@@ -53,6 +54,7 @@ done
 
 scripts/setup.sh >&2
 ensure_pkgs python3 qemu-system-x86
+[ "$perf" = 0 ] || ensure_pkgs linux-perf
 out=$(scripts/build-guest-kernel.sh) || die "guest kernel build failed"
 vmlinux=$(sed -n 's/^VMLINUX=//p' <<<"$out" | tail -n 1)
 bzimage=$(sed -n 's/^BZIMAGE=//p' <<<"$out" | tail -n 1)

@@ -248,6 +248,54 @@ class CpuProbe:
         return out
 
 
+class PerfProbe:
+    """`perf record` of the vCPU thread over one job (--perf): where the host spends the
+    vCPU thread's time, KVM's instruction emulator and shadow MMU included (kernel symbols
+    are readable here; tracefs is not, so sampling is the way in)."""
+
+    def __init__(self, vm_pid, vcpu_names, out_dir):
+        self.vm_pid, self.vcpu_names, self.out_dir = vm_pid, vcpu_names, out_dir
+        self.proc = None
+        self.path = None
+
+    def _vcpu_tid(self):
+        for tid in os.listdir(f"/proc/{self.vm_pid}/task"):
+            try:
+                with open(f"/proc/{self.vm_pid}/task/{tid}/comm") as f:
+                    if f.read().strip() in self.vcpu_names:
+                        return tid
+            except OSError:
+                continue
+        raise ConfigFailed("perf: no vCPU thread found")
+
+    def start(self, index):
+        self.path = os.path.join(self.out_dir, f"job{index}.perf.data")
+        self.proc = subprocess.Popen(["perf", "record", "-q", "-F", "999", "-t", self._vcpu_tid(),
+                                      "-o", self.path], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+
+    def stop(self, top=12):
+        """Stops the recording; the top symbols by share of samples."""
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise ConfigFailed("perf record did not stop")
+        self.proc = None
+        out = subprocess.run(["perf", "report", "-i", self.path, "--stdio", "--sort", "sym",
+                              "--percent-limit", "0.5"], capture_output=True, text=True, timeout=300)
+        rows = []
+        for l in out.stdout.splitlines():
+            m = re.match(r"\s*([\d.]+)%\s+\[(.)\]\s+(\S+)", l)
+            if m:
+                rows.append((m.group(3), float(m.group(1))))
+        samples = re.search(r"# Samples: (\S+)", out.stdout)
+        return {"samples": samples.group(1) if samples else "0", "top": rows[:top]}
+
+
 # --------------------------------------------------------------------------------------
 # One boot.
 
@@ -313,13 +361,18 @@ def run_config(name, args, workdir, rep=1):
     procs = []
     snaps = {}
     counters = {"src": None, "cpu": None}
+    perf = {}
 
     def on_marker(kind_, f, t):
         key = {"idle-begin": ("idle", "begin"), "idle-end": ("idle", "end"),
                "run": (f.get("i"), "begin"), "ran": (f.get("i"), "end")}.get(kind_)
         if key is None or counters["src"] is None:
             return
+        if counters.get("perf") is not None and key[0] != "idle" and key[1] == "end":
+            perf[key[0]] = counters["perf"].stop()
         snaps[key] = (t, counters["src"].snapshot(), counters["cpu"].snapshot())
+        if counters.get("perf") is not None and key[0] != "idle" and key[1] == "begin":
+            counters["perf"].start(key[0])
 
     try:
         if kind == "lendvm":
@@ -362,6 +415,8 @@ def run_config(name, args, workdir, rep=1):
                 stdin=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="info"))
             procs.append(vm)
             counters["cpu"] = CpuProbe({"vm": vm.pid, "lender": lenderd.pid})
+            if args.perf:
+                counters["perf"] = PerfProbe(vm.pid, VCPU_THREADS[kind], cdir)
             counters["src"] = LendvmCounters(args.lendctl, api, not args.allow_missing_counters)
             ok_exit = 0
         else:
@@ -383,6 +438,8 @@ def run_config(name, args, workdir, rep=1):
                 os.path.join(args.log_dir, f"{tag}.qemu.log"), "w"), stdin=subprocess.DEVNULL)
             procs.append(vm)
             counters["cpu"] = CpuProbe({"vm": vm.pid})
+            if args.perf:
+                counters["perf"] = PerfProbe(vm.pid, VCPU_THREADS[kind], cdir)
             counters["src"] = QmpCounters(qmp)
             ok_exit = 1  # isa-debug-exit: (0 << 1) | 1
         log(f"{name}: booting ({desc}); console in {logpath}")
@@ -411,7 +468,11 @@ def run_config(name, args, workdir, rep=1):
         if f.get("failed") != "0" or f.get("runs") != str(len(JOBS)):
             raise ConfigFailed(f"guest runner: {done.strip()} (see {logpath})")
         missing = counters["src"].missing_reason if isinstance(counters["src"], LendvmCounters) else None
-        return collect(name, desc, con.lines, snaps, missing, args, VCPU_THREADS[kind])
+        r = collect(name, desc, con.lines, snaps, missing, args, VCPU_THREADS[kind])
+        for i, j in enumerate(r["jobs"], start=1):
+            if str(i) in perf:
+                j["perf"] = perf[str(i)]
+        return r
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -672,6 +733,8 @@ def main():
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated subset of {', '.join(CONFIGS)}")
     ap.add_argument("--pause", type=int, default=2, help="guest pause around each job, seconds")
+    ap.add_argument("--perf", action="store_true",
+                    help="perf record the vCPU thread over each job (top host symbols per job)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="boot every configuration this many times (rounds in turn), to see the spread")
     ap.add_argument("--timeout", type=int, default=1500, help="bound on one boot, seconds")

@@ -19,7 +19,9 @@ use lending::directory::testing::EtcdCluster;
 
 const T: Duration = BOOT_TIMEOUT;
 /// Directory lease TTL of the test (short, so a wrong expiry would show within the test).
-const TTL_S: u64 = 2;
+// Long enough that a claim's keepalive survives the etcd election after the leader is
+// killed on a loaded 2-core CI host (at 2 s it once expired there, and the VM lost the device).
+const TTL_S: u64 = 4;
 
 fn add(api: &ApiClient, id: &str) -> Result<api::types::PciDeviceInfo, String> {
     api.add_remote_device(&VmAddRemoteDeviceData {
@@ -120,7 +122,11 @@ fn a_vm_keeps_its_device_through_an_etcd_leader_change() {
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(3 * TTL_S) {
         let i = info(&api);
-        let d = i.remote_devices.iter().find(|d| d.id == "d0").unwrap();
+        let d = i
+            .remote_devices
+            .iter()
+            .find(|d| d.id == "d0")
+            .unwrap_or_else(|| panic!("d0 is gone from vm.info: {i:?}\n{}", vm.stderr()));
         assert_eq!(d.lease_state, LeaseState::Active, "{i:?}\n{}", vm.stderr());
         std::thread::sleep(Duration::from_millis(200));
     }
