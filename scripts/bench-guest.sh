@@ -2,7 +2,7 @@
 # fio inside the Linux guest on each VMM configuration, side by side with QEMU's NVMe:
 #
 #   scripts/bench-guest.sh [--configs a,b,...] [--repeat N] [--allow-missing-counters] [--no-docs]
-#                          [--perf] [--name NAME]   (outputs target/bench/NAME.{json,svg}, NAME-logs/;
+#                          [--perf | --perf-guest] [--name NAME]   (outputs target/bench/NAME.{json,svg}, NAME-logs/;
 #                                           implies --no-docs; default guest-fio)
 #
 # Configurations (one boot each, same kernel, same initramfs, same fio jobs):
@@ -43,6 +43,7 @@ while [ $# -gt 0 ]; do
 	--allow-missing-counters) extra+=(--allow-missing-counters); shift ;;
 	--repeat) extra+=(--repeat "$2"); shift 2 ;;
 	--perf) extra+=(--perf); perf=1; shift ;;
+	--perf-guest) extra+=(--perf-guest); perf=1; shift ;;
 	--repeat=*) extra+=(--repeat "${1#--repeat=}"); shift ;;
 	--no-docs) docs=0; shift ;;
 	--name) name=$2; docs=0; shift 2 ;;

@@ -253,10 +253,25 @@ class PerfProbe:
     vCPU thread's time, KVM's instruction emulator and shadow MMU included (kernel symbols
     are readable here; tracefs is not, so sampling is the way in)."""
 
-    def __init__(self, vm_pid, vcpu_names, out_dir):
+    def __init__(self, vm_pid, vcpu_names, out_dir, guest_map=None):
         self.vm_pid, self.vcpu_names, self.out_dir = vm_pid, vcpu_names, out_dir
         self.proc = None
         self.path = None
+        # With the guest kernel's System.map: sample KVM's emulated instructions instead
+        # (tracepoint kvm:kvm_emulate_insn, every GUEST_PERIOD-th), and name the guest
+        # kernel functions they were in. Needs tracefs mounted (done here if it is not).
+        self.guest_syms = None
+        if guest_map is not None:
+            syms = []
+            with open(guest_map) as f:
+                for l in f:
+                    a, t, name = l.split()[:3]
+                    if t in "tTwW":
+                        syms.append((int(a, 16), name))
+            syms.sort()
+            self.guest_syms = ([a for a, _ in syms], [n for _, n in syms])
+            if not os.path.exists("/sys/kernel/tracing/events/kvm"):
+                subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"], check=False)
 
     def _vcpu_tid(self):
         for tid in os.listdir(f"/proc/{self.vm_pid}/task"):
@@ -270,7 +285,9 @@ class PerfProbe:
 
     def start(self, index):
         self.path = os.path.join(self.out_dir, f"job{index}.perf.data")
-        self.proc = subprocess.Popen(["perf", "record", "-q", "-F", "999", "-t", self._vcpu_tid(),
+        event = (["-e", "kvm:kvm_emulate_insn", "-c", str(GUEST_PERIOD)] if self.guest_syms
+                 else ["-F", "999"])
+        self.proc = subprocess.Popen(["perf", "record", "-q", *event, "-t", self._vcpu_tid(),
                                       "-o", self.path], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
 
@@ -285,6 +302,8 @@ class PerfProbe:
             self.proc.kill()
             raise ConfigFailed("perf record did not stop")
         self.proc = None
+        if self.guest_syms is not None:
+            return self._guest_top(top)
         out = subprocess.run(["perf", "report", "-i", self.path, "--stdio", "--sort", "sym",
                               "--percent-limit", "0.5"], capture_output=True, text=True, timeout=300)
         rows = []
@@ -294,6 +313,25 @@ class PerfProbe:
                 rows.append((m.group(3), float(m.group(1))))
         samples = re.search(r"# Samples: (\S+)", out.stdout)
         return {"samples": samples.group(1) if samples else "0", "top": rows[:top]}
+
+    def _guest_top(self, top):
+        import bisect
+        out = subprocess.run(["perf", "script", "-i", self.path, "-F", "trace"],
+                             capture_output=True, text=True, timeout=600)
+        addrs, names = self.guest_syms
+        counts, n = {}, 0
+        for l in out.stdout.splitlines():
+            m = re.match(r"\s*[0-9a-f]+:([0-9a-f]+):", l)
+            if not m:
+                continue
+            rip = int(m.group(1), 16)
+            i = bisect.bisect_right(addrs, rip) - 1
+            name = names[i] if i >= 0 and rip >= 0xffffffff80000000 else "(user/other)"
+            counts[name] = counts.get(name, 0) + 1
+            n += 1
+        rows = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+        return {"emulated_insns": n * GUEST_PERIOD, "period": GUEST_PERIOD,
+                "top": [(k, 100.0 * v / n) for k, v in rows] if n else []}
 
 
 # --------------------------------------------------------------------------------------
@@ -415,8 +453,8 @@ def run_config(name, args, workdir, rep=1):
                 stdin=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="info"))
             procs.append(vm)
             counters["cpu"] = CpuProbe({"vm": vm.pid, "lender": lenderd.pid})
-            if args.perf:
-                counters["perf"] = PerfProbe(vm.pid, VCPU_THREADS[kind], cdir)
+            if args.perf or args.perf_guest:
+                counters["perf"] = PerfProbe(vm.pid, VCPU_THREADS[kind], cdir, guest_map(args))
             counters["src"] = LendvmCounters(args.lendctl, api, not args.allow_missing_counters)
             ok_exit = 0
         else:
@@ -438,8 +476,8 @@ def run_config(name, args, workdir, rep=1):
                 os.path.join(args.log_dir, f"{tag}.qemu.log"), "w"), stdin=subprocess.DEVNULL)
             procs.append(vm)
             counters["cpu"] = CpuProbe({"vm": vm.pid})
-            if args.perf:
-                counters["perf"] = PerfProbe(vm.pid, VCPU_THREADS[kind], cdir)
+            if args.perf or args.perf_guest:
+                counters["perf"] = PerfProbe(vm.pid, VCPU_THREADS[kind], cdir, guest_map(args))
             counters["src"] = QmpCounters(qmp)
             ok_exit = 1  # isa-debug-exit: (0 << 1) | 1
         log(f"{name}: booting ({desc}); console in {logpath}")
@@ -656,6 +694,13 @@ def top_kvm(per_io, n=5):
     return ", ".join(f"{k} {v:.1f}" for v, k in top)
 
 
+GUEST_PERIOD = 20
+
+
+def guest_map(args):
+    return os.path.join(os.path.dirname(args.vmlinux), "System.map") if args.perf_guest else None
+
+
 def label(c, reps=2):
     return c["name"] if reps <= 1 else f"{c['name']} #{c.get('rep', 1)}"
 
@@ -735,6 +780,9 @@ def main():
     ap.add_argument("--pause", type=int, default=2, help="guest pause around each job, seconds")
     ap.add_argument("--perf", action="store_true",
                     help="perf record the vCPU thread over each job (top host symbols per job)")
+    ap.add_argument("--perf-guest", action="store_true",
+                    help="sample KVM's emulated guest instructions per job and name the guest "
+                    "kernel functions (System.map next to --vmlinux; this PVM host emulates the guest kernel)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="boot every configuration this many times (rounds in turn), to see the spread")
     ap.add_argument("--timeout", type=int, default=1500, help="bound on one boot, seconds")
