@@ -43,8 +43,8 @@ use crate::backend::irq::IrqRelay;
 use crate::protocol::{
     self, code, AuthChallenge, AuthResponse, BarRead, BarWrite, Borrow, ConfigRead, ConfigWrite,
     DeviceInfo, DeviceSummary, DmaMap, DmaUnmap, Event, Hello, HelloReply, IrqKind, IrqResample,
-    IrqTarget, LeaseCounters, LeaseRef, LenderStatus, ProtocolError, Quiesce, Request, SetIrqs,
-    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    IrqTarget, LeaseCounters, LeaseRef, LenderStatus, P2pMap, P2pUnmap, ProtocolError, Quiesce,
+    Request, SetIrqs, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 
 /// Default bound on one request.
@@ -979,6 +979,51 @@ impl Lease {
             lease: self.id,
             stop,
         });
+        match self.inner.call::<()>(&r, Vec::new()) {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some(code::UNKNOWN_OPCODE) => Err(unsupported(version)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Lender node this lease is held from (its name from the hello).
+    pub fn lender(&self) -> &str {
+        &self.inner.lender
+    }
+
+    /// Peer-to-peer DMA: asks the lender to map BAR `bar` of our lease `target` (a device of
+    /// the same lender, borrowed for the same VM over this or another session) at `iova` in
+    /// this lease's IOMMU domain. [`ClientError::Unsupported`] with a lender older than
+    /// protocol version 4 (or one answering `UNKNOWN_OPCODE`).
+    pub fn p2p_map(&self, target: u64, bar: u8, iova: u64) -> Result<(), ClientError> {
+        self.p2p_call(Request::P2pMap(P2pMap {
+            source: self.id,
+            target,
+            bar,
+            iova,
+        }))
+    }
+
+    /// Undoes [`Lease::p2p_map`] (succeeds when the lender already revoked the mapping).
+    pub fn p2p_unmap(&self, target: u64, bar: u8) -> Result<(), ClientError> {
+        self.p2p_call(Request::P2pUnmap(P2pUnmap {
+            source: self.id,
+            target,
+            bar,
+        }))
+    }
+
+    fn p2p_call(&self, r: Request) -> Result<(), ClientError> {
+        let unsupported = |version| ClientError::Unsupported {
+            lender: self.inner.lender.clone(),
+            what: "peer-to-peer dma",
+            version,
+            needs: 4,
+        };
+        let version = self.inner.version();
+        if version < 4 {
+            return Err(unsupported(version));
+        }
         match self.inner.call::<()>(&r, Vec::new()) {
             Ok(_) => Ok(()),
             Err(e) if e.code() == Some(code::UNKNOWN_OPCODE) => Err(unsupported(version)),

@@ -22,6 +22,8 @@
 //! | 0x10e | [`LeaseRef`] (version 3) | [`LeaseCounters`] | — (lender-side counters of the lease) |
 //! | 0x10f | [`Quiesce`] (version 3) | `()` | — (pause/resume fetching) |
 //! | 0x110 | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
+//! | 0x111 | [`P2pMap`] (version 4) | `()` | — (map a peer lease's BAR into this lease's IOMMU domain) |
+//! | 0x112 | [`P2pUnmap`] (version 4) | `()` | — (undo a [`P2pMap`]) |
 //! | 0x120 | [`AuthChallenge`] (before HELLO) | [`AuthResponse`] | — (mutual challenge–response, [`crate::auth`]) |
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
@@ -52,6 +54,7 @@
 //! | any | 0x10e [`BorrowClaimed`] is a new opcode, not a new layout: a lender that predates it answers `unknown opcode`, so it needs no version |
 //! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
 //! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event; [`NotifyWrites::Polled`] (sent as `Doorbells` to older borrowers); BAR_WRITE and RESET replies carry [`DoorbellKicks`]; the [`KicksEvent`] event |
+//! | 4 | P2P_MAP and P2P_UNMAP requests (peer-to-peer DMA between two leases of one borrower on this lender) |
 //!
 //! New requests of a version are unknown opcodes in a session of an older version (both
 //! ways: the lender answers `UNKNOWN_OPCODE`, and [`Request::encode_versioned`] refuses to
@@ -64,7 +67,7 @@ use thiserror::Error;
 use ntb::wire::{self, ErrorReply, WireError};
 
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Oldest version a lender still serves.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// Largest config space (PCIe extended).
@@ -112,6 +115,10 @@ pub mod opcode {
     pub const QUIESCE: u16 = 0x10f;
     /// Borrow a device under a cluster-directory claim (fencing token).
     pub const BORROW_CLAIMED: u16 = 0x110;
+    /// Map a peer lease's BAR into a lease's IOMMU domain (version 4).
+    pub const P2P_MAP: u16 = 0x111;
+    /// Undo a P2P_MAP (version 4).
+    pub const P2P_UNMAP: u16 = 0x112;
     /// Mutual authentication challenge (before HELLO, any version).
     pub const AUTH: u16 = 0x120;
     /// Event: the device is gone (lease ended by the lender).
@@ -634,6 +641,39 @@ pub struct DmaUnmap {
     pub size: u64,
 }
 
+/// P2P_MAP (version 4): make `[iova, iova + BAR size)` in the IOMMU domain of lease
+/// `source` reach BAR `bar` of lease `target` (the borrower passes the guest-physical
+/// address it placed the BAR at, so the guest driver's bus address is the device address).
+/// Both leases must be held by the same borrower node and VM on this lender (any of that
+/// borrower's sessions); the BAR must be device memory the lender can map (not I/O, not a
+/// BAR the borrower emulates). Errors: `UNKNOWN_LEASE` (either lease unknown or not the
+/// caller's), `OUT_OF_RANGE` (no such memory BAR), `INVALID` (source = target, an IOVA that
+/// is not page aligned or wraps), `IOMMU` (overlaps a RAM or other P2P mapping of the
+/// domain, or the domain cannot map device memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct P2pMap {
+    /// Lease whose device does the DMA (the request's lease: it must be on this session).
+    pub source: u64,
+    /// Lease whose BAR is the DMA target.
+    pub target: u64,
+    /// BAR index of the target.
+    pub bar: u8,
+    /// IOVA in the source's domain (the BAR's guest-physical address).
+    pub iova: u64,
+}
+
+/// P2P_UNMAP (version 4): undo the [`P2pMap`] of (`source`, `target`, `bar`). Unmapping a
+/// mapping the lender already revoked (target reset, returned or lost) succeeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct P2pUnmap {
+    /// Lease whose domain holds the mapping.
+    pub source: u64,
+    /// Lease whose BAR it maps.
+    pub target: u64,
+    /// BAR index of the target.
+    pub bar: u8,
+}
+
 /// Interrupt kind (the vfio-pci IRQ indexes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum IrqKind {
@@ -917,6 +957,10 @@ pub enum Request {
     Quiesce(Quiesce),
     /// Borrow under a directory claim.
     BorrowClaimed(BorrowClaimed),
+    /// Peer-to-peer map (version 4).
+    P2pMap(P2pMap),
+    /// Peer-to-peer unmap (version 4).
+    P2pUnmap(P2pUnmap),
 }
 
 /// An event, decoded.
@@ -983,6 +1027,8 @@ impl Request {
             Request::LeaseCounters(_) => opcode::LEASE_COUNTERS,
             Request::Quiesce(_) => opcode::QUIESCE,
             Request::BorrowClaimed(_) => opcode::BORROW_CLAIMED,
+            Request::P2pMap(_) => opcode::P2P_MAP,
+            Request::P2pUnmap(_) => opcode::P2P_UNMAP,
         }
     }
 
@@ -1001,6 +1047,8 @@ impl Request {
             Request::DmaMap(r) => Some(r.lease),
             Request::DmaUnmap(r) => Some(r.lease),
             Request::SetIrqs(r) => Some(r.lease),
+            Request::P2pMap(r) => Some(r.source),
+            Request::P2pUnmap(r) => Some(r.source),
             Request::Hello(_)
             | Request::List
             | Request::Borrow(_)
@@ -1057,6 +1105,8 @@ impl Request {
             Request::SetIrqs(v) => enc(op, v)?,
             Request::LeaseCounters(v) => enc(op, v)?,
             Request::Quiesce(v) => enc(op, v)?,
+            Request::P2pMap(v) => enc(op, v)?,
+            Request::P2pUnmap(v) => enc(op, v)?,
         };
         Ok((op, payload))
     }
@@ -1066,6 +1116,7 @@ impl Request {
     fn since_version(op: u16) -> u32 {
         match op {
             opcode::LEASE_COUNTERS | opcode::QUIESCE => 3,
+            opcode::P2P_MAP | opcode::P2P_UNMAP => 4,
             _ => 1,
         }
     }
@@ -1088,6 +1139,17 @@ impl Request {
         let r = match op {
             opcode::LEASE_COUNTERS => Request::LeaseCounters(dec(op, payload)?),
             opcode::QUIESCE => Request::Quiesce(dec(op, payload)?),
+            opcode::P2P_MAP => {
+                let m: P2pMap = dec(op, payload)?;
+                if m.source == m.target {
+                    return Err(invalid(
+                        op,
+                        format!("lease {} cannot map its own bar peer-to-peer", m.source),
+                    ));
+                }
+                Request::P2pMap(m)
+            }
+            opcode::P2P_UNMAP => Request::P2pUnmap(dec(op, payload)?),
             opcode::HELLO => {
                 let h: Hello = dec(op, payload)?;
                 check_str(op, "token", &h.token)?;
@@ -1434,6 +1496,17 @@ mod tests {
                 vm: "vm0".into(),
                 claim: 42,
             }),
+            Request::P2pMap(P2pMap {
+                source: 7,
+                target: 8,
+                bar: 0,
+                iova: 0xc000_0000,
+            }),
+            Request::P2pUnmap(P2pUnmap {
+                source: 7,
+                target: 8,
+                bar: 0,
+            }),
         ]
     }
 
@@ -1700,6 +1773,48 @@ mod tests {
         }
         assert_eq!(negotiate(2, PROTOCOL_VERSION), Some(2));
         assert_eq!(negotiate(3, 2), Some(2), "a version 2 lender speaks 2");
+    }
+
+    #[test]
+    fn version_4_p2p_requests() {
+        for r in [
+            Request::P2pMap(P2pMap {
+                source: 1,
+                target: 2,
+                bar: 0,
+                iova: 0xc000_0000,
+            }),
+            Request::P2pUnmap(P2pUnmap {
+                source: 1,
+                target: 2,
+                bar: 0,
+            }),
+        ] {
+            for v in 1..4 {
+                assert!(r.encode_versioned(v).is_err(), "{r:?} in version {v}");
+            }
+            let (op, p) = r.encode_versioned(4).unwrap();
+            assert_eq!(
+                Request::decode_versioned(op, &p, 3),
+                Err(ProtocolError::UnknownOpcode(op)),
+                "what a version 3 lender answers"
+            );
+            assert_eq!(Request::decode_versioned(op, &p, 4).unwrap(), r);
+        }
+        // A lease cannot be its own peer.
+        let (op, p) = Request::P2pMap(P2pMap {
+            source: 3,
+            target: 3,
+            bar: 0,
+            iova: 0,
+        })
+        .encode()
+        .unwrap();
+        assert!(matches!(
+            Request::decode(op, &p),
+            Err(ProtocolError::Invalid { .. })
+        ));
+        assert_eq!(negotiate(4, 3), Some(3), "a version 3 lender speaks 3");
     }
 
     #[test]

@@ -32,6 +32,7 @@ use crate::backend::irq::IrqRelay;
 use crate::backend::{BackendError, DeviceBackend, IrqTrigger};
 use crate::directory::ClaimAuthority;
 use crate::inventory::{Inventory, InventoryError, Lease};
+use crate::iommu::p2p::{P2pBook, P2pError, P2pMapping, P2pRegistration, MAX_P2P_PER_LEASE};
 use crate::iommu::{
     BackingError, DmaBacking, FaultListener, IommuDomain, IommuError, IommuFault, MAX_MAPPINGS,
 };
@@ -63,6 +64,8 @@ pub struct Lender {
     claims: Option<Arc<dyn ClaimAuthority>>,
     /// Failed authentications per peer address.
     auth_failures: FailureLimiter,
+    /// Every lease, across sessions, for peer-to-peer DMA between leases of one borrower.
+    p2p: Arc<P2pBook>,
 }
 
 impl Lender {
@@ -75,6 +78,7 @@ impl Lender {
             stop: Arc::new(AtomicBool::new(false)),
             claims: None,
             auth_failures: FailureLimiter::default(),
+            p2p: Arc::default(),
         })
     }
 
@@ -92,6 +96,7 @@ impl Lender {
             stop: Arc::new(AtomicBool::new(false)),
             claims: Some(claims),
             auth_failures: FailureLimiter::default(),
+            p2p: Arc::default(),
         })
     }
 
@@ -103,6 +108,11 @@ impl Lender {
     /// The inventory.
     pub fn inventory(&self) -> &Arc<Inventory> {
         &self.inventory
+    }
+
+    /// Peer-to-peer mappings into `lease`'s BARs that are live (tests, status).
+    pub fn p2p_live_into(&self, lease: u64) -> usize {
+        self.p2p.live_into(lease)
     }
 
     /// Accepts links until the stop flag is set, then ends every session.
@@ -194,6 +204,11 @@ struct DmaEntry {
 }
 
 struct SessionLease {
+    /// Peer-to-peer mappings this lease's domain holds, by (target lease, BAR).
+    p2p_out: HashMap<(u64, u8), P2pMapping>,
+    /// This lease in the lender's P2P book: mappings into its BARs are revoked before it
+    /// ends.
+    p2p: P2pRegistration,
     /// INTx resample eventfd watcher (shm); dropped (joined) before the lease ends.
     resample: Option<IrqRelay>,
     /// Reports the domain's faults to the borrower (version 3 sessions); removed from the
@@ -218,6 +233,10 @@ struct SessionLease {
 
 impl Drop for SessionLease {
     fn drop(&mut self) {
+        // Peer-to-peer first: our mappings of other leases' BARs, then every mapping into our
+        // BARs, all before the lease's drop resets the device and revokes its BAR windows.
+        self.p2p_out.clear();
+        self.p2p.revoke_all("target lease ending");
         // The listener points at this session's link: gone before the device is lent again.
         self.lease.backend().set_kick_listener(None);
     }
@@ -280,6 +299,24 @@ fn backend_err(e: BackendError) -> ErrorReply {
         | BackendError::BadAccess { .. } => code::OUT_OF_RANGE,
         BackendError::TooManyVectors { .. } | BackendError::BadConfigAccess { .. } => code::INVALID,
         _ => code::INTERNAL,
+    };
+    error(c, e.to_string())
+}
+
+fn p2p_err(e: P2pError) -> ErrorReply {
+    let c = match &e {
+        P2pError::UnknownLease(_) => code::UNKNOWN_LEASE,
+        P2pError::NoSuchBar { .. } => code::OUT_OF_RANGE,
+        P2pError::NotMemory { .. }
+        | P2pError::AlreadyMapped { .. }
+        | P2pError::NotMapped { .. }
+        | P2pError::TooMany(_)
+        | P2pError::Iommu {
+            source:
+                IommuError::Overlap { .. } | IommuError::Unaligned { .. } | IommuError::BadRange { .. },
+            ..
+        } => code::INVALID,
+        P2pError::Iommu { .. } | P2pError::Backing { .. } => code::IOMMU,
     };
     error(c, e.to_string())
 }
@@ -860,6 +897,8 @@ impl Session {
             }
             Request::Reset(l) => {
                 let sl = self.lease(l.lease)?;
+                // DMA of peers into the device's BARs ends before the device resets.
+                sl.p2p.revoke_all("target reset");
                 let b = sl.lease.backend();
                 b.reset().map_err(backend_err)?;
                 if !sl.maps.is_empty() {
@@ -868,6 +907,47 @@ impl Session {
                 let version = self.version;
                 let sl = self.lease(l.lease)?;
                 sl.kicks_reply(op, version)
+            }
+            Request::P2pMap(m) => {
+                let book = Arc::clone(&self.lender.p2p);
+                let sl = self.lease(m.source)?;
+                let key = (m.target, m.bar);
+                if let Some(old) = sl.p2p_out.get(&key).filter(|o| o.is_live()) {
+                    return Err(p2p_err(P2pError::AlreadyMapped {
+                        source_lease: m.source,
+                        target: m.target,
+                        bar: m.bar,
+                        iova: old.iova(),
+                    }));
+                }
+                // Revoked mappings stay until unmapped: they count against the cap too.
+                if !sl.p2p_out.contains_key(&key) && sl.p2p_out.len() >= MAX_P2P_PER_LEASE {
+                    return Err(p2p_err(P2pError::TooMany(m.source)));
+                }
+                let holder = sl.lease.holder().to_string();
+                let domain = sl.lease.backend().domain();
+                let mapping = book
+                    .map(m.source, &holder, domain, m.target, m.bar, m.iova)
+                    .map_err(|e| {
+                        log::info!("{holder}: p2p map refused: {e}");
+                        p2p_err(e)
+                    })?;
+                sl.p2p_out.insert(key, mapping);
+                ok(op, &())
+            }
+            Request::P2pUnmap(u) => {
+                let sl = self.lease(u.source)?;
+                sl.p2p_out
+                    .remove(&(u.target, u.bar))
+                    .ok_or_else(|| {
+                        p2p_err(P2pError::NotMapped {
+                            source_lease: u.source,
+                            target: u.target,
+                            bar: u.bar,
+                        })
+                    })
+                    .map(drop)?;
+                ok(op, &())
             }
             Request::Return(l) => {
                 let mut sl = self.leases.remove(&l.lease).ok_or_else(|| {
@@ -951,9 +1031,15 @@ impl Session {
         if self.version >= 3 {
             backend.set_kick_listener(Some(kick_listener(&self.ep, &backend, id, &kicks_told)));
         }
+        let p2p = self
+            .lender
+            .p2p
+            .register(id, lease.holder(), Arc::clone(&backend));
         self.leases.insert(
             id,
             SessionLease {
+                p2p_out: HashMap::new(),
+                p2p,
                 resample: None,
                 _faults: faults,
                 baseline,

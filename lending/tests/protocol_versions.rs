@@ -2,7 +2,8 @@
 //! its layouts and meanings; a version 2 borrower gets per-BAR write notification, `()`
 //! replies to BAR_WRITE/RESET, `Doorbells` for a polled BAR and none of version 3's counters,
 //! quiesce or IOMMU fault events; a version 3 borrower gets all of them, `Polled` and the
-//! kick-only doorbells in those replies.
+//! kick-only doorbells in those replies; a version 3 borrower is told that peer-to-peer DMA
+//! (version 4) is not supported, and its raw P2P requests are unknown opcodes.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -237,7 +238,8 @@ fn version_2_borrower_sees_nothing_of_version_3() {
 #[test]
 fn version_3_borrower_gets_counters_quiesce_and_fault_events() {
     let (_dir, cfg, _l, backend) = lender_with_backend(NotifyMode::Interrupt);
-    let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "v3").unwrap();
+    let ep = connect(&cfg);
+    let c = LenderClient::from_endpoint_with_version(ep, TOKEN, "v3", 3).unwrap();
     assert_eq!(c.protocol_version(), 3);
     let lease = c.borrow(DEV, "vm0").unwrap();
     assert_eq!(
@@ -310,11 +312,54 @@ fn version_2_and_3_replies_and_polled_bars() {
     drop(ep);
     // Version 3: Polled, and the kick-only doorbells (none for a dmatest) in the replies.
     let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "new").unwrap();
-    assert_eq!(c.protocol_version(), 3);
+    assert_eq!(c.protocol_version(), protocol::PROTOCOL_VERSION);
     let lease = c.borrow(DEV, "vm1").unwrap();
     let bar0 = lease.info().bars.iter().find(|x| x.index == 0).unwrap();
     assert_eq!(bar0.notify, range);
     let k = lease.bar_write_kicks(0, 0, &[0; 4]).unwrap().unwrap();
     assert!(k.offsets.is_empty());
     assert!(lease.reset_kicks().unwrap().unwrap().offsets.is_empty());
+}
+
+/// A version 3 borrower of a version 4 lender: the session speaks 3, so peer-to-peer DMA is
+/// refused by the client as unsupported (no round trip), and the P2P opcodes sent raw in a
+/// version 3 session are unknown to the lender, as they are to a version 3 lender.
+#[test]
+fn version_3_borrower_is_told_p2p_is_not_supported() {
+    let (_dir, cfg, _l) = lender();
+    let c = LenderClient::from_endpoint_with_version(connect(&cfg), TOKEN, "v3", 3).unwrap();
+    assert_eq!(c.protocol_version(), 3);
+    let lease = c.borrow(DEV, "vm0").unwrap();
+    let e = lease.p2p_map(lease.id() + 1, 0, 0xc000_0000).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ClientError::Unsupported {
+                version: 3,
+                needs: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("peer-to-peer dma"), "{e}");
+    assert!(lease.p2p_unmap(lease.id() + 1, 0).is_err());
+    let ep = connect(&cfg);
+    call(&*ep, &hello(&*ep, 3), 3).unwrap();
+    for r in [
+        Request::P2pMap(protocol::P2pMap {
+            source: 1,
+            target: 2,
+            bar: 0,
+            iova: 0xc000_0000,
+        }),
+        Request::P2pUnmap(protocol::P2pUnmap {
+            source: 1,
+            target: 2,
+            bar: 0,
+        }),
+    ] {
+        let e = call(&*ep, &r, 4).unwrap_err();
+        assert_eq!(e.code, code::UNKNOWN_OPCODE, "{r:?}: {}", e.message);
+    }
 }

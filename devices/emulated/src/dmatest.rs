@@ -1,7 +1,11 @@
 //! `dmatest`: a tiny copy engine (in the spirit of QEMU's `edu`) for exercising the DMA and
 //! interrupt paths of a lent device.
 //!
-//! BAR0 (4 KiB, register memory):
+//! BAR0 (64 KiB, register memory): the registers in the first 4 KiB, then a 60 KiB data
+//! buffer ([`BUF_OFFSET`], [`BUF_SIZE`]). The buffer is plain memory: the guest reads it
+//! directly and writes it through the exact BAR write path, and because BAR0 lives in
+//! shareable memory (a memfd on the lender) another device's DMA can reach it peer-to-peer
+//! when the lender maps this BAR into that device's IOMMU domain.
 //!
 //! | offset | register | access |
 //! |---|---|---|
@@ -11,12 +15,14 @@
 //! | 0x10 | DST_IOVA (64-bit) | RW |
 //! | 0x18 | LEN (bytes, at most [`MAX_LEN`]) | RW |
 //! | 0x1c | IRQ_VECTOR (MSI-X vector raised on completion) | RW |
-//! | 0x20 | CMD: write [`CMD_START`] to copy, [`CMD_ACK`] to clear done/error and deassert INTx; reads 0 once accepted | RW |
+//! | 0x20 | CMD: write [`CMD_START`] to copy, [`CMD_ACK`] to clear done/error and deassert INTx; with [`CMD_SRC_BUF`] / [`CMD_DST_BUF`] SRC / DST are offsets into the device's own buffer instead of bus addresses; reads 0 once accepted | RW |
 //! | 0x24 | FAULTS: DMA accesses refused so far | RO |
 //! | 0x28 | COMPLETED: copies finished (ok or error) | RO |
 //!
-//! A copy whose source or destination is outside the DMA window completes with STATUS.error
-//! set, FAULTS incremented, and nothing written.
+//! A copy whose source or destination is outside the DMA window (bus addresses that are
+//! neither mapped RAM nor a peer BAR mapped by the lender) or outside the buffer completes
+//! with STATUS.error set, FAULTS incremented, and nothing written. Buffer offsets and the
+//! length of a buffer copy must be multiples of 8.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -63,10 +69,18 @@ pub const STATUS_ERROR: u32 = 4;
 pub const CMD_START: u32 = 1;
 /// CMD: acknowledge completion.
 pub const CMD_ACK: u32 = 2;
+/// CMD: SRC is an offset into the device's own buffer.
+pub const CMD_SRC_BUF: u32 = 4;
+/// CMD: DST is an offset into the device's own buffer.
+pub const CMD_DST_BUF: u32 = 8;
 /// Largest copy.
 pub const MAX_LEN: u32 = 1 << 20;
-/// BAR0 size.
-pub const BAR0_SIZE: u64 = 0x1000;
+/// BAR0 size (registers, then the buffer).
+pub const BAR0_SIZE: u64 = 0x10000;
+/// Offset of the data buffer in BAR0.
+pub const BUF_OFFSET: u64 = 0x1000;
+/// Size of the data buffer.
+pub const BUF_SIZE: u64 = BAR0_SIZE - BUF_OFFSET;
 /// MSI-X vectors.
 pub const VECTORS: u16 = 2;
 
@@ -121,7 +135,7 @@ impl Inner {
         if cmd & CMD_START != 0 {
             s.status = STATUS_BUSY;
             self.publish(&s);
-            let ok = self.copy();
+            let ok = self.copy(cmd);
             s.status = if ok { STATUS_DONE } else { STATUS_ERROR };
             if !ok {
                 s.faults = s.faults.wrapping_add(1);
@@ -144,7 +158,30 @@ impl Inner {
         true
     }
 
-    fn copy(&self) -> bool {
+    /// The BAR0 offset of `[off, off + len)` of the buffer, if it lies inside it and is
+    /// 8-byte aligned.
+    fn buf_range(off: u64, len: u64) -> Option<u64> {
+        let end = off.checked_add(len)?;
+        (end <= BUF_SIZE && off.is_multiple_of(8) && len.is_multiple_of(8))
+            .then_some(BUF_OFFSET + off)
+    }
+
+    fn buf_read(&self, at: u64, out: &mut [u8]) {
+        for (i, chunk) in out.chunks_mut(8).enumerate() {
+            let v = self.regs.read64(at + 8 * i as u64).to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+
+    fn buf_write(&self, at: u64, data: &[u8]) {
+        for (i, chunk) in data.chunks(8).enumerate() {
+            let mut v = [0u8; 8];
+            v[..chunk.len()].copy_from_slice(chunk);
+            self.regs.write64(at + 8 * i as u64, u64::from_le_bytes(v));
+        }
+    }
+
+    fn copy(&self, cmd: u32) -> bool {
         let src = self.regs.read64(REG_SRC);
         let dst = self.regs.read64(REG_DST);
         let len = self.regs.read32(REG_LEN);
@@ -152,12 +189,39 @@ impl Inner {
             log::warn!("dmatest: length {len:#x} exceeds the {MAX_LEN:#x} maximum");
             return false;
         }
+        let in_buf = |flag: u32, off: u64| {
+            if cmd & flag == 0 {
+                return Some(None);
+            }
+            Self::buf_range(off, u64::from(len)).map(Some)
+        };
+        let (Some(src_buf), Some(dst_buf)) = (in_buf(CMD_SRC_BUF, src), in_buf(CMD_DST_BUF, dst))
+        else {
+            let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+            if n <= 16 || n.is_multiple_of(1024) {
+                log::warn!(
+                    "dmatest: buffer copy src {src:#x} dst {dst:#x} len {len:#x} is outside \
+                     the {BUF_SIZE:#x}-byte buffer or not 8-byte aligned (refused copy #{n})"
+                );
+            }
+            return false;
+        };
         let mut buf = vec![0u8; len as usize];
-        if let Err(e) = self
-            .dma
-            .read(src, &mut buf)
-            .and_then(|_| self.dma.write(dst, &buf))
-        {
+        let r = match src_buf {
+            Some(at) => {
+                self.buf_read(at, &mut buf);
+                Ok(())
+            }
+            None => self.dma.read(src, &mut buf),
+        }
+        .and_then(|_| match dst_buf {
+            Some(at) => {
+                self.buf_write(at, &buf);
+                Ok(())
+            }
+            None => self.dma.write(dst, &buf),
+        });
+        if let Err(e) = r {
             // A guest can loop on refused copies: the first 16, then one in 1024.
             let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
             if n <= 16 || n.is_multiple_of(1024) {
@@ -355,6 +419,10 @@ impl DeviceModel for DmaTest {
         }
         for r in [REG_LEN, REG_IRQ_VECTOR, REG_CMD] {
             self.inner.regs.write32(r, 0);
+        }
+        // The buffer too: the next borrower must not read the last one's data.
+        for off in (BUF_OFFSET..BAR0_SIZE).step_by(8) {
+            self.inner.regs.write64(off, 0);
         }
         self.inner.publish(&s);
         self.inner.irq.set_intx(false);

@@ -514,7 +514,7 @@ mod tests {
             Err(BackendError::BadAccess { .. })
         ));
         assert!(matches!(
-            b.bar_read(0, 0x1000, &mut [0u8; 4]),
+            b.bar_read(0, emulated::dmatest::BAR0_SIZE, &mut [0u8; 4]),
             Err(BackendError::OutOfRange { .. })
         ));
         assert!(matches!(

@@ -18,6 +18,7 @@
 //! counts, no faults).
 
 pub mod backing;
+pub mod p2p;
 pub mod vfio;
 
 use std::collections::BTreeMap;

@@ -1,0 +1,352 @@
+//! Peer-to-peer DMA between two leases of one borrower on this lender.
+//!
+//! A borrower that placed BAR `bar` of its lease *target* at guest-physical address `gpa`
+//! asks (P2P_MAP) that the IOMMU domain of its lease *source* map that BAR's memory at
+//! IOVA = `gpa`: the source device's DMA to the guest driver's bus address then lands in
+//! the target device's BAR, without a trip through guest RAM.
+//!
+//! * [`P2pBook`]: the lender-wide table of leases that can take part (every lease, from
+//!   borrow to end), who holds them, and which mappings point into each one. Leases of one
+//!   borrower are usually on different sessions (the VMM keeps one link per device), so
+//!   this table is shared by all sessions.
+//! * [`P2pMapping`]: one mapping, held by the source lease. Dropping it unmaps it. The
+//!   target side can revoke it first ([`P2pBook::revoke_into`]): before the target device
+//!   is reset, returned, lost with its session or its directory claim; a revoked mapping
+//!   stays a (dead) value of the source until the borrower unmaps it or the source ends.
+//!
+//! Authorisation: both leases must be held by the same `node/vm` (the node name is the one
+//! the session authenticated with the cluster token; see docs/SECURITY.md). Anything else
+//! is answered as an unknown lease, so a forger learns nothing about other leases.
+
+use std::collections::HashMap;
+use std::os::fd::BorrowedFd;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use thiserror::Error;
+
+use super::{IommuDomain, IommuError, MmapBacking, IOMMU_PAGE_SIZE};
+use crate::backend::DeviceBackend;
+
+/// Most peer-to-peer mappings one source lease may hold (live or revoked).
+pub const MAX_P2P_PER_LEASE: usize = 64;
+
+/// Errors of peer-to-peer mapping.
+#[derive(Debug, Error)]
+pub enum P2pError {
+    /// The target lease does not exist, or is not held by the source's borrower (both
+    /// answered alike on purpose).
+    #[error("unknown lease {0} for peer-to-peer dma of this borrower")]
+    UnknownLease(u64),
+    /// The target device has no such BAR.
+    #[error("lease {lease}: the device has no bar {bar}")]
+    NoSuchBar {
+        /// Target lease.
+        lease: u64,
+        /// BAR index.
+        bar: u8,
+    },
+    /// The BAR is not device memory the lender can map (I/O space, emulated by the
+    /// borrower, or not exportable).
+    #[error("lease {lease}: bar {bar} is not a memory bar the lender can map ({why})")]
+    NotMemory {
+        /// Target lease.
+        lease: u64,
+        /// BAR index.
+        bar: u8,
+        /// Which of the reasons.
+        why: &'static str,
+    },
+    /// (source, target, bar) is mapped already.
+    #[error(
+        "lease {source_lease}: bar {bar} of lease {target} is already mapped at iova {iova:#x}"
+    )]
+    AlreadyMapped {
+        /// Source lease.
+        source_lease: u64,
+        /// Target lease.
+        target: u64,
+        /// BAR index.
+        bar: u8,
+        /// Where.
+        iova: u64,
+    },
+    /// No mapping of (source, target, bar).
+    #[error("lease {source_lease}: no peer-to-peer mapping of bar {bar} of lease {target}")]
+    NotMapped {
+        /// Source lease.
+        source_lease: u64,
+        /// Target lease.
+        target: u64,
+        /// BAR index.
+        bar: u8,
+    },
+    /// Too many mappings held by the source.
+    #[error("lease {0} already holds the maximum of {MAX_P2P_PER_LEASE} peer-to-peer mappings")]
+    TooMany(u64),
+    /// Mapping the BAR memory into this process failed.
+    #[error("mapping bar {bar} of lease {lease} into the lender: {source}")]
+    Backing {
+        /// Target lease.
+        lease: u64,
+        /// BAR index.
+        bar: u8,
+        /// Why.
+        #[source]
+        source: super::BackingError,
+    },
+    /// The source's IOMMU domain refused the mapping (overlap with a RAM window, alignment).
+    #[error("lease {lease}: {source}")]
+    Iommu {
+        /// Source lease.
+        lease: u64,
+        /// Why.
+        #[source]
+        source: IommuError,
+    },
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The shared part of a mapping: both the holder (source) and the book (target side) can
+/// end it; whoever comes first unmaps.
+struct Mapped {
+    domain: Arc<dyn IommuDomain>,
+    iova: u64,
+    size: u64,
+    source: u64,
+    target: u64,
+    bar: u8,
+    live: Mutex<bool>,
+}
+
+impl Mapped {
+    /// Unmaps once; returns whether this call did it.
+    fn revoke(&self, why: &str) -> bool {
+        let mut live = lock(&self.live);
+        if !*live {
+            return false;
+        }
+        *live = false;
+        if let Err(e) = self.domain.unmap(self.iova, self.size) {
+            // The source's lease end unmaps everything first (`unmap_all`): nothing to undo.
+            log::debug!(
+                "lease {}: p2p mapping of lease {} bar {} already gone: {e}",
+                self.source,
+                self.target,
+                self.bar
+            );
+        }
+        log::info!(
+            "lease {}: p2p mapping of lease {} bar {} at iova {:#x} removed ({why})",
+            self.source,
+            self.target,
+            self.bar,
+            self.iova
+        );
+        true
+    }
+}
+
+/// One peer-to-peer mapping held by its source lease; dropping it unmaps it (if the target
+/// side has not revoked it already).
+pub struct P2pMapping {
+    shared: Arc<Mapped>,
+}
+
+impl P2pMapping {
+    /// IOVA of the mapping in the source's domain.
+    pub fn iova(&self) -> u64 {
+        self.shared.iova
+    }
+
+    /// Bytes mapped.
+    pub fn size(&self) -> u64 {
+        self.shared.size
+    }
+
+    /// False once the target side revoked it.
+    pub fn is_live(&self) -> bool {
+        *lock(&self.shared.live)
+    }
+}
+
+impl Drop for P2pMapping {
+    fn drop(&mut self) {
+        self.shared.revoke("unmapped by its source");
+    }
+}
+
+struct PeerLease {
+    holder: String,
+    backend: Arc<dyn DeviceBackend>,
+    /// Mappings of other leases that point into this lease's BARs.
+    inbound: Vec<Weak<Mapped>>,
+}
+
+/// The lender-wide table of leases for peer-to-peer DMA (see the module docs).
+#[derive(Default)]
+pub struct P2pBook {
+    leases: Mutex<HashMap<u64, PeerLease>>,
+}
+
+/// A lease's entry in the [`P2pBook`]; dropping it revokes every mapping into the lease and
+/// removes it.
+pub struct P2pRegistration {
+    book: Arc<P2pBook>,
+    lease: u64,
+}
+
+impl P2pRegistration {
+    /// Revokes every mapping into the lease's BARs (before its device resets); returns how
+    /// many were live.
+    pub fn revoke_all(&self, why: &str) -> usize {
+        self.book.revoke_into(self.lease, why)
+    }
+}
+
+impl Drop for P2pRegistration {
+    fn drop(&mut self) {
+        self.book.revoke_into(self.lease, "target lease ended");
+        lock(&self.book.leases).remove(&self.lease);
+    }
+}
+
+impl P2pBook {
+    /// Enters `lease` (held by `holder`, `node/vm`) until the returned value is dropped.
+    pub fn register(
+        self: &Arc<Self>,
+        lease: u64,
+        holder: &str,
+        backend: Arc<dyn DeviceBackend>,
+    ) -> P2pRegistration {
+        lock(&self.leases).insert(
+            lease,
+            PeerLease {
+                holder: holder.to_string(),
+                backend,
+                inbound: Vec::new(),
+            },
+        );
+        P2pRegistration {
+            book: Arc::clone(self),
+            lease,
+        }
+    }
+
+    /// Revokes (unmaps) every mapping into `lease`'s BARs; returns how many were live.
+    /// Called before the lease's device is reset and when the lease ends.
+    pub fn revoke_into(&self, lease: u64, why: &str) -> usize {
+        let inbound = match lock(&self.leases).get_mut(&lease) {
+            Some(p) => std::mem::take(&mut p.inbound),
+            None => return 0,
+        };
+        // Unmapped outside the book's lock: a domain's unmap waits for DMAs in flight.
+        inbound
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|m| m.revoke(why))
+            .count()
+    }
+
+    /// Mappings into `lease` that are live (tests, status).
+    pub fn live_into(&self, lease: u64) -> usize {
+        lock(&self.leases).get(&lease).map_or(0, |p| {
+            p.inbound
+                .iter()
+                .filter_map(Weak::upgrade)
+                .filter(|m| *lock(&m.live))
+                .count()
+        })
+    }
+
+    /// Maps BAR `bar` of lease `target` at `iova` in `domain`, the IOMMU domain of lease
+    /// `source` (held by `holder`). The caller checked that `source` is its own lease.
+    pub fn map(
+        &self,
+        source: u64,
+        holder: &str,
+        domain: Arc<dyn IommuDomain>,
+        target: u64,
+        bar: u8,
+        iova: u64,
+    ) -> Result<P2pMapping, P2pError> {
+        let mut leases = lock(&self.leases);
+        let t = leases
+            .get_mut(&target)
+            .filter(|t| t.holder == holder && target != source)
+            .ok_or(P2pError::UnknownLease(target))?;
+        let desc = t.backend.describe("p2p");
+        let b = desc
+            .bars
+            .iter()
+            .find(|b| b.index == bar)
+            .ok_or(P2pError::NoSuchBar { lease: target, bar })?;
+        let not_memory = |why| P2pError::NotMemory {
+            lease: target,
+            bar,
+            why,
+        };
+        if b.io {
+            return Err(not_memory("i/o space"));
+        }
+        if b.emulated_by_borrower {
+            return Err(not_memory("emulated by the borrower"));
+        }
+        let export = t
+            .backend
+            .bar_export(bar)
+            .ok_or_else(|| not_memory("no shareable memory behind it"))?;
+        // The part of the BAR the lender has memory for, in whole IOMMU pages.
+        let size = export.size.min(b.size) / IOMMU_PAGE_SIZE * IOMMU_PAGE_SIZE;
+        if size == 0 {
+            return Err(not_memory("less than a page of memory behind it"));
+        }
+        let backing =
+            map_export(export.fd, export.offset, size).map_err(|err| P2pError::Backing {
+                lease: target,
+                bar,
+                source: err,
+            })?;
+        domain
+            .map(iova, size, Arc::new(backing))
+            .map_err(|err| P2pError::Iommu {
+                lease: source,
+                source: err,
+            })?;
+        let shared = Arc::new(Mapped {
+            domain,
+            iova,
+            size,
+            source,
+            target,
+            bar,
+            live: Mutex::new(true),
+        });
+        t.inbound.retain(|w| w.strong_count() > 0);
+        t.inbound.push(Arc::downgrade(&shared));
+        log::info!(
+            "lease {source}: bar {bar} of lease {target} mapped at iova {iova:#x} size {size:#x} \
+             (peer-to-peer)"
+        );
+        Ok(P2pMapping { shared })
+    }
+}
+
+/// A shared mapping of the BAR's memory in this process (what the source's software domain
+/// copies through, and what a VFIO domain hands to the hardware IOMMU).
+fn map_export(
+    fd: BorrowedFd<'_>,
+    offset: u64,
+    size: u64,
+) -> Result<MmapBacking, super::BackingError> {
+    let fd = fd
+        .try_clone_to_owned()
+        .map_err(|source| super::BackingError::Mmap {
+            size,
+            offset,
+            source,
+        })?;
+    MmapBacking::new(fd, offset, size)
+}
