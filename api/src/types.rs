@@ -505,6 +505,10 @@ pub struct VmCounters {
     pub ioeventfds: u64,
     /// Bytes of guest RAM pinned for device DMA.
     pub pinned_bytes: u64,
+    /// Peer-to-peer mappings held (one device's BAR mapped for another's DMA on their
+    /// lender). Absent from older VMMs: 0.
+    #[serde(default)]
+    pub p2p_mappings: u64,
 }
 
 /// Body of `GET /api/v1/vm.counters`, in Cloud Hypervisor's shape: counter group → counter

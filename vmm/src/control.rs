@@ -162,6 +162,8 @@ pub struct Controller {
     counters: Arc<ResourceCounters>,
     /// The VM's one pin of guest RAM, shared by the devices with Bus Master Enable set.
     dma: Arc<DmaManager>,
+    /// The VM's peer-to-peer table: devices of one lender reach each other's BARs.
+    p2p: Arc<remote_pci::P2pRouter>,
     entries: BTreeMap<String, Entry>,
     state: VmState,
     config: VmConfigInfo,
@@ -181,6 +183,7 @@ impl Controller {
             h,
             source,
             dma: Arc::new(DmaManager::new(counters.clone())),
+            p2p: remote_pci::P2pRouter::new(),
             counters,
             entries: BTreeMap::new(),
             state: VmState::Created,
@@ -408,6 +411,7 @@ impl Controller {
             Some(slot_intx_gsi(slot)),
         );
         params.dma_pins = Some(self.dma.clone());
+        params.p2p = Some(self.p2p.clone());
         params.observer = Some(hook);
         let vm_ops: Arc<dyn VmOps> = self.h.vm_ops.clone();
         let device = RemotePciDevice::new(params, Box::new(link), vm_ops, &*self.h.interrupts)
@@ -850,6 +854,7 @@ impl Controller {
             irqfds: self.h.interrupts.irqfds_registered() as u64,
             ioeventfds: self.h.vm_ops.ioevents_registered() as u64,
             pinned_bytes: self.counters.pinned_bytes.load(Ordering::SeqCst),
+            p2p_mappings: self.p2p.live_mappings() as u64,
         }
     }
 

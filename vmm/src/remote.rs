@@ -567,6 +567,10 @@ impl RemoteDeviceLink for VmmLink {
     fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
         self.inner.set_event_hook(hook)
     }
+
+    fn p2p_port(&self) -> Option<Arc<dyn remote_pci::P2pPort>> {
+        self.inner.p2p_port()
+    }
 }
 
 impl Drop for VmmLink {

@@ -53,6 +53,7 @@ use crate::link::{
     LenderCounters, LinkError, RemoteBar, RemoteDeviceInfo, RemoteDeviceLink,
 };
 use crate::observer::DeviceObserver;
+use crate::p2p::{P2pMember, P2pRouter};
 use crate::pin::{DmaPin, DmaPinSource, MlockPinner, PinStats, Pinner, PrivatePins};
 
 /// Granule of KVM memslots.
@@ -124,6 +125,9 @@ pub struct RemotePciDeviceParams {
     pub dma_pins: Option<Arc<dyn DmaPinSource>>,
     /// Told when DMA is mapped and unmapped (the VMM's event stream).
     pub observer: Option<Arc<dyn DeviceObserver>>,
+    /// The VM's peer-to-peer table: with it, devices of one lender reach each other's BARs
+    /// by DMA ([`crate::p2p`]); without, DMA to a peer's BAR faults on the lender.
+    pub p2p: Option<Arc<P2pRouter>>,
 }
 
 impl RemotePciDeviceParams {
@@ -135,6 +139,7 @@ impl RemotePciDeviceParams {
             pinner: Arc::new(MlockPinner),
             dma_pins: None,
             observer: None,
+            p2p: None,
         }
     }
 }
@@ -326,6 +331,14 @@ pub struct RemotePciDevice {
     dma_pins: Arc<dyn DmaPinSource>,
     observer: Option<Arc<dyn DeviceObserver>>,
     quiesced: bool,
+    /// Membership in the VM's P2P router (dropped before the link: peers stop reaching the
+    /// BARs before the lease is returned).
+    p2p: Option<P2pMember>,
+    /// BARs a peer may map (lender memory behind them).
+    p2p_bars: Vec<u8>,
+    /// BARs whose move the guest wrote and the VMM has not applied or refused yet: their
+    /// peer mappings are withdrawn until then.
+    p2p_moving: Vec<usize>,
     vm: Arc<dyn VmOps>,
     /// Dropped last: returns the lease.
     link: Box<dyn RemoteDeviceLink>,
@@ -597,6 +610,13 @@ impl RemotePciDevice {
             msi.is_some(),
             intx.is_some()
         );
+        let (p2p, p2p_bars) = match (&params.p2p, link.p2p_port()) {
+            (Some(router), Some(port)) => {
+                let bars = port.peer_bars();
+                (Some(router.join(&params.id, port)), bars)
+            }
+            _ => (None, Vec::new()),
+        };
         let mut d = Self {
             id: params.id,
             remote_id: dev,
@@ -621,6 +641,9 @@ impl RemotePciDevice {
                 .unwrap_or_else(|| Arc::new(PrivatePins(params.pinner))),
             observer: params.observer,
             quiesced: false,
+            p2p,
+            p2p_bars,
+            p2p_moving: Vec::new(),
             vm,
             link,
         };
@@ -804,18 +827,47 @@ impl RemotePciDevice {
         holes
     }
 
+    /// Where BAR `i` should decode now: the address the VMM placed it at (not what the
+    /// guest last wrote: a refused move), if decoding is on.
+    fn bar_want(&self, i: usize) -> Option<u64> {
+        let decoded = match self.bars[i].region_type {
+            PciBarRegionType::Io => self.config.io_enabled(),
+            _ => self.config.memory_enabled(),
+        };
+        let addr = self.bars[i].placed;
+        (!self.bar_allocs.is_empty() && decoded && addr != 0).then_some(addr)
+    }
+
+    /// Tells the P2P router where the device's peer-mappable BARs decode. `settled_only`:
+    /// leave out BARs about to change (their peers' mappings go before the memslots do).
+    fn sync_p2p(&self, settled_only: bool) {
+        let Some(member) = &self.p2p else {
+            return;
+        };
+        let bars = (0..self.bars.len())
+            .filter(|&i| {
+                let b = &self.bars[i];
+                b.region_type != PciBarRegionType::Io
+                    && self.p2p_bars.contains(&b.remote.index)
+                    && !self.p2p_moving.contains(&usize::from(b.remote.index))
+                    && (!settled_only || b.mapped_at == self.bar_want(i))
+            })
+            .filter_map(|i| {
+                self.bars[i]
+                    .mapped_at
+                    .map(|a| (self.bars[i].remote.index, a))
+            })
+            .collect();
+        member.set_bars(bars);
+    }
+
     /// Brings memslots and ioeventfds in line with Command and the BAR addresses.
     fn sync_bar_mappings(&mut self) {
         let mut changed = false;
+        self.sync_p2p(true);
         for i in 0..self.bars.len() {
             let idx = usize::from(self.bars[i].remote.index);
-            let decoded = match self.bars[i].region_type {
-                PciBarRegionType::Io => self.config.io_enabled(),
-                _ => self.config.memory_enabled(),
-            };
-            // Where the VMM placed the BAR, not what the guest last wrote (a refused move).
-            let addr = self.bars[i].placed;
-            let want = (!self.bar_allocs.is_empty() && decoded && addr != 0).then_some(addr);
+            let want = self.bar_want(i);
             if self.bars[i].mapped_at == want {
                 continue;
             }
@@ -904,6 +956,7 @@ impl RemotePciDevice {
         if changed {
             self.register_kicks();
         }
+        self.sync_p2p(false);
     }
 
     /// Applies the link's kick-only doorbells if their generation changed. Runs on the
@@ -1154,6 +1207,10 @@ impl RemotePciDevice {
                 if let Some(o) = &self.observer {
                     o.dma_mapped(&self.id, bytes, pinned, t0.elapsed());
                 }
+                // Peers' BARs of the same lender, at their guest addresses.
+                if let Some(m) = &self.p2p {
+                    m.set_master(true);
+                }
             }
             Err(e) => {
                 drop(pin);
@@ -1172,8 +1229,11 @@ impl RemotePciDevice {
         self.config.set_status_bits(status::RECEIVED_MASTER_ABORT);
     }
 
-    /// Unmaps (lender first) then unpins.
+    /// Unmaps (peers' BARs, then RAM on the lender) then unpins.
     fn disable_dma(&mut self) {
+        if let Some(m) = &self.p2p {
+            m.set_master(false);
+        }
         if let Some(DmaState {
             mapping,
             pin,
@@ -1377,6 +1437,13 @@ impl RemotePciDevice {
                 }
             }
         }
+        if !effects.bar_moves.is_empty() && self.p2p.is_some() {
+            // The guest wrote a new BAR address: peers stop reaching the old one now, before
+            // the VMM moves the bus range; `move_bar` or `bar_move_refused` publishes again.
+            self.p2p_moving
+                .extend(effects.bar_moves.iter().map(|m| m.bar_idx));
+            self.sync_p2p(false);
+        }
         if effects.command.is_some() || !effects.bar_moves.is_empty() {
             self.sync_bar_mappings();
         }
@@ -1521,6 +1588,7 @@ impl PciDevice for RemotePciDevice {
             let committed = self.config.bar(idx).map_or(0, |b| b.addr);
             if committed == new_base && self.bars[i].placed != new_base {
                 self.bars[i].placed = new_base;
+                self.p2p_moving.retain(|&m| m != idx);
                 break;
             }
         }
@@ -1533,6 +1601,8 @@ impl PciDevice for RemotePciDevice {
         self.io_counters
             .bar_moves_refused
             .fetch_add(1, Ordering::Relaxed);
+        self.p2p_moving.retain(|&m| m != mv.bar_idx);
+        self.sync_p2p(false);
         debug!(
             "{}: bar {} stays at its placed address; {:#x} refused",
             self.id, mv.bar_idx, mv.new
@@ -1577,8 +1647,10 @@ impl RemotePciDevice {
 
 impl Drop for RemotePciDevice {
     fn drop(&mut self) {
-        // DMA mapping, then pins.
+        // DMA mapping (peers' BARs first), then pins.
         self.disable_dma();
+        // Then peers stop reaching our BARs, before the lease is returned.
+        self.p2p = None;
         // The lender stops signalling our eventfds, then the groups (GSIs, irqfds) go.
         if let Some((kind, _)) = self.wired.take() {
             let t = IrqTargets {

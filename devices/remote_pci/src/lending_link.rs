@@ -304,6 +304,8 @@ pub struct LendingLink {
     sink: LendingEventSink,
     info: RemoteDeviceInfo,
     kind: FabricKind,
+    /// Peer-to-peer side (lenders of protocol version 4 and later).
+    p2p: Option<Arc<LendingP2p>>,
     client: Arc<LenderClient>,
     lease: Arc<Lease>,
 }
@@ -451,12 +453,25 @@ impl LendingLink {
             windows.len(),
             notify.is_some()
         );
+        let p2p = (client.protocol_version() >= 4).then(|| {
+            Arc::new(LendingP2p {
+                lender: client.hello().node.clone(),
+                bars: pinfo
+                    .bars
+                    .iter()
+                    .filter(|b| !b.io && !b.emulated_by_borrower && b.window.is_some())
+                    .map(|b| b.index)
+                    .collect(),
+                lease: Arc::clone(&lease),
+            })
+        });
         Ok(Self {
             _events: events,
             _windows: windows,
             sink,
             info,
             kind,
+            p2p,
             client,
             lease,
         })
@@ -497,6 +512,66 @@ fn event_loop(client: &LenderClient, sink: &LendingEventSink, stop: &AtomicBool)
                 sink.lost(format!("event relay failed: {e}"));
                 return;
             }
+        }
+    }
+}
+
+/// The lease's P2P_MAP/P2P_UNMAP, shared with the VM's P2P router.
+struct LendingP2p {
+    lender: String,
+    /// BARs backed by lender memory (exported as windows, not emulated by the borrower).
+    bars: Vec<u8>,
+    lease: Arc<Lease>,
+}
+
+impl crate::P2pPort for LendingP2p {
+    fn lender(&self) -> &str {
+        &self.lender
+    }
+
+    fn lease(&self) -> u64 {
+        self.lease.id()
+    }
+
+    fn peer_bars(&self) -> Vec<u8> {
+        self.bars.clone()
+    }
+
+    fn map(
+        &self,
+        target: u64,
+        bar: u8,
+        iova: u64,
+    ) -> Result<Box<dyn crate::PeerMapping>, LinkError> {
+        self.lease
+            .p2p_map(target, bar, iova)
+            .map_err(|e| link_err("p2p map", e))?;
+        Ok(Box::new(LendingPeerMapping {
+            lease: Arc::clone(&self.lease),
+            target,
+            bar,
+        }))
+    }
+}
+
+/// One P2P_MAP of the lease; dropping it sends P2P_UNMAP.
+struct LendingPeerMapping {
+    lease: Arc<Lease>,
+    target: u64,
+    bar: u8,
+}
+
+impl crate::PeerMapping for LendingPeerMapping {}
+
+impl Drop for LendingPeerMapping {
+    fn drop(&mut self) {
+        if let Err(e) = self.lease.p2p_unmap(self.target, self.bar) {
+            warn!(
+                "lease {}: p2p unmap of lease {} bar {}: {e}",
+                self.lease.id(),
+                self.target,
+                self.bar
+            );
         }
     }
 }
@@ -699,6 +774,10 @@ impl RemoteDeviceLink for LendingLink {
 
     fn quiesce(&self, stop: bool) -> Result<(), LinkError> {
         self.lease.quiesce(stop).map_err(|e| link_err("quiesce", e))
+    }
+
+    fn p2p_port(&self) -> Option<Arc<dyn crate::P2pPort>> {
+        self.p2p.clone().map(|p| p as Arc<dyn crate::P2pPort>)
     }
 
     fn irq_counts(&self) -> Option<Vec<u64>> {

@@ -10,6 +10,7 @@ pub mod device;
 pub mod lending_link;
 pub mod link;
 pub mod observer;
+pub mod p2p;
 pub mod pin;
 
 #[cfg(test)]
@@ -27,6 +28,7 @@ pub use link::{
     RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
 pub use observer::DeviceObserver;
+pub use p2p::{P2pMember, P2pPort, P2pRouter, PeerMapping};
 pub use pin::{
     split_range, DmaPin, DmaPinSource, MlockPinner, ParallelPinner, PinError, PinStats,
     PinnedRange, Pinner, PrivatePins,

@@ -386,6 +386,13 @@ pub trait RemoteDeviceLink: Send {
     fn quiesce(&self, _stop: bool) -> Result<(), LinkError> {
         Ok(())
     }
+
+    /// The lease's peer-to-peer side (protocol version 4), shareable with the VM's
+    /// [`crate::P2pRouter`]. Default `None`: the link cannot map peers' BARs, and DMA to a
+    /// peer's BAR faults on the lender.
+    fn p2p_port(&self) -> Option<Arc<dyn crate::P2pPort>> {
+        None
+    }
 }
 
 /// Asynchronous lease events, delivered by the link to the VMM (see

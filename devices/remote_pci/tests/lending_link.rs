@@ -836,3 +836,240 @@ fn nvme_shadow_doorbells_become_ioeventfds_on_the_lenders_eventfd() {
     drop(r);
     assert!(evs.lock().unwrap().is_empty());
 }
+
+// ---- peer-to-peer DMA between two devices of one lender -----------------------------------
+
+/// Reads a 32-bit dmatest register through the device.
+fn dmatest_reg(dev: &mut RemotePciDevice, bar0: u64, reg: u64) -> u32 {
+    let mut s = [0u8; 4];
+    dev.read_bar(bar0, reg, &mut s);
+    u32::from_le_bytes(s)
+}
+
+/// Programs one copy through the device's BAR (as the guest driver would), waits until
+/// COMPLETED moves (bounded) and says whether it succeeded.
+fn dmatest_copy(dev: &mut RemotePciDevice, bar0: u64, src: u64, dst: u64, len: u32) -> bool {
+    dmatest_copy_flags(dev, bar0, 0, src, dst, len)
+}
+
+/// [`dmatest_copy`] with CMD flags (`CMD_SRC_BUF`: the source is the device's own buffer).
+fn dmatest_copy_flags(
+    dev: &mut RemotePciDevice,
+    bar0: u64,
+    flags: u32,
+    src: u64,
+    dst: u64,
+    len: u32,
+) -> bool {
+    use emulated::dmatest::{REG_COMPLETED, STATUS_ERROR};
+    let done = dmatest_reg(dev, bar0, REG_COMPLETED);
+    dev.write_bar(bar0, REG_SRC, &src.to_le_bytes());
+    dev.write_bar(bar0, REG_DST, &dst.to_le_bytes());
+    dev.write_bar(bar0, REG_LEN, &len.to_le_bytes());
+    dev.write_bar(bar0, REG_CMD, &(CMD_START | flags).to_le_bytes());
+    let t0 = Instant::now();
+    while dmatest_reg(dev, bar0, REG_COMPLETED) == done {
+        assert!(t0.elapsed() < Duration::from_secs(10), "copy never ended");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let s = dmatest_reg(dev, bar0, REG_STATUS);
+    assert_ne!(s & (STATUS_DONE | STATUS_ERROR), 0, "status {s:#x}");
+    s & STATUS_ERROR == 0
+}
+
+/// Reads `len` bytes of a BAR through the device (direct window loads, 4 at a time).
+fn bar_bytes(dev: &mut RemotePciDevice, base: u64, off: u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    for i in (0..len as u64).step_by(4) {
+        let mut b = [0u8; 4];
+        dev.read_bar(base, off + i, &mut b);
+        out.extend_from_slice(&b);
+    }
+    out
+}
+
+/// Two dmatests of one lender in one VM, each over its own link, sharing the VM's P2P
+/// router: A's DMA to B's BAR lands in B's buffer; B's BAR moving, B's reset and B's removal
+/// withdraw A's mapping of it before they take effect (a DMA to the old place faults on the
+/// lender and ends with STATUS.error); a DMA to an address that is neither RAM nor a BAR is
+/// refused the same way; nothing is left mapped at the end.
+#[test]
+fn p2p_between_two_dmatests_of_one_lender_follows_bars_reset_and_removal() {
+    use emulated::dmatest::BUF_OFFSET;
+    use lending::iommu::IommuDomain;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let src = format!(
+        "version = 1\n\
+         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
+         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
+    );
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, src).unwrap();
+    let cfg = ClusterConfig::load(&path).unwrap();
+    let a_backend = Arc::new(EmulatedBackend::dmatest("p2p-a", NotifyMode::Interrupt).unwrap());
+    let b_backend = Arc::new(EmulatedBackend::dmatest("p2p-b", NotifyMode::Interrupt).unwrap());
+    let inv = Arc::new(
+        Inventory::new(vec![
+            ("0000:00:0a.0".to_string(), a_backend.clone() as _),
+            ("0000:00:0b.0".to_string(), b_backend.clone() as _),
+        ])
+        .unwrap(),
+    );
+    let listener = SocketFabric::from_cluster(&cfg, "lender")
+        .unwrap()
+        .listen()
+        .unwrap();
+    let lender = Lender::new(inv, "lender", TOKEN);
+    let _bg = BackgroundLender::start(Arc::clone(&lender), listener).unwrap();
+
+    let (ram, host) = guest_ram();
+    let slots = Arc::new(AtomicUsize::new(0));
+    let vm: Arc<dyn VmOps> = Arc::new(Vm {
+        ram,
+        host,
+        slots: slots.clone(),
+        ioevents: Arc::default(),
+    });
+    let irqs = Irqs::default();
+    let router = remote_pci::P2pRouter::new();
+    let alloc = Arc::new(Mutex::new(
+        PciBarAllocators::x86_64(1 << 36, 1 << 36).unwrap(),
+    ));
+    // One link (client) per device, as the VMM does.
+    let device = |dev: &str, id: &str, devid: u32| {
+        let client = Arc::new(LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "test").unwrap());
+        let lease = client.borrow(dev, "vm0").unwrap();
+        let lease_id = lease.id();
+        let link = LendingLink::new(client, lease, LendingLinkOptions::default()).unwrap();
+        let mut params = RemotePciDeviceParams::new(id, devid, None);
+        params.p2p = Some(router.clone());
+        let mut d = RemotePciDevice::new(params, Box::new(link), vm.clone(), &irqs).unwrap();
+        let bars = d.allocate_bars(&alloc).unwrap();
+        let bar0 = bars.iter().find(|b| b.idx == 0).unwrap().addr;
+        (d, bar0, lease_id)
+    };
+    let (mut a, a_bar0, _) = device("0000:00:0a.0", "a", 0x20);
+    let (mut b, b_bar0, b_lease) = device("0000:00:0b.0", "b", 0x28);
+    let mem_bme = (command::MEMORY_SPACE | command::BUS_MASTER).to_le_bytes();
+
+    // B decodes its BAR; A masters the bus: A's domain maps B's BAR0 at its guest address.
+    b.write_config_register(1, 0, &command::MEMORY_SPACE.to_le_bytes());
+    assert_eq!(router.live_mappings(), 0, "no bus master yet");
+    a.write_config_register(1, 0, &mem_bme);
+    assert!(a.status().dma_mapped);
+    assert_eq!(router.live_mappings(), 1);
+    assert_eq!(lender.p2p_live_into(b_lease), 1);
+
+    let data: Vec<u8> = (0..0x2000u32).map(|i| (i * 7 + 1) as u8).collect();
+    vm.write_guest(0x4000, &data).unwrap();
+    assert!(dmatest_copy(
+        &mut a,
+        a_bar0,
+        0x4000,
+        b_bar0 + BUF_OFFSET,
+        0x2000
+    ));
+    assert_eq!(bar_bytes(&mut b, b_bar0, BUF_OFFSET, 0x2000), data);
+
+    // Neither RAM nor a BAR: refused, counted on the lender.
+    let faults = a_backend.soft_iommu().fault_count();
+    assert!(!dmatest_copy(&mut a, a_bar0, 0x4000, 0xdff0_0000, 0x100));
+    assert_eq!(a_backend.soft_iommu().fault_count(), faults + 1);
+
+    // The guest moves B's BAR0: A's mapping of the old address goes when the BAR register
+    // is written, the new one comes when the VMM moved the bus range (move_bar).
+    let new_bar0 = b_bar0 + 0x10_0000;
+    let effects = b.write_config_register(4, 0, &(new_bar0 as u32).to_le_bytes());
+    assert_eq!(effects.bar_moves.len(), 1);
+    assert_eq!(router.live_mappings(), 0, "withdrawn before the move");
+    b.move_bar(b_bar0, new_bar0).unwrap();
+    assert_eq!(router.live_mappings(), 1);
+    let data2: Vec<u8> = (0..0x1000u32).map(|i| (i * 13 + 5) as u8).collect();
+    vm.write_guest(0x8000, &data2).unwrap();
+    assert!(dmatest_copy(
+        &mut a,
+        a_bar0,
+        0x8000,
+        new_bar0 + BUF_OFFSET + 0x2000,
+        0x1000
+    ));
+    assert_eq!(
+        bar_bytes(&mut b, new_bar0, BUF_OFFSET + 0x2000, 0x1000),
+        data2
+    );
+    let faults = a_backend.soft_iommu().fault_count();
+    assert!(!dmatest_copy(
+        &mut a,
+        a_bar0,
+        0x8000,
+        b_bar0 + BUF_OFFSET,
+        0x100
+    ));
+    assert_eq!(
+        a_backend.soft_iommu().fault_count(),
+        faults + 1,
+        "old address"
+    );
+
+    // B is reset (FLR / device reset): A's mapping is gone before the lender resets B, and
+    // comes back when the guest turns decoding on again.
+    b.reset().unwrap();
+    assert_eq!(router.live_mappings(), 0);
+    assert_eq!(lender.p2p_live_into(b_lease), 0);
+    assert!(!dmatest_copy(
+        &mut a,
+        a_bar0,
+        0x8000,
+        new_bar0 + BUF_OFFSET,
+        0x100
+    ));
+    b.write_config_register(1, 0, &command::MEMORY_SPACE.to_le_bytes());
+    assert_eq!(router.live_mappings(), 1);
+    assert!(dmatest_copy(
+        &mut a,
+        a_bar0,
+        0x8000,
+        new_bar0 + BUF_OFFSET,
+        0x100
+    ));
+
+    // B masters the bus too: it maps A's BAR, and copies its own buffer (reset to zero, then
+    // 0x100 bytes from A) into A's buffer, device to device.
+    b.write_config_register(1, 0, &mem_bme);
+    assert_eq!(router.live_mappings(), 2);
+    let flags = emulated::dmatest::CMD_SRC_BUF;
+    assert!(dmatest_copy_flags(
+        &mut b,
+        new_bar0,
+        flags,
+        0,
+        a_bar0 + BUF_OFFSET,
+        0x1000
+    ));
+    let mut want = data2[..0x100].to_vec();
+    want.resize(0x1000, 0);
+    assert_eq!(bar_bytes(&mut a, a_bar0, BUF_OFFSET, 0x1000), want);
+
+    // A clears BME: its mapping of B goes, B's of A stays.
+    a.write_config_register(1, 0, &command::MEMORY_SPACE.to_le_bytes());
+    assert_eq!(router.live_mappings(), 1);
+    a.write_config_register(1, 0, &mem_bme);
+    assert_eq!(router.live_mappings(), 2);
+
+    // B is removed: every mapping into it and of it goes before its lease is returned.
+    drop(b);
+    assert_eq!(router.live_mappings(), 0);
+    assert_eq!(lender.p2p_live_into(b_lease), 0);
+    assert!(!dmatest_copy(
+        &mut a,
+        a_bar0,
+        0x8000,
+        new_bar0 + BUF_OFFSET,
+        0x100
+    ));
+    drop(a);
+    assert_eq!(router.live_mappings(), 0);
+    assert_eq!(slots.load(Ordering::SeqCst), 0);
+    assert_eq!(router.map_failures(), 0);
+}
