@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | `nvme` | NVMe driver test on the first class 01:08:02 function | `seed=` (pattern, default 0x4c454e44), `lba=` (first LBA, 0) |
 //! | `dmatest` | one-page copy through the first 1b36:1105 function | `seed=` |
+//! | `p2p` | peer-to-peer DMA between the first two 1b36:1105 functions (one lender): RAM → peer BAR, peer BAR → RAM, a hole refused, peer BAR0 moved | `seed=` |
 //! | `bme-steps` | Memory → Bus Master on → off, each step acknowledged by the host through a mailbox | `wait_ms=` |
 //! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0) |
 //! | `idle` | the same loop without I/O, for `total_ms=` (default 600000), then exit 0 | `total_ms=` |
@@ -37,6 +38,7 @@ mod io;
 mod mem;
 mod mmio;
 mod nvme;
+mod p2p;
 mod pci;
 mod serial;
 
@@ -115,6 +117,9 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
     }
     if info.wants_explicitly("dmatest") {
         dmatest::test(&mut r, params.seed);
+    }
+    if info.wants_explicitly("p2p") {
+        p2p::run(&mut r, params.seed);
     }
     if info.wants_explicitly("bme-steps") {
         bme::run(&mut r, info.param_u64("wait_ms", 30_000), params.seed);

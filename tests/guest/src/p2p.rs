@@ -1,0 +1,142 @@
+//! Peer-to-peer DMA between the first two dmatest functions (both lent by one lender): A
+//! copies guest RAM into B's BAR buffer and B's buffer back into RAM by bus address (B's
+//! guest-physical BAR address), a copy to an address that is neither RAM nor a BAR fails,
+//! and after B's BAR0 is moved the copy works at the new address and fails at the old one.
+//! Each step prints one `TEST p2p-*` line.
+
+use crate::dma::{self, PAGE};
+use crate::dmatest::ID;
+use crate::interrupts::wait_until;
+use crate::mmio;
+use crate::pci::{self, CMD_BUS_MASTER, CMD_INTX_DISABLE, CMD_MEM};
+use crate::Results;
+
+const REG_STATUS: u64 = 0x04;
+const REG_SRC: u64 = 0x08;
+const REG_DST: u64 = 0x10;
+const REG_LEN: u64 = 0x18;
+const REG_CMD: u64 = 0x20;
+const REG_FAULTS: u64 = 0x24;
+const REG_COMPLETED: u64 = 0x28;
+const STATUS_DONE: u32 = 2;
+const STATUS_ERROR: u32 = 4;
+const CMD_START: u32 = 1;
+/// The data buffer's offset in BAR0.
+const BUF: u64 = 0x1000;
+/// Inside the 32-bit PCI window, far above where the VMM places BARs: neither RAM nor a BAR.
+const HOLE: u64 = 0xdff0_0000;
+/// Arena pages used as source and destination.
+const P_SRC: u64 = 6;
+const P_DST: u64 = 7;
+
+fn write64(addr: u64, v: u64) {
+    // SAFETY: a device register in a BAR the VMM assigned; one 8-byte access.
+    unsafe { core::ptr::write_volatile(addr as *mut u64, v) }
+}
+
+/// One copy on the dmatest at `bar0`; returns (finished, status).
+fn copy(bar0: u64, src: u64, dst: u64, len: u32) -> (bool, u32) {
+    let before = mmio::read32(bar0 + REG_COMPLETED);
+    write64(bar0 + REG_SRC, src);
+    write64(bar0 + REG_DST, dst);
+    mmio::write32(bar0 + REG_LEN, len);
+    mmio::write32(bar0 + REG_CMD, CMD_START);
+    let done = wait_until(|| mmio::read32(bar0 + REG_COMPLETED) != before, 2_000);
+    (done, mmio::read32(bar0 + REG_STATUS))
+}
+
+fn ok_status(r: (bool, u32)) -> bool {
+    r.0 && r.1 & STATUS_DONE != 0 && r.1 & STATUS_ERROR == 0
+}
+
+fn err_status(r: (bool, u32)) -> bool {
+    r.0 && r.1 & STATUS_ERROR != 0
+}
+
+pub fn run(r: &mut Results, seed: u32) {
+    let Some(a) = pci::find(|f| f.id() == ID) else {
+        r.report("p2p-probe", false).s("no dmatest function").nl();
+        return;
+    };
+    let Some(b) = pci::find(|f| f.id() == ID && f.dev != a.dev) else {
+        r.report("p2p-probe", false)
+            .s("one dmatest function, two needed")
+            .nl();
+        return;
+    };
+    b.set_command(CMD_MEM | CMD_INTX_DISABLE);
+    a.set_command(CMD_MEM | CMD_BUS_MASTER | CMD_INTX_DISABLE);
+    let (a0, b0) = (a.bar(0), b.bar(0));
+    a.print(r.report("p2p-probe", a0 != 0 && b0 != 0))
+        .s(" bar0 ")
+        .hex(a0)
+        .s(" peer ")
+        .hex(b0)
+        .nl();
+    if a0 == 0 || b0 == 0 {
+        return;
+    }
+    let (src, dst) = (dma::page(P_SRC), dma::page(P_DST));
+
+    // RAM -> B's buffer, by B's guest-physical address; verified by reading B's BAR.
+    dma::fill_pattern(src, PAGE, seed);
+    let c = copy(a0, src, b0 + BUF, PAGE as u32);
+    let bad = dma::check_pattern(b0 + BUF, PAGE, seed);
+    report_copy(r, "p2p-copy", c, bad, b0 + BUF);
+
+    // B's buffer -> RAM (a peer read).
+    dma::zero(dst, PAGE);
+    let c = copy(a0, b0 + BUF, dst, PAGE as u32);
+    let bad = dma::check_pattern(dst, PAGE, seed);
+    report_copy(r, "p2p-read", c, bad, dst);
+
+    // Neither RAM nor a BAR: refused with STATUS.error, FAULTS counts it.
+    let faults = mmio::read32(a0 + REG_FAULTS);
+    let c = copy(a0, src, HOLE, 256);
+    let nf = mmio::read32(a0 + REG_FAULTS);
+    r.report("p2p-refused", err_status(c) && nf == faults.wrapping_add(1))
+        .s("status ")
+        .hex(c.1 as u64)
+        .s(" faults ")
+        .dec(nf as u64)
+        .nl();
+
+    // Move B's BAR0 by 1 MiB with decoding on; then the new address works, the old fails.
+    let moved = b0 + 0x10_0000;
+    let lo = b.read32(0x10);
+    b.write32(0x10, moved as u32 | (lo & 0xf));
+    let at = b.bar(0);
+    dma::fill_pattern(src, PAGE, seed ^ 0x5a5a_5a5a);
+    let c_new = copy(a0, src, moved + BUF, PAGE as u32);
+    let bad = dma::check_pattern(moved + BUF, PAGE, seed ^ 0x5a5a_5a5a);
+    let c_old = copy(a0, src, b0 + BUF, 256);
+    r.report(
+        "p2p-move",
+        at == moved && ok_status(c_new) && bad.is_none() && err_status(c_old),
+    )
+    .s("bar0 ")
+    .hex(at)
+    .s(" new status ")
+    .hex(c_new.1 as u64)
+    .s(" old status ")
+    .hex(c_old.1 as u64)
+    .s(if bad.is_none() { " verified" } else { " mismatch" })
+    .nl();
+    // Bus mastering off again: the VMM drops the peer mapping.
+    a.set_command(CMD_MEM | CMD_INTX_DISABLE);
+}
+
+fn report_copy(r: &mut Results, name: &str, c: (bool, u32), bad: Option<u64>, at: u64) {
+    let o = r
+        .report(name, ok_status(c) && bad.is_none())
+        .s("bytes ")
+        .dec(PAGE)
+        .s(" status ")
+        .hex(c.1 as u64)
+        .s(" at ")
+        .hex(at);
+    match bad {
+        None => o.s(" verified").nl(),
+        Some(off) => o.s(" mismatch at byte ").dec(off).nl(),
+    }
+}
