@@ -641,15 +641,19 @@ pub struct DmaUnmap {
     pub size: u64,
 }
 
-/// P2P_MAP (version 4): make `[iova, iova + BAR size)` in the IOMMU domain of lease
-/// `source` reach BAR `bar` of lease `target` (the borrower passes the guest-physical
-/// address it placed the BAR at, so the guest driver's bus address is the device address).
+/// P2P_MAP (version 4): make BAR `bar` of lease `target`, placed by the borrower at
+/// guest-physical address `iova`, reachable by DMA of lease `source`'s device at the same
+/// addresses (so the guest driver's bus address is the device address). What is mapped is
+/// the part of the BAR the target device exposes to peers as plain memory (the emulated
+/// dmatest: its buffer, BAR0 + 0x1000..0x10000; a VFIO device: the whole BAR), at `iova` +
+/// its offset in the BAR; registers are never reachable by a peer.
 /// Both leases must be held by the same borrower node and VM on this lender (any of that
 /// borrower's sessions); the BAR must be device memory the lender can map (not I/O, not a
 /// BAR the borrower emulates). Errors: `UNKNOWN_LEASE` (either lease unknown or not the
-/// caller's), `OUT_OF_RANGE` (no such memory BAR), `INVALID` (source = target, an IOVA that
-/// is not page aligned or wraps), `IOMMU` (overlaps a RAM or other P2P mapping of the
-/// domain, or the domain cannot map device memory).
+/// caller's), `OUT_OF_RANGE` (no such BAR), `INVALID` (source = target; not a memory BAR or
+/// no peer memory in it; an IOVA that is not page aligned, wraps, or overlaps a RAM window
+/// or another P2P mapping of the domain; already mapped), `IOMMU` (the domain cannot map the
+/// memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct P2pMap {
     /// Lease whose device does the DMA (the request's lease: it must be on this session).

@@ -221,8 +221,13 @@ fn dma_to_neither_ram_nor_a_borrowed_bar_is_refused_and_counted() {
     let (err, faults) = copy(&la, 0, RAM_GPA, BAR_GPA + 0x10000 - 0x80, 0x100);
     assert!(err, "dma past the bar must fail");
     assert_eq!(faults, 2);
+    // The target's registers are not peer memory: a write to its CMD register is refused
+    // (it would bypass the device's register write path).
+    let (err, faults) = copy(&la, 0, RAM_GPA, BAR_GPA + REG_CMD, 4);
+    assert!(err, "dma into the peer's registers must fail");
+    assert_eq!(faults, 3);
     let c = la.counters().unwrap().unwrap();
-    assert_eq!(c.iommu_faults - before, 2, "{c:?}");
+    assert_eq!(c.iommu_faults - before, 3, "{c:?}");
     // Nothing was written at the end of the target's BAR.
     let b_bar = lb.bar_window(0).unwrap();
     assert_eq!(

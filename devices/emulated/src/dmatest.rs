@@ -299,6 +299,11 @@ impl DeviceModel for DmaTest {
         self.inner.notify == NotifyMode::Polling
     }
 
+    fn peer_memory(&self, bar: u8) -> Option<(u64, u64)> {
+        // The buffer only: peers never reach the registers.
+        (bar == 0).then_some((BUF_OFFSET, BUF_SIZE))
+    }
+
     fn identity(&self) -> PciIdentity {
         PciIdentity {
             vendor_id: 0x1b36,

@@ -208,6 +208,13 @@ pub trait DeviceModel: Send + Sync {
     fn polls_doorbells(&self) -> bool {
         false
     }
+    /// The part of register BAR `bar` that is plain memory another device may reach by
+    /// peer-to-peer DMA, as (offset, length), page aligned. Peer writes land in the memory
+    /// without passing [`DeviceModel::bar_write`], so registers must never be in it.
+    /// Default: none.
+    fn peer_memory(&self, _bar: u8) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 pub(crate) const CAP_PM: u8 = 0x40;

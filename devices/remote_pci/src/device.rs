@@ -1588,10 +1588,13 @@ impl PciDevice for RemotePciDevice {
             let committed = self.config.bar(idx).map_or(0, |b| b.addr);
             if committed == new_base && self.bars[i].placed != new_base {
                 self.bars[i].placed = new_base;
-                self.p2p_moving.retain(|&m| m != idx);
                 break;
             }
         }
+        // The write's move is applied (the bus calls this or `bar_move_refused` for every
+        // move of a config write, under the device's lock), also when the BAR was already
+        // placed at `new_base` (a register written back after a refused move).
+        self.p2p_moving.clear();
         self.sync_bar_mappings();
         Ok(())
     }
@@ -1601,7 +1604,7 @@ impl PciDevice for RemotePciDevice {
         self.io_counters
             .bar_moves_refused
             .fetch_add(1, Ordering::Relaxed);
-        self.p2p_moving.retain(|&m| m != mv.bar_idx);
+        self.p2p_moving.clear();
         self.sync_p2p(false);
         debug!(
             "{}: bar {} stays at its placed address; {:#x} refused",

@@ -542,10 +542,21 @@ impl crate::P2pPort for LendingP2p {
         target: u64,
         bar: u8,
         iova: u64,
-    ) -> Result<Box<dyn crate::PeerMapping>, LinkError> {
-        self.lease
-            .p2p_map(target, bar, iova)
-            .map_err(|e| link_err("p2p map", e))?;
+    ) -> Result<Box<dyn crate::PeerMapping>, crate::P2pMapError> {
+        self.lease.p2p_map(target, bar, iova).map_err(|e| {
+            // The lender's verdict on this BAR at this address (no peer memory, not a
+            // memory BAR, overlaps RAM) does not change by asking again.
+            let permanent = matches!(
+                e.code(),
+                Some(protocol::code::INVALID | protocol::code::OUT_OF_RANGE)
+            );
+            let e = link_err("p2p map", e);
+            if permanent {
+                crate::P2pMapError::Refused(e)
+            } else {
+                crate::P2pMapError::Failed(e)
+            }
+        })?;
         Ok(Box::new(LendingPeerMapping {
             lease: Arc::clone(&self.lease),
             target,

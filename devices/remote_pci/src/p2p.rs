@@ -32,6 +32,19 @@ use crate::link::LinkError;
 /// A peer-to-peer mapping in the source's IOMMU domain; dropping it unmaps it.
 pub trait PeerMapping: Send {}
 
+/// Why a peer BAR was not mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum P2pMapError {
+    /// The lender refused this BAR at this address for good (it has no memory a peer may
+    /// reach, or the address is not usable): not asked again until the BAR moves.
+    #[error("refused: {0}")]
+    Refused(#[source] LinkError),
+    /// The request failed (link down, lease lost, an older lender): asked again at the next
+    /// change.
+    #[error(transparent)]
+    Failed(LinkError),
+}
+
 /// A lease's peer-to-peer side, shareable across threads (the router calls it from
 /// whichever vCPU changes a BAR or Bus Master Enable).
 pub trait P2pPort: Send + Sync {
@@ -43,7 +56,7 @@ pub trait P2pPort: Send + Sync {
     fn peer_bars(&self) -> Vec<u8>;
     /// Maps BAR `bar` of lease `target` (same lender, same VM) at `iova` in this lease's
     /// IOMMU domain.
-    fn map(&self, target: u64, bar: u8, iova: u64) -> Result<Box<dyn PeerMapping>, LinkError>;
+    fn map(&self, target: u64, bar: u8, iova: u64) -> Result<Box<dyn PeerMapping>, P2pMapError>;
 }
 
 struct Member {
@@ -54,6 +67,8 @@ struct Member {
     master: bool,
     /// Held as a source: (target device, BAR) → mapping.
     out: HashMap<(String, u8), Box<dyn PeerMapping>>,
+    /// (BAR, address) of this device the lender refused for good as a peer target.
+    refused: Vec<(u8, u64)>,
 }
 
 #[derive(Default)]
@@ -89,6 +104,7 @@ impl P2pRouter {
                 bars: Vec::new(),
                 master: false,
                 out: HashMap::new(),
+                refused: Vec::new(),
             },
         );
         P2pMember {
@@ -121,6 +137,9 @@ impl P2pRouter {
         let Some(t) = st.members.get(target) else {
             return;
         };
+        if t.refused.contains(&(bar, gpa)) {
+            return;
+        }
         let lease = t.port.lease();
         let Some(s) = st.members.get_mut(source) else {
             return;
@@ -131,7 +150,13 @@ impl P2pRouter {
                 info!("{source}: peer bar {bar} of {target} mapped at {gpa:#x}");
                 s.out.insert((target.to_string(), bar), m);
             }
-            Err(e) => {
+            Err(P2pMapError::Refused(e)) => {
+                info!("{source}: peer bar {bar} of {target} at {gpa:#x} not mappable: {e}");
+                if let Some(t) = st.members.get_mut(target) {
+                    t.refused.push((bar, gpa));
+                }
+            }
+            Err(P2pMapError::Failed(e)) => {
                 // Guest-triggerable (BME and BAR writes in a loop): first 16, then 1 in 1024.
                 let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
                 if n <= 16 || n.is_multiple_of(1024) {
@@ -292,14 +317,22 @@ mod tests {
             self.lease
         }
         fn peer_bars(&self) -> Vec<u8> {
-            vec![0]
+            vec![0, 2]
         }
-        fn map(&self, target: u64, bar: u8, iova: u64) -> Result<Box<dyn PeerMapping>, LinkError> {
+        fn map(
+            &self,
+            target: u64,
+            bar: u8,
+            iova: u64,
+        ) -> Result<Box<dyn PeerMapping>, P2pMapError> {
             if self.lender.refuse.load(Ordering::SeqCst) {
-                return Err(LinkError::Remote {
+                return Err(P2pMapError::Failed(LinkError::Down("gone".into())));
+            }
+            if bar != 0 {
+                return Err(P2pMapError::Refused(LinkError::Remote {
                     op: "p2p map",
-                    message: "refused".into(),
-                });
+                    message: "no peer memory".into(),
+                }));
             }
             let key = (self.lease, target, bar, iova);
             self.lender.live.lock().unwrap().push(key);
@@ -380,6 +413,14 @@ mod tests {
         b.set_bars(Vec::new());
         b.set_bars(vec![(0, 0xc010_0000)]);
         assert_eq!(live(&l1), vec![(1, 2, 0, 0xc010_0000)]);
+        // A BAR the lender refuses for good is asked for once, not at every change.
+        let failures = r.map_failures();
+        b.set_bars(vec![(0, 0xc010_0000), (2, 0xc020_0000)]);
+        a.set_master(false);
+        a.set_master(true);
+        assert_eq!(live(&l1), vec![(1, 2, 0, 0xc010_0000)]);
+        assert_eq!(r.map_failures(), failures, "refusals are not failures");
+        assert_eq!(lock(&r.state).members["b"].refused, vec![(2, 0xc020_0000)]);
         drop((a, b, c));
     }
 }

@@ -1012,6 +1012,26 @@ fn p2p_between_two_dmatests_of_one_lender_follows_bars_reset_and_removal() {
         "old address"
     );
 
+    // A move the VMM refuses (the bus range stays), then the register written back to where
+    // the BAR is: withdrawn while pending, published again at the same place after each.
+    let over = new_bar0 + 0x100_0000;
+    let effects = b.write_config_register(4, 0, &(over as u32).to_le_bytes());
+    assert_eq!(router.live_mappings(), 0);
+    b.bar_move_refused(&effects.bar_moves[0]);
+    assert_eq!(router.live_mappings(), 1);
+    let effects = b.write_config_register(4, 0, &(new_bar0 as u32).to_le_bytes());
+    assert_eq!(effects.bar_moves.len(), 1);
+    assert_eq!(router.live_mappings(), 0);
+    b.move_bar(over, new_bar0).unwrap();
+    assert_eq!(router.live_mappings(), 1);
+    assert!(dmatest_copy(
+        &mut a,
+        a_bar0,
+        0x8000,
+        new_bar0 + BUF_OFFSET + 0x2000,
+        0x1000
+    ));
+
     // B is reset (FLR / device reset): A's mapping is gone before the lender resets B, and
     // comes back when the guest turns decoding on again.
     b.reset().unwrap();

@@ -258,6 +258,18 @@ impl DeviceBackend for EmulatedBackend {
         })
     }
 
+    fn peer_export(&self, bar: u8) -> Option<super::PeerExport<'_>> {
+        // Only what the model calls plain memory: a peer's writes bypass `bar_write`.
+        let (off, len) = self.model.peer_memory(bar)?;
+        let x = self.bar_export(bar)?;
+        (off.checked_add(len)? <= x.size).then_some(super::PeerExport {
+            fd: x.fd,
+            fd_offset: x.offset + off,
+            bar_offset: off,
+            size: len,
+        })
+    }
+
     fn bar_read(&self, bar: u8, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
         self.check_bar(bar, offset, buf.len())?;
         self.model.bar_read(bar, offset, buf);

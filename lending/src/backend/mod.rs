@@ -110,6 +110,19 @@ pub struct BarExport<'a> {
     pub size: u64,
 }
 
+/// Memory of a BAR that another lease's device may reach by peer-to-peer DMA.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerExport<'a> {
+    /// mmap-able fd.
+    pub fd: BorrowedFd<'a>,
+    /// Offset of the memory in the fd.
+    pub fd_offset: u64,
+    /// Offset of the memory in the BAR (page aligned).
+    pub bar_offset: u64,
+    /// Size (page multiple).
+    pub size: u64,
+}
+
 /// One lendable PCI function.
 pub trait DeviceBackend: Send + Sync {
     /// `vfio`, `nvme`, `dmatest`.
@@ -128,6 +141,11 @@ pub trait DeviceBackend: Send + Sync {
     fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), BackendError>;
     /// Memory to export as the fabric window of `bar`, if it can be mapped directly.
     fn bar_export(&self, bar: u8) -> Option<BarExport<'_>>;
+    /// The memory of `bar` a peer device may reach by peer-to-peer DMA (mapped into the
+    /// peer's IOMMU domain). Default: none (peers' DMA to the BAR faults).
+    fn peer_export(&self, _bar: u8) -> Option<PeerExport<'_>> {
+        None
+    }
     /// Slow-path BAR read.
     fn bar_read(&self, bar: u8, offset: u64, buf: &mut [u8]) -> Result<(), BackendError>;
     /// Slow-path BAR write.

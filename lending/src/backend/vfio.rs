@@ -473,6 +473,17 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
         }
     }
 
+    fn peer_export(&self, bar: u8) -> Option<super::PeerExport<'_>> {
+        // A real device decodes peer TLPs like CPU accesses: the whole BAR.
+        let x = self.bar_export(bar)?;
+        Some(super::PeerExport {
+            fd: x.fd,
+            fd_offset: x.offset,
+            bar_offset: 0,
+            size: x.size,
+        })
+    }
+
     fn bar_read(&self, bar: u8, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
         let r = self.bar_region(bar)?;
         Self::check(&r, bar, offset, buf.len())?;

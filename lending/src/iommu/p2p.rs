@@ -296,15 +296,20 @@ impl P2pBook {
         }
         let export = t
             .backend
-            .bar_export(bar)
-            .ok_or_else(|| not_memory("no shareable memory behind it"))?;
-        // The part of the BAR the lender has memory for, in whole IOMMU pages.
-        let size = export.size.min(b.size) / IOMMU_PAGE_SIZE * IOMMU_PAGE_SIZE;
-        if size == 0 {
-            return Err(not_memory("less than a page of memory behind it"));
+            .peer_export(bar)
+            .ok_or_else(|| not_memory("the device has no memory in it a peer may reach"))?;
+        // The part of the BAR a peer may reach, in whole IOMMU pages inside the BAR.
+        let end = export.bar_offset.saturating_add(export.size).min(b.size);
+        let size = end.saturating_sub(export.bar_offset) / IOMMU_PAGE_SIZE * IOMMU_PAGE_SIZE;
+        if size == 0 || !export.bar_offset.is_multiple_of(IOMMU_PAGE_SIZE) {
+            return Err(not_memory("its peer memory is not whole pages"));
         }
+        let iova = iova.checked_add(export.bar_offset).ok_or(P2pError::Iommu {
+            lease: source,
+            source: IommuError::BadRange { iova, size },
+        })?;
         let backing =
-            map_export(export.fd, export.offset, size).map_err(|err| P2pError::Backing {
+            map_export(export.fd, export.fd_offset, size).map_err(|err| P2pError::Backing {
                 lease: target,
                 bar,
                 source: err,
