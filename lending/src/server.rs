@@ -924,7 +924,7 @@ impl Session {
                 if !sl.p2p_out.contains_key(&key) && sl.p2p_out.len() >= MAX_P2P_PER_LEASE {
                     return Err(p2p_err(P2pError::TooMany(m.source)));
                 }
-                let holder = sl.lease.holder().to_string();
+                let holder = sl.p2p.holder().to_string();
                 let domain = sl.lease.backend().domain();
                 let mapping = book
                     .map(m.source, &holder, domain, m.target, m.bar, m.iova)
@@ -1031,10 +1031,17 @@ impl Session {
         if self.version >= 3 {
             backend.set_kick_listener(Some(kick_listener(&self.ep, &backend, id, &kicks_told)));
         }
-        let p2p = self
-            .lender
-            .p2p
-            .register(id, lease.holder(), Arc::clone(&backend));
+        // P2P identity: node/vm as authenticated and named, and where the session comes from
+        // (shm: the same process, by SO_PEERCRED; tcp: the same IP), see docs/SECURITY.md.
+        let origin = match self.ep.peer_addr() {
+            a if a.starts_with("unix:") => a.trim_start_matches("unix:").to_string(),
+            a => auth::rate_key(&a),
+        };
+        let p2p = self.lender.p2p.register(
+            id,
+            &format!("{}@{origin}", lease.holder()),
+            Arc::clone(&backend),
+        );
         self.leases.insert(
             id,
             SessionLease {

@@ -15,8 +15,9 @@
 //!   stays a (dead) value of the source until the borrower unmaps it or the source ends.
 //!
 //! Authorisation: both leases must be held by the same `node/vm` (the node name is the one
-//! the session authenticated with the cluster token; see docs/SECURITY.md). Anything else
-//! is answered as an unknown lease, so a forger learns nothing about other leases.
+//! the session authenticated with the cluster token) from the same origin (shm: the same
+//! process; tcp: the same IP); see docs/SECURITY.md. Anything else is answered as an unknown
+//! lease, so a forger learns nothing about other leases.
 
 use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
@@ -196,9 +197,15 @@ pub struct P2pBook {
 pub struct P2pRegistration {
     book: Arc<P2pBook>,
     lease: u64,
+    holder: String,
 }
 
 impl P2pRegistration {
+    /// Who holds the lease, as the book compares it.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
     /// Revokes every mapping into the lease's BARs (before its device resets); returns how
     /// many were live.
     pub fn revoke_all(&self, why: &str) -> usize {
@@ -214,7 +221,8 @@ impl Drop for P2pRegistration {
 }
 
 impl P2pBook {
-    /// Enters `lease` (held by `holder`, `node/vm`) until the returned value is dropped.
+    /// Enters `lease` (held by `holder`: `node/vm@origin`, leases of one holder may map each
+    /// other's BARs) until the returned value is dropped.
     pub fn register(
         self: &Arc<Self>,
         lease: u64,
@@ -232,6 +240,7 @@ impl P2pBook {
         P2pRegistration {
             book: Arc::clone(self),
             lease,
+            holder: holder.to_string(),
         }
     }
 
