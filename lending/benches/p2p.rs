@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use emulated::dmatest::{
-    BUF_OFFSET, BUF_SIZE, CMD_ACK, CMD_DST_BUF, CMD_SRC_BUF, CMD_START, REG_CMD, REG_COMPLETED,
-    REG_DST, REG_LEN, REG_SRC, REG_STATUS, STATUS_ERROR,
+    BUF_OFFSET, BUF_SIZE, CMD_DST_BUF, CMD_SRC_BUF, CMD_START, REG_CMD, REG_COMPLETED, REG_DST,
+    REG_LEN, REG_SRC, REG_STATUS, STATUS_ERROR,
 };
 use emulated::NotifyMode;
 use lending::backend::emulated::EmulatedBackend;
@@ -79,8 +79,8 @@ impl Dev {
         }
         let st = self.r32(REG_STATUS);
         assert_eq!(st & STATUS_ERROR, 0, "copy failed: status {st:#x}");
-        self.w32(REG_CMD, CMD_ACK);
-        self.notify.write(1).unwrap();
+        // No CMD_ACK: START sets STATUS anew, and a second CMD store right behind the first
+        // could be cleared by the worker acting on the first (CMD is read, then zeroed).
     }
 }
 
