@@ -79,8 +79,7 @@ impl Dev {
         }
         let st = self.r32(REG_STATUS);
         assert_eq!(st & STATUS_ERROR, 0, "copy failed: status {st:#x}");
-        // No CMD_ACK: START sets STATUS anew, and a second CMD store right behind the first
-        // could be cleared by the worker acting on the first (CMD is read, then zeroed).
+        // No CMD_ACK needed: START sets STATUS anew.
     }
 }
 

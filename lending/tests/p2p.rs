@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use emulated::dmatest::{
-    BUF_OFFSET, BUF_SIZE, CMD_ACK, CMD_SRC_BUF, CMD_START, REG_CMD, REG_DST, REG_FAULTS, REG_LEN,
-    REG_SRC, REG_STATUS, STATUS_DONE, STATUS_ERROR,
+    BUF_OFFSET, BUF_SIZE, CMD_SRC_BUF, CMD_START, REG_CMD, REG_DST, REG_FAULTS, REG_LEN, REG_SRC,
+    REG_STATUS, STATUS_DONE, STATUS_ERROR,
 };
 use emulated::NotifyMode;
 use lending::backend::emulated::EmulatedBackend;
@@ -120,7 +120,7 @@ fn r32(l: &Lease, off: u64) -> u32 {
 
 /// Runs one copy on `l`'s dmatest and returns (error?, FAULTS register).
 fn copy(l: &Lease, cmd: u32, src: u64, dst: u64, len: u32) -> (bool, u32) {
-    w32(l, REG_CMD, CMD_ACK);
+    // No CMD_ACK needed: START sets STATUS anew.
     let done_before = r32(l, 0x28);
     w64(l, REG_SRC, src);
     w64(l, REG_DST, dst);

@@ -121,11 +121,12 @@ impl Inner {
         {
             self.publish(&s);
         }
-        let cmd = self.regs.read32(REG_CMD);
+        // Taken and cleared in one step: a second CMD store right behind the first is kept
+        // for the next pass instead of being cleared unseen.
+        let cmd = self.regs.swap32(REG_CMD, 0);
         if cmd == 0 {
             return false;
         }
-        self.regs.write32(REG_CMD, 0);
         if cmd & CMD_ACK != 0 {
             s.status &= !(STATUS_DONE | STATUS_ERROR);
             if self.irq.mode() == InterruptMode::Intx {

@@ -30,6 +30,14 @@ pub trait RegisterMemory: Send + Sync {
         self.write32(offset, value as u32);
         self.write32(offset + 4, (value >> 32) as u32);
     }
+    /// Store `value` and return what was there, in one atomic step where the implementation
+    /// can (a command register the device reads and clears: a store landing between a
+    /// separate load and clear would be lost). Default: load, then store.
+    fn swap32(&self, offset: u64, value: u32) -> u32 {
+        let old = self.read32(offset);
+        self.write32(offset, value);
+        old
+    }
 }
 
 /// Register memory over a raw pointer (an mmap of a fabric window). All accesses are atomic
@@ -84,6 +92,15 @@ impl RegisterMemory for RawRegisters {
         // SAFETY: in bounds and 4-aligned, valid per `new`'s contract.
         let a = unsafe { AtomicU32::from_ptr(self.base.add(offset as usize).cast::<u32>()) };
         a.store(value, Ordering::Release);
+    }
+
+    fn swap32(&self, offset: u64, value: u32) -> u32 {
+        if !self.ok(offset, 4) {
+            return u32::MAX;
+        }
+        // SAFETY: in bounds and 4-aligned, valid per `new`'s contract.
+        let a = unsafe { AtomicU32::from_ptr(self.base.add(offset as usize).cast::<u32>()) };
+        a.swap(value, Ordering::AcqRel)
     }
 
     fn read64(&self, offset: u64) -> u64 {
@@ -147,6 +164,9 @@ impl<B: Send + Sync> RegisterMemory for MappedRegisters<B> {
     fn write64(&self, offset: u64, value: u64) {
         self.raw.write64(offset, value)
     }
+    fn swap32(&self, offset: u64, value: u32) -> u32 {
+        self.raw.swap32(offset, value)
+    }
 }
 
 /// Heap-backed register memory (tests, the tcp fabric).
@@ -167,6 +187,18 @@ impl HeapRegisters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn swap_returns_the_old_value_atomically() {
+        let r = HeapRegisters::new(16);
+        r.write32(4, 7);
+        assert_eq!(r.swap32(4, 0), 7);
+        assert_eq!(r.read32(4), 0);
+        assert_eq!(r.swap32(4, 3), 0);
+        assert_eq!(r.read32(4), 3);
+        assert_eq!(r.swap32(16, 1), u32::MAX, "out of range");
+        assert_eq!(r.swap32(2, 1), u32::MAX, "misaligned");
+    }
 
     #[test]
     fn heap_registers_roundtrip_and_bounds() {
