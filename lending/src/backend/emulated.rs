@@ -14,6 +14,11 @@ use super::config::CMD_BUS_MASTER;
 use super::irq::LeaseIrqs;
 use super::{BackendError, BarExport, DeviceBackend, IrqTrigger};
 use crate::iommu::{IommuDomain, SoftIommu};
+
+/// Start of extended config space.
+const EXT_START: usize = 0x100;
+/// A PCIe function's config space with extended capabilities.
+const EXT_CONFIG_SIZE: usize = 0x1000;
 use crate::protocol::{
     BarDesc, DeviceInfo, DoorbellKicks, IrqCounts, IrqKind, LeaseCounters, MsixDesc, NotifyWrites,
 };
@@ -59,8 +64,10 @@ pub struct EmulatedBackend {
     reg_bar: u8,
     iommu: Arc<SoftIommu>,
     irqs: Arc<LeaseIrqs>,
-    config: Mutex<[u8; 256]>,
-    pristine: [u8; 256],
+    /// The function's config space: 256 bytes, or 4 KiB when it has extended capabilities
+    /// (an SR-IOV PF).
+    config: Mutex<Vec<u8>>,
+    pristine: Vec<u8>,
 }
 
 impl EmulatedBackend {
@@ -99,7 +106,7 @@ impl EmulatedBackend {
         model
             .start()
             .map_err(|e| BackendError::Model(e.to_string()))?;
-        let pristine = model.config_space();
+        let pristine = model.config_space().to_vec();
         Ok(EmulatedBackend {
             kind: kind.to_string(),
             model,
@@ -107,7 +114,7 @@ impl EmulatedBackend {
             reg_bar,
             iommu,
             irqs,
-            config: Mutex::new(pristine),
+            config: Mutex::new(pristine.clone()),
             pristine,
         })
     }
@@ -125,14 +132,33 @@ impl EmulatedBackend {
 
     /// An NVMe controller.
     pub fn nvme(name: &str, cfg: NvmeConfig) -> Result<Self, BackendError> {
+        EmulatedBackend::nvme_kind(name, "nvme", cfg)
+    }
+
+    /// An NVMe controller whose backend kind (what `lendctl list` shows) is `kind`
+    /// (`nvme-vf` for an SR-IOV virtual function).
+    pub fn nvme_kind(name: &str, kind: &str, cfg: NvmeConfig) -> Result<Self, BackendError> {
         let vectors = cfg.msix_vectors;
         EmulatedBackend::new(
             name,
-            "nvme",
+            kind,
             emulated::nvme::BAR0_SIZE,
             vectors,
             Box::new(move |r, d, i| Ok(Box::new(NvmeController::new(cfg, r, d, i)?))),
         )
+    }
+
+    /// Gives the function a 4 KiB config space whose extended capability list is `cap`
+    /// alone, at 0x100 (the PF of [`crate::sriov`]). The capability is lender state: a
+    /// borrower never sees it (the config gate hides SR-IOV) and extended config space
+    /// ignores writes, so NumVFs stays what lenderd was told.
+    pub fn with_sriov(mut self, cap: &emulated::sriov::SriovCap) -> Self {
+        let mut c = self.pristine.clone();
+        c.resize(EXT_CONFIG_SIZE, 0);
+        c[EXT_START..EXT_START + emulated::sriov::CAP_LEN].copy_from_slice(&cap.to_bytes(0));
+        *self.shadow() = c.clone();
+        self.pristine = c;
+        self
     }
 
     /// The software IOMMU (tests and status).
@@ -140,7 +166,7 @@ impl EmulatedBackend {
         &self.iommu
     }
 
-    fn shadow(&self) -> std::sync::MutexGuard<'_, [u8; 256]> {
+    fn shadow(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
         match self.config.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
@@ -226,13 +252,17 @@ impl DeviceBackend for EmulatedBackend {
             msi: 0,
             msix: msix.map_or(0, |m| u32::from(m.vectors)),
         };
-        super::device_info(id, &self.kind, self.shadow().to_vec(), bars, irqs, msix)
+        super::device_info(id, &self.kind, self.shadow().clone(), bars, irqs, msix)
+    }
+
+    fn config_size(&self) -> u16 {
+        u16::try_from(self.pristine.len()).unwrap_or(u16::MAX)
     }
 
     fn config_read(&self, offset: u16, buf: &mut [u8]) -> Result<(), BackendError> {
         let c = self.shadow();
         for (i, b) in buf.iter_mut().enumerate() {
-            // Beyond the 256-byte header space there are no extended capabilities.
+            // Beyond the config space (256 bytes, or 4 KiB with extended capabilities): zero.
             *b = c.get(usize::from(offset) + i).copied().unwrap_or(0);
         }
         Ok(())
@@ -241,7 +271,13 @@ impl DeviceBackend for EmulatedBackend {
     fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), BackendError> {
         let mut c = self.shadow();
         for (i, &b) in data.iter().enumerate() {
-            if let Some(x) = c.get_mut(usize::from(offset) + i) {
+            // Extended config space (the SR-IOV capability) is read-only: NumVFs and VF
+            // Enable are fixed by lenderd's `vfs=N`.
+            let at = usize::from(offset) + i;
+            if at >= EXT_START {
+                continue;
+            }
+            if let Some(x) = c.get_mut(at) {
                 *x = b;
             }
         }
@@ -327,7 +363,7 @@ impl DeviceBackend for EmulatedBackend {
         // nothing that was written before the reset.
         self.model.reset();
         self.model.quiesce(false);
-        *self.shadow() = self.pristine;
+        *self.shadow() = self.pristine.clone();
         self.irqs.set_intx_disabled(false);
         // Guest FLR storms reach here: first 16, then one in 1024.
         static RESETS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -28,7 +28,7 @@ pub const LENDER: &str = "node1";
 /// Lender-local PCI addresses of the devices it lends.
 pub const NVME_BDF: &str = "0000:82:00.0";
 pub const DMATEST_BDF: &str = "0000:83:00.0";
-/// Identify data the lender's emulated NVMe reports (`lending::open_backend`): the default
+/// Identify data the lender's emulated NVMe reports (`lending::open_backends`): the default
 /// model, and `LENDVM` + the lender-local address without separators as the serial.
 pub const NVME_MODEL: &str = "lendvm NVMe Ctrl";
 pub const NVME_SERIAL: &str = "LENDVM000082000";

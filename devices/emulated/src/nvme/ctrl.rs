@@ -1181,7 +1181,9 @@ impl Ctrl {
                     Ok(s) => s,
                     Err(s) => return err(s),
                 };
-                let offset = slba << self.lba_shift;
+                // The namespace is the slice [ns_offset, ns_offset + nsze blocks) of the
+                // backing file (lba_range keeps slba + nlb inside it).
+                let offset = self.cfg.ns_offset + (slba << self.lba_shift);
                 let mut buf = self.buf(len);
                 if sqe.opcode() == io::WRITE {
                     if let Err(e) = prp::gather(&*self.dma, &segs, buf.as_mut_slice()) {
@@ -1230,7 +1232,7 @@ impl Ctrl {
                     sqe.cid(),
                     Pending::Other,
                     kind,
-                    slba << self.lba_shift,
+                    self.cfg.ns_offset + (slba << self.lba_shift),
                     AlignedBuf::new(0),
                     len,
                 );

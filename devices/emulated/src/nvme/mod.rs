@@ -51,8 +51,17 @@ pub const MSIX_PBA_OFFSET: u32 = 0x800;
 pub struct NvmeConfig {
     /// Backing file (created if missing).
     pub backing: PathBuf,
-    /// Namespace size in bytes; `None` uses the file's size. The file is extended if shorter.
+    /// Namespace size in bytes; `None` uses the file's size (minus `ns_offset`). The file is
+    /// extended if shorter than `ns_offset + size`.
     pub size: Option<u64>,
+    /// Byte offset of the namespace in the backing file: LBA 0 is at this offset and the
+    /// controller never reads or writes below it or past `ns_offset + size`. 0 for a whole
+    /// file; an SR-IOV function's slice of a shared file otherwise (a multiple of the LBA
+    /// size).
+    pub ns_offset: u64,
+    /// The function has an INTx pin (INTA). SR-IOV virtual functions have none (PCIe: VFs
+    /// use MSI/MSI-X only).
+    pub intx: bool,
     /// LBA size: 512 or 4096.
     pub lba_size: u32,
     /// Open the backing file with O_DIRECT.
@@ -90,6 +99,8 @@ impl Default for NvmeConfig {
         NvmeConfig {
             backing: PathBuf::from("nvme.img"),
             size: None,
+            ns_offset: 0,
+            intx: true,
             lba_size: 512,
             direct_io: false,
             engine: EngineKind::Auto,
@@ -123,6 +134,12 @@ impl NvmeConfig {
         let bad = |m: String| Err(DeviceError::InvalidConfig(m));
         if self.lba_size != 512 && self.lba_size != 4096 {
             return bad(format!("lba size {} is not 512 or 4096", self.lba_size));
+        }
+        if !self.ns_offset.is_multiple_of(u64::from(self.lba_size)) {
+            return bad(format!(
+                "namespace offset {:#x} is not a multiple of the {}-byte lba",
+                self.ns_offset, self.lba_size
+            ));
         }
         if !(1..=1024).contains(&self.max_io_queues) {
             return bad(format!(
@@ -247,12 +264,18 @@ impl NvmeController {
         let cur = file.metadata().map_err(backing)?.len();
         let size = match cfg.size {
             Some(s) => {
-                if cur < s {
-                    file.set_len(s).map_err(backing)?;
+                let end = cfg.ns_offset.checked_add(s).ok_or_else(|| {
+                    DeviceError::InvalidConfig(format!(
+                        "namespace of {s:#x} bytes at offset {:#x} ends past 2^64",
+                        cfg.ns_offset
+                    ))
+                })?;
+                if cur < end {
+                    file.set_len(end).map_err(backing)?;
                 }
                 s
             }
-            None => cur,
+            None => cur.saturating_sub(cfg.ns_offset),
         };
         let nsze = size / u64::from(cfg.lba_size);
         if nsze == 0 {
@@ -382,7 +405,7 @@ impl DeviceModel for NvmeController {
     }
 
     fn intx_pin(&self) -> u8 {
-        1
+        u8::from(self.cfg.intx)
     }
 
     fn config_space(&self) -> [u8; 256] {
