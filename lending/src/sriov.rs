@@ -301,4 +301,105 @@ mod tests {
         assert_eq!(namespace_offset(2, u64::MAX), None);
         assert_eq!(nvme_serial("0000:82:00.1"), "LENDVM000082001");
     }
+
+    /// The PF has a 4 KiB config space with the SR-IOV capability at 0x100 (lender view);
+    /// each VF is an `nvme-vf` with its own header (vendor/device shown as vfio-pci shows a
+    /// VF's), no INTx, MSI-X. A PF borrower's view hides the capability, its NumVFs write is
+    /// dropped and counted, a write that bypasses the gate is ignored too, and a PF reset
+    /// keeps the capability as it was.
+    #[test]
+    fn pf_capability_vf_headers_and_numvfs_writes() {
+        use crate::backend::config::{virtualized_info, ConfigGate, WriteOutcome};
+        use emulated::sriov::{REG_NUM_VFS, REG_TOTAL_VFS};
+
+        let dir = tempfile::tempdir().unwrap();
+        let size = 1u64 << 20;
+        let cfg = NvmeConfig {
+            backing: dir.path().join("pf.img"),
+            size: Some(size),
+            io_threads: 1,
+            ..NvmeConfig::default()
+        };
+        let pf: Bdf = "0000:82:00.0".parse().unwrap();
+        let fns = open_nvme_functions(&pf, cfg, 2).unwrap();
+        let ids: Vec<&str> = fns.iter().map(|(i, _)| i.as_str()).collect();
+        assert_eq!(ids, ["0000:82:00.0", "0000:82:00.1", "0000:82:00.2"]);
+        assert_eq!(
+            std::fs::metadata(dir.path().join("pf.img")).unwrap().len(),
+            3 * size,
+            "the file holds three namespaces"
+        );
+        let pfb = &fns[0].1;
+        assert_eq!((pfb.kind(), pfb.config_size()), ("nvme", 4096));
+        let mut c = vec![0u8; 4096];
+        pfb.config_read(0, &mut c).unwrap();
+        let cap = SriovCap::parse(&c[0x100..0x140]).unwrap();
+        assert_eq!(
+            (
+                cap.total_vfs,
+                cap.num_vfs,
+                cap.first_vf_offset,
+                cap.vf_stride
+            ),
+            (2, 2, VF_OFFSET, VF_STRIDE)
+        );
+        assert_eq!(cap.vf_device_id, 0x0010);
+        assert_eq!(c[0x3d], 1, "the pf has inta");
+        let lender_caps = crate::backend::capabilities(&c);
+        assert!(lender_caps.iter().any(|k| k.extended && k.id == 0x10));
+        for (id, vf) in &fns[1..] {
+            assert_eq!(vf.kind(), NVME_VF_KIND);
+            assert_eq!(vf.config_size(), 256);
+            let info = vf.describe(id);
+            assert_eq!(&info.config[0..4], &[0x36, 0x1b, 0x10, 0x00], "{id}");
+            assert_eq!(info.config[0x3d], 0, "{id}: a vf has no intx pin");
+            assert_eq!((info.irqs.intx, info.irqs.msix), (0, 17), "{id}");
+        }
+
+        // The PF's borrower: no SR-IOV capability; its NumVFs write changes nothing.
+        let info = virtualized_info(pfb.as_ref(), "0000:82:00.0");
+        assert!(
+            !info.caps.iter().any(|k| k.extended && k.id == 0x10),
+            "{:?}",
+            info.caps
+        );
+        let gate = ConfigGate::new("test pf", pfb.as_ref()).unwrap();
+        let mut v = [0u8; 4];
+        gate.read(pfb.as_ref(), 0x100 + REG_TOTAL_VFS as u16 - 2, &mut v)
+            .unwrap();
+        assert_eq!(v, [0; 4], "hidden: reads as zero");
+        let at = 0x100 + REG_NUM_VFS as u16;
+        assert_eq!(
+            gate.write(pfb.as_ref(), at, &0u16.to_le_bytes()).unwrap(),
+            WriteOutcome::Dropped
+        );
+        assert_eq!(gate.counts().dropped, 1);
+        pfb.config_write(at, &0u16.to_le_bytes()).unwrap();
+        pfb.config_read(at, &mut v[..2]).unwrap();
+        assert_eq!(
+            u16::from_le_bytes([v[0], v[1]]),
+            2,
+            "numvfs is the lender's"
+        );
+        pfb.reset().unwrap();
+        let mut after = vec![0u8; 4096];
+        pfb.config_read(0, &mut after).unwrap();
+        assert_eq!(&after[0x100..0x140], &c[0x100..0x140]);
+    }
+
+    #[test]
+    fn sriov_without_a_size_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = NvmeConfig {
+            backing: dir.path().join("pf.img"),
+            ..NvmeConfig::default()
+        };
+        let pf: Bdf = "0000:82:00.0".parse().unwrap();
+        let e = open_nvme_functions(&pf, cfg, 2).err().unwrap();
+        assert!(
+            e.to_string()
+                .contains("0000:82:00.0: sr-iov needs the size"),
+            "{e}"
+        );
+    }
 }
