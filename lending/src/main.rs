@@ -147,21 +147,17 @@ fn run(args: Args) -> Result<(), String> {
         .map_err(|e| format!("node {}: {e}", args.node))?;
     // Every function's address once, before any backend opens: a VF of one spec may land
     // on the address another spec names.
-    let mut seen: Vec<(String, &str)> = Vec::new();
+    let mut seen: Vec<(String, String)> = Vec::new();
     for spec in &args.devices {
-        for id in spec.function_ids() {
+        for (n, id) in spec.function_ids().into_iter().enumerate() {
+            let what = match n {
+                0 => format!("--device {id}"),
+                n => format!("virtual function {n} of --device {}", spec.id),
+            };
             if let Some((_, other)) = seen.iter().find(|(s, _)| *s == id) {
-                let what = if id == spec.id {
-                    "it".to_string()
-                } else {
-                    format!("its virtual function {id}")
-                };
-                return Err(format!(
-                    "device {}: {what} is also lent by --device {other}=...",
-                    spec.id
-                ));
+                return Err(format!("two devices at {id}: {what} and {other}"));
             }
-            seen.push((id, &spec.id));
+            seen.push((id, what));
         }
     }
     let mut devices = Vec::new();
