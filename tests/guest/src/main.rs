@@ -109,6 +109,8 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
     let params = nvme::Params {
         seed: info.param_u64("seed", DEFAULT_SEED) as u32,
         slba: info.param_u64("lba", 0),
+        hold: info.param_u64("hold", 0) != 0,
+        wait_ms: info.param_u64("wait_ms", 30_000),
     };
     if info.wants_explicitly("nvme") {
         nvme::test(&mut r, params);

@@ -68,11 +68,16 @@ pub const TEST_LBAS: u64 = 64;
 const SPINS: u32 = 2_000;
 const TIMEOUT_MS: u64 = 5_000;
 
-/// What to write where (`seed=`, `lba=` on the command line).
+/// What to write where (`seed=`, `lba=` on the command line), and `hold=1`: after the
+/// set-up (Bus Master on, queues created) print `MAILBOX 0x<gpa>` and `STEP 1 nvme-ready`
+/// and wait (up to `wait_ms=`) until the host writes 1 there before any I/O, so a host can
+/// start the I/O of several VMs at the same moment.
 #[derive(Clone, Copy)]
 pub struct Params {
     pub seed: u32,
     pub slba: u64,
+    pub hold: bool,
+    pub wait_ms: u64,
 }
 
 pub struct Queue {
@@ -323,6 +328,17 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
     else {
         return;
     };
+    if p.hold {
+        crate::bme::announce_mailbox();
+        let go = crate::bme::step(1, "nvme-ready", p.wait_ms);
+        r.report("nvme-hold", go)
+            .s("released ")
+            .s(if go { "yes" } else { "no" })
+            .nl();
+        if !go {
+            return;
+        }
+    }
     run_io(&mut n, r, p, lbads, oacs, admin_irqs, io_irqs);
 }
 
