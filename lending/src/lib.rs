@@ -39,7 +39,7 @@ pub use client::{ClientIrq, LenderClient};
 /// its virtual functions (`vfs=N`, see [`sriov`]).
 pub fn open_backends(
     spec: &DeviceSpec,
-) -> Result<Vec<(String, Arc<dyn DeviceBackend>)>, backend::BackendError> {
+) -> Result<Vec<sriov::LendableFunction>, backend::BackendError> {
     let name = spec.id.replace(':', "_");
     let one = |b: Arc<dyn DeviceBackend>| vec![(spec.id.clone(), b)];
     Ok(match &spec.kind {

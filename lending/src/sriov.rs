@@ -39,6 +39,9 @@ pub const VF_OFFSET: u16 = 1;
 pub const VF_STRIDE: u16 = 1;
 /// Most VFs an emulated PF offers (each is a controller with its own threads).
 pub const MAX_VFS: u16 = 32;
+/// A device id (its BDF) and the backend that lends it.
+pub type LendableFunction = (String, Arc<dyn DeviceBackend>);
+
 /// Kind of an emulated NVMe virtual function (`lendctl list` shows it).
 pub const NVME_VF_KIND: &str = "nvme-vf";
 
@@ -185,7 +188,7 @@ pub fn open_nvme_functions(
     pf: &Bdf,
     cfg: NvmeConfig,
     vfs: u16,
-) -> Result<Vec<(String, Arc<dyn DeviceBackend>)>, BackendError> {
+) -> Result<Vec<LendableFunction>, BackendError> {
     let model = |e: String| BackendError::Model(e);
     let size = cfg.size.ok_or_else(|| {
         model(format!(
@@ -197,7 +200,7 @@ pub fn open_nvme_functions(
     let vf_bdfs = pf.vfs(&cap).map_err(|e| model(e.to_string()))?;
     let name = |b: &Bdf| b.to_string().replace(':', "_");
     let pf_id = pf.to_string();
-    let mut out: Vec<(String, Arc<dyn DeviceBackend>)> = Vec::with_capacity(vf_bdfs.len() + 1);
+    let mut out: Vec<LendableFunction> = Vec::with_capacity(vf_bdfs.len() + 1);
     let pf_cfg = NvmeConfig {
         ns_offset: 0,
         serial: nvme_serial(&pf_id),

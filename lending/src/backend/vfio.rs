@@ -1168,7 +1168,7 @@ pub(crate) mod tests {
         let mut vf_bs = Vec::new();
         for vf in &vfs {
             let spec: crate::spec::DeviceSpec = format!("{vf}=vfio").parse().unwrap();
-            assert_eq!(spec.function_ids(), [vf.clone()]);
+            assert_eq!(spec.function_ids(), std::slice::from_ref(vf));
             sysfs.add_resource(vf, 0, 0x4000).unwrap();
             // vfio-pci shows a VF's vendor and device id (the VF's own header reads
             // ffff:ffff); it has MSI-X and no INTx.
