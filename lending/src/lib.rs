@@ -52,6 +52,7 @@ pub fn open_backends(
             mode,
             dbbuf,
             vfs,
+            cmb,
         } => {
             let cfg = emulated::nvme::NvmeConfig {
                 backing: path.clone(),
@@ -60,6 +61,7 @@ pub fn open_backends(
                 notify: *mode,
                 dbbuf: *dbbuf,
                 serial: sriov::nvme_serial(&spec.id),
+                cmb_size: *cmb,
                 ..Default::default()
             };
             if *vfs == 0 {

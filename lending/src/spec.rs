@@ -2,13 +2,15 @@
 //!
 //! ```text
 //! 0000:81:00.0=vfio
-//! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N]
+//! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE]
 //! 0000:83:00.0=dmatest[:mode=interrupt|polling]
 //! ```
 //!
 //! `vfs=N` (1..=32, needs `size`) gives the emulated NVMe N SR-IOV virtual functions at the
 //! next N routing IDs, each lendable on its own with a `size`-byte namespace of its own in
-//! the same file (see [`crate::sriov`]).
+//! the same file (see [`crate::sriov`]). `cmb=SIZE` (a power of two, 2M..=256M) gives it a
+//! Controller Memory Buffer in BAR0 (see `emulated::nvme::cmb`); with `vfs`, every function
+//! has one.
 
 use std::path::PathBuf;
 
@@ -44,6 +46,8 @@ pub enum DeviceKind {
         dbbuf: bool,
         /// SR-IOV virtual functions (0: none, no SR-IOV capability).
         vfs: u16,
+        /// Controller Memory Buffer size (0: none).
+        cmb: u64,
     },
     /// Emulated dmatest copy engine.
     Dmatest {
@@ -163,6 +167,7 @@ impl std::str::FromStr for DeviceSpec {
                 let mut mode = NotifyMode::Interrupt;
                 let mut dbbuf = true;
                 let mut vfs = 0;
+                let mut cmb = 0;
                 for (k, v) in pairs {
                     match k {
                         "path" if !v.is_empty() => path = Some(PathBuf::from(v)),
@@ -205,6 +210,13 @@ impl std::str::FromStr for DeviceSpec {
                                 }
                             }
                         }
+                        "cmb" => {
+                            cmb = parse_size(v)
+                                .filter(|&s| emulated::nvme::cmb::check_size(s).is_ok())
+                                .ok_or_else(|| {
+                                    err(format!("cmb {v:?} is not a power of two from 2M to 256M"))
+                                })?;
+                        }
                         other => return Err(err(format!("unknown nvme option {other:?}"))),
                     }
                 }
@@ -234,6 +246,7 @@ impl std::str::FromStr for DeviceSpec {
                     mode,
                     dbbuf,
                     vfs,
+                    cmb,
                 }
             }
             other => {
@@ -286,6 +299,7 @@ mod tests {
                 mode: NotifyMode::Interrupt,
                 dbbuf: true,
                 vfs: 0,
+                cmb: 0,
             }
         );
         let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,size=64M,lba=4096,mode=polling"
@@ -360,6 +374,14 @@ mod tests {
             ),
             ("0000:83:00.0=dmatest:vfs=2", "vfs=2: dmatest has no sr-iov"),
             (
+                "0000:81:00.0=nvme:path=x,cmb=3M",
+                "cmb \"3M\" is not a power of two from 2M to 256M",
+            ),
+            (
+                "0000:81:00.0=nvme:path=x,cmb=1G",
+                "cmb \"1G\" is not a power of two",
+            ),
+            (
                 "0000:81:00.0=vfio:vfs=4",
                 "vfs=4 is not a vfio option: enable the virtual functions on this host",
             ),
@@ -379,8 +401,9 @@ mod tests {
             s.function_ids(),
             ["0000:82:00.0", "0000:82:00.1", "0000:82:00.2"]
         );
-        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img".parse().unwrap();
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,cmb=4M".parse().unwrap();
         assert_eq!(s.function_ids(), ["0000:82:00.0"]);
+        assert!(matches!(s.kind, DeviceKind::Nvme { cmb, .. } if cmb == 4 << 20));
         // A VF's address is an ordinary BDF: lendable as vfio like any other.
         let s: DeviceSpec = "0000:03:10.2=vfio".parse().unwrap();
         assert_eq!(s.function_ids(), ["0000:03:10.2"]);

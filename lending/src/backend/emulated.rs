@@ -142,7 +142,7 @@ impl EmulatedBackend {
         EmulatedBackend::new(
             name,
             kind,
-            emulated::nvme::BAR0_SIZE,
+            emulated::nvme::cmb::bar0_size(cfg.cmb_size),
             vectors,
             Box::new(move |r, d, i| Ok(Box::new(NvmeController::new(cfg, r, d, i)?))),
         )
