@@ -97,10 +97,7 @@ fn run(kind: FabricKind, bar: BarPath) {
     };
     let d = &rig.driver;
     assert_eq!(d.bar().read32(emulated::nvme::spec::REG_CMBSZ), 0);
-    assert!(d
-        .bar_read_bytes(CMB_OFFSET, 0x4000)
-        .iter()
-        .all(|&x| x == 0));
+    assert!(d.bar_read_bytes(CMB_OFFSET, 0x4000).iter().all(|&x| x == 0));
 }
 
 #[test]

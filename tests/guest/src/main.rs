@@ -10,7 +10,7 @@
 //!
 //! | group | what | parameters |
 //! |---|---|---|
-//! | `nvme` | NVMe driver test on the first class 01:08:02 function | `seed=` (pattern, default 0x4c454e44), `lba=` (first LBA, 0), `hold=1` (after set-up print `MAILBOX`, `STEP 1 nvme-ready` and wait for the host before any I/O), `wait_ms=` (30000) |
+//! | `nvme` | NVMe driver test on the first class 01:08:02 function | `seed=` (pattern, default 0x4c454e44), `lba=` (first LBA, 0), `hold=1` (after set-up print `MAILBOX`, `STEP 1 nvme-ready` and wait for the host before any I/O), `wait_ms=` (30000), `cmb=1` (I/O SQ in the controller memory buffer) |
 //! | `dmatest` | one-page copy through the first 1b36:1105 function | `seed=` |
 //! | `bme-steps` | Memory → Bus Master on → off, each step acknowledged by the host through a mailbox | `wait_ms=` |
 //! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0) |
@@ -111,6 +111,7 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
         slba: info.param_u64("lba", 0),
         hold: info.param_u64("hold", 0) != 0,
         wait_ms: info.param_u64("wait_ms", 30_000),
+        cmb: info.param_u64("cmb", 0) != 0,
     };
     if info.wants_explicitly("nvme") {
         nvme::test(&mut r, params);
