@@ -138,7 +138,7 @@ impl CmbState {
         if last <= base || addr >= end {
             return None;
         }
-        if addr < base || last > end || addr % 4 != 0 || len % 4 != 0 {
+        if addr < base || last > end || !addr.is_multiple_of(4) || !len.is_multiple_of(4) {
             return Some(Err(()));
         }
         Some(Ok(CMB_OFFSET + (addr - base)))

@@ -167,6 +167,7 @@ pub(crate) struct Ctrl {
 }
 
 impl Ctrl {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         cfg: Arc<NvmeConfig>,
         regs: Arc<dyn RegisterMemory>,
