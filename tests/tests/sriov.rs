@@ -8,6 +8,9 @@
 //! LBA with different seeds. Each VF's data lands in its own slice of the PF's backing file
 //! (VF n at n * size), the PF's slice stays untouched, and both VFs are available again
 //! after the VMs exit.
+//!
+//! `the_pf_and_a_vf_go_to_two_vms`: the PF itself is lent to a VM while a VF is held by
+//! another.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -27,9 +30,18 @@ const SLBA: u64 = 8;
 const LBAS: u64 = 64;
 
 fn boot_on_vf(cluster: &Cluster, vm: &str, vf: &str, seed: u32) -> Vm {
+    boot_on(cluster, vm, vf, seed, true)
+}
+
+/// A VM borrowing `function` at boot, running the NVMe verify (after the host's go with
+/// `hold`).
+fn boot_on(cluster: &Cluster, vm: &str, function: &str, seed: u32, hold: bool) -> Vm {
     let cluster_arg = cluster.path.display().to_string();
-    let dev = format!("{LENDER}:{vf},id=nvme0");
-    let cmdline = format!("tests=pci,nvme seed={seed:#x} lba={SLBA} hold=1 wait_ms=60000");
+    let dev = format!("{LENDER}:{function},id=nvme0");
+    let cmdline = format!(
+        "tests=pci,nvme seed={seed:#x} lba={SLBA} hold={} wait_ms=60000",
+        u8::from(hold)
+    );
     Vm::start(
         "64M",
         &[
@@ -120,5 +132,46 @@ fn two_vms_each_borrow_a_vf_of_one_pf_and_do_verified_io_at_once() {
         "the PF's namespace was written"
     );
     cluster.wait_available(VF1);
+    cluster.wait_available(VF2);
+}
+
+/// The PF goes to one VM while a VF is held by another: the PF's borrower gets the whole
+/// 4 KiB config space of the PF (its SR-IOV capability hidden by the lender), drives its own
+/// namespace (slice 0) and exits; the VF's VM then does its I/O, untouched by the PF's
+/// lease ending (reset) meanwhile.
+#[test]
+fn the_pf_and_a_vf_go_to_two_vms() {
+    let cluster = Cluster::new(Fabric::Shm);
+    let disk = cluster.file("pf.img");
+    let _lender = cluster.start_lenderd(&[format!(
+        "{NVME_BDF}=nvme:path={},size={NS_BYTES},vfs=2",
+        disk.display()
+    )]);
+    let (seed_v, seed_p) = (SEED ^ 0x0202_0202, SEED ^ 0x0303_0303);
+    let mut v = boot_on_vf(&cluster, "vm-v", VF2, seed_v);
+    let m = v.expect_line("MAILBOX ", BOOT_TIMEOUT);
+    let mailbox = u64::from_str_radix(m.trim_start_matches("MAILBOX 0x"), 16).unwrap();
+    v.expect_line("STEP 1 nvme-ready", BOOT_TIMEOUT);
+    let mut p = boot_on(&cluster, "vm-p", NVME_BDF, seed_p, false);
+    p.expect_exit(0, BOOT_TIMEOUT);
+    let read = p.expect_ok("nvme-read", Duration::ZERO);
+    assert!(read.contains("verified 32768 bytes"), "{read}");
+    let ident = p.expect_ok("nvme-identify", Duration::ZERO);
+    assert!(
+        ident.contains(&format!("serial \"{NVME_SERIAL}\"")),
+        "{ident}"
+    );
+    cluster.wait_available(NVME_BDF);
+    // The VF was lent all along; now it does its I/O.
+    assert!(matches!(
+        cluster.device(VF2).summary.state,
+        DeviceState::Lent { ref vm, .. } if vm == "vm-v"
+    ));
+    v.write_guest_u64(mailbox, 1);
+    v.expect_exit(0, BOOT_TIMEOUT);
+    let read = v.expect_ok("nvme-read", Duration::ZERO);
+    assert!(read.contains("verified 32768 bytes"), "{read}");
+    assert_backing_has_pattern(&disk, SLBA, LBAS, seed_p);
+    assert_backing_has_pattern(&disk, 2 * NS_BLOCKS + SLBA, LBAS, seed_v);
     cluster.wait_available(VF2);
 }
