@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use pci::BusDevice;
+use pci::{BusDevice, RestoreError, Snapshottable};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -86,6 +86,92 @@ impl SerialDevice {
     pub fn flush(&mut self) {
         if let Err(e) = self.serial.writer_mut().flush_all() {
             log::warn!("serial output flush failed: {e}");
+        }
+    }
+}
+
+/// Saved registers and receive FIFO of the 8250 (vm-superio's `SerialState`, with serde).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SerialSnapshot {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
+impl Snapshottable for SerialDevice {
+    type State = SerialSnapshot;
+
+    fn snapshot(&self) -> SerialSnapshot {
+        let s = self.serial.state();
+        SerialSnapshot {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+
+    /// Rebuilds the 8250 from `state`, keeping this device's interrupt eventfd and output.
+    fn restore(&mut self, state: &SerialSnapshot) -> Result<(), RestoreError> {
+        let invalid = |why: String| RestoreError::Invalid {
+            device: "serial",
+            why,
+        };
+        let irq = self
+            .serial
+            .interrupt_evt()
+            .0
+            .try_clone()
+            .map_err(|e| invalid(format!("cannot clone the interrupt eventfd: {e}")))?;
+        let placeholder =
+            EventFd::new(0).map_err(|e| invalid(format!("cannot create an eventfd: {e}")))?;
+        let old = std::mem::replace(
+            &mut self.serial,
+            Serial::new(
+                EventFdTrigger::new(placeholder),
+                LineOut::new(Box::new(std::io::sink())),
+            ),
+        );
+        let out = old.into_writer();
+        let st = vm_superio::serial::SerialState {
+            baud_divisor_low: state.baud_divisor_low,
+            baud_divisor_high: state.baud_divisor_high,
+            interrupt_enable: state.interrupt_enable,
+            interrupt_identification: state.interrupt_identification,
+            line_control: state.line_control,
+            line_status: state.line_status,
+            modem_control: state.modem_control,
+            modem_status: state.modem_status,
+            scratch: state.scratch,
+            in_buffer: state.in_buffer.clone(),
+        };
+        match Serial::from_state(
+            &st,
+            EventFdTrigger::new(irq),
+            vm_superio::serial::NoEvents,
+            out,
+        ) {
+            Ok(s) => {
+                self.serial = s;
+                Ok(())
+            }
+            Err(e) => Err(invalid(format!(
+                "saved state refused ({} bytes in the receive FIFO): {e:?}",
+                state.in_buffer.len()
+            ))),
         }
     }
 }
