@@ -264,3 +264,141 @@ fn restore_refuses_corrupt_snapshots_with_clear_errors() {
     assert_eq!(vm.wait_exit(T).and_then(|s| s.code()), Some(2));
     assert!(vm.stderr().contains("--api-socket"), "{}", vm.stderr());
 }
+
+/// The `IO <n> ok` rounds of `tests=nvme-loop` (the first line after a restore may be cut).
+fn io_rounds(vm: &Vm) -> Vec<u64> {
+    vm.lines()
+        .iter()
+        .filter_map(|l| {
+            let (head, _) = l.split_once(" ok reinits=")?;
+            head.rsplit(' ').next()?.parse().ok()
+        })
+        .collect()
+}
+
+fn wait_rounds(vm: &Vm, count: usize) -> Vec<u64> {
+    poll(T, || {
+        let r = io_rounds(vm);
+        (r.len() >= count).then_some(r)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "fewer than {count} verified NVMe rounds\n--- console\n{}--- stderr\n{}",
+            vm.stdout(),
+            vm.stderr()
+        )
+    })
+}
+
+fn lent_to(cluster: &Cluster, vm: &str) -> bool {
+    matches!(
+        &cluster.device(NVME_BDF).summary.state,
+        lending::protocol::DeviceState::Lent { vm: v, .. } if v == vm
+    )
+}
+
+#[test]
+fn snapshot_with_a_lent_nvme_reborrows_it_and_the_guest_does_io_again() {
+    let cluster = Cluster::new(Fabric::Shm);
+    let disk = cluster.file("disk.img");
+    let _lender =
+        cluster.start_lenderd(&[format!("{NVME_BDF}=nvme:path={},size=4M", disk.display())]);
+    let c = cluster.path.display().to_string();
+    let sock = cluster.file("src.sock").display().to_string();
+    let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
+    let line = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=50");
+    let mut src = Vm::start(
+        "64M",
+        &[
+            "--cluster",
+            &c,
+            "--name",
+            "vm-src",
+            "--remote-device",
+            &dev,
+            "--api-socket",
+            &sock,
+            "--cmdline",
+            &line,
+        ],
+    );
+    src.wait_api();
+    let mailbox = src.expect_line("MAILBOX ", T);
+    let mailbox = u64::from_str_radix(mailbox.trim_start_matches("MAILBOX 0x").trim(), 16).unwrap();
+    wait_rounds(&src, 3);
+    assert!(
+        lent_to(&cluster, "vm-src"),
+        "{:?}",
+        cluster.device(NVME_BDF)
+    );
+
+    let api = src.api();
+    api.pause().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let last = *io_rounds(&src).last().unwrap();
+    let snap = cluster.file("snap");
+    snapshot(&api, &snap).unwrap();
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(snap.join("state.json")).unwrap()).unwrap();
+    let lent = &doc["devices"]["lent"][0];
+    assert_eq!(lent["device"], format!("{LENDER}:{NVME_BDF}"), "{lent}");
+    assert_eq!(lent["slot"], 1, "{lent}");
+    assert!(
+        lent["msix"]["table"].as_array().unwrap().len() >= 2,
+        "{lent}"
+    );
+    let _ = src.wait_exit(Duration::ZERO); // SIGKILL
+                                           // The old lease goes with the source's link.
+    cluster.wait_available(NVME_BDF);
+
+    let dsock = cluster.file("dst.sock").display().to_string();
+    let url = format!("file://{}", snap.display());
+    let mut dst = Vm::start_args(
+        &[
+            "--restore",
+            &url,
+            "--cluster",
+            &c,
+            "--name",
+            "vm-dst",
+            "--api-socket",
+            &dsock,
+        ],
+        "info",
+    );
+    dst.wait_api();
+    let dapi = dst.api();
+    assert_eq!(dapi.info().unwrap().state, VmState::Paused);
+    // Re-borrowed by the new process before the guest runs.
+    assert!(
+        lent_to(&cluster, "vm-dst"),
+        "{:?}",
+        cluster.device(NVME_BDF)
+    );
+    assert!(
+        dst.stderr().contains("guest PCI state re-applied"),
+        "{}",
+        dst.stderr()
+    );
+    dapi.resume().unwrap();
+    dst.expect_line("NVME controller reset: reinitialising", T);
+    let rounds = wait_rounds(&dst, 2);
+    assert!(
+        rounds.iter().all(|&r| r > last),
+        "the guest restarted its count: {rounds:?} after {last}\n{}",
+        dst.stdout()
+    );
+    assert!(
+        !dst.stdout().contains("lendvm test guest"),
+        "the guest rebooted"
+    );
+    dst.write_guest_u64(mailbox, 1);
+    dst.expect_ok("nvme-loop", T);
+    dst.expect_exit(0, T);
+    eprintln!(
+        "--- restored console\n{}--- restored stderr\n{}",
+        dst.stdout(),
+        dst.stderr()
+    );
+    cluster.wait_available(NVME_BDF);
+}

@@ -256,18 +256,6 @@ impl Controller {
         let Some(src) = self.snapshot.clone() else {
             return Err(ApiError::internal("this vmm cannot take snapshots"));
         };
-        let lent: Vec<&str> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| e.device.is_some())
-            .map(|(id, _)| id.as_str())
-            .collect();
-        if !lent.is_empty() {
-            return Err(ApiError::conflict(format!(
-                "cannot snapshot a vm holding lent devices ({}): not supported yet; remove them first",
-                lent.join(", ")
-            )));
-        }
         let url = data.destination_url.as_str();
         let dir = crate::snapshot::format::parse_url(url)
             .map_err(|e| ApiError::bad_request(error_chain(&e)))?;
@@ -294,7 +282,9 @@ impl Controller {
                 return Err(e);
             }
         }
-        let saved = src.save(&dir);
+        let saved = self
+            .save_lent_devices()
+            .and_then(|lent| src.save(&dir, lent));
         if was_running {
             if let Err(e) = self.resume() {
                 log::error!("resuming after the snapshot: {e}");
@@ -327,6 +317,70 @@ impl Controller {
                 Err(ApiError::internal(format!("snapshot failed: {msg}")))
             }
         }
+    }
+
+    /// The lent devices' lease identities and guest-visible PCI state (VM paused). A lost
+    /// device is not saved: the restored guest finds its slot empty, as it was.
+    fn save_lent_devices(
+        &self,
+    ) -> Result<Vec<crate::snapshot::devices::LentDevice>, crate::snapshot::SnapshotError> {
+        let mut out = Vec::new();
+        for (id, e) in &self.entries {
+            if e.device.is_none() {
+                log::info!("{id}: lost, not in the snapshot");
+                continue;
+            }
+            out.push(crate::snapshot::devices::save_lent(
+                self.h.devices.mmio_bus(),
+                id,
+                e.spec.to_string(),
+                e.mode,
+                e.slot,
+            )?);
+        }
+        Ok(out)
+    }
+
+    /// Restore: re-borrows each lent device of the snapshot into its old slot, has the
+    /// lender reset it (as after a guest reboot) and re-applies the guest's PCI state (BARs,
+    /// MSI-X, Command: Bus Master Enable maps guest RAM for DMA again). Before the vCPUs
+    /// run; the slots' presence is already in the restored hotplug state.
+    pub fn restore_lent_devices(
+        &mut self,
+        lent: &[crate::snapshot::devices::LentDevice],
+    ) -> Result<(), ApiError> {
+        for d in lent {
+            let spec: RemoteDeviceSpec = d.device.parse().map_err(|e| {
+                ApiError::bad_request(format!("{}: lent device '{}': {e}", d.id, d.device))
+            })?;
+            let data = VmAddRemoteDeviceData {
+                device: spec,
+                id: Some(d.id.clone()),
+                mode: Some(d.mode),
+                replace_lost: false,
+            };
+            self.attach_in(data, true, Some(d.slot))?;
+            let Some(dev) = self.entries.get(&d.id).and_then(|e| e.device.clone()) else {
+                return Err(ApiError::internal(format!("{}: not attached", d.id)));
+            };
+            // The lender resets the function (DMA unmapped, MSI-X and Command cleared):
+            // whatever the device held at the snapshot is gone, as after a guest reboot.
+            if let Err(e) = pci::PciDevice::reset(&mut *lock(&dev)) {
+                return Err(ApiError::bad_gateway(format!("{}: reset: {e}", d.id)));
+            }
+            crate::snapshot::devices::replay_lent(self.h.devices.mmio_bus(), d)
+                .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            self.emit(
+                "device",
+                "device-restored",
+                [
+                    ("id", Value::from(d.id.as_str())),
+                    ("device", Value::from(d.device.as_str())),
+                    ("slot", Value::from(d.slot)),
+                ],
+            );
+        }
+        Ok(())
     }
 
     /// Pins through `pinner` from now on (tests: a recording pinner). Only before any
@@ -441,6 +495,17 @@ impl Controller {
         data: VmAddRemoteDeviceData,
         boot: bool,
     ) -> Result<PciDeviceInfo, ApiError> {
+        self.attach_in(data, boot, None)
+    }
+
+    /// [`Controller::attach`]; `restore_slot` (restore only) plugs into that slot and leaves
+    /// the hotplug controller alone (its restored state already has the slot).
+    fn attach_in(
+        &mut self,
+        data: VmAddRemoteDeviceData,
+        boot: bool,
+        restore_slot: Option<u8>,
+    ) -> Result<PciDeviceInfo, ApiError> {
         let accepting = if boot {
             self.state == VmState::Created
         } else {
@@ -492,9 +557,21 @@ impl Controller {
                 e.state == ApiLeaseState::Lost,
             )));
         }
-        let slot = self
-            .free_slot()
-            .ok_or_else(|| ApiError::conflict("no free pci slot on bus 0"))?;
+        let slot = match restore_slot {
+            Some(s)
+                if (1..=MAX_SLOT).contains(&s) && self.h.devices.pci_bus().device(s).is_none() =>
+            {
+                s
+            }
+            Some(s) => {
+                return Err(ApiError::conflict(format!(
+                    "pci slot {s} of the snapshot is not free"
+                )))
+            }
+            None => self
+                .free_slot()
+                .ok_or_else(|| ApiError::conflict("no free pci slot on bus 0"))?,
+        };
         let requested = data.mode.unwrap_or_default();
 
         let t0 = Instant::now();
@@ -542,7 +619,9 @@ impl Controller {
             })?;
         let plugged = {
             let mut hp = lock(&self.h.hotplug);
-            if boot {
+            if restore_slot.is_some() {
+                Ok(())
+            } else if boot {
                 hp.mark_present(u32::from(slot))
             } else {
                 hp.slot_added(u32::from(slot))

@@ -358,6 +358,16 @@ fn main() -> ExitCode {
         ctl.teardown_all();
         return usage_error(e.message);
     }
+    if let Some(s) = &restored {
+        if let Err(e) = ctl.restore_lent_devices(&s.doc.devices.lent) {
+            ctl.teardown_all();
+            return usage_error(format!(
+                "--restore {}: lent devices: {}",
+                cli.restore.as_deref().unwrap_or_default(),
+                e.message
+            ));
+        }
+    }
     let ctl = Rc::new(RefCell::new(ctl));
     let mut api = None;
     let mut server = None;

@@ -241,6 +241,9 @@ pub struct DeviceStates {
     pub serial: Option<SerialSnapshot>,
     pub ged: GedState,
     pub hotplug: HotplugState,
+    /// Lent devices: lease identity and guest-visible PCI state, re-borrowed on restore.
+    #[serde(default)]
+    pub lent: Vec<super::devices::LentDevice>,
 }
 
 /// The whole document.

@@ -12,10 +12,12 @@
 //! Restoring builds a VM of the same shape without loading a kernel, puts the state back
 //! before any vCPU runs, and leaves the vCPUs parked: the restored VM starts paused.
 //!
-//! A snapshot is a crash-consistent point, and VMs with lent devices are refused for now:
-//! their devices would have to be re-borrowed and reset on restore (see
+//! Lent devices are saved as their lease identity and guest-visible PCI state
+//! ([`devices`]); a restore re-borrows each one, has the lender reset it and re-applies that
+//! state. A snapshot is therefore a crash-consistent point for them (see
 //! docs/ARCHITECTURE.md, "Life of a snapshot and restore").
 
+pub mod devices;
 pub mod format;
 pub mod kvm;
 
@@ -112,15 +114,20 @@ pub struct Saved {
 impl SnapshotSource {
     /// Writes a snapshot of the paused VM into `dir` (already prepared with
     /// [`format::prepare_destination`]). On failure the files written so far are removed.
-    pub fn save(&self, dir: &Path) -> Result<Saved, SnapshotError> {
-        let r = self.save_inner(dir);
+    /// `lent` are the lent devices' states, read by the control plane (which owns them).
+    pub fn save(&self, dir: &Path, lent: Vec<devices::LentDevice>) -> Result<Saved, SnapshotError> {
+        let r = self.save_inner(dir, lent);
         if r.is_err() {
             format::remove_partial(dir, self.ram.regions().len());
         }
         r
     }
 
-    fn save_inner(&self, dir: &Path) -> Result<Saved, SnapshotError> {
+    fn save_inner(
+        &self,
+        dir: &Path,
+        lent: Vec<devices::LentDevice>,
+    ) -> Result<Saved, SnapshotError> {
         let t0 = Instant::now();
         let caps = self.caps.clone();
         let vcpus = self
@@ -138,6 +145,7 @@ impl SnapshotSource {
                 serial: self.devices.serial().map(|s| lock(s).snapshot()),
                 ged: hp.ged().snapshot(),
                 hotplug: hp.snapshot(),
+                lent,
             }
         };
         let mut memory = Vec::new();
