@@ -109,7 +109,7 @@ fn msix_cap(config: &[u32]) -> Option<usize> {
     let byte = |off: usize| (config[off / 4] >> ((off % 4) * 8)) as u8;
     let mut off = usize::from(byte(REG_CAP_PTR * 4)) & !3;
     for _ in 0..48 {
-        if off < 0x40 || off >= CONFIG_DWORDS * 4 {
+        if !(0x40..CONFIG_DWORDS * 4).contains(&off) {
             return None;
         }
         if byte(off) == PCI_CAP_ID_MSIX {
@@ -283,4 +283,55 @@ pub fn replay_lent(bus: &Bus, saved: &LentDevice) -> Result<(), SnapshotError> {
         }
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A type 0 header: 64-bit BAR0 at 0x1_0000_0000, 32-bit BAR2 at 0xc000_0000, an
+    /// MSI-X capability at 0x50 (after a PM capability at 0x40) with 17 vectors, table at
+    /// BAR2 + 0x2000.
+    fn header() -> Vec<u32> {
+        let mut c = vec![0u32; CONFIG_DWORDS];
+        c[REG_ID] = 0x0010_1b36;
+        c[REG_BAR0] = 0x0000_0004;
+        c[REG_BAR0 + 1] = 0x1;
+        c[REG_BAR0 + 2] = 0xc000_0000;
+        c[REG_CAP_PTR] = 0x40;
+        c[0x40 / 4] = 0x0003_5001; // PM, next 0x50
+        c[0x50 / 4] = 0x8010_0011; // MSI-X, last, enabled, 17 vectors
+        c[0x54 / 4] = 0x2000 | 2;
+        c
+    }
+
+    #[test]
+    fn bars_decode_32_and_64_bit_addresses() {
+        let c = header();
+        assert_eq!(bar(&c, 0), (0x1_0000_0000, true));
+        assert_eq!(bar(&c, 2), (0xc000_0000, false));
+        assert_eq!(bar(&c, 3), (0, false));
+        let mut io = c.clone();
+        io[REG_BAR0 + 3] = 0xc001;
+        assert_eq!(bar(&io, 3), (0, false), "I/O BARs are not memory addresses");
+    }
+
+    #[test]
+    fn msix_capability_is_found_through_the_list() {
+        let c = header();
+        assert_eq!(msix_cap(&c), Some(0x50));
+        assert_eq!(msix_table(&c, 0x50).unwrap(), (0xc000_2000, 17));
+        let mut none = c.clone();
+        none[0x40 / 4] = 0x0003_0001; // PM is the last capability
+        assert_eq!(msix_cap(&none), None);
+        // A loop in the list ends.
+        let mut looped = c.clone();
+        looped[0x40 / 4] = 0x0003_4001;
+        assert_eq!(msix_cap(&looped), None);
+        // The table in an unplaced BAR is an error naming it.
+        let mut unplaced = c;
+        unplaced[0x54 / 4] = 0x2000 | 3;
+        let e = msix_table(&unplaced, 0x50).unwrap_err().to_string();
+        assert!(e.contains("BAR 3"), "{e}");
+    }
 }
