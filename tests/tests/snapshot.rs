@@ -74,10 +74,25 @@ fn status_of(r: Result<(), ClientError>) -> (u16, String) {
     }
 }
 
+/// Two vCPUs (the test guest runs on the first; the second waits for INIT/SIPI), so every
+/// snapshot saves and restores more than one vCPU. Events go to `events.jsonl`.
 fn boot(dir: &Path) -> Vm {
     let sock = dir.join("src.sock").display().to_string();
+    let events = format!("path={}", dir.join("events.jsonl").display());
     let line = cmdline();
-    let vm = Vm::start("64M", &["--api-socket", &sock, "--cmdline", &line]);
+    let vm = Vm::start(
+        "64M",
+        &[
+            "--cpus",
+            "2",
+            "--api-socket",
+            &sock,
+            "--event-monitor",
+            &events,
+            "--cmdline",
+            &line,
+        ],
+    );
     vm.wait_api();
     vm
 }
@@ -96,6 +111,21 @@ fn snapshot_then_restore_in_a_new_process_continues_the_guest() {
     let a = dir.path().join("a");
     snapshot(&api, &a).unwrap();
     assert!(a.join("state.json").is_file() && a.join("ram-0.bin").is_file());
+    let events = poll(T, || {
+        let e = std::fs::read_to_string(dir.path().join("events.jsonl")).ok()?;
+        e.contains("snapshot-completed").then_some(e)
+    })
+    .expect("no snapshot-completed event");
+    // In this order: the snapshot pauses the running VM and resumes it before completing.
+    let at: Vec<Option<usize>> =
+        ["snapshot-started", "vm-paused", "vm-resumed", "snapshot-completed"]
+            .iter()
+            .map(|w| events.find(&format!("\"{w}\"")))
+            .collect();
+    assert!(
+        at.iter().all(Option::is_some) && at.windows(2).all(|w| w[0] < w[1]),
+        "{at:?}\n{events}"
+    );
     assert_eq!(api.info().unwrap().state, VmState::Running);
     let n = tick_numbers(&src).len();
     wait_ticks(&src, n + 2);
@@ -148,6 +178,7 @@ fn snapshot_then_restore_in_a_new_process_continues_the_guest() {
     assert_eq!(doc["format"], "lendvm-snapshot");
     assert_eq!(doc["version"], 1);
     assert_eq!(doc["config"]["memory_size"], 64 << 20);
+    assert_eq!(doc["vcpus"].as_array().unwrap().len(), 2);
 
     // 4. Restore in a new process: paused until vm.resume.
     let sock = dir.path().join("dst.sock").display().to_string();
