@@ -117,11 +117,15 @@ fn snapshot_then_restore_in_a_new_process_continues_the_guest() {
     })
     .expect("no snapshot-completed event");
     // In this order: the snapshot pauses the running VM and resumes it before completing.
-    let at: Vec<Option<usize>> =
-        ["snapshot-started", "vm-paused", "vm-resumed", "snapshot-completed"]
-            .iter()
-            .map(|w| events.find(&format!("\"{w}\"")))
-            .collect();
+    let at: Vec<Option<usize>> = [
+        "snapshot-started",
+        "vm-paused",
+        "vm-resumed",
+        "snapshot-completed",
+    ]
+    .iter()
+    .map(|w| events.find(&format!("\"{w}\"")))
+    .collect();
     assert!(
         at.iter().all(Option::is_some) && at.windows(2).all(|w| w[0] < w[1]),
         "{at:?}\n{events}"
@@ -378,12 +382,45 @@ fn snapshot_with_a_lent_nvme_reborrows_it_and_the_guest_does_io_again() {
         lent["msix"]["table"].as_array().unwrap().len() >= 2,
         "{lent}"
     );
-    let _ = src.wait_exit(Duration::ZERO); // SIGKILL
-                                           // The old lease goes with the source's link.
+    // While the source still holds the lease, a restore cannot borrow the device: it fails
+    // with a clear error and the source keeps its lease.
+    let early_sock = cluster.file("early.sock").display().to_string();
+    let url = format!("file://{}", snap.display());
+    let mut early = Vm::start_args(
+        &[
+            "--restore",
+            &url,
+            "--cluster",
+            &c,
+            "--name",
+            "vm-early",
+            "--api-socket",
+            &early_sock,
+        ],
+        "warn",
+    );
+    assert_eq!(
+        early.wait_exit(T).and_then(|s| s.code()),
+        Some(2),
+        "{}",
+        early.stderr()
+    );
+    assert!(
+        early.stderr().contains("lent devices") && early.stderr().contains(NVME_BDF),
+        "{}",
+        early.stderr()
+    );
+    assert!(
+        lent_to(&cluster, "vm-src"),
+        "{:?}",
+        cluster.device(NVME_BDF)
+    );
+    assert!(src.running());
+    // SIGKILL the source: its lease goes with its link.
+    let _ = src.wait_exit(Duration::ZERO);
     cluster.wait_available(NVME_BDF);
 
     let dsock = cluster.file("dst.sock").display().to_string();
-    let url = format!("file://{}", snap.display());
     let mut dst = Vm::start_args(
         &[
             "--restore",
