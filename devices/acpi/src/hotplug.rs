@@ -402,6 +402,39 @@ mod tests {
     }
 
     #[test]
+    fn state_round_trips_into_a_fresh_controller_without_a_new_interrupt() {
+        let mut r = rig();
+        r.ctl.mark_present(1).unwrap();
+        r.ctl.slot_added(4).unwrap();
+        r.ctl.slot_removal_requested(1).unwrap();
+        assert_eq!(r.irq.read().unwrap(), 2);
+        let saved = r.ctl.snapshot();
+        let ged_saved = r.ctl.ged().snapshot();
+        assert_eq!(ged_saved.status, GED_EVENT_PCI_HOTPLUG);
+
+        let mut fresh = rig();
+        fresh.ctl.restore(&saved).unwrap();
+        fresh.ctl.ged_mut().restore(&ged_saved).unwrap();
+        assert!(fresh.irq.read().is_err(), "restoring raised the GED again");
+        assert_eq!(fresh.ctl.snapshot(), saved);
+        assert!(fresh.ctl.is_present(1) && fresh.ctl.is_present(4));
+        assert!(fresh.ctl.is_removal_pending(1));
+        assert_eq!(ged_status(&mut fresh.ged), GED_EVENT_PCI_HOTPLUG);
+        assert_eq!(rd(&mut fresh.ctl, PCIU_OFFSET), 1 << 4);
+        assert_eq!(rd(&mut fresh.ctl, PCID_OFFSET), 1 << 1);
+        // The guest's eject of the pending slot still reaches the VMM.
+        wr(&mut fresh.ctl, B0EJ_OFFSET, 1 << 1);
+        assert_eq!(fresh.ejects.drain(), vec![1]);
+
+        let bad = HotplugState {
+            pending_removal: 1 << 7,
+            ..saved
+        };
+        let e = fresh.ctl.restore(&bad).unwrap_err().to_string();
+        assert!(e.contains("0x80"), "{e}");
+    }
+
+    #[test]
     fn slot_up_bitmap_reads_clear_and_raise_ged() {
         let mut r = rig();
         r.ctl.slot_added(3).unwrap();

@@ -684,4 +684,17 @@ mod tests {
         let e = prepare_destination(&dir.path().join("no/such/parent")).unwrap_err();
         assert!(e.to_string().contains("cannot create directory"), "{e}");
     }
+
+    #[test]
+    fn a_failed_snapshot_leaves_only_what_was_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("s");
+        prepare_destination(&d).unwrap();
+        write_ram_file(&d, &ram_file_name(0), &mut &[1u8; 64][..], 64).unwrap();
+        write_ram_file(&d, &ram_file_name(1), &mut &[2u8; 64][..], 64).unwrap();
+        remove_partial(&d, 2);
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0);
+        // A second attempt into the same place is accepted.
+        prepare_destination(&d).unwrap();
+    }
 }
