@@ -4,6 +4,7 @@
 //! lendctl --api-socket S ping|info|counters|pause|resume|shutdown|shutdown-vmm
 //!                        |add-remote-device node3:0000:81:00.0 [--id X] [--mode M] [--replace-lost]
 //!                        |remove-device X [--force]|events [--since SEQ] [--no-follow]
+//!                        |snapshot file:///abs/dir
 //! lendctl --cluster F [--token T] [--node NAME] lenders|list
 //! lendctl --cluster F --lender NODE list|status
 //! lendctl --cluster etcd://HOST:PORT[,...] list|watch|lenders    (or a file with [directory])
