@@ -386,6 +386,14 @@ fn lent_nvme(fabric: Fabric) {
     );
 
     let api = src.api();
+    // A snapshot of the running VM (paused and resumed around it, the device quiesced and
+    // re-armed): the source's I/O goes on.
+    snapshot(&api, &cluster.file("running")).unwrap();
+    assert_eq!(api.info().unwrap().state, VmState::Running);
+    let n = io_rounds(&src).len();
+    wait_rounds(&src, n + 2);
+    assert!(lent_to(&cluster, "vm-src"));
+
     api.pause().unwrap();
     std::thread::sleep(Duration::from_millis(200));
     let last = *io_rounds(&src).last().unwrap();
