@@ -138,7 +138,7 @@ pub struct Nvme {
 }
 
 impl Nvme {
-    fn reg32(&self, off: u64) -> u32 {
+    pub fn reg32(&self, off: u64) -> u32 {
         mmio::read32(self.bar0 + off)
     }
 

@@ -195,13 +195,24 @@ impl Vm {
             "--kernel", TEST_GUEST, "--serial", "stdout", "--memory", memory,
         ];
         full.extend_from_slice(args);
+        Self::spawn(&full, log)
+    }
+
+    /// `lendvm --serial stdout` plus `args` and nothing else (no kernel: `--restore`).
+    pub fn start_args(args: &[&str], log: &str) -> Vm {
+        let mut full = vec!["--serial", "stdout"];
+        full.extend_from_slice(args);
+        Self::spawn(&full, log)
+    }
+
+    fn spawn(full: &[&str], log: &str) -> Vm {
         let api_socket = full
             .iter()
             .position(|a| *a == "--api-socket")
             .and_then(|i| full.get(i + 1))
             .map(PathBuf::from);
         let mut child = Command::new(binary("lendvm"))
-            .args(&full)
+            .args(full)
             .env("RUST_LOG", log)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
