@@ -326,6 +326,8 @@ impl DeviceBackend for EmulatedBackend {
         // then the pause ends, so the worker resumes on the clean registers and acts on
         // nothing that was written before the reset.
         self.model.reset();
+        // Interrupts held for a hand-over belong to the state the reset discards.
+        self.irqs.release(false);
         self.model.quiesce(false);
         *self.shadow() = self.pristine;
         self.irqs.set_intx_disabled(false);
@@ -343,8 +345,27 @@ impl DeviceBackend for EmulatedBackend {
     }
 
     fn quiesce(&self, stop: bool) -> Result<(), BackendError> {
+        if !stop {
+            // Interrupts held by a hand-over quiesce go to the targets wired now.
+            self.irqs.release(true);
+        }
         self.model.quiesce(stop);
         Ok(())
+    }
+
+    fn quiesce_handover(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Result<super::Drained, BackendError> {
+        self.irqs.hold();
+        self.model.quiesce(true);
+        let drained = self.model.drain(timeout);
+        let (pending_msix, pending_intx) = self.irqs.pending();
+        Ok(super::Drained {
+            drained,
+            pending_msix,
+            pending_intx,
+        })
     }
 
     fn counters(&self) -> LeaseCounters {
