@@ -51,6 +51,7 @@
 //! | 1 | first |
 //! | any | 0x10e [`BorrowClaimed`] is a new opcode, not a new layout: a lender that predates it answers `unknown opcode`, so it needs no version |
 //! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
+//! | 4 | live migration ([`migration`]): DIRTY_LOG_START/FETCH/STOP, QUIESCE_HANDOVER, TRANSFER_CREATE/CANCEL/ACCEPT (0x121..=0x127) and the [`LeaseMoved`] event (0x186) |
 //! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event; [`NotifyWrites::Polled`] (sent as `Doorbells` to older borrowers); BAR_WRITE and RESET replies carry [`DoorbellKicks`]; the [`KicksEvent`] event |
 //!
 //! New requests of a version are unknown opcodes in a session of an older version (both
@@ -63,8 +64,15 @@ use thiserror::Error;
 
 use ntb::wire::{self, ErrorReply, WireError};
 
+pub mod migration;
+
+pub use migration::{
+    AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, LeaseMoved,
+    QuiesceHandover, TransferAccept, TransferCreate, TransferTicket,
+};
+
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Oldest version a lender still serves.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// Largest config space (PCIe extended).
@@ -917,6 +925,20 @@ pub enum Request {
     Quiesce(Quiesce),
     /// Borrow under a directory claim.
     BorrowClaimed(BorrowClaimed),
+    /// Start the device dirty log (version 4).
+    DirtyLogStart(LeaseRef),
+    /// Fetch and clear the device dirty log (version 4).
+    DirtyLogFetch(DirtyLogFetch),
+    /// Stop the device dirty log (version 4).
+    DirtyLogStop(LeaseRef),
+    /// Quiesce for a hand-over (version 4).
+    QuiesceHandover(QuiesceHandover),
+    /// Create a transfer ticket (version 4).
+    TransferCreate(TransferCreate),
+    /// Cancel the lease's transfer ticket (version 4).
+    TransferCancel(LeaseRef),
+    /// Take a lease by its ticket (version 4).
+    TransferAccept(TransferAccept),
 }
 
 /// An event, decoded.
@@ -934,6 +956,8 @@ pub enum Event {
     IommuFault(IommuFaultEvent),
     /// Kick-only doorbells changed (version 3).
     Kicks(KicksEvent),
+    /// The lease moved to another borrower (version 4): not a lost device.
+    LeaseMoved(LeaseMoved),
 }
 
 fn wire_err(opcode: u16) -> impl FnOnce(WireError) -> ProtocolError {
@@ -983,6 +1007,7 @@ impl Request {
             Request::LeaseCounters(_) => opcode::LEASE_COUNTERS,
             Request::Quiesce(_) => opcode::QUIESCE,
             Request::BorrowClaimed(_) => opcode::BORROW_CLAIMED,
+            other => migration::opcode_of(other).unwrap_or(0),
         }
     }
 
@@ -1006,6 +1031,7 @@ impl Request {
             | Request::Borrow(_)
             | Request::Status
             | Request::BorrowClaimed(_) => None,
+            other => migration::lease_of(other),
         }
     }
 
@@ -1057,6 +1083,10 @@ impl Request {
             Request::SetIrqs(v) => enc(op, v)?,
             Request::LeaseCounters(v) => enc(op, v)?,
             Request::Quiesce(v) => enc(op, v)?,
+            other => match migration::encode(other, op) {
+                Some(p) => p?,
+                None => return Err(ProtocolError::UnknownOpcode(op)),
+            },
         };
         Ok((op, payload))
     }
@@ -1066,6 +1096,7 @@ impl Request {
     fn since_version(op: u16) -> u32 {
         match op {
             opcode::LEASE_COUNTERS | opcode::QUIESCE => 3,
+            op if migration::is_migration_op(op) => migration::MIGRATION_VERSION,
             _ => 1,
         }
     }
@@ -1084,6 +1115,9 @@ impl Request {
     ) -> Result<Request, ProtocolError> {
         if version < Self::since_version(op) {
             return Err(ProtocolError::UnknownOpcode(op));
+        }
+        if migration::is_migration_op(op) {
+            return migration::decode(op, payload);
         }
         let r = match op {
             opcode::LEASE_COUNTERS => Request::LeaseCounters(dec(op, payload)?),
@@ -1241,6 +1275,10 @@ impl Event {
             Event::Resample(v) => Ok((opcode::EVT_RESAMPLE, enc(opcode::EVT_RESAMPLE, v)?)),
             Event::IommuFault(v) => Ok((opcode::EVT_IOMMU_FAULT, enc(opcode::EVT_IOMMU_FAULT, v)?)),
             Event::Kicks(v) => Ok((opcode::EVT_KICKS, enc(opcode::EVT_KICKS, v)?)),
+            Event::LeaseMoved(v) => {
+                let op = migration::opcode::EVT_LEASE_MOVED;
+                Ok((op, enc(op, v)?))
+            }
         }
     }
 
@@ -1256,6 +1294,11 @@ impl Event {
                 let k: KicksEvent = dec(op, payload)?;
                 k.kicks.check(op)?;
                 Ok(Event::Kicks(k))
+            }
+            migration::opcode::EVT_LEASE_MOVED => {
+                let m: LeaseMoved = dec(op, payload)?;
+                check_str(op, "new holder", &m.to)?;
+                Ok(Event::LeaseMoved(m))
             }
             other => Err(ProtocolError::UnknownOpcode(other)),
         }

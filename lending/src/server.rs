@@ -42,6 +42,10 @@ use crate::protocol::{
     PROTOCOL_VERSION,
 };
 
+mod migration;
+
+pub use migration::TICKET_TTL;
+
 /// How often idle loops look at the stop flag.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -63,6 +67,8 @@ pub struct Lender {
     claims: Option<Arc<dyn ClaimAuthority>>,
     /// Failed authentications per peer address.
     auth_failures: FailureLimiter,
+    /// Lease transfer tickets and hand-offs (live migration).
+    transfers: migration::Transfers,
 }
 
 impl Lender {
@@ -75,6 +81,7 @@ impl Lender {
             stop: Arc::new(AtomicBool::new(false)),
             claims: None,
             auth_failures: FailureLimiter::default(),
+            transfers: migration::Transfers::default(),
         })
     }
 
@@ -92,6 +99,7 @@ impl Lender {
             stop: Arc::new(AtomicBool::new(false)),
             claims: Some(claims),
             auth_failures: FailureLimiter::default(),
+            transfers: migration::Transfers::default(),
         })
     }
 
@@ -141,6 +149,7 @@ impl Lender {
     /// Serves one link until it goes down or the lender stops.
     pub fn run_session(self: Arc<Self>, ep: Arc<dyn Endpoint>) {
         let mut s = Session {
+            id: self.transfers.session_id(),
             lender: Arc::clone(&self),
             ep: Arc::clone(&ep),
             hello: false,
@@ -152,6 +161,8 @@ impl Lender {
         let peer = ep.peer_node().to_string();
         let reason = loop {
             if self.stop.load(Ordering::Relaxed) {
+                self.transfers
+                    .forget(s.id, None, "the lender is shutting down");
                 s.end_all("lenderd shutting down", true);
                 ep.close();
                 break "lender stopping".to_string();
@@ -177,9 +188,12 @@ impl Lender {
                 Err(FabricError::Timeout(_)) => {}
                 Err(e) => break e.to_string(),
             }
+            s.serve_handoffs();
             s.announce_kicks();
             s.end_stale_claims();
         };
+        self.transfers
+            .forget(s.id, None, "the source's link is down");
         let n = s.leases.len();
         s.end_all(&format!("link to {peer} down: {reason}"), false);
         log::info!("session with {peer} ended ({reason}); {n} leases taken back");
@@ -214,10 +228,13 @@ struct SessionLease {
     /// Every CONFIG_READ/CONFIG_WRITE of the lease passes here (filter, extended-space view,
     /// counts of refused/dropped writes).
     config: ConfigGate,
+    /// This lease started the device's dirty log (stopped when the lease ends or moves).
+    dirty_log: bool,
 }
 
 impl Drop for SessionLease {
     fn drop(&mut self) {
+        self.stop_dirty_log();
         // The listener points at this session's link: gone before the device is lent again.
         self.lease.backend().set_kick_listener(None);
     }
@@ -257,6 +274,8 @@ fn kick_listener(
 }
 
 struct Session {
+    /// Identifies the session in the lender's transfer registry.
+    id: u64,
     lender: Arc<Lender>,
     ep: Arc<dyn Endpoint>,
     hello: bool,
@@ -695,7 +714,10 @@ impl Session {
         })
     }
 
-    fn dispatch(&mut self, op: u16, req: Request, fds: Vec<OwnedFd>) -> Reply {
+    fn dispatch(&mut self, op: u16, req: Request, mut fds: Vec<OwnedFd>) -> Reply {
+        if let Some(r) = self.dispatch_migration(op, &req, &mut fds) {
+            return r;
+        }
         match req {
             Request::Hello(_) => Err(error(code::INVALID, "hello already done")),
             Request::List => ok(op, &self.lender.inventory.list()),
@@ -875,8 +897,17 @@ impl Session {
                 })?;
                 sl.lease.set_end_reason("returned by the borrower");
                 drop(sl);
+                self.lender.transfers.forget(
+                    self.id,
+                    Some(l.lease),
+                    "the source returned the lease",
+                );
                 ok(op, &())
             }
+            other => Err(error(
+                code::UNKNOWN_OPCODE,
+                format!("request {:#x} not handled", other.opcode()),
+            )),
         }
     }
 
@@ -963,6 +994,7 @@ impl Session {
                 kicks_told,
                 claim,
                 config,
+                dirty_log: false,
             },
         );
         Ok(msg)
@@ -1095,6 +1127,7 @@ impl Session {
                     sl.lease.device().id()
                 );
                 log::warn!("lease {id} of {}: {reason}", self.peer());
+                self.lender.transfers.forget(self.id, Some(id), &reason);
                 self.send_gone(id, &reason);
                 sl.lease.set_end_reason(&reason);
             }

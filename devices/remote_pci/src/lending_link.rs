@@ -215,6 +215,12 @@ impl LendingEventSink {
                 self.kicks.offer(our_kicks(k.kicks.clone()));
                 true
             }
+            Event::LeaseMoved(m) if m.lease == self.lease => {
+                // Live migration handed the lease to the destination: this end lets go of
+                // the device, it is not lost (no lost-device report).
+                info!("lease {}: moved to {}", self.lease, m.to);
+                true
+            }
             Event::Fatal(f) if f.lease == self.lease => {
                 error!("lease {}: fatal device error: {}", self.lease, f.message);
                 true
