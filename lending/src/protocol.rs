@@ -23,11 +23,13 @@
 //! | 0x10f | [`Quiesce`] (version 3) | `()` | — (pause/resume fetching) |
 //! | 0x110 | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
 //! | 0x120 | [`AuthChallenge`] (before HELLO) | [`AuthResponse`] | — (mutual challenge–response, [`crate::auth`]) |
+//! | 0x121..=0x127 | version 4, live migration: see [`migration`] (dirty log, hand-over quiesce, lease transfer) | | — |
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
 //! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it), 0x184
 //! [`IommuFaultEvent`] (a DMA the lease's IOMMU domain refused, rate-limited, version 3),
-//! 0x185 [`KicksEvent`] (the device's kick-only doorbells changed, version 3); borrower →
+//! 0x185 [`KicksEvent`] (the device's kick-only doorbells changed, version 3), 0x186
+//! [`LeaseMoved`] (the lease was transferred to another borrower, version 4); borrower →
 //! lender 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it, version 2).
 //!
 //! AUTH is outside the versioned requests: it precedes HELLO in every session, and HELLO's
@@ -1480,6 +1482,133 @@ mod tests {
         ]
     }
 
+    /// The version 4 migration requests.
+    fn migration_samples() -> Vec<Request> {
+        vec![
+            Request::DirtyLogStart(LeaseRef { lease: 7 }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 7,
+                iova: 0x10_0000,
+                len: 0x4000_0000,
+            }),
+            Request::DirtyLogStop(LeaseRef { lease: 7 }),
+            Request::QuiesceHandover(QuiesceHandover {
+                lease: 7,
+                timeout_ms: 5000,
+            }),
+            Request::TransferCreate(TransferCreate {
+                lease: 7,
+                to_node: "node2".into(),
+                to_vm: "vm0".into(),
+            }),
+            Request::TransferCancel(LeaseRef { lease: 7 }),
+            Request::TransferAccept(TransferAccept {
+                lease: 7,
+                ticket: vec![9; migration::TICKET_LEN],
+                vm: "vm0".into(),
+                maps: vec![AcceptMap {
+                    iova: 0,
+                    size: 0xc000_0000,
+                    window: 4,
+                }],
+                msix: vec![IrqTarget::Fd(0), IrqTarget::Doorbell(2), IrqTarget::None],
+            }),
+        ]
+    }
+
+    #[test]
+    fn version_4_migration_requests_roundtrip_and_are_refused_below_4() {
+        for r in migration_samples() {
+            let (op, p) = r.encode().unwrap();
+            assert!((0x121..=0x127).contains(&op), "{r:?}: {op:#x}");
+            assert_eq!(Request::decode(op, &p).unwrap(), r);
+            assert_eq!(r.lease(), Some(7));
+            assert!(r.encode_versioned(3).is_err(), "{r:?}");
+            assert_eq!(
+                Request::decode_versioned(op, &p, 3),
+                Err(ProtocolError::UnknownOpcode(op))
+            );
+        }
+        // Old requests keep their layouts in version 4.
+        for r in samples() {
+            let (op, p) = r.encode_versioned(3).unwrap();
+            assert_eq!(Request::decode_versioned(op, &p, 4).unwrap(), r);
+        }
+        let ev = Event::LeaseMoved(LeaseMoved {
+            lease: 7,
+            to: "node2/vm0".into(),
+        });
+        let (op, p) = ev.encode().unwrap();
+        assert_eq!(op, 0x186);
+        assert_eq!(Event::decode(op, &p).unwrap(), ev);
+        let bm = DirtyBitmap {
+            iova: 0x1000,
+            pages: 70,
+            bits: vec![0b101, 1 << 5],
+            whole_window: false,
+        };
+        assert_eq!(bm.iovas(), vec![0x1000, 0x3000, 0x1000 + 69 * 4096]);
+        let p = encode_reply(migration::opcode::DIRTY_LOG_FETCH, &bm).unwrap();
+        assert_eq!(
+            decode_reply::<DirtyBitmap>(migration::opcode::DIRTY_LOG_FETCH, &p).unwrap(),
+            bm
+        );
+        assert_eq!(negotiate(4, 3), Some(3), "a version 3 lender speaks 3");
+    }
+
+    #[test]
+    fn version_4_decoder_rejects_bad_fields() {
+        let bad = [
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: 0x1001,
+                len: 0x1000,
+            }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: 0,
+                len: (crate::iommu::MAX_DIRTY_PAGES + 1) * 4096,
+            }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: u64::MAX - 0xfff,
+                len: 0x2000,
+            }),
+            Request::QuiesceHandover(QuiesceHandover {
+                lease: 1,
+                timeout_ms: migration::MAX_DRAIN_MS + 1,
+            }),
+            Request::TransferAccept(TransferAccept {
+                lease: 1,
+                ticket: vec![0; 5],
+                vm: "v".into(),
+                maps: vec![],
+                msix: vec![],
+            }),
+            Request::TransferAccept(TransferAccept {
+                lease: 1,
+                ticket: vec![0; migration::TICKET_LEN],
+                vm: "v".into(),
+                maps: vec![AcceptMap {
+                    iova: u64::MAX,
+                    size: 2,
+                    window: 0,
+                }],
+                msix: vec![],
+            }),
+            Request::TransferCreate(TransferCreate {
+                lease: 1,
+                to_node: "n".repeat(MAX_STRING + 1),
+                to_vm: "v".into(),
+            }),
+        ];
+        for r in bad {
+            let (op, p) = r.encode().unwrap();
+            let e = Request::decode(op, &p).unwrap_err();
+            assert!(matches!(e, ProtocolError::Invalid { .. }), "{r:?}: {e}");
+        }
+    }
+
     #[test]
     fn requests_roundtrip() {
         for r in samples() {
@@ -1786,6 +1915,32 @@ mod tests {
             let _ = decode_reply::<Vec<DeviceSummary>>(op, &payload);
             let _ = Request::decode_versioned(op, &payload, 2);
             let _ = decode_reply::<LeaseCounters>(op, &payload);
+            let _ = Request::decode_versioned(op, &payload, 3);
+            let _ = decode_reply::<DirtyBitmap>(op, &payload);
+            let _ = decode_reply::<HandoverQuiesced>(op, &payload);
+            let _ = decode_reply::<TransferTicket>(op, &payload);
+        }
+
+        /// Migration requests (version 4) mutated at one byte or cut: no panic; untouched
+        /// ones roundtrip.
+        #[test]
+        fn mutated_migration_requests_never_panic(which in 0usize..7, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>()) {
+            let r = &migration_samples()[which];
+            let (op, p) = r.encode().unwrap();
+            prop_assert_eq!(&Request::decode(op, &p).unwrap(), r);
+            let mut m = p.clone();
+            if !m.is_empty() {
+                let i = at % m.len();
+                m[i] = byte;
+            }
+            let _ = Request::decode(op, &m);
+            let _ = Request::decode(op, &p[..cut % (p.len() + 1)]);
+            let (eop, e) = Event::LeaseMoved(LeaseMoved { lease: 3, to: "n/v".into() }).encode().unwrap();
+            let mut m = e.clone();
+            let i = at % m.len();
+            m[i] = byte;
+            let _ = Event::decode(eop, &m);
+            let _ = Event::decode(eop, &e[..cut % (e.len() + 1)]);
         }
 
         /// A LEASE_COUNTERS reply mutated at one byte or cut: no panic.

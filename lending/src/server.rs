@@ -1170,6 +1170,7 @@ pub type StopFlag = Arc<AtomicBool>;
 
 /// A lender serving in a background thread (tests, embedding).
 pub struct BackgroundLender {
+    lender: Arc<Lender>,
     stop: StopFlag,
     thread: Mutex<Option<JoinHandle<Result<(), ServerError>>>>,
 }
@@ -1178,13 +1179,22 @@ impl BackgroundLender {
     /// Serves `listener` on a new thread.
     pub fn start(lender: Arc<Lender>, listener: Box<dyn Listener>) -> std::io::Result<Self> {
         let stop = lender.stop_flag();
+        let serving = Arc::clone(&lender);
         let thread = std::thread::Builder::new()
             .name("lender".into())
-            .spawn(move || lender.serve(listener.as_ref()))?;
+            .spawn(move || serving.serve(listener.as_ref()))?;
         Ok(BackgroundLender {
+            lender,
             stop,
             thread: Mutex::new(Some(thread)),
         })
+    }
+}
+
+impl BackgroundLender {
+    /// The lender being served.
+    pub fn lender(&self) -> &Arc<Lender> {
+        &self.lender
     }
 }
 

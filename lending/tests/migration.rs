@@ -331,7 +331,17 @@ fn wait_moved(c: &LenderClient, lease: u64) -> String {
 
 #[test]
 fn transfer_moves_the_lease_with_its_device_state() {
-    let c = cluster(FabricKind::Shm);
+    transfer(FabricKind::Shm);
+}
+
+/// Over tcp: DMA through window messages, interrupts relayed as events.
+#[test]
+fn transfer_over_tcp() {
+    transfer(FabricKind::Tcp);
+}
+
+fn transfer(kind: FabricKind) {
+    let c = cluster(kind);
     let _d = lenderd(&c, "transfer");
     let mut r = rig(&c);
     let buf = r.driver.alloc_data(32 * 1024, 0, false).unwrap();

@@ -10,7 +10,8 @@ use vmm_sys_util::eventfd::EventFd;
 use super::{ClientError, ClientIrq, Lease, LenderClient};
 use crate::protocol::migration::MIGRATION_VERSION;
 use crate::protocol::{
-    self, AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, IrqTarget,
+    self, AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, IrqKind,
+    IrqTarget,
     LeaseRef, QuiesceHandover, Request, TransferAccept, TransferCreate, TransferTicket,
 };
 
@@ -110,16 +111,13 @@ impl LenderClient {
         msix: &[ClientIrq<'_>],
     ) -> Result<Lease, ClientError> {
         self.inner.check_migration()?;
+        // Without fd passing (tcp) the targets are wired by SET_IRQS right after the accept,
+        // which routes relayed interrupts to the eventfds; nothing is lost meanwhile: the
+        // device's interrupts are held until the resume.
         let pass_fds = self.inner.ep.kind() == FabricKind::Shm;
-        if !pass_fds && msix.iter().any(|m| matches!(m, ClientIrq::EventFd(_))) {
-            return Err(ClientError::BadReply(
-                "eventfd targets need fd passing: accept without targets and use set_irqs"
-                    .into(),
-            ));
-        }
         let mut fds: Vec<OwnedFd> = Vec::new();
         let mut targets = Vec::with_capacity(msix.len());
-        for m in msix {
+        for m in msix.iter().filter(|_| pass_fds) {
             targets.push(match m {
                 ClientIrq::None => IrqTarget::None,
                 ClientIrq::Doorbell(b) => IrqTarget::Doorbell(*b),
@@ -160,12 +158,16 @@ impl LenderClient {
             }
             None => None,
         };
-        Ok(Lease {
+        let lease = Lease {
             inner: Arc::clone(&self.inner),
             id: b.lease,
             info: b.info,
             notify,
             returned: false,
-        })
+        };
+        if !pass_fds && !msix.is_empty() {
+            lease.set_irqs(IrqKind::Msix, msix)?;
+        }
+        Ok(lease)
     }
 }

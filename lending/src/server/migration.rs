@@ -38,7 +38,7 @@ use crate::protocol::{
     TransferCreate, TransferTicket,
 };
 
-/// How long a transfer ticket stays valid.
+/// How long a transfer ticket stays valid (default; [`super::Lender::set_ticket_ttl`]).
 pub const TICKET_TTL: Duration = Duration::from_secs(30);
 /// How long the destination waits for the source session to hand the lease over.
 const HANDOFF_WAIT: Duration = Duration::from_secs(2);
@@ -81,6 +81,8 @@ pub(crate) struct Transfers {
     /// Leases moved.
     moved: AtomicU64,
     next_session: AtomicU64,
+    /// Ticket lifetime in milliseconds (0: [`TICKET_TTL`]).
+    ttl_ms: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -91,6 +93,13 @@ impl Transfers {
     /// A fresh session id.
     pub(crate) fn session_id(&self) -> u64 {
         self.next_session.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    fn ttl(&self) -> Duration {
+        match self.ttl_ms.load(Ordering::Relaxed) {
+            0 => TICKET_TTL,
+            ms => Duration::from_millis(ms),
+        }
     }
 
     /// TRANSFER_ACCEPTs refused so far.
@@ -269,6 +278,7 @@ impl Session {
         let secret = auth::nonce().map_err(|e| error(code::INTERNAL, e.to_string()))?;
         let mut tickets = lock(&self.lender.transfers.tickets);
         let now = Instant::now();
+        let ttl = self.lender.transfers.ttl();
         tickets.retain(|_, x| x.expires > now);
         if tickets.contains_key(&t.lease) {
             return Err(error(
@@ -285,23 +295,22 @@ impl Session {
                 secret,
                 to_node: t.to_node.clone(),
                 to_vm: t.to_vm.clone(),
-                expires: now + TICKET_TTL,
+                expires: now + ttl,
                 session: self.id,
             },
         );
         log::info!(
-            "lease {}: transfer ticket for {}/{} (valid {}s)",
+            "lease {}: transfer ticket for {}/{} (valid {ttl:?})",
             t.lease,
             t.to_node,
             t.to_vm,
-            TICKET_TTL.as_secs()
         );
         ok(
             op,
             &TransferTicket {
                 lease: t.lease,
                 ticket: secret.to_vec(),
-                expires_in_ms: TICKET_TTL.as_millis() as u64,
+                expires_in_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             },
         )
     }
@@ -570,5 +579,12 @@ impl super::Lender {
     /// Leases moved between borrowers so far.
     pub fn transfers_done(&self) -> u64 {
         self.transfers.moved()
+    }
+
+    /// How long transfer tickets created from now on stay valid (default [`TICKET_TTL`];
+    /// tests shorten it). Zero restores the default.
+    pub fn set_ticket_ttl(&self, ttl: Duration) {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        self.transfers.ttl_ms.store(ms, Ordering::Relaxed);
     }
 }
