@@ -87,7 +87,11 @@ fn vm(c: &Cluster) -> Vm {
         .endpoint()
         .export_window(ram.mem.fd(), 0, RAM, "vm-ram")
         .unwrap();
-    let irq = FdIrq::new((0..3).map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap()).collect());
+    let irq = FdIrq::new(
+        (0..3)
+            .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
+            .collect(),
+    );
     Vm {
         client,
         ram,
@@ -145,7 +149,12 @@ fn rig(c: &Cluster) -> Rig {
 
 fn lenderd(c: &Cluster, tag: &str) -> Lenderd {
     let disk = c.dir.path().join("disk.img");
-    start_lenderd(c, tag, &[nvme_spec(DEV, &disk, "16M", false)], TokenVia::Flag)
+    start_lenderd(
+        c,
+        tag,
+        &[nvme_spec(DEV, &disk, "16M", false)],
+        TokenVia::Flag,
+    )
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
@@ -241,9 +250,15 @@ fn no_device_write_is_lost_while_the_log_is_fetched_concurrently() {
     let (mut seen, fetches) = fetcher.join().unwrap();
     // The final pass (the device is idle now) picks up what the last rounds raced with.
     seen.extend(lease.fetch_dirty_log(0, RAM).unwrap().iovas());
-    assert!(fetches > 1, "the fetcher ran concurrently ({fetches} fetches)");
+    assert!(
+        fetches > 1,
+        "the fetcher ran concurrently ({fetches} fetches)"
+    );
     let lost: Vec<_> = read_into.difference(&seen).collect();
-    assert!(lost.is_empty(), "device-written pages never reported: {lost:x?}");
+    assert!(
+        lost.is_empty(),
+        "device-written pages never reported: {lost:x?}"
+    );
 }
 
 #[test]
@@ -286,8 +301,16 @@ fn handover_quiesce_drains_in_flight_commands_and_holds_interrupts() {
         assert!(fetched >= early, "round {round}");
         std::thread::sleep(Duration::from_millis(20));
         r.driver.poll(1, &mut cqes).unwrap();
-        assert_eq!(cqes.len(), fetched, "round {round}: nothing fetched while quiesced");
-        assert_eq!(irq.total(1) - before, delivered, "round {round}: held while quiesced");
+        assert_eq!(
+            cqes.len(),
+            fetched,
+            "round {round}: nothing fetched while quiesced"
+        );
+        assert_eq!(
+            irq.total(1) - before,
+            delivered,
+            "round {round}: held while quiesced"
+        );
         // ...and delivered once the device resumes, which also takes up the rest.
         r.lease.quiesce(false).unwrap();
         if held {
@@ -298,7 +321,10 @@ fn handover_quiesce_drains_in_flight_commands_and_holds_interrupts() {
         }
         r.driver.wait(1, &mut cqes, bufs.len() - fetched).unwrap();
         assert_eq!(cqes.len(), bufs.len(), "round {round}");
-        assert!(cqes.iter().all(|e| e.status == 0), "round {round}: {cqes:?}");
+        assert!(
+            cqes.iter().all(|e| e.status == 0),
+            "round {round}: {cqes:?}"
+        );
         // Late interrupts of this round must not count in the next one.
         std::thread::sleep(Duration::from_millis(10));
         irq.total(1);
@@ -401,7 +427,11 @@ fn transfer(kind: FabricKind) {
         }
     );
     let e = r.lease.bar_read(0, 0, 4).unwrap_err();
-    assert_eq!(e.code(), Some(lending::protocol::code::UNKNOWN_LEASE), "{e}");
+    assert_eq!(
+        e.code(),
+        Some(lending::protocol::code::UNKNOWN_LEASE),
+        "{e}"
+    );
     // A lets go of the handle without returning the device (it is B's now).
     let lease_a = Arc::try_unwrap(std::mem::replace(&mut r.lease, lb.clone()))
         .ok()
@@ -519,6 +549,9 @@ fn a_version_3_session_has_no_migration() {
     let old = LenderClient::from_endpoint_with_version(ep, TOKEN, "v3", 3).unwrap();
     let lease = old.borrow(DEV, "vm0").unwrap();
     let e = lease.start_dirty_log().unwrap_err();
-    assert!(matches!(e, ClientError::MigrationUnsupported { version: 3, .. }), "{e}");
+    assert!(
+        matches!(e, ClientError::MigrationUnsupported { version: 3, .. }),
+        "{e}"
+    );
     assert!(e.to_string().contains("does not support migration"), "{e}");
 }

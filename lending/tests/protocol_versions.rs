@@ -393,7 +393,11 @@ fn version_4_borrower_gets_dirty_log_handover_and_expiring_tickets() {
     let d = lease.fetch_dirty_log(0, 0).unwrap();
     assert_eq!((d.iova, d.pages), (0x10000, 16));
     assert_eq!(d.iovas(), vec![0x15000]);
-    assert!(lease.fetch_dirty_log(0x10000, 0x10000).unwrap().iovas().is_empty());
+    assert!(lease
+        .fetch_dirty_log(0x10000, 0x10000)
+        .unwrap()
+        .iovas()
+        .is_empty());
     let q = lease.quiesce_for_handover(1000).unwrap();
     assert!(q.drained, "{q:?}");
     lease.quiesce(false).unwrap();
@@ -405,11 +409,10 @@ fn version_4_borrower_gets_dirty_log_handover_and_expiring_tickets() {
     let dst = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "dst").unwrap();
     match dst.accept_transfer(&t, "vm1", &[], &[]) {
         Ok(_) => panic!("an expired ticket was accepted"),
-        Err(e) => assert_eq!(
-            e.code(),
-            Some(protocol::migration::code::BAD_TICKET),
-            "{e}"
-        ),
+        Err(e) => assert_eq!(e.code(), Some(protocol::migration::code::BAD_TICKET), "{e}"),
     }
-    assert!(lease.counters().unwrap().is_some(), "the lease is untouched");
+    assert!(
+        lease.counters().unwrap().is_some(),
+        "the lease is untouched"
+    );
 }

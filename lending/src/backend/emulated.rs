@@ -582,7 +582,10 @@ mod tests {
     fn wait_in_write(m: &SlowMemory) {
         let t0 = Instant::now();
         while m.in_write.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-            assert!(t0.elapsed() < Duration::from_secs(5), "no dma write started");
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "no dma write started"
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
     }
@@ -704,7 +707,9 @@ mod tests {
         d.enable(16).unwrap();
         d.set_num_queues(1).unwrap();
         d.create_io_queue_pair(1, 16, 1).unwrap();
-        let bufs: Vec<_> = (0..4).map(|_| d.alloc_data(4096, 0, false).unwrap()).collect();
+        let bufs: Vec<_> = (0..4)
+            .map(|_| d.alloc_data(4096, 0, false).unwrap())
+            .collect();
         let _ = irq[1].read();
         mem.delay.store(100, std::sync::atomic::Ordering::SeqCst);
         for (i, buf) in bufs.iter().enumerate() {
@@ -716,7 +721,11 @@ mod tests {
         wait_in_write(&mem);
         let q = b.quiesce_handover(Duration::from_secs(10)).unwrap();
         assert!(q.drained, "{q:?}");
-        assert_eq!(q.pending_msix, vec![1], "the completions' interrupt is held");
+        assert_eq!(
+            q.pending_msix,
+            vec![1],
+            "the completions' interrupt is held"
+        );
         assert!(irq[1].read().is_err(), "not delivered while held");
         let mut cqes = Vec::new();
         d.poll(1, &mut cqes).unwrap();

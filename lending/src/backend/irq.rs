@@ -5,9 +5,9 @@
 //! call the targets through [`LeaseIrqs`]; VFIO devices need eventfds, so non-eventfd targets
 //! are fed by an [`IrqRelay`] thread (the paper's lender-side relay).
 
+use std::collections::BTreeSet;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 

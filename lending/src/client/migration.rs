@@ -11,8 +11,7 @@ use super::{ClientError, ClientIrq, Lease, LenderClient};
 use crate::protocol::migration::MIGRATION_VERSION;
 use crate::protocol::{
     self, AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, IrqKind,
-    IrqTarget,
-    LeaseRef, QuiesceHandover, Request, TransferAccept, TransferCreate, TransferTicket,
+    IrqTarget, LeaseRef, QuiesceHandover, Request, TransferAccept, TransferCreate, TransferTicket,
 };
 
 impl super::Inner {
@@ -73,7 +72,11 @@ impl Lease {
     /// Authorises moving this lease to `to_node`/`to_vm`: the ticket goes to the destination,
     /// which presents it with [`LenderClient::accept_transfer`]. Until then this lease is
     /// fully ours.
-    pub fn create_transfer(&self, to_node: &str, to_vm: &str) -> Result<TransferTicket, ClientError> {
+    pub fn create_transfer(
+        &self,
+        to_node: &str,
+        to_vm: &str,
+    ) -> Result<TransferTicket, ClientError> {
         self.inner.check_migration()?;
         let r = Request::TransferCreate(TransferCreate {
             lease: self.id,

@@ -111,7 +111,10 @@ impl DirtyPages {
     /// Marks every page of the range that `[m_iova, m_iova + m_size)` covers.
     pub fn set_covered(&mut self, m_iova: u64, m_size: u64) {
         let end = self.iova + self.pages * IOMMU_PAGE_SIZE;
-        let (s, e) = (m_iova.max(self.iova), m_iova.saturating_add(m_size).min(end));
+        let (s, e) = (
+            m_iova.max(self.iova),
+            m_iova.saturating_add(m_size).min(end),
+        );
         let mut a = s;
         while a < e {
             self.set((a - self.iova) / IOMMU_PAGE_SIZE);
@@ -200,7 +203,7 @@ mod tests {
         b.mark(0, 1);
         b.mark(63 * 4096 + 4000, 200); // pages 63 and 64
         b.mark(130 * 4096, 3 * 4096); // 130..=132
-        // Fetch pages 60..131 only: 63, 64, 130 come out; 0, 131, 132 stay.
+                                      // Fetch pages 60..131 only: 63, 64, 130 come out; 0, 131, 132 stay.
         let mut out = DirtyPages::empty(60 * 4096, 71 * 4096).unwrap();
         b.take_into(60, 71, &mut out, 0);
         assert_eq!(out.iovas(), vec![63 * 4096, 64 * 4096, 130 * 4096]);

@@ -267,7 +267,15 @@ impl MapTable {
         &self,
         iova: u64,
         len: u64,
-    ) -> Option<Vec<(Arc<dyn DmaBacking>, u64, usize, usize, Option<Arc<PageBits>>)>> {
+    ) -> Option<
+        Vec<(
+            Arc<dyn DmaBacking>,
+            u64,
+            usize,
+            usize,
+            Option<Arc<PageBits>>,
+        )>,
+    > {
         let end = iova.checked_add(len)?;
         let mut out = Vec::new();
         let mut cur = iova;
@@ -512,7 +520,12 @@ impl IommuDomain for SoftIommu {
         let t = read(&self.table);
         // Mappings that overlap the range: the one that starts at or before `iova`, and the
         // ones that start inside.
-        let first = t.map.range(..=iova).next_back().map(|(&s, _)| s).unwrap_or(iova);
+        let first = t
+            .map
+            .range(..=iova)
+            .next_back()
+            .map(|(&s, _)| s)
+            .unwrap_or(iova);
         for (&start, e) in t.map.range(first..end) {
             let (s, x) = (start.max(iova), start.saturating_add(e.size).min(end));
             if s >= x {
@@ -727,7 +740,10 @@ mod tests {
         let mut buf = [0u8; 64];
         d.dma_read(0x11000, &mut buf).unwrap();
         d.dma_write(0x12ffc, &[2; 8]).unwrap(); // pages 2 and 3
-        assert!(d.dma_write(0x13ffc, &[2; 8]).is_err(), "fault: nothing dirty");
+        assert!(
+            d.dma_write(0x13ffc, &[2; 8]).is_err(),
+            "fault: nothing dirty"
+        );
         // A window mapped while logging is on is logged too.
         d.map(0x20000, 0x1000, backing(0x1000, 0)).unwrap();
         d.dma_write(0x20010, &[3; 4]).unwrap();
@@ -738,8 +754,14 @@ mod tests {
         // Part of the range: the rest stays for the next fetch.
         d.dma_write(0x10000, &[4; 4]).unwrap();
         d.dma_write(0x13000, &[4; 4]).unwrap();
-        assert_eq!(d.fetch_dirty(0x13000, 0x1000).unwrap().iovas(), vec![0x13000]);
-        assert_eq!(d.fetch_dirty(0x10000, 0x4000).unwrap().iovas(), vec![0x10000]);
+        assert_eq!(
+            d.fetch_dirty(0x13000, 0x1000).unwrap().iovas(),
+            vec![0x13000]
+        );
+        assert_eq!(
+            d.fetch_dirty(0x10000, 0x4000).unwrap().iovas(),
+            vec![0x10000]
+        );
         assert!(matches!(
             d.fetch_dirty(0x10001, 0x1000),
             Err(DirtyLogError::BadRange { .. })

@@ -273,7 +273,10 @@ mod tests {
         let dom = VfioDomain::new("vfio-test", Arc::clone(&fake));
         let b = Arc::new(MmapBacking::anonymous(0x3000).unwrap());
         dom.map(0x10000, 0x3000, b).unwrap();
-        assert!(!dom.start_dirty_log(), "no exact tracking through the container API");
+        assert!(
+            !dom.start_dirty_log(),
+            "no exact tracking through the container API"
+        );
         // Every mapped page of the range, every time (nothing is cleared), flagged.
         for _ in 0..2 {
             let d = dom.fetch_dirty(0xe000, 0x8000).unwrap();

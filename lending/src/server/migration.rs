@@ -115,8 +115,7 @@ impl Transfers {
     /// Forgets the tickets and pending hand-offs of a session that ended (its leases end with
     /// it) or of one lease (returned or ended).
     pub(crate) fn forget(&self, session: u64, lease: Option<u64>, why: &str) {
-        lock(&self.tickets)
-            .retain(|&l, t| !(t.session == session && lease.is_none_or(|x| x == l)));
+        lock(&self.tickets).retain(|&l, t| !(t.session == session && lease.is_none_or(|x| x == l)));
         let mut h = lock(&self.handoffs);
         if let Some(v) = h.get_mut(&session) {
             v.retain(|x| {
@@ -177,15 +176,20 @@ impl Session {
         Some(match req {
             R::DirtyLogStart(l) => self.dirty_log_start(op, *l),
             R::DirtyLogFetch(f) => self.dirty_log_fetch(op, *f),
-            R::DirtyLogStop(l) => self.lease(l.lease).map(|sl| {
-                sl.stop_dirty_log();
-            }).and_then(|()| ok(op, &())),
+            R::DirtyLogStop(l) => self
+                .lease(l.lease)
+                .map(|sl| {
+                    sl.stop_dirty_log();
+                })
+                .and_then(|()| ok(op, &())),
             R::QuiesceHandover(q) => self.quiesce_handover(op, *q),
             R::TransferCreate(t) => self.transfer_create(op, t),
             R::TransferCancel(l) => self.lease(l.lease).map(|_| ()).and_then(|()| {
-                self.lender
-                    .transfers
-                    .forget(self.id, Some(l.lease), "transfer cancelled by the source");
+                self.lender.transfers.forget(
+                    self.id,
+                    Some(l.lease),
+                    "transfer cancelled by the source",
+                );
                 log::info!("lease {}: transfer cancelled by the source", l.lease);
                 ok(op, &())
             }),
@@ -321,7 +325,11 @@ impl Session {
         let tr = &self.lender.transfers;
         let mut tickets = lock(&tr.tickets);
         let Some(t) = tickets.get(&a.lease) else {
-            return Err(tr.refuse(&peer, a.lease, "no transfer ticket for it (never created, cancelled, used or expired)"));
+            return Err(tr.refuse(
+                &peer,
+                a.lease,
+                "no transfer ticket for it (never created, cancelled, used or expired)",
+            ));
         };
         if !same_secret(&t.secret, &a.ticket) {
             return Err(tr.refuse(&peer, a.lease, "the ticket does not match"));
@@ -354,11 +362,13 @@ impl Session {
         let mut sorted: Vec<_> = a.maps.clone();
         sorted.sort_by_key(|m| m.iova);
         for (i, m) in sorted.iter().enumerate() {
-            if !m.iova.is_multiple_of(IOMMU_PAGE_SIZE) || !m.size.is_multiple_of(IOMMU_PAGE_SIZE)
-            {
+            if !m.iova.is_multiple_of(IOMMU_PAGE_SIZE) || !m.size.is_multiple_of(IOMMU_PAGE_SIZE) {
                 return Err(error(
                     code::INVALID,
-                    format!("window at iova {:#x} size {:#x} is not page aligned", m.iova, m.size),
+                    format!(
+                        "window at iova {:#x} size {:#x} is not page aligned",
+                        m.iova, m.size
+                    ),
                 ));
             }
             if sorted.get(i + 1).is_some_and(|n| n.iova < m.iova + m.size) {
@@ -439,7 +449,10 @@ impl Session {
         backend.clear_irqs();
         for e in sl.maps.drain(..) {
             if let Err(err) = dom.unmap(e.iova, e.size) {
-                log::warn!("lease {id}: unmapping the source's window at {:#x}: {err}", e.iova);
+                log::warn!(
+                    "lease {id}: unmapping the source's window at {:#x}: {err}",
+                    e.iova
+                );
             }
         }
         let mut map_err = None;
