@@ -1000,10 +1000,15 @@ impl Session {
         Ok(msg)
     }
 
-    fn set_irqs(&mut self, op: u16, s: protocol::SetIrqs, fds: Vec<OwnedFd>) -> Reply {
+    /// The triggers of `s`'s targets on this link, taking the eventfds they name out of
+    /// `fds` (each at most once).
+    fn irq_triggers(
+        &self,
+        s: &protocol::SetIrqs,
+        fds: &mut [Option<OwnedFd>],
+    ) -> Result<Vec<Option<Arc<dyn IrqTrigger>>>, ErrorReply> {
         let weak = Arc::downgrade(&self.ep);
         let doorbells = self.ep.doorbell_count();
-        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
         let mut targets: Vec<Option<Arc<dyn IrqTrigger>>> = Vec::new();
         for (vector, t) in s.targets.iter().enumerate() {
             let t: Option<Arc<dyn IrqTrigger>> = match *t {
@@ -1045,6 +1050,12 @@ impl Session {
             };
             targets.push(t);
         }
+        Ok(targets)
+    }
+
+    fn set_irqs(&mut self, op: u16, s: protocol::SetIrqs, fds: Vec<OwnedFd>) -> Reply {
+        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+        let targets = self.irq_triggers(&s, &mut fds)?;
         let resample_fd = match s.resample {
             IrqTarget::Fd(n) => Some(
                 fds.get_mut(usize::from(n))

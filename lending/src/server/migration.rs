@@ -50,6 +50,8 @@ struct Ticket {
     expires: Instant,
     /// The source session.
     session: u64,
+    /// The leased device.
+    device: String,
 }
 
 enum Slot {
@@ -278,7 +280,7 @@ impl Session {
     }
 
     fn transfer_create(&mut self, op: u16, t: &TransferCreate) -> Reply {
-        self.lease(t.lease)?;
+        let device = self.lease(t.lease)?.lease.device().id().to_string();
         let secret = auth::nonce().map_err(|e| error(code::INTERNAL, e.to_string()))?;
         let mut tickets = lock(&self.lender.transfers.tickets);
         let now = Instant::now();
@@ -301,6 +303,7 @@ impl Session {
                 to_vm: t.to_vm.clone(),
                 expires: now + ttl,
                 session: self.id,
+                device,
             },
         );
         log::info!(
@@ -351,6 +354,23 @@ impl Session {
         if t.session == self.id {
             return Err(tr.refuse(&peer, a.lease, "presented on the source's own link"));
         }
+        // A well-formed accept that cannot be applied is refused before the ticket is used.
+        let vectors = self
+            .lender
+            .inventory()
+            .get(&t.device)
+            .map(|d| d.backend().describe(&t.device).irqs.msix)
+            .unwrap_or(0);
+        if a.msix.len() > vectors as usize {
+            return Err(error(
+                code::INVALID,
+                format!(
+                    "{} msi-x targets for {}, which has {vectors} vectors",
+                    a.msix.len(),
+                    t.device
+                ),
+            ));
+        }
         let session = t.session;
         tickets.remove(&a.lease);
         Ok(session)
@@ -396,6 +416,16 @@ impl Session {
             }
             wins.push((*m, w));
         }
+        // Interrupt targets are built (eventfds, doorbell bits checked) before the ticket is
+        // used, and their number checked against the device.
+        let irqs = SetIrqs {
+            lease: a.lease,
+            kind: IrqKind::Msix,
+            targets: a.msix.clone(),
+            resample: protocol::IrqTarget::None,
+        };
+        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+        let triggers = self.irq_triggers(&irqs, &mut fds)?;
         let source = self.take_ticket(a)?;
         let to = format!("{}/{}", self.peer(), a.vm);
         let slot = Arc::new((Mutex::new(Slot::Waiting), Condvar::new()));
@@ -473,6 +503,8 @@ impl Session {
             log::warn!("lease {id}: bus master after transfer: {e}");
         }
         let baseline_faults = sl.baseline.iommu_faults;
+        // The old guard removes the domain's listener when dropped: before the new one.
+        sl._faults = None;
         sl._faults = Some({
             dom.set_fault_listener(Some(Arc::new(FaultRelay {
                 ep: Arc::downgrade(&self.ep),
@@ -525,14 +557,11 @@ impl Session {
         self.leases.insert(id, *sl);
         self.lender.transfers.moved.fetch_add(1, Ordering::Relaxed);
         log::info!("lease {id}: transferred to {to}; device not reset");
-        if !a.msix.is_empty() {
-            let s = SetIrqs {
-                lease: id,
-                kind: IrqKind::Msix,
-                targets: a.msix.clone(),
-                resample: protocol::IrqTarget::None,
-            };
-            self.set_irqs(op, s, fds)?;
+        if !triggers.is_empty() {
+            if let Err(e) = backend.set_irqs(IrqKind::Msix, triggers) {
+                log::error!("lease {id}: wiring the destination's interrupts: {e}");
+                map_err.get_or_insert(backend_err(e));
+            }
         }
         if let Some(e) = map_err {
             return Err(e);
