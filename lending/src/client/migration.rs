@@ -105,7 +105,9 @@ impl LenderClient {
     /// Takes over the lease of `ticket` for `vm`, with our DMA windows `maps` (at the IOVAs
     /// the source had) and MSI-X `msix` targets (may be empty: wire them with
     /// [`Lease::set_irqs`]). The device is not reset; resume it with [`Lease::quiesce`]
-    /// `(false)`, which delivers the interrupts held during the hand-over.
+    /// `(false)`, which delivers the interrupts held during the hand-over. On links without
+    /// fd passing (tcp) eventfd targets are wired by a SET_IRQS right after the accept; if
+    /// that fails the lease, already ours, is returned (the device is reset).
     pub fn accept_transfer(
         &self,
         ticket: &TransferTicket,
