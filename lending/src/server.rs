@@ -167,7 +167,14 @@ impl Lender {
                 ep.close();
                 break "lender stopping".to_string();
             }
-            match ep.recv(POLL) {
+            // With a transfer ticket out, a destination may be waiting for this loop to hand
+            // the lease over: look often (the hand-over time is part of the VM's downtime).
+            let wait = if self.transfers.has_ticket(s.id) {
+                migration::HANDOFF_POLL
+            } else {
+                POLL
+            };
+            match ep.recv(wait) {
                 Ok(Incoming::Request { id, msg }) => {
                     let (reply, close) = s.handle(msg);
                     if let Err(e) = ep.reply(id, reply) {

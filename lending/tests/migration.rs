@@ -399,7 +399,9 @@ fn transfer(kind: FabricKind) {
     assert!(q.drained);
     let t = r.lease.create_transfer(BORROWER, "vm0-dst").unwrap();
     copy_ram(&r.a.ram, &b.ram);
+    let t0 = Instant::now();
     let lb = Arc::new(accept(&b, &t, "vm0-dst").unwrap());
+    eprintln!("{kind:?}: transfer accepted in {:?}", t0.elapsed());
     assert_eq!(lb.id(), id, "the same lease");
     assert_eq!(wait_moved(&r.a.client, id), format!("{BORROWER}/vm0-dst"));
     // The guest now runs on B: its RAM, B's lease for BAR access, B's interrupt eventfds.

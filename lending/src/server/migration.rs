@@ -5,7 +5,8 @@
 //! touches it. A transfer therefore goes through the [`Transfers`] registry: the source
 //! creates a ticket (a random secret naming the destination); the destination's session
 //! checks the ticket and posts a hand-off to the source session, whose loop
-//! ([`Session::serve_handoffs`], at least once per poll period) moves the `SessionLease` into
+//! ([`Session::serve_handoffs`], every [`HANDOFF_POLL`] while the session has a ticket out)
+//! moves the `SessionLease` into
 //! the hand-off slot and tells its borrower [`LeaseMoved`]; the destination re-points the
 //! lease at its own link (DMA windows at the same IOVAs, interrupt targets, BAR windows,
 //! notify eventfd). The device is never reset: its state, its queues and the interrupts held
@@ -42,6 +43,8 @@ use crate::protocol::{
 pub const TICKET_TTL: Duration = Duration::from_secs(30);
 /// How long the destination waits for the source session to hand the lease over.
 const HANDOFF_WAIT: Duration = Duration::from_secs(2);
+/// How often a session with a transfer ticket out looks for a destination's accept.
+pub(super) const HANDOFF_POLL: Duration = Duration::from_millis(2);
 
 struct Ticket {
     secret: [u8; TICKET_LEN],
@@ -102,6 +105,12 @@ impl Transfers {
             0 => TICKET_TTL,
             ms => Duration::from_millis(ms),
         }
+    }
+
+    /// Whether `session` has a transfer ticket out (or a hand-off to serve).
+    pub(crate) fn has_ticket(&self, session: u64) -> bool {
+        lock(&self.tickets).values().any(|t| t.session == session)
+            || lock(&self.handoffs).contains_key(&session)
     }
 
     /// TRANSFER_ACCEPTs refused so far.
@@ -322,8 +331,9 @@ impl Session {
         )
     }
 
-    /// Checks the ticket and takes it (single use); the source session.
-    fn take_ticket(&self, a: &TransferAccept) -> Result<u64, ErrorReply> {
+    /// Checks the ticket and takes it (single use), posting the hand-off `h` to the source
+    /// session under the same lock (so the source never looks without seeing either).
+    fn take_ticket(&self, a: &TransferAccept, h: Handoff) -> Result<(), ErrorReply> {
         let peer = self.peer();
         let tr = &self.lender.transfers;
         let mut tickets = lock(&tr.tickets);
@@ -372,8 +382,9 @@ impl Session {
             ));
         }
         let session = t.session;
+        lock(&tr.handoffs).entry(session).or_default().push(h);
         tickets.remove(&a.lease);
-        Ok(session)
+        Ok(())
     }
 
     fn transfer_accept(&mut self, op: u16, a: &TransferAccept, fds: Vec<OwnedFd>) -> Reply {
@@ -426,17 +437,16 @@ impl Session {
         };
         let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
         let triggers = self.irq_triggers(&irqs, &mut fds)?;
-        let source = self.take_ticket(a)?;
         let to = format!("{}/{}", self.peer(), a.vm);
         let slot = Arc::new((Mutex::new(Slot::Waiting), Condvar::new()));
-        lock(&self.lender.transfers.handoffs)
-            .entry(source)
-            .or_default()
-            .push(Handoff {
+        self.take_ticket(
+            a,
+            Handoff {
                 lease: a.lease,
                 to: to.clone(),
                 slot: Arc::clone(&slot),
-            });
+            },
+        )?;
         let mut sl = {
             let (m, c) = &*slot;
             let deadline = Instant::now() + HANDOFF_WAIT;
