@@ -549,8 +549,11 @@ mod tests {
     struct SlowMemory {
         mem: Arc<VecBacking>,
         delay: std::sync::atomic::AtomicU64,
+        /// Device reads of at least `min` bytes take this long (ms).
+        read_delay: std::sync::atomic::AtomicU64,
         min: usize,
         in_write: std::sync::atomic::AtomicU64,
+        in_read: std::sync::atomic::AtomicU64,
     }
 
     impl DmaBacking for SlowMemory {
@@ -558,6 +561,11 @@ mod tests {
             self.mem.size()
         }
         fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), crate::iommu::BackingError> {
+            use std::sync::atomic::Ordering::SeqCst;
+            if buf.len() >= self.min {
+                self.in_read.fetch_add(1, SeqCst);
+                std::thread::sleep(Duration::from_millis(self.read_delay.load(SeqCst)));
+            }
             self.mem.read_at(offset, buf)
         }
         fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), crate::iommu::BackingError> {
@@ -574,8 +582,10 @@ mod tests {
         Arc::new(SlowMemory {
             mem: Arc::new(VecBacking::new(size)),
             delay: std::sync::atomic::AtomicU64::new(0),
+            read_delay: std::sync::atomic::AtomicU64::new(0),
             min,
             in_write: std::sync::atomic::AtomicU64::new(0),
+            in_read: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -670,12 +680,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn nvme_handover_quiesce_drains_in_flight_commands_and_holds_their_interrupt() {
+    /// An NVMe backend over slow guest memory (mapped at IOVA 0), two MSI-X eventfds, and a
+    /// driver with one I/O queue pair on vector 1.
+    fn nvme_rig(
+        dir: &std::path::Path,
+    ) -> (
+        Arc<EmulatedBackend>,
+        Arc<SlowMemory>,
+        Vec<Arc<EventFd>>,
+        emulated::testing::NvmeDriver,
+    ) {
         use emulated::testing::{DriverConfig, NvmeDriver};
-        let dir = tempfile::tempdir().unwrap();
         let cfg = NvmeConfig {
-            backing: dir.path().join("disk"),
+            backing: dir.join("disk"),
             size: Some(16 << 20),
             ..NvmeConfig::default()
         };
@@ -707,6 +724,14 @@ mod tests {
         d.enable(16).unwrap();
         d.set_num_queues(1).unwrap();
         d.create_io_queue_pair(1, 16, 1).unwrap();
+        (b, mem, irq, d)
+    }
+
+    #[test]
+    fn nvme_handover_quiesce_drains_in_flight_commands_and_holds_their_interrupt() {
+        use emulated::testing::NvmeDriver;
+        let dir = tempfile::tempdir().unwrap();
+        let (b, mem, irq, mut d) = nvme_rig(dir.path());
         let bufs: Vec<_> = (0..4)
             .map(|_| d.alloc_data(4096, 0, false).unwrap())
             .collect();
@@ -740,5 +765,51 @@ mod tests {
         assert!(irq[1].read().is_ok(), "replayed on resume");
         mem.delay.store(0, std::sync::atomic::Ordering::SeqCst);
         d.rw(1, false, 0, 8, &bufs[0]).unwrap();
+    }
+
+    /// Commands fetched in the worker's last pass before it parks complete in the drain on
+    /// the lender's thread (their gather is slow, so the quiesce comes during the fetch and
+    /// the worker parks before any pass reaps them).
+    #[test]
+    fn nvme_drain_completes_commands_fetched_before_the_park() {
+        use emulated::testing::NvmeDriver;
+        let dir = tempfile::tempdir().unwrap();
+        let (b, mem, irq, mut d) = nvme_rig(dir.path());
+        let bufs: Vec<_> = (0..4)
+            .map(|_| d.alloc_data(4096, 0, false).unwrap())
+            .collect();
+        let _ = irq[1].read();
+        mem.read_delay
+            .store(50, std::sync::atomic::Ordering::SeqCst);
+        for (i, buf) in bufs.iter().enumerate() {
+            d.push(1, NvmeDriver::rw_sqe(true, i as u64 * 8, 8, buf))
+                .unwrap();
+        }
+        d.ring(1).unwrap();
+        let t0 = Instant::now();
+        while mem.in_read.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "no gather started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let q = b.quiesce_handover(Duration::from_secs(10)).unwrap();
+        assert!(q.drained, "{q:?}");
+        assert_eq!(
+            q.pending_msix,
+            vec![1],
+            "completions posted by the drain, held"
+        );
+        assert!(irq[1].read().is_err());
+        let mut cqes = Vec::new();
+        d.poll(1, &mut cqes).unwrap();
+        assert!(
+            !cqes.is_empty(),
+            "the fetched writes completed in the drain"
+        );
+        b.quiesce(false).unwrap();
+        assert!(irq[1].read().is_ok(), "replayed on resume");
+        mem.read_delay.store(0, std::sync::atomic::Ordering::SeqCst);
+        let left = 4 - cqes.len();
+        d.wait(1, &mut cqes, left).unwrap();
+        assert!(cqes.iter().all(|c| c.status == 0), "{cqes:?}");
     }
 }
