@@ -574,6 +574,21 @@ impl DeviceModel for NvmeController {
     fn quiesce(&self, stop: bool) {
         self.inner.wait.quiesce("nvme", stop);
     }
+
+    /// With the worker parked between passes (it fetches no SQE), completes the commands
+    /// already fetched on this thread: their data DMA, their completions, their interrupts.
+    fn drain(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let running = self
+            .thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if !self.inner.wait.wait_parked(running, deadline) {
+            return false;
+        }
+        self.inner.lock().drain_for_handover(deadline)
+    }
 }
 
 impl Drop for NvmeController {
