@@ -9,13 +9,15 @@
 #    from busybox-static and a static fio from Debian's fio source, tests/linux/build-fio.sh,
 #    ~2 min the first time; cached by content like the kernel);
 # 3. builds lendvm and lenderd (the tests spawn them from the same target dir);
-# 4. runs the five #[ignore]d tests of `--test linux`, two boots at a time (one per core):
+# 4. runs the #[ignore]d tests of `--test linux`, two boots at a time (one per core):
 #    a boot with a lent NVMe disk, a boot without it plus an ACPI hot-add (both checked by
 #    the in-kernel self-test), a boot with the lent disk checked from busybox user space,
 #    a boot that runs fio's crc32c verify job on the lent disk (fio's JSON checked: no errors,
 #    the expected number of writes and verify reads, the blocks in the lender's file), and
 #    a boot whose lender is SIGKILLed mid-write (lender crash: no acknowledged block lost,
-#    the device lost and hot-added again; figures in target/reliability/lender_crash.json).
+#    the device lost and hot-added again; figures in target/reliability/lender_crash.json),
+#    and a boot with two lent disks from two lenders written at once, one removed while
+#    the other keeps writing (pinned bytes = guest RAM throughout, zero leaks at the end).
 #
 # The user-space test always runs: on this PVM host user space needs the kernel's
 # `lendvm_syscall_fixup` (docs/linux-guest-on-pvm.md), which the test passes and which does

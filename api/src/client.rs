@@ -17,7 +17,8 @@ use crate::events::VmEvent;
 use crate::server::API_ROOT;
 use crate::types::VmCountersReport;
 use crate::types::{
-    PciDeviceInfo, VmAddRemoteDeviceData, VmInfo, VmRemoveDeviceData, VmmPingResponse,
+    PciDeviceInfo, VmAddRemoteDeviceData, VmInfo, VmRemoveDeviceData, VmSnapshotConfig,
+    VmmPingResponse,
 };
 
 /// Responses larger than this are refused (the API's are a few KiB).
@@ -308,6 +309,11 @@ impl ApiClient {
 
     pub fn pause(&self) -> Result<(), ClientError> {
         self.request("PUT", "vm.pause", None)?.ok().map(|_| ())
+    }
+
+    /// `vm.snapshot`: write a snapshot of the VM to `destination_url`.
+    pub fn snapshot(&self, data: &VmSnapshotConfig) -> Result<(), ClientError> {
+        self.put_json("vm.snapshot", data).map(|_| ())
     }
 
     pub fn resume(&self) -> Result<(), ClientError> {

@@ -343,6 +343,12 @@ impl ApiHandler for FakeVmm {
                 }
                 other => Err(ApiError::conflict(pause_refusal("pause", other))),
             },
+            ApiRequest::VmSnapshot(_) => match self.state {
+                VmState::Running | VmState::Paused => Ok(ApiResponse::Empty),
+                other => Err(ApiError::conflict(format!(
+                    "cannot snapshot the vm: it is {other:?}"
+                ))),
+            },
             ApiRequest::VmResume => match self.state {
                 VmState::Paused => {
                     self.state = VmState::Running;

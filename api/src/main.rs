@@ -4,6 +4,7 @@
 //! lendctl --api-socket S ping|info|counters|pause|resume|shutdown|shutdown-vmm
 //!                        |add-remote-device node3:0000:81:00.0 [--id X] [--mode M] [--replace-lost]
 //!                        |remove-device X [--force]|events [--since SEQ] [--no-follow]
+//!                        |snapshot file:///abs/dir
 //! lendctl --cluster F [--token T] [--node NAME] lenders|list
 //! lendctl --cluster F --lender NODE list|status
 //! lendctl --cluster etcd://HOST:PORT[,...] list|watch|lenders    (or a file with [directory])
@@ -111,6 +112,12 @@ enum Command {
     Pause,
     /// Restart the vCPUs and re-arm lent devices (vm.resume).
     Resume,
+    /// Write a snapshot of the VM to URL (vm.snapshot): file:///abs/dir or a path, a new or
+    /// empty directory. A running VM is paused for it and resumed after.
+    Snapshot {
+        #[arg(value_name = "URL")]
+        url: String,
+    },
     /// Per-device and KVM counters (vm.counters).
     Counters,
     /// Print the VMM's events as they happen (vm.events), until it shuts down.
@@ -366,6 +373,16 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
                 println!("{{}}");
             } else {
                 println!("{what}");
+            }
+        }
+        Command::Snapshot { url } => {
+            client.snapshot(&api::types::VmSnapshotConfig {
+                destination_url: url.clone(),
+            })?;
+            if cli.json {
+                println!("{{}}");
+            } else {
+                println!("snapshot written to {url}");
             }
         }
         Command::Counters => {

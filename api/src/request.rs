@@ -42,8 +42,8 @@ use tokio::sync::oneshot;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::types::{
-    PciDeviceInfo, VmAddRemoteDeviceData, VmCountersReport, VmInfo, VmRemoveDeviceData, VmState,
-    VmmPingResponse,
+    PciDeviceInfo, VmAddRemoteDeviceData, VmCountersReport, VmInfo, VmRemoveDeviceData,
+    VmSnapshotConfig, VmState, VmmPingResponse,
 };
 
 /// What a client asked for.
@@ -57,6 +57,7 @@ pub enum ApiRequest {
     VmCounters,
     VmPause,
     VmResume,
+    VmSnapshot(VmSnapshotConfig),
     VmmShutdown,
 }
 
@@ -72,6 +73,7 @@ impl ApiRequest {
             ApiRequest::VmCounters => "vm.counters",
             ApiRequest::VmPause => "vm.pause",
             ApiRequest::VmResume => "vm.resume",
+            ApiRequest::VmSnapshot(_) => "vm.snapshot",
             ApiRequest::VmmShutdown => "vmm.shutdown",
         }
     }
@@ -85,7 +87,7 @@ impl ApiRequest {
 /// | `VmInfo` | `VmInfo` | 200 JSON |
 /// | `VmAddRemoteDevice` | `DeviceAdded` | 200 JSON `{"id","bdf"}` |
 /// | `VmCounters` | `Counters` | 200 JSON `{id: {name: number}}` |
-/// | `VmRemoveDevice`, `VmShutdown`, `VmPause`, `VmResume`, `VmmShutdown` | `Empty` | 204 |
+/// | `VmRemoveDevice`, `VmShutdown`, `VmPause`, `VmResume`, `VmSnapshot`, `VmmShutdown` | `Empty` | 204 |
 ///
 /// Any other pairing is answered with 500 (a VMM bug).
 #[derive(Debug, Clone, PartialEq, Eq)]

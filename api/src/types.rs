@@ -47,6 +47,8 @@ pub enum SpecError {
     UnknownOption(String, String),
     #[error("option {0:?} given twice in remote device {1:?}")]
     DuplicateOption(String, String),
+    #[error("destination_url is empty: expected file:///path/dir or a path")]
+    EmptyUrl,
 }
 
 fn is_name_char(c: char) -> bool {
@@ -343,6 +345,23 @@ pub struct VmRemoveDeviceData {
 impl VmRemoveDeviceData {
     pub fn validate(&self) -> Result<(), SpecError> {
         validate_device_id(&self.id)
+    }
+}
+
+/// Body of `PUT /api/v1/vm.snapshot` (Cloud Hypervisor's `VmSnapshotConfig`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSnapshotConfig {
+    /// Where the snapshot goes: `file:///abs/dir` or a path (a new or empty directory).
+    pub destination_url: String,
+}
+
+impl VmSnapshotConfig {
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.destination_url.trim().is_empty() {
+            return Err(SpecError::EmptyUrl);
+        }
+        Ok(())
     }
 }
 

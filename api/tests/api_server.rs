@@ -139,6 +139,40 @@ fn shutdown_is_204_and_releases_devices() {
 }
 
 #[test]
+fn snapshot_body_is_checked_and_needs_a_live_vm() {
+    let h = Harness::start();
+    let r = h.call(
+        "PUT",
+        "vm.snapshot",
+        Some(r#"{"destination_url":"file:///tmp/x"}"#),
+    );
+    assert_eq!((r.status, r.body.len()), (204, 0));
+    h.expect_error(
+        "PUT",
+        "vm.snapshot",
+        Some(r#"{"destination_url":" "}"#),
+        400,
+        "destination_url is empty",
+    );
+    h.expect_error(
+        "PUT",
+        "vm.snapshot",
+        Some(r#"{"destination":"file:///tmp/x"}"#),
+        400,
+        "unknown field `destination`",
+    );
+    h.expect_error("PUT", "vm.snapshot", None, 400, "");
+    assert_eq!(h.call("PUT", "vm.shutdown", None).status, 204);
+    h.expect_error(
+        "PUT",
+        "vm.snapshot",
+        Some(r#"{"destination_url":"/tmp/x"}"#),
+        409,
+        "cannot snapshot",
+    );
+}
+
+#[test]
 fn interrupt_counts_are_reported() {
     let h = Harness::start();
     add(&h, r#"{"device":"node3:0000:81:00.0","id":"nvme1"}"#);
@@ -678,6 +712,17 @@ fn openapi_document_covers_every_endpoint_and_request_type() {
         .unwrap();
     o.validate_component("VmRemoveDevice", &json!({"id": "nvme1", "force": true}))
         .unwrap();
+    o.validate_component(
+        "VmSnapshotConfig",
+        &serde_json::to_value(api::types::VmSnapshotConfig {
+            destination_url: "file:///tmp/s".into(),
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    assert!(o
+        .validate_component("VmSnapshotConfig", &json!({"destination_url": "x", "y": 1}))
+        .is_err());
     assert!(o
         .validate_component("VmRemoveDevice", &json!({"id": "nvme1", "x": 1}))
         .is_err());

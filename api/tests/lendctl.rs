@@ -141,6 +141,24 @@ fn lendctl_server_errors_exit_1_with_the_message() {
 }
 
 #[test]
+fn lendctl_snapshot_sends_the_url_and_reports_refusals() {
+    let h = Harness::start();
+    let o = h.lendctl(&["snapshot", "file:///tmp/snap1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim(), "snapshot written to file:///tmp/snap1");
+    let o = h.lendctl(&["snapshot", " "]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("destination_url is empty"),
+        "{}",
+        stderr(&o)
+    );
+    let o = h.lendctl(&["snapshot"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    h.assert_alive();
+}
+
+#[test]
 fn lendctl_usage_errors_exit_2() {
     let h = Harness::start();
     let o = h.lendctl(&["add-remote-device", "node3:0000:81:20.0"]);

@@ -38,6 +38,8 @@ use serde::de::DeserializeOwned;
 use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
+mod migration;
+
 use crate::auth::{self, Role, Transcript};
 use crate::backend::irq::IrqRelay;
 use crate::protocol::{
@@ -99,6 +101,17 @@ pub enum ClientError {
         version: u32,
         /// The version that has it.
         needs: u32,
+    },
+    /// The lender's session does not speak protocol version 4 (live migration).
+    #[error(
+        "lender {lender} speaks protocol version {version}: peer does not support migration \
+         (dirty log, hand-over quiesce, lease transfer need version 4)"
+    )]
+    MigrationUnsupported {
+        /// Lender node.
+        lender: String,
+        /// The session's version.
+        version: u32,
     },
     /// The lender did not prove that it knows the cluster token (an impostor, or this node's
     /// token is wrong).
@@ -994,7 +1007,7 @@ impl Lease {
     /// Peer-to-peer DMA: asks the lender to map BAR `bar` of our lease `target` (a device of
     /// the same lender, borrowed for the same VM over this or another session) at `iova` in
     /// this lease's IOMMU domain. [`ClientError::Unsupported`] with a lender older than
-    /// protocol version 4 (or one answering `UNKNOWN_OPCODE`).
+    /// protocol version 5 (or one answering `UNKNOWN_OPCODE`).
     pub fn p2p_map(&self, target: u64, bar: u8, iova: u64) -> Result<(), ClientError> {
         self.p2p_call(Request::P2pMap(P2pMap {
             source: self.id,
@@ -1018,10 +1031,10 @@ impl Lease {
             lender: self.inner.lender.clone(),
             what: "peer-to-peer dma",
             version,
-            needs: 4,
+            needs: protocol::P2P_VERSION,
         };
         let version = self.inner.version();
-        if version < 4 {
+        if version < protocol::P2P_VERSION {
             return Err(unsupported(version));
         }
         match self.inner.call::<()>(&r, Vec::new()) {

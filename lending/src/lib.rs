@@ -23,6 +23,7 @@ pub mod iommu;
 pub mod protocol;
 pub mod server;
 pub mod spec;
+pub mod sriov;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -34,18 +35,24 @@ use spec::{DeviceKind, DeviceSpec};
 
 pub use client::{ClientIrq, LenderClient};
 
-/// Creates the backend a spec describes.
-pub fn open_backend(spec: &DeviceSpec) -> Result<Arc<dyn DeviceBackend>, backend::BackendError> {
+/// Creates the backends a spec describes, with their ids: one, or an SR-IOV PF followed by
+/// its virtual functions (`vfs=N`, see [`sriov`]).
+pub fn open_backends(
+    spec: &DeviceSpec,
+) -> Result<Vec<sriov::LendableFunction>, backend::BackendError> {
     let name = spec.id.replace(':', "_");
+    let one = |b: Arc<dyn DeviceBackend>| vec![(spec.id.clone(), b)];
     Ok(match &spec.kind {
-        DeviceKind::Vfio => Arc::new(backend::vfio::VfioBackend::open(&spec.id)?),
-        DeviceKind::Dmatest { mode } => Arc::new(EmulatedBackend::dmatest(&name, *mode)?),
+        DeviceKind::Vfio => one(Arc::new(backend::vfio::VfioBackend::open(&spec.id)?)),
+        DeviceKind::Dmatest { mode } => one(Arc::new(EmulatedBackend::dmatest(&name, *mode)?)),
         DeviceKind::Nvme {
             path,
             size,
             lba,
             mode,
             dbbuf,
+            vfs,
+            cmb,
         } => {
             let cfg = emulated::nvme::NvmeConfig {
                 backing: path.clone(),
@@ -53,13 +60,19 @@ pub fn open_backend(spec: &DeviceSpec) -> Result<Arc<dyn DeviceBackend>, backend
                 lba_size: *lba,
                 notify: *mode,
                 dbbuf: *dbbuf,
-                serial: format!("LENDVM{}", spec.id.replace([':', '.'], ""))
-                    .chars()
-                    .take(20)
-                    .collect(),
+                serial: sriov::nvme_serial(&spec.id),
+                cmb_size: *cmb,
                 ..Default::default()
             };
-            Arc::new(EmulatedBackend::nvme(&name, cfg)?)
+            if *vfs == 0 {
+                one(Arc::new(EmulatedBackend::nvme(&name, cfg)?))
+            } else {
+                let pf: sriov::Bdf = spec
+                    .id
+                    .parse()
+                    .map_err(|e: sriov::BdfError| backend::BackendError::Model(e.to_string()))?;
+                sriov::open_nvme_functions(&pf, cfg, *vfs)?
+            }
         }
     })
 }

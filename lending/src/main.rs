@@ -32,7 +32,7 @@ struct Args {
     /// absolute Unix socket path (shm fabric) or ip:port (tcp fabric).
     #[arg(long, value_name = "ADDR")]
     control: Option<String>,
-    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off] | BDF=dmatest[:mode=...]
+    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE] | BDF=dmatest[:mode=...]
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
     /// Cluster auth token (visible in `ps`; prefer --token-file or $LENDVM_TOKEN).
@@ -145,11 +145,29 @@ fn run(args: Args) -> Result<(), String> {
     };
     let fabric = SocketFabric::from_cluster(&fabric_cluster, &args.node)
         .map_err(|e| format!("node {}: {e}", args.node))?;
+    // Every function's address once, before any backend opens: a VF of one spec may land
+    // on the address another spec names.
+    let mut seen: Vec<(String, String)> = Vec::new();
+    for spec in &args.devices {
+        for (n, id) in spec.function_ids().into_iter().enumerate() {
+            let what = match n {
+                0 => format!("--device {id}"),
+                n => format!("virtual function {n} of --device {}", spec.id),
+            };
+            if let Some((_, other)) = seen.iter().find(|(s, _)| *s == id) {
+                return Err(format!("two devices at {id}: {what} and {other}"));
+            }
+            seen.push((id, what));
+        }
+    }
     let mut devices = Vec::new();
     for spec in &args.devices {
-        let b = lending::open_backend(spec).map_err(|e| format!("device {}: {e}", spec.id))?;
-        log::info!("device {} ({}) available", spec.id, b.kind());
-        devices.push((spec.id.clone(), b));
+        let functions =
+            lending::open_backends(spec).map_err(|e| format!("device {}: {e}", spec.id))?;
+        for (id, b) in functions {
+            log::info!("device {id} ({}) available", b.kind());
+            devices.push((id, b));
+        }
     }
     let inventory = Arc::new(Inventory::new(devices).map_err(|e| e.to_string())?);
     let listener = fabric.listen().map_err(|e| format!("listen: {e}"))?;
@@ -200,7 +218,7 @@ fn run(args: Args) -> Result<(), String> {
         "lenderd {} listening at {} with {} devices",
         args.node,
         listener.local_addr(),
-        args.devices.len()
+        inventory.list().len()
     );
     let r = lender.serve(listener.as_ref()).map_err(|e| e.to_string());
     STOP.store(true, Ordering::SeqCst);

@@ -22,14 +22,16 @@
 //! | 0x10e | [`LeaseRef`] (version 3) | [`LeaseCounters`] | — (lender-side counters of the lease) |
 //! | 0x10f | [`Quiesce`] (version 3) | `()` | — (pause/resume fetching) |
 //! | 0x110 | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
-//! | 0x111 | [`P2pMap`] (version 4) | `()` | — (map a peer lease's BAR into this lease's IOMMU domain) |
-//! | 0x112 | [`P2pUnmap`] (version 4) | `()` | — (undo a [`P2pMap`]) |
+//! | 0x111 | [`P2pMap`] (version 5) | `()` | — (map a peer lease's BAR into this lease's IOMMU domain) |
+//! | 0x112 | [`P2pUnmap`] (version 5) | `()` | — (undo a [`P2pMap`]) |
 //! | 0x120 | [`AuthChallenge`] (before HELLO) | [`AuthResponse`] | — (mutual challenge–response, [`crate::auth`]) |
+//! | 0x121..=0x127 | version 4, live migration: see [`migration`] (dirty log, hand-over quiesce, lease transfer) | | — |
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
 //! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it), 0x184
 //! [`IommuFaultEvent`] (a DMA the lease's IOMMU domain refused, rate-limited, version 3),
-//! 0x185 [`KicksEvent`] (the device's kick-only doorbells changed, version 3); borrower →
+//! 0x185 [`KicksEvent`] (the device's kick-only doorbells changed, version 3), 0x186
+//! [`LeaseMoved`] (the lease was transferred to another borrower, version 4); borrower →
 //! lender 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it, version 2).
 //!
 //! AUTH is outside the versioned requests: it precedes HELLO in every session, and HELLO's
@@ -53,8 +55,9 @@
 //! | 1 | first |
 //! | any | 0x10e [`BorrowClaimed`] is a new opcode, not a new layout: a lender that predates it answers `unknown opcode`, so it needs no version |
 //! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
+//! | 4 | live migration ([`migration`]): DIRTY_LOG_START/FETCH/STOP, QUIESCE_HANDOVER, TRANSFER_CREATE/CANCEL/ACCEPT (0x121..=0x127) and the [`LeaseMoved`] event (0x186) |
 //! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event; [`NotifyWrites::Polled`] (sent as `Doorbells` to older borrowers); BAR_WRITE and RESET replies carry [`DoorbellKicks`]; the [`KicksEvent`] event |
-//! | 4 | P2P_MAP and P2P_UNMAP requests (peer-to-peer DMA between two leases of one borrower on this lender) |
+//! | 5 | P2P_MAP and P2P_UNMAP requests (peer-to-peer DMA between two leases of one borrower on this lender) |
 //!
 //! New requests of a version are unknown opcodes in a session of an older version (both
 //! ways: the lender answers `UNKNOWN_OPCODE`, and [`Request::encode_versioned`] refuses to
@@ -66,8 +69,17 @@ use thiserror::Error;
 
 use ntb::wire::{self, ErrorReply, WireError};
 
+pub mod migration;
+
+pub use migration::{
+    AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, LeaseMoved,
+    QuiesceHandover, TransferAccept, TransferCreate, TransferTicket,
+};
+
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
+/// The version that introduced P2P_MAP/P2P_UNMAP.
+pub const P2P_VERSION: u32 = 5;
 /// Oldest version a lender still serves.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// Largest config space (PCIe extended).
@@ -115,9 +127,9 @@ pub mod opcode {
     pub const QUIESCE: u16 = 0x10f;
     /// Borrow a device under a cluster-directory claim (fencing token).
     pub const BORROW_CLAIMED: u16 = 0x110;
-    /// Map a peer lease's BAR into a lease's IOMMU domain (version 4).
+    /// Map a peer lease's BAR into a lease's IOMMU domain (version 5).
     pub const P2P_MAP: u16 = 0x111;
-    /// Undo a P2P_MAP (version 4).
+    /// Undo a P2P_MAP (version 5).
     pub const P2P_UNMAP: u16 = 0x112;
     /// Mutual authentication challenge (before HELLO, any version).
     pub const AUTH: u16 = 0x120;
@@ -641,7 +653,7 @@ pub struct DmaUnmap {
     pub size: u64,
 }
 
-/// P2P_MAP (version 4): make BAR `bar` of lease `target`, placed by the borrower at
+/// P2P_MAP (version 5): make BAR `bar` of lease `target`, placed by the borrower at
 /// guest-physical address `iova`, reachable by DMA of lease `source`'s device at the same
 /// addresses (so the guest driver's bus address is the device address). What is mapped is
 /// the part of the BAR the target device exposes to peers as plain memory (the emulated
@@ -666,7 +678,7 @@ pub struct P2pMap {
     pub iova: u64,
 }
 
-/// P2P_UNMAP (version 4): undo the [`P2pMap`] of (`source`, `target`, `bar`). Unmapping a
+/// P2P_UNMAP (version 5): undo the [`P2pMap`] of (`source`, `target`, `bar`). Unmapping a
 /// mapping the lender already revoked (target reset, returned or lost) succeeds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct P2pUnmap {
@@ -961,9 +973,23 @@ pub enum Request {
     Quiesce(Quiesce),
     /// Borrow under a directory claim.
     BorrowClaimed(BorrowClaimed),
-    /// Peer-to-peer map (version 4).
+    /// Start the device dirty log (version 4).
+    DirtyLogStart(LeaseRef),
+    /// Fetch and clear the device dirty log (version 4).
+    DirtyLogFetch(DirtyLogFetch),
+    /// Stop the device dirty log (version 4).
+    DirtyLogStop(LeaseRef),
+    /// Quiesce for a hand-over (version 4).
+    QuiesceHandover(QuiesceHandover),
+    /// Create a transfer ticket (version 4).
+    TransferCreate(TransferCreate),
+    /// Cancel the lease's transfer ticket (version 4).
+    TransferCancel(LeaseRef),
+    /// Take a lease by its ticket (version 4).
+    TransferAccept(TransferAccept),
+    /// Peer-to-peer map (version 5).
     P2pMap(P2pMap),
-    /// Peer-to-peer unmap (version 4).
+    /// Peer-to-peer unmap (version 5).
     P2pUnmap(P2pUnmap),
 }
 
@@ -982,6 +1008,8 @@ pub enum Event {
     IommuFault(IommuFaultEvent),
     /// Kick-only doorbells changed (version 3).
     Kicks(KicksEvent),
+    /// The lease moved to another borrower (version 4): not a lost device.
+    LeaseMoved(LeaseMoved),
 }
 
 fn wire_err(opcode: u16) -> impl FnOnce(WireError) -> ProtocolError {
@@ -1033,6 +1061,7 @@ impl Request {
             Request::BorrowClaimed(_) => opcode::BORROW_CLAIMED,
             Request::P2pMap(_) => opcode::P2P_MAP,
             Request::P2pUnmap(_) => opcode::P2P_UNMAP,
+            other => migration::opcode_of(other).unwrap_or(0),
         }
     }
 
@@ -1058,6 +1087,7 @@ impl Request {
             | Request::Borrow(_)
             | Request::Status
             | Request::BorrowClaimed(_) => None,
+            other => migration::lease_of(other),
         }
     }
 
@@ -1111,6 +1141,10 @@ impl Request {
             Request::Quiesce(v) => enc(op, v)?,
             Request::P2pMap(v) => enc(op, v)?,
             Request::P2pUnmap(v) => enc(op, v)?,
+            other => match migration::encode(other, op) {
+                Some(p) => p?,
+                None => return Err(ProtocolError::UnknownOpcode(op)),
+            },
         };
         Ok((op, payload))
     }
@@ -1120,7 +1154,8 @@ impl Request {
     fn since_version(op: u16) -> u32 {
         match op {
             opcode::LEASE_COUNTERS | opcode::QUIESCE => 3,
-            opcode::P2P_MAP | opcode::P2P_UNMAP => 4,
+            op if migration::is_migration_op(op) => migration::MIGRATION_VERSION,
+            opcode::P2P_MAP | opcode::P2P_UNMAP => P2P_VERSION,
             _ => 1,
         }
     }
@@ -1139,6 +1174,9 @@ impl Request {
     ) -> Result<Request, ProtocolError> {
         if version < Self::since_version(op) {
             return Err(ProtocolError::UnknownOpcode(op));
+        }
+        if migration::is_migration_op(op) {
+            return migration::decode(op, payload);
         }
         let r = match op {
             opcode::LEASE_COUNTERS => Request::LeaseCounters(dec(op, payload)?),
@@ -1307,6 +1345,10 @@ impl Event {
             Event::Resample(v) => Ok((opcode::EVT_RESAMPLE, enc(opcode::EVT_RESAMPLE, v)?)),
             Event::IommuFault(v) => Ok((opcode::EVT_IOMMU_FAULT, enc(opcode::EVT_IOMMU_FAULT, v)?)),
             Event::Kicks(v) => Ok((opcode::EVT_KICKS, enc(opcode::EVT_KICKS, v)?)),
+            Event::LeaseMoved(v) => {
+                let op = migration::opcode::EVT_LEASE_MOVED;
+                Ok((op, enc(op, v)?))
+            }
         }
     }
 
@@ -1322,6 +1364,11 @@ impl Event {
                 let k: KicksEvent = dec(op, payload)?;
                 k.kicks.check(op)?;
                 Ok(Event::Kicks(k))
+            }
+            migration::opcode::EVT_LEASE_MOVED => {
+                let m: LeaseMoved = dec(op, payload)?;
+                check_str(op, "new holder", &m.to)?;
+                Ok(Event::LeaseMoved(m))
             }
             other => Err(ProtocolError::UnknownOpcode(other)),
         }
@@ -1512,6 +1559,133 @@ mod tests {
                 bar: 0,
             }),
         ]
+    }
+
+    /// The version 4 migration requests.
+    fn migration_samples() -> Vec<Request> {
+        vec![
+            Request::DirtyLogStart(LeaseRef { lease: 7 }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 7,
+                iova: 0x10_0000,
+                len: 0x4000_0000,
+            }),
+            Request::DirtyLogStop(LeaseRef { lease: 7 }),
+            Request::QuiesceHandover(QuiesceHandover {
+                lease: 7,
+                timeout_ms: 5000,
+            }),
+            Request::TransferCreate(TransferCreate {
+                lease: 7,
+                to_node: "node2".into(),
+                to_vm: "vm0".into(),
+            }),
+            Request::TransferCancel(LeaseRef { lease: 7 }),
+            Request::TransferAccept(TransferAccept {
+                lease: 7,
+                ticket: vec![9; migration::TICKET_LEN],
+                vm: "vm0".into(),
+                maps: vec![AcceptMap {
+                    iova: 0,
+                    size: 0xc000_0000,
+                    window: 4,
+                }],
+                msix: vec![IrqTarget::Fd(0), IrqTarget::Doorbell(2), IrqTarget::None],
+            }),
+        ]
+    }
+
+    #[test]
+    fn version_4_migration_requests_roundtrip_and_are_refused_below_4() {
+        for r in migration_samples() {
+            let (op, p) = r.encode().unwrap();
+            assert!((0x121..=0x127).contains(&op), "{r:?}: {op:#x}");
+            assert_eq!(Request::decode(op, &p).unwrap(), r);
+            assert_eq!(r.lease(), Some(7));
+            assert!(r.encode_versioned(3).is_err(), "{r:?}");
+            assert_eq!(
+                Request::decode_versioned(op, &p, 3),
+                Err(ProtocolError::UnknownOpcode(op))
+            );
+        }
+        // Old requests keep their layouts in version 4.
+        for r in samples() {
+            let (op, p) = r.encode_versioned(3).unwrap();
+            assert_eq!(Request::decode_versioned(op, &p, 4).unwrap(), r);
+        }
+        let ev = Event::LeaseMoved(LeaseMoved {
+            lease: 7,
+            to: "node2/vm0".into(),
+        });
+        let (op, p) = ev.encode().unwrap();
+        assert_eq!(op, 0x186);
+        assert_eq!(Event::decode(op, &p).unwrap(), ev);
+        let bm = DirtyBitmap {
+            iova: 0x1000,
+            pages: 70,
+            bits: vec![0b101, 1 << 5],
+            whole_window: false,
+        };
+        assert_eq!(bm.iovas(), vec![0x1000, 0x3000, 0x1000 + 69 * 4096]);
+        let p = encode_reply(migration::opcode::DIRTY_LOG_FETCH, &bm).unwrap();
+        assert_eq!(
+            decode_reply::<DirtyBitmap>(migration::opcode::DIRTY_LOG_FETCH, &p).unwrap(),
+            bm
+        );
+        assert_eq!(negotiate(4, 3), Some(3), "a version 3 lender speaks 3");
+    }
+
+    #[test]
+    fn version_4_decoder_rejects_bad_fields() {
+        let bad = [
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: 0x1001,
+                len: 0x1000,
+            }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: 0,
+                len: (crate::iommu::MAX_DIRTY_PAGES + 1) * 4096,
+            }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: u64::MAX - 0xfff,
+                len: 0x2000,
+            }),
+            Request::QuiesceHandover(QuiesceHandover {
+                lease: 1,
+                timeout_ms: migration::MAX_DRAIN_MS + 1,
+            }),
+            Request::TransferAccept(TransferAccept {
+                lease: 1,
+                ticket: vec![0; 5],
+                vm: "v".into(),
+                maps: vec![],
+                msix: vec![],
+            }),
+            Request::TransferAccept(TransferAccept {
+                lease: 1,
+                ticket: vec![0; migration::TICKET_LEN],
+                vm: "v".into(),
+                maps: vec![AcceptMap {
+                    iova: u64::MAX,
+                    size: 2,
+                    window: 0,
+                }],
+                msix: vec![],
+            }),
+            Request::TransferCreate(TransferCreate {
+                lease: 1,
+                to_node: "n".repeat(MAX_STRING + 1),
+                to_vm: "v".into(),
+            }),
+        ];
+        for r in bad {
+            let (op, p) = r.encode().unwrap();
+            let e = Request::decode(op, &p).unwrap_err();
+            assert!(matches!(e, ProtocolError::Invalid { .. }), "{r:?}: {e}");
+        }
     }
 
     #[test]
@@ -1780,7 +1954,7 @@ mod tests {
     }
 
     #[test]
-    fn version_4_p2p_requests() {
+    fn version_5_p2p_requests() {
         for r in [
             Request::P2pMap(P2pMap {
                 source: 1,
@@ -1794,16 +1968,16 @@ mod tests {
                 bar: 0,
             }),
         ] {
-            for v in 1..4 {
+            for v in 1..P2P_VERSION {
                 assert!(r.encode_versioned(v).is_err(), "{r:?} in version {v}");
             }
-            let (op, p) = r.encode_versioned(4).unwrap();
+            let (op, p) = r.encode_versioned(P2P_VERSION).unwrap();
             assert_eq!(
-                Request::decode_versioned(op, &p, 3),
+                Request::decode_versioned(op, &p, 4),
                 Err(ProtocolError::UnknownOpcode(op)),
-                "what a version 3 lender answers"
+                "what a version 4 lender answers"
             );
-            assert_eq!(Request::decode_versioned(op, &p, 4).unwrap(), r);
+            assert_eq!(Request::decode_versioned(op, &p, P2P_VERSION).unwrap(), r);
         }
         // A lease cannot be its own peer.
         let (op, p) = Request::P2pMap(P2pMap {
@@ -1818,7 +1992,7 @@ mod tests {
             Request::decode(op, &p),
             Err(ProtocolError::Invalid { .. })
         ));
-        assert_eq!(negotiate(4, 3), Some(3), "a version 3 lender speaks 3");
+        assert_eq!(negotiate(5, 4), Some(4), "a version 4 lender speaks 4");
     }
 
     #[test]
@@ -1862,6 +2036,32 @@ mod tests {
             let _ = decode_reply::<Vec<DeviceSummary>>(op, &payload);
             let _ = Request::decode_versioned(op, &payload, 2);
             let _ = decode_reply::<LeaseCounters>(op, &payload);
+            let _ = Request::decode_versioned(op, &payload, 3);
+            let _ = decode_reply::<DirtyBitmap>(op, &payload);
+            let _ = decode_reply::<HandoverQuiesced>(op, &payload);
+            let _ = decode_reply::<TransferTicket>(op, &payload);
+        }
+
+        /// Migration requests (version 4) mutated at one byte or cut: no panic; untouched
+        /// ones roundtrip.
+        #[test]
+        fn mutated_migration_requests_never_panic(which in 0usize..7, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>()) {
+            let r = &migration_samples()[which];
+            let (op, p) = r.encode().unwrap();
+            prop_assert_eq!(&Request::decode(op, &p).unwrap(), r);
+            let mut m = p.clone();
+            if !m.is_empty() {
+                let i = at % m.len();
+                m[i] = byte;
+            }
+            let _ = Request::decode(op, &m);
+            let _ = Request::decode(op, &p[..cut % (p.len() + 1)]);
+            let (eop, e) = Event::LeaseMoved(LeaseMoved { lease: 3, to: "n/v".into() }).encode().unwrap();
+            let mut m = e.clone();
+            let i = at % m.len();
+            m[i] = byte;
+            let _ = Event::decode(eop, &m);
+            let _ = Event::decode(eop, &e[..cut % (e.len() + 1)]);
         }
 
         /// A LEASE_COUNTERS reply mutated at one byte or cut: no panic.

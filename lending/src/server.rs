@@ -43,6 +43,10 @@ use crate::protocol::{
     PROTOCOL_VERSION,
 };
 
+mod migration;
+
+pub use migration::TICKET_TTL;
+
 /// How often idle loops look at the stop flag.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -66,6 +70,8 @@ pub struct Lender {
     auth_failures: FailureLimiter,
     /// Every lease, across sessions, for peer-to-peer DMA between leases of one borrower.
     p2p: Arc<P2pBook>,
+    /// Lease transfer tickets and hand-offs (live migration).
+    transfers: migration::Transfers,
 }
 
 impl Lender {
@@ -79,6 +85,7 @@ impl Lender {
             claims: None,
             auth_failures: FailureLimiter::default(),
             p2p: Arc::default(),
+            transfers: migration::Transfers::default(),
         })
     }
 
@@ -97,6 +104,7 @@ impl Lender {
             claims: Some(claims),
             auth_failures: FailureLimiter::default(),
             p2p: Arc::default(),
+            transfers: migration::Transfers::default(),
         })
     }
 
@@ -151,6 +159,7 @@ impl Lender {
     /// Serves one link until it goes down or the lender stops.
     pub fn run_session(self: Arc<Self>, ep: Arc<dyn Endpoint>) {
         let mut s = Session {
+            id: self.transfers.session_id(),
             lender: Arc::clone(&self),
             ep: Arc::clone(&ep),
             hello: false,
@@ -162,11 +171,20 @@ impl Lender {
         let peer = ep.peer_node().to_string();
         let reason = loop {
             if self.stop.load(Ordering::Relaxed) {
+                self.transfers
+                    .forget(s.id, None, "the lender is shutting down");
                 s.end_all("lenderd shutting down", true);
                 ep.close();
                 break "lender stopping".to_string();
             }
-            match ep.recv(POLL) {
+            // With a transfer ticket out, a destination may be waiting for this loop to hand
+            // the lease over: look often (the hand-over time is part of the VM's downtime).
+            let wait = if self.transfers.has_ticket(s.id) {
+                migration::HANDOFF_POLL
+            } else {
+                POLL
+            };
+            match ep.recv(wait) {
                 Ok(Incoming::Request { id, msg }) => {
                     let (reply, close) = s.handle(msg);
                     if let Err(e) = ep.reply(id, reply) {
@@ -187,9 +205,12 @@ impl Lender {
                 Err(FabricError::Timeout(_)) => {}
                 Err(e) => break e.to_string(),
             }
+            s.serve_handoffs();
             s.announce_kicks();
             s.end_stale_claims();
         };
+        self.transfers
+            .forget(s.id, None, "the source's link is down");
         let n = s.leases.len();
         s.end_all(&format!("link to {peer} down: {reason}"), false);
         log::info!("session with {peer} ended ({reason}); {n} leases taken back");
@@ -229,6 +250,8 @@ struct SessionLease {
     /// Every CONFIG_READ/CONFIG_WRITE of the lease passes here (filter, extended-space view,
     /// counts of refused/dropped writes).
     config: ConfigGate,
+    /// This lease started the device's dirty log (stopped when the lease ends or moves).
+    dirty_log: bool,
 }
 
 impl Drop for SessionLease {
@@ -237,6 +260,7 @@ impl Drop for SessionLease {
         // BARs, all before the lease's drop resets the device and revokes its BAR windows.
         self.p2p_out.clear();
         self.p2p.revoke_all("target lease ending");
+        self.stop_dirty_log();
         // The listener points at this session's link: gone before the device is lent again.
         self.lease.backend().set_kick_listener(None);
     }
@@ -276,6 +300,8 @@ fn kick_listener(
 }
 
 struct Session {
+    /// Identifies the session in the lender's transfer registry.
+    id: u64,
     lender: Arc<Lender>,
     ep: Arc<dyn Endpoint>,
     hello: bool,
@@ -547,6 +573,17 @@ impl Session {
         self.ep.peer_node().to_string()
     }
 
+    /// P2P identity of `lease` held on this session: node/vm as authenticated and named, and
+    /// where the session comes from (shm: the same process, by SO_PEERCRED; tcp: the same
+    /// IP), see docs/SECURITY.md.
+    fn p2p_holder(&self, lease: &Lease) -> String {
+        let origin = match self.ep.peer_addr() {
+            a if a.starts_with("unix:") => a.trim_start_matches("unix:").to_string(),
+            a => auth::rate_key(&a),
+        };
+        format!("{}@{origin}", lease.holder())
+    }
+
     /// Handles one event from the borrower.
     fn event(&mut self, m: Message) {
         match Event::decode(m.opcode, &m.payload) {
@@ -732,7 +769,10 @@ impl Session {
         })
     }
 
-    fn dispatch(&mut self, op: u16, req: Request, fds: Vec<OwnedFd>) -> Reply {
+    fn dispatch(&mut self, op: u16, req: Request, mut fds: Vec<OwnedFd>) -> Reply {
+        if let Some(r) = self.dispatch_migration(op, &req, &mut fds) {
+            return r;
+        }
         match req {
             Request::Hello(_) => Err(error(code::INVALID, "hello already done")),
             Request::List => ok(op, &self.lender.inventory.list()),
@@ -955,8 +995,17 @@ impl Session {
                 })?;
                 sl.lease.set_end_reason("returned by the borrower");
                 drop(sl);
+                self.lender.transfers.forget(
+                    self.id,
+                    Some(l.lease),
+                    "the source returned the lease",
+                );
                 ok(op, &())
             }
+            other => Err(error(
+                code::UNKNOWN_OPCODE,
+                format!("request {:#x} not handled", other.opcode()),
+            )),
         }
     }
 
@@ -1031,17 +1080,10 @@ impl Session {
         if self.version >= 3 {
             backend.set_kick_listener(Some(kick_listener(&self.ep, &backend, id, &kicks_told)));
         }
-        // P2P identity: node/vm as authenticated and named, and where the session comes from
-        // (shm: the same process, by SO_PEERCRED; tcp: the same IP), see docs/SECURITY.md.
-        let origin = match self.ep.peer_addr() {
-            a if a.starts_with("unix:") => a.trim_start_matches("unix:").to_string(),
-            a => auth::rate_key(&a),
-        };
-        let p2p = self.lender.p2p.register(
-            id,
-            &format!("{}@{origin}", lease.holder()),
-            Arc::clone(&backend),
-        );
+        let p2p = self
+            .lender
+            .p2p
+            .register(id, &self.p2p_holder(&lease), Arc::clone(&backend));
         self.leases.insert(
             id,
             SessionLease {
@@ -1056,15 +1098,21 @@ impl Session {
                 kicks_told,
                 claim,
                 config,
+                dirty_log: false,
             },
         );
         Ok(msg)
     }
 
-    fn set_irqs(&mut self, op: u16, s: protocol::SetIrqs, fds: Vec<OwnedFd>) -> Reply {
+    /// The triggers of `s`'s targets on this link, taking the eventfds they name out of
+    /// `fds` (each at most once).
+    fn irq_triggers(
+        &self,
+        s: &protocol::SetIrqs,
+        fds: &mut [Option<OwnedFd>],
+    ) -> Result<Vec<Option<Arc<dyn IrqTrigger>>>, ErrorReply> {
         let weak = Arc::downgrade(&self.ep);
         let doorbells = self.ep.doorbell_count();
-        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
         let mut targets: Vec<Option<Arc<dyn IrqTrigger>>> = Vec::new();
         for (vector, t) in s.targets.iter().enumerate() {
             let t: Option<Arc<dyn IrqTrigger>> = match *t {
@@ -1106,6 +1154,12 @@ impl Session {
             };
             targets.push(t);
         }
+        Ok(targets)
+    }
+
+    fn set_irqs(&mut self, op: u16, s: protocol::SetIrqs, fds: Vec<OwnedFd>) -> Reply {
+        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+        let targets = self.irq_triggers(&s, &mut fds)?;
         let resample_fd = match s.resample {
             IrqTarget::Fd(n) => Some(
                 fds.get_mut(usize::from(n))
@@ -1188,6 +1242,7 @@ impl Session {
                     sl.lease.device().id()
                 );
                 log::warn!("lease {id} of {}: {reason}", self.peer());
+                self.lender.transfers.forget(self.id, Some(id), &reason);
                 self.send_gone(id, &reason);
                 sl.lease.set_end_reason(&reason);
             }
@@ -1230,6 +1285,7 @@ pub type StopFlag = Arc<AtomicBool>;
 
 /// A lender serving in a background thread (tests, embedding).
 pub struct BackgroundLender {
+    lender: Arc<Lender>,
     stop: StopFlag,
     thread: Mutex<Option<JoinHandle<Result<(), ServerError>>>>,
 }
@@ -1238,13 +1294,22 @@ impl BackgroundLender {
     /// Serves `listener` on a new thread.
     pub fn start(lender: Arc<Lender>, listener: Box<dyn Listener>) -> std::io::Result<Self> {
         let stop = lender.stop_flag();
+        let serving = Arc::clone(&lender);
         let thread = std::thread::Builder::new()
             .name("lender".into())
-            .spawn(move || lender.serve(listener.as_ref()))?;
+            .spawn(move || serving.serve(listener.as_ref()))?;
         Ok(BackgroundLender {
+            lender,
             stop,
             thread: Mutex::new(Some(thread)),
         })
+    }
+}
+
+impl BackgroundLender {
+    /// The lender being served.
+    pub fn lender(&self) -> &Arc<Lender> {
+        &self.lender
     }
 }
 

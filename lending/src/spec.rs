@@ -2,9 +2,15 @@
 //!
 //! ```text
 //! 0000:81:00.0=vfio
-//! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off]
+//! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE]
 //! 0000:83:00.0=dmatest[:mode=interrupt|polling]
 //! ```
+//!
+//! `vfs=N` (1..=32, needs `size`) gives the emulated NVMe N SR-IOV virtual functions at the
+//! next N routing IDs, each lendable on its own with a `size`-byte namespace of its own in
+//! the same file (see [`crate::sriov`]). `cmb=SIZE` (a power of two, 2M..=256M) gives it a
+//! Controller Memory Buffer in BAR0 (see `emulated::nvme::cmb`); with `vfs`, every function
+//! has one.
 
 use std::path::PathBuf;
 
@@ -38,6 +44,10 @@ pub enum DeviceKind {
         mode: NotifyMode,
         /// Offer shadow doorbells (Doorbell Buffer Config); `dbbuf=off` for comparisons.
         dbbuf: bool,
+        /// SR-IOV virtual functions (0: none, no SR-IOV capability).
+        vfs: u16,
+        /// Controller Memory Buffer size (0: none).
+        cmb: u64,
     },
     /// Emulated dmatest copy engine.
     Dmatest {
@@ -123,6 +133,13 @@ impl std::str::FromStr for DeviceSpec {
         }
         let kind = match kind {
             "vfio" => {
+                if let Some((_, v)) = pairs.iter().find(|(k, _)| *k == "vfs") {
+                    return Err(err(format!(
+                        "vfs={v} is not a vfio option: enable the virtual functions on this \
+                         host (echo N > /sys/bus/pci/devices/{id}/sriov_numvfs), bind each to \
+                         vfio-pci and lend each by its own address (BDF=vfio)"
+                    )));
+                }
                 if let Some((k, _)) = pairs.first() {
                     return Err(err(format!("vfio takes no options, got {k:?}")));
                 }
@@ -133,6 +150,11 @@ impl std::str::FromStr for DeviceSpec {
                 for (k, v) in pairs {
                     match k {
                         "mode" => mode = parse_mode(v, &err)?,
+                        "vfs" => {
+                            return Err(err(format!(
+                                "vfs={v}: dmatest has no sr-iov (only nvme has virtual functions)"
+                            )))
+                        }
                         other => return Err(err(format!("unknown dmatest option {other:?}"))),
                     }
                 }
@@ -144,6 +166,8 @@ impl std::str::FromStr for DeviceSpec {
                 let mut lba = 512;
                 let mut mode = NotifyMode::Interrupt;
                 let mut dbbuf = true;
+                let mut vfs = 0;
+                let mut cmb = 0;
                 for (k, v) in pairs {
                     match k {
                         "path" if !v.is_empty() => path = Some(PathBuf::from(v)),
@@ -168,6 +192,31 @@ impl std::str::FromStr for DeviceSpec {
                                 _ => return Err(err(format!("dbbuf {v:?} is not on or off"))),
                             }
                         }
+                        "vfs" => {
+                            let max = crate::sriov::MAX_VFS;
+                            vfs = match v.parse::<u16>() {
+                                Ok(n) if (1..=max).contains(&n) => n,
+                                Ok(_) => {
+                                    return Err(err(format!(
+                                        "vfs {v} is not in 1..={max} (leave vfs out for no \
+                                         virtual functions)"
+                                    )))
+                                }
+                                Err(_) => {
+                                    return Err(err(format!(
+                                        "vfs {v:?} is not a number of virtual functions \
+                                         (1..={max})"
+                                    )))
+                                }
+                            }
+                        }
+                        "cmb" => {
+                            cmb = parse_size(v)
+                                .filter(|&s| emulated::nvme::cmb::check_size(s).is_ok())
+                                .ok_or_else(|| {
+                                    err(format!("cmb {v:?} is not a power of two from 2M to 256M"))
+                                })?;
+                        }
                         other => return Err(err(format!("unknown nvme option {other:?}"))),
                     }
                 }
@@ -179,12 +228,25 @@ impl std::str::FromStr for DeviceSpec {
                         )));
                     }
                 }
+                if vfs > 0 {
+                    if size.is_none() {
+                        return Err(err(format!(
+                            "vfs={vfs} needs size= (the size of each function's namespace; \
+                             the file holds {} of them)",
+                            u32::from(vfs) + 1
+                        )));
+                    }
+                    let pf: crate::sriov::Bdf = id.parse().map_err(|e| err(format!("{e}")))?;
+                    crate::sriov::nvme_vf_bdfs(&pf, vfs).map_err(|e| err(e.to_string()))?;
+                }
                 DeviceKind::Nvme {
                     path,
                     size,
                     lba,
                     mode,
                     dbbuf,
+                    vfs,
+                    cmb,
                 }
             }
             other => {
@@ -197,6 +259,23 @@ impl std::str::FromStr for DeviceSpec {
             id: id.to_string(),
             kind,
         })
+    }
+}
+
+impl DeviceSpec {
+    /// The ids of the devices this spec lends: its own, then its virtual functions'.
+    pub fn function_ids(&self) -> Vec<String> {
+        let mut ids = vec![self.id.clone()];
+        if let DeviceKind::Nvme { vfs, .. } = self.kind {
+            if vfs > 0 {
+                if let Ok(pf) = self.id.parse::<crate::sriov::Bdf>() {
+                    if let Ok(v) = crate::sriov::nvme_vf_bdfs(&pf, vfs) {
+                        ids.extend(v.iter().map(ToString::to_string));
+                    }
+                }
+            }
+        }
+        ids
     }
 }
 
@@ -219,6 +298,8 @@ mod tests {
                 lba: 512,
                 mode: NotifyMode::Interrupt,
                 dbbuf: true,
+                vfs: 0,
+                cmb: 0,
             }
         );
         let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,size=64M,lba=4096,mode=polling"
@@ -270,10 +351,62 @@ mod tests {
                 "0000:81:00.0=nvme:path=x,size=1000",
                 "multiple of the 512-byte lba",
             ),
+            (
+                "0000:81:00.0=nvme:path=x,size=1M,vfs=0",
+                "vfs 0 is not in 1..=32",
+            ),
+            (
+                "0000:81:00.0=nvme:path=x,size=1M,vfs=33",
+                "vfs 33 is not in 1..=32",
+            ),
+            (
+                "0000:81:00.0=nvme:path=x,size=1M,vfs=two",
+                "vfs \"two\" is not a number of virtual functions",
+            ),
+            (
+                "0000:81:00.0=nvme:path=x,size=1M,vfs=-1",
+                "vfs \"-1\" is not a number",
+            ),
+            ("0000:81:00.0=nvme:path=x,vfs=2", "vfs=2 needs size="),
+            (
+                "0000:ff:1f.7=nvme:path=x,size=1M,vfs=1",
+                "0000:ff:1f.7: virtual function 1",
+            ),
+            ("0000:83:00.0=dmatest:vfs=2", "vfs=2: dmatest has no sr-iov"),
+            (
+                "0000:81:00.0=nvme:path=x,cmb=3M",
+                "cmb \"3M\" is not a power of two from 2M to 256M",
+            ),
+            (
+                "0000:81:00.0=nvme:path=x,cmb=1G",
+                "cmb \"1G\" is not a power of two",
+            ),
+            (
+                "0000:81:00.0=vfio:vfs=4",
+                "vfs=4 is not a vfio option: enable the virtual functions on this host",
+            ),
         ] {
             let e = spec.parse::<DeviceSpec>().unwrap_err().to_string();
             assert!(e.contains(needle), "{spec}: {e}");
         }
+    }
+
+    #[test]
+    fn vfs_option_and_function_ids() {
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,size=4M,vfs=2"
+            .parse()
+            .unwrap();
+        assert!(matches!(s.kind, DeviceKind::Nvme { vfs: 2, .. }));
+        assert_eq!(
+            s.function_ids(),
+            ["0000:82:00.0", "0000:82:00.1", "0000:82:00.2"]
+        );
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,cmb=4M".parse().unwrap();
+        assert_eq!(s.function_ids(), ["0000:82:00.0"]);
+        assert!(matches!(s.kind, DeviceKind::Nvme { cmb, .. } if cmb == 4 << 20));
+        // A VF's address is an ordinary BDF: lendable as vfio like any other.
+        let s: DeviceSpec = "0000:03:10.2=vfio".parse().unwrap();
+        assert_eq!(s.function_ids(), ["0000:03:10.2"]);
     }
 
     #[test]

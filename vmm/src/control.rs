@@ -47,7 +47,7 @@ use api::types::{
     DeviceAccessCounts, DmaWindowInfo, InterruptCounts, KvmExitCounts, LeaseState as ApiLeaseState,
     PciBdf as ApiBdf, PciDeviceInfo, RemoteDeviceConfig, RemoteDeviceInfo, RemoteDeviceMode,
     RemoteDeviceSpec, VmAddRemoteDeviceData, VmConfigInfo, VmCounters, VmCountersReport, VmInfo,
-    VmRemoveDeviceData, VmState, VmmPingResponse,
+    VmRemoveDeviceData, VmSnapshotConfig, VmState, VmmPingResponse,
 };
 use pci::vm_ops::VmOps;
 use pci::{BusDevice, PciBdf, SharedPciDevice};
@@ -65,6 +65,7 @@ use crate::exit::{ExitNotifier, VmExit};
 use crate::interrupt::KvmInterruptManager;
 use crate::platform::slot_intx_gsi;
 use crate::remote::{effective_mode, AttachError, LinkSource, ResourceCounters, VmmLink};
+use crate::snapshot::SnapshotSource;
 use crate::vcpu::VcpuControl;
 use crate::vm_ops::KvmVmOps;
 
@@ -133,6 +134,21 @@ fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `e` and its sources, joined with ": " (repeats left out).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let text = c.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        cur = c.source();
+    }
+    s
+}
+
 /// HTTP class of an attach error: the request names something that does not exist (400), the
 /// device is taken (409), the lender is unreachable, refused us or failed (502, see
 /// [`AttachError::is_lender_failure`]), or this VMM failed (500).
@@ -174,6 +190,8 @@ pub struct Controller {
     subscriber_changes: Vec<SubscriberChange>,
     deferred: Vec<Deferred>,
     release_timer: Option<vmm_sys_util::timerfd::TimerFd>,
+    /// What `vm.snapshot` reads (absent in unit tests without a KVM VM).
+    snapshot: Option<SnapshotSource>,
 }
 
 impl Controller {
@@ -211,7 +229,161 @@ impl Controller {
                     None
                 }
             },
+            snapshot: None,
         }
+    }
+
+    /// Enables `vm.snapshot` with what it reads of the VM.
+    pub fn set_snapshot_source(&mut self, source: SnapshotSource) {
+        self.snapshot = Some(source);
+    }
+
+    /// Marks a restored VM: its vCPUs were started parked, so the VM is paused until
+    /// `vm.resume`.
+    pub fn set_restored_paused(&mut self) {
+        if self.state == VmState::Created {
+            self.state = VmState::Paused;
+        }
+    }
+
+    /// `vm.snapshot`: checks the destination, pauses a running VM, writes the snapshot and
+    /// resumes the VM (a paused VM stays paused). Any failure leaves the VM as it was and
+    /// removes what was written.
+    pub fn snapshot(&mut self, data: &VmSnapshotConfig) -> Result<(), ApiError> {
+        if !matches!(self.state, VmState::Running | VmState::Paused) {
+            return Err(ApiError::conflict(format!(
+                "cannot snapshot the vm: it is {}",
+                self.state
+            )));
+        }
+        let Some(src) = self.snapshot.clone() else {
+            return Err(ApiError::internal("this vmm cannot take snapshots"));
+        };
+        let url = data.destination_url.as_str();
+        let dir = crate::snapshot::format::parse_url(url)
+            .map_err(|e| ApiError::bad_request(error_chain(&e)))?;
+        crate::snapshot::format::prepare_destination(&dir)
+            .map_err(|e| ApiError::bad_request(error_chain(&e)))?;
+        let t0 = Instant::now();
+        self.emit(
+            "vm",
+            "snapshot-started",
+            [("destination_url", Value::from(url))],
+        );
+        let was_running = self.state == VmState::Running;
+        if was_running {
+            if let Err(e) = self.pause() {
+                crate::snapshot::format::remove_partial(&dir, 0);
+                self.emit(
+                    "vm",
+                    "snapshot-failed",
+                    [
+                        ("destination_url", Value::from(url)),
+                        ("error", Value::from(e.message.clone())),
+                    ],
+                );
+                return Err(e);
+            }
+        }
+        let saved = self
+            .save_lent_devices()
+            .and_then(|lent| src.save(&dir, lent));
+        if was_running {
+            if let Err(e) = self.resume() {
+                log::error!("resuming after the snapshot: {e}");
+            }
+        }
+        match saved {
+            Ok(s) => {
+                self.emit(
+                    "vm",
+                    "snapshot-completed",
+                    [
+                        ("destination_url", Value::from(url)),
+                        ("ram_bytes", Value::from(s.ram_bytes)),
+                        ("took_ms", Value::from(t0.elapsed().as_millis() as u64)),
+                    ],
+                );
+                Ok(())
+            }
+            Err(e) => {
+                let msg = error_chain(&e);
+                log::error!("snapshot to {url} failed: {msg}");
+                self.emit(
+                    "vm",
+                    "snapshot-failed",
+                    [
+                        ("destination_url", Value::from(url)),
+                        ("error", Value::from(msg.clone())),
+                    ],
+                );
+                Err(ApiError::internal(format!("snapshot failed: {msg}")))
+            }
+        }
+    }
+
+    /// The lent devices' lease identities and guest-visible PCI state (VM paused). A lost
+    /// device is not saved: the restored guest finds its slot empty, as it was.
+    fn save_lent_devices(
+        &self,
+    ) -> Result<Vec<crate::snapshot::devices::LentDevice>, crate::snapshot::SnapshotError> {
+        let mut out = Vec::new();
+        for (id, e) in &self.entries {
+            if e.device.is_none() {
+                log::info!("{id}: lost, not in the snapshot");
+                continue;
+            }
+            out.push(crate::snapshot::devices::save_lent(
+                self.h.devices.mmio_bus(),
+                id,
+                e.spec.to_string(),
+                e.mode,
+                e.slot,
+            )?);
+        }
+        Ok(out)
+    }
+
+    /// Restore: re-borrows each lent device of the snapshot into its old slot, has the
+    /// lender reset it (as after a guest reboot) and re-applies the guest's PCI state (BARs,
+    /// MSI-X, Command: Bus Master Enable maps guest RAM for DMA again). Before the vCPUs
+    /// run; the slots' presence is already in the restored hotplug state.
+    pub fn restore_lent_devices(
+        &mut self,
+        lent: &[crate::snapshot::devices::LentDevice],
+    ) -> Result<(), ApiError> {
+        for d in lent {
+            let spec: RemoteDeviceSpec = d.device.parse().map_err(|e| {
+                ApiError::bad_request(format!("{}: lent device '{}': {e}", d.id, d.device))
+            })?;
+            let data = VmAddRemoteDeviceData {
+                device: spec,
+                id: Some(d.id.clone()),
+                mode: Some(d.mode),
+                replace_lost: false,
+            };
+            self.attach_in(data, true, Some(d.slot))?;
+            let Some(dev) = self.entries.get(&d.id).and_then(|e| e.device.clone()) else {
+                return Err(ApiError::internal(format!("{}: not attached", d.id)));
+            };
+            // The lender resets the function (DMA unmapped, MSI-X and Command cleared):
+            // whatever the device held at the snapshot is gone, as after a guest reboot.
+            if let Err(e) = pci::PciDevice::reset(&mut *lock(&dev)) {
+                return Err(ApiError::bad_gateway(format!("{}: reset: {e}", d.id)));
+            }
+            crate::snapshot::devices::replay_lent(self.h.devices.mmio_bus(), d)
+                .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            self.emit(
+                "device",
+                "device-restored",
+                [
+                    ("id", Value::from(d.id.as_str())),
+                    ("device", Value::from(d.device.as_str())),
+                    ("slot", Value::from(d.slot)),
+                ],
+            );
+        }
+        Ok(())
     }
 
     /// Pins through `pinner` from now on (tests: a recording pinner). Only before any
@@ -326,6 +498,17 @@ impl Controller {
         data: VmAddRemoteDeviceData,
         boot: bool,
     ) -> Result<PciDeviceInfo, ApiError> {
+        self.attach_in(data, boot, None)
+    }
+
+    /// [`Controller::attach`]; `restore_slot` (restore only) plugs into that slot and leaves
+    /// the hotplug controller alone (its restored state already has the slot).
+    fn attach_in(
+        &mut self,
+        data: VmAddRemoteDeviceData,
+        boot: bool,
+        restore_slot: Option<u8>,
+    ) -> Result<PciDeviceInfo, ApiError> {
         let accepting = if boot {
             self.state == VmState::Created
         } else {
@@ -377,9 +560,21 @@ impl Controller {
                 e.state == ApiLeaseState::Lost,
             )));
         }
-        let slot = self
-            .free_slot()
-            .ok_or_else(|| ApiError::conflict("no free pci slot on bus 0"))?;
+        let slot = match restore_slot {
+            Some(s)
+                if (1..=MAX_SLOT).contains(&s) && self.h.devices.pci_bus().device(s).is_none() =>
+            {
+                s
+            }
+            Some(s) => {
+                return Err(ApiError::conflict(format!(
+                    "pci slot {s} of the snapshot is not free"
+                )))
+            }
+            None => self
+                .free_slot()
+                .ok_or_else(|| ApiError::conflict("no free pci slot on bus 0"))?,
+        };
         let requested = data.mode.unwrap_or_default();
 
         let t0 = Instant::now();
@@ -428,7 +623,9 @@ impl Controller {
             })?;
         let plugged = {
             let mut hp = lock(&self.h.hotplug);
-            if boot {
+            if restore_slot.is_some() {
+                Ok(())
+            } else if boot {
                 hp.mark_present(u32::from(slot))
             } else {
                 hp.slot_added(u32::from(slot))
@@ -1014,7 +1211,12 @@ impl ApiHandler for Controller {
             ApiRequest::VmmPing => Ok(ApiResponse::Pong(VmmPingResponse {
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 pid: i64::from(std::process::id()),
-                features: vec!["remote_pci".into(), "hotplug".into(), "counters".into()],
+                features: vec![
+                    "remote_pci".into(),
+                    "hotplug".into(),
+                    "counters".into(),
+                    "snapshot".into(),
+                ],
             })),
             ApiRequest::VmInfo => Ok(ApiResponse::VmInfo(self.info())),
             ApiRequest::VmAddRemoteDevice(data) => {
@@ -1034,6 +1236,7 @@ impl ApiHandler for Controller {
             }
             ApiRequest::VmPause => self.pause().map(|()| ApiResponse::Empty),
             ApiRequest::VmResume => self.resume().map(|()| ApiResponse::Empty),
+            ApiRequest::VmSnapshot(data) => self.snapshot(&data).map(|()| ApiResponse::Empty),
             ApiRequest::VmCounters => Ok(ApiResponse::Counters(self.counters_report())),
         }
     }

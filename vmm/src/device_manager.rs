@@ -366,6 +366,11 @@ impl DeviceManager {
         &self.mmio
     }
 
+    /// COM1, if the VM has one (`--serial off` has none); its state goes into snapshots.
+    pub fn serial(&self) -> Option<&Arc<Mutex<SerialDevice>>> {
+        self.serial.as_ref()
+    }
+
     /// Writes out buffered serial output.
     pub fn flush_serial(&self) {
         if let Some(s) = &self.serial {

@@ -20,6 +20,7 @@ pub mod loader;
 pub mod memory;
 pub mod platform;
 pub mod remote;
+pub mod snapshot;
 pub mod stats;
 pub mod vcpu;
 pub mod vm;

@@ -32,8 +32,18 @@ use vmm_sys_util::eventfd::EventFd;
 )]
 struct Cli {
     /// Kernel image: ELF (vmlinux, test guest) or bzImage.
-    #[arg(long, value_name = "PATH")]
-    kernel: PathBuf,
+    #[arg(long, value_name = "PATH", required_unless_present = "restore")]
+    kernel: Option<PathBuf>,
+    /// Restore the VM from a snapshot (`vm.snapshot`): file:///abs/dir or a path. The vCPUs
+    /// count, RAM size and command line come from the snapshot (--kernel, --cmdline,
+    /// --initramfs, --memory's size and --cpus are not used). The VM starts paused: send
+    /// vm.resume (Cloud Hypervisor's behaviour).
+    #[arg(
+        long,
+        value_name = "URL",
+        conflicts_with_all = ["kernel", "initramfs", "remote_device"]
+    )]
+    restore: Option<String>,
     /// Kernel command line.
     #[arg(long, value_name = "STR", default_value = "")]
     cmdline: String,
@@ -161,12 +171,26 @@ fn main() -> ExitCode {
             return usage_error(first.strip_prefix("error: ").unwrap_or(first));
         }
     };
-    if !cli.kernel.is_file() {
-        return usage_error(format!(
-            "kernel file {} does not exist or is not a file",
-            cli.kernel.display()
-        ));
+    if let Some(k) = &cli.kernel {
+        if !k.is_file() {
+            return usage_error(format!(
+                "kernel file {} does not exist or is not a file",
+                k.display()
+            ));
+        }
     }
+    if cli.restore.is_some() && cli.api_socket.is_none() {
+        return usage_error(
+            "--restore needs --api-socket: a restored VM starts paused and runs after vm.resume",
+        );
+    }
+    let restored = match &cli.restore {
+        None => None,
+        Some(url) => match vmm::snapshot::load(url) {
+            Ok(s) => Some(s),
+            Err(e) => return usage_error(format!("--restore {url}: {}", chain(&e))),
+        },
+    };
     if let Some(p) = &cli.initramfs {
         if !p.is_file() {
             return usage_error(format!(
@@ -255,18 +279,41 @@ fn main() -> ExitCode {
             Box::new(source)
         }
     };
-    let cfg = VmConfig {
-        memory_size: cli.memory.size,
-        ram_backing: cli.memory.backing,
-        cpus: cli.cpus,
-        kernel: cli.kernel.clone(),
-        cmdline: cli.cmdline.clone(),
-        initramfs: cli.initramfs.clone(),
-        serial: cli.serial.clone(),
-        cpuid_cmdline: !cli.no_cpuid_cmdline,
+    let cfg = match &restored {
+        Some(s) => VmConfig {
+            memory_size: s.doc.config.memory_size,
+            ram_backing: cli.memory.backing,
+            cpus: s.doc.config.cpus,
+            kernel: PathBuf::from(&s.doc.config.kernel),
+            cmdline: s.doc.config.cmdline.clone(),
+            initramfs: None,
+            serial: cli.serial.clone(),
+            cpuid_cmdline: false,
+        },
+        None => VmConfig {
+            memory_size: cli.memory.size,
+            ram_backing: cli.memory.backing,
+            cpus: cli.cpus,
+            kernel: cli.kernel.clone().unwrap_or_default(),
+            cmdline: cli.cmdline.clone(),
+            initramfs: cli.initramfs.clone(),
+            serial: cli.serial.clone(),
+            cpuid_cmdline: !cli.no_cpuid_cmdline,
+        },
     };
-    let mut vm = match Vm::new(&cfg) {
+    let built = match &restored {
+        Some(s) => Vm::restore(&cfg, s),
+        None => Vm::new(&cfg),
+    };
+    let mut vm = match built {
         Ok(vm) => vm,
+        Err(e @ VmError::Restore(_)) => {
+            return usage_error(format!(
+                "--restore {}: {}",
+                cli.restore.as_deref().unwrap_or_default(),
+                chain(&e)
+            ));
+        }
         Err(
             e
             @ (VmError::KvmOpen(_) | VmError::KvmApi(_) | VmError::Loader(_) | VmError::Memory(_)),
@@ -292,17 +339,34 @@ fn main() -> ExitCode {
         events: events.clone(),
     };
     let info = VmConfigInfo {
-        cpus: u32::from(cli.cpus),
-        memory_size: cli.memory.size,
-        kernel: cli.kernel.display().to_string(),
+        cpus: u32::from(cfg.cpus),
+        memory_size: cfg.memory_size,
+        kernel: cfg.kernel.display().to_string(),
         cmdline: vm.cmdline().to_string(),
-        initramfs: cli.initramfs.as_ref().map(|p| p.display().to_string()),
+        initramfs: cfg.initramfs.as_ref().map(|p| p.display().to_string()),
         remote_devices: cli.remote_device.clone(),
     };
+    let machine = vmm::snapshot::format::MachineConfig {
+        cpus: cfg.cpus,
+        memory_size: cfg.memory_size,
+        kernel: cfg.kernel.display().to_string(),
+        cmdline: vm.cmdline().to_string(),
+    };
     let mut ctl = Controller::new(handles, source, info);
+    ctl.set_snapshot_source(vm.snapshot_source(machine));
     if let Err(e) = ctl.attach_boot_devices(&cli.remote_device) {
         ctl.teardown_all();
         return usage_error(e.message);
+    }
+    if let Some(s) = &restored {
+        if let Err(e) = ctl.restore_lent_devices(&s.doc.devices.lent) {
+            ctl.teardown_all();
+            return usage_error(format!(
+                "--restore {}: lent devices: {}",
+                cli.restore.as_deref().unwrap_or_default(),
+                e.message
+            ));
+        }
     }
     let ctl = Rc::new(RefCell::new(ctl));
     let mut api = None;
@@ -342,16 +406,30 @@ fn main() -> ExitCode {
         eprintln!("lendvm: {}", chain(&e));
         return ExitCode::from(1);
     }
-    ctl.borrow_mut().set_running();
-    events.emit(
-        "vm",
-        "vm-booted",
-        [
-            ("cpus", Value::from(cli.cpus)),
-            ("memory", Value::from(cli.memory.size)),
-            ("remote_devices", Value::from(cli.remote_device.len())),
-        ],
-    );
+    if let Some(s) = &restored {
+        ctl.borrow_mut().set_restored_paused();
+        log::info!("restored from {}: paused until vm.resume", s.dir.display());
+        events.emit(
+            "vm",
+            "vm-restored",
+            [
+                ("source", Value::from(s.dir.display().to_string())),
+                ("cpus", Value::from(cfg.cpus)),
+                ("memory", Value::from(cfg.memory_size)),
+            ],
+        );
+    } else {
+        ctl.borrow_mut().set_running();
+        events.emit(
+            "vm",
+            "vm-booted",
+            [
+                ("cpus", Value::from(cli.cpus)),
+                ("memory", Value::from(cli.memory.size)),
+                ("remote_devices", Value::from(cli.remote_device.len())),
+            ],
+        );
+    }
     let exit = event_loop.run();
     drop(event_loop);
     vm.stop();

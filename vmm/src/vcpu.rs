@@ -60,6 +60,10 @@ pub enum VcpuError {
     Signal(#[source] vmm_sys_util::errno::Error),
     #[error("only {parked} of {count} vCPUs paused in time")]
     PauseTimeout { parked: usize, count: usize },
+    #[error("the vCPUs are not paused")]
+    NotPaused,
+    #[error("only {done} of {count} vCPUs ran their job in time")]
+    JobTimeout { done: usize, count: usize },
 }
 
 /// Real-time signal used to kick vCPU threads out of `KVM_RUN`.
@@ -147,11 +151,16 @@ pub fn assert_not_on_vcpu(what: &str) {
     }
 }
 
+/// Work for a parked vCPU thread on its own fd (snapshot: reading its KVM state).
+pub type VcpuJob = Box<dyn FnOnce(&mut VcpuFd) + Send>;
+
 #[derive(Default)]
 struct PauseState {
     requested: bool,
     /// vCPU threads parked by the request.
     parked: usize,
+    /// Per vCPU id: a job the parked thread runs on its fd.
+    jobs: Vec<Option<VcpuJob>>,
 }
 
 /// What the control plane can do to running vCPUs: pause and resume them, and read their
@@ -235,12 +244,71 @@ impl VcpuControl {
         self.state().requested
     }
 
+    /// The number of vCPUs.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Makes vCPU threads park before their first `KVM_RUN` (a restored VM starts paused).
+    pub fn start_paused(&self) {
+        self.state().requested = true;
+    }
+
+    /// Runs `job(id, fd)` on every parked vCPU thread (the VM must be paused: only parked
+    /// threads run jobs) and returns the results in vCPU order. A vCPU's fd belongs to its
+    /// thread, so its KVM state is read there. Waits at most `timeout` in all.
+    pub fn run_on_parked<T: Send + 'static>(
+        &self,
+        job: impl Fn(u8, &mut VcpuFd) -> T + Send + Sync + 'static,
+        timeout: Duration,
+    ) -> Result<Vec<T>, VcpuError> {
+        let job = Arc::new(job);
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let mut st = self.state();
+            if !st.requested {
+                return Err(VcpuError::NotPaused);
+            }
+            st.jobs.resize_with(self.count, || None);
+            for id in 0..self.count {
+                let (job, tx) = (job.clone(), tx.clone());
+                st.jobs[id] = Some(Box::new(move |fd: &mut VcpuFd| {
+                    let _ = tx.send((id, job(id as u8, fd)));
+                }));
+            }
+        }
+        self.cv.notify_all();
+        drop(tx);
+        let deadline = Instant::now() + timeout;
+        let mut out: Vec<Option<T>> = (0..self.count).map(|_| None).collect();
+        let mut done = 0;
+        while done < self.count {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok((id, v)) => {
+                    out[id] = Some(v);
+                    done += 1;
+                }
+                Err(_) => {
+                    // Jobs not taken yet must not run later, after the caller gave up.
+                    self.state().jobs.iter_mut().for_each(|j| *j = None);
+                    return Err(VcpuError::JobTimeout {
+                        done,
+                        count: self.count,
+                    });
+                }
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
     fn lock_threads(&self) -> MutexGuard<'_, Vec<libc::pthread_t>> {
         self.threads.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Parks the calling vCPU thread while a pause is requested (or until `exit` stops it).
-    fn park_if_paused(&self, exit: &ExitNotifier) {
+    /// Parks the calling vCPU thread while a pause is requested (or until `exit` stops it),
+    /// running the jobs posted for it ([`VcpuControl::run_on_parked`]) meanwhile.
+    fn park_if_paused(&self, id: u8, fd: &mut VcpuFd, exit: &ExitNotifier) {
         let mut st = self.state();
         if !st.requested {
             return;
@@ -248,6 +316,12 @@ impl VcpuControl {
         st.parked += 1;
         self.cv.notify_all();
         while st.requested && !exit.should_stop() {
+            if let Some(job) = st.jobs.get_mut(usize::from(id)).and_then(Option::take) {
+                drop(st);
+                job(fd);
+                st = self.state();
+                continue;
+            }
             st = self
                 .cv
                 .wait_timeout(st, Duration::from_millis(50))
@@ -328,7 +402,7 @@ fn run_loop(id: u8, mut fd: VcpuFd, ctx: VcpuContext) {
     let me = unsafe { libc::pthread_self() };
     ctx.control.lock_threads().push(me);
     while !ctx.exit.should_stop() {
-        ctx.control.park_if_paused(&ctx.exit);
+        ctx.control.park_if_paused(id, &mut fd, &ctx.exit);
         if ctx.exit.should_stop() {
             break;
         }

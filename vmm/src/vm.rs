@@ -19,6 +19,7 @@ use crate::layout::pci_mmio64_start;
 use crate::loader::{self, BootSource, LoadedKernel, LoaderError};
 use crate::memory::{GuestRam, MemoryError};
 use crate::platform::{Platform, PlatformError};
+use crate::snapshot::kvm::KvmCaps;
 use crate::stats::VcpuStats;
 use crate::vcpu::{self, VcpuContext, VcpuControl, VcpuError, Vcpus};
 use crate::vm_ops::KvmVmOps;
@@ -53,6 +54,8 @@ pub enum VmError {
     Interrupt(#[from] pci::interrupt::InterruptError),
     #[error("hotplug platform set-up failed")]
     Platform(#[from] PlatformError),
+    #[error("cannot restore the snapshot")]
+    Restore(#[from] crate::snapshot::SnapshotError),
 }
 
 fn kvm_op(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -71,14 +74,60 @@ pub struct Vm {
     vcpus: Vec<VcpuFd>,
     vcpu_control: Arc<VcpuControl>,
     running: Option<Vcpus>,
-    kernel: LoadedKernel,
+    /// `None` for a VM restored from a snapshot (its kernel is in the restored RAM).
+    kernel: Option<LoadedKernel>,
     cmdline: String,
+    /// What KVM offers for saving vCPU state (MSR list, XSAVE, XCRs).
+    caps: Arc<KvmCaps>,
 }
 
 impl Vm {
     /// Builds the VM, the hotplug platform and ACPI tables, and loads the kernel; vCPUs are
     /// created but not started.
     pub fn new(cfg: &VmConfig) -> Result<Self, VmError> {
+        Self::build(cfg, true)
+    }
+
+    /// Rebuilds the VM a snapshot was taken of (`cfg` from the snapshot's machine config) and
+    /// puts its state back: guest RAM, the irqchip, PIT and clock, every vCPU and the
+    /// VMM-side devices. The vCPUs park before their first entry: the VM starts paused.
+    pub fn restore(
+        cfg: &VmConfig,
+        snap: &crate::snapshot::LoadedSnapshot,
+    ) -> Result<Self, VmError> {
+        let vm = Self::build(cfg, false)?;
+        crate::snapshot::restore_into(
+            &crate::snapshot::RestoreTarget {
+                vm: &vm.vm,
+                ram: &vm.ram,
+                vcpus: &vm.vcpus,
+                devices: &vm.devices,
+                hotplug: vm.platform.hotplug(),
+                caps: &vm.caps,
+            },
+            snap,
+        )?;
+        vm.vcpu_control.start_paused();
+        Ok(vm)
+    }
+
+    /// What a snapshot of this VM reads (clone it into the control plane).
+    pub fn snapshot_source(
+        &self,
+        config: crate::snapshot::format::MachineConfig,
+    ) -> crate::snapshot::SnapshotSource {
+        crate::snapshot::SnapshotSource {
+            vm: self.vm.clone(),
+            ram: self.ram.clone(),
+            vcpus: self.vcpu_control.clone(),
+            devices: self.devices.clone(),
+            hotplug: self.platform.hotplug().clone(),
+            caps: self.caps.clone(),
+            config,
+        }
+    }
+
+    fn build(cfg: &VmConfig, boot: bool) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::KvmOpen)?;
         let api = kvm.get_api_version();
         if api != kvm_bindings::KVM_API_VERSION as i32 {
@@ -139,8 +188,10 @@ impl Vm {
             }
             vcpus.push(fd);
         }
+        let caps = Arc::new(KvmCaps::probe(&kvm, &vm));
         let mut line = cfg.cmdline.clone();
-        if cfg.cpuid_cmdline && !visible.is_empty() && cmdline::is_linux_kernel(&cfg.kernel) {
+        if boot && cfg.cpuid_cmdline && !visible.is_empty() && cmdline::is_linux_kernel(&cfg.kernel)
+        {
             if let Some(l) = cmdline::augment(&line, &visible) {
                 log::info!(
                     "Linux kernel on a KVM that ignores CPUID masking: command line is now \
@@ -149,19 +200,24 @@ impl Vm {
                 line = l;
             }
         }
-        let kernel = loader::load(
-            mem,
-            ram.regions(),
-            &BootSource {
-                kernel: &cfg.kernel,
-                cmdline: &line,
-                initramfs: cfg.initramfs.as_deref(),
-                acpi_rsdp_addr: Some(platform.rsdp_addr()),
-            },
-        )?;
-        for (id, fd) in vcpus.iter().enumerate() {
-            vcpu::setup_boot_state(fd, id as u8, kernel.entry)?;
-        }
+        let kernel = if boot {
+            let kernel = loader::load(
+                mem,
+                ram.regions(),
+                &BootSource {
+                    kernel: &cfg.kernel,
+                    cmdline: &line,
+                    initramfs: cfg.initramfs.as_deref(),
+                    acpi_rsdp_addr: Some(platform.rsdp_addr()),
+                },
+            )?;
+            for (id, fd) in vcpus.iter().enumerate() {
+                vcpu::setup_boot_state(fd, id as u8, kernel.entry)?;
+            }
+            Some(kernel)
+        } else {
+            None
+        };
         // Statistics fds are taken before the vCPU fds move to their threads; a KVM without
         // KVM_GET_STATS_FD only loses the exit counts of vm.counters.
         let mut stats = Vec::new();
@@ -196,6 +252,7 @@ impl Vm {
             running: None,
             kernel,
             cmdline: line,
+            caps,
         })
     }
 
@@ -239,8 +296,8 @@ impl Vm {
         self.vm_ops.clone()
     }
 
-    /// Where the kernel was loaded.
-    pub fn kernel(&self) -> LoadedKernel {
+    /// Where the kernel was loaded (`None` for a restored VM).
+    pub fn kernel(&self) -> Option<LoadedKernel> {
         self.kernel
     }
 

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use log::{debug, warn};
 use pci::interrupt::{InterruptError, InterruptSourceGroup};
-use pci::BusDevice;
+use pci::{BusDevice, RestoreError, Snapshottable};
 use vmm_sys_util::eventfd::EventFd;
 
 /// Guest physical address of the GED event status register.
@@ -89,6 +89,29 @@ impl GedNotifier {
     /// Current (not yet read by the guest) event bits.
     pub fn pending(&self) -> u32 {
         self.shared.status.load(Ordering::SeqCst)
+    }
+}
+
+/// Saved state of the GED: the event bits the guest has not read yet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GedState {
+    pub status: u32,
+}
+
+impl Snapshottable for GedNotifier {
+    type State = GedState;
+
+    fn snapshot(&self) -> GedState {
+        GedState {
+            status: self.pending(),
+        }
+    }
+
+    /// Sets the unread event bits without raising the interrupt again: an edge raised before
+    /// the snapshot is part of the in-kernel IOAPIC's saved state.
+    fn restore(&mut self, state: &GedState) -> Result<(), RestoreError> {
+        self.shared.status.store(state.status, Ordering::SeqCst);
+        Ok(())
     }
 }
 

@@ -33,7 +33,7 @@
 use std::sync::mpsc;
 
 use log::{debug, info, warn};
-use pci::BusDevice;
+use pci::{BusDevice, RestoreError, Snapshottable};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::ged::GED_EVENT_PCI_HOTPLUG;
@@ -128,6 +128,16 @@ pub fn eject_channel() -> Result<(EjectSender, EjectReceiver), HotplugError> {
     Ok((EjectSender { tx, evt: evt_tx }, EjectReceiver { rx, evt }))
 }
 
+/// Saved state of the hotplug controller (its registers and slot bookkeeping).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HotplugState {
+    pub pciu: u32,
+    pub pcid: u32,
+    pub pseg: u32,
+    pub present: u32,
+    pub pending_removal: u32,
+}
+
 /// The hotplug register block; put it on the MMIO bus at [`PCI_HOTPLUG_START`] and keep an
 /// `Arc<Mutex<PciHotplugController>>` in the VMM for the hotplug API.
 pub struct PciHotplugController {
@@ -208,6 +218,16 @@ impl PciHotplugController {
         Ok(RemovalRequest::Requested)
     }
 
+    /// The GED this controller raises (its state is saved with the controller's).
+    pub fn ged(&self) -> &GedNotifier {
+        &self.ged
+    }
+
+    /// The GED, to restore its state.
+    pub fn ged_mut(&mut self) -> &mut GedNotifier {
+        &mut self.ged
+    }
+
     /// Whether `slot` holds a device that has not been ejected.
     pub fn is_present(&self, slot: u32) -> bool {
         slot_bit(slot).is_ok_and(|bit| self.present & bit != 0)
@@ -238,6 +258,40 @@ impl PciHotplugController {
             info!("pci hotplug: slot {slot} ejected by the guest");
             self.eject.slot_ejected(slot);
         }
+    }
+}
+
+impl Snapshottable for PciHotplugController {
+    type State = HotplugState;
+
+    fn snapshot(&self) -> HotplugState {
+        HotplugState {
+            pciu: self.pciu,
+            pcid: self.pcid,
+            pseg: self.pseg,
+            present: self.present,
+            pending_removal: self.pending_removal,
+        }
+    }
+
+    /// Puts the registers back; no guest notification (a raised GED edge is in the saved
+    /// irqchip state).
+    fn restore(&mut self, s: &HotplugState) -> Result<(), RestoreError> {
+        if s.pending_removal & !s.present != 0 {
+            return Err(RestoreError::Invalid {
+                device: "pci hotplug",
+                why: format!(
+                    "removal pending for slots {:#x} that hold no device (present {:#x})",
+                    s.pending_removal, s.present
+                ),
+            });
+        }
+        self.pciu = s.pciu;
+        self.pcid = s.pcid;
+        self.pseg = s.pseg;
+        self.present = s.present;
+        self.pending_removal = s.pending_removal;
+        Ok(())
     }
 }
 
@@ -345,6 +399,39 @@ mod tests {
         let mut data = [0u8; 4];
         ged.read(crate::ged::GED_START, 0, &mut data);
         u32::from_le_bytes(data)
+    }
+
+    #[test]
+    fn state_round_trips_into_a_fresh_controller_without_a_new_interrupt() {
+        let mut r = rig();
+        r.ctl.mark_present(1).unwrap();
+        r.ctl.slot_added(4).unwrap();
+        r.ctl.slot_removal_requested(1).unwrap();
+        assert_eq!(r.irq.read().unwrap(), 2);
+        let saved = r.ctl.snapshot();
+        let ged_saved = r.ctl.ged().snapshot();
+        assert_eq!(ged_saved.status, GED_EVENT_PCI_HOTPLUG);
+
+        let mut fresh = rig();
+        fresh.ctl.restore(&saved).unwrap();
+        fresh.ctl.ged_mut().restore(&ged_saved).unwrap();
+        assert!(fresh.irq.read().is_err(), "restoring raised the GED again");
+        assert_eq!(fresh.ctl.snapshot(), saved);
+        assert!(fresh.ctl.is_present(1) && fresh.ctl.is_present(4));
+        assert!(fresh.ctl.is_removal_pending(1));
+        assert_eq!(ged_status(&mut fresh.ged), GED_EVENT_PCI_HOTPLUG);
+        assert_eq!(rd(&mut fresh.ctl, PCIU_OFFSET), 1 << 4);
+        assert_eq!(rd(&mut fresh.ctl, PCID_OFFSET), 1 << 1);
+        // The guest's eject of the pending slot still reaches the VMM.
+        wr(&mut fresh.ctl, B0EJ_OFFSET, 1 << 1);
+        assert_eq!(fresh.ejects.drain(), vec![1]);
+
+        let bad = HotplugState {
+            pending_removal: 1 << 7,
+            ..saved
+        };
+        let e = fresh.ctl.restore(&bad).unwrap_err().to_string();
+        assert!(e.contains("0x80"), "{e}");
     }
 
     #[test]

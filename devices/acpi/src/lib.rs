@@ -18,12 +18,12 @@ pub mod hotplug;
 pub mod tables;
 
 pub use ged::{
-    GedDevice, GedError, GedInterrupt, GedNotifier, GED_EVENT_PCI_HOTPLUG, GED_GSI, GED_SIZE,
-    GED_START,
+    GedDevice, GedError, GedInterrupt, GedNotifier, GedState, GED_EVENT_PCI_HOTPLUG, GED_GSI,
+    GED_SIZE, GED_START,
 };
 pub use hotplug::{
-    eject_channel, EjectHandler, EjectReceiver, EjectSender, HotplugError, PciHotplugController,
-    RemovalRequest, PCI_HOTPLUG_SIZE, PCI_HOTPLUG_SLOTS, PCI_HOTPLUG_START,
+    eject_channel, EjectHandler, EjectReceiver, EjectSender, HotplugError, HotplugState,
+    PciHotplugController, RemovalRequest, PCI_HOTPLUG_SIZE, PCI_HOTPLUG_SLOTS, PCI_HOTPLUG_START,
 };
 pub use tables::{
     create_acpi_tables, create_dsdt, dsdt_aml, AcpiConfig, AcpiTable, AcpiTableError, AcpiTables,

@@ -26,6 +26,7 @@ pub mod irq;
 pub mod model;
 pub mod nvme;
 pub mod regs;
+pub mod sriov;
 pub mod testing;
 mod waiter;
 pub mod workload;

@@ -530,6 +530,9 @@ struct Queue {
     vector: u16,
     next_cid: u16,
     outstanding: usize,
+    /// The SQ is in the Controller Memory Buffer at this BAR0 offset: entries are stored
+    /// through the BAR (`sq` is then its bus address, for the controller).
+    sq_bar: Option<u64>,
 }
 
 /// Driver configuration.
@@ -829,6 +832,7 @@ impl NvmeDriver {
             vector: 0,
             next_cid: 0,
             outstanding: 0,
+            sq_bar: None,
         });
         self.io.clear();
         Ok(())
@@ -865,6 +869,7 @@ impl NvmeDriver {
     /// Place `sqe` on queue `qid` (assigning its cid) without ringing the doorbell.
     pub fn push(&mut self, qid: u16, mut sqe: Sqe) -> Result<u16, DriverError> {
         let ram = self.ram.clone();
+        let bar = self.bar.clone();
         let q = self.queue(qid)?;
         if q.outstanding + 1 >= q.size as usize {
             return Err(DriverError::QueueFull(qid));
@@ -872,7 +877,16 @@ impl NvmeDriver {
         let cid = q.next_cid;
         q.next_cid = q.next_cid.wrapping_add(1);
         sqe.dw[0] = (sqe.dw[0] & 0xffff) | (u32::from(cid) << 16);
-        ram.write(q.sq + u64::from(q.tail) * SQE_SIZE, &sqe.to_bytes());
+        match q.sq_bar {
+            Some(at) => {
+                let at = at + u64::from(q.tail) * SQE_SIZE;
+                for (i, w) in sqe.to_bytes().chunks_exact(4).enumerate() {
+                    let v = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+                    bar.write32(at + 4 * i as u64, v);
+                }
+            }
+            None => ram.write(q.sq + u64::from(q.tail) * SQE_SIZE, &sqe.to_bytes()),
+        }
         q.tail = (q.tail + 1) % q.size;
         q.outstanding += 1;
         Ok(cid)
@@ -1091,8 +1105,96 @@ impl NvmeDriver {
             vector,
             next_cid: 0,
             outstanding: 0,
+            sq_bar: None,
         });
         Ok(())
+    }
+
+    /// Turns the Controller Memory Buffer on the NVMe 1.4 way, as Linux's `nvme_map_cmb`
+    /// does: CMBMSC.CRE, read CMBSZ and CMBLOC, then CMBMSC = CRE | CMSE | `cba` (the bus
+    /// address the host gives the buffer). Returns (BAR0 offset, size, CMBSZ), or `None`
+    /// when CAP.CMBS is clear or CMBSZ stays 0.
+    pub fn enable_cmb(&mut self, cba: u64) -> Result<Option<(u64, u64, u32)>, DriverError> {
+        use crate::nvme::cmb::{CAP_CMBS, CMBMSC_CMSE, CMBMSC_CRE};
+        if self.bar.read64(REG_CAP) & CAP_CMBS == 0 {
+            return Ok(None);
+        }
+        self.bar.write64(REG_CMBMSC, CMBMSC_CRE);
+        // The controller applies the store on its next pass (at once through an exact
+        // BAR write): wait for CMBSZ, bounded.
+        let t0 = std::time::Instant::now();
+        let sz = loop {
+            let sz = self.bar.read32(REG_CMBSZ);
+            if sz != 0 {
+                break sz;
+            }
+            if t0.elapsed() > self.cfg.timeout {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        };
+        let loc = self.bar.read32(REG_CMBLOC);
+        let unit = 4096u64 << (4 * ((sz >> 8) & 0xf));
+        let size = u64::from(sz >> 12) * unit;
+        let offset = u64::from(loc >> 12) * unit;
+        self.bar.write64(REG_CMBMSC, CMBMSC_CRE | CMBMSC_CMSE | cba);
+        Ok(Some((offset, size, sz)))
+    }
+
+    /// Create I/O CQ `qid` in RAM and its SQ in the CMB at BAR0 offset `sq_bar` (bus address
+    /// `sq_bus`), with `entries` entries, interrupts on `vector`.
+    pub fn create_io_queue_pair_cmb(
+        &mut self,
+        qid: u16,
+        entries: u16,
+        vector: u16,
+        sq_bar: u64,
+        sq_bus: u64,
+    ) -> Result<(), DriverError> {
+        let cq = self.alloc(entries as usize * CQE_SIZE as usize, PAGE_SIZE)?;
+        let qs = u32::from(qid) | (u32::from(entries - 1) << 16);
+        let mut c = Sqe::new(admin::CREATE_CQ, 0);
+        c.set_prps(cq, 0)
+            .set_cdw(10, qs)
+            .set_cdw(11, 1 | 2 | (u32::from(vector) << 16));
+        self.execute_ok(0, c)?;
+        let mut s = Sqe::new(admin::CREATE_SQ, 0);
+        s.set_prps(sq_bus, 0)
+            .set_cdw(10, qs)
+            .set_cdw(11, 1 | (u32::from(qid) << 16));
+        self.execute_ok(0, s)?;
+        self.io.push(Queue {
+            qid,
+            sq: sq_bus,
+            cq,
+            size: entries,
+            tail: 0,
+            head: 0,
+            phase: true,
+            vector,
+            next_cid: 0,
+            outstanding: 0,
+            sq_bar: Some(sq_bar),
+        });
+        Ok(())
+    }
+
+    /// Stores `data` (a multiple of 4 bytes) at BAR0 offset `off` (the CMB), 32 bits at a
+    /// time.
+    pub fn bar_write_bytes(&self, off: u64, data: &[u8]) {
+        for (i, w) in data.chunks_exact(4).enumerate() {
+            self.bar.write32(
+                off + 4 * i as u64,
+                u32::from_le_bytes([w[0], w[1], w[2], w[3]]),
+            );
+        }
+    }
+
+    /// Loads `len` bytes (a multiple of 4) at BAR0 offset `off`.
+    pub fn bar_read_bytes(&self, off: u64, len: usize) -> Vec<u8> {
+        (0..len as u64 / 4)
+            .flat_map(|i| self.bar.read32(off + 4 * i).to_le_bytes())
+            .collect()
     }
 
     /// Delete I/O SQ then CQ `qid`.
@@ -1173,7 +1275,7 @@ impl LocalRig {
         let notify = cfg.notify;
         let vectors = cfg.msix_vectors;
         let regs = Arc::new(crate::regs::HeapRegisters::new(
-            crate::nvme::BAR0_SIZE as usize,
+            crate::nvme::cmb::bar0_size(cfg.cmb_size) as usize,
         ));
         let irq = CountingInterrupts::new(vectors);
         let ctrl = Arc::new(crate::nvme::NvmeController::new(

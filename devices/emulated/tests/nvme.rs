@@ -800,3 +800,65 @@ fn intx_resample_reasserts_while_completions_are_pending() {
     assert_eq!(rig.irq.intx_signals(), n + 1);
     assert!(!rig.irq.intx_level());
 }
+
+/// A namespace at `ns_offset` (an SR-IOV function's slice of a shared backing file): LBA 0
+/// is at the offset, writes land only inside the slice, the last block of the slice is the
+/// last LBA, and nothing below or past the slice is read or written.
+#[test]
+fn namespace_slice_at_an_offset_stays_inside_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let slice: u64 = 1 << 20;
+    let off = 2 * slice;
+    // The neighbours' bytes, which the controller must never touch.
+    let path = dir.path().join("disk.img");
+    std::fs::write(&path, vec![0x11u8; (4 * slice) as usize]).unwrap();
+    let cfg = NvmeConfig {
+        ns_offset: off,
+        ..config(&dir, NotifyMode::Interrupt, 512, slice)
+    };
+    let mut rig = rig_with(cfg, TestMemory::new(RAM), true, 1);
+    let d = &mut rig.driver;
+    let (nsze, lba) = d.identify_namespace(1).unwrap();
+    assert_eq!((nsze, lba), (slice / 512, 512));
+    let b = d.alloc_data(4096, 0, false).unwrap();
+    b.fill(d.ram(), &[0xab; 4096]);
+    assert_eq!(d.rw(1, true, 0, 8, &b).unwrap().code(), status::SUCCESS);
+    assert_eq!(
+        d.rw(1, true, nsze - 8, 8, &b).unwrap().code(),
+        status::SUCCESS
+    );
+    assert_eq!(
+        d.rw(1, true, nsze - 7, 8, &b).unwrap().code(),
+        status::LBA_OUT_OF_RANGE
+    );
+    let mut s = Sqe::new(io::WRITE_ZEROES, 0);
+    s.set_nsid(1).set_cdw(10, 8).set_cdw(12, 7);
+    assert_eq!(d.execute(1, s).unwrap().code(), status::SUCCESS);
+    // A read of LBA 0 returns the slice's first block, not the file's.
+    b.fill(d.ram(), &[0; 4096]);
+    assert_eq!(d.rw(1, false, 0, 8, &b).unwrap().code(), status::SUCCESS);
+    assert_eq!(b.read(d.ram()), vec![0xab; 4096]);
+    d.flush(1).unwrap();
+    let file = std::fs::read(&path).unwrap();
+    assert_eq!(file.len() as u64, 4 * slice, "the file was not resized");
+    let (o, s) = (off as usize, slice as usize);
+    assert!(file[..o].iter().all(|&x| x == 0x11), "below the slice");
+    assert!(file[o + s..].iter().all(|&x| x == 0x11), "past the slice");
+    assert_eq!(&file[o..o + 4096], &[0xab; 4096][..]);
+    assert!(file[o + 4096..o + 8192].iter().all(|&x| x == 0));
+    assert_eq!(&file[o + s - 4096..o + s], &[0xab; 4096][..]);
+    // A misaligned offset is refused by name.
+    let regs = Arc::new(emulated::HeapRegisters::new(0x4000));
+    let e = emulated::nvme::NvmeController::new(
+        NvmeConfig {
+            ns_offset: 100,
+            ..config(&dir, NotifyMode::Interrupt, 512, slice)
+        },
+        regs,
+        TestMemory::new(1 << 20),
+        emulated::testing::CountingInterrupts::new(4),
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("namespace offset 0x64"), "{e}");
+}

@@ -11,6 +11,7 @@ pub mod interrupt;
 pub mod msi;
 pub mod msix;
 pub mod root;
+pub mod snapshot;
 pub mod vm_ops;
 
 pub use bus::{Bus, BusDevice, BusError, BusRange, SharedBusDevice};
@@ -28,6 +29,7 @@ pub use interrupt::{
 pub use msi::{MsiCap, MsiConfig};
 pub use msix::{MsixCap, MsixConfig};
 pub use root::{PciBdf, PciBus, PciConfigIo, PciConfigMmio, PciHostBridge, SharedPciDevice};
+pub use snapshot::{RestoreError, Snapshottable};
 pub use vm_ops::{IoEventGuard, MemslotGuard, VmOps};
 
 #[cfg(any(test, feature = "testing"))]

@@ -387,7 +387,7 @@ pub trait RemoteDeviceLink: Send {
         Ok(())
     }
 
-    /// The lease's peer-to-peer side (protocol version 4), shareable with the VM's
+    /// The lease's peer-to-peer side (protocol version 5), shareable with the VM's
     /// [`crate::P2pRouter`]. Default `None`: the link cannot map peers' BARs, and DMA to a
     /// peer's BAR faults on the lender.
     fn p2p_port(&self) -> Option<Arc<dyn crate::P2pPort>> {

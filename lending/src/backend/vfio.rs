@@ -893,6 +893,26 @@ pub(crate) mod tests {
             .clone()
     }
 
+    /// Live migration on a VFIO device: the lender cannot see its DMA, so the hand-over
+    /// quiesce does not confirm a drain and the dirty log reports the whole window.
+    #[test]
+    fn migration_falls_back_to_whole_window_and_unconfirmed_drain() {
+        let (b, c, _sysfs) = backend();
+        let dom = b.domain();
+        let mem = Arc::new(crate::iommu::MmapBacking::anonymous(0x4000).unwrap());
+        dom.map(0x10_0000, 0x4000, mem).unwrap();
+        assert!(!dom.start_dirty_log());
+        let d = dom.fetch_dirty(0x10_0000, 0x8000).unwrap();
+        assert!(d.whole_window);
+        assert_eq!(d.count(), 4, "every mapped page, none beyond");
+        let q = b
+            .quiesce_handover(std::time::Duration::from_millis(10))
+            .unwrap();
+        assert_eq!(q, crate::backend::Drained::default(), "drain not confirmed");
+        dom.stop_dirty_log();
+        assert_eq!(c.live(), vec![(0x10_0000, 0x4000)]);
+    }
+
     #[test]
     fn describe_reads_bars_caps_and_irqs() {
         let (b, _, _sysfs) = backend();
@@ -1147,5 +1167,83 @@ pub(crate) mod tests {
         assert!(b.set_irqs(IrqKind::Msix, vec![None; 9]).is_err());
         b.clear_irqs();
         assert!(b.dev.enabled.lock().unwrap().is_empty());
+    }
+
+    /// A virtual function is an ordinary BDF to the VFIO backend. The VF addresses come
+    /// from the PF's SR-IOV capability (Intel-style First VF Offset 0x80, stride 2: VFs of
+    /// 81:00.0 at 81:10.0 and 81:10.2); each parses as a `--device` spec, names its own sysfs
+    /// directory (BAR0 lent directly through `<sysfs>/<VF BDF>/resource0`) and, having no
+    /// INTx (VFs have none), describes MSI-X only. The PF and both VFs sit in one inventory
+    /// and go to three borrowers at once; returning one VF's lease resets that VF only.
+    #[test]
+    fn virtual_functions_are_plain_bdfs_in_sysfs_and_the_inventory() {
+        use crate::inventory::{Inventory, InventoryError};
+        use crate::protocol::DeviceState;
+        use crate::sriov::Bdf;
+
+        let pf: Bdf = BDF.parse().unwrap();
+        let cap = emulated::sriov::SriovCap::enabled(2, 0x80, 2, 0x154c, vec![]).unwrap();
+        let vfs: Vec<String> = pf
+            .vfs(&cap)
+            .unwrap()
+            .iter()
+            .map(|b| b.to_string())
+            .collect();
+        assert_eq!(vfs, ["0000:81:10.0", "0000:81:10.2"]);
+        let sysfs = FakeSysfs::new().unwrap();
+        sysfs.add_resource(BDF, 0, 0x4000).unwrap();
+        let (pf_b, _) = backend_with(nic_with(nic_config(true), false), &sysfs);
+        let pf_b = Arc::new(pf_b);
+        let mut devices: Vec<(String, Arc<dyn DeviceBackend>)> =
+            vec![(BDF.to_string(), pf_b.clone() as Arc<dyn DeviceBackend>)];
+        let mut vf_bs = Vec::new();
+        for vf in &vfs {
+            let spec: crate::spec::DeviceSpec = format!("{vf}=vfio").parse().unwrap();
+            assert_eq!(spec.function_ids(), std::slice::from_ref(vf));
+            sysfs.add_resource(vf, 0, 0x4000).unwrap();
+            // vfio-pci shows a VF's vendor and device id (the VF's own header reads
+            // ffff:ffff); it has MSI-X and no INTx.
+            let mut cfg = nic_config(false);
+            cfg[2..4].copy_from_slice(&0x154cu16.to_le_bytes());
+            let mut dev = nic_with(cfg, false);
+            dev.irq_counts.remove(&VFIO_PCI_INTX_IRQ_INDEX);
+            let c = Arc::new(FakeVfioContainer::default());
+            let dom = Arc::new(VfioDomain::new(format!("vfio {vf}"), c));
+            let b = Arc::new(VfioBackend::with_parts(vf, dev, dom, sysfs.root()));
+            match b.bar_access(0) {
+                Some(BarAccess::Direct { path, .. }) => {
+                    assert_eq!(path, &sysfs.root().join(vf).join("resource0"))
+                }
+                other => panic!("{vf}: bar 0 {other:?}"),
+            }
+            let info = b.describe(vf);
+            assert_eq!((info.irqs.intx, info.irqs.msix), (0, 8), "{vf}");
+            assert_eq!(&info.config[2..4], &[0x4c, 0x15]);
+            devices.push((vf.clone(), b.clone() as Arc<dyn DeviceBackend>));
+            vf_bs.push(b);
+        }
+        let inv = Inventory::new(devices).unwrap();
+        let ids: Vec<String> = inv.list().into_iter().map(|d| d.id).collect();
+        assert_eq!(ids, [BDF, "0000:81:10.0", "0000:81:10.2"]);
+        let l1 = inv.acquire(&vfs[0], "node1", "vm-a").unwrap();
+        let l2 = inv.acquire(&vfs[1], "node2", "vm-b").unwrap();
+        let lp = inv.acquire(BDF, "node4", "vm-c").unwrap();
+        assert_eq!(
+            inv.acquire(&vfs[0], "node2", "vm-b").err(),
+            Some(InventoryError::Busy {
+                node: "node1".into(),
+                vm: "vm-a".into()
+            })
+        );
+        drop(l1);
+        assert_eq!(*vf_bs[0].dev.resets.lock().unwrap(), 1);
+        assert_eq!(*vf_bs[1].dev.resets.lock().unwrap(), 0, "vf 2 untouched");
+        assert_eq!(*pf_b.dev.resets.lock().unwrap(), 0, "pf untouched");
+        assert_eq!(inv.get(&vfs[0]).unwrap().state(), DeviceState::Available);
+        assert!(matches!(
+            inv.get(&vfs[1]).unwrap().state(),
+            DeviceState::Lent { .. }
+        ));
+        drop((l2, lp));
     }
 }

@@ -201,6 +201,17 @@ pub struct P2pRegistration {
 }
 
 impl P2pRegistration {
+    /// The lease changed hands (live migration's transfer): every mapping into it is
+    /// revoked and it answers to `holder` from now on.
+    pub fn rehold(&mut self, holder: &str) -> usize {
+        let n = self.book.revoke_into(self.lease, "lease transferred");
+        if let Some(p) = lock(&self.book.leases).get_mut(&self.lease) {
+            p.holder = holder.to_string();
+        }
+        self.holder = holder.to_string();
+        n
+    }
+
     /// Who holds the lease, as the book compares it.
     pub fn holder(&self) -> &str {
         &self.holder

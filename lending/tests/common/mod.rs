@@ -277,13 +277,42 @@ pub fn lent_rig(
     vectors: usize,
     use_interrupts: bool,
 ) -> LentRig {
+    lent_rig_as(
+        c,
+        dev,
+        "vm0",
+        ram_len,
+        bar,
+        irq_via,
+        vectors,
+        use_interrupts,
+    )
+}
+
+/// [`lent_rig`] for the VM called `vm` (one borrower per VM name, each on its own link).
+#[allow(clippy::too_many_arguments)]
+pub fn lent_rig_as(
+    c: &Cluster,
+    dev: &str,
+    vm: &str,
+    ram_len: u64,
+    bar: BarPath,
+    irq_via: &[IrqVia],
+    vectors: usize,
+    use_interrupts: bool,
+) -> LentRig {
     let client = connect(c);
-    let lease = Arc::new(client.borrow(dev, "vm0").unwrap());
-    assert_eq!(lease.info().kind, "nvme");
+    let lease = Arc::new(client.borrow(dev, vm).unwrap());
+    // An emulated NVMe: a whole controller, or an SR-IOV virtual function of one.
+    assert!(
+        ["nvme", "nvme-vf"].contains(&lease.info().kind.as_str()),
+        "{dev}: {}",
+        lease.info().kind
+    );
     let ram = MemfdRam::new(ram_len);
     let window = client
         .endpoint()
-        .export_window(ram.mem.fd(), 0, ram_len, "vm0-ram")
+        .export_window(ram.mem.fd(), 0, ram_len, &format!("{vm}-ram"))
         .unwrap();
     lease.map_dma(0, ram_len, window.id()).unwrap();
     let mut fds = Vec::new();

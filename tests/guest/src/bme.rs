@@ -18,7 +18,7 @@ use crate::{dmatest, nvme, Results};
 #[no_mangle]
 static mut BME_MAILBOX: u64 = 0;
 
-fn mailbox() -> u64 {
+pub fn mailbox() -> u64 {
     // SAFETY: written only by the host (through guest RAM) and read here.
     unsafe { read_volatile(addr_of!(BME_MAILBOX)) }
 }

@@ -10,11 +10,13 @@
 //!
 //! | group | what | parameters |
 //! |---|---|---|
-//! | `nvme` | NVMe driver test on the first class 01:08:02 function | `seed=` (pattern, default 0x4c454e44), `lba=` (first LBA, 0) |
+//! | `nvme` | NVMe driver test on the first class 01:08:02 function | `seed=` (pattern, default 0x4c454e44), `lba=` (first LBA, 0), `hold=1` (after set-up print `MAILBOX`, `STEP 1 nvme-ready` and wait for the host before any I/O), `wait_ms=` (30000), `cmb=1` (I/O SQ in the controller memory buffer) |
 //! | `dmatest` | one-page copy through the first 1b36:1105 function | `seed=` |
 //! | `p2p` | peer-to-peer DMA between the first two 1b36:1105 functions (one lender): RAM → peer BAR, peer BAR → RAM, a hole refused, peer BAR0 moved | `seed=` |
 //! | `bme-steps` | Memory → Bus Master on → off, each step acknowledged by the host through a mailbox | `wait_ms=` |
 //! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0) |
+//! | `nvme-loop` | one verified page of NVMe I/O every `period_ms=` ticks; re-initialises a controller found reset (after a restore) and retries; ends when the host writes the mailbox | `seed=`, `lba=`, `period_ms=` (100), `total_ms=` (600000) |
+//! | `ticker` | prints `TICK n` every `period_ms=` ticks and checks a memory marker until the host writes the mailbox (snapshot/restore tests) | `seed=`, `period_ms=` (100), `total_ms=` (600000) |
 //! | `idle` | the same loop without I/O, for `total_ms=` (default 600000), then exit 0 | `total_ms=` |
 //! | `hostile` | abuse of a lent NVMe + dmatest (DMA outside RAM, PRP loops, bad doorbells, bogus MSI-X, BAR moves, forbidden config writes, FLR storms), each group checked; two host-acknowledged steps | `seed=`, `lba=`, `reps=` (4), `flrs=` (32), `wait_ms=` (30000) |
 //!
@@ -38,9 +40,11 @@ mod io;
 mod mem;
 mod mmio;
 mod nvme;
+mod nvmeloop;
 mod p2p;
 mod pci;
 mod serial;
+mod ticker;
 
 use serial::Out;
 
@@ -111,6 +115,9 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
     let params = nvme::Params {
         seed: info.param_u64("seed", DEFAULT_SEED) as u32,
         slba: info.param_u64("lba", 0),
+        hold: info.param_u64("hold", 0) != 0,
+        wait_ms: info.param_u64("wait_ms", 30_000),
+        cmb: info.param_u64("cmb", 0) != 0,
     };
     if info.wants_explicitly("nvme") {
         nvme::test(&mut r, params);
@@ -145,6 +152,22 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
             nvme: params,
         };
         hotplug::run(&mut r, &mode);
+    }
+    if info.wants_explicitly("nvme-loop") {
+        nvmeloop::run(
+            &mut r,
+            params,
+            info.param_u64("period_ms", 100),
+            info.param_u64("total_ms", 600_000),
+        );
+    }
+    if info.wants_explicitly("ticker") {
+        ticker::run(
+            &mut r,
+            params.seed,
+            info.param_u64("period_ms", 100),
+            info.param_u64("total_ms", 600_000),
+        );
     }
     if info.wants_explicitly("idle") {
         let mode = hotplug::Mode {

@@ -9,6 +9,11 @@
 //! `(u16)(new - ei - 1) < (u16)(new - old)`. `TEST nvme-doorbells` reports the I/O queue's
 //! doorbell updates and the MMIO writes made for them.
 //!
+//! With `cmb=1` the driver turns on the controller's Controller Memory Buffer the NVMe 1.4
+//! way (as Linux's `nvme_map_cmb`: CMBMSC.CRE, read CMBSZ/CMBLOC, CMBMSC = CRE | CMSE | the
+//! buffer's bus address, here its guest-physical BAR address) and puts the I/O submission
+//! queue there (`TEST nvme-cmb`); commands are then stored into BAR0, not guest RAM.
+//!
 //! Completions are polled by phase bit (a bounded spin, then `hlt` until an interrupt or the
 //! 1 ms tick, bounded in time); the I/O queue's MSI-X vector is counted and reported as
 //! `TEST nvme-msix ok count=N`. Everything is sized for KVM's instruction emulator: the whole
@@ -31,6 +36,11 @@ pub const REG_CSTS: u64 = 0x1c;
 const REG_AQA: u64 = 0x24;
 const REG_ASQ: u64 = 0x28;
 const REG_ACQ: u64 = 0x30;
+const REG_CMBLOC: u64 = 0x38;
+const REG_CMBSZ: u64 = 0x3c;
+const REG_CMBMSC: u64 = 0x50;
+const CAP_CMBS_HI: u32 = 1 << (57 - 32);
+const CMBSZ_SQS: u32 = 1;
 pub const REG_DBS: u64 = 0x1000;
 pub const CSTS_RDY: u32 = 1;
 const CSTS_CFS: u32 = 2;
@@ -68,11 +78,17 @@ pub const TEST_LBAS: u64 = 64;
 const SPINS: u32 = 2_000;
 const TIMEOUT_MS: u64 = 5_000;
 
-/// What to write where (`seed=`, `lba=` on the command line).
+/// What to write where (`seed=`, `lba=` on the command line), and `hold=1`: after the
+/// set-up (Bus Master on, queues created) print `MAILBOX 0x<gpa>` and `STEP 1 nvme-ready`
+/// and wait (up to `wait_ms=`) until the host writes 1 there before any I/O, so a host can
+/// start the I/O of several VMs at the same moment.
 #[derive(Clone, Copy)]
 pub struct Params {
     pub seed: u32,
     pub slba: u64,
+    pub hold: bool,
+    pub wait_ms: u64,
+    pub cmb: bool,
 }
 
 pub struct Queue {
@@ -122,7 +138,7 @@ pub struct Nvme {
 }
 
 impl Nvme {
-    fn reg32(&self, off: u64) -> u32 {
+    pub fn reg32(&self, off: u64) -> u32 {
         mmio::read32(self.bar0 + off)
     }
 
@@ -323,7 +339,42 @@ pub fn test_on(f: Func, r: &mut Results, p: Params) {
     else {
         return;
     };
+    if p.hold {
+        crate::bme::announce_mailbox();
+        let go = crate::bme::step(1, "nvme-ready", p.wait_ms);
+        r.report("nvme-hold", go)
+            .s("released ")
+            .s(if go { "yes" } else { "no" })
+            .nl();
+        if !go {
+            return;
+        }
+    }
     run_io(&mut n, r, p, lbads, oacs, admin_irqs, io_irqs);
+}
+
+/// Turns the CMB on (NVMe 1.4 scheme) and returns its guest-physical address (the start of
+/// the buffer, where the I/O SQ goes) and CMBSZ; `None` without CAP.CMBS or CMBSZ.SQS.
+fn map_cmb(n: &Nvme) -> Option<(u64, u32)> {
+    if n.reg32(REG_CAP + 4) & CAP_CMBS_HI == 0 {
+        return None;
+    }
+    n.set_reg32(REG_CMBMSC + 4, 0);
+    n.set_reg32(REG_CMBMSC, 1); // CRE
+    let sz = n.reg32(REG_CMBSZ);
+    if sz & CMBSZ_SQS == 0 {
+        return None;
+    }
+    let loc = n.reg32(REG_CMBLOC);
+    let unit = 4096u64 << (4 * ((sz >> 8) & 0xf));
+    if loc & 7 != 0 {
+        return None; // only a CMB in BAR0 is supported here
+    }
+    let addr = n.bar0 + (loc >> 12) as u64 * unit;
+    // CBA high dword first, then the low dword with CRE | CMSE (as Linux's hi_lo_writeq).
+    n.set_reg32(REG_CMBMSC + 4, (addr >> 32) as u32);
+    n.set_reg32(REG_CMBMSC, (addr as u32 & !0xfff) | 3);
+    Some((addr, sz))
 }
 
 /// Probe, MSI-X (vectors 0 and 1), enable, identify, one I/O queue pair. Reports
@@ -431,6 +482,21 @@ pub fn setup(f: Func, r: &mut Results, p: Params) -> Option<Setup> {
         .nl();
     if !ok {
         return None;
+    }
+
+    if p.cmb {
+        let sq = map_cmb(&n);
+        let o = r.report("nvme-cmb", sq.is_some());
+        match sq {
+            Some((addr, sz)) => {
+                n.io.sq = addr;
+                o.s("io sq at ").hex(addr).s(" cmbsz ").hex(sz as u64).nl();
+            }
+            None => {
+                o.s("no usable controller memory buffer").nl();
+                return None;
+            }
+        }
     }
 
     // One I/O queue pair: Set Features (Number of Queues), Create CQ (vector 1), Create SQ.

@@ -28,7 +28,7 @@ pub const LENDER: &str = "node1";
 /// Lender-local PCI addresses of the devices it lends.
 pub const NVME_BDF: &str = "0000:82:00.0";
 pub const DMATEST_BDF: &str = "0000:83:00.0";
-/// Identify data the lender's emulated NVMe reports (`lending::open_backend`): the default
+/// Identify data the lender's emulated NVMe reports (`lending::open_backends`): the default
 /// model, and `LENDVM` + the lender-local address without separators as the serial.
 pub const NVME_MODEL: &str = "lendvm NVMe Ctrl";
 pub const NVME_SERIAL: &str = "LENDVM000082000";
@@ -195,13 +195,24 @@ impl Vm {
             "--kernel", TEST_GUEST, "--serial", "stdout", "--memory", memory,
         ];
         full.extend_from_slice(args);
+        Self::spawn(&full, log)
+    }
+
+    /// `lendvm --serial stdout` plus `args` and nothing else (no kernel: `--restore`).
+    pub fn start_args(args: &[&str], log: &str) -> Vm {
+        let mut full = vec!["--serial", "stdout"];
+        full.extend_from_slice(args);
+        Self::spawn(&full, log)
+    }
+
+    fn spawn(full: &[&str], log: &str) -> Vm {
         let api_socket = full
             .iter()
             .position(|a| *a == "--api-socket")
             .and_then(|i| full.get(i + 1))
             .map(PathBuf::from);
         let mut child = Command::new(binary("lendvm"))
-            .args(&full)
+            .args(full)
             .env("RUST_LOG", log)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::cmb::{CmbState, CAP_CMBS};
 use super::identify::{self, SmartCounters, VERSION};
 use super::prp::{self, Segment};
 use super::spec::*;
@@ -161,9 +162,12 @@ pub(crate) struct Ctrl {
     intx_level: bool,
     dbbuf: Option<Dbbuf>,
     dbbuf_state: Arc<DbbufState>,
+    /// The Controller Memory Buffer, if configured (its CMBMSC is applied here).
+    cmb: Option<Arc<CmbState>>,
 }
 
 impl Ctrl {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         cfg: Arc<NvmeConfig>,
         regs: Arc<dyn RegisterMemory>,
@@ -172,10 +176,15 @@ impl Ctrl {
         engine: Box<dyn Engine>,
         stats: Arc<NvmeStats>,
         nsze: u64,
+        cmb: Option<Arc<CmbState>>,
     ) -> Self {
         let mqes = u64::from(cfg.max_queue_entries - 1);
-        // CAP: MQES, CQR, TO = 20 (10 s), DSTRD 0, CSS NVM (bit 37), MPSMIN = MPSMAX = 0.
-        let cap = mqes | (1 << 16) | (20 << 24) | (1 << 37);
+        // CAP: MQES, CQR, TO = 20 (10 s), DSTRD 0, CSS NVM (bit 37), MPSMIN = MPSMAX = 0,
+        // CMBS (bit 57) with a CMB.
+        let mut cap = mqes | (1 << 16) | (20 << 24) | (1 << 37);
+        if cmb.is_some() {
+            cap |= CAP_CMBS;
+        }
         let q = cfg.max_io_queues as usize + 1;
         let c = Ctrl {
             lba_shift: cfg.lba_size.trailing_zeros(),
@@ -210,6 +219,7 @@ impl Ctrl {
             intx_level: false,
             dbbuf: None,
             dbbuf_state: Arc::default(),
+            cmb,
         };
         c.write_ro_registers();
         c
@@ -221,6 +231,44 @@ impl Ctrl {
         self.regs.write32(REG_CSTS, self.csts);
         self.regs.write32(REG_INTMS, self.intmask);
         self.regs.write32(REG_INTMC, self.intmask);
+        if let Some(cmb) = &self.cmb {
+            self.regs.write32(REG_CMBLOC, cmb.cmbloc());
+            self.regs.write32(REG_CMBSZ, cmb.cmbsz());
+            self.regs.write64(REG_CMBMSC, cmb.msc());
+            self.regs.write32(REG_CMBSTS, 0);
+        }
+    }
+
+    /// Applies a CMBMSC the host stored (CRE makes CMBLOC/CMBSZ readable, CMSE with CBA
+    /// starts routing CMB addresses to the buffer) and keeps the read-only CMB registers
+    /// what they must be. Returns true if anything changed.
+    fn check_cmb(&mut self) -> bool {
+        let Some(cmb) = &self.cmb else {
+            return false;
+        };
+        let stored = self.regs.read64(REG_CMBMSC);
+        let changed = stored != cmb.msc();
+        if changed {
+            cmb.set_msc(stored);
+            log::debug!(
+                "nvme {}: cmbmsc {stored:#x} -> cre {} cmse {} cba {:#x}",
+                self.cfg.serial,
+                cmb.msc() & super::cmb::CMBMSC_CRE,
+                (cmb.msc() & super::cmb::CMBMSC_CMSE) >> 1,
+                cmb.msc() & super::cmb::CMBMSC_CBA
+            );
+        }
+        if changed
+            || self.regs.read32(REG_CMBLOC) != cmb.cmbloc()
+            || self.regs.read32(REG_CMBSZ) != cmb.cmbsz()
+            || self.regs.read32(REG_CMBSTS) != 0
+        {
+            self.regs.write32(REG_CMBLOC, cmb.cmbloc());
+            self.regs.write32(REG_CMBSZ, cmb.cmbsz());
+            self.regs.write64(REG_CMBMSC, cmb.msc());
+            self.regs.write32(REG_CMBSTS, 0);
+        }
+        changed
     }
 
     /// The shadow doorbell state, for readers outside the controller lock.
@@ -264,7 +312,7 @@ impl Ctrl {
 
     /// React to page-0 register changes. Returns true if something changed.
     pub(crate) fn check_page0(&mut self) -> bool {
-        let mut work = false;
+        let mut work = self.check_cmb();
         if self.regs.read64(REG_CAP) != self.cap || self.regs.read32(REG_VS) != VERSION {
             self.regs.write64(REG_CAP, self.cap);
             self.regs.write32(REG_VS, VERSION);
@@ -414,6 +462,12 @@ impl Ctrl {
         }
         self.regs.write64(REG_ASQ, 0);
         self.regs.write64(REG_ACQ, 0);
+        // The CMB ends with the function: decoding off, registers hidden, contents zeroed.
+        if let Some(cmb) = &self.cmb {
+            cmb.set_msc(0);
+            cmb.clear();
+        }
+        self.regs.write64(REG_CMBMSC, 0);
         self.write_ro_registers();
     }
 
@@ -489,6 +543,30 @@ impl Ctrl {
             }
         }
         self.engine.commit();
+    }
+
+    /// Completes every command already fetched (data DMA, completion entries) and raises
+    /// their interrupts as [`Ctrl::pass`] would, without fetching new ones; `true` once no
+    /// I/O is in flight, `false` at `deadline` (what is still in flight completes later).
+    pub(crate) fn drain_for_handover(&mut self, deadline: Instant) -> bool {
+        let done = loop {
+            self.engine.commit();
+            if self.enabled {
+                self.reap();
+            }
+            if self.engine.inflight() == 0 && self.backlog.is_empty() {
+                break true;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            self.wait_engine();
+        };
+        if self.enabled {
+            self.finish_deletes();
+            self.signal();
+        }
+        done
     }
 
     // ---- queues ----------------------------------------------------------------------------
@@ -1181,7 +1259,9 @@ impl Ctrl {
                     Ok(s) => s,
                     Err(s) => return err(s),
                 };
-                let offset = slba << self.lba_shift;
+                // The namespace is the slice [ns_offset, ns_offset + nsze blocks) of the
+                // backing file (lba_range keeps slba + nlb inside it).
+                let offset = self.cfg.ns_offset + (slba << self.lba_shift);
                 let mut buf = self.buf(len);
                 if sqe.opcode() == io::WRITE {
                     if let Err(e) = prp::gather(&*self.dma, &segs, buf.as_mut_slice()) {
@@ -1230,7 +1310,7 @@ impl Ctrl {
                     sqe.cid(),
                     Pending::Other,
                     kind,
-                    slba << self.lba_shift,
+                    self.cfg.ns_offset + (slba << self.lba_shift),
                     AlignedBuf::new(0),
                     len,
                 );

@@ -10,6 +10,7 @@
 //! posting, interrupts) plus the I/O engine (io_uring, or worker threads). Disk I/O is always
 //! asynchronous to the controller thread.
 
+pub mod cmb;
 mod ctrl;
 pub mod identify;
 pub mod prp;
@@ -34,8 +35,12 @@ use crate::model::{
 use crate::regs::RegisterMemory;
 use crate::waiter::{WaitState, Waiter};
 use crate::NotifyMode;
+use cmb::{CmbDma, CmbState};
 use ctrl::{Ctrl, DbbufState, MAX_KICK_QUEUES};
-use spec::{cq_doorbell, sq_doorbell, REG_CSTS, REG_DBS, REG_INTMC, REG_INTMS};
+use spec::{
+    cq_doorbell, sq_doorbell, REG_CMBLOC, REG_CMBMSC, REG_CMBSTS, REG_CSTS, REG_DBS, REG_INTMC,
+    REG_INTMS,
+};
 
 /// Size of BAR0 (registers + doorbells for up to 1535 queue pairs).
 pub const BAR0_SIZE: u64 = 0x4000;
@@ -51,8 +56,17 @@ pub const MSIX_PBA_OFFSET: u32 = 0x800;
 pub struct NvmeConfig {
     /// Backing file (created if missing).
     pub backing: PathBuf,
-    /// Namespace size in bytes; `None` uses the file's size. The file is extended if shorter.
+    /// Namespace size in bytes; `None` uses the file's size (minus `ns_offset`). The file is
+    /// extended if shorter than `ns_offset + size`.
     pub size: Option<u64>,
+    /// Byte offset of the namespace in the backing file: LBA 0 is at this offset and the
+    /// controller never reads or writes below it or past `ns_offset + size`. 0 for a whole
+    /// file; an SR-IOV function's slice of a shared file otherwise (a multiple of the LBA
+    /// size).
+    pub ns_offset: u64,
+    /// The function has an INTx pin (INTA). SR-IOV virtual functions have none (PCIe: VFs
+    /// use MSI/MSI-X only).
+    pub intx: bool,
     /// LBA size: 512 or 4096.
     pub lba_size: u32,
     /// Open the backing file with O_DIRECT.
@@ -83,6 +97,8 @@ pub struct NvmeConfig {
     pub firmware: String,
     /// PCI identity.
     pub identity: PciIdentity,
+    /// Controller Memory Buffer size in bytes (0: none); see [`cmb`].
+    pub cmb_size: u64,
 }
 
 impl Default for NvmeConfig {
@@ -90,6 +106,8 @@ impl Default for NvmeConfig {
         NvmeConfig {
             backing: PathBuf::from("nvme.img"),
             size: None,
+            ns_offset: 0,
+            intx: true,
             lba_size: 512,
             direct_io: false,
             engine: EngineKind::Auto,
@@ -114,6 +132,7 @@ impl Default for NvmeConfig {
                 prog_if: 0x02,
                 revision: 0x02,
             },
+            cmb_size: 0,
         }
     }
 }
@@ -124,6 +143,13 @@ impl NvmeConfig {
         if self.lba_size != 512 && self.lba_size != 4096 {
             return bad(format!("lba size {} is not 512 or 4096", self.lba_size));
         }
+        if !self.ns_offset.is_multiple_of(u64::from(self.lba_size)) {
+            return bad(format!(
+                "namespace offset {:#x} is not a multiple of the {}-byte lba",
+                self.ns_offset, self.lba_size
+            ));
+        }
+        cmb::check_size(self.cmb_size).map_err(DeviceError::InvalidConfig)?;
         if !(1..=1024).contains(&self.max_io_queues) {
             return bad(format!(
                 "max io queues {} is not in 1..=1024",
@@ -219,7 +245,7 @@ pub struct NvmeController {
 
 impl NvmeController {
     /// Open the backing file and set up the controller (not started: call
-    /// [`DeviceModel::start`]). `regs` must be at least [`BAR0_SIZE`] bytes.
+    /// [`DeviceModel::start`]). `regs` must be at least [`cmb::bar0_size`] bytes (BAR0).
     pub fn new(
         cfg: NvmeConfig,
         regs: Arc<dyn RegisterMemory>,
@@ -227,10 +253,11 @@ impl NvmeController {
         irq: Arc<dyn InterruptSink>,
     ) -> Result<Self, DeviceError> {
         cfg.validate()?;
-        if (regs.len() as u64) < BAR0_SIZE {
+        let bar0 = cmb::bar0_size(cfg.cmb_size);
+        if (regs.len() as u64) < bar0 {
             return Err(DeviceError::RegisterMemoryTooSmall {
                 got: regs.len(),
-                need: BAR0_SIZE as usize,
+                need: bar0 as usize,
             });
         }
         let path = cfg.backing.display().to_string();
@@ -247,12 +274,18 @@ impl NvmeController {
         let cur = file.metadata().map_err(backing)?.len();
         let size = match cfg.size {
             Some(s) => {
-                if cur < s {
-                    file.set_len(s).map_err(backing)?;
+                let end = cfg.ns_offset.checked_add(s).ok_or_else(|| {
+                    DeviceError::InvalidConfig(format!(
+                        "namespace of {s:#x} bytes at offset {:#x} ends past 2^64",
+                        cfg.ns_offset
+                    ))
+                })?;
+                if cur < end {
+                    file.set_len(end).map_err(backing)?;
                 }
                 s
             }
-            None => cur,
+            None => cur.saturating_sub(cfg.ns_offset),
         };
         let nsze = size / u64::from(cfg.lba_size);
         if nsze == 0 {
@@ -271,6 +304,18 @@ impl NvmeController {
             .map_err(os("dup completion eventfd"))?;
         let doorbell = EventFd::new(libc::EFD_NONBLOCK).map_err(os("doorbell eventfd"))?;
         let stats = Arc::new(NvmeStats::default());
+        // With a CMB, every controller memory access is routed: CMB addresses to the buffer
+        // in BAR0, the rest to the host (IOMMU domain).
+        let (dma, cmb) = if cfg.cmb_size > 0 {
+            let cmb = CmbState::new(cfg.cmb_size, regs.clone());
+            let d: Arc<dyn DmaMemory> = Arc::new(CmbDma {
+                host: dma,
+                cmb: cmb.clone(),
+            });
+            (d, Some(cmb))
+        } else {
+            (dma, None)
+        };
         let cfg = Arc::new(cfg);
         let ctrl = Ctrl::new(
             cfg.clone(),
@@ -280,6 +325,7 @@ impl NvmeController {
             engine,
             stats.clone(),
             nsze,
+            cmb,
         );
         let dbbuf = ctrl.dbbuf_state();
         log::info!(
@@ -322,6 +368,11 @@ impl NvmeController {
         &self.cfg
     }
 
+    /// BAR0's size (registers and doorbells, and the CMB if there is one).
+    pub fn bar0_size(&self) -> u64 {
+        cmb::bar0_size(self.cfg.cmb_size)
+    }
+
     fn stop_thread(&self) {
         let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
@@ -349,15 +400,16 @@ impl DeviceModel for NvmeController {
         vec![
             BarInfo {
                 index: 0,
-                size: BAR0_SIZE,
+                size: self.bar0_size(),
                 is_64bit: true,
                 prefetchable: false,
                 register_memory: true,
                 // SQ tail / CQ head doorbells hold absolute queue indexes: storing them and
                 // waking the controller is exact. Page 0 (CC, INTMS/INTMC, AQA, ...) is not.
+                // The CMB (plain memory) is exact when stored too.
                 doorbells: Some(DoorbellRange {
                     offset: REG_DBS,
-                    len: BAR0_SIZE - REG_DBS,
+                    len: self.bar0_size() - REG_DBS,
                 }),
             },
             BarInfo {
@@ -382,7 +434,7 @@ impl DeviceModel for NvmeController {
     }
 
     fn intx_pin(&self) -> u8 {
-        1
+        u8::from(self.cfg.intx)
     }
 
     fn config_space(&self) -> [u8; 256] {
@@ -400,7 +452,7 @@ impl DeviceModel for NvmeController {
 
     fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) {
         data.fill(0);
-        if bar != 0 || offset >= BAR0_SIZE {
+        if bar != 0 || offset >= self.bar0_size() {
             return;
         }
         let regs = &self.inner.regs;
@@ -417,13 +469,17 @@ impl DeviceModel for NvmeController {
     }
 
     fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) {
-        if bar != 0 || offset >= BAR0_SIZE {
+        if bar != 0 || offset >= self.bar0_size() {
             return;
         }
         let regs = &self.inner.regs;
         let aligned = offset & !3;
-        // Read-only registers (CAP, VS, CSTS) ignore writes.
-        if aligned < REG_INTMS || aligned == REG_CSTS {
+        // Read-only registers (CAP, VS, CSTS, CMBLOC, CMBSZ, CMBSTS) ignore writes.
+        if aligned < REG_INTMS
+            || aligned == REG_CSTS
+            || (REG_CMBLOC..REG_CMBMSC).contains(&aligned)
+            || (REG_CMBSTS..REG_CMBSTS + 4).contains(&aligned)
+        {
             return;
         }
         if aligned == REG_INTMS || aligned == REG_INTMC {
@@ -517,6 +573,21 @@ impl DeviceModel for NvmeController {
 
     fn quiesce(&self, stop: bool) {
         self.inner.wait.quiesce("nvme", stop);
+    }
+
+    /// With the worker parked between passes (it fetches no SQE), completes the commands
+    /// already fetched on this thread: their data DMA, their completions, their interrupts.
+    fn drain(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let running = self
+            .thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if !self.inner.wait.wait_parked(running, deadline) {
+            return false;
+        }
+        self.inner.lock().drain_for_handover(deadline)
     }
 }
 

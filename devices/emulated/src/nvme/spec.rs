@@ -20,6 +20,14 @@ pub const REG_AQA: u64 = 0x24;
 pub const REG_ASQ: u64 = 0x28;
 /// Admin CQ base (64-bit).
 pub const REG_ACQ: u64 = 0x30;
+/// Controller Memory Buffer Location.
+pub const REG_CMBLOC: u64 = 0x38;
+/// Controller Memory Buffer Size.
+pub const REG_CMBSZ: u64 = 0x3c;
+/// Controller Memory Buffer Memory Space Control (64-bit).
+pub const REG_CMBMSC: u64 = 0x50;
+/// Controller Memory Buffer Status.
+pub const REG_CMBSTS: u64 = 0x58;
 /// First doorbell.
 pub const REG_DBS: u64 = 0x1000;
 
