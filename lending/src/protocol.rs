@@ -1608,8 +1608,11 @@ mod tests {
                 Err(ProtocolError::UnknownOpcode(op))
             );
         }
-        // Old requests keep their layouts in version 4.
-        for r in samples() {
+        // Old requests keep their layouts in version 4 (the version 5 P2P samples aside).
+        for r in samples()
+            .into_iter()
+            .filter(|r| !matches!(r, Request::P2pMap(_) | Request::P2pUnmap(_)))
+        {
             let (op, p) = r.encode_versioned(3).unwrap();
             assert_eq!(Request::decode_versioned(op, &p, 4).unwrap(), r);
         }

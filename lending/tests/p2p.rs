@@ -387,3 +387,29 @@ fn p2p_is_refused_across_borrowers_and_for_bad_bars() {
     assert_eq!(code_of(&e), Some(code::INVALID), "{e}");
     assert_eq!(s.lender.p2p_live_into(lb.id()), 1);
 }
+
+/// A target lease transferred to another VM (live migration's TRANSFER_ACCEPT): the source's
+/// mapping of it is revoked, and the source may not map it again (another holder now).
+#[test]
+fn transferred_target_is_revoked_and_no_longer_mappable() {
+    let s = setup();
+    let (ca, cb) = (client(&s, "vmm"), client(&s, "vmm"));
+    let (la, lb) = (
+        ca.borrow(DEV_A, "vm0").unwrap(),
+        cb.borrow(DEV_B, "vm0").unwrap(),
+    );
+    let _ram = ram_for(&ca, &la);
+    la.p2p_map(lb.id(), 0, BAR_GPA).unwrap();
+    assert!(!copy(&la, 0, RAM_GPA, BAR_GPA + BUF_OFFSET, 0x100).0);
+    let ticket = lb.create_transfer("vmm", "vm9").unwrap();
+    let dst = client(&s, "vmm");
+    let moved = dst.accept_transfer(&ticket, "vm9", &[], &[]).unwrap();
+    assert_eq!(moved.id(), lb.id());
+    assert_eq!(s.lender.p2p_live_into(moved.id()), 0, "revoked on transfer");
+    let (err, faults) = copy(&la, 0, RAM_GPA, BAR_GPA + BUF_OFFSET, 0x100);
+    assert!(err && faults == 1);
+    la.p2p_unmap(moved.id(), 0).unwrap();
+    let e = la.p2p_map(moved.id(), 0, BAR_GPA).unwrap_err();
+    assert_eq!(code_of(&e), Some(code::UNKNOWN_LEASE), "{e}");
+    std::mem::forget(lb); // its session no longer holds it
+}

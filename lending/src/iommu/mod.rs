@@ -18,8 +18,8 @@
 //! counts, no faults).
 
 pub mod backing;
-pub mod p2p;
 pub mod dirty;
+pub mod p2p;
 pub mod vfio;
 
 use std::collections::BTreeMap;
