@@ -99,6 +99,11 @@ pub struct NvmeConfig {
     pub identity: PciIdentity,
     /// Controller Memory Buffer size in bytes (0: none); see [`cmb`].
     pub cmb_size: u64,
+    /// What makes this controller's subsystem NQN (and namespace IDs) unique beyond its
+    /// serial: lenderd puts its node name here, because two lenders lending at the same
+    /// address would otherwise report one subsystem with one controller ID twice, and a guest
+    /// borrowing from both rejects the second ("Duplicate cntlid"). Empty: the serial alone.
+    pub subsystem: String,
 }
 
 impl Default for NvmeConfig {
@@ -133,6 +138,7 @@ impl Default for NvmeConfig {
                 revision: 0x02,
             },
             cmb_size: 0,
+            subsystem: String::new(),
         }
     }
 }
