@@ -62,11 +62,15 @@ fn wait_ticks(vm: &Vm, count: usize) -> usize {
 }
 
 fn boot(dir: &Path, extra: &str) -> Vm {
+    boot_with(dir, extra, "64M")
+}
+
+fn boot_with(dir: &Path, extra: &str, memory: &str) -> Vm {
     let sock = dir.join("src.sock").display().to_string();
     let events = format!("path={}", dir.join("src-events.jsonl").display());
     let line = format!("tests=ticker seed={SEED} period_ms=50{extra}");
     let vm = Vm::start(
-        "64M",
+        memory,
         &[
             "--cpus",
             "2",
@@ -129,9 +133,14 @@ fn named<'a>(evs: &'a [serde_json::Value], name: &str) -> Vec<&'a serde_json::Va
 
 /// Migrates `src` to a fresh destination and checks the guest's count goes on exactly.
 /// Returns the destination and both consoles joined.
-fn migrate_and_check(dir: &Path, mut src: Vm, mailbox: u64) -> (Vm, String) {
-    let (mut dst, url) = destination(dir, "dst");
+fn migrate_and_check(dir: &Path, src: Vm, mailbox: u64) -> (Vm, String) {
+    let (dst, url) = destination(dir, "dst");
     send(&src.api(), &url).unwrap();
+    check_migrated(src, dst, mailbox)
+}
+
+/// The source exited 0 and the destination goes on exactly where it left off.
+fn check_migrated(mut src: Vm, mut dst: Vm, mailbox: u64) -> (Vm, String) {
     src.expect_exit(0, T);
     let before = src.stdout();
     let n_before = ticks_of(&before).len();
@@ -166,7 +175,6 @@ fn migrate_and_check(dir: &Path, mut src: Vm, mailbox: u64) -> (Vm, String) {
     );
     let info = dst.api().info().unwrap();
     assert_eq!(info.state, VmState::Running);
-    assert_eq!(info.config.memory_size, 64 << 20);
     assert_eq!(info.config.cpus, 2);
     // The guest's RAM lives in the destination now: the mailbox write there ends it.
     dst.write_guest_u64(mailbox, 1);
@@ -206,6 +214,53 @@ fn live_migration_continues_the_ticker_exactly() {
     assert!(done[0]["properties"]["ram_bytes"].as_u64().unwrap() >= 64 << 20);
     let dst_evs = events(dir.path(), "dst-events.jsonl");
     assert_eq!(named(&dst_evs, "vm-migrated").len(), 1, "{dst_evs:?}");
+}
+
+fn lendctl(socket: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(binary("lendctl"))
+        .arg("--api-socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// The same over TCP on the loopback, driven by `lendctl receive-migration` and
+/// `lendctl send-migration`.
+#[test]
+fn live_migration_over_tcp_with_lendctl() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = boot(dir.path(), "");
+    let mailbox = mailbox_of(&src);
+    wait_ticks(&src, 3);
+    let dsock = dir.path().join("dst.sock");
+    let dst = Vm::start_args(&["--api-socket", dsock.to_str().unwrap()], "warn");
+    dst.wait_api();
+    // No vm yet: anything but receive-migration (and ping, shutdown) is refused.
+    let (st, msg) = status_of(dst.api().info().map(|_| ()));
+    assert_eq!(st, 409, "{msg}");
+    assert!(msg.contains("waits for vm.receive-migration"), "{msg}");
+    // A free loopback port (the tiny window before lendvm binds it is harmless here).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("tcp:127.0.0.1:{port}");
+    let out = lendctl(&dsock, &["receive-migration", &url]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("listening"),
+        "{out:?}"
+    );
+    // A second receive on the same VMM is refused.
+    let again = lendctl(&dsock, &["receive-migration", &url]);
+    assert_eq!(again.status.code(), Some(1), "{again:?}");
+    let out = lendctl(&dir.path().join("src.sock"), &["send-migration", &url]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&format!("vm migrated to {url}")), "{text}");
+    check_migrated(src, dst, mailbox);
 }
 
 #[test]
@@ -296,7 +351,8 @@ fn fake_destination(path: &Path, refuse: Option<&str>, read: usize) -> std::thre
 #[test]
 fn failed_migrations_leave_the_source_running() {
     let dir = tempfile::tempdir().unwrap();
-    let src = boot(dir.path(), "");
+    // 512 MiB, so that the transfer to the destination killed below takes a while.
+    let src = boot_with(dir.path(), "", "512M");
     let mailbox = mailbox_of(&src);
     let api = src.api();
     wait_ticks(&src, 2);
@@ -400,7 +456,10 @@ fn failed_migrations_leave_the_source_running() {
     let _ = dst.wait_exit(Duration::ZERO);
     let (st, msg) = status_of(sender.join().unwrap());
     assert_eq!(st, 500, "{msg}");
-    assert!(msg.contains("migration failed"), "{msg}");
+    assert!(
+        msg.contains("migration failed") && msg.contains("sending guest memory"),
+        "{msg}"
+    );
     assert_eq!(failed_events(), 4);
     keeps_running("after the destination was killed");
     let last = named(&events(dir.path(), "src-events.jsonl"), "migration-failed")

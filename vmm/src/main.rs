@@ -187,13 +187,21 @@ impl ApiHandler for Waiting {
 fn wait_for_migration(chan: &ApiChannel, cli: &Cli) -> Result<Option<Received<Vm>>, String> {
     let mut w = Waiting::default();
     loop {
-        let mut pfd = libc::pollfd {
-            fd: chan.evt.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        let r = unsafe { libc::poll(&mut pfd, 1, 1000) };
+        // API requests keep being answered until a source connects.
+        let mut fds = [
+            libc::pollfd {
+                fd: chan.evt.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: w.incoming.as_ref().map_or(-1, Incoming::listen_fd),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds for the duration of the call (a negative fd is ignored).
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::Interrupted {
@@ -204,26 +212,30 @@ fn wait_for_migration(chan: &ApiChannel, cli: &Cli) -> Result<Option<Received<Vm
         if w.shutdown {
             return Ok(None);
         }
-        if let Some(incoming) = w.incoming.take() {
-            return incoming
-                .receive(|c| {
-                    let cpus = config::check_cpus(u32::from(c.cpus))
-                        .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
-                    let cfg = VmConfig {
-                        memory_size: c.memory_size,
-                        ram_backing: cli.memory.backing,
-                        cpus,
-                        kernel: PathBuf::from(&c.kernel),
-                        cmdline: c.cmdline.clone(),
-                        initramfs: None,
-                        serial: cli.serial.clone(),
-                        cpuid_cmdline: false,
-                    };
-                    Vm::for_migration(&cfg).map_err(|e| MigrationError::Build(Box::new(e)))
-                })
-                .map(Some)
-                .map_err(|e| format!("incoming migration at {}: {}", incoming.url(), chain(&e)));
+        if fds[1].revents == 0 {
+            continue;
         }
+        let Some(incoming) = w.incoming.take() else {
+            continue;
+        };
+        return incoming
+            .receive(|c| {
+                let cpus = config::check_cpus(u32::from(c.cpus))
+                    .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
+                let cfg = VmConfig {
+                    memory_size: c.memory_size,
+                    ram_backing: cli.memory.backing,
+                    cpus,
+                    kernel: PathBuf::from(&c.kernel),
+                    cmdline: c.cmdline.clone(),
+                    initramfs: None,
+                    serial: cli.serial.clone(),
+                    cpuid_cmdline: false,
+                };
+                Vm::for_migration(&cfg).map_err(|e| MigrationError::Build(Box::new(e)))
+            })
+            .map(Some)
+            .map_err(|e| format!("incoming migration at {}: {}", incoming.url(), chain(&e)));
     }
 }
 

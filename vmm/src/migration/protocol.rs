@@ -263,6 +263,15 @@ impl Listener {
     }
 }
 
+impl std::os::fd::AsRawFd for Listener {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            Listener::Unix(l, _) => l.as_raw_fd(),
+            Listener::Tcp(l) => l.as_raw_fd(),
+        }
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Listener::Unix(_, p) = self {

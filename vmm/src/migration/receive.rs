@@ -40,6 +40,12 @@ impl Incoming {
         Ok(Self { url, listener })
     }
 
+    /// The listening socket (readable once a source connects), for the caller's poll.
+    pub fn listen_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.listener.as_raw_fd()
+    }
+
     /// Where this listens.
     pub fn url(&self) -> &MigrationUrl {
         &self.url
