@@ -416,6 +416,11 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
                     });
                 });
             }
+            // The answer comes when the migration is done: wait as long as the server does.
+            let client = ApiClient::new(
+                client.socket().to_path_buf(),
+                api::server::MIGRATION_TIMEOUT.max(Duration::from_secs(cli.timeout)),
+            );
             client.send_migration(&api::types::VmSendMigrationData {
                 destination_url: url.clone(),
             })?;

@@ -72,6 +72,9 @@ pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024;
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default time a client has to deliver a request body.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the server waits for the VMM to answer `vm.send-migration` (it answers once
+/// the whole migration is done).
+pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long shutdown waits for in-flight requests before dropping them.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -208,14 +211,20 @@ impl AppState {
                 format!("cannot signal the vmm: {e}"),
             );
         }
-        let answer = match tokio::time::timeout(self.timeout, reply).await {
+        // A live migration answers when the destination has the VM: give it longer.
+        let timeout = if matches!(request, ApiRequest::VmSendMigration(_)) {
+            self.timeout.max(MIGRATION_TIMEOUT)
+        } else {
+            self.timeout
+        };
+        let answer = match tokio::time::timeout(timeout, reply).await {
             Err(_) => {
                 log::error!("api: {endpoint}: no answer from the vmm");
                 return text(
                     StatusCode::GATEWAY_TIMEOUT,
                     format!(
                         "the vmm did not answer {endpoint} within {} ms",
-                        self.timeout.as_millis()
+                        timeout.as_millis()
                     ),
                 );
             }
