@@ -361,7 +361,14 @@ fn failed_migrations_leave_the_source_running() {
         let n = ticks_of(&src.stdout()).len();
         wait_ticks(&src, n + 2);
     };
-    let failed_events = || named(&events(dir.path(), "src-events.jsonl"), "migration-failed").len();
+    // The event monitor's file is written by its own thread: wait for the count.
+    let failed_events = |want: usize| {
+        let n = poll(T, || {
+            let n = named(&events(dir.path(), "src-events.jsonl"), "migration-failed").len();
+            (n >= want).then_some(n)
+        });
+        assert_eq!(n, Some(want), "migration-failed events");
+    };
 
     // Bad urls: 400 naming them, nothing started.
     for (url, want) in [
@@ -373,7 +380,8 @@ fn failed_migrations_leave_the_source_running() {
         assert_eq!(st, 400, "{url}: {msg}");
         assert!(msg.contains(url) && msg.contains(want), "{url}: {msg}");
     }
-    assert_eq!(failed_events(), 0);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(named(&events(dir.path(), "src-events.jsonl"), "migration-failed").is_empty());
 
     // Nobody listening.
     let nobody = format!("unix:{}", dir.path().join("nobody.mig").display());
@@ -383,7 +391,7 @@ fn failed_migrations_leave_the_source_running() {
         msg.contains("cannot connect") && msg.contains("nobody.mig"),
         "{msg}"
     );
-    assert_eq!(failed_events(), 1);
+    failed_events(1);
     keeps_running("after nobody listened");
 
     // A destination refusing our version.
@@ -397,7 +405,7 @@ fn failed_migrations_leave_the_source_running() {
     fake.join().unwrap();
     assert_eq!(st, 500, "{msg}");
     assert!(msg.contains("refused") && msg.contains("speaks 2"), "{msg}");
-    assert_eq!(failed_events(), 2);
+    failed_events(2);
     keeps_running("after a refusal");
 
     // A destination that dies after 1 MiB of RAM.
@@ -407,7 +415,7 @@ fn failed_migrations_leave_the_source_running() {
     fake.join().unwrap();
     assert_eq!(st, 500, "{msg}");
     assert!(msg.contains("sending guest memory"), "{msg}");
-    assert_eq!(failed_events(), 2 + 1);
+    failed_events(3);
     keeps_running("after the destination died");
 
     // A real destination refuses a hello of a future version, naming both versions.
@@ -460,7 +468,7 @@ fn failed_migrations_leave_the_source_running() {
         msg.contains("migration failed") && msg.contains("sending guest memory"),
         "{msg}"
     );
-    assert_eq!(failed_events(), 4);
+    failed_events(4);
     keeps_running("after the destination was killed");
     let last = named(&events(dir.path(), "src-events.jsonl"), "migration-failed")
         .last()
