@@ -302,9 +302,15 @@ fn a_guest_dirtying_memory_during_precopy_arrives_intact() {
 
 /// A fake destination: answers the hello with `answer` (ACK or REFUSED), then reads up to
 /// `read` bytes and drops the connection.
-fn fake_destination(path: &Path, refuse: Option<&str>, read: usize) -> std::thread::JoinHandle<()> {
+fn fake_destination(
+    path: &Path,
+    refuse: Option<&str>,
+    read: usize,
+    late_refusal: Option<&str>,
+) -> std::thread::JoinHandle<()> {
     let l = UnixListener::bind(path).unwrap();
     let refuse = refuse.map(str::to_string);
+    let late = late_refusal.map(str::to_string);
     std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
         let mut h = [0u8; 16];
@@ -341,6 +347,10 @@ fn fake_destination(path: &Path, refuse: Option<&str>, read: usize) -> std::thre
                         Ok(0) | Err(_) => break,
                         Ok(n) => got += n,
                     }
+                }
+                if let Some(reason) = &late {
+                    let b = serde_json::to_vec(&serde_json::json!({ "reason": reason })).unwrap();
+                    s.write_all(&frame(3, &b)).unwrap();
                 }
             }
         }
@@ -400,6 +410,7 @@ fn failed_migrations_leave_the_source_running() {
         &p,
         Some("migration protocol version 1; this lendvm speaks 2"),
         0,
+        None,
     );
     let (st, msg) = status_of(send(&api, &format!("unix:{}", p.display())));
     fake.join().unwrap();
@@ -410,13 +421,27 @@ fn failed_migrations_leave_the_source_running() {
 
     // A destination that dies after 1 MiB of RAM.
     let p = dir.path().join("dies.mig");
-    let fake = fake_destination(&p, None, 1 << 20);
+    let fake = fake_destination(&p, None, 1 << 20, None);
     let (st, msg) = status_of(send(&api, &format!("unix:{}", p.display())));
     fake.join().unwrap();
     assert_eq!(st, 500, "{msg}");
     assert!(msg.contains("sending guest memory"), "{msg}");
     failed_events(3);
     keeps_running("after the destination died");
+
+    // A destination that stops mid-stream saying why: the source reports its reason.
+    let p = dir.path().join("full.mig");
+    let fake = fake_destination(&p, None, 1 << 20, Some("no room for 512 MiB here"));
+    let (st, msg) = status_of(send(&api, &format!("unix:{}", p.display())));
+    fake.join().unwrap();
+    assert_eq!(st, 500, "{msg}");
+    assert!(
+        msg.contains("refused: no room for 512 MiB here"),
+        "{msg}\n{}",
+        src.stderr()
+    );
+    failed_events(4);
+    keeps_running("after the destination refused mid-stream");
 
     // A real destination refuses a hello of a future version, naming both versions.
     let (mut dst, url) = destination(dir.path(), "future");
@@ -468,7 +493,7 @@ fn failed_migrations_leave_the_source_running() {
         msg.contains("migration failed") && msg.contains("sending guest memory"),
         "{msg}"
     );
-    failed_events(4);
+    failed_events(5);
     keeps_running("after the destination was killed");
     let last = named(&events(dir.path(), "src-events.jsonl"), "migration-failed")
         .last()

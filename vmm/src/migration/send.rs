@@ -25,6 +25,9 @@ pub const MAX_ROUNDS: u32 = 8;
 /// answering fails the migration instead of hanging the source.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// How long a failed write waits for the destination's reason.
+const REASON_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// KVM dirty logging on every guest RAM memslot; `Drop` turns it off again.
 pub struct DirtyLog {
     vm: Arc<VmFd>,
@@ -169,9 +172,29 @@ impl Sender {
             .memfd()
             .read_exact_at(buf, offset)
             .map_err(|source| MigrationError::Ram { offset, source })?;
-        protocol::write_memory(&mut self.stream, r.gpa + page * PAGE_SIZE, buf)?;
+        if let Err(e) = protocol::write_memory(&mut self.stream, r.gpa + page * PAGE_SIZE, buf) {
+            return Err(self.explain(e));
+        }
         self.bytes += len as u64;
         Ok(())
+    }
+
+    /// A write failed: if the destination closed the stream after saying why (`REFUSED`),
+    /// that reason is the better error; otherwise `e` stands.
+    fn explain(&mut self, e: MigrationError) -> MigrationError {
+        if !matches!(e, MigrationError::Io { .. } | MigrationError::Closed { .. }) {
+            return e;
+        }
+        if self.stream.set_timeout(Some(REASON_TIMEOUT)).is_err() {
+            return e;
+        }
+        match protocol::read_frame(&mut self.stream, "reading why the destination stopped") {
+            Ok(protocol::Frame::Refused(why)) => MigrationError::Refused(why.reason),
+            other => {
+                log::warn!("the destination gave no reason: {other:?}");
+                e
+            }
+        }
     }
 
     /// Sends every page of guest RAM (round 0); returns the page count.
@@ -209,7 +232,9 @@ impl Sender {
     pub fn finish(&mut self, log: &DirtyLog, lent: Vec<LentDevice>) -> Result<u64, MigrationError> {
         let doc = self.src.save_state(lent)?;
         let pages = self.send_dirty(&log.take()?)?;
-        protocol::write_json(&mut self.stream, kind::STATE, "state", &doc)?;
+        if let Err(e) = protocol::write_json(&mut self.stream, kind::STATE, "state", &doc) {
+            return Err(self.explain(e));
+        }
         protocol::read_answer(&mut self.stream, "waiting for the destination to restore")?;
         Ok(pages)
     }
