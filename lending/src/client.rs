@@ -38,6 +38,8 @@ use serde::de::DeserializeOwned;
 use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
+mod migration;
+
 use crate::auth::{self, Role, Transcript};
 use crate::backend::irq::IrqRelay;
 use crate::protocol::{
@@ -99,6 +101,17 @@ pub enum ClientError {
         version: u32,
         /// The version that has it.
         needs: u32,
+    },
+    /// The lender's session does not speak protocol version 4 (live migration).
+    #[error(
+        "lender {lender} speaks protocol version {version}: peer does not support migration \
+         (dirty log, hand-over quiesce, lease transfer need version 4)"
+    )]
+    MigrationUnsupported {
+        /// Lender node.
+        lender: String,
+        /// The session's version.
+        version: u32,
     },
     /// The lender did not prove that it knows the cluster token (an impostor, or this node's
     /// token is wrong).

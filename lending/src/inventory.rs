@@ -224,6 +224,27 @@ impl Lease {
         self.bar_windows.push(w);
     }
 
+    /// The lease moved to `node/vm` (live migration): the device stays lent, to them.
+    pub fn set_holder(&mut self, node: &str, vm: &str) {
+        *self.device.lock() = DeviceState::Lent {
+            node: node.to_string(),
+            vm: vm.to_string(),
+        };
+        log::info!(
+            "lease {}: {} moved from {} to {node}/{vm}",
+            self.id,
+            self.device.id,
+            self.holder
+        );
+        self.holder = format!("{node}/{vm}");
+    }
+
+    /// Replaces the BAR fabric windows (exported on the new holder's link); the old ones
+    /// are revoked.
+    pub fn replace_bar_windows(&mut self, windows: Vec<ntb::ExportedWindow>) {
+        self.bar_windows = windows;
+    }
+
     /// Keeps something alive for the lease's life (interrupt plumbing).
     pub fn keep(&mut self, v: Box<dyn std::any::Any + Send + Sync>) {
         self.irq_keepalive.push(v);

@@ -36,9 +36,11 @@ use spec::{DeviceKind, DeviceSpec};
 pub use client::{ClientIrq, LenderClient};
 
 /// Creates the backends a spec describes, with their ids: one, or an SR-IOV PF followed by
-/// its virtual functions (`vfs=N`, see [`sriov`]).
+/// its virtual functions (`vfs=N`, see [`sriov`]). `node` (this lender's name) makes emulated
+/// NVMe subsystem NQNs unique in the cluster.
 pub fn open_backends(
     spec: &DeviceSpec,
+    node: &str,
 ) -> Result<Vec<sriov::LendableFunction>, backend::BackendError> {
     let name = spec.id.replace(':', "_");
     let one = |b: Arc<dyn DeviceBackend>| vec![(spec.id.clone(), b)];
@@ -61,6 +63,7 @@ pub fn open_backends(
                 notify: *mode,
                 dbbuf: *dbbuf,
                 serial: sriov::nvme_serial(&spec.id),
+                subsystem: node.to_string(),
                 cmb_size: *cmb,
                 ..Default::default()
             };

@@ -162,8 +162,8 @@ fn run(args: Args) -> Result<(), String> {
     }
     let mut devices = Vec::new();
     for spec in &args.devices {
-        let functions =
-            lending::open_backends(spec).map_err(|e| format!("device {}: {e}", spec.id))?;
+        let functions = lending::open_backends(spec, args.node.as_str())
+            .map_err(|e| format!("device {}: {e}", spec.id))?;
         for (id, b) in functions {
             log::info!("device {id} ({}) available", b.kind());
             devices.push((id, b));

@@ -23,11 +23,13 @@
 //! | 0x10f | [`Quiesce`] (version 3) | `()` | — (pause/resume fetching) |
 //! | 0x110 | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
 //! | 0x120 | [`AuthChallenge`] (before HELLO) | [`AuthResponse`] | — (mutual challenge–response, [`crate::auth`]) |
+//! | 0x121..=0x127 | version 4, live migration: see [`migration`] (dirty log, hand-over quiesce, lease transfer) | | — |
 //!
 //! Events (one-way): lender → borrower 0x180 [`DeviceGone`], 0x181 [`FatalError`], 0x182
 //! [`IrqEvent`] (interrupt relay when no eventfd/doorbell can carry it), 0x184
 //! [`IommuFaultEvent`] (a DMA the lease's IOMMU domain refused, rate-limited, version 3),
-//! 0x185 [`KicksEvent`] (the device's kick-only doorbells changed, version 3); borrower →
+//! 0x185 [`KicksEvent`] (the device's kick-only doorbells changed, version 3), 0x186
+//! [`LeaseMoved`] (the lease was transferred to another borrower, version 4); borrower →
 //! lender 0x183 [`IrqResample`] (INTx resample when no eventfd can carry it, version 2).
 //!
 //! AUTH is outside the versioned requests: it precedes HELLO in every session, and HELLO's
@@ -51,6 +53,7 @@
 //! | 1 | first |
 //! | any | 0x10e [`BorrowClaimed`] is a new opcode, not a new layout: a lender that predates it answers `unknown opcode`, so it needs no version |
 //! | 2 | [`BarDesc::notify`] (how stores into a direct BAR reach the device, per BAR); [`SetIrqs::resample`] (INTx resample target); the [`IrqResample`] event |
+//! | 4 | live migration ([`migration`]): DIRTY_LOG_START/FETCH/STOP, QUIESCE_HANDOVER, TRANSFER_CREATE/CANCEL/ACCEPT (0x121..=0x127) and the [`LeaseMoved`] event (0x186) |
 //! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event; [`NotifyWrites::Polled`] (sent as `Doorbells` to older borrowers); BAR_WRITE and RESET replies carry [`DoorbellKicks`]; the [`KicksEvent`] event |
 //!
 //! New requests of a version are unknown opcodes in a session of an older version (both
@@ -63,8 +66,15 @@ use thiserror::Error;
 
 use ntb::wire::{self, ErrorReply, WireError};
 
+pub mod migration;
+
+pub use migration::{
+    AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, LeaseMoved,
+    QuiesceHandover, TransferAccept, TransferCreate, TransferTicket,
+};
+
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Oldest version a lender still serves.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// Largest config space (PCIe extended).
@@ -917,6 +927,20 @@ pub enum Request {
     Quiesce(Quiesce),
     /// Borrow under a directory claim.
     BorrowClaimed(BorrowClaimed),
+    /// Start the device dirty log (version 4).
+    DirtyLogStart(LeaseRef),
+    /// Fetch and clear the device dirty log (version 4).
+    DirtyLogFetch(DirtyLogFetch),
+    /// Stop the device dirty log (version 4).
+    DirtyLogStop(LeaseRef),
+    /// Quiesce for a hand-over (version 4).
+    QuiesceHandover(QuiesceHandover),
+    /// Create a transfer ticket (version 4).
+    TransferCreate(TransferCreate),
+    /// Cancel the lease's transfer ticket (version 4).
+    TransferCancel(LeaseRef),
+    /// Take a lease by its ticket (version 4).
+    TransferAccept(TransferAccept),
 }
 
 /// An event, decoded.
@@ -934,6 +958,8 @@ pub enum Event {
     IommuFault(IommuFaultEvent),
     /// Kick-only doorbells changed (version 3).
     Kicks(KicksEvent),
+    /// The lease moved to another borrower (version 4): not a lost device.
+    LeaseMoved(LeaseMoved),
 }
 
 fn wire_err(opcode: u16) -> impl FnOnce(WireError) -> ProtocolError {
@@ -983,6 +1009,7 @@ impl Request {
             Request::LeaseCounters(_) => opcode::LEASE_COUNTERS,
             Request::Quiesce(_) => opcode::QUIESCE,
             Request::BorrowClaimed(_) => opcode::BORROW_CLAIMED,
+            other => migration::opcode_of(other).unwrap_or(0),
         }
     }
 
@@ -1006,6 +1033,7 @@ impl Request {
             | Request::Borrow(_)
             | Request::Status
             | Request::BorrowClaimed(_) => None,
+            other => migration::lease_of(other),
         }
     }
 
@@ -1057,6 +1085,10 @@ impl Request {
             Request::SetIrqs(v) => enc(op, v)?,
             Request::LeaseCounters(v) => enc(op, v)?,
             Request::Quiesce(v) => enc(op, v)?,
+            other => match migration::encode(other, op) {
+                Some(p) => p?,
+                None => return Err(ProtocolError::UnknownOpcode(op)),
+            },
         };
         Ok((op, payload))
     }
@@ -1066,6 +1098,7 @@ impl Request {
     fn since_version(op: u16) -> u32 {
         match op {
             opcode::LEASE_COUNTERS | opcode::QUIESCE => 3,
+            op if migration::is_migration_op(op) => migration::MIGRATION_VERSION,
             _ => 1,
         }
     }
@@ -1084,6 +1117,9 @@ impl Request {
     ) -> Result<Request, ProtocolError> {
         if version < Self::since_version(op) {
             return Err(ProtocolError::UnknownOpcode(op));
+        }
+        if migration::is_migration_op(op) {
+            return migration::decode(op, payload);
         }
         let r = match op {
             opcode::LEASE_COUNTERS => Request::LeaseCounters(dec(op, payload)?),
@@ -1241,6 +1277,10 @@ impl Event {
             Event::Resample(v) => Ok((opcode::EVT_RESAMPLE, enc(opcode::EVT_RESAMPLE, v)?)),
             Event::IommuFault(v) => Ok((opcode::EVT_IOMMU_FAULT, enc(opcode::EVT_IOMMU_FAULT, v)?)),
             Event::Kicks(v) => Ok((opcode::EVT_KICKS, enc(opcode::EVT_KICKS, v)?)),
+            Event::LeaseMoved(v) => {
+                let op = migration::opcode::EVT_LEASE_MOVED;
+                Ok((op, enc(op, v)?))
+            }
         }
     }
 
@@ -1256,6 +1296,11 @@ impl Event {
                 let k: KicksEvent = dec(op, payload)?;
                 k.kicks.check(op)?;
                 Ok(Event::Kicks(k))
+            }
+            migration::opcode::EVT_LEASE_MOVED => {
+                let m: LeaseMoved = dec(op, payload)?;
+                check_str(op, "new holder", &m.to)?;
+                Ok(Event::LeaseMoved(m))
             }
             other => Err(ProtocolError::UnknownOpcode(other)),
         }
@@ -1435,6 +1480,133 @@ mod tests {
                 claim: 42,
             }),
         ]
+    }
+
+    /// The version 4 migration requests.
+    fn migration_samples() -> Vec<Request> {
+        vec![
+            Request::DirtyLogStart(LeaseRef { lease: 7 }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 7,
+                iova: 0x10_0000,
+                len: 0x4000_0000,
+            }),
+            Request::DirtyLogStop(LeaseRef { lease: 7 }),
+            Request::QuiesceHandover(QuiesceHandover {
+                lease: 7,
+                timeout_ms: 5000,
+            }),
+            Request::TransferCreate(TransferCreate {
+                lease: 7,
+                to_node: "node2".into(),
+                to_vm: "vm0".into(),
+            }),
+            Request::TransferCancel(LeaseRef { lease: 7 }),
+            Request::TransferAccept(TransferAccept {
+                lease: 7,
+                ticket: vec![9; migration::TICKET_LEN],
+                vm: "vm0".into(),
+                maps: vec![AcceptMap {
+                    iova: 0,
+                    size: 0xc000_0000,
+                    window: 4,
+                }],
+                msix: vec![IrqTarget::Fd(0), IrqTarget::Doorbell(2), IrqTarget::None],
+            }),
+        ]
+    }
+
+    #[test]
+    fn version_4_migration_requests_roundtrip_and_are_refused_below_4() {
+        for r in migration_samples() {
+            let (op, p) = r.encode().unwrap();
+            assert!((0x121..=0x127).contains(&op), "{r:?}: {op:#x}");
+            assert_eq!(Request::decode(op, &p).unwrap(), r);
+            assert_eq!(r.lease(), Some(7));
+            assert!(r.encode_versioned(3).is_err(), "{r:?}");
+            assert_eq!(
+                Request::decode_versioned(op, &p, 3),
+                Err(ProtocolError::UnknownOpcode(op))
+            );
+        }
+        // Old requests keep their layouts in version 4.
+        for r in samples() {
+            let (op, p) = r.encode_versioned(3).unwrap();
+            assert_eq!(Request::decode_versioned(op, &p, 4).unwrap(), r);
+        }
+        let ev = Event::LeaseMoved(LeaseMoved {
+            lease: 7,
+            to: "node2/vm0".into(),
+        });
+        let (op, p) = ev.encode().unwrap();
+        assert_eq!(op, 0x186);
+        assert_eq!(Event::decode(op, &p).unwrap(), ev);
+        let bm = DirtyBitmap {
+            iova: 0x1000,
+            pages: 70,
+            bits: vec![0b101, 1 << 5],
+            whole_window: false,
+        };
+        assert_eq!(bm.iovas(), vec![0x1000, 0x3000, 0x1000 + 69 * 4096]);
+        let p = encode_reply(migration::opcode::DIRTY_LOG_FETCH, &bm).unwrap();
+        assert_eq!(
+            decode_reply::<DirtyBitmap>(migration::opcode::DIRTY_LOG_FETCH, &p).unwrap(),
+            bm
+        );
+        assert_eq!(negotiate(4, 3), Some(3), "a version 3 lender speaks 3");
+    }
+
+    #[test]
+    fn version_4_decoder_rejects_bad_fields() {
+        let bad = [
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: 0x1001,
+                len: 0x1000,
+            }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: 0,
+                len: (crate::iommu::MAX_DIRTY_PAGES + 1) * 4096,
+            }),
+            Request::DirtyLogFetch(DirtyLogFetch {
+                lease: 1,
+                iova: u64::MAX - 0xfff,
+                len: 0x2000,
+            }),
+            Request::QuiesceHandover(QuiesceHandover {
+                lease: 1,
+                timeout_ms: migration::MAX_DRAIN_MS + 1,
+            }),
+            Request::TransferAccept(TransferAccept {
+                lease: 1,
+                ticket: vec![0; 5],
+                vm: "v".into(),
+                maps: vec![],
+                msix: vec![],
+            }),
+            Request::TransferAccept(TransferAccept {
+                lease: 1,
+                ticket: vec![0; migration::TICKET_LEN],
+                vm: "v".into(),
+                maps: vec![AcceptMap {
+                    iova: u64::MAX,
+                    size: 2,
+                    window: 0,
+                }],
+                msix: vec![],
+            }),
+            Request::TransferCreate(TransferCreate {
+                lease: 1,
+                to_node: "n".repeat(MAX_STRING + 1),
+                to_vm: "v".into(),
+            }),
+        ];
+        for r in bad {
+            let (op, p) = r.encode().unwrap();
+            let e = Request::decode(op, &p).unwrap_err();
+            assert!(matches!(e, ProtocolError::Invalid { .. }), "{r:?}: {e}");
+        }
     }
 
     #[test]
@@ -1743,6 +1915,32 @@ mod tests {
             let _ = decode_reply::<Vec<DeviceSummary>>(op, &payload);
             let _ = Request::decode_versioned(op, &payload, 2);
             let _ = decode_reply::<LeaseCounters>(op, &payload);
+            let _ = Request::decode_versioned(op, &payload, 3);
+            let _ = decode_reply::<DirtyBitmap>(op, &payload);
+            let _ = decode_reply::<HandoverQuiesced>(op, &payload);
+            let _ = decode_reply::<TransferTicket>(op, &payload);
+        }
+
+        /// Migration requests (version 4) mutated at one byte or cut: no panic; untouched
+        /// ones roundtrip.
+        #[test]
+        fn mutated_migration_requests_never_panic(which in 0usize..7, at in any::<usize>(), byte in any::<u8>(), cut in any::<usize>()) {
+            let r = &migration_samples()[which];
+            let (op, p) = r.encode().unwrap();
+            prop_assert_eq!(&Request::decode(op, &p).unwrap(), r);
+            let mut m = p.clone();
+            if !m.is_empty() {
+                let i = at % m.len();
+                m[i] = byte;
+            }
+            let _ = Request::decode(op, &m);
+            let _ = Request::decode(op, &p[..cut % (p.len() + 1)]);
+            let (eop, e) = Event::LeaseMoved(LeaseMoved { lease: 3, to: "n/v".into() }).encode().unwrap();
+            let mut m = e.clone();
+            let i = at % m.len();
+            m[i] = byte;
+            let _ = Event::decode(eop, &m);
+            let _ = Event::decode(eop, &e[..cut % (e.len() + 1)]);
         }
 
         /// A LEASE_COUNTERS reply mutated at one byte or cut: no panic.

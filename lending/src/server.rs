@@ -42,6 +42,10 @@ use crate::protocol::{
     PROTOCOL_VERSION,
 };
 
+mod migration;
+
+pub use migration::TICKET_TTL;
+
 /// How often idle loops look at the stop flag.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -63,6 +67,8 @@ pub struct Lender {
     claims: Option<Arc<dyn ClaimAuthority>>,
     /// Failed authentications per peer address.
     auth_failures: FailureLimiter,
+    /// Lease transfer tickets and hand-offs (live migration).
+    transfers: migration::Transfers,
 }
 
 impl Lender {
@@ -75,6 +81,7 @@ impl Lender {
             stop: Arc::new(AtomicBool::new(false)),
             claims: None,
             auth_failures: FailureLimiter::default(),
+            transfers: migration::Transfers::default(),
         })
     }
 
@@ -92,6 +99,7 @@ impl Lender {
             stop: Arc::new(AtomicBool::new(false)),
             claims: Some(claims),
             auth_failures: FailureLimiter::default(),
+            transfers: migration::Transfers::default(),
         })
     }
 
@@ -141,6 +149,7 @@ impl Lender {
     /// Serves one link until it goes down or the lender stops.
     pub fn run_session(self: Arc<Self>, ep: Arc<dyn Endpoint>) {
         let mut s = Session {
+            id: self.transfers.session_id(),
             lender: Arc::clone(&self),
             ep: Arc::clone(&ep),
             hello: false,
@@ -152,11 +161,20 @@ impl Lender {
         let peer = ep.peer_node().to_string();
         let reason = loop {
             if self.stop.load(Ordering::Relaxed) {
+                self.transfers
+                    .forget(s.id, None, "the lender is shutting down");
                 s.end_all("lenderd shutting down", true);
                 ep.close();
                 break "lender stopping".to_string();
             }
-            match ep.recv(POLL) {
+            // With a transfer ticket out, a destination may be waiting for this loop to hand
+            // the lease over: look often (the hand-over time is part of the VM's downtime).
+            let wait = if self.transfers.has_ticket(s.id) {
+                migration::HANDOFF_POLL
+            } else {
+                POLL
+            };
+            match ep.recv(wait) {
                 Ok(Incoming::Request { id, msg }) => {
                     let (reply, close) = s.handle(msg);
                     if let Err(e) = ep.reply(id, reply) {
@@ -177,9 +195,12 @@ impl Lender {
                 Err(FabricError::Timeout(_)) => {}
                 Err(e) => break e.to_string(),
             }
+            s.serve_handoffs();
             s.announce_kicks();
             s.end_stale_claims();
         };
+        self.transfers
+            .forget(s.id, None, "the source's link is down");
         let n = s.leases.len();
         s.end_all(&format!("link to {peer} down: {reason}"), false);
         log::info!("session with {peer} ended ({reason}); {n} leases taken back");
@@ -214,10 +235,13 @@ struct SessionLease {
     /// Every CONFIG_READ/CONFIG_WRITE of the lease passes here (filter, extended-space view,
     /// counts of refused/dropped writes).
     config: ConfigGate,
+    /// This lease started the device's dirty log (stopped when the lease ends or moves).
+    dirty_log: bool,
 }
 
 impl Drop for SessionLease {
     fn drop(&mut self) {
+        self.stop_dirty_log();
         // The listener points at this session's link: gone before the device is lent again.
         self.lease.backend().set_kick_listener(None);
     }
@@ -257,6 +281,8 @@ fn kick_listener(
 }
 
 struct Session {
+    /// Identifies the session in the lender's transfer registry.
+    id: u64,
     lender: Arc<Lender>,
     ep: Arc<dyn Endpoint>,
     hello: bool,
@@ -695,7 +721,10 @@ impl Session {
         })
     }
 
-    fn dispatch(&mut self, op: u16, req: Request, fds: Vec<OwnedFd>) -> Reply {
+    fn dispatch(&mut self, op: u16, req: Request, mut fds: Vec<OwnedFd>) -> Reply {
+        if let Some(r) = self.dispatch_migration(op, &req, &mut fds) {
+            return r;
+        }
         match req {
             Request::Hello(_) => Err(error(code::INVALID, "hello already done")),
             Request::List => ok(op, &self.lender.inventory.list()),
@@ -875,8 +904,17 @@ impl Session {
                 })?;
                 sl.lease.set_end_reason("returned by the borrower");
                 drop(sl);
+                self.lender.transfers.forget(
+                    self.id,
+                    Some(l.lease),
+                    "the source returned the lease",
+                );
                 ok(op, &())
             }
+            other => Err(error(
+                code::UNKNOWN_OPCODE,
+                format!("request {:#x} not handled", other.opcode()),
+            )),
         }
     }
 
@@ -963,15 +1001,21 @@ impl Session {
                 kicks_told,
                 claim,
                 config,
+                dirty_log: false,
             },
         );
         Ok(msg)
     }
 
-    fn set_irqs(&mut self, op: u16, s: protocol::SetIrqs, fds: Vec<OwnedFd>) -> Reply {
+    /// The triggers of `s`'s targets on this link, taking the eventfds they name out of
+    /// `fds` (each at most once).
+    fn irq_triggers(
+        &self,
+        s: &protocol::SetIrqs,
+        fds: &mut [Option<OwnedFd>],
+    ) -> Result<Vec<Option<Arc<dyn IrqTrigger>>>, ErrorReply> {
         let weak = Arc::downgrade(&self.ep);
         let doorbells = self.ep.doorbell_count();
-        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
         let mut targets: Vec<Option<Arc<dyn IrqTrigger>>> = Vec::new();
         for (vector, t) in s.targets.iter().enumerate() {
             let t: Option<Arc<dyn IrqTrigger>> = match *t {
@@ -1013,6 +1057,12 @@ impl Session {
             };
             targets.push(t);
         }
+        Ok(targets)
+    }
+
+    fn set_irqs(&mut self, op: u16, s: protocol::SetIrqs, fds: Vec<OwnedFd>) -> Reply {
+        let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+        let targets = self.irq_triggers(&s, &mut fds)?;
         let resample_fd = match s.resample {
             IrqTarget::Fd(n) => Some(
                 fds.get_mut(usize::from(n))
@@ -1095,6 +1145,7 @@ impl Session {
                     sl.lease.device().id()
                 );
                 log::warn!("lease {id} of {}: {reason}", self.peer());
+                self.lender.transfers.forget(self.id, Some(id), &reason);
                 self.send_gone(id, &reason);
                 sl.lease.set_end_reason(&reason);
             }
@@ -1137,6 +1188,7 @@ pub type StopFlag = Arc<AtomicBool>;
 
 /// A lender serving in a background thread (tests, embedding).
 pub struct BackgroundLender {
+    lender: Arc<Lender>,
     stop: StopFlag,
     thread: Mutex<Option<JoinHandle<Result<(), ServerError>>>>,
 }
@@ -1145,13 +1197,22 @@ impl BackgroundLender {
     /// Serves `listener` on a new thread.
     pub fn start(lender: Arc<Lender>, listener: Box<dyn Listener>) -> std::io::Result<Self> {
         let stop = lender.stop_flag();
+        let serving = Arc::clone(&lender);
         let thread = std::thread::Builder::new()
             .name("lender".into())
-            .spawn(move || lender.serve(listener.as_ref()))?;
+            .spawn(move || serving.serve(listener.as_ref()))?;
         Ok(BackgroundLender {
+            lender,
             stop,
             thread: Mutex::new(Some(thread)),
         })
+    }
+}
+
+impl BackgroundLender {
+    /// The lender being served.
+    pub fn lender(&self) -> &Arc<Lender> {
+        &self.lender
     }
 }
 

@@ -2,7 +2,9 @@
 //! its layouts and meanings; a version 2 borrower gets per-BAR write notification, `()`
 //! replies to BAR_WRITE/RESET, `Doorbells` for a polled BAR and none of version 3's counters,
 //! quiesce or IOMMU fault events; a version 3 borrower gets all of them, `Polled` and the
-//! kick-only doorbells in those replies.
+//! kick-only doorbells in those replies; a version 3 borrower gets none of version 4's
+//! migration requests (a clear "does not support migration" error), a version 4 borrower
+//! gets the device dirty log, the hand-over quiesce and transfer tickets that expire.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -237,7 +239,7 @@ fn version_2_borrower_sees_nothing_of_version_3() {
 #[test]
 fn version_3_borrower_gets_counters_quiesce_and_fault_events() {
     let (_dir, cfg, _l, backend) = lender_with_backend(NotifyMode::Interrupt);
-    let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "v3").unwrap();
+    let c = LenderClient::from_endpoint_with_version(connect(&cfg), TOKEN, "v3", 3).unwrap();
     assert_eq!(c.protocol_version(), 3);
     let lease = c.borrow(DEV, "vm0").unwrap();
     assert_eq!(
@@ -309,7 +311,7 @@ fn version_2_and_3_replies_and_polled_bars() {
     call(&*ep, &ret, 2).unwrap();
     drop(ep);
     // Version 3: Polled, and the kick-only doorbells (none for a dmatest) in the replies.
-    let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "new").unwrap();
+    let c = LenderClient::from_endpoint_with_version(connect(&cfg), TOKEN, "v3", 3).unwrap();
     assert_eq!(c.protocol_version(), 3);
     let lease = c.borrow(DEV, "vm1").unwrap();
     let bar0 = lease.info().bars.iter().find(|x| x.index == 0).unwrap();
@@ -317,4 +319,100 @@ fn version_2_and_3_replies_and_polled_bars() {
     let k = lease.bar_write_kicks(0, 0, &[0; 4]).unwrap().unwrap();
     assert!(k.offsets.is_empty());
     assert!(lease.reset_kicks().unwrap().unwrap().offsets.is_empty());
+}
+
+/// A version 3 borrower has no migration: the client refuses without a round trip, and the
+/// version 4 opcodes sent raw in a version 3 session are unknown.
+#[test]
+fn version_3_borrower_sees_nothing_of_version_4() {
+    let (_dir, cfg, _l) = lender();
+    let c = LenderClient::from_endpoint_with_version(connect(&cfg), TOKEN, "v3", 3).unwrap();
+    let lease = c.borrow(DEV, "vm0").unwrap();
+    for e in [
+        lease.start_dirty_log().unwrap_err(),
+        lease.quiesce_for_handover(100).unwrap_err(),
+        lease.create_transfer("vmm", "vm1").unwrap_err(),
+    ] {
+        assert!(
+            matches!(e, ClientError::MigrationUnsupported { version: 3, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("does not support migration"), "{e}");
+    }
+    drop(lease);
+    let ep = connect(&cfg);
+    call(&*ep, &hello(&*ep, 3), 3).unwrap();
+    for r in [
+        Request::DirtyLogStart(LeaseRef { lease: 1 }),
+        Request::QuiesceHandover(protocol::QuiesceHandover {
+            lease: 1,
+            timeout_ms: 10,
+        }),
+        Request::TransferCancel(LeaseRef { lease: 1 }),
+    ] {
+        let e = call(&*ep, &r, 4).unwrap_err();
+        assert_eq!(e.code, code::UNKNOWN_OPCODE, "{r:?}: {}", e.message);
+    }
+}
+
+/// A version 4 borrower: a dmatest copy's destination page (and only it) is in the dirty
+/// log; the hand-over quiesce confirms the drain; an unused transfer ticket expires.
+#[test]
+fn version_4_borrower_gets_dirty_log_handover_and_expiring_tickets() {
+    use emulated::dmatest::{
+        CMD_ACK, CMD_START, REG_CMD, REG_DST, REG_LEN, REG_SRC, REG_STATUS, STATUS_DONE,
+    };
+    let (_dir, cfg, l, backend) = lender_with_backend(NotifyMode::Interrupt);
+    let c = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "v4").unwrap();
+    assert_eq!(c.protocol_version(), 4);
+    let lease = c.borrow(DEV, "vm0").unwrap();
+    let ram = ntb::SharedMemory::new("v4-ram", 0x10000).unwrap();
+    let w = c
+        .endpoint()
+        .export_window(ram.fd(), 0, 0x10000, "v4-ram")
+        .unwrap();
+    lease.map_dma(0x10000, 0x10000, w.id()).unwrap();
+    assert!(lease.start_dirty_log().unwrap());
+    let w32 = |off, v: u32| backend.bar_write(0, off, &v.to_le_bytes()).unwrap();
+    let w64 = |off, v: u64| backend.bar_write(0, off, &v.to_le_bytes()).unwrap();
+    w32(REG_CMD, CMD_ACK);
+    w64(REG_SRC, 0x10000);
+    w64(REG_DST, 0x15000);
+    w32(REG_LEN, 64);
+    w32(REG_CMD, CMD_START);
+    let t0 = std::time::Instant::now();
+    loop {
+        let mut s = [0u8; 4];
+        backend.bar_read(0, REG_STATUS, &mut s).unwrap();
+        if u32::from_le_bytes(s) & STATUS_DONE != 0 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "copy did not finish");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let d = lease.fetch_dirty_log(0, 0).unwrap();
+    assert_eq!((d.iova, d.pages), (0x10000, 16));
+    assert_eq!(d.iovas(), vec![0x15000]);
+    assert!(lease
+        .fetch_dirty_log(0x10000, 0x10000)
+        .unwrap()
+        .iovas()
+        .is_empty());
+    let q = lease.quiesce_for_handover(1000).unwrap();
+    assert!(q.drained, "{q:?}");
+    lease.quiesce(false).unwrap();
+    // An unused ticket expires: the destination is refused, counted, the lease stays.
+    l.lender().set_ticket_ttl(Duration::from_millis(50));
+    let t = lease.create_transfer("vmm", "vm1").unwrap();
+    assert_eq!(t.expires_in_ms, 50);
+    std::thread::sleep(Duration::from_millis(120));
+    let dst = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "dst").unwrap();
+    match dst.accept_transfer(&t, "vm1", &[], &[]) {
+        Ok(_) => panic!("an expired ticket was accepted"),
+        Err(e) => assert_eq!(e.code(), Some(protocol::migration::code::BAD_TICKET), "{e}"),
+    }
+    assert!(
+        lease.counters().unwrap().is_some(),
+        "the lease is untouched"
+    );
 }

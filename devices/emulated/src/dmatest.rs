@@ -377,6 +377,18 @@ impl DeviceModel for DmaTest {
     fn quiesce(&self, stop: bool) {
         self.inner.wait.quiesce("dmatest", stop);
     }
+
+    /// A copy runs inside one pass of the worker: parked at the gate, none is running.
+    fn drain(&self, timeout: std::time::Duration) -> bool {
+        let running = self
+            .thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        self.inner
+            .wait
+            .wait_parked(running, std::time::Instant::now() + timeout)
+    }
 }
 
 impl Drop for DmaTest {

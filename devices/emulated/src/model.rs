@@ -189,6 +189,14 @@ pub trait DeviceModel: Send + Sync {
     /// parked between passes); a host that resets to end a pause resumes after the reset.
     /// Default: nothing.
     fn quiesce(&self, _stop: bool) {}
+    /// For a hand-over of the device to another borrower: on a quiesced model, completes the
+    /// work already fetched (its DMA done, its completions posted, their interrupts raised
+    /// as the model raises them) and returns `true` once no DMA is in flight, `false` when
+    /// `timeout` passed first or the model is not quiesced. Fetches nothing new. Default:
+    /// `true` (a model without background work has nothing in flight).
+    fn drain(&self, _timeout: std::time::Duration) -> bool {
+        true
+    }
     /// Doorbells that are currently kick-only (see [`KickDoorbells`]). Default: none ever.
     fn kick_doorbells(&self) -> KickDoorbells {
         KickDoorbells::default()

@@ -100,6 +100,29 @@ impl WaitState {
         log::info!("{name}: quiesced");
     }
 
+    /// Waits until the worker is parked at the gate of a quiesce, at most until `deadline`;
+    /// `false` when not quiesced or the deadline passed (a worker still in a long pass).
+    /// A worker that is not running counts as parked (`running` false).
+    pub(crate) fn wait_parked(&self, running: bool, deadline: Instant) -> bool {
+        let mut g = self.lock();
+        loop {
+            if !g.quiesced {
+                return false;
+            }
+            if g.parked || !running {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            g = match self.cond.wait_timeout(g, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+
     /// Worker side: blocks while quiesced.
     fn gate(&self) {
         let mut g = self.lock();

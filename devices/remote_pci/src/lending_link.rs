@@ -215,6 +215,12 @@ impl LendingEventSink {
                 self.kicks.offer(our_kicks(k.kicks.clone()));
                 true
             }
+            Event::LeaseMoved(m) if m.lease == self.lease => {
+                // Live migration handed the lease to the destination: this end lets go of
+                // the device, it is not lost (no lost-device report).
+                info!("lease {}: moved to {}", self.lease, m.to);
+                true
+            }
             Event::Fatal(f) if f.lease == self.lease => {
                 error!("lease {}: fatal device error: {}", self.lease, f.message);
                 true
@@ -709,5 +715,52 @@ impl RemoteDeviceLink for LendingLink {
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sink(lease: u64) -> LendingEventSink {
+        LendingEventSink {
+            lease,
+            kicks: Arc::default(),
+            state: Arc::new(Mutex::new(LeaseState::Active)),
+            hook: Arc::default(),
+            relay: Arc::default(),
+            counts: Arc::default(),
+            wakeups: Arc::default(),
+        }
+    }
+
+    fn state(s: &LendingEventSink) -> LeaseState {
+        s.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// A lease moved by live migration is handled but not lost; a gone device is lost.
+    #[test]
+    fn lease_moved_is_not_a_lost_device() {
+        let s = sink(7);
+        let moved = Event::LeaseMoved(protocol::LeaseMoved {
+            lease: 7,
+            to: "node2/vm0".into(),
+        });
+        assert!(s.handle(&moved));
+        assert_eq!(state(&s), LeaseState::Active);
+        let other = Event::LeaseMoved(protocol::LeaseMoved {
+            lease: 8,
+            to: "node2/vm0".into(),
+        });
+        assert!(!s.handle(&other), "another lease's event is not ours");
+        let gone = Event::DeviceGone(protocol::DeviceGone {
+            lease: 7,
+            reason: "x".into(),
+        });
+        assert!(s.handle(&gone));
+        assert!(matches!(state(&s), LeaseState::Lost(_)));
     }
 }

@@ -362,6 +362,8 @@ impl DeviceBackend for EmulatedBackend {
         // then the pause ends, so the worker resumes on the clean registers and acts on
         // nothing that was written before the reset.
         self.model.reset();
+        // Interrupts held for a hand-over belong to the state the reset discards.
+        self.irqs.release(false);
         self.model.quiesce(false);
         *self.shadow() = self.pristine.clone();
         self.irqs.set_intx_disabled(false);
@@ -379,8 +381,27 @@ impl DeviceBackend for EmulatedBackend {
     }
 
     fn quiesce(&self, stop: bool) -> Result<(), BackendError> {
+        if !stop {
+            // Interrupts held by a hand-over quiesce go to the targets wired now.
+            self.irqs.release(true);
+        }
         self.model.quiesce(stop);
         Ok(())
+    }
+
+    fn quiesce_handover(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Result<super::Drained, BackendError> {
+        self.irqs.hold();
+        self.model.quiesce(true);
+        let drained = self.model.drain(timeout);
+        let (pending_msix, pending_intx) = self.irqs.pending();
+        Ok(super::Drained {
+            drained,
+            pending_msix,
+            pending_intx,
+        })
     }
 
     fn counters(&self) -> LeaseCounters {
@@ -557,5 +578,274 @@ mod tests {
             b.bar_read(5, 0, &mut [0u8; 4]),
             Err(BackendError::NoSuchBar(5))
         ));
+    }
+
+    /// Guest memory whose device writes of at least `min` bytes take `delay` (a DMA that is
+    /// in flight long enough to quiesce against); `in_write` counts writes under way.
+    struct SlowMemory {
+        mem: Arc<VecBacking>,
+        delay: std::sync::atomic::AtomicU64,
+        /// Device reads of at least `min` bytes take this long (ms).
+        read_delay: std::sync::atomic::AtomicU64,
+        min: usize,
+        in_write: std::sync::atomic::AtomicU64,
+        in_read: std::sync::atomic::AtomicU64,
+    }
+
+    impl DmaBacking for SlowMemory {
+        fn size(&self) -> u64 {
+            self.mem.size()
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), crate::iommu::BackingError> {
+            use std::sync::atomic::Ordering::SeqCst;
+            if buf.len() >= self.min {
+                self.in_read.fetch_add(1, SeqCst);
+                std::thread::sleep(Duration::from_millis(self.read_delay.load(SeqCst)));
+            }
+            self.mem.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), crate::iommu::BackingError> {
+            use std::sync::atomic::Ordering::SeqCst;
+            if data.len() >= self.min {
+                self.in_write.fetch_add(1, SeqCst);
+                std::thread::sleep(Duration::from_millis(self.delay.load(SeqCst)));
+            }
+            self.mem.write_at(offset, data)
+        }
+    }
+
+    fn slow_memory(size: usize, min: usize) -> Arc<SlowMemory> {
+        Arc::new(SlowMemory {
+            mem: Arc::new(VecBacking::new(size)),
+            delay: std::sync::atomic::AtomicU64::new(0),
+            read_delay: std::sync::atomic::AtomicU64::new(0),
+            min,
+            in_write: std::sync::atomic::AtomicU64::new(0),
+            in_read: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    fn wait_in_write(m: &SlowMemory) {
+        let t0 = Instant::now();
+        while m.in_write.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "no dma write started"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn handover_quiesce_waits_for_the_running_copy_and_holds_its_interrupt() {
+        let b = EmulatedBackend::dmatest("handover", NotifyMode::Interrupt).unwrap();
+        let mem = slow_memory(0x20000, 0x1000);
+        mem.delay.store(300, std::sync::atomic::Ordering::SeqCst);
+        b.domain().map(0x40000, 0x20000, mem.clone()).unwrap();
+        let irq = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        b.set_irqs(
+            IrqKind::Msix,
+            vec![None, Some(irq.clone() as Arc<dyn IrqTrigger>)],
+        )
+        .unwrap();
+        w32(&b, REG_IRQ_VECTOR, 1);
+        w64(&b, REG_SRC, 0x40000);
+        w64(&b, REG_DST, 0x50000);
+        w32(&b, REG_LEN, 0x8000);
+        w32(&b, REG_CMD, CMD_START);
+        wait_in_write(&mem);
+        let d = b.quiesce_handover(Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            d,
+            super::super::Drained {
+                drained: true,
+                pending_msix: vec![1],
+                pending_intx: false
+            },
+            "the copy finished inside the quiesce; its interrupt is held"
+        );
+        let mut st = [0u8; 4];
+        b.bar_read(0, REG_STATUS, &mut st).unwrap();
+        assert_ne!(u32::from_le_bytes(st) & STATUS_DONE, 0);
+        assert!(irq.read().is_err(), "not delivered while held");
+        // Resumed, the held interrupt goes to the targets wired now (a new borrower's).
+        let moved = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        b.set_irqs(
+            IrqKind::Msix,
+            vec![None, Some(moved.clone() as Arc<dyn IrqTrigger>)],
+        )
+        .unwrap();
+        b.quiesce(false).unwrap();
+        assert_eq!(moved.read().unwrap(), 1, "replayed once");
+        assert!(irq.read().is_err(), "the old target saw nothing");
+        // A reset drops what a hand-over held.
+        mem.delay.store(0, std::sync::atomic::Ordering::SeqCst);
+        b.quiesce_handover(Duration::from_secs(1)).unwrap();
+        w32(&b, REG_CMD, emulated::dmatest::CMD_ACK | CMD_START);
+        b.reset().unwrap();
+        assert!(moved.read().is_err());
+    }
+
+    /// A guest-side view of the backend for the NVMe driver: RAM is the backing's memory,
+    /// the BAR goes through the backend's exact path, completions are polled.
+    struct GuestRamOf(Arc<VecBacking>);
+    impl emulated::testing::GuestRam for GuestRamOf {
+        fn read(&self, addr: u64, buf: &mut [u8]) {
+            self.0.read_at(addr, buf).unwrap();
+        }
+        fn write(&self, addr: u64, buf: &[u8]) {
+            self.0.write_at(addr, buf).unwrap();
+        }
+    }
+    struct BarOf(Arc<EmulatedBackend>);
+    impl emulated::testing::GuestBar for BarOf {
+        fn read32(&self, off: u64) -> u32 {
+            let mut b = [0u8; 4];
+            self.0.bar_read(0, off, &mut b).unwrap();
+            u32::from_le_bytes(b)
+        }
+        fn write32(&self, off: u64, v: u32) {
+            self.0.bar_write(0, off, &v.to_le_bytes()).unwrap();
+        }
+    }
+    struct NoIrq;
+    impl emulated::testing::GuestIrq for NoIrq {
+        fn wait(&self, _vector: u16, timeout: Duration) -> bool {
+            std::thread::sleep(timeout.min(Duration::from_millis(1)));
+            false
+        }
+    }
+
+    /// An NVMe backend over slow guest memory (mapped at IOVA 0), two MSI-X eventfds, and a
+    /// driver with one I/O queue pair on vector 1.
+    fn nvme_rig(
+        dir: &std::path::Path,
+    ) -> (
+        Arc<EmulatedBackend>,
+        Arc<SlowMemory>,
+        Vec<Arc<EventFd>>,
+        emulated::testing::NvmeDriver,
+    ) {
+        use emulated::testing::{DriverConfig, NvmeDriver};
+        let cfg = NvmeConfig {
+            backing: dir.join("disk"),
+            size: Some(16 << 20),
+            ..NvmeConfig::default()
+        };
+        let b = Arc::new(EmulatedBackend::nvme("handover", cfg).unwrap());
+        let mem = slow_memory(4 << 20, 0x1000);
+        b.domain().map(0, 4 << 20, mem.clone()).unwrap();
+        b.set_bus_master(true).unwrap();
+        let irq: Vec<Arc<EventFd>> = (0..2)
+            .map(|_| Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()))
+            .collect();
+        b.set_irqs(
+            IrqKind::Msix,
+            irq.iter()
+                .map(|e| Some(e.clone() as Arc<dyn IrqTrigger>))
+                .collect(),
+        )
+        .unwrap();
+        let mut d = NvmeDriver::new(
+            Arc::new(BarOf(b.clone())),
+            Arc::new(GuestRamOf(mem.mem.clone())),
+            Arc::new(NoIrq),
+            DriverConfig {
+                ram_base: 1 << 20,
+                ram_len: 3 << 20,
+                use_interrupts: false,
+                timeout: Duration::from_secs(10),
+            },
+        );
+        d.enable(16).unwrap();
+        d.set_num_queues(1).unwrap();
+        d.create_io_queue_pair(1, 16, 1).unwrap();
+        (b, mem, irq, d)
+    }
+
+    #[test]
+    fn nvme_handover_quiesce_drains_in_flight_commands_and_holds_their_interrupt() {
+        use emulated::testing::NvmeDriver;
+        let dir = tempfile::tempdir().unwrap();
+        let (b, mem, irq, mut d) = nvme_rig(dir.path());
+        let bufs: Vec<_> = (0..4)
+            .map(|_| d.alloc_data(4096, 0, false).unwrap())
+            .collect();
+        let _ = irq[1].read();
+        mem.delay.store(100, std::sync::atomic::Ordering::SeqCst);
+        for (i, buf) in bufs.iter().enumerate() {
+            d.push(1, NvmeDriver::rw_sqe(false, i as u64 * 8, 8, buf))
+                .unwrap();
+        }
+        d.ring(1).unwrap();
+        // The first read's data DMA is under way: the commands are in flight.
+        wait_in_write(&mem);
+        let q = b.quiesce_handover(Duration::from_secs(10)).unwrap();
+        assert!(q.drained, "{q:?}");
+        assert_eq!(
+            q.pending_msix,
+            vec![1],
+            "the completions' interrupt is held"
+        );
+        assert!(irq[1].read().is_err(), "not delivered while held");
+        let mut cqes = Vec::new();
+        d.poll(1, &mut cqes).unwrap();
+        assert_eq!(cqes.len(), 4, "every fetched command completed: {cqes:?}");
+        assert!(cqes.iter().all(|c| c.status == 0), "{cqes:?}");
+        assert_eq!(
+            mem.in_write.load(std::sync::atomic::Ordering::SeqCst),
+            4,
+            "all four data transfers done"
+        );
+        b.quiesce(false).unwrap();
+        assert!(irq[1].read().is_ok(), "replayed on resume");
+        mem.delay.store(0, std::sync::atomic::Ordering::SeqCst);
+        d.rw(1, false, 0, 8, &bufs[0]).unwrap();
+    }
+
+    /// Commands fetched in the worker's last pass before it parks complete in the drain on
+    /// the lender's thread (their gather is slow, so the quiesce comes during the fetch and
+    /// the worker parks before any pass reaps them).
+    #[test]
+    fn nvme_drain_completes_commands_fetched_before_the_park() {
+        use emulated::testing::NvmeDriver;
+        let dir = tempfile::tempdir().unwrap();
+        let (b, mem, irq, mut d) = nvme_rig(dir.path());
+        let bufs: Vec<_> = (0..4)
+            .map(|_| d.alloc_data(4096, 0, false).unwrap())
+            .collect();
+        let _ = irq[1].read();
+        mem.read_delay
+            .store(50, std::sync::atomic::Ordering::SeqCst);
+        for (i, buf) in bufs.iter().enumerate() {
+            d.push(1, NvmeDriver::rw_sqe(true, i as u64 * 8, 8, buf))
+                .unwrap();
+        }
+        d.ring(1).unwrap();
+        let t0 = Instant::now();
+        while mem.in_read.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "no gather started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let q = b.quiesce_handover(Duration::from_secs(10)).unwrap();
+        assert!(q.drained, "{q:?}");
+        assert_eq!(
+            q.pending_msix,
+            vec![1],
+            "completions posted by the drain, held"
+        );
+        assert!(irq[1].read().is_err());
+        let mut cqes = Vec::new();
+        d.poll(1, &mut cqes).unwrap();
+        assert!(
+            !cqes.is_empty(),
+            "the fetched writes completed in the drain"
+        );
+        b.quiesce(false).unwrap();
+        assert!(irq[1].read().is_ok(), "replayed on resume");
+        mem.read_delay.store(0, std::sync::atomic::Ordering::SeqCst);
+        let left = 4 - cqes.len();
+        d.wait(1, &mut cqes, left).unwrap();
+        assert!(cqes.iter().all(|c| c.status == 0), "{cqes:?}");
     }
 }

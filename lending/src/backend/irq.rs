@@ -5,9 +5,10 @@
 //! call the targets through [`LeaseIrqs`]; VFIO devices need eventfds, so non-eventfd targets
 //! are fed by an [`IrqRelay`] thread (the paper's lender-side relay).
 
+use std::collections::BTreeSet;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use emulated::{InterruptMode, InterruptSink};
@@ -67,9 +68,86 @@ pub struct LeaseIrqs {
     intx_disabled: AtomicBool,
     msix_signalled: Vec<AtomicU64>,
     intx_signalled: AtomicU64,
+    /// Interrupts are being held for a hand-over ([`LeaseIrqs::hold`]); the fast path of
+    /// every signal reads only this.
+    holding: AtomicBool,
+    held: Mutex<Held>,
+}
+
+/// Interrupts raised while held: recorded, not delivered.
+#[derive(Default)]
+struct Held {
+    on: bool,
+    msix: BTreeSet<u16>,
+    intx: bool,
 }
 
 impl LeaseIrqs {
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// From now on, interrupts are recorded as pending instead of delivered (the device is
+    /// being handed to another borrower; the old targets are going away).
+    pub fn hold(&self) {
+        self.held().on = true;
+        self.holding.store(true, Ordering::Release);
+    }
+
+    /// The interrupts recorded since [`LeaseIrqs::hold`]: MSI-X vectors, and whether INTx
+    /// was asserted.
+    pub fn pending(&self) -> (Vec<u32>, bool) {
+        let h = self.held();
+        (h.msix.iter().map(|&v| u32::from(v)).collect(), h.intx)
+    }
+
+    /// Ends holding; `replay`: delivers each recorded interrupt once to the current targets
+    /// (the new borrower's), else drops them (a reset).
+    pub fn release(&self, replay: bool) {
+        let (msix, intx) = {
+            let mut h = self.held();
+            if !h.on {
+                return;
+            }
+            self.holding.store(false, Ordering::Release);
+            h.on = false;
+            (std::mem::take(&mut h.msix), std::mem::take(&mut h.intx))
+        };
+        if !replay {
+            return;
+        }
+        if !msix.is_empty() || intx {
+            log::info!(
+                "{}: replaying held interrupts: msi-x {msix:?}, intx {intx}",
+                self.name
+            );
+        }
+        for v in msix {
+            self.signal_msix(v);
+        }
+        if intx {
+            self.set_intx(true);
+        }
+    }
+
+    /// Records the interrupt if held; `true` when it was.
+    fn record_held(&self, msix: Option<u16>) -> bool {
+        if !self.holding.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut h = self.held();
+        if !h.on {
+            return false;
+        }
+        match msix {
+            Some(v) => {
+                h.msix.insert(v);
+            }
+            None => h.intx = true,
+        }
+        true
+    }
+
     /// A sink for a device with `msix_vectors` MSI-X vectors.
     pub fn new(name: impl Into<String>, msix_vectors: u16) -> Self {
         LeaseIrqs {
@@ -80,6 +158,8 @@ impl LeaseIrqs {
             intx_disabled: AtomicBool::new(false),
             msix_signalled: (0..msix_vectors).map(|_| AtomicU64::new(0)).collect(),
             intx_signalled: AtomicU64::new(0),
+            holding: AtomicBool::new(false),
+            held: Mutex::default(),
         }
     }
 
@@ -145,6 +225,9 @@ impl LeaseIrqs {
 
 impl InterruptSink for LeaseIrqs {
     fn signal_msix(&self, vector: u16) {
+        if self.record_held(Some(vector)) {
+            return;
+        }
         let t = match self.msix.read() {
             Ok(g) => g.get(usize::from(vector)).cloned().flatten(),
             Err(p) => p.into_inner().get(usize::from(vector)).cloned().flatten(),
@@ -164,6 +247,9 @@ impl InterruptSink for LeaseIrqs {
         // Edge-signal the borrower on assertion; the borrower's VMM resamples the level with
         // a config/BAR read when the guest acknowledges.
         if asserted {
+            if self.record_held(None) {
+                return;
+            }
             if let Some(t) = read(&self.intx) {
                 t.trigger();
                 self.intx_signalled.fetch_add(1, Ordering::Relaxed);

@@ -110,6 +110,17 @@ pub struct BarExport<'a> {
     pub size: u64,
 }
 
+/// What [`DeviceBackend::quiesce_handover`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Drained {
+    /// No DMA of the device is in flight (confirmed by the lender).
+    pub drained: bool,
+    /// MSI-X vectors raised since the quiesce began, held.
+    pub pending_msix: Vec<u32>,
+    /// INTx asserted since the quiesce began, held.
+    pub pending_intx: bool,
+}
+
 /// One lendable PCI function.
 pub trait DeviceBackend: Send + Sync {
     /// `vfio`, `nvme`, `dmatest`.
@@ -159,6 +170,17 @@ pub trait DeviceBackend: Send + Sync {
     /// told; the borrower masks its vectors).
     fn quiesce(&self, _stop: bool) -> Result<(), BackendError> {
         Ok(())
+    }
+    /// Quiesce for a hand-over to another borrower (the extension of
+    /// [`DeviceBackend::quiesce`] that live migration needs): stops the device fetching new
+    /// work, holds its interrupts as pending (delivered to the then current targets by
+    /// `quiesce(false)`), lets the work already fetched complete and waits, at most
+    /// `timeout`, until no DMA is in flight. Default: quiesce only, drain unconfirmed (a
+    /// VFIO device's DMA cannot be observed by the lender).
+    fn quiesce_handover(&self, timeout: std::time::Duration) -> Result<Drained, BackendError> {
+        let _ = timeout;
+        self.quiesce(true)?;
+        Ok(Drained::default())
     }
     /// The device's counters over its whole life (monotonic; per-lease values are
     /// differences, see [`LeaseCounters::since`]). Default: what the IOMMU domain counts (no

@@ -882,6 +882,26 @@ pub(crate) mod tests {
             .clone()
     }
 
+    /// Live migration on a VFIO device: the lender cannot see its DMA, so the hand-over
+    /// quiesce does not confirm a drain and the dirty log reports the whole window.
+    #[test]
+    fn migration_falls_back_to_whole_window_and_unconfirmed_drain() {
+        let (b, c, _sysfs) = backend();
+        let dom = b.domain();
+        let mem = Arc::new(crate::iommu::MmapBacking::anonymous(0x4000).unwrap());
+        dom.map(0x10_0000, 0x4000, mem).unwrap();
+        assert!(!dom.start_dirty_log());
+        let d = dom.fetch_dirty(0x10_0000, 0x8000).unwrap();
+        assert!(d.whole_window);
+        assert_eq!(d.count(), 4, "every mapped page, none beyond");
+        let q = b
+            .quiesce_handover(std::time::Duration::from_millis(10))
+            .unwrap();
+        assert_eq!(q, crate::backend::Drained::default(), "drain not confirmed");
+        dom.stop_dirty_log();
+        assert_eq!(c.live(), vec![(0x10_0000, 0x4000)]);
+    }
+
     #[test]
     fn describe_reads_bars_caps_and_irqs() {
         let (b, _, _sysfs) = backend();

@@ -18,15 +18,17 @@
 //! counts, no faults).
 
 pub mod backing;
+pub mod dirty;
 pub mod vfio;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use thiserror::Error;
 
 pub use backing::{BackingError, DmaBacking, MmapBacking, VecBacking};
+pub use dirty::{DirtyLogError, DirtyPages, PageBits, MAX_DIRTY_PAGES};
 
 /// Granule of IOVA mappings (both size and IOVA must be multiples of it).
 pub const IOMMU_PAGE_SIZE: u64 = 4096;
@@ -145,6 +147,25 @@ pub trait IommuDomain: Send + Sync {
     /// Who to tell about each refused DMA from now on (`None`: nobody). Default: nothing (a
     /// domain that does not see faults).
     fn set_fault_listener(&self, _listener: Option<Arc<dyn FaultListener>>) {}
+    /// Starts logging the pages the device writes ([`dirty`]); returns `true` when the
+    /// domain tracks writes exactly, `false` when it cannot and every fetch reports the whole
+    /// window. Default (a domain that does not see DMA): `false`.
+    fn start_dirty_log(&self) -> bool {
+        false
+    }
+    /// Stops logging and drops what was not fetched. Default: nothing.
+    fn stop_dirty_log(&self) {}
+    /// The pages of `[iova, iova + len)` written since the previous fetch (fetch-and-clear,
+    /// see [`dirty`]). Default: every mapped page of the range, flagged
+    /// [`DirtyPages::whole_window`] (the domain cannot see the device's writes).
+    fn fetch_dirty(&self, iova: u64, len: u64) -> Result<DirtyPages, DirtyLogError> {
+        let mut d = DirtyPages::empty(iova, len)?;
+        for m in self.mappings() {
+            d.set_covered(m.iova, m.size);
+        }
+        d.whole_window = true;
+        Ok(d)
+    }
 }
 
 /// Told about every DMA a domain refuses (from the device's worker thread: must not block
@@ -157,6 +178,8 @@ pub trait FaultListener: Send + Sync {
 struct Entry {
     size: u64,
     backing: Arc<dyn DmaBacking>,
+    /// The mapping's dirty bits while logging is on (software domain).
+    dirty: Option<Arc<PageBits>>,
 }
 
 /// Sorted, non-overlapping mapping table shared by the domain implementations.
@@ -231,10 +254,10 @@ impl MapTable {
 
     /// The mapping that covers all of `[iova, iova+len)` and the offset into its backing (the
     /// common case: no allocation, no reference counting).
-    fn covering(&self, iova: u64, len: u64) -> Option<(&dyn DmaBacking, u64)> {
+    fn covering(&self, iova: u64, len: u64) -> Option<(&Entry, u64)> {
         let end = iova.checked_add(len)?;
         let (&start, e) = self.map.range(..=iova).next_back()?;
-        (end <= start + e.size).then(|| (e.backing.as_ref(), iova - start))
+        (end <= start + e.size).then_some((e, iova - start))
     }
 
     /// Splits `[iova, iova+len)` into (backing, offset, start-in-buffer, length) pieces, or
@@ -244,7 +267,15 @@ impl MapTable {
         &self,
         iova: u64,
         len: u64,
-    ) -> Option<Vec<(Arc<dyn DmaBacking>, u64, usize, usize)>> {
+    ) -> Option<
+        Vec<(
+            Arc<dyn DmaBacking>,
+            u64,
+            usize,
+            usize,
+            Option<Arc<PageBits>>,
+        )>,
+    > {
         let end = iova.checked_add(len)?;
         let mut out = Vec::new();
         let mut cur = iova;
@@ -260,6 +291,7 @@ impl MapTable {
                 cur - start,
                 usize::try_from(cur - iova).ok()?,
                 usize::try_from(piece_end - cur).ok()?,
+                e.dirty.clone(),
             ));
             cur = piece_end;
         }
@@ -299,6 +331,8 @@ pub struct SoftIommu {
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
     listener: RwLock<Option<Arc<dyn FaultListener>>>,
+    /// Dirty logging is on: new mappings get [`PageBits`].
+    logging: AtomicBool,
 }
 
 impl SoftIommu {
@@ -311,6 +345,7 @@ impl SoftIommu {
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
             listener: RwLock::new(None),
+            logging: AtomicBool::new(false),
         }
     }
 
@@ -336,15 +371,15 @@ impl SoftIommu {
     fn try_read(&self, iova: u64, buf: &mut [u8]) -> bool {
         let len = buf.len() as u64;
         let t = read(&self.table);
-        if let Some((b, off)) = t.covering(iova, len) {
-            return b.read_at(off, buf).is_ok();
+        if let Some((e, off)) = t.covering(iova, len) {
+            return e.backing.read_at(off, buf).is_ok();
         }
         let Some(pieces) = t.translate(iova, len) else {
             return false;
         };
         pieces
             .into_iter()
-            .all(|(backing, off, at, n)| backing.read_at(off, &mut buf[at..at + n]).is_ok())
+            .all(|(backing, off, at, n, _)| backing.read_at(off, &mut buf[at..at + n]).is_ok())
     }
 
     /// Writes through the table; `false` if any byte is not mapped (nothing written) or the
@@ -352,15 +387,25 @@ impl SoftIommu {
     fn try_write(&self, iova: u64, data: &[u8]) -> bool {
         let len = data.len() as u64;
         let t = read(&self.table);
-        if let Some((b, off)) = t.covering(iova, len) {
-            return b.write_at(off, data).is_ok();
+        // Dirty bits are set after the bytes landed ([`dirty`]), while the table's read lock
+        // still keeps the mapping (and its bits) from being replaced.
+        if let Some((e, off)) = t.covering(iova, len) {
+            let ok = e.backing.write_at(off, data).is_ok();
+            if let Some(d) = &e.dirty {
+                d.mark(off, len);
+            }
+            return ok;
         }
         let Some(pieces) = t.translate(iova, len) else {
             return false;
         };
-        pieces
-            .into_iter()
-            .all(|(backing, off, at, n)| backing.write_at(off, &data[at..at + n]).is_ok())
+        pieces.into_iter().all(|(backing, off, at, n, dirty)| {
+            let ok = backing.write_at(off, &data[at..at + n]).is_ok();
+            if let Some(d) = dirty {
+                d.mark(off, n as u64);
+            }
+            ok
+        })
     }
 
     /// Device read of guest memory at `iova` (the whole range must be mapped).
@@ -389,7 +434,19 @@ impl IommuDomain for SoftIommu {
     fn map(&self, iova: u64, size: u64, backing: Arc<dyn DmaBacking>) -> Result<(), IommuError> {
         let mut t = write(&self.table);
         t.check_new(iova, size, backing.size())?;
-        t.map.insert(iova, Entry { size, backing });
+        // Under the table's write lock: a start/stop of logging cannot interleave.
+        let dirty = self
+            .logging
+            .load(Ordering::Acquire)
+            .then(|| Arc::new(PageBits::new(size)));
+        t.map.insert(
+            iova,
+            Entry {
+                size,
+                backing,
+                dirty,
+            },
+        );
         log::info!(
             "{}: mapped dma window iova {iova:#x} size {size:#x}",
             self.name
@@ -431,6 +488,59 @@ impl IommuDomain for SoftIommu {
 
     fn set_fault_listener(&self, listener: Option<Arc<dyn FaultListener>>) {
         *write(&self.listener) = listener;
+    }
+
+    fn start_dirty_log(&self) -> bool {
+        let mut t = write(&self.table);
+        if !self.logging.swap(true, Ordering::AcqRel) {
+            for (_, e) in t.map.iter_mut() {
+                e.dirty = Some(Arc::new(PageBits::new(e.size)));
+            }
+            log::info!("{}: dirty logging started", self.name);
+        }
+        true
+    }
+
+    fn stop_dirty_log(&self) {
+        let mut t = write(&self.table);
+        if self.logging.swap(false, Ordering::AcqRel) {
+            for (_, e) in t.map.iter_mut() {
+                e.dirty = None;
+            }
+            log::info!("{}: dirty logging stopped", self.name);
+        }
+    }
+
+    fn fetch_dirty(&self, iova: u64, len: u64) -> Result<DirtyPages, DirtyLogError> {
+        let mut out = DirtyPages::empty(iova, len)?;
+        if !self.logging.load(Ordering::Acquire) {
+            return Err(DirtyLogError::NotStarted);
+        }
+        let end = iova + len;
+        let t = read(&self.table);
+        // Mappings that overlap the range: the one that starts at or before `iova`, and the
+        // ones that start inside.
+        let first = t
+            .map
+            .range(..=iova)
+            .next_back()
+            .map(|(&s, _)| s)
+            .unwrap_or(iova);
+        for (&start, e) in t.map.range(first..end) {
+            let (s, x) = (start.max(iova), start.saturating_add(e.size).min(end));
+            if s >= x {
+                continue;
+            }
+            if let Some(d) = &e.dirty {
+                d.take_into(
+                    (s - start) / IOMMU_PAGE_SIZE,
+                    (x - s) / IOMMU_PAGE_SIZE,
+                    &mut out,
+                    (s - iova) / IOMMU_PAGE_SIZE,
+                );
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -614,5 +724,98 @@ mod tests {
         // A gap after the second window faults even when partly covered.
         assert!(d.dma_write(0x1ffe, &[0; 4]).is_err());
         assert_eq!(&b.snapshot()[0xffe..], &[0, 0]);
+    }
+
+    #[test]
+    fn dirty_log_records_device_writes_only_and_fetch_clears() {
+        let d = SoftIommu::new("t");
+        d.map(0x10000, 0x4000, backing(0x4000, 0)).unwrap();
+        // Off: writes are not recorded, a fetch is refused.
+        d.dma_write(0x10000, &[1; 8]).unwrap();
+        assert_eq!(
+            d.fetch_dirty(0x10000, 0x4000),
+            Err(DirtyLogError::NotStarted)
+        );
+        assert!(d.start_dirty_log(), "the software domain tracks exactly");
+        let mut buf = [0u8; 64];
+        d.dma_read(0x11000, &mut buf).unwrap();
+        d.dma_write(0x12ffc, &[2; 8]).unwrap(); // pages 2 and 3
+        assert!(
+            d.dma_write(0x13ffc, &[2; 8]).is_err(),
+            "fault: nothing dirty"
+        );
+        // A window mapped while logging is on is logged too.
+        d.map(0x20000, 0x1000, backing(0x1000, 0)).unwrap();
+        d.dma_write(0x20010, &[3; 4]).unwrap();
+        let got = d.fetch_dirty(0x10000, 0x11000).unwrap();
+        assert!(!got.whole_window);
+        assert_eq!(got.iovas(), vec![0x12000, 0x13000, 0x20000]);
+        assert_eq!(d.fetch_dirty(0x10000, 0x11000).unwrap().count(), 0);
+        // Part of the range: the rest stays for the next fetch.
+        d.dma_write(0x10000, &[4; 4]).unwrap();
+        d.dma_write(0x13000, &[4; 4]).unwrap();
+        assert_eq!(
+            d.fetch_dirty(0x13000, 0x1000).unwrap().iovas(),
+            vec![0x13000]
+        );
+        assert_eq!(
+            d.fetch_dirty(0x10000, 0x4000).unwrap().iovas(),
+            vec![0x10000]
+        );
+        assert!(matches!(
+            d.fetch_dirty(0x10001, 0x1000),
+            Err(DirtyLogError::BadRange { .. })
+        ));
+        d.stop_dirty_log();
+        d.dma_write(0x10000, &[5; 4]).unwrap();
+        assert_eq!(
+            d.fetch_dirty(0x10000, 0x4000),
+            Err(DirtyLogError::NotStarted)
+        );
+        d.start_dirty_log();
+        assert_eq!(
+            d.fetch_dirty(0x10000, 0x4000).unwrap().count(),
+            0,
+            "a restart begins clean"
+        );
+    }
+
+    #[test]
+    fn no_dirty_page_is_lost_under_concurrent_dma() {
+        const PAGES: u64 = 512;
+        let d = Arc::new(SoftIommu::new("t"));
+        d.map(0, PAGES * 4096, backing((PAGES * 4096) as usize, 0))
+            .unwrap();
+        d.start_dirty_log();
+        let stop = Arc::new(AtomicBool::new(false));
+        // Other writers hammer every page (so fetches race with writes to the same words)...
+        let writers: Vec<_> = (0..3u64)
+            .map(|w| {
+                let (d, stop) = (Arc::clone(&d), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    let mut x = w * 7919 + 1;
+                    while !stop.load(Ordering::Relaxed) {
+                        x = x
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        let page = (x >> 33) % PAGES;
+                        d.dma_write(page * 4096 + (x >> 20) % 4000, &[w as u8; 64])
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+        // ...while every write that finished before a fetch must be in that fetch or an
+        // earlier one: here, the fetch right after it (nobody else fetches).
+        for round in 0..2000u64 {
+            let page = (round * 37) % PAGES;
+            d.dma_write(page * 4096, &[9; 8]).unwrap();
+            let got = d.fetch_dirty(0, PAGES * 4096).unwrap();
+            assert!(got.is_set(page), "round {round}: page {page} lost");
+        }
+        stop.store(true, Ordering::Relaxed);
+        for w in writers {
+            w.join().unwrap();
+        }
     }
 }

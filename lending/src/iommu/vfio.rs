@@ -87,7 +87,14 @@ impl<C: VfioContainerOps> IommuDomain for VfioDomain<C> {
             size,
             msg,
         })?;
-        t.map.insert(iova, super::Entry { size, backing });
+        t.map.insert(
+            iova,
+            super::Entry {
+                size,
+                backing,
+                dirty: None,
+            },
+        );
         log::info!(
             "{}: vfio mapped dma window iova {iova:#x} size {size:#x}",
             self.name
@@ -133,6 +140,11 @@ impl<C: VfioContainerOps> IommuDomain for VfioDomain<C> {
     fn mappings(&self) -> Vec<MappingInfo> {
         lock(&self.table).list()
     }
+
+    // Dirty logging: the container API has no IOMMU dirty tracking (iommufd's
+    // IOMMU_HWPT_GET_DIRTY_BITMAP would be the way where the kernel and IOMMU offer it), so
+    // this domain keeps the trait's fallback: every fetch reports each mapped page, flagged
+    // `whole_window`, and the VMM copies the whole window at the final pass.
 
     /// Hardware IOMMU faults are reported by the host kernel (DMAR/AMD-Vi log), not through
     /// VFIO, so this domain cannot count them.
@@ -253,6 +265,28 @@ mod tests {
                 FakeOp::Unmap(0x8000_0000, 0x4000)
             ]
         );
+    }
+
+    #[test]
+    fn dirty_log_without_hardware_tracking_reports_the_whole_window() {
+        let fake = Arc::new(FakeVfioContainer::default());
+        let dom = VfioDomain::new("vfio-test", Arc::clone(&fake));
+        let b = Arc::new(MmapBacking::anonymous(0x3000).unwrap());
+        dom.map(0x10000, 0x3000, b).unwrap();
+        assert!(
+            !dom.start_dirty_log(),
+            "no exact tracking through the container API"
+        );
+        // Every mapped page of the range, every time (nothing is cleared), flagged.
+        for _ in 0..2 {
+            let d = dom.fetch_dirty(0xe000, 0x8000).unwrap();
+            assert!(d.whole_window);
+            assert_eq!(d.iovas(), vec![0x10000, 0x11000, 0x12000]);
+        }
+        assert!(dom.fetch_dirty(0x10001, 0x1000).is_err());
+        dom.stop_dirty_log();
+        // The fake saw only the mapping: dirty logging touches no container state.
+        assert_eq!(fake.calls(), vec![FakeOp::Map(0x10000, 0x3000)]);
     }
 
     #[test]

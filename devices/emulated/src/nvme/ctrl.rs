@@ -545,6 +545,30 @@ impl Ctrl {
         self.engine.commit();
     }
 
+    /// Completes every command already fetched (data DMA, completion entries) and raises
+    /// their interrupts as [`Ctrl::pass`] would, without fetching new ones; `true` once no
+    /// I/O is in flight, `false` at `deadline` (what is still in flight completes later).
+    pub(crate) fn drain_for_handover(&mut self, deadline: Instant) -> bool {
+        let done = loop {
+            self.engine.commit();
+            if self.enabled {
+                self.reap();
+            }
+            if self.engine.inflight() == 0 && self.backlog.is_empty() {
+                break true;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            self.wait_engine();
+        };
+        if self.enabled {
+            self.finish_deletes();
+            self.signal();
+        }
+        done
+    }
+
     // ---- queues ----------------------------------------------------------------------------
 
     fn update_cq_heads(&mut self) -> bool {

@@ -61,7 +61,7 @@ pub fn controller(cfg: &NvmeConfig, max_cmds: u16) -> [u8; 4096] {
     put16(&mut b, 526, 0); // AWUN
     put16(&mut b, 528, 0); // AWUPF
     b[530] = 0; // NVSCC
-    let nqn = format!("nqn.2019-08.org.lendvm:nvme:{}", cfg.serial.trim());
+    let nqn = subsystem_nqn(cfg);
     let n = nqn.len().min(255);
     b[768..768 + n].copy_from_slice(&nqn.as_bytes()[..n]);
     // Power state 0: 25 W, entry/exit latency 0.
@@ -69,12 +69,30 @@ pub fn controller(cfg: &NvmeConfig, max_cmds: u16) -> [u8; 4096] {
     b
 }
 
-/// 16 bytes derived from the serial (stable NGUID/UUID seed).
+/// The subsystem NQN: `nqn.2019-08.org.lendvm:nvme:[<subsystem>:]<serial>`.
+pub fn subsystem_nqn(cfg: &NvmeConfig) -> String {
+    if cfg.subsystem.is_empty() {
+        format!("nqn.2019-08.org.lendvm:nvme:{}", cfg.serial.trim())
+    } else {
+        format!(
+            "nqn.2019-08.org.lendvm:nvme:{}:{}",
+            cfg.subsystem,
+            cfg.serial.trim()
+        )
+    }
+}
+
+/// 16 bytes derived from the subsystem and serial (stable NGUID/UUID seed).
 pub fn ns_guid(cfg: &NvmeConfig) -> [u8; 16] {
     // FNV-1a over the serial, expanded into two halves.
     let mut h1: u64 = 0xcbf2_9ce4_8422_2325;
     let mut h2: u64 = 0x8422_2325_cbf2_9ce4;
-    for c in cfg.serial.bytes().chain(cfg.model.bytes()) {
+    for c in cfg
+        .subsystem
+        .bytes()
+        .chain(cfg.serial.bytes())
+        .chain(cfg.model.bytes())
+    {
         h1 = (h1 ^ u64::from(c)).wrapping_mul(0x0100_0000_01b3);
         h2 = (h2 ^ u64::from(c)).wrapping_mul(0x0000_0100_0000_01b3 ^ 0x5bd1_e995);
     }
@@ -175,4 +193,39 @@ pub fn fw_slot_log(cfg: &NvmeConfig) -> Vec<u8> {
 /// Error Information log (LID 1): one all-zero 64-byte entry.
 pub fn error_log() -> Vec<u8> {
     vec![0u8; 64]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two lenders lending at the same address give the same serial; their node names keep
+    /// the subsystems (and namespace IDs) apart, so a guest borrowing both sees two
+    /// subsystems instead of one controller ID twice.
+    #[test]
+    fn the_subsystem_keeps_same_serial_controllers_apart() {
+        let a = NvmeConfig {
+            serial: "LENDVM000082000".into(),
+            subsystem: "node1".into(),
+            ..Default::default()
+        };
+        let b = NvmeConfig {
+            subsystem: "node2".into(),
+            ..a.clone()
+        };
+        assert_eq!(
+            subsystem_nqn(&a),
+            "nqn.2019-08.org.lendvm:nvme:node1:LENDVM000082000"
+        );
+        assert_ne!(subsystem_nqn(&a), subsystem_nqn(&b));
+        assert_ne!(ns_guid(&a), ns_guid(&b));
+        let plain = NvmeConfig {
+            subsystem: String::new(),
+            ..a.clone()
+        };
+        assert_eq!(
+            subsystem_nqn(&plain),
+            "nqn.2019-08.org.lendvm:nvme:LENDVM000082000"
+        );
+    }
 }

@@ -99,6 +99,11 @@ pub struct NvmeConfig {
     pub identity: PciIdentity,
     /// Controller Memory Buffer size in bytes (0: none); see [`cmb`].
     pub cmb_size: u64,
+    /// What makes this controller's subsystem NQN (and namespace IDs) unique beyond its
+    /// serial: lenderd puts its node name here, because two lenders lending at the same
+    /// address would otherwise report one subsystem with one controller ID twice, and a guest
+    /// borrowing from both rejects the second ("Duplicate cntlid"). Empty: the serial alone.
+    pub subsystem: String,
 }
 
 impl Default for NvmeConfig {
@@ -133,6 +138,7 @@ impl Default for NvmeConfig {
                 revision: 0x02,
             },
             cmb_size: 0,
+            subsystem: String::new(),
         }
     }
 }
@@ -573,6 +579,21 @@ impl DeviceModel for NvmeController {
 
     fn quiesce(&self, stop: bool) {
         self.inner.wait.quiesce("nvme", stop);
+    }
+
+    /// With the worker parked between passes (it fetches no SQE), completes the commands
+    /// already fetched on this thread: their data DMA, their completions, their interrupts.
+    fn drain(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let running = self
+            .thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if !self.inner.wait.wait_parked(running, deadline) {
+            return false;
+        }
+        self.inner.lock().drain_for_handover(deadline)
     }
 }
 
