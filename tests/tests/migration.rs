@@ -13,6 +13,8 @@
 //!   dirty rounds (KVM's dirty log finds the rewritten pages), and the guest on the
 //!   destination finds every word of its 2 MiB buffer as it left it (`churn=ok`, its
 //!   generation goes on).
+//! * `a_paused_vm_arrives_paused`: and stays paused until `vm.resume` on the destination.
+//! * `live_migration_over_tcp_with_lendctl`: loopback TCP, driven by `lendctl`.
 //! * `failed_migrations_leave_the_source_running`: bad urls (400 naming them), nobody
 //!   listening, a destination that refuses the version, a destination that dies after
 //!   1 MiB of RAM, and a real destination lendvm SIGKILLed mid-transfer: each time the
@@ -509,4 +511,30 @@ fn failed_migrations_leave_the_source_running() {
     // The same source still migrates.
     std::fs::remove_file(dir.path().join("dst-events.jsonl")).ok();
     migrate_and_check(dir.path(), src, mailbox);
+}
+
+/// A VM paused on the source arrives paused (vCPUs parked until `vm.resume`), then goes on
+/// exactly.
+#[test]
+fn a_paused_vm_arrives_paused() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = boot(dir.path(), "");
+    let mailbox = mailbox_of(&src);
+    wait_ticks(&src, 3);
+    src.api().pause().unwrap();
+    let (dst, url) = destination(dir.path(), "dst");
+    send(&src.api(), &url).unwrap();
+    let dapi = dst.api();
+    assert_eq!(dapi.info().unwrap().state, VmState::Paused);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        ticks_of(&dst.stdout()).is_empty(),
+        "the paused vm ran on the destination:\n{}",
+        dst.stdout()
+    );
+    dapi.resume().unwrap();
+    check_migrated(src, dst, mailbox);
+    let evs = events(dir.path(), "dst-events.jsonl");
+    let m = named(&evs, "vm-migrated");
+    assert_eq!(m[0]["properties"]["paused"], true, "{m:?}");
 }

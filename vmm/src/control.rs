@@ -429,7 +429,7 @@ impl Controller {
                 .map_err(|e| crate::migration::MigrationError::Pause(e.message))?;
             *paused_here = true;
         }
-        let pages = sender.finish(&log, Vec::new())?;
+        let pages = sender.finish(&log, Vec::new(), !was_running)?;
         self.emit_iteration(round + 1, pages);
         Ok((sender.bytes, t_pause.elapsed()))
     }

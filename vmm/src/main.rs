@@ -467,7 +467,7 @@ fn main() -> ExitCode {
             cpuid_cmdline: !cli.no_cpuid_cmdline,
         },
     };
-    let migrated_from = migrated.as_ref().map(|m| m.bytes);
+    let migrated_from = migrated.as_ref().map(|m| (m.bytes, m.paused));
     let built = match (&restored, migrated) {
         (_, Some(m)) => Ok(m.vm),
         (Some(s), None) => Vm::restore(&cfg, s),
@@ -577,13 +577,22 @@ fn main() -> ExitCode {
         eprintln!("lendvm: {}", chain(&e));
         return ExitCode::from(1);
     }
-    if let Some(bytes) = migrated_from {
-        // The source has stopped: the guest runs on here at once.
+    if let Some((bytes, paused)) = migrated_from {
+        // The source has stopped: the guest runs on here at once, unless it was paused there.
         ctl.borrow_mut().set_restored_paused();
-        if let Err(e) = ctl.borrow_mut().resume() {
-            log::error!("resuming the migrated vm: {e}");
+        if !paused {
+            if let Err(e) = ctl.borrow_mut().resume() {
+                log::error!("resuming the migrated vm: {e}");
+            }
         }
-        log::info!("migrated vm running ({bytes} bytes of RAM received)");
+        log::info!(
+            "migrated vm {} ({bytes} bytes of RAM received)",
+            if paused {
+                "paused, as on the source"
+            } else {
+                "running"
+            }
+        );
         events.emit(
             "migration",
             "vm-migrated",
@@ -591,6 +600,7 @@ fn main() -> ExitCode {
                 ("cpus", Value::from(cfg.cpus)),
                 ("memory", Value::from(cfg.memory_size)),
                 ("ram_bytes", Value::from(bytes)),
+                ("paused", Value::from(paused)),
             ],
         );
     } else if let Some(s) = &restored {

@@ -323,6 +323,16 @@ impl Hello {
     }
 }
 
+/// Payload of `STATE`: the snapshot document (without RAM files) and whether the VM was
+/// paused on the source (it then stays paused on the destination until `vm.resume`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmState {
+    #[serde(flatten)]
+    pub doc: VmSnapshot,
+    #[serde(default)]
+    pub paused: bool,
+}
+
 /// Why the destination refused (payload of `REFUSED`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Refusal {
@@ -341,7 +351,7 @@ pub enum Frame {
         gpa: u64,
         len: u64,
     },
-    State(Box<VmSnapshot>),
+    State(Box<VmState>),
 }
 
 fn io_err(step: &'static str) -> impl Fn(io::Error) -> MigrationError {

@@ -19,6 +19,8 @@ pub struct Incoming {
 pub struct Received<V> {
     pub vm: V,
     pub doc: VmSnapshot,
+    /// The VM was paused on the source: leave it paused (vCPUs parked) until `vm.resume`.
+    pub paused: bool,
     /// Guest RAM bytes received (pages sent more than once count each time).
     pub bytes: u64,
 }
@@ -114,7 +116,7 @@ fn receive_on<V: MigrationTarget>(
     let mut buf = vec![0u8; MAX_RUN as usize];
     let mut bytes = 0u64;
     let step = "receiving guest memory and state";
-    let doc = loop {
+    let state = loop {
         match protocol::read_frame(stream, step)? {
             Frame::Memory { gpa, len } => {
                 let ram = vm.ram();
@@ -131,10 +133,11 @@ fn receive_on<V: MigrationTarget>(
                     .map_err(|source| MigrationError::Ram { offset, source })?;
                 bytes += len;
             }
-            Frame::State(doc) => break doc,
+            Frame::State(state) => break state,
             f => return Err(unexpected(step, &f)),
         }
     };
+    let protocol::VmState { doc, paused } = *state;
     if doc.config.cpus != config.cpus || doc.config.memory_size != config.memory_size {
         return Err(MigrationError::Mismatch(format!(
             "announced {} vCPUs and {:#x} bytes, the state says {} and {:#x}",
@@ -145,7 +148,8 @@ fn receive_on<V: MigrationTarget>(
     protocol::write_empty(stream, kind::ACK, "acknowledging the vm")?;
     Ok(Received {
         vm,
-        doc: *doc,
+        doc,
+        paused,
         bytes,
     })
 }

@@ -228,9 +228,18 @@ impl Sender {
     /// The final pass, VM paused: reads the vCPU and device state (this may complete an
     /// access the guest made, so it comes first), sends the pages dirtied since the last
     /// round, then the state document, and waits for the destination to acknowledge that
-    /// it restored the VM. Returns the pages of the final pass.
-    pub fn finish(&mut self, log: &DirtyLog, lent: Vec<LentDevice>) -> Result<u64, MigrationError> {
-        let doc = self.src.save_state(lent)?;
+    /// it restored the VM. Returns the pages of the final pass. `paused`: the VM was paused
+    /// before the migration and stays so on the destination.
+    pub fn finish(
+        &mut self,
+        log: &DirtyLog,
+        lent: Vec<LentDevice>,
+        paused: bool,
+    ) -> Result<u64, MigrationError> {
+        let doc = protocol::VmState {
+            doc: self.src.save_state(lent)?,
+            paused,
+        };
         let pages = self.send_dirty(&log.take()?)?;
         if let Err(e) = protocol::write_json(&mut self.stream, kind::STATE, "state", &doc) {
             return Err(self.explain(e));
