@@ -17,8 +17,8 @@ use crate::events::VmEvent;
 use crate::server::API_ROOT;
 use crate::types::VmCountersReport;
 use crate::types::{
-    PciDeviceInfo, VmAddRemoteDeviceData, VmInfo, VmRemoveDeviceData, VmSnapshotConfig,
-    VmmPingResponse,
+    PciDeviceInfo, VmAddRemoteDeviceData, VmInfo, VmReceiveMigrationData, VmRemoveDeviceData,
+    VmSendMigrationData, VmSnapshotConfig, VmmPingResponse,
 };
 
 /// Responses larger than this are refused (the API's are a few KiB).
@@ -314,6 +314,18 @@ impl ApiClient {
     /// `vm.snapshot`: write a snapshot of the VM to `destination_url`.
     pub fn snapshot(&self, data: &VmSnapshotConfig) -> Result<(), ClientError> {
         self.put_json("vm.snapshot", data).map(|_| ())
+    }
+
+    /// `vm.send-migration`: live-migrate the VM to the VMM listening at `destination_url`;
+    /// answers when the destination has taken the VM over (the source then exits).
+    pub fn send_migration(&self, data: &VmSendMigrationData) -> Result<(), ClientError> {
+        self.put_json("vm.send-migration", data).map(|_| ())
+    }
+
+    /// `vm.receive-migration`: listen at `receiver_url` for a migrating VM; answers once
+    /// listening.
+    pub fn receive_migration(&self, data: &VmReceiveMigrationData) -> Result<(), ClientError> {
+        self.put_json("vm.receive-migration", data).map(|_| ())
     }
 
     pub fn resume(&self) -> Result<(), ClientError> {

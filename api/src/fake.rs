@@ -343,6 +343,15 @@ impl ApiHandler for FakeVmm {
                 }
                 other => Err(ApiError::conflict(pause_refusal("pause", other))),
             },
+            ApiRequest::VmSendMigration(_) => match self.state {
+                VmState::Running | VmState::Paused => Ok(ApiResponse::Empty),
+                other => Err(ApiError::conflict(format!(
+                    "cannot migrate the vm: it is {other:?}"
+                ))),
+            },
+            ApiRequest::VmReceiveMigration(_) => Err(ApiError::conflict(
+                "cannot receive a migration: this vmm already runs a vm",
+            )),
             ApiRequest::VmSnapshot(_) => match self.state {
                 VmState::Running | VmState::Paused => Ok(ApiResponse::Empty),
                 other => Err(ApiError::conflict(format!(

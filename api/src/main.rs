@@ -5,6 +5,8 @@
 //!                        |add-remote-device node3:0000:81:00.0 [--id X] [--mode M] [--replace-lost]
 //!                        |remove-device X [--force]|events [--since SEQ] [--no-follow]
 //!                        |snapshot file:///abs/dir
+//!                        |send-migration unix:/path|tcp:host:port
+//!                        |receive-migration unix:/path|tcp:host:port
 //! lendctl --cluster F [--token T] [--node NAME] lenders|list
 //! lendctl --cluster F --lender NODE list|status
 //! lendctl --cluster etcd://HOST:PORT[,...] list|watch|lenders    (or a file with [directory])
@@ -115,6 +117,19 @@ enum Command {
     /// Write a snapshot of the VM to URL (vm.snapshot): file:///abs/dir or a path, a new or
     /// empty directory. A running VM is paused for it and resumed after.
     Snapshot {
+        #[arg(value_name = "URL")]
+        url: String,
+    },
+    /// Live-migrate the VM to the lendvm listening at URL (vm.send-migration): unix:/path or
+    /// tcp:host:port. Prints the migration's events as they come; the source VMM exits once
+    /// the destination has the VM.
+    SendMigration {
+        #[arg(value_name = "URL")]
+        url: String,
+    },
+    /// Make a lendvm started with only --api-socket listen at URL for a migrating VM
+    /// (vm.receive-migration): unix:/path or tcp:host:port. Returns once it listens.
+    ReceiveMigration {
         #[arg(value_name = "URL")]
         url: String,
     },
@@ -383,6 +398,46 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
                 println!("{{}}");
             } else {
                 println!("snapshot written to {url}");
+            }
+        }
+        Command::SendMigration { url } => {
+            if !cli.json {
+                // Progress: the migration's events, printed by a follower of vm.events (it
+                // ends with the source VMM's event stream).
+                let follower = client.clone();
+                std::thread::spawn(move || {
+                    let _ = follower.follow_events(None, |line| {
+                        if let Ok(ev) = serde_json::from_str::<VmEvent>(line) {
+                            if ev.event.starts_with("migration-") {
+                                print_event(false, &ev);
+                            }
+                        }
+                        true
+                    });
+                });
+            }
+            // The answer comes when the migration is done: wait as long as the server does.
+            let client = ApiClient::new(
+                client.socket().to_path_buf(),
+                api::server::MIGRATION_TIMEOUT.max(Duration::from_secs(cli.timeout)),
+            );
+            client.send_migration(&api::types::VmSendMigrationData {
+                destination_url: url.clone(),
+            })?;
+            if cli.json {
+                println!("{{}}");
+            } else {
+                println!("vm migrated to {url}");
+            }
+        }
+        Command::ReceiveMigration { url } => {
+            client.receive_migration(&api::types::VmReceiveMigrationData {
+                receiver_url: url.clone(),
+            })?;
+            if cli.json {
+                println!("{{}}");
+            } else {
+                println!("listening for a migrating vm at {url}");
             }
         }
         Command::Counters => {

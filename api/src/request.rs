@@ -42,8 +42,8 @@ use tokio::sync::oneshot;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::types::{
-    PciDeviceInfo, VmAddRemoteDeviceData, VmCountersReport, VmInfo, VmRemoveDeviceData,
-    VmSnapshotConfig, VmState, VmmPingResponse,
+    PciDeviceInfo, VmAddRemoteDeviceData, VmCountersReport, VmInfo, VmReceiveMigrationData,
+    VmRemoveDeviceData, VmSendMigrationData, VmSnapshotConfig, VmState, VmmPingResponse,
 };
 
 /// What a client asked for.
@@ -58,6 +58,8 @@ pub enum ApiRequest {
     VmPause,
     VmResume,
     VmSnapshot(VmSnapshotConfig),
+    VmSendMigration(VmSendMigrationData),
+    VmReceiveMigration(VmReceiveMigrationData),
     VmmShutdown,
 }
 
@@ -74,6 +76,8 @@ impl ApiRequest {
             ApiRequest::VmPause => "vm.pause",
             ApiRequest::VmResume => "vm.resume",
             ApiRequest::VmSnapshot(_) => "vm.snapshot",
+            ApiRequest::VmSendMigration(_) => "vm.send-migration",
+            ApiRequest::VmReceiveMigration(_) => "vm.receive-migration",
             ApiRequest::VmmShutdown => "vmm.shutdown",
         }
     }
@@ -87,7 +91,7 @@ impl ApiRequest {
 /// | `VmInfo` | `VmInfo` | 200 JSON |
 /// | `VmAddRemoteDevice` | `DeviceAdded` | 200 JSON `{"id","bdf"}` |
 /// | `VmCounters` | `Counters` | 200 JSON `{id: {name: number}}` |
-/// | `VmRemoveDevice`, `VmShutdown`, `VmPause`, `VmResume`, `VmSnapshot`, `VmmShutdown` | `Empty` | 204 |
+/// | `VmRemoveDevice`, `VmShutdown`, `VmPause`, `VmResume`, `VmSnapshot`, `VmSendMigration`, `VmReceiveMigration`, `VmmShutdown` | `Empty` | 204 |
 ///
 /// Any other pairing is answered with 500 (a VMM bug).
 #[derive(Debug, Clone, PartialEq, Eq)]

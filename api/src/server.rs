@@ -14,7 +14,7 @@
 //! | case | status | body |
 //! |---|---|---|
 //! | success with data (`vmm.ping`, `vm.info`, `vm.add-remote-device`) | 200 | JSON |
-//! | success without data (`vm.remove-device`, `vm.shutdown`, `vm.pause`, `vm.resume`, `vm.snapshot`, `vmm.shutdown`) | 204 | empty |
+//! | success without data (`vm.remove-device`, `vm.shutdown`, `vm.pause`, `vm.resume`, `vm.snapshot`, `vm.send-migration`, `vm.receive-migration`, `vmm.shutdown`) | 204 | empty |
 //! | `vm.events` | 200 | JSON lines, chunked, until the VMM shuts down (`follow=false`: what is retained) |
 //! | malformed JSON, unknown field, bad BDF/node/id syntax, empty body | 400 | text |
 //! | VMM said bad request (unknown node, no such device on the lender) | 400 | text |
@@ -59,7 +59,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::events::{EventBus, VmEvent};
 use crate::request::{ApiError, ApiMessage, ApiRequest, ApiResponse};
-use crate::types::{SpecError, VmAddRemoteDeviceData, VmRemoveDeviceData, VmSnapshotConfig};
+use crate::types::{
+    SpecError, VmAddRemoteDeviceData, VmReceiveMigrationData, VmRemoveDeviceData,
+    VmSendMigrationData, VmSnapshotConfig,
+};
 
 /// URL prefix of every endpoint.
 pub const API_ROOT: &str = "/api/v1";
@@ -69,6 +72,9 @@ pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024;
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default time a client has to deliver a request body.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the server waits for the VMM to answer `vm.send-migration` (it answers once
+/// the whole migration is done).
+pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long shutdown waits for in-flight requests before dropping them.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -83,6 +89,8 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("vm.pause", "PUT"),
     ("vm.resume", "PUT"),
     ("vm.snapshot", "PUT"),
+    ("vm.send-migration", "PUT"),
+    ("vm.receive-migration", "PUT"),
     ("vm.events", "GET"),
     ("vmm.shutdown", "PUT"),
 ];
@@ -203,14 +211,20 @@ impl AppState {
                 format!("cannot signal the vmm: {e}"),
             );
         }
-        let answer = match tokio::time::timeout(self.timeout, reply).await {
+        // A live migration answers when the destination has the VM: give it longer.
+        let timeout = if matches!(request, ApiRequest::VmSendMigration(_)) {
+            self.timeout.max(MIGRATION_TIMEOUT)
+        } else {
+            self.timeout
+        };
+        let answer = match tokio::time::timeout(timeout, reply).await {
             Err(_) => {
                 log::error!("api: {endpoint}: no answer from the vmm");
                 return text(
                     StatusCode::GATEWAY_TIMEOUT,
                     format!(
                         "the vmm did not answer {endpoint} within {} ms",
-                        self.timeout.as_millis()
+                        timeout.as_millis()
                     ),
                 );
             }
@@ -240,6 +254,8 @@ impl AppState {
                 | ApiRequest::VmPause
                 | ApiRequest::VmResume
                 | ApiRequest::VmSnapshot(_)
+                | ApiRequest::VmSendMigration(_)
+                | ApiRequest::VmReceiveMigration(_)
                 | ApiRequest::VmmShutdown,
                 Ok(ApiResponse::Empty),
             ) => StatusCode::NO_CONTENT.into_response(),
@@ -393,6 +409,30 @@ async fn vm_snapshot(State(s): State<AppState>, headers: HeaderMap, body: Body) 
     }
 }
 
+async fn vm_send_migration(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match s
+        .parse_body(&headers, body, VmSendMigrationData::validate)
+        .await
+    {
+        Ok(data) => s.forward(ApiRequest::VmSendMigration(data)).await,
+        Err(r) => r,
+    }
+}
+
+async fn vm_receive_migration(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match s
+        .parse_body(&headers, body, VmReceiveMigrationData::validate)
+        .await
+    {
+        Ok(data) => s.forward(ApiRequest::VmReceiveMigration(data)).await,
+        Err(r) => r,
+    }
+}
+
 async fn vm_shutdown(State(s): State<AppState>) -> Response {
     // Like Cloud Hypervisor, vm.shutdown takes no body; anything sent is ignored.
     s.forward(ApiRequest::VmShutdown).await
@@ -531,6 +571,14 @@ fn router(state: AppState) -> Router {
         .route(&format!("{API_ROOT}/vm.counters"), get(vm_counters))
         .route(&format!("{API_ROOT}/vm.pause"), put(vm_pause))
         .route(&format!("{API_ROOT}/vm.snapshot"), put(vm_snapshot))
+        .route(
+            &format!("{API_ROOT}/vm.send-migration"),
+            put(vm_send_migration),
+        )
+        .route(
+            &format!("{API_ROOT}/vm.receive-migration"),
+            put(vm_receive_migration),
+        )
         .route(&format!("{API_ROOT}/vm.resume"), put(vm_resume))
         .route(&format!("{API_ROOT}/vm.events"), get(vm_events))
         .route(&format!("{API_ROOT}/vmm.shutdown"), put(vmm_shutdown))

@@ -49,6 +49,8 @@ pub enum SpecError {
     DuplicateOption(String, String),
     #[error("destination_url is empty: expected file:///path/dir or a path")]
     EmptyUrl,
+    #[error("{0} is empty: expected unix:/path or tcp:host:port")]
+    EmptyMigrationUrl(&'static str),
 }
 
 fn is_name_char(c: char) -> bool {
@@ -360,6 +362,40 @@ impl VmSnapshotConfig {
     pub fn validate(&self) -> Result<(), SpecError> {
         if self.destination_url.trim().is_empty() {
             return Err(SpecError::EmptyUrl);
+        }
+        Ok(())
+    }
+}
+
+/// Body of `PUT /api/v1/vm.send-migration` (Cloud Hypervisor's `VmSendMigrationData`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSendMigrationData {
+    /// Where the destination VMM listens: `unix:/path` or `tcp:host:port`.
+    pub destination_url: String,
+}
+
+impl VmSendMigrationData {
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.destination_url.trim().is_empty() {
+            return Err(SpecError::EmptyMigrationUrl("destination_url"));
+        }
+        Ok(())
+    }
+}
+
+/// Body of `PUT /api/v1/vm.receive-migration` (Cloud Hypervisor's `VmReceiveMigrationData`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmReceiveMigrationData {
+    /// Where to listen for the source VMM: `unix:/path` or `tcp:host:port`.
+    pub receiver_url: String,
+}
+
+impl VmReceiveMigrationData {
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.receiver_url.trim().is_empty() {
+            return Err(SpecError::EmptyMigrationUrl("receiver_url"));
         }
         Ok(())
     }

@@ -723,6 +723,25 @@ fn openapi_document_covers_every_endpoint_and_request_type() {
     assert!(o
         .validate_component("VmSnapshotConfig", &json!({"destination_url": "x", "y": 1}))
         .is_err());
+    o.validate_component(
+        "VmSendMigrationData",
+        &serde_json::to_value(api::types::VmSendMigrationData {
+            destination_url: "unix:/tmp/m".into(),
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    o.validate_component(
+        "VmReceiveMigrationData",
+        &serde_json::to_value(api::types::VmReceiveMigrationData {
+            receiver_url: "tcp:127.0.0.1:4444".into(),
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    assert!(o
+        .validate_component("VmReceiveMigrationData", &json!({"destination_url": "x"}))
+        .is_err());
     assert!(o
         .validate_component("VmRemoveDevice", &json!({"id": "nvme1", "x": 1}))
         .is_err());

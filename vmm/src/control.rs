@@ -47,7 +47,7 @@ use api::types::{
     DeviceAccessCounts, DmaWindowInfo, InterruptCounts, KvmExitCounts, LeaseState as ApiLeaseState,
     PciBdf as ApiBdf, PciDeviceInfo, RemoteDeviceConfig, RemoteDeviceInfo, RemoteDeviceMode,
     RemoteDeviceSpec, VmAddRemoteDeviceData, VmConfigInfo, VmCounters, VmCountersReport, VmInfo,
-    VmRemoveDeviceData, VmSnapshotConfig, VmState, VmmPingResponse,
+    VmRemoveDeviceData, VmSendMigrationData, VmSnapshotConfig, VmState, VmmPingResponse,
 };
 use pci::vm_ops::VmOps;
 use pci::{BusDevice, PciBdf, SharedPciDevice};
@@ -320,6 +320,130 @@ impl Controller {
                 Err(ApiError::internal(format!("snapshot failed: {msg}")))
             }
         }
+    }
+
+    /// `vm.send-migration`: live-migrates the VM to the lendvm listening at the url
+    /// (precopy with KVM dirty logging, see [`crate::migration`]). On success the
+    /// destination runs the VM and this VMM stops (exit 0); on any failure the VM runs on
+    /// here (resumed if the migration paused it, dirty logging off) and the error names the
+    /// step. A VM holding lent devices is refused: their hand-over is not implemented yet.
+    pub fn send_migration(&mut self, data: &VmSendMigrationData) -> Result<(), ApiError> {
+        if !matches!(self.state, VmState::Running | VmState::Paused) {
+            return Err(ApiError::conflict(format!(
+                "cannot migrate the vm: it is {}",
+                self.state
+            )));
+        }
+        let url_text = data.destination_url.as_str();
+        let url = crate::migration::parse_url(url_text)
+            .map_err(|e| ApiError::bad_request(error_chain(&e)))?;
+        if !self.entries.is_empty() {
+            let ids: Vec<&str> = self.entries.keys().map(String::as_str).collect();
+            return Err(ApiError::conflict(format!(
+                "cannot migrate the vm: it holds lent devices ({}); device hand-over not yet \
+                 supported",
+                ids.join(", ")
+            )));
+        }
+        let Some(src) = self.snapshot.clone() else {
+            return Err(ApiError::internal("this vmm cannot migrate its vm"));
+        };
+        let t0 = Instant::now();
+        self.emit(
+            "migration",
+            "migration-started",
+            [("destination_url", Value::from(url_text))],
+        );
+        let was_running = self.state == VmState::Running;
+        let mut paused_here = false;
+        let r = self.migrate(&url, src, was_running, &mut paused_here);
+        match r {
+            Ok((bytes, downtime)) => {
+                log::info!(
+                    "vm migrated to {url} ({bytes} bytes of RAM sent, {:.1} ms paused)",
+                    downtime.as_secs_f64() * 1e3
+                );
+                self.emit(
+                    "migration",
+                    "migration-completed",
+                    [
+                        ("destination_url", Value::from(url_text)),
+                        ("ram_bytes", Value::from(bytes)),
+                        ("took_ms", Value::from(t0.elapsed().as_millis() as u64)),
+                        ("downtime_ms", Value::from(downtime.as_millis() as u64)),
+                    ],
+                );
+                // The destination runs the VM now: stop here (exit status 0).
+                self.state = VmState::ShuttingDown;
+                self.h
+                    .exit
+                    .request(VmExit::Shutdown(format!("vm migrated to {url}")));
+                Ok(())
+            }
+            Err(e) => {
+                let msg = error_chain(&e);
+                log::error!("migration to {url} failed: {msg}; the vm keeps running here");
+                if paused_here {
+                    if let Err(e) = self.resume() {
+                        log::error!("resuming after the failed migration: {e}");
+                    }
+                }
+                self.emit(
+                    "migration",
+                    "migration-failed",
+                    [
+                        ("destination_url", Value::from(url_text)),
+                        ("error", Value::from(msg.clone())),
+                    ],
+                );
+                Err(ApiError::internal(format!("migration failed: {msg}")))
+            }
+        }
+    }
+
+    /// The migration proper; returns (RAM bytes sent, time paused). `paused_here` tells
+    /// the caller whether it must resume the VM after a failure.
+    fn migrate(
+        &mut self,
+        url: &crate::migration::MigrationUrl,
+        src: SnapshotSource,
+        was_running: bool,
+        paused_here: &mut bool,
+    ) -> Result<(u64, Duration), crate::migration::MigrationError> {
+        use crate::migration::send::{Sender, CONVERGED_PAGES, MAX_ROUNDS};
+        let mut sender = Sender::connect(url, src)?;
+        // Dirty logging is on from before the first page is read until `log` is dropped
+        // (on every path out of here).
+        let log = sender.dirty_log()?;
+        let pages = sender.send_all()?;
+        self.emit_iteration(0, pages);
+        let mut round = 0;
+        while round < MAX_ROUNDS {
+            round += 1;
+            let pages = sender.send_dirty(&log.take()?)?;
+            self.emit_iteration(round, pages);
+            if pages <= CONVERGED_PAGES {
+                break;
+            }
+        }
+        let t_pause = Instant::now();
+        if was_running {
+            self.pause()
+                .map_err(|e| crate::migration::MigrationError::Pause(e.message))?;
+            *paused_here = true;
+        }
+        let pages = sender.finish(&log, Vec::new(), !was_running)?;
+        self.emit_iteration(round + 1, pages);
+        Ok((sender.bytes, t_pause.elapsed()))
+    }
+
+    fn emit_iteration(&self, round: u32, pages: u64) {
+        log::info!("migration round {round}: {pages} pages");
+        self.emit(
+            "migration",
+            "migration-memory-iteration",
+            [("round", Value::from(round)), ("pages", Value::from(pages))],
+        );
     }
 
     /// The lent devices' lease identities and guest-visible PCI state (VM paused). A lost
@@ -1216,6 +1340,7 @@ impl ApiHandler for Controller {
                     "hotplug".into(),
                     "counters".into(),
                     "snapshot".into(),
+                    "migration".into(),
                 ],
             })),
             ApiRequest::VmInfo => Ok(ApiResponse::VmInfo(self.info())),
@@ -1237,6 +1362,13 @@ impl ApiHandler for Controller {
             ApiRequest::VmPause => self.pause().map(|()| ApiResponse::Empty),
             ApiRequest::VmResume => self.resume().map(|()| ApiResponse::Empty),
             ApiRequest::VmSnapshot(data) => self.snapshot(&data).map(|()| ApiResponse::Empty),
+            ApiRequest::VmSendMigration(data) => {
+                self.send_migration(&data).map(|()| ApiResponse::Empty)
+            }
+            ApiRequest::VmReceiveMigration(_) => Err(ApiError::conflict(
+                "cannot receive a migration: this vmm already runs a vm (start lendvm with \
+                 only --api-socket to receive one)",
+            )),
             ApiRequest::VmCounters => Ok(ApiResponse::Counters(self.counters_report())),
         }
     }

@@ -928,3 +928,37 @@ fn two_dma_devices_pin_guest_ram_once() {
     assert_eq!(rig.source.dma_maps.load(Ordering::SeqCst), 0);
     assert!(remote_pci::pin::locked_bytes() <= locked0 + (ram / 2));
 }
+
+#[test]
+fn migration_refuses_lent_devices_bad_urls_and_incoming_on_a_running_vm() {
+    let Some(mut rig) = rig() else { return };
+    let send = |ctl: &mut Controller, url: &str| {
+        ctl.handle(ApiRequest::VmSendMigration(
+            api::types::VmSendMigrationData {
+                destination_url: url.into(),
+            },
+        ))
+    };
+    let e = send(&mut rig.ctl, "ftp://elsewhere").unwrap_err();
+    assert_eq!(e.kind, ApiErrorKind::BadRequest, "{e}");
+    assert!(e.message.contains("ftp://elsewhere"), "{e}");
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("nvme0")).unwrap();
+    let e = send(&mut rig.ctl, "unix:/nonexistent/m.sock").unwrap_err();
+    assert_eq!(e.kind, ApiErrorKind::Conflict, "{e}");
+    assert!(
+        e.message.contains("nvme0") && e.message.contains("device hand-over not yet supported"),
+        "{e}"
+    );
+    // Refused up front: no migration was started, the VM runs on.
+    assert_eq!(rig.ctl.state(), VmState::Running);
+    assert!(!events(&rig.ctl).iter().any(|e| e.starts_with("migration-")));
+    let e = rig
+        .ctl
+        .handle(ApiRequest::VmReceiveMigration(
+            api::types::VmReceiveMigrationData {
+                receiver_url: "unix:/tmp/x.sock".into(),
+            },
+        ))
+        .unwrap_err();
+    assert_eq!(e.kind, ApiErrorKind::Conflict, "{e}");
+}

@@ -9,17 +9,20 @@ use std::sync::mpsc::channel;
 use std::sync::Arc;
 
 use api::events::{EventBus, MonitorTarget};
-use api::request::serve_pending;
+use api::request::{serve_pending, ApiError, ApiHandler, ApiReply, ApiRequest, ApiResponse};
 use api::server::{ApiServer, ApiServerConfig};
 use api::types::{RemoteDeviceConfig, VmConfigInfo};
 use clap::Parser;
 use ntb::ClusterConfig;
 use serde_json::Value;
 use std::cell::RefCell;
+use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use vmm::config::{self, SerialConfig, VmConfig};
 use vmm::control::{Controller, VmHandles};
 use vmm::event_loop::{ApiChannel, EventLoop};
+use vmm::migration::receive::{Incoming, Received};
+use vmm::migration::MigrationError;
 use vmm::remote::{AttachError, FabricIdentity, LenderSource, LinkSource};
 use vmm::{Vm, VmError, VmExit};
 use vmm_sys_util::eventfd::EventFd;
@@ -31,8 +34,13 @@ use vmm_sys_util::eventfd::EventFd;
     about = "KVM hypervisor with remote (lent) PCI devices"
 )]
 struct Cli {
-    /// Kernel image: ELF (vmlinux, test guest) or bzImage.
-    #[arg(long, value_name = "PATH", required_unless_present = "restore")]
+    /// Kernel image: ELF (vmlinux, test guest) or bzImage. Without --kernel and --restore,
+    /// lendvm waits on --api-socket for vm.receive-migration (an incoming live migration).
+    #[arg(
+        long,
+        value_name = "PATH",
+        required_unless_present_any = ["restore", "api_socket"]
+    )]
     kernel: Option<PathBuf>,
     /// Restore the VM from a snapshot (`vm.snapshot`): file:///abs/dir or a path. The vCPUs
     /// count, RAM size and command line come from the snapshot (--kernel, --cmdline,
@@ -118,6 +126,117 @@ fn chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+/// Starts the API server on `path` with the VMM end of its request channel.
+fn start_api(
+    path: &std::path::Path,
+    events: &Arc<EventBus>,
+) -> Result<(ApiServer, Rc<ApiChannel>), String> {
+    let evt = EventFd::new(libc::EFD_NONBLOCK)
+        .and_then(|e| Ok((e.try_clone()?, e)))
+        .map_err(|e| format!("api eventfd: {e}"))?;
+    let (tx, rx) = channel();
+    let mut cfg = ApiServerConfig::new(path);
+    cfg.events = Some(events.clone());
+    let server = ApiServer::start(cfg, tx, evt.0).map_err(|e| e.to_string())?;
+    Ok((server, Rc::new(ApiChannel { rx, evt: evt.1 })))
+}
+
+/// The API of a lendvm that has no VM yet: it waits for `vm.receive-migration`.
+#[derive(Default)]
+struct Waiting {
+    incoming: Option<Incoming>,
+    shutdown: bool,
+}
+
+impl ApiHandler for Waiting {
+    fn handle(&mut self, request: ApiRequest) -> ApiReply {
+        match request {
+            ApiRequest::VmmPing => Ok(ApiResponse::Pong(api::types::VmmPingResponse {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                pid: i64::from(std::process::id()),
+                features: vec!["migration".into()],
+            })),
+            ApiRequest::VmReceiveMigration(d) => {
+                if let Some(i) = &self.incoming {
+                    return Err(ApiError::conflict(format!(
+                        "already listening for a migration at {}",
+                        i.url()
+                    )));
+                }
+                let i = Incoming::listen(&d.receiver_url)
+                    .map_err(|e| ApiError::bad_request(chain(&e)))?;
+                self.incoming = Some(i);
+                Ok(ApiResponse::Empty)
+            }
+            ApiRequest::VmmShutdown => {
+                self.shutdown = true;
+                Ok(ApiResponse::Empty)
+            }
+            other => Err(ApiError::conflict(format!(
+                "no vm yet: this lendvm waits for vm.receive-migration ({} refused)",
+                other.endpoint()
+            ))),
+        }
+    }
+}
+
+/// Serves the API until `vm.receive-migration` names a url, then receives the VM there.
+/// `Ok(None)`: `vmm.shutdown` came first.
+fn wait_for_migration(chan: &ApiChannel, cli: &Cli) -> Result<Option<Received<Vm>>, String> {
+    let mut w = Waiting::default();
+    loop {
+        // API requests keep being answered until a source connects.
+        let mut fds = [
+            libc::pollfd {
+                fd: chan.evt.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: w.incoming.as_ref().map_or(-1, Incoming::listen_fd),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds for the duration of the call (a negative fd is ignored).
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(format!("waiting for api requests: {e}"));
+            }
+        }
+        serve_pending(&chan.rx, &chan.evt, &mut w);
+        if w.shutdown {
+            return Ok(None);
+        }
+        if fds[1].revents == 0 {
+            continue;
+        }
+        let Some(incoming) = w.incoming.take() else {
+            continue;
+        };
+        return incoming
+            .receive(|c| {
+                let cpus = config::check_cpus(u32::from(c.cpus))
+                    .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
+                let cfg = VmConfig {
+                    memory_size: c.memory_size,
+                    ram_backing: cli.memory.backing,
+                    cpus,
+                    kernel: PathBuf::from(&c.kernel),
+                    cmdline: c.cmdline.clone(),
+                    initramfs: None,
+                    serial: cli.serial.clone(),
+                    cpuid_cmdline: false,
+                };
+                Vm::for_migration(&cfg).map_err(|e| MigrationError::Build(Box::new(e)))
+            })
+            .map(Some)
+            .map_err(|e| format!("incoming migration at {}: {}", incoming.url(), chain(&e)));
+    }
 }
 
 /// Devices cannot be borrowed without a cluster file.
@@ -279,8 +398,55 @@ fn main() -> ExitCode {
             Box::new(source)
         }
     };
-    let cfg = match &restored {
-        Some(s) => VmConfig {
+    // No kernel and no snapshot: the VM comes from a live migration (vm.receive-migration).
+    let incoming = cli.kernel.is_none() && cli.restore.is_none();
+    if incoming && !cli.remote_device.is_empty() {
+        return usage_error(
+            "--remote-device needs --kernel: a migrating vm brings its own devices",
+        );
+    }
+    let mut early_api = None;
+    let mut migrated = None;
+    if incoming {
+        let Some(path) = &cli.api_socket else {
+            return usage_error("--kernel, --restore or --api-socket is needed");
+        };
+        let (server, chan) = match start_api(path, &events) {
+            Ok(x) => x,
+            Err(e) => return usage_error(e),
+        };
+        let got = wait_for_migration(&chan, &cli);
+        match got {
+            Ok(Some(r)) => migrated = Some(r),
+            Ok(None) | Err(_) => {
+                let code = match got {
+                    Err(e) => {
+                        eprintln!("lendvm: {e}");
+                        ExitCode::from(1)
+                    }
+                    _ => ExitCode::SUCCESS,
+                };
+                events.close();
+                if let Err(e) = server.shutdown() {
+                    log::warn!("api server: {e}");
+                }
+                return code;
+            }
+        }
+        early_api = Some((server, chan));
+    }
+    let cfg = match (&restored, &migrated) {
+        (_, Some(m)) => VmConfig {
+            memory_size: m.doc.config.memory_size,
+            ram_backing: cli.memory.backing,
+            cpus: m.doc.config.cpus,
+            kernel: PathBuf::from(&m.doc.config.kernel),
+            cmdline: m.doc.config.cmdline.clone(),
+            initramfs: None,
+            serial: cli.serial.clone(),
+            cpuid_cmdline: false,
+        },
+        (Some(s), None) => VmConfig {
             memory_size: s.doc.config.memory_size,
             ram_backing: cli.memory.backing,
             cpus: s.doc.config.cpus,
@@ -290,7 +456,7 @@ fn main() -> ExitCode {
             serial: cli.serial.clone(),
             cpuid_cmdline: false,
         },
-        None => VmConfig {
+        (None, None) => VmConfig {
             memory_size: cli.memory.size,
             ram_backing: cli.memory.backing,
             cpus: cli.cpus,
@@ -301,9 +467,11 @@ fn main() -> ExitCode {
             cpuid_cmdline: !cli.no_cpuid_cmdline,
         },
     };
-    let built = match &restored {
-        Some(s) => Vm::restore(&cfg, s),
-        None => Vm::new(&cfg),
+    let migrated_from = migrated.as_ref().map(|m| (m.bytes, m.paused));
+    let built = match (&restored, migrated) {
+        (_, Some(m)) => Ok(m.vm),
+        (Some(s), None) => Vm::restore(&cfg, s),
+        (None, None) => Vm::new(&cfg),
     };
     let mut vm = match built {
         Ok(vm) => vm,
@@ -371,7 +539,10 @@ fn main() -> ExitCode {
     let ctl = Rc::new(RefCell::new(ctl));
     let mut api = None;
     let mut server = None;
-    if let Some(path) = &cli.api_socket {
+    if let Some((s, chan)) = early_api {
+        server = Some(s);
+        api = Some(chan);
+    } else if let Some(path) = &cli.api_socket {
         let evt = match EventFd::new(libc::EFD_NONBLOCK).and_then(|e| Ok((e.try_clone()?, e))) {
             Ok(e) => e,
             Err(e) => {
@@ -406,7 +577,33 @@ fn main() -> ExitCode {
         eprintln!("lendvm: {}", chain(&e));
         return ExitCode::from(1);
     }
-    if let Some(s) = &restored {
+    if let Some((bytes, paused)) = migrated_from {
+        // The source has stopped: the guest runs on here at once, unless it was paused there.
+        ctl.borrow_mut().set_restored_paused();
+        if !paused {
+            if let Err(e) = ctl.borrow_mut().resume() {
+                log::error!("resuming the migrated vm: {e}");
+            }
+        }
+        log::info!(
+            "migrated vm {} ({bytes} bytes of RAM received)",
+            if paused {
+                "paused, as on the source"
+            } else {
+                "running"
+            }
+        );
+        events.emit(
+            "migration",
+            "vm-migrated",
+            [
+                ("cpus", Value::from(cfg.cpus)),
+                ("memory", Value::from(cfg.memory_size)),
+                ("ram_bytes", Value::from(bytes)),
+                ("paused", Value::from(paused)),
+            ],
+        );
+    } else if let Some(s) = &restored {
         ctl.borrow_mut().set_restored_paused();
         log::info!("restored from {}: paused until vm.resume", s.dir.display());
         events.emit(

@@ -111,6 +111,34 @@ impl Vm {
         Ok(vm)
     }
 
+    /// Builds an empty VM of `cfg`'s shape for an incoming live migration: no kernel is
+    /// loaded (RAM arrives from the source, then [`Vm::restore_migrated`] puts the state in).
+    pub fn for_migration(cfg: &VmConfig) -> Result<Self, VmError> {
+        Self::build(cfg, false)
+    }
+
+    /// Puts the migrated state (everything but RAM, which is already in) into a VM built
+    /// with [`Vm::for_migration`]. The vCPUs park before their first entry: the VM starts
+    /// paused until resumed.
+    pub fn restore_migrated(
+        &self,
+        doc: &crate::snapshot::format::VmSnapshot,
+    ) -> Result<(), VmError> {
+        crate::snapshot::restore_state(
+            &crate::snapshot::RestoreTarget {
+                vm: &self.vm,
+                ram: &self.ram,
+                vcpus: &self.vcpus,
+                devices: &self.devices,
+                hotplug: self.platform.hotplug(),
+                caps: &self.caps,
+            },
+            doc,
+        )?;
+        self.vcpu_control.start_paused();
+        Ok(())
+    }
+
     /// What a snapshot of this VM reads (clone it into the control plane).
     pub fn snapshot_source(
         &self,

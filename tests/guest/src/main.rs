@@ -16,7 +16,7 @@
 //! | `bme-steps` | Memory → Bus Master on → off, each step acknowledged by the host through a mailbox | `wait_ms=` |
 //! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0) |
 //! | `nvme-loop` | one verified page of NVMe I/O every `period_ms=` ticks; re-initialises a controller found reset (after a restore) and retries; ends when the host writes the mailbox | `seed=`, `lba=`, `period_ms=` (100), `total_ms=` (600000) |
-//! | `ticker` | prints `TICK n` every `period_ms=` ticks and checks a memory marker until the host writes the mailbox (snapshot/restore tests) | `seed=`, `period_ms=` (100), `total_ms=` (600000) |
+//! | `ticker` | prints `TICK n` every `period_ms=` ticks and checks a memory marker until the host writes the mailbox (snapshot/restore/migration tests); `churn=1` keeps rewriting 2 MiB between ticks | `seed=`, `period_ms=` (100), `total_ms=` (600000), `churn=` (0) |
 //! | `idle` | the same loop without I/O, for `total_ms=` (default 600000), then exit 0 | `total_ms=` |
 //! | `hostile` | abuse of a lent NVMe + dmatest (DMA outside RAM, PRP loops, bad doorbells, bogus MSI-X, BAR moves, forbidden config writes, FLR storms), each group checked; two host-acknowledged steps | `seed=`, `lba=`, `reps=` (4), `flrs=` (32), `wait_ms=` (30000) |
 //!
@@ -167,6 +167,7 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
             params.seed,
             info.param_u64("period_ms", 100),
             info.param_u64("total_ms", 600_000),
+            info.param_u64("churn", 0) != 0,
         );
     }
     if info.wants_explicitly("idle") {

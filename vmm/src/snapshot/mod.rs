@@ -123,12 +123,10 @@ impl SnapshotSource {
         r
     }
 
-    fn save_inner(
-        &self,
-        dir: &Path,
-        lent: Vec<devices::LentDevice>,
-    ) -> Result<Saved, SnapshotError> {
-        let t0 = Instant::now();
+    /// The VM's state without its RAM (VM paused): every vCPU (read on its own thread), the
+    /// in-kernel irqchip, PIT and clock, and the VMM-side devices. `memory` is left empty.
+    /// Live migration sends this after the RAM it streamed.
+    pub fn save_state(&self, lent: Vec<devices::LentDevice>) -> Result<VmSnapshot, SnapshotError> {
         let caps = self.caps.clone();
         let vcpus = self
             .vcpus
@@ -148,6 +146,23 @@ impl SnapshotSource {
                 lent,
             }
         };
+        Ok(VmSnapshot {
+            header: Header::current(),
+            config: self.config.clone(),
+            memory: Vec::new(),
+            vm,
+            vcpus,
+            devices,
+        })
+    }
+
+    fn save_inner(
+        &self,
+        dir: &Path,
+        lent: Vec<devices::LentDevice>,
+    ) -> Result<Saved, SnapshotError> {
+        let t0 = Instant::now();
+        let mut doc = self.save_state(lent)?;
         let mut memory = Vec::new();
         let mut ram_bytes = 0;
         for (i, r) in self.ram.regions().iter().enumerate() {
@@ -165,14 +180,7 @@ impl SnapshotSource {
                 crc32,
             });
         }
-        let doc = VmSnapshot {
-            header: Header::current(),
-            config: self.config.clone(),
-            memory,
-            vm,
-            vcpus,
-            devices,
-        };
+        doc.memory = memory;
         format::write_document(dir, &doc)?;
         log::info!(
             "snapshot of {} vCPUs and {ram_bytes:#x} bytes of RAM written to {} in {:.1} ms",
@@ -260,6 +268,22 @@ pub fn restore_into(t: &RestoreTarget<'_>, snap: &LoadedSnapshot) -> Result<(), 
         };
         format::read_ram_file(&snap.dir, m, &mut dst)?;
     }
+    restore_state(t, doc)?;
+    log::info!(
+        "restored {} vCPUs and {:#x} bytes of RAM from {} (written by lendvm {}) in {:.1} ms",
+        doc.vcpus.len(),
+        doc.config.memory_size,
+        snap.dir.display(),
+        doc.header.lendvm_version,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
+/// Puts everything but RAM of `doc` into `t`: the irqchip, PIT and clock, then the vCPUs
+/// (their LAPICs after the IOAPIC), then the VMM-side devices. Live migration calls this
+/// after the RAM has arrived.
+pub fn restore_state(t: &RestoreTarget<'_>, doc: &VmSnapshot) -> Result<(), SnapshotError> {
     if t.vcpus.len() != doc.vcpus.len() {
         return Err(SnapshotError::Mismatch(format!(
             "{} vCPUs here, {} in the snapshot",
@@ -281,13 +305,5 @@ pub fn restore_into(t: &RestoreTarget<'_>, snap: &LoadedSnapshot) -> Result<(), 
         hp.restore(&doc.devices.hotplug)?;
         hp.ged_mut().restore(&doc.devices.ged)?;
     }
-    log::info!(
-        "restored {} vCPUs and {:#x} bytes of RAM from {} (written by lendvm {}) in {:.1} ms",
-        doc.vcpus.len(),
-        doc.config.memory_size,
-        snap.dir.display(),
-        doc.header.lendvm_version,
-        t0.elapsed().as_secs_f64() * 1e3
-    );
     Ok(())
 }

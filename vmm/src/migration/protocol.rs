@@ -1,0 +1,560 @@
+//! The migration stream: a versioned hello, then typed frames.
+//!
+//! Every frame is a 16-byte header — `type: u32 LE`, `reserved: u32` (0), `len: u64 LE` —
+//! and `len` bytes of payload. Control messages carry JSON (serde); a memory frame carries
+//! `gpa: u64 LE` and the raw bytes of one run of guest pages, so RAM is never encoded.
+//!
+//! ```text
+//! source                                   destination
+//!   Hello {magic, version, lendvm_version} ->
+//!                                         <- Ack | Refused {reason}   (version checked)
+//!   Config {cpus, memory_size, ...}       ->  (builds an empty VM of that shape)
+//!   Memory {gpa, bytes} ...               ->  (written into guest RAM)
+//!   State {the snapshot document}         ->  (restored; VM paused)
+//!                                         <- Ack | Refused {reason}
+//! ```
+//!
+//! A peer that sends anything else, an oversized frame or a run outside guest RAM gets an
+//! error naming it; the receiver drops the connection, the sender resumes its VM.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::snapshot::format::{MachineConfig, VmSnapshot};
+
+/// What a hello must carry.
+pub const MAGIC: &str = "lendvm-migration";
+/// The protocol version this lendvm speaks (both ends must agree).
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest control (JSON) payload accepted: the state document of a big VM is far below.
+pub const MAX_CONTROL: u64 = 16 << 20;
+/// Largest run of guest pages in one memory frame (the sender splits longer runs).
+pub const MAX_RUN: u64 = 4 << 20;
+/// Guest page size of the dirty log.
+pub const PAGE_SIZE: u64 = 4096;
+
+const HEADER_LEN: usize = 16;
+
+/// Errors of the migration stream and of migrating.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    #[error("migration url '{url}' is not usable: {why} (expected unix:/path or tcp:host:port)")]
+    BadUrl { url: String, why: String },
+    #[error("cannot connect to {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot listen at {url}")]
+    Listen {
+        url: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("migration stream: {step}")]
+    Io {
+        step: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the peer closed the migration stream while {step}")]
+    Closed { step: &'static str },
+    #[error("not a lendvm migration stream (hello magic '{0}')")]
+    Magic(String),
+    #[error(
+        "migration protocol version {theirs} (lendvm {writer}); this lendvm speaks version {ours}"
+    )]
+    Version {
+        theirs: u32,
+        writer: String,
+        ours: u32,
+    },
+    #[error("unexpected frame type {got} while {step}")]
+    Unexpected { step: &'static str, got: u32 },
+    #[error("frame type {kind} of {len} bytes is over the limit of {max}")]
+    TooLarge { kind: u32, len: u64, max: u64 },
+    #[error("memory run {gpa:#x}+{len:#x} is outside guest RAM")]
+    OutOfRange { gpa: u64, len: u64 },
+    #[error("cannot decode the {what} message")]
+    Json {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("the destination refused: {0}")]
+    Refused(String),
+    #[error("the migrated VM's shape does not fit: {0}")]
+    Mismatch(String),
+    #[error("KVM operation {op} on memslot {slot} failed")]
+    Kvm {
+        op: &'static str,
+        slot: u32,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("guest RAM at {gpa:#x} has no host mapping")]
+    NoMapping { gpa: u64 },
+    #[error("reading or writing guest RAM at file offset {offset:#x}")]
+    Ram {
+        offset: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error("pausing the vm for the final pass: {0}")]
+    Pause(String),
+    #[error("building or restoring the migrated VM")]
+    Build(#[source] Box<crate::vm::VmError>),
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
+}
+
+/// Where a migration goes: `unix:/path` or `tcp:host:port`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MigrationUrl {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+impl std::fmt::Display for MigrationUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MigrationUrl::Unix(p) => write!(f, "unix:{}", p.display()),
+            MigrationUrl::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}
+
+/// Parses a migration url (Cloud Hypervisor's `unix:` and `tcp:` forms).
+pub fn parse_url(url: &str) -> Result<MigrationUrl, MigrationError> {
+    let bad = |why: &str| MigrationError::BadUrl {
+        url: url.to_string(),
+        why: why.to_string(),
+    };
+    if let Some(p) = url.strip_prefix("unix:") {
+        let p = p.strip_prefix("//").unwrap_or(p);
+        if p.is_empty() {
+            return Err(bad("no socket path"));
+        }
+        if !p.starts_with('/') {
+            return Err(bad("the socket path must be absolute"));
+        }
+        return Ok(MigrationUrl::Unix(PathBuf::from(p)));
+    }
+    if let Some(a) = url.strip_prefix("tcp:") {
+        let a = a.strip_prefix("//").unwrap_or(a);
+        let Some((host, port)) = a.rsplit_once(':') else {
+            return Err(bad("no port"));
+        };
+        if host.is_empty() {
+            return Err(bad("no host"));
+        }
+        if port.parse::<u16>().is_err() {
+            return Err(bad(&format!("port '{port}' is not a number 0-65535")));
+        }
+        return Ok(MigrationUrl::Tcp(a.to_string()));
+    }
+    let scheme = url.split_once(':').map_or("", |(s, _)| s);
+    Err(bad(&format!("unsupported scheme '{scheme}'")))
+}
+
+/// One connection, either kind.
+pub enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    /// Bounds every read and write, so a peer that stops answering fails the step.
+    pub fn set_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+            Stream::Tcp(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.flush(),
+            Stream::Tcp(s) => s.flush(),
+        }
+    }
+}
+
+/// Connects to the destination.
+pub fn connect(url: &MigrationUrl) -> Result<Stream, MigrationError> {
+    let err = |source| MigrationError::Connect {
+        url: url.to_string(),
+        source,
+    };
+    Ok(match url {
+        MigrationUrl::Unix(p) => Stream::Unix(UnixStream::connect(p).map_err(err)?),
+        MigrationUrl::Tcp(a) => {
+            let s = TcpStream::connect(a).map_err(err)?;
+            // Small control frames must not wait for Nagle.
+            s.set_nodelay(true).map_err(err)?;
+            Stream::Tcp(s)
+        }
+    })
+}
+
+/// A listening socket; a Unix socket's file is removed when this is dropped.
+pub enum Listener {
+    Unix(UnixListener, PathBuf),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    /// Listens at `url` (an existing Unix socket file is refused, not replaced).
+    pub fn bind(url: &MigrationUrl) -> Result<Self, MigrationError> {
+        let err = |source| MigrationError::Listen {
+            url: url.to_string(),
+            source,
+        };
+        Ok(match url {
+            MigrationUrl::Unix(p) => Listener::Unix(UnixListener::bind(p).map_err(err)?, p.clone()),
+            MigrationUrl::Tcp(a) => Listener::Tcp(TcpListener::bind(a).map_err(err)?),
+        })
+    }
+
+    /// Waits for the source.
+    pub fn accept(&self) -> Result<Stream, MigrationError> {
+        let err = |source| MigrationError::Io {
+            step: "accepting the source",
+            source,
+        };
+        Ok(match self {
+            Listener::Unix(l, _) => Stream::Unix(l.accept().map_err(err)?.0),
+            Listener::Tcp(l) => {
+                let s = l.accept().map_err(err)?.0;
+                s.set_nodelay(true).map_err(err)?;
+                Stream::Tcp(s)
+            }
+        })
+    }
+}
+
+impl std::os::fd::AsRawFd for Listener {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            Listener::Unix(l, _) => l.as_raw_fd(),
+            Listener::Tcp(l) => l.as_raw_fd(),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, p) = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Frame types.
+pub mod kind {
+    pub const HELLO: u32 = 1;
+    pub const ACK: u32 = 2;
+    pub const REFUSED: u32 = 3;
+    pub const CONFIG: u32 = 4;
+    pub const MEMORY: u32 = 5;
+    pub const STATE: u32 = 6;
+}
+
+/// The first frame of a stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    pub magic: String,
+    pub version: u32,
+    pub lendvm_version: String,
+}
+
+impl Hello {
+    pub fn current() -> Self {
+        Self {
+            magic: MAGIC.into(),
+            version: PROTOCOL_VERSION,
+            lendvm_version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+
+    /// Refuses another protocol or version, naming both.
+    pub fn check(&self) -> Result<(), MigrationError> {
+        if self.magic != MAGIC {
+            return Err(MigrationError::Magic(self.magic.clone()));
+        }
+        if self.version != PROTOCOL_VERSION {
+            return Err(MigrationError::Version {
+                theirs: self.version,
+                writer: self.lendvm_version.clone(),
+                ours: PROTOCOL_VERSION,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Payload of `STATE`: the snapshot document (without RAM files) and whether the VM was
+/// paused on the source (it then stays paused on the destination until `vm.resume`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmState {
+    #[serde(flatten)]
+    pub doc: VmSnapshot,
+    #[serde(default)]
+    pub paused: bool,
+}
+
+/// Why the destination refused (payload of `REFUSED`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    pub reason: String,
+}
+
+/// A decoded frame.
+#[derive(Debug)]
+pub enum Frame {
+    Hello(Hello),
+    Ack,
+    Refused(Refusal),
+    Config(MachineConfig),
+    /// A run of guest pages: where, and the bytes (read into the caller's buffer).
+    Memory {
+        gpa: u64,
+        len: u64,
+    },
+    State(Box<VmState>),
+}
+
+fn io_err(step: &'static str) -> impl Fn(io::Error) -> MigrationError {
+    move |source| {
+        if source.kind() == io::ErrorKind::UnexpectedEof {
+            MigrationError::Closed { step }
+        } else {
+            MigrationError::Io { step, source }
+        }
+    }
+}
+
+fn header(kind: u32, len: u64) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[0..4].copy_from_slice(&kind.to_le_bytes());
+    h[8..16].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Writes a JSON control frame.
+pub fn write_json<T: Serialize>(
+    w: &mut impl Write,
+    kind: u32,
+    what: &'static str,
+    v: &T,
+) -> Result<(), MigrationError> {
+    let body = serde_json::to_vec(v).map_err(|source| MigrationError::Json { what, source })?;
+    w.write_all(&header(kind, body.len() as u64))
+        .and_then(|()| w.write_all(&body))
+        .and_then(|()| w.flush())
+        .map_err(io_err(what))
+}
+
+/// Writes an empty frame (`ACK`).
+pub fn write_empty(
+    w: &mut impl Write,
+    kind: u32,
+    what: &'static str,
+) -> Result<(), MigrationError> {
+    w.write_all(&header(kind, 0))
+        .and_then(|()| w.flush())
+        .map_err(io_err(what))
+}
+
+/// Writes one memory frame: `gpa` and `data` (at most [`MAX_RUN`] bytes).
+pub fn write_memory(w: &mut impl Write, gpa: u64, data: &[u8]) -> Result<(), MigrationError> {
+    let step = "sending guest memory";
+    w.write_all(&header(kind::MEMORY, 8 + data.len() as u64))
+        .and_then(|()| w.write_all(&gpa.to_le_bytes()))
+        .and_then(|()| w.write_all(data))
+        .map_err(io_err(step))
+}
+
+/// Reads the next frame. A memory frame's bytes are left in the stream: the caller reads
+/// exactly `len` of them next (see [`read_exact`]).
+pub fn read_frame(r: &mut impl Read, step: &'static str) -> Result<Frame, MigrationError> {
+    let mut h = [0u8; HEADER_LEN];
+    r.read_exact(&mut h).map_err(io_err(step))?;
+    let mut k = [0u8; 4];
+    k.copy_from_slice(&h[0..4]);
+    let kind = u32::from_le_bytes(k);
+    let mut l = [0u8; 8];
+    l.copy_from_slice(&h[8..16]);
+    let len = u64::from_le_bytes(l);
+    if kind == kind::MEMORY {
+        if !(8..=8 + MAX_RUN).contains(&len) {
+            return Err(MigrationError::TooLarge {
+                kind,
+                len,
+                max: 8 + MAX_RUN,
+            });
+        }
+        let mut g = [0u8; 8];
+        r.read_exact(&mut g).map_err(io_err(step))?;
+        return Ok(Frame::Memory {
+            gpa: u64::from_le_bytes(g),
+            len: len - 8,
+        });
+    }
+    if len > MAX_CONTROL {
+        return Err(MigrationError::TooLarge {
+            kind,
+            len,
+            max: MAX_CONTROL,
+        });
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body).map_err(io_err(step))?;
+    fn json<T: serde::de::DeserializeOwned>(
+        what: &'static str,
+        b: &[u8],
+    ) -> Result<T, MigrationError> {
+        serde_json::from_slice(b).map_err(|source| MigrationError::Json { what, source })
+    }
+    Ok(match kind {
+        kind::HELLO => Frame::Hello(json("hello", &body)?),
+        kind::ACK => Frame::Ack,
+        kind::REFUSED => Frame::Refused(json("refusal", &body)?),
+        kind::CONFIG => Frame::Config(json("config", &body)?),
+        kind::STATE => Frame::State(Box::new(json("state", &body)?)),
+        got => return Err(MigrationError::Unexpected { step, got }),
+    })
+}
+
+/// The type number of a frame (for "unexpected" errors).
+pub fn kind_of(f: &Frame) -> u32 {
+    match f {
+        Frame::Hello(_) => kind::HELLO,
+        Frame::Ack => kind::ACK,
+        Frame::Refused(_) => kind::REFUSED,
+        Frame::Config(_) => kind::CONFIG,
+        Frame::Memory { .. } => kind::MEMORY,
+        Frame::State(_) => kind::STATE,
+    }
+}
+
+/// Reads exactly `buf.len()` bytes of a memory frame.
+pub fn read_exact(r: &mut impl Read, buf: &mut [u8]) -> Result<(), MigrationError> {
+    r.read_exact(buf).map_err(io_err("receiving guest memory"))
+}
+
+/// Waits for the destination's answer: `Ok` on `ACK`, its reason on `REFUSED`.
+pub fn read_answer(r: &mut impl Read, step: &'static str) -> Result<(), MigrationError> {
+    match read_frame(r, step)? {
+        Frame::Ack => Ok(()),
+        Frame::Refused(why) => Err(MigrationError::Refused(why.reason)),
+        f => Err(MigrationError::Unexpected {
+            step,
+            got: kind_of(&f),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_or_are_refused_by_name() {
+        assert_eq!(
+            parse_url("unix:/tmp/m.sock").unwrap(),
+            MigrationUrl::Unix("/tmp/m.sock".into())
+        );
+        assert_eq!(
+            parse_url("tcp:127.0.0.1:4444").unwrap(),
+            MigrationUrl::Tcp("127.0.0.1:4444".into())
+        );
+        for (url, want) in [
+            ("file:///x", "scheme 'file'"),
+            ("unix:", "no socket path"),
+            ("unix:rel.sock", "absolute"),
+            ("tcp:127.0.0.1", "no port"),
+            ("tcp:h:99999", "port '99999'"),
+            ("nonsense", "scheme ''"),
+        ] {
+            let e = parse_url(url).unwrap_err().to_string();
+            assert!(e.contains(url) && e.contains(want), "{url}: {e}");
+        }
+    }
+
+    #[test]
+    fn frames_round_trip_and_bad_ones_are_refused() {
+        let mut buf = Vec::new();
+        write_json(&mut buf, kind::HELLO, "hello", &Hello::current()).unwrap();
+        write_memory(&mut buf, 0x1000, &[7u8; 4096]).unwrap();
+        write_empty(&mut buf, kind::ACK, "ack").unwrap();
+        let mut r = &buf[..];
+        match read_frame(&mut r, "t").unwrap() {
+            Frame::Hello(h) => h.check().unwrap(),
+            f => panic!("{f:?}"),
+        }
+        match read_frame(&mut r, "t").unwrap() {
+            Frame::Memory { gpa, len } => {
+                assert_eq!((gpa, len), (0x1000, 4096));
+                let mut b = vec![0u8; 4096];
+                read_exact(&mut r, &mut b).unwrap();
+                assert!(b.iter().all(|&x| x == 7));
+            }
+            f => panic!("{f:?}"),
+        }
+        read_answer(&mut r, "t").unwrap();
+        // A future version is refused naming both.
+        let h = Hello {
+            version: 9,
+            ..Hello::current()
+        };
+        let e = h.check().unwrap_err().to_string();
+        assert!(e.contains("version 9") && e.contains("version 1"), "{e}");
+        // Oversized and unknown frames.
+        let big = header(kind::MEMORY, 8 + MAX_RUN + 1);
+        let e = read_frame(&mut &big[..], "t").unwrap_err();
+        assert!(matches!(e, MigrationError::TooLarge { .. }), "{e}");
+        let odd = header(77, 0);
+        let e = read_frame(&mut &odd[..], "t").unwrap_err();
+        assert!(
+            matches!(e, MigrationError::Unexpected { got: 77, .. }),
+            "{e}"
+        );
+        // A stream cut short.
+        let e = read_frame(&mut &buf[..5], "reading").unwrap_err();
+        assert!(
+            matches!(e, MigrationError::Closed { step: "reading" }),
+            "{e}"
+        );
+    }
+}

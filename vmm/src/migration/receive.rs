@@ -1,0 +1,166 @@
+//! The destination side: listen, build an empty VM of the source's shape, take its RAM and
+//! state, acknowledge.
+
+use std::os::unix::fs::FileExt;
+
+use super::protocol::{
+    self, kind, Frame, Listener, MigrationError, MigrationUrl, Refusal, Stream, MAX_RUN,
+};
+use crate::memory::GuestRam;
+use crate::snapshot::format::{MachineConfig, VmSnapshot};
+
+/// A listening destination (`vm.receive-migration`); the socket goes when this is dropped.
+pub struct Incoming {
+    url: MigrationUrl,
+    listener: Listener,
+}
+
+/// What arrived: the VM (restored, vCPUs parked) and the state document it was restored from.
+pub struct Received<V> {
+    pub vm: V,
+    pub doc: VmSnapshot,
+    /// The VM was paused on the source: leave it paused (vCPUs parked) until `vm.resume`.
+    pub paused: bool,
+    /// Guest RAM bytes received (pages sent more than once count each time).
+    pub bytes: u64,
+}
+
+/// What the destination needs of the VM it builds (implemented by [`crate::Vm`]).
+pub trait MigrationTarget: Sized {
+    /// Its guest RAM, written as pages arrive.
+    fn ram(&self) -> &GuestRam;
+    /// Puts the state document in (everything but RAM); the VM stays paused.
+    fn restore(&self, doc: &VmSnapshot) -> Result<(), MigrationError>;
+}
+
+impl Incoming {
+    /// Parses `url` and listens there.
+    pub fn listen(url: &str) -> Result<Self, MigrationError> {
+        let url = protocol::parse_url(url)?;
+        let listener = Listener::bind(&url)?;
+        log::info!("waiting for a migrating vm at {url}");
+        Ok(Self { url, listener })
+    }
+
+    /// The listening socket (readable once a source connects), for the caller's poll.
+    pub fn listen_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.listener.as_raw_fd()
+    }
+
+    /// Where this listens.
+    pub fn url(&self) -> &MigrationUrl {
+        &self.url
+    }
+
+    /// Accepts one source and receives its VM. Anything wrong is answered with a refusal
+    /// naming it (when the stream still works) and returned.
+    /// `build` makes an empty VM of the announced shape (no kernel loaded).
+    pub fn receive<V: MigrationTarget>(
+        &self,
+        build: impl FnOnce(&MachineConfig) -> Result<V, MigrationError>,
+    ) -> Result<Received<V>, MigrationError> {
+        let mut stream = self.listener.accept()?;
+        stream
+            .set_timeout(Some(super::send::IO_TIMEOUT))
+            .map_err(|source| MigrationError::Io {
+                step: "setting the stream timeout",
+                source,
+            })?;
+        match receive_on(&mut stream, build) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let reason = crate::control::error_chain(&e);
+                log::error!("incoming migration failed: {reason}");
+                // Best effort: the source may be gone already.
+                let _ = protocol::write_json(
+                    &mut stream,
+                    kind::REFUSED,
+                    "refusal",
+                    &Refusal { reason },
+                );
+                Err(e)
+            }
+        }
+    }
+}
+
+fn unexpected(step: &'static str, f: &Frame) -> MigrationError {
+    MigrationError::Unexpected {
+        step,
+        got: protocol::kind_of(f),
+    }
+}
+
+fn receive_on<V: MigrationTarget>(
+    stream: &mut Stream,
+    build: impl FnOnce(&MachineConfig) -> Result<V, MigrationError>,
+) -> Result<Received<V>, MigrationError> {
+    let step = "waiting for the source's hello";
+    match protocol::read_frame(stream, step)? {
+        Frame::Hello(h) => h.check()?,
+        f => return Err(unexpected(step, &f)),
+    }
+    protocol::write_empty(stream, kind::ACK, "answering the hello")?;
+    let step = "waiting for the vm's shape";
+    let config = match protocol::read_frame(stream, step)? {
+        Frame::Config(c) => c,
+        f => return Err(unexpected(step, &f)),
+    };
+    log::info!(
+        "incoming vm: {} vCPUs, {:#x} bytes of RAM",
+        config.cpus,
+        config.memory_size
+    );
+    let vm = build(&config)?;
+    let mut buf = vec![0u8; MAX_RUN as usize];
+    let mut bytes = 0u64;
+    let step = "receiving guest memory and state";
+    let state = loop {
+        match protocol::read_frame(stream, step)? {
+            Frame::Memory { gpa, len } => {
+                let ram = vm.ram();
+                let offset = ram
+                    .regions()
+                    .iter()
+                    .find(|r| gpa >= r.gpa && gpa.saturating_add(len) <= r.gpa + r.size)
+                    .map(|r| r.file_offset + (gpa - r.gpa))
+                    .ok_or(MigrationError::OutOfRange { gpa, len })?;
+                let data = &mut buf[..len as usize];
+                protocol::read_exact(stream, data)?;
+                ram.memfd()
+                    .write_all_at(data, offset)
+                    .map_err(|source| MigrationError::Ram { offset, source })?;
+                bytes += len;
+            }
+            Frame::State(state) => break state,
+            f => return Err(unexpected(step, &f)),
+        }
+    };
+    let protocol::VmState { doc, paused } = *state;
+    if doc.config.cpus != config.cpus || doc.config.memory_size != config.memory_size {
+        return Err(MigrationError::Mismatch(format!(
+            "announced {} vCPUs and {:#x} bytes, the state says {} and {:#x}",
+            config.cpus, config.memory_size, doc.config.cpus, doc.config.memory_size
+        )));
+    }
+    vm.restore(&doc)?;
+    protocol::write_empty(stream, kind::ACK, "acknowledging the vm")?;
+    Ok(Received {
+        vm,
+        doc,
+        paused,
+        bytes,
+    })
+}
+
+impl MigrationTarget for crate::Vm {
+    fn ram(&self) -> &GuestRam {
+        crate::Vm::ram(self)
+    }
+
+    fn restore(&self, doc: &VmSnapshot) -> Result<(), MigrationError> {
+        self.restore_migrated(doc)
+            .map_err(|e| MigrationError::Build(Box::new(e)))
+    }
+}

@@ -1,0 +1,270 @@
+//! The source side: dirty logging, precopy rounds, the final pass.
+
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
+use kvm_ioctls::VmFd;
+use vm_memory::{GuestAddress, GuestMemoryBackend};
+
+use super::protocol::{
+    self, kind, Hello, MigrationError, MigrationUrl, Stream, MAX_RUN, PAGE_SIZE,
+};
+use crate::memory::GuestRam;
+use crate::snapshot::devices::LentDevice;
+use crate::snapshot::SnapshotSource;
+
+/// Precopy stops iterating once a round finds at most this many dirty pages (1 MiB): the
+/// rest goes in the final pass with the VM paused.
+pub const CONVERGED_PAGES: u64 = 256;
+/// Precopy gives up iterating after this many dirty rounds and pauses anyway (a guest that
+/// dirties faster than the stream carries never converges).
+pub const MAX_ROUNDS: u32 = 8;
+/// Every read and write on the stream is bounded by this: a destination that stops
+/// answering fails the migration instead of hanging the source.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long a failed write waits for the destination's reason.
+const REASON_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// KVM dirty logging on every guest RAM memslot; `Drop` turns it off again.
+pub struct DirtyLog {
+    vm: Arc<VmFd>,
+    ram: Arc<GuestRam>,
+    enabled: u32,
+}
+
+impl DirtyLog {
+    /// Sets `KVM_MEM_LOG_DIRTY_PAGES` on RAM slots 0..n (slot i is RAM region i, see
+    /// `Vm::build`). From here on KVM records every page a vCPU writes.
+    pub fn enable(vm: Arc<VmFd>, ram: Arc<GuestRam>) -> Result<Self, MigrationError> {
+        let slots = ram.regions().len() as u32;
+        let mut log = Self {
+            vm,
+            ram,
+            enabled: 0,
+        };
+        for slot in 0..slots {
+            log.set(slot, KVM_MEM_LOG_DIRTY_PAGES)?;
+            log.enabled = slot + 1;
+        }
+        Ok(log)
+    }
+
+    fn set(&self, slot: u32, flags: u32) -> Result<(), MigrationError> {
+        let r = self.ram.regions()[slot as usize];
+        let host = self
+            .ram
+            .memory()
+            .get_host_address(GuestAddress(r.gpa))
+            .map_err(|_| MigrationError::NoMapping { gpa: r.gpa })?;
+        let region = kvm_userspace_memory_region {
+            slot,
+            flags,
+            guest_phys_addr: r.gpa,
+            memory_size: r.size,
+            userspace_addr: host as u64,
+        };
+        // SAFETY: the same slot, address and size as `Vm::build` registered (only the flags
+        // change); the mapping lives as long as `ram`, which outlives this value.
+        unsafe { self.vm.set_user_memory_region(region) }.map_err(|source| MigrationError::Kvm {
+            op: "KVM_SET_USER_MEMORY_REGION",
+            slot,
+            source,
+        })
+    }
+
+    /// The pages written since the last call (KVM clears its bitmap as it hands it over),
+    /// per RAM region: one bit per page.
+    pub fn take(&self) -> Result<Vec<Vec<u64>>, MigrationError> {
+        (0..self.enabled)
+            .map(|slot| {
+                let r = self.ram.regions()[slot as usize];
+                self.vm
+                    .get_dirty_log(slot, r.size as usize)
+                    .map_err(|source| MigrationError::Kvm {
+                        op: "KVM_GET_DIRTY_LOG",
+                        slot,
+                        source,
+                    })
+            })
+            .collect()
+    }
+}
+
+impl Drop for DirtyLog {
+    fn drop(&mut self) {
+        for slot in 0..self.enabled {
+            if let Err(e) = self.set(slot, 0) {
+                log::error!("turning dirty logging off: {e}");
+            }
+        }
+    }
+}
+
+/// Runs of consecutive set bits of `bitmap` as (first page, pages), each at most
+/// [`MAX_RUN`] bytes long.
+pub fn dirty_runs(bitmap: &[u64]) -> Vec<(u64, u64)> {
+    let max = MAX_RUN / PAGE_SIZE;
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for (i, &word) in bitmap.iter().enumerate() {
+        if word == 0 {
+            continue;
+        }
+        for b in 0..64 {
+            if word & (1 << b) == 0 {
+                continue;
+            }
+            let page = i as u64 * 64 + b;
+            match runs.last_mut() {
+                Some((start, n)) if *start + *n == page && *n < max => *n += 1,
+                _ => runs.push((page, 1)),
+            }
+        }
+    }
+    runs
+}
+
+/// One outgoing migration (connected, hello exchanged, the VM's shape sent).
+pub struct Sender {
+    stream: Stream,
+    src: SnapshotSource,
+    buf: Vec<u8>,
+    /// Bytes of guest RAM sent so far.
+    pub bytes: u64,
+}
+
+impl Sender {
+    /// Connects to `url`, checks the destination speaks this protocol and sends the VM's
+    /// shape (the destination builds an empty VM of it).
+    pub fn connect(url: &MigrationUrl, src: SnapshotSource) -> Result<Self, MigrationError> {
+        let mut stream = protocol::connect(url)?;
+        stream
+            .set_timeout(Some(IO_TIMEOUT))
+            .map_err(|source| MigrationError::Io {
+                step: "setting the stream timeout",
+                source,
+            })?;
+        protocol::write_json(&mut stream, kind::HELLO, "hello", &Hello::current())?;
+        protocol::read_answer(&mut stream, "waiting for the destination's hello")?;
+        protocol::write_json(&mut stream, kind::CONFIG, "config", &src.config)?;
+        Ok(Self {
+            stream,
+            src,
+            buf: vec![0u8; MAX_RUN as usize],
+            bytes: 0,
+        })
+    }
+
+    /// Turns dirty logging on (the caller keeps the guard for the whole migration).
+    pub fn dirty_log(&self) -> Result<DirtyLog, MigrationError> {
+        DirtyLog::enable(self.src.vm.clone(), self.src.ram.clone())
+    }
+
+    fn send_run(&mut self, region: usize, page: u64, pages: u64) -> Result<(), MigrationError> {
+        let r = self.src.ram.regions()[region];
+        let len = (pages * PAGE_SIZE) as usize;
+        let offset = r.file_offset + page * PAGE_SIZE;
+        let buf = &mut self.buf[..len];
+        self.src
+            .ram
+            .memfd()
+            .read_exact_at(buf, offset)
+            .map_err(|source| MigrationError::Ram { offset, source })?;
+        if let Err(e) = protocol::write_memory(&mut self.stream, r.gpa + page * PAGE_SIZE, buf) {
+            return Err(self.explain(e));
+        }
+        self.bytes += len as u64;
+        Ok(())
+    }
+
+    /// A write failed: if the destination closed the stream after saying why (`REFUSED`),
+    /// that reason is the better error; otherwise `e` stands.
+    fn explain(&mut self, e: MigrationError) -> MigrationError {
+        if !matches!(e, MigrationError::Io { .. } | MigrationError::Closed { .. }) {
+            return e;
+        }
+        if self.stream.set_timeout(Some(REASON_TIMEOUT)).is_err() {
+            return e;
+        }
+        match protocol::read_frame(&mut self.stream, "reading why the destination stopped") {
+            Ok(protocol::Frame::Refused(why)) => MigrationError::Refused(why.reason),
+            other => {
+                log::warn!("the destination gave no reason: {other:?}");
+                e
+            }
+        }
+    }
+
+    /// Sends every page of guest RAM (round 0); returns the page count.
+    pub fn send_all(&mut self) -> Result<u64, MigrationError> {
+        let mut pages = 0;
+        for i in 0..self.src.ram.regions().len() {
+            let total = self.src.ram.regions()[i].size / PAGE_SIZE;
+            let mut p = 0;
+            while p < total {
+                let n = (total - p).min(MAX_RUN / PAGE_SIZE);
+                self.send_run(i, p, n)?;
+                p += n;
+            }
+            pages += total;
+        }
+        Ok(pages)
+    }
+
+    /// Sends the pages set in `dirty` (one bitmap per region); returns the page count.
+    pub fn send_dirty(&mut self, dirty: &[Vec<u64>]) -> Result<u64, MigrationError> {
+        let mut pages = 0;
+        for (i, bitmap) in dirty.iter().enumerate() {
+            for (page, n) in dirty_runs(bitmap) {
+                self.send_run(i, page, n)?;
+                pages += n;
+            }
+        }
+        Ok(pages)
+    }
+
+    /// The final pass, VM paused: reads the vCPU and device state (this may complete an
+    /// access the guest made, so it comes first), sends the pages dirtied since the last
+    /// round, then the state document, and waits for the destination to acknowledge that
+    /// it restored the VM. Returns the pages of the final pass. `paused`: the VM was paused
+    /// before the migration and stays so on the destination.
+    pub fn finish(
+        &mut self,
+        log: &DirtyLog,
+        lent: Vec<LentDevice>,
+        paused: bool,
+    ) -> Result<u64, MigrationError> {
+        let doc = protocol::VmState {
+            doc: self.src.save_state(lent)?,
+            paused,
+        };
+        let pages = self.send_dirty(&log.take()?)?;
+        if let Err(e) = protocol::write_json(&mut self.stream, kind::STATE, "state", &doc) {
+            return Err(self.explain(e));
+        }
+        protocol::read_answer(&mut self.stream, "waiting for the destination to restore")?;
+        Ok(pages)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dirty_bits_become_bounded_runs() {
+        assert!(dirty_runs(&[0, 0]).is_empty());
+        assert_eq!(dirty_runs(&[0b1110_0001]), vec![(0, 1), (5, 3)]);
+        // A run across a word boundary stays one run.
+        assert_eq!(dirty_runs(&[1 << 63, 1]), vec![(63, 2)]);
+        // All pages dirty: runs of MAX_RUN bytes.
+        let per = MAX_RUN / PAGE_SIZE;
+        let words = (2 * per as usize).div_ceil(64) + 1;
+        let runs = dirty_runs(&vec![u64::MAX; words]);
+        assert_eq!(runs[0], (0, per));
+        assert_eq!(runs[1], (per, per));
+        assert_eq!(runs.iter().map(|r| r.1).sum::<u64>(), words as u64 * 64);
+    }
+}
