@@ -413,3 +413,91 @@ fn transferred_target_is_revoked_and_no_longer_mappable() {
     assert_eq!(code_of(&e), Some(code::UNKNOWN_LEASE), "{e}");
     std::mem::forget(lb); // its session no longer holds it
 }
+
+/// The emulated NVMe's Controller Memory Buffer is a P2P target: another device of the same
+/// borrower DMAs straight into it at BAR0's guest-physical address + the CMB offset, while
+/// the controller's registers and doorbells in front of it stay out of reach.
+#[test]
+fn a_dmatest_copies_into_an_nvme_controller_memory_buffer() {
+    use emulated::nvme::{cmb::CMB_OFFSET, NvmeConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "version = 1\n\
+             [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
+             [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
+        ),
+    )
+    .unwrap();
+    let cfg = ClusterConfig::load(&path).unwrap();
+    let a = Arc::new(EmulatedBackend::dmatest("p2p-cmb-a", NotifyMode::Interrupt).unwrap());
+    let cmb_size = 2u64 << 20;
+    let nvme = Arc::new(
+        EmulatedBackend::nvme(
+            "p2p-cmb-nvme",
+            NvmeConfig {
+                backing: dir.path().join("disk.img"),
+                size: Some(1 << 20),
+                cmb_size,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    const NVME: &str = "0000:00:0d.0";
+    let inv = Arc::new(
+        Inventory::new(vec![
+            (DEV_A.to_string(), a.clone() as _),
+            (NVME.to_string(), nvme as _),
+        ])
+        .unwrap(),
+    );
+    let listener = SocketFabric::from_cluster(&cfg, "lender")
+        .unwrap()
+        .listen()
+        .unwrap();
+    let lender = Lender::new(inv, "lender", TOKEN);
+    let _bg = BackgroundLender::start(Arc::clone(&lender), listener).unwrap();
+    let connect = || LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "p2p-test").unwrap();
+    let (ca, cn) = (connect(), connect());
+    let la = ca.borrow(DEV_A, "vm0").unwrap();
+    let ln = cn.borrow(NVME, "vm0").unwrap();
+    let ram = ram_for(&ca, &la);
+    let data = pattern(0x2000, 3);
+    ram.mem.write_at(0, &data).unwrap();
+    la.p2p_map(ln.id(), 0, BAR_GPA).unwrap();
+    assert_eq!(lender.p2p_live_into(ln.id()), 1);
+
+    // RAM -> the CMB, through BAR0's guest-physical address.
+    let (err, faults) = copy(&la, 0, RAM_GPA, BAR_GPA + CMB_OFFSET + 0x1000, 0x2000);
+    assert!(!err, "copy into the CMB failed (faults {faults})");
+    let bar = ln.bar_window(0).unwrap();
+    assert_eq!(read_win(bar.as_ref(), CMB_OFFSET + 0x1000, 0x2000), data);
+    // The source's own buffer -> the end of the CMB (device to device).
+    let a_bar = la.bar_window(0).unwrap();
+    let data2 = pattern(0x1000, 77);
+    a_bar.write_at(BUF_OFFSET, &data2).unwrap();
+    let end = BAR_GPA + CMB_OFFSET + cmb_size - 0x1000;
+    let (err, _) = copy(&la, CMD_SRC_BUF, 0, end, 0x1000);
+    assert!(!err);
+    assert_eq!(
+        read_win(bar.as_ref(), CMB_OFFSET + cmb_size - 0x1000, 0x1000),
+        data2
+    );
+    assert_eq!(a.soft_iommu().fault_count(), 0);
+
+    // The controller's registers (CAP at 0) and doorbells (0x1000) are not peer memory.
+    let regs = read_win(bar.as_ref(), 0, 0x1008);
+    for off in [0u64, 0x1000] {
+        let (err, faults) = copy(&la, 0, RAM_GPA, BAR_GPA + off, 8);
+        assert!(
+            err && faults >= 1,
+            "a copy to register {off:#x} was let through"
+        );
+    }
+    assert_eq!(read_win(bar.as_ref(), 0, 0x1008), regs);
+    assert_eq!(a.soft_iommu().fault_count(), 2);
+}

@@ -398,6 +398,12 @@ impl DeviceModel for NvmeController {
         "nvme"
     }
 
+    fn peer_memory(&self, bar: u8) -> Option<(u64, u64)> {
+        // The Controller Memory Buffer only (plain memory, which is what it is for: other
+        // devices DMA queue entries and data into it); the registers and doorbells never.
+        (bar == 0 && self.cfg.cmb_size > 0).then_some((cmb::CMB_OFFSET, self.cfg.cmb_size))
+    }
+
     fn identity(&self) -> PciIdentity {
         self.cfg.identity
     }
