@@ -772,6 +772,12 @@ impl RemoteDeviceLink for LendingLink {
 
     fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
         self.sink.set_hook(hook);
+        // `lease_state` already answers Lost once the endpoint is down, possibly before the
+        // event thread has recorded the loss: a hook set in that window is told now too
+        // (`lost` records once and reports once, whoever comes first).
+        if !self.client.endpoint().is_up() {
+            self.sink.lost("link down".into());
+        }
     }
 
     fn lender_counters(&self) -> Result<Option<LenderCounters>, LinkError> {
