@@ -50,7 +50,22 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let dir = tempfile::tempdir().unwrap();
+    let mk = |n: &str| Arc::new(EmulatedBackend::dmatest(n, NotifyMode::Interrupt).unwrap());
+    let (a, b, c) = (mk("p2p-a"), mk("p2p-b"), mk("p2p-c"));
+    setup_with(
+        a.clone(),
+        vec![(DEV_B.to_string(), b as _), (DEV_C.to_string(), c as _)],
+        tempfile::tempdir().unwrap(),
+    )
+}
+
+/// An in-process lender on the shm fabric lending dmatest `a` at [`DEV_A`] and `others`,
+/// with the cluster file (nodes lender, vmm, intruder) in `dir`.
+fn setup_with(
+    a: Arc<EmulatedBackend>,
+    others: Vec<(String, Arc<dyn lending::backend::DeviceBackend>)>,
+    dir: tempfile::TempDir,
+) -> Setup {
     let d = dir.path().display();
     let src = format!(
         "version = 1\n\
@@ -61,16 +76,10 @@ fn setup() -> Setup {
     let path = dir.path().join("cluster.toml");
     std::fs::write(&path, src).unwrap();
     let cfg = ClusterConfig::load(&path).unwrap();
-    let mk = |n: &str| Arc::new(EmulatedBackend::dmatest(n, NotifyMode::Interrupt).unwrap());
-    let (a, b, c) = (mk("p2p-a"), mk("p2p-b"), mk("p2p-c"));
-    let inv = Arc::new(
-        Inventory::new(vec![
-            (DEV_A.to_string(), a.clone() as _),
-            (DEV_B.to_string(), b as _),
-            (DEV_C.to_string(), c as _),
-        ])
-        .unwrap(),
-    );
+    let mut devices: Vec<(String, Arc<dyn lending::backend::DeviceBackend>)> =
+        vec![(DEV_A.to_string(), a.clone() as _)];
+    devices.extend(others);
+    let inv = Arc::new(Inventory::new(devices).unwrap());
     let listener = SocketFabric::from_cluster(&cfg, "lender")
         .unwrap()
         .listen()
@@ -420,19 +429,8 @@ fn transferred_target_is_revoked_and_no_longer_mappable() {
 #[test]
 fn a_dmatest_copies_into_an_nvme_controller_memory_buffer() {
     use emulated::nvme::{cmb::CMB_OFFSET, NvmeConfig};
+    const NVME: &str = "0000:00:0d.0";
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let path = dir.path().join("cluster.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "version = 1\n\
-             [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
-             [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
-        ),
-    )
-    .unwrap();
-    let cfg = ClusterConfig::load(&path).unwrap();
     let a = Arc::new(EmulatedBackend::dmatest("p2p-cmb-a", NotifyMode::Interrupt).unwrap());
     let cmb_size = 2u64 << 20;
     let nvme = Arc::new(
@@ -447,29 +445,15 @@ fn a_dmatest_copies_into_an_nvme_controller_memory_buffer() {
         )
         .unwrap(),
     );
-    const NVME: &str = "0000:00:0d.0";
-    let inv = Arc::new(
-        Inventory::new(vec![
-            (DEV_A.to_string(), a.clone() as _),
-            (NVME.to_string(), nvme as _),
-        ])
-        .unwrap(),
-    );
-    let listener = SocketFabric::from_cluster(&cfg, "lender")
-        .unwrap()
-        .listen()
-        .unwrap();
-    let lender = Lender::new(inv, "lender", TOKEN);
-    let _bg = BackgroundLender::start(Arc::clone(&lender), listener).unwrap();
-    let connect = || LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "p2p-test").unwrap();
-    let (ca, cn) = (connect(), connect());
+    let s = setup_with(a, vec![(NVME.to_string(), nvme as _)], dir);
+    let (ca, cn) = (client(&s, "vmm"), client(&s, "vmm"));
     let la = ca.borrow(DEV_A, "vm0").unwrap();
     let ln = cn.borrow(NVME, "vm0").unwrap();
     let ram = ram_for(&ca, &la);
     let data = pattern(0x2000, 3);
     ram.mem.write_at(0, &data).unwrap();
     la.p2p_map(ln.id(), 0, BAR_GPA).unwrap();
-    assert_eq!(lender.p2p_live_into(ln.id()), 1);
+    assert_eq!(s.lender.p2p_live_into(ln.id()), 1);
 
     // RAM -> the CMB, through BAR0's guest-physical address.
     let (err, faults) = copy(&la, 0, RAM_GPA, BAR_GPA + CMB_OFFSET + 0x1000, 0x2000);
@@ -487,7 +471,7 @@ fn a_dmatest_copies_into_an_nvme_controller_memory_buffer() {
         read_win(bar.as_ref(), CMB_OFFSET + cmb_size - 0x1000, 0x1000),
         data2
     );
-    assert_eq!(a.soft_iommu().fault_count(), 0);
+    assert_eq!(s.a.soft_iommu().fault_count(), 0);
 
     // The controller's registers (CAP at 0) and doorbells (0x1000) are not peer memory.
     let regs = read_win(bar.as_ref(), 0, 0x1008);
@@ -499,5 +483,5 @@ fn a_dmatest_copies_into_an_nvme_controller_memory_buffer() {
         );
     }
     assert_eq!(read_win(bar.as_ref(), 0, 0x1008), regs);
-    assert_eq!(a.soft_iommu().fault_count(), 2);
+    assert_eq!(s.a.soft_iommu().fault_count(), 2);
 }

@@ -68,24 +68,8 @@ fn boot(dir: &Path, extra: &str) -> Vm {
 }
 
 fn boot_with(dir: &Path, extra: &str, memory: &str) -> Vm {
-    let sock = dir.join("src.sock").display().to_string();
-    let events = format!("path={}", dir.join("src-events.jsonl").display());
     let line = format!("tests=ticker seed={SEED} period_ms=50{extra}");
-    let vm = Vm::start(
-        memory,
-        &[
-            "--cpus",
-            "2",
-            "--api-socket",
-            &sock,
-            "--event-monitor",
-            &events,
-            "--cmdline",
-            &line,
-        ],
-    );
-    vm.wait_api();
-    vm
+    Vm::start_source(dir, memory, "src-events.jsonl", &line)
 }
 
 /// A lendvm with only an API socket, told to listen at `dir/<name>.mig`.

@@ -85,24 +85,7 @@ fn status_of(r: Result<(), ClientError>) -> (u16, String) {
 /// Two vCPUs (the test guest runs on the first; the second waits for INIT/SIPI), so every
 /// snapshot saves and restores more than one vCPU. Events go to `events.jsonl`.
 fn boot(dir: &Path) -> Vm {
-    let sock = dir.join("src.sock").display().to_string();
-    let events = format!("path={}", dir.join("events.jsonl").display());
-    let line = cmdline();
-    let vm = Vm::start(
-        "64M",
-        &[
-            "--cpus",
-            "2",
-            "--api-socket",
-            &sock,
-            "--event-monitor",
-            &events,
-            "--cmdline",
-            &line,
-        ],
-    );
-    vm.wait_api();
-    vm
+    Vm::start_source(dir, "64M", "events.jsonl", &cmdline())
 }
 
 #[test]

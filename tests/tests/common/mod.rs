@@ -199,6 +199,29 @@ impl Vm {
     }
 
     /// `lendvm --serial stdout` plus `args` and nothing else (no kernel: `--restore`).
+    /// The test guest with two vCPUs (the second waits for INIT/SIPI, so saving and
+    /// restoring covers more than one), its API on `dir/src.sock` (waited for) and its events
+    /// in `dir/<events>`: the source VM of the snapshot and migration tests.
+    pub fn start_source(dir: &Path, memory: &str, events: &str, cmdline: &str) -> Vm {
+        let sock = dir.join("src.sock").display().to_string();
+        let events = format!("path={}", dir.join(events).display());
+        let vm = Vm::start(
+            memory,
+            &[
+                "--cpus",
+                "2",
+                "--api-socket",
+                &sock,
+                "--event-monitor",
+                &events,
+                "--cmdline",
+                cmdline,
+            ],
+        );
+        vm.wait_api();
+        vm
+    }
+
     pub fn start_args(args: &[&str], log: &str) -> Vm {
         let mut full = vec!["--serial", "stdout"];
         full.extend_from_slice(args);
