@@ -190,6 +190,10 @@ fn run(args: Args) -> Result<(), String> {
         Some(claims) => Lender::with_claims(Arc::clone(&inventory), &args.node, &token, claims),
         None => Lender::new(Arc::clone(&inventory), &args.node, &token),
     };
+    // Peer-to-peer DMA across lenders: this lender finds the others in the cluster file.
+    if let Some(f) = &file {
+        lender.set_cluster(f.clone());
+    }
     let stop = lender.stop_flag();
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
