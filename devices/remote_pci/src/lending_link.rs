@@ -569,6 +569,113 @@ impl crate::P2pPort for LendingP2p {
             bar,
         }))
     }
+
+    fn grant(
+        &self,
+        bar: u8,
+        grantee: &str,
+    ) -> Result<(crate::PeerGrant, Box<dyn crate::PeerMapping>), crate::P2pMapError> {
+        let g = self
+            .lease
+            .p2p_grant(bar, grantee)
+            .map_err(|e| p2p_map_err("p2p grant", e))?;
+        Ok((
+            crate::PeerGrant {
+                grant: g.grant,
+                secret: g.secret,
+            },
+            Box::new(LendingGrant {
+                lease: Arc::clone(&self.lease),
+                grant: g.grant,
+            }),
+        ))
+    }
+
+    fn map_remote(
+        &self,
+        lender: &str,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        grant: &crate::PeerGrant,
+    ) -> Result<Box<dyn crate::PeerMapping>, crate::P2pMapError> {
+        let g = protocol::P2pGranted {
+            grant: grant.grant,
+            secret: grant.secret.clone(),
+        };
+        self.lease
+            .p2p_map_remote(lender, target, bar, iova, &g)
+            .map_err(|e| p2p_map_err("p2p map remote", e))?;
+        Ok(Box::new(LendingRemoteMapping {
+            lease: Arc::clone(&self.lease),
+            lender: lender.to_string(),
+            target,
+            bar,
+        }))
+    }
+}
+
+/// The lender's verdict on a BAR at an address (no peer memory, not a memory BAR, overlaps
+/// RAM) does not change by asking again: `Refused`; anything else may: `Failed`.
+fn p2p_map_err(op: &'static str, e: ClientError) -> crate::P2pMapError {
+    let permanent = matches!(
+        e.code(),
+        Some(protocol::code::INVALID | protocol::code::OUT_OF_RANGE)
+    );
+    let e = link_err(op, e);
+    if permanent {
+        crate::P2pMapError::Refused(e)
+    } else {
+        crate::P2pMapError::Failed(e)
+    }
+}
+
+/// A grant of this lease's BAR to another lender; dropping it sends P2P_REVOKE.
+struct LendingGrant {
+    lease: Arc<Lease>,
+    grant: u64,
+}
+
+impl crate::PeerMapping for LendingGrant {}
+
+impl Drop for LendingGrant {
+    fn drop(&mut self) {
+        if let Err(e) = self.lease.p2p_revoke(self.grant) {
+            // The target's lender may be gone: its grants went with it.
+            debug!(
+                "lease {}: p2p revoke of grant {}: {e}",
+                self.lease.id(),
+                self.grant
+            );
+        }
+    }
+}
+
+/// One P2P_MAP_REMOTE of the lease; dropping it sends P2P_UNMAP_REMOTE.
+struct LendingRemoteMapping {
+    lease: Arc<Lease>,
+    lender: String,
+    target: u64,
+    bar: u8,
+}
+
+impl crate::PeerMapping for LendingRemoteMapping {}
+
+impl Drop for LendingRemoteMapping {
+    fn drop(&mut self) {
+        if let Err(e) = self
+            .lease
+            .p2p_unmap_remote(&self.lender, self.target, self.bar)
+        {
+            warn!(
+                "lease {}: p2p unmap of lease {} bar {} on {}: {e}",
+                self.lease.id(),
+                self.target,
+                self.bar,
+                self.lender
+            );
+        }
+    }
 }
 
 /// One P2P_MAP of the lease; dropping it sends P2P_UNMAP.
