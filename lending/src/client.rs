@@ -1085,6 +1085,28 @@ impl Lease {
         self.inner.call::<()>(&r, Vec::new()).map(|_| ())
     }
 
+    /// Same-lender P2P with the target's capability (protocol version 6; what a lender
+    /// requires on tcp for a target borrowed at version 6): like [`Lease::p2p_map`], with
+    /// `granted` from the target lease's [`Lease::p2p_grant`] to this same lender.
+    pub fn p2p_map_granted(
+        &self,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        granted: &protocol::P2pGranted,
+    ) -> Result<(), ClientError> {
+        self.p2px_check()?;
+        let r = Request::P2pMapGranted(protocol::P2pMapGranted {
+            source: self.id,
+            target,
+            bar,
+            iova,
+            grant: granted.grant,
+            secret: granted.secret.clone(),
+        });
+        self.inner.call::<()>(&r, Vec::new()).map(|_| ())
+    }
+
     fn p2px_check(&self) -> Result<(), ClientError> {
         let version = self.inner.version();
         if version < protocol::P2PX_VERSION {

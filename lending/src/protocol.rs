@@ -24,7 +24,7 @@
 //! | 0x110 | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
 //! | 0x111 | [`P2pMap`] (version 5) | `()` | — (map a peer lease's BAR into this lease's IOMMU domain) |
 //! | 0x112 | [`P2pUnmap`] (version 5) | `()` | — (undo a [`P2pMap`]) |
-//! | 0x113..=0x118 | version 6, peer-to-peer DMA across lenders: see [`p2px`] (grant, revoke, remote map/unmap, lender-to-lender attach/detach) | | — |
+//! | 0x113..=0x119 | version 6, peer-to-peer DMA across lenders: see [`p2px`] (grant, revoke, remote map/unmap, lender-to-lender attach/detach) | | — |
 //! | 0x120 | [`AuthChallenge`] (before HELLO) | [`AuthResponse`] | — (mutual challenge–response, [`crate::auth`]) |
 //! | 0x121..=0x127 | version 4, live migration: see [`migration`] (dirty log, hand-over quiesce, lease transfer) | | — |
 //!
@@ -75,8 +75,8 @@ pub mod migration;
 pub mod p2px;
 
 pub use p2px::{
-    P2pAttach, P2pAttached, P2pDetach, P2pGrant, P2pGranted, P2pMapRemote, P2pRevoke,
-    P2pUnmapRemote, P2PX_VERSION,
+    P2pAttach, P2pAttached, P2pDetach, P2pGrant, P2pGranted, P2pMapGranted, P2pMapRemote,
+    P2pRevoke, P2pUnmapRemote, P2PX_VERSION,
 };
 pub use migration::{
     AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, LeaseMoved,
@@ -1010,6 +1010,8 @@ pub enum Request {
     P2pAttach(P2pAttach),
     /// Lender to lender: detach a grant (version 6).
     P2pDetach(P2pDetach),
+    /// Same-lender map with the target's capability (version 6).
+    P2pMapGranted(P2pMapGranted),
 }
 
 /// An event, decoded.

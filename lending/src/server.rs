@@ -994,33 +994,7 @@ impl Session {
                 let sl = self.lease(l.lease)?;
                 sl.kicks_reply(op, version)
             }
-            Request::P2pMap(m) => {
-                let book = Arc::clone(&self.lender.p2p);
-                let sl = self.lease(m.source)?;
-                let key = (m.target, m.bar);
-                if let Some(old) = sl.p2p_out.get(&key).filter(|o| o.is_live()) {
-                    return Err(p2p_err(P2pError::AlreadyMapped {
-                        source_lease: m.source,
-                        target: m.target,
-                        bar: m.bar,
-                        iova: old.iova(),
-                    }));
-                }
-                // Revoked mappings stay until unmapped: they count against the cap too.
-                if !sl.p2p_out.contains_key(&key) && sl.p2p_out.len() >= MAX_P2P_PER_LEASE {
-                    return Err(p2p_err(P2pError::TooMany(m.source)));
-                }
-                let holder = sl.p2p.holder().to_string();
-                let domain = sl.lease.backend().domain();
-                let mapping = book
-                    .map(m.source, &holder, domain, m.target, m.bar, m.iova)
-                    .map_err(|e| {
-                        log::info!("{holder}: p2p map refused: {e}");
-                        p2p_err(e)
-                    })?;
-                sl.p2p_out.insert(key, mapping);
-                ok(op, &())
-            }
+            Request::P2pMap(m) => self.p2p_map(op, m, false),
             Request::P2pUnmap(u) => {
                 let sl = self.lease(u.source)?;
                 sl.p2p_out
@@ -1053,6 +1027,37 @@ impl Session {
                 format!("request {:#x} not handled", other.opcode()),
             )),
         }
+    }
+
+    /// P2P_MAP (and P2P_MAP_GRANTED with `capability`: the target's grant was verified).
+    fn p2p_map(&mut self, op: u16, m: protocol::P2pMap, capability: bool) -> Reply {
+        let book = Arc::clone(&self.lender.p2p);
+        let sl = self.lease(m.source)?;
+        let key = (m.target, m.bar);
+        if let Some(old) = sl.p2p_out.get(&key).filter(|o| o.is_live()) {
+            return Err(p2p_err(P2pError::AlreadyMapped {
+                source_lease: m.source,
+                target: m.target,
+                bar: m.bar,
+                iova: old.iova(),
+            }));
+        }
+        // Revoked mappings stay until unmapped: they count against the cap too.
+        if !sl.p2p_out.contains_key(&key) && sl.p2p_out.len() >= MAX_P2P_PER_LEASE {
+            return Err(p2p_err(P2pError::TooMany(m.source)));
+        }
+        let holder = sl.p2p.holder().to_string();
+        let domain = sl.lease.backend().domain();
+        let mapping = book
+            .map(
+                m.source, &holder, domain, m.target, m.bar, m.iova, capability,
+            )
+            .map_err(|e| {
+                log::info!("{holder}: p2p map refused: {e}");
+                p2p_err(e)
+            })?;
+        sl.p2p_out.insert(key, mapping);
+        ok(op, &())
     }
 
     fn borrow(&mut self, op: u16, device: &str, vm: &str, claim: Option<i64>) -> Reply {
@@ -1129,7 +1134,14 @@ impl Session {
         let p2p = self
             .lender
             .p2p
-            .register(id, &self.p2p_holder(&lease), Arc::clone(&backend));
+            .register(
+                id,
+                &self.p2p_holder(&lease),
+                Arc::clone(&backend),
+                // tcp: the identity rule's origin is only an IP (docs/SECURITY.md), so a
+                // version 6 lease needs its capability; shm's origin is the process.
+                self.version >= protocol::P2PX_VERSION && self.ep.kind() == FabricKind::Tcp,
+            );
         self.leases.insert(
             id,
             SessionLease {

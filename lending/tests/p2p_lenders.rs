@@ -459,9 +459,13 @@ fn grants_are_refused_to_other_lenders_wrong_secrets_and_other_borrowers() {
     assert_eq!(e.code(), Some(p2px::code::BAD_GRANT), "{e}");
     assert_eq!(s.b.lender.p2p_grants_refused(), 2);
     assert_eq!(s.b.lender.p2p_grants_attached(), 0);
-    // A grant to the target's own lender, a BAR without peer memory: invalid.
-    let e = lb.p2p_grant(0, "lenderB").unwrap_err();
-    assert_eq!(e.code(), Some(code::INVALID), "{e}");
+    // A BAR without peer memory: invalid. (A grant to the target's own lender is the
+    // same-lender capability: allowed, and useless to lender A.)
+    let own = lb.p2p_grant(0, "lenderB").unwrap();
+    let e = la
+        .p2p_map_remote("lenderB", lb.id(), 0, BAR_GPA, &own)
+        .unwrap_err();
+    assert_eq!(e.code(), Some(p2px::code::BAD_GRANT), "{e}");
     let e = lb.p2p_grant(1, "lenderA").unwrap_err();
     assert_eq!(e.code(), Some(code::INVALID), "{e}");
     // Someone else's lease cannot be granted.
@@ -489,4 +493,52 @@ fn grants_are_refused_to_other_lenders_wrong_secrets_and_other_borrowers() {
         .unwrap_err();
     assert_eq!(e.code(), Some(code::INVALID), "{e}");
     assert_eq!(s.b.lender.p2p_grants_attached(), 1);
+}
+
+/// Same lender over tcp, protocol version 6: a target lease is mapped only with its
+/// capability (a grant to its own lender), so another token holder at the same IP that
+/// claims the borrower's node and VM names cannot map it (docs/SECURITY.md).
+#[test]
+fn same_lender_p2p_on_tcp_needs_the_targets_capability() {
+    use emulated::nvme::cmb::CMB_OFFSET;
+    let s = setup(ntb::FabricKind::Tcp);
+    let (c1, c2) = (client(&s, "vmm", "lenderB"), client(&s, "vmm", "lenderB"));
+    let src = c1.borrow(DEV_B, "vm0").unwrap();
+    let ln = c2.borrow(NVME, "vm0").unwrap();
+    let ram = ram_for(&c1, &src);
+    // The identity rule alone (same node, VM and IP) no longer suffices on tcp.
+    let e = src.p2p_map(ln.id(), 0, BAR_GPA).unwrap_err();
+    assert_eq!(e.code(), Some(code::UNKNOWN_LEASE), "{e}");
+    // A made-up capability is refused and counted.
+    let forged = P2pGranted {
+        grant: 77,
+        secret: vec![1; p2px::SECRET_LEN],
+    };
+    let e = src
+        .p2p_map_granted(ln.id(), 0, BAR_GPA, &forged)
+        .unwrap_err();
+    assert_eq!(e.code(), Some(p2px::code::BAD_GRANT), "{e}");
+    let refused = s.b.lender.p2p_grants_refused();
+    assert!(refused >= 1);
+    // A grant for another BAR or to another lender is not this capability.
+    let other = ln.p2p_grant(0, "lenderA").unwrap();
+    let e = src
+        .p2p_map_granted(ln.id(), 0, BAR_GPA, &other)
+        .unwrap_err();
+    assert_eq!(e.code(), Some(p2px::code::BAD_GRANT), "{e}");
+    // The target's own capability works, and the data lands in the CMB.
+    let g = ln.p2p_grant(0, "lenderB").unwrap();
+    src.p2p_map_granted(ln.id(), 0, BAR_GPA, &g).unwrap();
+    let data = pattern(0x1000, 21);
+    ram.mem.write_at(0, &data).unwrap();
+    let (err, faults) = copy(&src, 0, RAM_GPA, BAR_GPA + CMB_OFFSET, 0x1000);
+    assert!(!err, "granted same-lender copy failed (faults {faults})");
+    let bar = ln.bar_window(0).unwrap();
+    assert_eq!(read_win(bar.as_ref(), CMB_OFFSET, 0x1000), data);
+    // Revoking the capability does not unmap (it gates the map), the target's reset does.
+    ln.p2p_revoke(g.grant).unwrap();
+    assert!(!copy(&src, 0, RAM_GPA, BAR_GPA + CMB_OFFSET, 0x1000).0);
+    ln.reset().unwrap();
+    let (err, _) = copy(&src, 0, RAM_GPA, BAR_GPA + CMB_OFFSET, 0x1000);
+    assert!(err, "the target's reset revokes");
 }

@@ -462,6 +462,8 @@ impl LendingLink {
         let p2p = (client.protocol_version() >= protocol::P2P_VERSION).then(|| {
             Arc::new(LendingP2p {
                 lender: client.hello().node.clone(),
+                capability: client.protocol_version() >= protocol::P2PX_VERSION
+                    && kind == FabricKind::Tcp,
                 bars: pinfo
                     .bars
                     .iter()
@@ -525,6 +527,8 @@ fn event_loop(client: &LenderClient, sink: &LendingEventSink, stop: &AtomicBool)
 /// The lease's P2P_MAP/P2P_UNMAP, shared with the VM's P2P router.
 struct LendingP2p {
     lender: String,
+    /// Same-lender peers need this lease's capability (tcp, protocol version 6).
+    capability: bool,
     /// BARs backed by lender memory (exported as windows, not emulated by the borrower).
     bars: Vec<u8>,
     lease: Arc<Lease>,
@@ -563,6 +567,31 @@ impl crate::P2pPort for LendingP2p {
                 crate::P2pMapError::Failed(e)
             }
         })?;
+        Ok(Box::new(LendingPeerMapping {
+            lease: Arc::clone(&self.lease),
+            target,
+            bar,
+        }))
+    }
+
+    fn needs_capability(&self) -> bool {
+        self.capability
+    }
+
+    fn map_granted(
+        &self,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        grant: &crate::PeerGrant,
+    ) -> Result<Box<dyn crate::PeerMapping>, crate::P2pMapError> {
+        let g = protocol::P2pGranted {
+            grant: grant.grant,
+            secret: grant.secret.clone(),
+        };
+        self.lease
+            .p2p_map_granted(target, bar, iova, &g)
+            .map_err(|e| p2p_map_err("p2p map", e))?;
         Ok(Box::new(LendingPeerMapping {
             lease: Arc::clone(&self.lease),
             target,

@@ -77,6 +77,22 @@ pub trait P2pPort: Send + Sync {
             reason: "the lender does not support peer-to-peer dma across lenders".into(),
         }))
     }
+    /// Whether a peer of the same lender needs this lease's capability (a grant to the
+    /// lender itself) to map it (tcp, protocol version 6). Default: no.
+    fn needs_capability(&self) -> bool {
+        false
+    }
+    /// Like [`P2pPort::map`], presenting the target's capability `grant`. Default: `map`.
+    fn map_granted(
+        &self,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        grant: &PeerGrant,
+    ) -> Result<Box<dyn PeerMapping>, P2pMapError> {
+        let _ = grant;
+        self.map(target, bar, iova)
+    }
     /// Source side across lenders: maps BAR `bar` of lease `target` on lender `lender`,
     /// granted as `grant`, at `iova` in this lease's IOMMU domain. Default: not supported.
     fn map_remote(
@@ -113,8 +129,9 @@ impl std::fmt::Debug for PeerGrant {
     }
 }
 
-/// A cross-lender mapping: the source lender's mapping, then the target lender's grant
-/// (fields drop in order: unmapped on the source's lender before the grant is revoked).
+/// A mapping made with a grant (across lenders, or the same-lender capability): the source
+/// lender's mapping, then the target lender's grant (fields drop in order: unmapped on the
+/// source's lender before the grant is revoked).
 struct CrossLender {
     _map: Box<dyn PeerMapping>,
     _grant: Box<dyn PeerMapping>,
@@ -208,7 +225,16 @@ impl P2pRouter {
         let Some(s) = st.members.get_mut(source) else {
             return;
         };
-        let r = if s.port.lender() == tport.lender() {
+        let r = if s.port.lender() == tport.lender() && tport.needs_capability() {
+            // Same lender on tcp: the target's grant to its own lender is the capability.
+            tport.grant(bar, tport.lender()).and_then(|(g, guard)| {
+                let m = s.port.map_granted(tport.lease(), bar, gpa, &g)?;
+                Ok(Box::new(CrossLender {
+                    _map: m,
+                    _grant: guard,
+                }) as Box<dyn PeerMapping>)
+            })
+        } else if s.port.lender() == tport.lender() {
             s.port.map(tport.lease(), bar, gpa)
         } else {
             tport

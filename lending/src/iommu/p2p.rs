@@ -182,6 +182,8 @@ impl Drop for P2pMapping {
 
 struct PeerLease {
     holder: String,
+    /// Borrowed in a version 6 session: mappable only with its capability (a grant).
+    needs_capability: bool,
     backend: Arc<dyn DeviceBackend>,
     /// Mappings of other leases that point into this lease's BARs.
     inbound: Vec<Weak<Mapped>>,
@@ -303,16 +305,20 @@ impl Drop for P2pRegistration {
 impl P2pBook {
     /// Enters `lease` (held by `holder`: `node/vm@origin`, leases of one holder may map each
     /// other's BARs) until the returned value is dropped.
+    /// With `needs_capability`, the lease is mapped only by [`P2pBook::map`] calls that
+    /// verified its capability.
     pub fn register(
         self: &Arc<Self>,
         lease: u64,
         holder: &str,
         backend: Arc<dyn DeviceBackend>,
+        needs_capability: bool,
     ) -> P2pRegistration {
         lock(&self.leases).insert(
             lease,
             PeerLease {
                 holder: holder.to_string(),
+                needs_capability,
                 backend,
                 inbound: Vec::new(),
             },
@@ -353,7 +359,9 @@ impl P2pBook {
     }
 
     /// Maps BAR `bar` of lease `target` at `iova` in `domain`, the IOMMU domain of lease
-    /// `source` (held by `holder`). The caller checked that `source` is its own lease.
+    /// `source` (held by `holder`). The caller checked that `source` is its own lease, and
+    /// (`capability`) whether the request carried the target's verified capability.
+    #[allow(clippy::too_many_arguments)]
     pub fn map(
         &self,
         source: u64,
@@ -362,11 +370,14 @@ impl P2pBook {
         target: u64,
         bar: u8,
         iova: u64,
+        capability: bool,
     ) -> Result<P2pMapping, P2pError> {
         let mut leases = lock(&self.leases);
         let t = leases
             .get_mut(&target)
-            .filter(|t| t.holder == holder && target != source)
+            .filter(|t| {
+                t.holder == holder && target != source && (capability || !t.needs_capability)
+            })
             .ok_or(P2pError::UnknownLease(target))?;
         let (export, size) = peer_region(t.backend.as_ref(), target, bar)?;
         let iova = iova.checked_add(export.bar_offset).ok_or(P2pError::Iommu {

@@ -358,6 +358,25 @@ impl GrantTable {
         Ok(r)
     }
 
+    /// Whether `grant` is a live grant of (`target`, `bar`) to `grantee` with `secret`
+    /// (same-lender capability check; a failure is counted like a refused attach).
+    pub fn check(&self, grant: u64, target: u64, bar: u8, grantee: &str, secret: &[u8]) -> bool {
+        let g = lock(&self.grants).get(&grant).and_then(Weak::upgrade);
+        let ok = g.is_some_and(|g| {
+            g.target == target
+                && g.bar == bar
+                && g.grantee == grantee
+                && same_secret(&g.secret, secret)
+        });
+        if !ok {
+            let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+            if n <= 16 || n.is_multiple_of(1024) {
+                log::warn!("p2p capability of grant {grant} for lease {target} refused (refusal #{n})");
+            }
+        }
+        ok
+    }
+
     /// Attaches refused so far.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)

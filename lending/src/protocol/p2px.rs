@@ -16,6 +16,14 @@
 //! | 0x116 | [`P2pUnmapRemote`] | `()` | borrower → source's lender |
 //! | 0x117 | [`P2pAttach`] | [`P2pAttached`] | source's lender → target's lender |
 //! | 0x118 | [`P2pDetach`] | `()` | source's lender → target's lender |
+//! | 0x119 | [`P2pMapGranted`] | `()` | borrower → the lender of both |
+//!
+//! Same lender, version 6 on tcp: a target lease borrowed in a version 6 tcp session can be mapped
+//! only with its capability: the borrower asks for a grant to the lender itself
+//! (P2P_GRANT with `grantee` = that lender) and presents it in [`P2pMapGranted`]; a plain
+//! P2P_MAP of such a lease is answered `UNKNOWN_LEASE`. This closes the tcp weakness of the
+//! identity rule (docs/SECURITY.md): another token holder at the same IP claiming the
+//! victim's node and VM names does not have the secret, which only the target's session got.
 
 use serde::{Deserialize, Serialize};
 
@@ -40,6 +48,8 @@ pub mod opcode {
     pub const P2P_ATTACH: u16 = 0x117;
     /// Lender to lender: end an attachment.
     pub const P2P_DETACH: u16 = 0x118;
+    /// Same lender: P2P_MAP with the target's capability.
+    pub const P2P_MAP_GRANTED: u16 = 0x119;
 }
 
 /// Error codes of the version 6 requests.
@@ -149,6 +159,25 @@ pub struct P2pAttached {
     pub size: u64,
 }
 
+/// P2P_MAP_GRANTED: [`super::P2pMap`] on one lender, with a grant of (`target`, `bar`) to
+/// this lender as the capability. Errors as P2P_MAP, and `BAD_GRANT` (unknown grant, not
+/// this lease and BAR, not granted to this lender, wrong secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct P2pMapGranted {
+    /// Lease whose device does the DMA (on this session).
+    pub source: u64,
+    /// Lease whose BAR is the DMA target.
+    pub target: u64,
+    /// BAR index of the target.
+    pub bar: u8,
+    /// IOVA in the source's domain (the BAR's guest-physical address).
+    pub iova: u64,
+    /// Grant id from [`P2pGranted`] (granted to this lender).
+    pub grant: u64,
+    /// Capability secret from [`P2pGranted`].
+    pub secret: Vec<u8>,
+}
+
 /// P2P_DETACH (lender → lender): ends the attachment of grant `grant` (the window is
 /// revoked). Detaching what is not attached succeeds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -166,13 +195,14 @@ pub(super) fn opcode_of(r: &Request) -> Option<u16> {
         Request::P2pUnmapRemote(_) => opcode::P2P_UNMAP_REMOTE,
         Request::P2pAttach(_) => opcode::P2P_ATTACH,
         Request::P2pDetach(_) => opcode::P2P_DETACH,
+        Request::P2pMapGranted(_) => opcode::P2P_MAP_GRANTED,
         _ => return None,
     })
 }
 
 /// Whether `op` is a version 6 request.
 pub(super) fn is_p2px_op(op: u16) -> bool {
-    (opcode::P2P_GRANT..=opcode::P2P_DETACH).contains(&op)
+    (opcode::P2P_GRANT..=opcode::P2P_MAP_GRANTED).contains(&op)
 }
 
 /// The lease of a version 6 request (`None` for other requests and the lender-to-lender
@@ -183,6 +213,7 @@ pub(super) fn lease_of(r: &Request) -> Option<u64> {
         Request::P2pRevoke(g) => Some(g.target),
         Request::P2pMapRemote(m) => Some(m.source),
         Request::P2pUnmapRemote(m) => Some(m.source),
+        Request::P2pMapGranted(m) => Some(m.source),
         _ => None,
     }
 }
@@ -196,6 +227,7 @@ pub(super) fn encode(r: &Request, op: u16) -> Option<Result<Vec<u8>, ProtocolErr
         Request::P2pUnmapRemote(v) => enc(op, v),
         Request::P2pAttach(v) => enc(op, v),
         Request::P2pDetach(v) => enc(op, v),
+        Request::P2pMapGranted(v) => enc(op, v),
         _ => return None,
     })
 }
@@ -236,6 +268,17 @@ pub(super) fn decode(op: u16, payload: &[u8]) -> Result<Request, ProtocolError> 
             Request::P2pAttach(a)
         }
         opcode::P2P_DETACH => Request::P2pDetach(dec(op, payload)?),
+        opcode::P2P_MAP_GRANTED => {
+            let m: P2pMapGranted = dec(op, payload)?;
+            check_secret(op, &m.secret)?;
+            if m.source == m.target {
+                return Err(invalid(
+                    op,
+                    format!("lease {} cannot map its own bar peer-to-peer", m.source),
+                ));
+            }
+            Request::P2pMapGranted(m)
+        }
         _ => return Err(ProtocolError::UnknownOpcode(op)),
     })
 }
@@ -276,6 +319,14 @@ mod tests {
                 secret: vec![7; SECRET_LEN],
             }),
             Request::P2pDetach(P2pDetach { grant: 9 }),
+            Request::P2pMapGranted(P2pMapGranted {
+                source: 1,
+                target: 2,
+                bar: 0,
+                iova: 0xc000_0000,
+                grant: 9,
+                secret: vec![7; SECRET_LEN],
+            }),
         ];
         for r in reqs {
             let (op, p) = r.encode_versioned(P2PX_VERSION).unwrap();

@@ -38,6 +38,20 @@ impl Session {
                     Err(e) => Err(p2px_err(e)),
                 }
             }
+            Request::P2pMapGranted(m) => {
+                let grants = Arc::clone(&self.lender.grants);
+                let node = self.lender.node.clone();
+                if !grants.check(m.grant, m.target, m.bar, &node, &m.secret) {
+                    return Some(Err(p2px_err(RemoteP2pError::BadGrant(m.grant))));
+                }
+                let p = protocol::P2pMap {
+                    source: m.source,
+                    target: m.target,
+                    bar: m.bar,
+                    iova: m.iova,
+                };
+                self.p2p_map(op, p, true)
+            }
             Request::P2pDetach(d) => {
                 self.attachments.detach(d.grant);
                 ok(op, &())
@@ -47,9 +61,7 @@ impl Session {
     }
 
     fn p2p_grant(&mut self, op: u16, g: &protocol::P2pGrant) -> Reply {
-        if g.grantee == self.lender.node {
-            return Err(p2px_err(RemoteP2pError::SelfGrant(g.grantee.clone())));
-        }
+        // A grant to this lender itself is the target's capability for P2P_MAP_GRANTED.
         let grants = Arc::clone(&self.lender.grants);
         let sl = self.lease(g.target)?;
         let h = grants
