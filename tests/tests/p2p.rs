@@ -36,6 +36,27 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer() {
     cluster.wait_available(DMATEST2_BDF);
 }
 
+/// One lender over tcp: the lender requires B's capability (a grant to itself) for the
+/// same-lender mapping, which the VMM's router asks for.
+#[test]
+fn two_dmatests_of_one_lender_copy_peer_to_peer_tcp() {
+    let cluster = Cluster::new(Fabric::Tcp);
+    let _lender = cluster.start_lenderd(&[
+        format!("{DMATEST_BDF}=dmatest"),
+        format!("{DMATEST2_BDF}=dmatest"),
+    ]);
+    let a = format!("{LENDER}:{DMATEST_BDF},id=dta");
+    let b = format!("{LENDER}:{DMATEST2_BDF},id=dtb");
+    run_guest(&cluster, &a, &b);
+    let log = std::fs::read_to_string(cluster.file("lenderd.log")).unwrap();
+    assert!(
+        log.contains(&format!("granted to lender {LENDER}")),
+        "no capability grant:\n{log}"
+    );
+    cluster.wait_available(DMATEST_BDF);
+    cluster.wait_available(DMATEST2_BDF);
+}
+
 /// A on `node1`, B on `node2`: node1 reaches node2 over its own lender-to-lender link.
 fn two_lenders(fabric: Fabric) {
     let cluster = two_lender_cluster(fabric);
