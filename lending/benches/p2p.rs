@@ -31,8 +31,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use emulated::dmatest::{
-    BUF_OFFSET, CMD_DST_BUF, CMD_SRC_BUF, CMD_START, REG_CMD, REG_COMPLETED, REG_DST,
-    REG_LEN, REG_SRC, REG_STATUS, STATUS_ERROR,
+    BUF_OFFSET, CMD_DST_BUF, CMD_SRC_BUF, CMD_START, REG_CMD, REG_COMPLETED, REG_DST, REG_LEN,
+    REG_SRC, REG_STATUS, STATUS_ERROR,
 };
 use emulated::NotifyMode;
 use lending::backend::emulated::EmulatedBackend;
@@ -262,7 +262,10 @@ fn main() {
     };
     let _la = start(
         "lenderA",
-        vec![("0000:00:0a.0", mk("bench-a")), ("0000:00:0c.0", mk("bench-a2"))],
+        vec![
+            ("0000:00:0a.0", mk("bench-a")),
+            ("0000:00:0c.0", mk("bench-a2")),
+        ],
     );
     let _lb = start("lenderB", vec![("0000:00:0b.0", mk("bench-b"))]);
 
@@ -296,8 +299,10 @@ fn main() {
     let check_len = 1usize << 20;
     let pattern: Vec<u8> = (0..check_len).map(|i| (i * 7 + 3) as u8).collect();
     a.bar.write_at(BUF_OFFSET, &pattern).unwrap();
-    let topologies: [(&'static str, &Dev, u64); 2] =
-        [("same-lender", &a2, BAR_GPA), ("cross-lender", &b, BAR_GPA_X)];
+    let topologies: [(&'static str, &Dev, u64); 2] = [
+        ("same-lender", &a2, BAR_GPA),
+        ("cross-lender", &b, BAR_GPA_X),
+    ];
     let p2p = |gpa: u64, len: u32| a.copy(CMD_SRC_BUF, 0, gpa + BUF_OFFSET, len);
     let through_ram = |t: &Dev, len: u32| {
         a.copy(CMD_SRC_BUF, 0, RAM_GPA, len);
@@ -313,7 +318,10 @@ fn main() {
             }
             let mut got = vec![0; check_len];
             t.bar.read_at(BUF_OFFSET, &mut got).unwrap();
-            assert_eq!(got, pattern, "{topo} {mode}: the target's buffer lacks A's data");
+            assert_eq!(
+                got, pattern,
+                "{topo} {mode}: the target's buffer lacks A's data"
+            );
         }
     }
 

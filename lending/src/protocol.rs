@@ -74,13 +74,13 @@ use ntb::wire::{self, ErrorReply, WireError};
 pub mod migration;
 pub mod p2px;
 
-pub use p2px::{
-    P2pAttach, P2pAttached, P2pDetach, P2pGrant, P2pGranted, P2pMapGranted, P2pMapRemote,
-    P2pRevoke, P2pUnmapRemote, P2PX_VERSION,
-};
 pub use migration::{
     AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, LeaseMoved,
     QuiesceHandover, TransferAccept, TransferCreate, TransferTicket,
+};
+pub use p2px::{
+    P2pAttach, P2pAttached, P2pDetach, P2pGrant, P2pGranted, P2pMapGranted, P2pMapRemote,
+    P2pRevoke, P2pUnmapRemote, P2PX_VERSION,
 };
 
 /// Version of this protocol (independent of the wire version).

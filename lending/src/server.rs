@@ -1131,17 +1131,14 @@ impl Session {
         if self.version >= 3 {
             backend.set_kick_listener(Some(kick_listener(&self.ep, &backend, id, &kicks_told)));
         }
-        let p2p = self
-            .lender
-            .p2p
-            .register(
-                id,
-                &self.p2p_holder(&lease),
-                Arc::clone(&backend),
-                // tcp: the identity rule's origin is only an IP (docs/SECURITY.md), so a
-                // version 6 lease needs its capability; shm's origin is the process.
-                self.version >= protocol::P2PX_VERSION && self.ep.kind() == FabricKind::Tcp,
-            );
+        let p2p = self.lender.p2p.register(
+            id,
+            &self.p2p_holder(&lease),
+            Arc::clone(&backend),
+            // tcp: the identity rule's origin is only an IP (docs/SECURITY.md), so a
+            // version 6 lease needs its capability; shm's origin is the process.
+            self.version >= protocol::P2PX_VERSION && self.ep.kind() == FabricKind::Tcp,
+        );
         self.leases.insert(
             id,
             SessionLease {

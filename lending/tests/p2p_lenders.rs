@@ -76,11 +76,7 @@ fn cluster_src(kind: ntb::FabricKind, dir: &std::path::Path) -> String {
     src
 }
 
-fn start(
-    cfg: &ClusterConfig,
-    node: &str,
-    devices: Vec<(String, Arc<dyn DeviceBackend>)>,
-) -> Side {
+fn start(cfg: &ClusterConfig, node: &str, devices: Vec<(String, Arc<dyn DeviceBackend>)>) -> Side {
     let inv = Arc::new(Inventory::new(devices).unwrap());
     let listener = SocketFabric::from_cluster(cfg, node)
         .unwrap()
@@ -114,7 +110,11 @@ fn setup(kind: ntb::FabricKind) -> Setup {
         )
         .unwrap(),
     );
-    let a = start(&cfg, "lenderA", vec![(DEV_A.to_string(), dev_a.clone() as _)]);
+    let a = start(
+        &cfg,
+        "lenderA",
+        vec![(DEV_A.to_string(), dev_a.clone() as _)],
+    );
     let b = start(
         &cfg,
         "lenderB",

@@ -237,17 +237,15 @@ impl P2pRouter {
         } else if s.port.lender() == tport.lender() {
             s.port.map(tport.lease(), bar, gpa)
         } else {
-            tport
-                .grant(bar, s.port.lender())
-                .and_then(|(g, guard)| {
-                    let m = s
-                        .port
-                        .map_remote(tport.lender(), tport.lease(), bar, gpa, &g)?;
-                    Ok(Box::new(CrossLender {
-                        _map: m,
-                        _grant: guard,
-                    }) as Box<dyn PeerMapping>)
-                })
+            tport.grant(bar, s.port.lender()).and_then(|(g, guard)| {
+                let m = s
+                    .port
+                    .map_remote(tport.lender(), tport.lease(), bar, gpa, &g)?;
+                Ok(Box::new(CrossLender {
+                    _map: m,
+                    _grant: guard,
+                }) as Box<dyn PeerMapping>)
+            })
         };
         match r {
             Ok(m) => {
@@ -389,7 +387,7 @@ mod tests {
         /// Grants given by this lender: (lease, bar, grantee, grant id).
         grants: Mutex<Vec<(u64, u8, String, u64)>>,
         /// Remote maps held by this lender: (source lease, lender, target, bar, iova, grant).
-        remote: Mutex<Vec<(u64, String, u64, u8, u64, u64)>>,
+        remote: Mutex<Vec<RemoteRow>>,
         /// Every unmap and revoke, in order.
         log: Mutex<Vec<String>>,
     }
@@ -403,7 +401,11 @@ mod tests {
 
     impl Drop for Grant {
         fn drop(&mut self) {
-            self.lender.grants.lock().unwrap().retain(|g| g.3 != self.id);
+            self.lender
+                .grants
+                .lock()
+                .unwrap()
+                .retain(|g| g.3 != self.id);
             self.lender
                 .log
                 .lock()
@@ -421,7 +423,11 @@ mod tests {
 
     impl Drop for Remote {
         fn drop(&mut self) {
-            self.lender.remote.lock().unwrap().retain(|r| r.5 != self.grant);
+            self.lender
+                .remote
+                .lock()
+                .unwrap()
+                .retain(|r| r.5 != self.grant);
             self.lender
                 .log
                 .lock()
@@ -431,6 +437,9 @@ mod tests {
     }
 
     static NEXT_GRANT: AtomicU64 = AtomicU64::new(1);
+
+    /// (source lease, lender, target, bar, iova, grant).
+    type RemoteRow = (u64, String, u64, u8, u64, u64);
 
     struct Port {
         lender: Arc<FakeLender>,

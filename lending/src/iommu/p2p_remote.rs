@@ -318,12 +318,14 @@ impl GrantTable {
     ) -> Result<P2pAttached, RemoteP2pError> {
         let peer = ep.peer_node().to_string();
         let g = lock(&self.grants).get(&a.grant).and_then(Weak::upgrade);
-        let Some(g) = g.filter(|g| g.grantee == peer && same_secret(&g.secret, &a.secret))
-        else {
+        let Some(g) = g.filter(|g| g.grantee == peer && same_secret(&g.secret, &a.secret)) else {
             // Anyone authenticated can knock with made-up grants: count, log rate-limited.
             let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
             if n <= 16 || n.is_multiple_of(1024) {
-                log::warn!("{peer}: p2p attach of grant {} refused (refusal #{n})", a.grant);
+                log::warn!(
+                    "{peer}: p2p attach of grant {} refused (refusal #{n})",
+                    a.grant
+                );
             }
             return Err(RemoteP2pError::BadGrant(a.grant));
         };
@@ -371,7 +373,9 @@ impl GrantTable {
         if !ok {
             let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
             if n <= 16 || n.is_multiple_of(1024) {
-                log::warn!("p2p capability of grant {grant} for lease {target} refused (refusal #{n})");
+                log::warn!(
+                    "p2p capability of grant {grant} for lease {target} refused (refusal #{n})"
+                );
             }
         }
         ok
@@ -455,7 +459,10 @@ impl RemoteMapped {
         }
         *live = false;
         if let Err(e) = self.domain.unmap(self.iova, self.size) {
-            log::debug!("lease {}: remote p2p mapping already gone: {e}", self.source);
+            log::debug!(
+                "lease {}: remote p2p mapping already gone: {e}",
+                self.source
+            );
         }
         log::info!(
             "lease {}: p2p mapping of lease {} bar {} on {} at iova {:#x} removed ({why})",

@@ -27,8 +27,7 @@ impl Session {
             Request::P2pMapRemote(m) => self.p2p_map_remote(op, m),
             Request::P2pUnmapRemote(u) => self.lease(u.source).and_then(|sl| {
                 // Already ended (revoked by the target's lender, link lost): nothing to do.
-                sl.p2p
-                    .remove_remote(&(u.lender.clone(), u.target, u.bar));
+                sl.p2p.remove_remote(&(u.lender.clone(), u.target, u.bar));
                 ok(op, &())
             }),
             Request::P2pAttach(a) => {
