@@ -542,3 +542,32 @@ fn same_lender_p2p_on_tcp_needs_the_targets_capability() {
     let (err, _) = copy(&src, 0, RAM_GPA, BAR_GPA + CMB_OFFSET, 0x1000);
     assert!(err, "the target's reset revokes");
 }
+
+/// The target lease moves to another VM (live migration's transfer): its grants end with
+/// the old holder, and lender A unmaps.
+#[test]
+fn a_transferred_target_revokes_its_grants() {
+    let s = setup(ntb::FabricKind::Shm);
+    let (ca, cb) = (client(&s, "vmm", "lenderA"), client(&s, "vmm", "lenderB"));
+    let (la, lb) = (
+        ca.borrow(DEV_A, "vm0").unwrap(),
+        cb.borrow(DEV_B, "vm0").unwrap(),
+    );
+    let _ram = ram_for(&ca, &la);
+    map_remote(&la, &lb, BAR_GPA);
+    assert!(!copy(&la, 0, RAM_GPA, BAR_GPA + BUF_OFFSET, 0x100).0);
+    let ticket = lb.create_transfer("vmm", "vm9").unwrap();
+    let dst = client(&s, "vmm", "lenderB");
+    let moved = dst.accept_transfer(&ticket, "vm9", &[], &[]).unwrap();
+    assert_eq!(moved.id(), lb.id());
+    assert_eq!(s.b.lender.p2p_grants_attached(), 0);
+    wait_until("A unmapped the transferred target", || {
+        s.a.lender.p2p_remote_revoked() == 1
+    });
+    let (err, faults) = copy(&la, 0, RAM_GPA, BAR_GPA + BUF_OFFSET, 0x100);
+    assert!(
+        err && faults == 1,
+        "after transfer: err {err} faults {faults}"
+    );
+    std::mem::forget(lb); // its session no longer holds it
+}

@@ -215,7 +215,9 @@ impl P2pRegistration {
     /// The lease changed hands (live migration's transfer): every mapping into it is
     /// revoked and it answers to `holder` from now on.
     pub fn rehold(&mut self, holder: &str) -> usize {
-        let n = self.book.revoke_into(self.lease, "lease transferred");
+        // Grants to other lenders and mappings into it end (another holder now), and so do
+        // its own mappings of other lenders' memory.
+        let n = self.revoke_all("lease transferred");
         self.end_remote();
         if let Some(p) = lock(&self.book.leases).get_mut(&self.lease) {
             p.holder = holder.to_string();
