@@ -108,6 +108,54 @@ fn two_dmatests_of_two_lenders_copy_peer_to_peer_tcp() {
     two_lenders(Fabric::Tcp);
 }
 
+/// node2 (B's lender) is killed while A keeps copying into B's BAR: node1 unmaps B's window
+/// as its link to node2 dies, A's copies end with STATUS.error and node1 counts the faults;
+/// afterwards node1's device is given back with nothing left mapped.
+#[test]
+fn killing_the_targets_lender_refuses_the_sources_dma() {
+    let cluster = two_lender_cluster(Fabric::Shm);
+    let _l1 = start_lender(&cluster, "node1", DMATEST_BDF);
+    let mut l2 = start_lender(&cluster, "node2", DMATEST2_BDF);
+    let a = format!("node1:{DMATEST_BDF},id=dta");
+    let b = format!("node2:{DMATEST2_BDF},id=dtb");
+    let cluster_arg = cluster.path.display().to_string();
+    let cmdline = format!("tests=p2p-loss seed={SEED:#x} wait_ms=30000");
+    let mut vm = Vm::start_with_log(
+        "64M",
+        &[
+            "--cluster",
+            &cluster_arg,
+            "--remote-device",
+            &a,
+            "--remote-device",
+            &b,
+            "--cmdline",
+            &cmdline,
+        ],
+        "info",
+    );
+    let copy = vm.expect_ok("p2p-copy", BOOT_TIMEOUT);
+    assert!(copy.contains("verified"), "{copy}");
+    let before = lender_device(&cluster, "node1", DMATEST_BDF).iommu_faults;
+    l2.kill();
+    vm.expect_exit(0, BOOT_TIMEOUT);
+    let lost = vm.expect_ok("p2p-lost", Duration::ZERO);
+    let log1 = std::fs::read_to_string(cluster.file("node1.log")).unwrap();
+    assert!(
+        log1.contains("lender-to-lender link to node2 ended")
+            && log1.contains("1 p2p mappings unmapped"),
+        "node1 did not unmap at the link's death:\n{log1}\n{lost}"
+    );
+    let d = lender_device(&cluster, "node1", DMATEST_BDF);
+    assert!(d.iommu_faults > before, "{d:?}");
+    let ok = poll(Duration::from_secs(10), || {
+        (lender_device(&cluster, "node1", DMATEST_BDF).summary.state
+            == lending::protocol::DeviceState::Available)
+            .then_some(())
+    });
+    assert!(ok.is_some(), "node1's device not given back");
+}
+
 /// Boots the test guest with dmatests `a` (id dta) and `b` (id dtb) and checks its p2p
 /// steps and the VMM's mappings of B's BAR for A (at B's address, then the moved one).
 fn run_guest(cluster: &Cluster, a: &str, b: &str) {
