@@ -1032,6 +1032,7 @@ impl Session {
     /// P2P_MAP (and P2P_MAP_GRANTED with `capability`: the target's grant was verified).
     fn p2p_map(&mut self, op: u16, m: protocol::P2pMap, capability: bool) -> Reply {
         let book = Arc::clone(&self.lender.p2p);
+        let peers = Arc::clone(&self.lender.peers);
         let sl = self.lease(m.source)?;
         let key = (m.target, m.bar);
         if let Some(old) = sl.p2p_out.get(&key).filter(|o| o.is_live()) {
@@ -1053,7 +1054,10 @@ impl Session {
                 m.source, &holder, domain, m.target, m.bar, m.iova, capability,
             )
             .map_err(|e| {
-                log::info!("{holder}: p2p map refused: {e}");
+                crate::iommu::p2p_remote::log_refusal(
+                    &peers.refusals,
+                    format_args!("{holder}: p2p map refused: {e}"),
+                );
                 p2p_err(e)
             })?;
         sl.p2p_out.insert(key, mapping);

@@ -149,6 +149,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Counts a refusal a borrower can repeat (BAR writes in a loop) and logs the first 16,
+/// then one in 1024.
+pub fn log_refusal(counter: &AtomicU64, what: std::fmt::Arguments<'_>) {
+    let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
+    if n <= 16 || n.is_multiple_of(1024) {
+        log::info!("{what} (refusal #{n})");
+    } else {
+        log::debug!("{what} (refusal #{n})");
+    }
+}
+
 fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
@@ -567,6 +578,8 @@ pub struct PeerLenders {
     stop: Arc<AtomicBool>,
     /// Mappings ended because their link died or the target's lender revoked them.
     revoked: AtomicU64,
+    /// Remote maps and grants this lender refused (for the log rate limit).
+    pub(crate) refusals: AtomicU64,
 }
 
 impl PeerLenders {
@@ -579,6 +592,7 @@ impl PeerLenders {
             links: Mutex::default(),
             stop,
             revoked: AtomicU64::new(0),
+            refusals: AtomicU64::new(0),
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ntb::wire::ErrorReply;
 
 use super::{ok, Reply, Session};
-use crate::iommu::p2p_remote::RemoteP2pError;
+use crate::iommu::p2p_remote::{log_refusal, RemoteP2pError};
 use crate::protocol::{self, error, P2pGranted, Request};
 
 fn p2px_err(e: RemoteP2pError) -> ErrorReply {
@@ -62,11 +62,15 @@ impl Session {
     fn p2p_grant(&mut self, op: u16, g: &protocol::P2pGrant) -> Reply {
         // A grant to this lender itself is the target's capability for P2P_MAP_GRANTED.
         let grants = Arc::clone(&self.lender.grants);
+        let peers = Arc::clone(&self.lender.peers);
         let sl = self.lease(g.target)?;
         let h = grants
             .grant(g.target, g.bar, &g.grantee, sl.lease.backend().as_ref())
             .map_err(|e| {
-                log::info!("lease {}: p2p grant refused: {e}", g.target);
+                log_refusal(
+                    &peers.refusals,
+                    format_args!("lease {}: p2p grant refused: {e}", g.target),
+                );
                 p2px_err(e)
             })?;
         let r = P2pGranted {
@@ -108,7 +112,10 @@ impl Session {
                 m.source, domain, &m.lender, m.target, m.bar, m.iova, m.grant, &m.secret,
             )
             .map_err(|e| {
-                log::info!("lease {}: remote p2p map refused: {e}", m.source);
+                log_refusal(
+                    &peers.refusals,
+                    format_args!("lease {}: remote p2p map refused: {e}", m.source),
+                );
                 p2px_err(e)
             })?;
         sl.p2p.add_remote(key, mapping);
