@@ -275,6 +275,8 @@ fn cross_lender_copy(kind: ntb::FabricKind) {
         1,
         "only the RAM window is left"
     );
+    // The lender-to-lender link ends with its last mapping.
+    assert_eq!(s.a.lender.p2p_peer_links(), 0);
 }
 
 #[test]

@@ -9,8 +9,8 @@
 //!   authenticated as A (P2P_ATTACH); B checks the grantee and the secret (constant time) and
 //!   exports T's peer memory as a fabric window on that link ([`Attachment`]).
 //! * On A, [`PeerLenders`]: one authenticated link per peer lender, opened on first use
-//!   with the cluster token exactly as a borrower's ([`crate::LenderClient`]), and a watcher
-//!   thread per link. [`RemoteP2pMapping`] maps the attached window into S's IOMMU domain at
+//!   with the cluster token exactly as a borrower's ([`crate::LenderClient`]) and closed
+//!   when its last mapping ends, and a watcher thread per link (ends with the link). [`RemoteP2pMapping`] maps the attached window into S's IOMMU domain at
 //!   IOVA = T's BAR address + the memory's offset in the BAR; dropping it unmaps and detaches.
 //!   When B revokes the window or the link dies, the watcher unmaps every mapping through it
 //!   at once (and a DMA racing with that finds the severed window and faults): S's DMA then
@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -514,6 +514,9 @@ impl RemoteP2pMapping {
 impl Drop for RemoteP2pMapping {
     fn drop(&mut self) {
         self.shared.revoke("unmapped by its source", true);
+        if let Some(l) = self.shared.link.upgrade() {
+            l.release_if_idle();
+        }
     }
 }
 
@@ -523,9 +526,55 @@ struct PeerLink {
     client: LenderClient,
     mappings: Mutex<Vec<Weak<RemoteMapped>>>,
     dead: AtomicBool,
+    /// Maps in progress over the link (it is not closed under them).
+    pending: AtomicUsize,
+    lenders: Weak<PeerLenders>,
+}
+
+/// A map in progress over a link; its end may leave the link idle.
+struct Pending(Arc<PeerLink>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+        self.0.release_if_idle();
+    }
 }
 
 impl PeerLink {
+    fn live_mappings(&self) -> usize {
+        let mut g = lock(&self.mappings);
+        g.retain(|w| w.strong_count() > 0);
+        g.iter()
+            .filter_map(Weak::upgrade)
+            .filter(|m| *lock(&m.live))
+            .count()
+    }
+
+    /// Closes the link once it carries no mapping and none is being made: a link's
+    /// resources (socket, doorbells, the peer's session) live no longer than its use.
+    fn release_if_idle(self: &Arc<Self>) {
+        let Some(lenders) = self.lenders.upgrade() else {
+            return;
+        };
+        {
+            let mut links = lock(&lenders.links);
+            if self.pending.load(Ordering::Acquire) > 0 || self.live_mappings() > 0 {
+                return;
+            }
+            if links.get(&self.node).is_some_and(|x| Arc::ptr_eq(x, self)) {
+                links.remove(&self.node);
+            }
+        }
+        if !self.dead.swap(true, Ordering::AcqRel) {
+            log::info!(
+                "lender-to-lender link to {} closed: no peer-to-peer mapping left",
+                self.node
+            );
+            self.ep().close();
+        }
+    }
+
     fn ep(&self) -> &Arc<dyn Endpoint> {
         self.client.endpoint()
     }
@@ -621,7 +670,8 @@ impl PeerLenders {
         }
     }
 
-    fn link(self: &Arc<Self>, lender: &str) -> Result<Arc<PeerLink>, RemoteP2pError> {
+    /// The link to `lender` (opened if needed), marked busy until the returned value drops.
+    fn link(self: &Arc<Self>, lender: &str) -> Result<Pending, RemoteP2pError> {
         let err = |why: String| RemoteP2pError::PeerLender {
             lender: lender.to_string(),
             why,
@@ -630,7 +680,8 @@ impl PeerLenders {
         let mut links = lock(&self.links);
         if let Some(l) = links.get(lender) {
             if !l.dead.load(Ordering::Acquire) && l.ep().is_up() {
-                return Ok(Arc::clone(l));
+                l.pending.fetch_add(1, Ordering::AcqRel);
+                return Ok(Pending(Arc::clone(l)));
             }
             links.remove(lender);
         }
@@ -660,6 +711,8 @@ impl PeerLenders {
             client,
             mappings: Mutex::default(),
             dead: AtomicBool::new(false),
+            pending: AtomicUsize::new(1),
+            lenders: Arc::downgrade(self),
         });
         let (l, me) = (Arc::clone(&link), Arc::downgrade(self));
         std::thread::Builder::new()
@@ -668,7 +721,7 @@ impl PeerLenders {
             .map_err(|e| err(format!("no watcher thread: {e}")))?;
         log::info!("lender-to-lender link to {lender} up (peer-to-peer dma)");
         links.insert(lender.to_string(), Arc::clone(&link));
-        Ok(link)
+        Ok(Pending(link))
     }
 
     /// Maps BAR `bar` of lease `target` on lender `lender` (granted as `grant`/`secret`) into
@@ -688,7 +741,8 @@ impl PeerLenders {
         if lender == self.local {
             return Err(RemoteP2pError::SelfGrant(lender.to_string()));
         }
-        let link = self.link(lender)?;
+        let pending = self.link(lender)?;
+        let link = Arc::clone(&pending.0);
         let attached: P2pAttached = link
             .request(&Request::P2pAttach(P2pAttach {
                 grant,
@@ -759,6 +813,7 @@ impl PeerLenders {
             live: Mutex::new(true),
         });
         lock(&link.mappings).push(Arc::downgrade(&shared));
+        drop(pending);
         log::info!(
             "lease {source}: bar {bar} of lease {target} on {lender} mapped at iova {at:#x} size \
              {:#x} (peer-to-peer across lenders, grant {grant})",
@@ -783,6 +838,7 @@ fn watch(link: &Arc<PeerLink>, lenders: &Weak<PeerLenders>) {
                 if let Some(l) = lenders.upgrade() {
                     l.revoked.fetch_add(n as u64, Ordering::Relaxed);
                 }
+                link.release_if_idle();
             }
             Ok(Incoming::Request { id, .. }) => {
                 let e = protocol::error(
