@@ -381,7 +381,16 @@ fn target_reset_and_return_revoke_the_remote_mapping() {
 
 #[test]
 fn target_lender_lost_unmaps_and_the_source_dma_faults() {
-    let mut s = setup(ntb::FabricKind::Shm);
+    target_lender_lost(ntb::FabricKind::Shm);
+}
+
+#[test]
+fn target_lender_lost_unmaps_and_the_source_dma_faults_tcp() {
+    target_lender_lost(ntb::FabricKind::Tcp);
+}
+
+fn target_lender_lost(kind: ntb::FabricKind) {
+    let mut s = setup(kind);
     let (ca, cb) = (client(&s, "vmm", "lenderA"), client(&s, "vmm", "lenderB"));
     let (la, lb) = (
         ca.borrow(DEV_A, "vm0").unwrap(),
