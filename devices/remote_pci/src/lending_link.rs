@@ -142,6 +142,10 @@ pub struct LendingEventSink {
     kicks: Arc<KickCell>,
     state: Arc<Mutex<LeaseState>>,
     hook: Arc<Mutex<HookSlot>>,
+    /// Held across a whole report of the loss, the hook's call included: a `set_event_hook`
+    /// racing the event thread's report returns only once the hook has been told (the hook
+    /// must not set a hook of this link from `lease_lost`).
+    reporting: Arc<Mutex<()>>,
     /// Per kind: the eventfds to write on relayed interrupts (tcp).
     relay: Arc<Mutex<HashMap<IrqKind, Vec<EventFd>>>>,
     counts: Arc<Mutex<Vec<u64>>>,
@@ -246,6 +250,7 @@ impl LendingEventSink {
 
     /// Calls the hook's `lease_lost` if there is a hook and it was not told yet.
     fn report_lost(&self, why: &str) {
+        let _turn = self.reporting.lock().unwrap_or_else(PoisonError::into_inner);
         let hook = {
             let mut slot = self.hook.lock().unwrap_or_else(PoisonError::into_inner);
             if slot.lost_reported {
@@ -431,6 +436,7 @@ impl LendingLink {
             kicks: Arc::default(),
             state: Arc::new(Mutex::new(LeaseState::Active)),
             hook: Arc::default(),
+            reporting: Arc::default(),
             relay: Arc::default(),
             counts: Arc::default(),
             wakeups: Arc::default(),
@@ -960,6 +966,7 @@ mod tests {
             kicks: Arc::default(),
             state: Arc::new(Mutex::new(LeaseState::Active)),
             hook: Arc::default(),
+            reporting: Arc::default(),
             relay: Arc::default(),
             counts: Arc::default(),
             wakeups: Arc::default(),
