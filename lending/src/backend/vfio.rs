@@ -893,6 +893,77 @@ pub(crate) mod tests {
             .clone()
     }
 
+    /// Peer-to-peer with VFIO on either side (no /dev/vfio here: the fake device and
+    /// container). As a *target*, a VFIO device offers its whole BAR through the sysfs
+    /// resource file: a peer's DMA through its IOMMU domain lands in the BAR. As a *source*,
+    /// the peer BAR is handed to the type1 IOMMU as the lender's mapping of it (host address
+    /// = that mapping, IOVA = the target's guest BAR address), and unmapped again when the
+    /// mapping is dropped or the target revokes it.
+    #[test]
+    fn p2p_with_a_vfio_device_as_target_and_as_source() {
+        use crate::iommu::p2p::P2pBook;
+        use crate::iommu::vfio::fake::FakeOp;
+        use crate::iommu::{IommuDomain, SoftIommu};
+        const IOVA: u64 = 0xe000_0000;
+        let (target, _c, sysfs) = backend();
+        let target: Arc<dyn DeviceBackend> = Arc::new(target);
+        let book = Arc::new(P2pBook::default());
+        let reg = book.register(2, "borrower/vm@local", Arc::clone(&target), false);
+        let resource0 = sysfs.root().join(BDF).join("resource0");
+
+        // An emulated source (software domain) writes into the VFIO target's BAR.
+        let soft = Arc::new(SoftIommu::new("emulated-source"));
+        let m = book
+            .map(1, "borrower/vm@local", soft.clone(), 2, 0, IOVA, false)
+            .unwrap();
+        soft.dma_write(IOVA + 0x10, &[0xca, 0xfe, 0xf0, 0x0d])
+            .unwrap();
+        assert_eq!(
+            &std::fs::read(&resource0).unwrap()[0x10..0x14],
+            &[0xca, 0xfe, 0xf0, 0x0d]
+        );
+        assert!(
+            soft.dma_write(IOVA + 0x4000, &[0]).is_err(),
+            "nothing past the BAR"
+        );
+        // Another holder's lease cannot map it.
+        assert!(book
+            .map(3, "borrower/other@local", soft.clone(), 2, 0, IOVA, false)
+            .is_err());
+        drop(m);
+        assert!(
+            soft.dma_write(IOVA + 0x10, &[0]).is_err(),
+            "unmapped with its value"
+        );
+
+        // A VFIO source: the container is given the lender's mapping of the peer BAR.
+        let c = Arc::new(FakeVfioContainer::default());
+        let vdom: Arc<dyn IommuDomain> = Arc::new(VfioDomain::new("vfio-source", Arc::clone(&c)));
+        let m = book
+            .map(1, "borrower/vm@local", Arc::clone(&vdom), 2, 0, IOVA, false)
+            .unwrap();
+        let (size, host) = c.live.lock().unwrap()[&IOVA];
+        assert_eq!(size, 0x4000);
+        // What the IOMMU would translate IOVA to is the BAR: a store through the host
+        // address reaches the resource file, i.e. the device.
+        // SAFETY: `host` is the live mapping of the 16 KiB BAR that `m` keeps mapped.
+        unsafe { std::ptr::write_volatile((host as *mut u8).add(0x20), 0x5a) };
+        assert_eq!(std::fs::read(&resource0).unwrap()[0x20], 0x5a);
+        // The target's reset/return revokes it: the container is unmapped before that returns.
+        assert_eq!(reg.revoke_all("target reset"), 1);
+        assert_eq!(
+            c.calls(),
+            vec![FakeOp::Map(IOVA, 0x4000), FakeOp::Unmap(IOVA, 0x4000)]
+        );
+        assert!(c.live().is_empty());
+        drop(m);
+        assert_eq!(
+            c.calls().len(),
+            2,
+            "a revoked mapping is not unmapped twice"
+        );
+    }
+
     /// Live migration on a VFIO device: the lender cannot see its DMA, so the hand-over
     /// quiesce does not confirm a drain and the dirty log reports the whole window.
     #[test]
