@@ -326,6 +326,8 @@ fn fake_destination(
             }
             None => {
                 s.write_all(&frame(2, &[])).unwrap();
+                // IDENTITY (protocol version 2): no fabric identity, no lent devices taken.
+                s.write_all(&frame(7, b"{}")).unwrap();
                 let mut got = 0;
                 let mut buf = vec![0u8; 64 << 10];
                 while got < read {
@@ -454,7 +456,7 @@ fn failed_migrations_leave_the_source_running() {
     let why: serde_json::Value = serde_json::from_slice(&body).unwrap();
     let why = why["reason"].as_str().unwrap();
     assert!(
-        why.contains("version 99") && why.contains("version 1"),
+        why.contains("version 99") && why.contains("version 2"),
         "{why}"
     );
     dst.expect_exit(1, T);

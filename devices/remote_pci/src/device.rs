@@ -777,6 +777,11 @@ impl RemotePciDevice {
         Ok(())
     }
 
+    /// The lease's live-migration side (`None`: this device cannot be handed over).
+    pub fn migration(&self) -> Option<Arc<dyn crate::LeaseMigration>> {
+        self.link.migration()
+    }
+
     /// Data-path counters: trapped BAR reads/writes, VMM-signalled kicks, ioeventfds.
     pub fn counters(&self) -> DeviceCountersSnapshot {
         self.io_counters.snapshot()

@@ -8,11 +8,15 @@
 //! source                                   destination
 //!   Hello {magic, version, lendvm_version} ->
 //!                                         <- Ack | Refused {reason}   (version checked)
+//!                                         <- Identity {node, vm}      (names for tickets)
 //!   Config {cpus, memory_size, ...}       ->  (builds an empty VM of that shape)
 //!   Memory {gpa, bytes} ...               ->  (written into guest RAM)
-//!   State {the snapshot document}         ->  (restored; VM paused)
+//!   State {the snapshot document,         ->  (restored; VM paused; each lent device's
+//!          hand-over tickets}                  lease taken over with its ticket)
 //!                                         <- Ack | Refused {reason}
 //! ```
+//!
+//! Version 2 added `Identity` and the hand-over of lent devices in `State`.
 //!
 //! A peer that sends anything else, an oversized frame or a run outside guest RAM gets an
 //! error naming it; the receiver drops the connection, the sender resumes its VM.
@@ -30,7 +34,7 @@ use crate::snapshot::format::{MachineConfig, VmSnapshot};
 /// What a hello must carry.
 pub const MAGIC: &str = "lendvm-migration";
 /// The protocol version this lendvm speaks (both ends must agree).
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest control (JSON) payload accepted: the state document of a big VM is far below.
 pub const MAX_CONTROL: u64 = 16 << 20;
 /// Largest run of guest pages in one memory frame (the sender splits longer runs).
@@ -105,6 +109,12 @@ pub enum MigrationError {
         offset: u64,
         #[source]
         source: io::Error,
+    },
+    #[error("handing over lent device {id}: {step}: {reason}")]
+    Handover {
+        id: String,
+        step: &'static str,
+        reason: String,
     },
     #[error("pausing the vm for the final pass: {0}")]
     Pause(String),
@@ -288,6 +298,32 @@ pub mod kind {
     pub const CONFIG: u32 = 4;
     pub const MEMORY: u32 = 5;
     pub const STATE: u32 = 6;
+    pub const IDENTITY: u32 = 7;
+}
+
+/// Who the destination is on the device-lending fabric (payload of `IDENTITY`): the source
+/// names it in the transfer tickets of its leases. `None`: it cannot take leases over.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    pub node: Option<String>,
+    pub vm: Option<String>,
+}
+
+/// One lent device's hand-over, in `STATE`: the lease transfer ticket the source's lender
+/// issued for the destination, and what the hand-over quiesce reported. The device's
+/// guest-visible PCI state is the document's `devices.lent` entry of the same `id`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceHandover {
+    /// The VMM's device id.
+    pub id: String,
+    /// The lease on its lender.
+    pub lease: u64,
+    /// The single-use ticket.
+    pub ticket: Vec<u8>,
+    pub expires_in_ms: u64,
+    /// Interrupts the lender holds (replayed by the lender when the device resumes).
+    pub pending_msix: Vec<u32>,
+    pub pending_intx: bool,
 }
 
 /// The first frame of a stream.
@@ -331,6 +367,9 @@ pub struct VmState {
     pub doc: VmSnapshot,
     #[serde(default)]
     pub paused: bool,
+    /// The lent devices handed over (one per `doc.devices.lent` entry).
+    #[serde(default)]
+    pub handover: Vec<DeviceHandover>,
 }
 
 /// Why the destination refused (payload of `REFUSED`).
@@ -352,6 +391,7 @@ pub enum Frame {
         len: u64,
     },
     State(Box<VmState>),
+    Identity(Identity),
 }
 
 fn io_err(step: &'static str) -> impl Fn(io::Error) -> MigrationError {
@@ -452,6 +492,7 @@ pub fn read_frame(r: &mut impl Read, step: &'static str) -> Result<Frame, Migrat
         kind::REFUSED => Frame::Refused(json("refusal", &body)?),
         kind::CONFIG => Frame::Config(json("config", &body)?),
         kind::STATE => Frame::State(Box::new(json("state", &body)?)),
+        kind::IDENTITY => Frame::Identity(json("identity", &body)?),
         got => return Err(MigrationError::Unexpected { step, got }),
     })
 }
@@ -465,6 +506,7 @@ pub fn kind_of(f: &Frame) -> u32 {
         Frame::Config(_) => kind::CONFIG,
         Frame::Memory { .. } => kind::MEMORY,
         Frame::State(_) => kind::STATE,
+        Frame::Identity(_) => kind::IDENTITY,
     }
 }
 

@@ -1,0 +1,359 @@
+//! Live migration of a VM holding a lent NVMe (shm fabric): the device stays on its lender
+//! and is never reset; only the borrower end moves (DMA window, interrupt targets, BARs).
+//!
+//! The guest runs `tests=nvme-loop` (tests/guest/src/nvmeloop.rs): every 50 ms it writes a
+//! page to the lent NVMe, reads it back into a page only the device writes and verifies it
+//! (`IO n ok ... irqs=i missed=m stale=s`): `missed` counts completions whose MSI-X never
+//! came, `stale` rounds where the device-only page did not hold the previous round's data.
+//!
+//! * `live_migration_hands_the_lent_nvme_over_without_reset`: source and destination are
+//!   two lendvm processes on the same host, migrating over a unix socket. Every round
+//!   before, during and after verifies, their numbers go on with no gap, no interrupt is
+//!   missed, the device-only page arrives with the device's data (the lender's dirty log
+//!   reported pages the device wrote: `device_pages` > 0), the guest never sees a controller
+//!   reset, the source exits 0 and the lender shows the lease held by the destination's VM.
+//!   Hand-over events on both sides.
+//! * `a_destination_killed_mid_transfer_leaves_the_source_its_device`: the destination is
+//!   SIGKILLed while RAM arrives: the source answers 500, keeps running with its device
+//!   (rounds go on verified), the lease stays the source's; a second migration then works.
+//! * `a_lender_killed_mid_handover_loses_the_device_not_the_vm`: lenderd is SIGKILLed while
+//!   the source is in precopy: the migration fails, the source VM keeps running (the device
+//!   is reported lost, as on any lender death) and no lease is left anywhere.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use api::client::{ApiClient, ClientError};
+use api::types::{VmReceiveMigrationData, VmSendMigrationData, VmState};
+use common::*;
+
+const T: Duration = BOOT_TIMEOUT;
+
+/// One `IO n ok ...` line.
+#[derive(Debug, Clone, Copy)]
+struct Round {
+    n: u64,
+    missed: u64,
+    stale: u64,
+}
+
+fn rounds_of(text: &str) -> Vec<Round> {
+    text.lines()
+        .filter_map(|l| {
+            let (head, tail) = l.split_once(" ok reinits=")?;
+            let n = head.rsplit(' ').next()?.parse().ok()?;
+            Some(Round {
+                n,
+                missed: field(tail, "missed")?.parse().ok()?,
+                stale: field(tail, "stale")?.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+fn wait_rounds(text: impl Fn() -> String, count: usize, what: &str) -> Vec<Round> {
+    poll(T, || {
+        let r = rounds_of(&text());
+        (r.len() >= count).then_some(r)
+    })
+    .unwrap_or_else(|| panic!("fewer than {count} verified NVMe rounds {what}\n{}", text()))
+}
+
+fn lent_to(cluster: &Cluster) -> Option<String> {
+    match &cluster.device(NVME_BDF).summary.state {
+        lending::protocol::DeviceState::Lent { vm, .. } => Some(vm.clone()),
+        _ => None,
+    }
+}
+
+fn events(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn status_of(r: Result<(), ClientError>) -> (u16, String) {
+    match r {
+        Err(ClientError::Status {
+            status, message, ..
+        }) => (status, message),
+        other => panic!("expected an error status, got {other:?}"),
+    }
+}
+
+struct Setup {
+    cluster: Cluster,
+    lender: Option<lending::testing::Lenderd>,
+    src: Vm,
+    mailbox: u64,
+}
+
+fn setup() -> Setup {
+    let cluster = Cluster::new(Fabric::Shm);
+    let disk = cluster.file("disk.img");
+    let lender =
+        cluster.start_lenderd(&[format!("{NVME_BDF}=nvme:path={},size=4M", disk.display())]);
+    let c = cluster.path.display().to_string();
+    let sock = cluster.file("src.sock").display().to_string();
+    let ev = format!("path={}", cluster.file("src-events.jsonl").display());
+    let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
+    let line = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=20");
+    let src = Vm::start_with_log(
+        "64M",
+        &[
+            "--cluster",
+            &c,
+            "--name",
+            "vm-src",
+            "--remote-device",
+            &dev,
+            "--api-socket",
+            &sock,
+            "--event-monitor",
+            &ev,
+            "--cmdline",
+            &line,
+        ],
+        "info",
+    );
+    src.wait_api();
+    let mailbox = src.expect_line("MAILBOX ", T);
+    let mailbox = u64::from_str_radix(mailbox.trim_start_matches("MAILBOX 0x").trim(), 16).unwrap();
+    wait_rounds(|| src.stdout(), 3, "on the source");
+    assert_eq!(lent_to(&cluster).as_deref(), Some("vm-src"));
+    Setup {
+        cluster,
+        lender: Some(lender),
+        src,
+        mailbox,
+    }
+}
+
+/// A lendvm with the cluster file and an API socket, listening at `<name>.mig`.
+fn destination(cluster: &Cluster, name: &str) -> (Vm, String) {
+    let c = cluster.path.display().to_string();
+    let sock = cluster.file(&format!("{name}.sock")).display().to_string();
+    let ev = format!(
+        "path={}",
+        cluster.file(&format!("{name}-events.jsonl")).display()
+    );
+    let vm_name = format!("vm-{name}");
+    let vm = Vm::start_args(
+        &[
+            "--cluster",
+            &c,
+            "--name",
+            &vm_name,
+            "--api-socket",
+            &sock,
+            "--event-monitor",
+            &ev,
+        ],
+        "info",
+    );
+    vm.wait_api();
+    let url = format!("unix:{}", cluster.file(&format!("{name}.mig")).display());
+    vm.api()
+        .receive_migration(&VmReceiveMigrationData {
+            receiver_url: url.clone(),
+        })
+        .unwrap();
+    (vm, url)
+}
+
+fn send(api: &ApiClient, url: &str) -> Result<(), ClientError> {
+    api.send_migration(&VmSendMigrationData {
+        destination_url: url.into(),
+    })
+}
+
+/// The consoles of both processes as one text: a line the migration cut (its start printed
+/// by the source, its end by the destination) is glued back.
+fn joined(before: &[String], after: &[String]) -> String {
+    let mut lines: Vec<String> = before.to_vec();
+    let mut rest = after;
+    if let (Some(l), Some(f)) = (before.last(), after.first()) {
+        let glued = format!("{l}{f}");
+        if rounds_of(l).is_empty() && rounds_of(f).is_empty() && rounds_of(&glued).len() == 1 {
+            lines.pop();
+            lines.push(glued);
+            rest = &after[1..];
+        }
+    }
+    lines.extend_from_slice(rest);
+    let mut s = lines.join("\n");
+    s.push('\n');
+    s
+}
+
+/// Every round verified, numbered without gap or repeat, no interrupt missed, no stale
+/// device-only page, no controller reset seen by the guest.
+fn check_rounds(all: &str) {
+    let rounds = rounds_of(all);
+    for w in rounds.windows(2) {
+        assert_eq!(w[1].n, w[0].n + 1, "gap or repeat: {w:?}\n{all}");
+    }
+    let last = rounds.last().unwrap();
+    assert_eq!(last.missed, 0, "an interrupt was lost: {last:?}\n{all}");
+    assert_eq!(
+        last.stale, 0,
+        "the device-only page went stale: {last:?}\n{all}"
+    );
+    assert!(!all.contains(" fail reinits="), "a round failed:\n{all}");
+    assert!(
+        !all.contains("NVME controller reset"),
+        "the guest saw its controller reset:\n{all}"
+    );
+}
+
+fn migrate_and_check(s: Setup, name: &str) -> (Cluster, Vm) {
+    let Setup {
+        cluster,
+        lender,
+        mut src,
+        mailbox,
+    } = s;
+    let (mut dst, url) = destination(&cluster, name);
+    send(&src.api(), &url).unwrap_or_else(|e| panic!("{e}\n--- source\n{}", src.stderr()));
+    src.expect_exit(0, T);
+    let before = src.lines();
+    let n_before = rounds_of(&src.stdout()).len();
+    let all = || joined(&before, &dst.lines());
+    wait_rounds(all, n_before + 5, "after the migration");
+    check_rounds(&all());
+    assert!(
+        !dst.stdout().contains("lendvm test guest"),
+        "the guest rebooted"
+    );
+    assert_eq!(dst.api().info().unwrap().state, VmState::Running);
+    // The lender shows the lease held by the destination's VM.
+    assert_eq!(
+        lent_to(&cluster).as_deref(),
+        Some(format!("vm-{name}").as_str())
+    );
+
+    // Events: the source quiesced, ticketed and moved the device; the destination took it.
+    let sev = events(&cluster.file("src-events.jsonl"));
+    let phases: Vec<&str> = sev
+        .iter()
+        .filter(|e| e["event"] == "migration-device-handover")
+        .filter_map(|e| e["properties"]["phase"].as_str())
+        .collect();
+    assert!(
+        phases.ends_with(&["quiesced", "ticket", "moved"]),
+        "{phases:?}"
+    );
+    // The lender's device dirty log found pages only the device wrote.
+    let device_pages: u64 = sev
+        .iter()
+        .filter(|e| e["event"] == "migration-memory-iteration")
+        .filter_map(|e| e["properties"]["device_pages"].as_u64())
+        .sum();
+    assert!(device_pages > 0, "no device-written pages reported");
+    let dev = events(&cluster.file(&format!("{name}-events.jsonl")));
+    assert!(
+        dev.iter().any(|e| e["event"] == "migration-device-handover"
+            && e["properties"]["phase"] == "taken-over"),
+        "{dev:?}"
+    );
+    assert!(
+        dst.stderr().contains("device not reset"),
+        "{}",
+        dst.stderr()
+    );
+
+    eprintln!(
+        "migrated: {} rounds before, {:?} last; device_pages {device_pages}; phases {phases:?}",
+        n_before,
+        rounds_of(&all()).last()
+    );
+    dst.write_guest_u64(mailbox, 1);
+    dst.expect_ok("nvme-loop", T);
+    dst.expect_exit(0, T);
+    cluster.wait_available(NVME_BDF);
+    drop(lender);
+    (cluster, dst)
+}
+
+#[test]
+fn live_migration_hands_the_lent_nvme_over_without_reset() {
+    let s = setup();
+    migrate_and_check(s, "dst");
+}
+
+#[test]
+fn a_destination_killed_mid_transfer_leaves_the_source_its_device() {
+    let s = setup();
+    let (mut dst, url) = destination(&s.cluster, "killed");
+    let pid = dst.pid();
+    let sender = {
+        let api = s.src.api();
+        std::thread::spawn(move || send(&api, &url))
+    };
+    // Kill it as soon as guest RAM starts to arrive.
+    let base = proc_status_kb(pid, "VmRSS");
+    poll(T, || {
+        (proc_status_kb(pid, "VmRSS") > base + 4096).then_some(())
+    });
+    let _ = dst.wait_exit(Duration::ZERO);
+    let (st, msg) = status_of(sender.join().unwrap());
+    assert_eq!(st, 500, "{msg}");
+    assert!(msg.contains("migration failed"), "{msg}");
+    // The source runs on with its device; the lease is still its own.
+    let n = rounds_of(&s.src.stdout()).len();
+    wait_rounds(|| s.src.stdout(), n + 5, "after the failed migration");
+    check_rounds(&s.src.stdout());
+    assert_eq!(s.src.api().info().unwrap().state, VmState::Running);
+    assert_eq!(lent_to(&s.cluster).as_deref(), Some("vm-src"));
+    // And it still migrates.
+    migrate_and_check(s, "dst2");
+}
+
+#[test]
+fn a_lender_killed_mid_handover_loses_the_device_not_the_vm() {
+    let mut s = setup();
+    let (dst, url) = destination(&s.cluster, "dst");
+    let sender = {
+        let api = s.src.api();
+        std::thread::spawn(move || send(&api, &url))
+    };
+    // Kill the lender once the source has started handing the device over (its dirty log
+    // is on: precopy is running).
+    let log = s.cluster.file("lenderd.log");
+    poll(T, || {
+        std::fs::read_to_string(&log)
+            .ok()?
+            .contains("device dirty log started")
+            .then_some(())
+    })
+    .expect("the source never started the device dirty log");
+    s.lender.as_mut().unwrap().kill();
+    let r = sender.join().unwrap();
+    // Either the migration failed (the source keeps the VM) or it completed without the
+    // device; it must not leave the VM nowhere.
+    match r {
+        Err(_) => {
+            let _ = poll(T, || {
+                events(&s.cluster.file("src-events.jsonl"))
+                    .iter()
+                    .any(|e| e["event"] == "device-lost")
+                    .then_some(())
+            })
+            .expect("the source did not report the device lost");
+            assert_eq!(s.src.api().info().unwrap().state, VmState::Running);
+            let mut src = s.src;
+            assert!(src.running(), "the source vm died");
+            // The guest keeps running (its vCPUs tick; the device is gone).
+            drop(dst);
+            src.write_guest_u64(s.mailbox, 1);
+            src.wait_exit(T).expect("the guest did not end when asked");
+        }
+        Ok(()) => panic!("the migration succeeded with its lender dead"),
+    }
+}
