@@ -16,14 +16,23 @@
 //! * `a_destination_killed_mid_transfer_leaves_the_source_its_device`: the destination is
 //!   SIGKILLed while RAM arrives: the source answers 500, keeps running with its device
 //!   (rounds go on verified), the lease stays the source's; a second migration then works.
+//! * `a_destination_dying_with_an_unused_ticket_leaves_the_source_its_lease`: a fake
+//!   destination receives the state and the ticket, then closes the stream: the source
+//!   withdraws the ticket, resumes the device (never reset) and runs on; the lease is its own.
+//! * `a_destination_failing_after_taking_the_lease_orphans_nothing`: the fake destination
+//!   takes the lease with the ticket, then fails: the source reports the device lost and runs
+//!   on, the destination's lease ends with its link and the lender has the device back.
 //! * `a_lender_killed_mid_handover_loses_the_device_not_the_vm`: lenderd is SIGKILLed while
-//!   the source is in precopy: the migration fails, the source VM keeps running (the device
-//!   is reported lost, as on any lender death) and no lease is left anywhere.
+//!   the destination holds the ticket (device quiesced, the source waiting for the verdict):
+//!   the migration fails, the source VM keeps running (the device is reported lost, as on
+//!   any lender death).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::time::Duration;
 
@@ -318,42 +327,167 @@ fn a_destination_killed_mid_transfer_leaves_the_source_its_device() {
 #[test]
 fn a_lender_killed_mid_handover_loses_the_device_not_the_vm() {
     let mut s = setup();
-    let (dst, url) = destination(&s.cluster, "dst");
-    let sender = {
-        let api = s.src.api();
-        std::thread::spawn(move || send(&api, &url))
-    };
-    // Kill the lender once the source has started handing the device over (its dirty log
-    // is on: precopy is running).
-    let log = s.cluster.file("lenderd.log");
+    // The destination has the state and the ticket (the device is quiesced, the source
+    // waits for the verdict) when the lender dies; then the destination gives up.
+    let p = s.cluster.file("fake.mig");
+    let fake = fake_destination(&p, "node-x", "vm-x");
+    let api = s.src.api();
+    let url = format!("unix:{}", p.display());
+    let sender = std::thread::spawn(move || send(&api, &url));
+    let (state, stream) = fake.join().unwrap();
+    ticket_of(&state);
+    s.lender.as_mut().unwrap().kill();
+    drop(stream);
+    let (st, msg) = status_of(sender.join().unwrap());
+    assert_eq!(st, 500, "{msg}");
+    // The device is lost as on any lender death; the VM runs on here.
     poll(T, || {
-        std::fs::read_to_string(&log)
-            .ok()?
-            .contains("device dirty log started")
+        events(&s.cluster.file("src-events.jsonl"))
+            .iter()
+            .any(|e| e["event"] == "device-lost")
             .then_some(())
     })
-    .expect("the source never started the device dirty log");
-    s.lender.as_mut().unwrap().kill();
-    let r = sender.join().unwrap();
-    // Either the migration failed (the source keeps the VM) or it completed without the
-    // device; it must not leave the VM nowhere.
-    match r {
-        Err(_) => {
-            let _ = poll(T, || {
-                events(&s.cluster.file("src-events.jsonl"))
-                    .iter()
-                    .any(|e| e["event"] == "device-lost")
-                    .then_some(())
-            })
-            .expect("the source did not report the device lost");
-            assert_eq!(s.src.api().info().unwrap().state, VmState::Running);
-            let mut src = s.src;
-            assert!(src.running(), "the source vm died");
-            // The guest keeps running (its vCPUs tick; the device is gone).
-            drop(dst);
-            src.write_guest_u64(s.mailbox, 1);
-            src.wait_exit(T).expect("the guest did not end when asked");
+    .expect("the source did not report the device lost");
+    let mut src = s.src;
+    assert!(src.running(), "the source vm died");
+    assert_eq!(src.api().info().unwrap().state, VmState::Running);
+    src.write_guest_u64(s.mailbox, 1);
+    src.wait_exit(T).expect("the guest did not end when asked");
+}
+
+/// A fake destination speaking the migration stream: answers the hello and announces the
+/// fabric identity `node`/`vm`, swallows the VM's RAM and returns the state document (with
+/// the hand-over tickets) and the stream, without answering it.
+fn fake_destination(
+    path: &Path,
+    node: &str,
+    vm: &str,
+) -> std::thread::JoinHandle<(serde_json::Value, UnixStream)> {
+    let l = UnixListener::bind(path).unwrap();
+    let identity = serde_json::to_vec(&serde_json::json!({ "node": node, "vm": vm })).unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let frame = |kind: u32, body: &[u8]| {
+            let mut f = Vec::new();
+            f.extend_from_slice(&kind.to_le_bytes());
+            f.extend_from_slice(&0u32.to_le_bytes());
+            f.extend_from_slice(&(body.len() as u64).to_le_bytes());
+            f.extend_from_slice(body);
+            f
+        };
+        let mut buf = vec![0u8; 8 << 20];
+        loop {
+            let mut h = [0u8; 16];
+            s.read_exact(&mut h).unwrap();
+            let kind = u32::from_le_bytes(h[0..4].try_into().unwrap());
+            let len = u64::from_le_bytes(h[8..16].try_into().unwrap()) as usize;
+            let body = &mut buf[..len];
+            s.read_exact(body).unwrap();
+            match kind {
+                1 => {
+                    s.write_all(&frame(2, &[])).unwrap();
+                    s.write_all(&frame(7, &identity)).unwrap();
+                }
+                4 | 5 => {}
+                6 => return (serde_json::from_slice(body).unwrap(), s),
+                other => panic!("unexpected frame {other}"),
+            }
         }
-        Ok(()) => panic!("the migration succeeded with its lender dead"),
+    })
+}
+
+/// The source's one lent device has a hand-over ticket in `state`; returns (lease, ticket).
+fn ticket_of(state: &serde_json::Value) -> (u64, Vec<u8>) {
+    let h = &state["handover"][0];
+    assert_eq!(h["id"], "nvme0", "{state}");
+    let ticket: Vec<u8> = h["ticket"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect();
+    assert_eq!(ticket.len(), 32, "{h}");
+    (h["lease"].as_u64().unwrap(), ticket)
+}
+
+/// The destination dies after it received the ticket, without using it: the source
+/// withdraws the ticket, resumes the device and runs on with it; the lease is still its own
+/// and the device was never reset.
+#[test]
+fn a_destination_dying_with_an_unused_ticket_leaves_the_source_its_lease() {
+    let s = setup();
+    let p = s.cluster.file("fake.mig");
+    let fake = fake_destination(&p, "node-x", "vm-x");
+    let api = s.src.api();
+    let url = format!("unix:{}", p.display());
+    let sender = std::thread::spawn(move || send(&api, &url));
+    let (state, stream) = fake.join().unwrap();
+    ticket_of(&state);
+    drop(stream);
+    let (st, msg) = status_of(sender.join().unwrap());
+    assert_eq!(st, 500, "{msg}");
+    let n = rounds_of(&s.src.stdout()).len();
+    wait_rounds(|| s.src.stdout(), n + 5, "after the abandoned hand-over");
+    check_rounds(&s.src.stdout());
+    assert_eq!(lent_to(&s.cluster).as_deref(), Some("vm-src"));
+    let phases: Vec<String> = events(&s.cluster.file("src-events.jsonl"))
+        .iter()
+        .filter(|e| e["event"] == "migration-device-handover")
+        .filter_map(|e| e["properties"]["phase"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(phases, ["quiesced", "ticket", "cancelled"], "{phases:?}");
+    migrate_and_check(s, "dst");
+}
+
+/// The destination takes the lease with the ticket and then fails before acknowledging:
+/// the source cannot withdraw the ticket any more, reports the device lost (ordinary
+/// surprise removal) and keeps running; the destination's lease ends with its link, so the
+/// lender has the device back: no lease is orphaned.
+#[test]
+fn a_destination_failing_after_taking_the_lease_orphans_nothing() {
+    let s = setup();
+    let p = s.cluster.file("fake.mig");
+    let fake = fake_destination(&p, "node-x", "vm-x");
+    let api = s.src.api();
+    let url = format!("unix:{}", p.display());
+    let sender = std::thread::spawn(move || send(&api, &url));
+    let (state, stream) = fake.join().unwrap();
+    let (lease, ticket) = ticket_of(&state);
+    {
+        let lender = s.cluster.cfg.node(LENDER).unwrap();
+        let client = lending::client::LenderClient::connect_node(
+            &s.cluster.cfg,
+            lender,
+            &ntb::NodeId::new("node-x").unwrap(),
+            Duration::from_secs(5),
+            TOKEN,
+            "fake-destination",
+        )
+        .unwrap();
+        let t = lending::protocol::TransferTicket {
+            lease,
+            ticket,
+            expires_in_ms: 0,
+        };
+        let taken = client.accept_transfer(&t, "vm-x", &[], &[]).unwrap();
+        assert_eq!(lent_to(&s.cluster).as_deref(), Some("vm-x"));
+        // The fake destination fails: it says so and lets go of everything.
+        drop(stream);
+        drop(taken);
     }
+    let (st, msg) = status_of(sender.join().unwrap());
+    assert_eq!(st, 500, "{msg}");
+    poll(T, || {
+        events(&s.cluster.file("src-events.jsonl"))
+            .iter()
+            .any(|e| e["event"] == "device-lost")
+            .then_some(())
+    })
+    .expect("the source did not report the moved device lost");
+    s.cluster.wait_available(NVME_BDF);
+    let mut src = s.src;
+    assert!(src.running(), "the source vm died");
+    assert_eq!(src.api().info().unwrap().state, VmState::Running);
+    src.write_guest_u64(s.mailbox, 1);
+    src.wait_exit(T).expect("the guest did not end when asked");
 }
