@@ -946,7 +946,7 @@ fn migration_refuses_lent_devices_bad_urls_and_incoming_on_a_running_vm() {
     let e = send(&mut rig.ctl, "unix:/nonexistent/m.sock").unwrap_err();
     assert_eq!(e.kind, ApiErrorKind::Conflict, "{e}");
     assert!(
-        e.message.contains("nvme0") && e.message.contains("device hand-over not yet supported"),
+        e.message.contains("nvme0") && e.message.contains("cannot be handed over"),
         "{e}"
     );
     // Refused up front: no migration was started, the VM runs on.
