@@ -581,7 +581,21 @@ mod tests {
             ..Hello::current()
         };
         let e = h.check().unwrap_err().to_string();
-        assert!(e.contains("version 9") && e.contains("version 1"), "{e}");
+        assert!(
+            e.contains("version 9") && e.contains(&format!("version {PROTOCOL_VERSION}")),
+            "{e}"
+        );
+        // The destination's identity frame.
+        let mut buf = Vec::new();
+        let id = Identity {
+            node: Some("n2".into()),
+            vm: Some("vm2".into()),
+        };
+        write_json(&mut buf, kind::IDENTITY, "identity", &id).unwrap();
+        match read_frame(&mut &buf[..], "t").unwrap() {
+            Frame::Identity(got) => assert_eq!(got, id),
+            f => panic!("{f:?}"),
+        }
         // Oversized and unknown frames.
         let big = header(kind::MEMORY, 8 + MAX_RUN + 1);
         let e = read_frame(&mut &big[..], "t").unwrap_err();
