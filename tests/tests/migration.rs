@@ -93,6 +93,7 @@ fn destination(dir: &Path, name: &str) -> (Vm, String) {
 fn send(api: &ApiClient, url: &str) -> Result<(), ClientError> {
     api.send_migration(&VmSendMigrationData {
         destination_url: url.into(),
+        local: false,
     })
 }
 

@@ -13,6 +13,8 @@
 //!   reported pages the device wrote: `device_pages` > 0), the guest never sees a controller
 //!   reset, the source exits 0 and the lender shows the lease held by the destination's VM.
 //!   Hand-over events on both sides.
+//! * `local_migration_shares_ram_and_hands_the_lent_nvme_over`: the same with the memfd
+//!   fast path (`local: true`): guest RAM's memfd over SCM_RIGHTS, 0 bytes of RAM copied.
 //! * `a_destination_killed_mid_transfer_leaves_the_source_its_device`: the destination is
 //!   SIGKILLed while RAM arrives: the source answers 500, keeps running with its device
 //!   (rounds go on verified), the lease stays the source's; a second migration then works.
@@ -177,8 +179,13 @@ fn destination(cluster: &Cluster, name: &str) -> (Vm, String) {
 }
 
 fn send(api: &ApiClient, url: &str) -> Result<(), ClientError> {
+    send_opt(api, url, false)
+}
+
+fn send_opt(api: &ApiClient, url: &str, local: bool) -> Result<(), ClientError> {
     api.send_migration(&VmSendMigrationData {
         destination_url: url.into(),
+        local,
     })
 }
 
@@ -221,7 +228,9 @@ fn check_rounds(all: &str) {
     );
 }
 
-fn migrate_and_check(s: Setup, name: &str) -> (Cluster, Vm) {
+/// Migrates the source to a fresh destination `name` (`local`: the memfd fast path) and
+/// checks the guest's verified I/O goes on with the same device, never reset.
+fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
     let Setup {
         cluster,
         lender,
@@ -229,7 +238,8 @@ fn migrate_and_check(s: Setup, name: &str) -> (Cluster, Vm) {
         mailbox,
     } = s;
     let (mut dst, url) = destination(&cluster, name);
-    send(&src.api(), &url).unwrap_or_else(|e| panic!("{e}\n--- source\n{}", src.stderr()));
+    send_opt(&src.api(), &url, local)
+        .unwrap_or_else(|e| panic!("{e}\n--- source\n{}", src.stderr()));
     src.expect_exit(0, T);
     let before = src.lines();
     let n_before = rounds_of(&src.stdout()).len();
@@ -258,13 +268,28 @@ fn migrate_and_check(s: Setup, name: &str) -> (Cluster, Vm) {
         phases.ends_with(&["quiesced", "ticket", "moved"]),
         "{phases:?}"
     );
-    // The lender's device dirty log found pages only the device wrote.
     let device_pages: u64 = sev
         .iter()
         .filter(|e| e["event"] == "migration-memory-iteration")
         .filter_map(|e| e["properties"]["device_pages"].as_u64())
         .sum();
-    assert!(device_pages > 0, "no device-written pages reported");
+    let ram_bytes = sev
+        .iter()
+        .rfind(|e| e["event"] == "migration-completed")
+        .and_then(|e| e["properties"]["ram_bytes"].as_u64());
+    if local {
+        // The memfd fast path copies nothing: the destination maps the same RAM.
+        assert_eq!(ram_bytes, Some(0), "{sev:?}");
+        assert!(
+            dst.stderr().contains("guest ram shared through its memfd"),
+            "{}",
+            dst.stderr()
+        );
+    } else {
+        // The lender's device dirty log found pages only the device wrote.
+        assert!(device_pages > 0, "no device-written pages reported");
+        assert!(ram_bytes.unwrap() >= 64 << 20, "{sev:?}");
+    }
     let dev = events(&cluster.file(&format!("{name}-events.jsonl")));
     assert!(
         dev.iter().any(|e| e["event"] == "migration-device-handover"
@@ -293,7 +318,15 @@ fn migrate_and_check(s: Setup, name: &str) -> (Cluster, Vm) {
 #[test]
 fn live_migration_hands_the_lent_nvme_over_without_reset() {
     let s = setup();
-    migrate_and_check(s, "dst");
+    migrate_and_check(s, "dst", false);
+}
+
+/// The same with the memfd fast path: guest RAM's memfd goes over SCM_RIGHTS, nothing is
+/// copied, and the device is handed over the same way.
+#[test]
+fn local_migration_shares_ram_and_hands_the_lent_nvme_over() {
+    let s = setup();
+    migrate_and_check(s, "dst", true);
 }
 
 #[test]
@@ -321,7 +354,7 @@ fn a_destination_killed_mid_transfer_leaves_the_source_its_device() {
     assert_eq!(s.src.api().info().unwrap().state, VmState::Running);
     assert_eq!(lent_to(&s.cluster).as_deref(), Some("vm-src"));
     // And it still migrates.
-    migrate_and_check(s, "dst2");
+    migrate_and_check(s, "dst2", false);
 }
 
 #[test]
@@ -436,7 +469,7 @@ fn a_destination_dying_with_an_unused_ticket_leaves_the_source_its_lease() {
         .filter_map(|e| e["properties"]["phase"].as_str().map(str::to_string))
         .collect();
     assert_eq!(phases, ["quiesced", "ticket", "cancelled"], "{phases:?}");
-    migrate_and_check(s, "dst");
+    migrate_and_check(s, "dst", true);
 }
 
 /// The destination takes the lease with the ticket and then fails before acknowledging:

@@ -389,7 +389,14 @@ impl Controller {
         );
         let was_running = self.state == VmState::Running;
         let mut paused_here = false;
-        let r = self.migrate(&url, src, was_running, &mut paused_here, &mut devs);
+        let r = self.migrate(
+            &url,
+            src,
+            data.local,
+            was_running,
+            &mut paused_here,
+            &mut devs,
+        );
         match r {
             Ok((bytes, downtime)) => {
                 log::info!(
@@ -522,18 +529,19 @@ impl Controller {
         &mut self,
         url: &crate::migration::MigrationUrl,
         src: SnapshotSource,
+        local: bool,
         was_running: bool,
         paused_here: &mut bool,
         devs: &mut [Handing],
     ) -> Result<(u64, Duration), crate::migration::MigrationError> {
-        use crate::migration::send::{Sender, CONVERGED_PAGES, MAX_ROUNDS};
+        use crate::migration::send::Sender;
         use crate::migration::MigrationError as Me;
         let herr = |id: &str, step: &'static str, e: String| Me::Handover {
             id: id.to_string(),
             step,
             reason: e,
         };
-        let mut sender = Sender::connect(url, src)?;
+        let mut sender = Sender::connect(url, src, local)?;
         let to = match (&sender.identity.node, &sender.identity.vm) {
             (Some(n), Some(v)) => Some((n.clone(), v.clone())),
             _ => None,
@@ -546,37 +554,16 @@ impl Controller {
             ));
         }
         let regions = sender.ram().regions().to_vec();
-        // Dirty logging is on from before the first page is read until `log` is dropped
-        // (on every path out of here); the devices' logs likewise until the caller stops
-        // them (failure) or the lease moves (success).
-        let log = sender.dirty_log()?;
-        for d in devs.iter_mut() {
-            let exact = d
-                .mig
-                .start_dirty_log()
-                .map_err(|e| herr(&d.id, "starting the device dirty log", e.to_string()))?;
-            d.dirty_log = true;
-            if !exact {
-                log::warn!(
-                    "{}: the lender cannot track the device's writes: its whole window is \
-                     copied every round",
-                    d.id
-                );
-            }
-        }
-        let pages = sender.send_all()?;
-        // Whatever the devices wrote during round 0 is in their first fetch.
-        self.emit_iteration(0, pages, 0);
+        // Same-host fast path: the destination maps this very RAM; nothing to copy, no
+        // dirty log, straight to the final pass.
+        let log = if local {
+            None
+        } else {
+            Some(sender.dirty_log()?)
+        };
         let mut round = 0;
-        while round < MAX_ROUNDS {
-            round += 1;
-            let mut dirty = log.take()?;
-            let by_devices = Self::merge_device_dirty(devs, &regions, &mut dirty)?;
-            let pages = sender.send_dirty(&dirty)?;
-            self.emit_iteration(round, pages, by_devices);
-            if pages <= CONVERGED_PAGES {
-                break;
-            }
+        if let Some(log) = &log {
+            self.precopy(&mut sender, log, devs, &regions, &mut round)?;
         }
         let t_pause = Instant::now();
         if was_running {
@@ -619,10 +606,12 @@ impl Controller {
             .map_err(crate::migration::MigrationError::Snapshot)?;
         let doc = sender.save_state(lent)?;
         // The devices are drained: their last fetch has every page they wrote.
-        let mut dirty = log.take()?;
-        let by_devices = Self::merge_device_dirty(devs, &regions, &mut dirty)?;
-        let pages = sender.send_dirty(&dirty)?;
-        self.emit_iteration(round + 1, pages, by_devices);
+        if let Some(log) = &log {
+            let mut dirty = log.take()?;
+            let by_devices = Self::merge_device_dirty(devs, &regions, &mut dirty)?;
+            let pages = sender.send_dirty(&dirty)?;
+            self.emit_iteration(round + 1, pages, by_devices);
+        }
         let (node, vm) = to.unwrap_or_default();
         let mut handover = Vec::with_capacity(devs.len());
         for d in devs.iter_mut() {
@@ -660,6 +649,51 @@ impl Controller {
             );
         }
         Ok((sender.bytes, t_pause.elapsed()))
+    }
+
+    /// Precopy: each lent device's dirty log is started (the caller stops them after a
+    /// failure; a transfer stops them on success), all RAM is sent, then rounds of what the
+    /// vCPUs (KVM's log) and the devices (the lenders' logs) dirtied meanwhile.
+    fn precopy(
+        &mut self,
+        sender: &mut crate::migration::send::Sender,
+        log: &crate::migration::send::DirtyLog,
+        devs: &mut [Handing],
+        regions: &[crate::memory::RamRegion],
+        round: &mut u32,
+    ) -> Result<(), crate::migration::MigrationError> {
+        use crate::migration::send::{CONVERGED_PAGES, MAX_ROUNDS};
+        for d in devs.iter_mut() {
+            let exact = d.mig.start_dirty_log().map_err(|e| {
+                crate::migration::MigrationError::Handover {
+                    id: d.id.clone(),
+                    step: "starting the device dirty log",
+                    reason: e.to_string(),
+                }
+            })?;
+            d.dirty_log = true;
+            if !exact {
+                log::warn!(
+                    "{}: the lender cannot track the device's writes: its whole window is \
+                     copied every round",
+                    d.id
+                );
+            }
+        }
+        let pages = sender.send_all()?;
+        // Whatever the devices wrote during round 0 is in their first fetch.
+        self.emit_iteration(0, pages, 0);
+        while *round < MAX_ROUNDS {
+            *round += 1;
+            let mut dirty = log.take()?;
+            let by_devices = Self::merge_device_dirty(devs, regions, &mut dirty)?;
+            let pages = sender.send_dirty(&dirty)?;
+            self.emit_iteration(*round, pages, by_devices);
+            if pages <= CONVERGED_PAGES {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// Parks the vCPUs only (the migration's final pass; the devices are handed over).

@@ -936,6 +936,7 @@ fn migration_refuses_lent_devices_bad_urls_and_incoming_on_a_running_vm() {
         ctl.handle(ApiRequest::VmSendMigration(
             api::types::VmSendMigrationData {
                 destination_url: url.into(),
+                local: false,
             },
         ))
     };

@@ -223,7 +223,7 @@ fn wait_for_migration(
             continue;
         };
         return incoming
-            .receive(identity, |c| {
+            .receive(identity, |c, memfd| {
                 let cpus = config::check_cpus(u32::from(c.cpus))
                     .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
                 let cfg = VmConfig {
@@ -236,7 +236,11 @@ fn wait_for_migration(
                     serial: cli.serial.clone(),
                     cpuid_cmdline: false,
                 };
-                Vm::for_migration(&cfg).map_err(|e| MigrationError::Build(Box::new(e)))
+                match memfd {
+                    Some(f) => Vm::for_migration_on(&cfg, f),
+                    None => Vm::for_migration(&cfg),
+                }
+                .map_err(|e| MigrationError::Build(Box::new(e)))
             })
             .map(Some)
             .map_err(|e| format!("incoming migration at {}: {}", incoming.url(), chain(&e)));

@@ -85,7 +85,7 @@ impl Vm {
     /// Builds the VM, the hotplug platform and ACPI tables, and loads the kernel; vCPUs are
     /// created but not started.
     pub fn new(cfg: &VmConfig) -> Result<Self, VmError> {
-        Self::build(cfg, true)
+        Self::build(cfg, true, None)
     }
 
     /// Rebuilds the VM a snapshot was taken of (`cfg` from the snapshot's machine config) and
@@ -95,7 +95,7 @@ impl Vm {
         cfg: &VmConfig,
         snap: &crate::snapshot::LoadedSnapshot,
     ) -> Result<Self, VmError> {
-        let vm = Self::build(cfg, false)?;
+        let vm = Self::build(cfg, false, None)?;
         crate::snapshot::restore_into(
             &crate::snapshot::RestoreTarget {
                 vm: &vm.vm,
@@ -114,7 +114,13 @@ impl Vm {
     /// Builds an empty VM of `cfg`'s shape for an incoming live migration: no kernel is
     /// loaded (RAM arrives from the source, then [`Vm::restore_migrated`] puts the state in).
     pub fn for_migration(cfg: &VmConfig) -> Result<Self, VmError> {
-        Self::build(cfg, false)
+        Self::build(cfg, false, None)
+    }
+
+    /// [`Vm::for_migration`] on the source's guest RAM memfd (same host: nothing is
+    /// copied, see [`GuestRam::from_memfd`]).
+    pub fn for_migration_on(cfg: &VmConfig, memfd: std::fs::File) -> Result<Self, VmError> {
+        Self::build(cfg, false, Some(memfd))
     }
 
     /// Puts the migrated state (everything but RAM, which is already in) into a VM built
@@ -155,7 +161,7 @@ impl Vm {
         }
     }
 
-    fn build(cfg: &VmConfig, boot: bool) -> Result<Self, VmError> {
+    fn build(cfg: &VmConfig, boot: bool, memfd: Option<std::fs::File>) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::KvmOpen)?;
         let api = kvm.get_api_version();
         if api != kvm_bindings::KVM_API_VERSION as i32 {
@@ -172,7 +178,10 @@ impl Vm {
         })
         .map_err(kvm_op("KVM_CREATE_PIT2"))?;
 
-        let ram = Arc::new(GuestRam::with_backing(cfg.memory_size, cfg.ram_backing)?);
+        let ram = Arc::new(match memfd {
+            Some(f) => GuestRam::from_memfd(f, cfg.memory_size)?,
+            None => GuestRam::with_backing(cfg.memory_size, cfg.ram_backing)?,
+        });
         let mem = ram.memory();
         for (slot, region) in ram.regions().iter().enumerate() {
             let host = mem

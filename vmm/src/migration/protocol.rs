@@ -9,6 +9,7 @@
 //!   Hello {magic, version, lendvm_version} ->
 //!                                         <- Ack | Refused {reason}   (version checked)
 //!                                         <- Identity {node, vm}      (names for tickets)
+//!  [Memfd + SCM_RIGHTS(guest ram memfd)]  ->  (same-host fast path: RAM shared, no copy)
 //!   Config {cpus, memory_size, ...}       ->  (builds an empty VM of that shape)
 //!   Memory {gpa, bytes} ...               ->  (written into guest RAM)
 //!   State {the snapshot document,         ->  (restored; VM paused; each lent device's
@@ -16,7 +17,8 @@
 //!                                         <- Ack | Refused {reason}
 //! ```
 //!
-//! Version 2 added `Identity` and the hand-over of lent devices in `State`.
+//! Version 2 added `Identity`, `Memfd` and the hand-over of lent devices in `State`. With
+//! `Memfd` no `Memory` frame follows: both processes map the same RAM.
 //!
 //! A peer that sends anything else, an oversized frame or a run outside guest RAM gets an
 //! error naming it; the receiver drops the connection, the sender resumes its VM.
@@ -91,6 +93,10 @@ pub enum MigrationError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("the same-host fast path (local) needs a unix: url: the memfd goes over SCM_RIGHTS")]
+    LocalNeedsUnix,
+    #[error("the source announced its guest ram memfd but none came with the frame")]
+    NoMemfd,
     #[error("the destination refused: {0}")]
     Refused(String),
     #[error("the migrated VM's shape does not fit: {0}")]
@@ -299,6 +305,8 @@ pub mod kind {
     pub const MEMORY: u32 = 5;
     pub const STATE: u32 = 6;
     pub const IDENTITY: u32 = 7;
+    /// Same-host fast path: no payload; the guest RAM memfd rides along (SCM_RIGHTS).
+    pub const MEMFD: u32 = 8;
 }
 
 /// Who the destination is on the device-lending fabric (payload of `IDENTITY`): the source
@@ -392,6 +400,8 @@ pub enum Frame {
     },
     State(Box<VmState>),
     Identity(Identity),
+    /// The source's guest RAM memfd came with it ([`read_frame_with_fd`]).
+    Memfd,
 }
 
 fn io_err(step: &'static str) -> impl Fn(io::Error) -> MigrationError {
@@ -450,6 +460,51 @@ pub fn write_memory(w: &mut impl Write, gpa: u64, data: &[u8]) -> Result<(), Mig
 pub fn read_frame(r: &mut impl Read, step: &'static str) -> Result<Frame, MigrationError> {
     let mut h = [0u8; HEADER_LEN];
     r.read_exact(&mut h).map_err(io_err(step))?;
+    frame_after(r, h, step)
+}
+
+/// Sends the `MEMFD` frame with `fd` attached (unix streams only: the same-host fast path).
+pub fn write_memfd(s: &mut Stream, fd: std::os::fd::RawFd) -> Result<(), MigrationError> {
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+    let step = "handing over the guest ram memfd";
+    let Stream::Unix(u) = s else {
+        return Err(MigrationError::LocalNeedsUnix);
+    };
+    let h = header(kind::MEMFD, 0);
+    let n = u.send_with_fd(&h[..], fd).map_err(|e| MigrationError::Io {
+        step,
+        source: io::Error::from_raw_os_error(e.errno()),
+    })?;
+    u.write_all(&h[n..]).map_err(io_err(step))
+}
+
+/// [`read_frame`], keeping an fd that came with the frame's header (unix streams).
+pub fn read_frame_with_fd(
+    s: &mut Stream,
+    step: &'static str,
+) -> Result<(Frame, Option<std::fs::File>), MigrationError> {
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+    let Stream::Unix(u) = s else {
+        return Ok((read_frame(s, step)?, None));
+    };
+    let mut h = [0u8; HEADER_LEN];
+    let (n, fd) = u.recv_with_fd(&mut h).map_err(|e| MigrationError::Io {
+        step,
+        source: io::Error::from_raw_os_error(e.errno()),
+    })?;
+    if n == 0 {
+        return Err(MigrationError::Closed { step });
+    }
+    u.read_exact(&mut h[n..]).map_err(io_err(step))?;
+    Ok((frame_after(u, h, step)?, fd))
+}
+
+/// The frame whose header is `h` (its payload is read from `r`).
+fn frame_after(
+    r: &mut impl Read,
+    h: [u8; HEADER_LEN],
+    step: &'static str,
+) -> Result<Frame, MigrationError> {
     let mut k = [0u8; 4];
     k.copy_from_slice(&h[0..4]);
     let kind = u32::from_le_bytes(k);
@@ -493,6 +548,7 @@ pub fn read_frame(r: &mut impl Read, step: &'static str) -> Result<Frame, Migrat
         kind::CONFIG => Frame::Config(json("config", &body)?),
         kind::STATE => Frame::State(Box::new(json("state", &body)?)),
         kind::IDENTITY => Frame::Identity(json("identity", &body)?),
+        kind::MEMFD => Frame::Memfd,
         got => return Err(MigrationError::Unexpected { step, got }),
     })
 }
@@ -507,6 +563,7 @@ pub fn kind_of(f: &Frame) -> u32 {
         Frame::Memory { .. } => kind::MEMORY,
         Frame::State(_) => kind::STATE,
         Frame::Identity(_) => kind::IDENTITY,
+        Frame::Memfd => kind::MEMFD,
     }
 }
 

@@ -91,7 +91,7 @@ impl Incoming {
     pub fn receive<V: MigrationTarget>(
         &self,
         identity: protocol::Identity,
-        build: impl FnOnce(&MachineConfig) -> Result<V, MigrationError>,
+        build: impl FnOnce(&MachineConfig, Option<std::fs::File>) -> Result<V, MigrationError>,
     ) -> Result<Received<V>, MigrationError> {
         let mut stream = self.listener.accept()?;
         stream
@@ -137,7 +137,7 @@ type Arrived<V> = (V, VmSnapshot, bool, u64, Vec<protocol::DeviceHandover>);
 fn receive_on<V: MigrationTarget>(
     stream: &mut Stream,
     identity: &protocol::Identity,
-    build: impl FnOnce(&MachineConfig) -> Result<V, MigrationError>,
+    build: impl FnOnce(&MachineConfig, Option<std::fs::File>) -> Result<V, MigrationError>,
 ) -> Result<Arrived<V>, MigrationError> {
     let step = "waiting for the source's hello";
     match protocol::read_frame(stream, step)? {
@@ -147,16 +147,26 @@ fn receive_on<V: MigrationTarget>(
     protocol::write_empty(stream, kind::ACK, "answering the hello")?;
     protocol::write_json(stream, kind::IDENTITY, "identity", identity)?;
     let step = "waiting for the vm's shape";
-    let config = match protocol::read_frame(stream, step)? {
-        Frame::Config(c) => c,
-        f => return Err(unexpected(step, &f)),
+    let (config, memfd) = match protocol::read_frame_with_fd(stream, step)? {
+        (Frame::Memfd, fd) => {
+            let fd = fd.ok_or(MigrationError::NoMemfd)?;
+            match protocol::read_frame(stream, step)? {
+                Frame::Config(c) => (c, Some(fd)),
+                f => return Err(unexpected(step, &f)),
+            }
+        }
+        (Frame::Config(c), _) => (c, None),
+        (f, _) => return Err(unexpected(step, &f)),
     };
+    if memfd.is_some() {
+        log::info!("same-host migration: guest ram shared through its memfd, not copied");
+    }
     log::info!(
         "incoming vm: {} vCPUs, {:#x} bytes of RAM",
         config.cpus,
         config.memory_size
     );
-    let vm = build(&config)?;
+    let vm = build(&config, memfd)?;
     let mut buf = vec![0u8; MAX_RUN as usize];
     let mut bytes = 0u64;
     let step = "receiving guest memory and state";

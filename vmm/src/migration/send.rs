@@ -132,6 +132,8 @@ pub struct Sender {
     src: SnapshotSource,
     /// The destination's fabric identity (leases move to it).
     pub identity: protocol::Identity,
+    /// Same-host fast path: the destination maps our guest RAM memfd; nothing is copied.
+    pub local: bool,
     buf: Vec<u8>,
     /// Bytes of guest RAM sent so far.
     pub bytes: u64,
@@ -140,7 +142,16 @@ pub struct Sender {
 impl Sender {
     /// Connects to `url`, checks the destination speaks this protocol and sends the VM's
     /// shape (the destination builds an empty VM of it).
-    pub fn connect(url: &MigrationUrl, src: SnapshotSource) -> Result<Self, MigrationError> {
+    /// `local`: the same-host fast path (unix urls only): the guest RAM memfd goes to the
+    /// destination over SCM_RIGHTS instead of the pages.
+    pub fn connect(
+        url: &MigrationUrl,
+        src: SnapshotSource,
+        local: bool,
+    ) -> Result<Self, MigrationError> {
+        if local && !matches!(url, MigrationUrl::Unix(_)) {
+            return Err(MigrationError::LocalNeedsUnix);
+        }
         let mut stream = protocol::connect(url)?;
         stream
             .set_timeout(Some(IO_TIMEOUT))
@@ -161,11 +172,16 @@ impl Sender {
                 })
             }
         };
+        if local {
+            use std::os::fd::AsRawFd;
+            protocol::write_memfd(&mut stream, src.ram.memfd().as_raw_fd())?;
+        }
         protocol::write_json(&mut stream, kind::CONFIG, "config", &src.config)?;
         Ok(Self {
             stream,
             src,
             identity,
+            local,
             buf: vec![0u8; MAX_RUN as usize],
             bytes: 0,
         })
