@@ -739,11 +739,13 @@ impl Controller {
                 expires_in_ms: h.expires_in_ms,
             };
             self.attach_taking(data, true, Some(d.slot), Some(&ticket))?;
+            let t_accept = t0.elapsed();
             let Some(dev) = self.entries.get(&d.id).and_then(|e| e.device.clone()) else {
                 return Err(ApiError::internal(format!("{}: not attached", d.id)));
             };
             crate::snapshot::devices::replay_lent(self.h.devices.mmio_bus(), d)
                 .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            let t_replay = t0.elapsed();
             let mig = lock(&dev).migration();
             let Some(mig) = mig else {
                 return Err(ApiError::internal(format!(
@@ -764,7 +766,17 @@ impl Controller {
                 &d.id,
                 h.lease,
                 "taken-over",
-                [("took_us", Value::from(t0.elapsed().as_micros() as u64))],
+                [
+                    ("took_us", Value::from(t0.elapsed().as_micros() as u64)),
+                    // Lease accepted and the device plugged (connect, accept, BAR windows).
+                    ("accept_us", Value::from(t_accept.as_micros() as u64)),
+                    // PCI state replayed: BARs, MSI-X (irqfds to the lender), Bus Master
+                    // (guest RAM pinned, exported and mapped as the DMA window).
+                    (
+                        "replay_us",
+                        Value::from((t_replay - t_accept).as_micros() as u64),
+                    ),
+                ],
             );
         }
         Ok(())
