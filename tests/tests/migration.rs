@@ -327,8 +327,10 @@ fn fake_destination(
             }
             None => {
                 s.write_all(&frame(2, &[])).unwrap();
-                // IDENTITY (protocol version 2): no fabric identity, no lent devices taken.
+                // IDENTITY (protocol version 2): no fabric identity, no lent devices taken;
+                // then ACK for the CONFIG to come (the vm is built).
                 s.write_all(&frame(7, b"{}")).unwrap();
+                s.write_all(&frame(2, &[])).unwrap();
                 let mut got = 0;
                 let mut buf = vec![0u8; 64 << 10];
                 while got < read {

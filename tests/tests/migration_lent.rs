@@ -19,7 +19,7 @@
 //!   destination in one network namespace, the source in another, joined by a veth pair;
 //!   migration over tcp with RAM copied under dirty tracking while the device keeps writing.
 //! * `a_destination_killed_mid_transfer_leaves_the_source_its_device`: the destination is
-//!   SIGKILLed while RAM arrives: the source answers 500, keeps running with its device
+//!   SIGKILLed once it has built the VM (RAM arriving): the source answers 500, keeps running with its device
 //!   (rounds go on verified), the lease stays the source's; a second migration then works.
 //! * `a_destination_dying_with_an_unused_ticket_leaves_the_source_its_lease`: a fake
 //!   destination receives the state and the ticket, then closes the stream: the source
@@ -424,7 +424,8 @@ fn fake_destination(
                     s.write_all(&frame(2, &[])).unwrap();
                     s.write_all(&frame(7, &identity)).unwrap();
                 }
-                4 | 5 => {}
+                4 => s.write_all(&frame(2, &[])).unwrap(),
+                5 => {}
                 6 => return (serde_json::from_slice(body).unwrap(), s),
                 other => panic!("unexpected frame {other}"),
             }

@@ -541,7 +541,7 @@ impl Controller {
             step,
             reason: e,
         };
-        let mut sender = Sender::connect(url, src, local)?;
+        let mut sender = Sender::connect(url, src, local, devs.len() as u32)?;
         let to = match (&sender.identity.node, &sender.identity.vm) {
             (Some(n), Some(v)) => Some((n.clone(), v.clone())),
             _ => None,

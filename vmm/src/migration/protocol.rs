@@ -10,7 +10,8 @@
 //!                                         <- Ack | Refused {reason}   (version checked)
 //!                                         <- Identity {node, vm}      (names for tickets)
 //!  [Memfd + SCM_RIGHTS(guest ram memfd)]  ->  (same-host fast path: RAM shared, no copy)
-//!   Config {cpus, memory_size, ...}       ->  (builds an empty VM of that shape)
+//!   Config {cpus, memory_size, ...}       ->  (builds an empty VM of that shape, faults
+//!                                         <- Ack | Refused {reason}    its RAM in)
 //!   Memory {gpa, bytes} ...               ->  (written into guest RAM)
 //!   State {the snapshot document,         ->  (restored; VM paused; each lent device's
 //!          hand-over tickets}                  lease taken over with its ticket)
@@ -340,6 +341,9 @@ pub struct Hello {
     pub magic: String,
     pub version: u32,
     pub lendvm_version: String,
+    /// Lent devices the VM holds (the destination readies its RAM for their DMA).
+    #[serde(default)]
+    pub lent_devices: u32,
 }
 
 impl Hello {
@@ -348,6 +352,7 @@ impl Hello {
             magic: MAGIC.into(),
             version: PROTOCOL_VERSION,
             lendvm_version: env!("CARGO_PKG_VERSION").into(),
+            lent_devices: 0,
         }
     }
 

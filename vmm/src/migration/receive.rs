@@ -36,6 +36,10 @@ pub trait MigrationTarget: Sized {
     fn ram(&self) -> &GuestRam;
     /// Puts the state document in (everything but RAM); the VM stays paused.
     fn restore(&self, doc: &VmSnapshot) -> Result<(), MigrationError>;
+    /// Readies the built VM before the source starts sending (while the guest still runs
+    /// there): faults guest RAM in, so pinning it for a lent device's DMA at the hand-over
+    /// is quick.
+    fn prepare(&self) {}
 }
 
 /// The stream back to the source, waiting for the destination's verdict. Dropped without
@@ -140,10 +144,13 @@ fn receive_on<V: MigrationTarget>(
     build: impl FnOnce(&MachineConfig, Option<std::fs::File>) -> Result<V, MigrationError>,
 ) -> Result<Arrived<V>, MigrationError> {
     let step = "waiting for the source's hello";
-    match protocol::read_frame(stream, step)? {
-        Frame::Hello(h) => h.check()?,
+    let lent_devices = match protocol::read_frame(stream, step)? {
+        Frame::Hello(h) => {
+            h.check()?;
+            h.lent_devices
+        }
         f => return Err(unexpected(step, &f)),
-    }
+    };
     protocol::write_empty(stream, kind::ACK, "answering the hello")?;
     protocol::write_json(stream, kind::IDENTITY, "identity", identity)?;
     let step = "waiting for the vm's shape";
@@ -167,6 +174,10 @@ fn receive_on<V: MigrationTarget>(
         config.memory_size
     );
     let vm = build(&config, memfd)?;
+    if lent_devices > 0 {
+        vm.prepare();
+    }
+    protocol::write_empty(stream, kind::ACK, "saying the vm is built")?;
     let mut buf = vec![0u8; MAX_RUN as usize];
     let mut bytes = 0u64;
     let step = "receiving guest memory and state";
@@ -223,5 +234,9 @@ impl MigrationTarget for crate::Vm {
     fn restore(&self, doc: &VmSnapshot) -> Result<(), MigrationError> {
         self.restore_migrated(doc)
             .map_err(|e| MigrationError::Build(Box::new(e)))
+    }
+
+    fn prepare(&self) {
+        crate::Vm::ram(self).populate();
     }
 }

@@ -143,11 +143,13 @@ impl Sender {
     /// Connects to `url`, checks the destination speaks this protocol and sends the VM's
     /// shape (the destination builds an empty VM of it).
     /// `local`: the same-host fast path (unix urls only): the guest RAM memfd goes to the
-    /// destination over SCM_RIGHTS instead of the pages.
+    /// destination over SCM_RIGHTS instead of the pages. `lent_devices`: how many lent
+    /// devices will be handed over (the destination faults its RAM in for them first).
     pub fn connect(
         url: &MigrationUrl,
         src: SnapshotSource,
         local: bool,
+        lent_devices: u32,
     ) -> Result<Self, MigrationError> {
         if local && !matches!(url, MigrationUrl::Unix(_)) {
             return Err(MigrationError::LocalNeedsUnix);
@@ -159,7 +161,11 @@ impl Sender {
                 step: "setting the stream timeout",
                 source,
             })?;
-        protocol::write_json(&mut stream, kind::HELLO, "hello", &Hello::current())?;
+        let hello = Hello {
+            lent_devices,
+            ..Hello::current()
+        };
+        protocol::write_json(&mut stream, kind::HELLO, "hello", &hello)?;
         protocol::read_answer(&mut stream, "waiting for the destination's hello")?;
         let step = "waiting for the destination's identity";
         let identity = match protocol::read_frame(&mut stream, step)? {
@@ -177,6 +183,7 @@ impl Sender {
             protocol::write_memfd(&mut stream, src.ram.memfd().as_raw_fd())?;
         }
         protocol::write_json(&mut stream, kind::CONFIG, "config", &src.config)?;
+        protocol::read_answer(&mut stream, "waiting for the destination to build the vm")?;
         Ok(Self {
             stream,
             src,
