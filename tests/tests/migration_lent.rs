@@ -304,6 +304,12 @@ fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
         "{}",
         dst.stderr()
     );
+    // Guest RAM was pinned before the source paused; Bus Master Enable took that pin.
+    assert!(
+        dst.stderr().contains("were pinned ahead"),
+        "{}",
+        dst.stderr()
+    );
 
     eprintln!(
         "migrated: {} rounds before, {:?} last; device_pages {device_pages}; phases {phases:?}",

@@ -204,6 +204,11 @@ pub struct Controller {
     release_timer: Option<vmm_sys_util::timerfd::TimerFd>,
     /// What `vm.snapshot` reads (absent in unit tests without a KVM VM).
     snapshot: Option<SnapshotSource>,
+    /// Guest RAM a migration destination pinned ahead of the hand-over, until it is over.
+    prepinned: Option<Arc<crate::dma::Prepinned>>,
+    /// Ranges pinned ahead that no device took while others hold the pin: kept (dropping
+    /// them would munlock RAM the devices' pin relies on) until the controller goes.
+    _spare_pins: Vec<remote_pci::PinnedRange>,
 }
 
 impl Controller {
@@ -242,6 +247,38 @@ impl Controller {
                 }
             },
             snapshot: None,
+            prepinned: None,
+            _spare_pins: Vec::new(),
+        }
+    }
+
+    /// A migration destination: guest RAM was pinned ahead of the hand-over; the devices'
+    /// Bus Master Enable takes that pin instead of pinning again. Before any device.
+    pub fn adopt_prepinned_ram(&mut self, pins: Vec<remote_pci::PinnedRange>) {
+        if pins.is_empty() || !self.entries.is_empty() {
+            return;
+        }
+        let pre = Arc::new(crate::dma::Prepinned::new(
+            Arc::new(remote_pci::ParallelPinner::available()),
+            pins,
+        ));
+        self.dma = Arc::new(DmaManager::with_pinner(pre.clone(), self.counters.clone()));
+        self.prepinned = Some(pre);
+    }
+
+    /// The hand-over is over: ranges pinned ahead that no device took are unpinned if
+    /// nothing holds the pin (else kept, see `_spare_pins`).
+    fn settle_prepinned(&mut self) {
+        let Some(pre) = self.prepinned.take() else {
+            return;
+        };
+        let rest = pre.disarm();
+        if !rest.is_empty() && self.dma.holders() > 0 {
+            log::warn!(
+                "{} ranges pinned ahead were not taken; kept pinned",
+                rest.len()
+            );
+            self._spare_pins = rest;
         }
     }
 
@@ -712,6 +749,16 @@ impl Controller {
     /// Enable maps this VMM's RAM as the DMA window at the same IOVAs, MSI-X hands our
     /// irqfds to the lender), and resumed: the lender replays the interrupts it held.
     pub fn take_over_lent_devices(
+        &mut self,
+        lent: &[crate::snapshot::devices::LentDevice],
+        handover: &[crate::migration::protocol::DeviceHandover],
+    ) -> Result<(), ApiError> {
+        let r = self.take_over_each(lent, handover);
+        self.settle_prepinned();
+        r
+    }
+
+    fn take_over_each(
         &mut self,
         lent: &[crate::snapshot::devices::LentDevice],
         handover: &[crate::migration::protocol::DeviceHandover],

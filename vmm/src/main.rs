@@ -557,6 +557,7 @@ fn main() -> ExitCode {
         }
     }
     if let Some((reply, lent, tickets)) = handover {
+        ctl.adopt_prepinned_ram(vm.take_prepinned_ram());
         // The commit point: the source stops once we acknowledge. A failure here refuses
         // (the source keeps the VM; a lease already taken over is returned by the teardown
         // and the source reports that device lost).

@@ -79,6 +79,8 @@ pub struct Vm {
     cmdline: String,
     /// What KVM offers for saving vCPU state (MSR list, XSAVE, XCRs).
     caps: Arc<KvmCaps>,
+    /// Guest RAM pinned ahead of a migration's hand-over ([`Vm::prepin_ram`]).
+    prepinned: std::sync::Mutex<Vec<remote_pci::PinnedRange>>,
 }
 
 impl Vm {
@@ -290,7 +292,46 @@ impl Vm {
             kernel,
             cmdline: line,
             caps,
+            prepinned: std::sync::Mutex::default(),
         })
+    }
+
+    /// A migration destination whose VM holds lent devices pins guest RAM while the source
+    /// still runs, so the devices' Bus Master Enable at the hand-over finds it pinned (see
+    /// `dma::Prepinned`). On failure (e.g. `RLIMIT_MEMLOCK`) the RAM is only faulted in and
+    /// the hand-over pins it.
+    pub fn prepin_ram(&self) {
+        let mem = self.ram.memory();
+        let mut ranges = Vec::new();
+        for r in self.ram.regions() {
+            match mem.get_host_address(GuestAddress(r.gpa)) {
+                Ok(h) => ranges.push((h as u64, r.size)),
+                Err(_) => return self.ram.populate(),
+            }
+        }
+        let pinner = remote_pci::ParallelPinner::available();
+        match remote_pci::pin::pin_all(&pinner, &ranges) {
+            Ok((pins, _)) => {
+                *self
+                    .prepinned
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = pins;
+            }
+            Err(e) => {
+                log::warn!("pinning guest ram ahead of the hand-over: {e}; faulting it in only");
+                self.ram.populate();
+            }
+        }
+    }
+
+    /// The ranges [`Vm::prepin_ram`] pinned (for the VM's DMA manager).
+    pub fn take_prepinned_ram(&self) -> Vec<remote_pci::PinnedRange> {
+        std::mem::take(
+            &mut *self
+                .prepinned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     /// The command line the kernel got (after CPUID augmentation).

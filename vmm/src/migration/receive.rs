@@ -37,8 +37,8 @@ pub trait MigrationTarget: Sized {
     /// Puts the state document in (everything but RAM); the VM stays paused.
     fn restore(&self, doc: &VmSnapshot) -> Result<(), MigrationError>;
     /// Readies the built VM before the source starts sending (while the guest still runs
-    /// there): faults guest RAM in, so pinning it for a lent device's DMA at the hand-over
-    /// is quick.
+    /// there): pins guest RAM (or at least faults it in), so a lent device's Bus Master
+    /// Enable at the hand-over does not pin it during the downtime.
     fn prepare(&self) {}
 }
 
@@ -237,6 +237,6 @@ impl MigrationTarget for crate::Vm {
     }
 
     fn prepare(&self) {
-        crate::Vm::ram(self).populate();
+        self.prepin_ram();
     }
 }
