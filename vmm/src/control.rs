@@ -678,6 +678,7 @@ impl Controller {
             handover,
         })?;
         for d in devs.iter() {
+            d.mig.mark_moved();
             self.emit_handover(
                 &d.id,
                 d.mig.lease_id(),

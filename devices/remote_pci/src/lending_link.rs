@@ -593,6 +593,10 @@ impl LeaseMigration for LendingMigration {
             .cancel_transfer()
             .map_err(|e| link_err("transfer cancel", e))
     }
+
+    fn mark_moved(&self) {
+        self.lease.mark_moved();
+    }
 }
 
 /// The lease's P2P_MAP/P2P_UNMAP, shared with the VM's P2P router.
@@ -681,6 +685,11 @@ impl DmaMapping for LendingDma {
 impl Drop for LendingDma {
     fn drop(&mut self) {
         for (gpa, size, window) in self.maps.drain(..) {
+            if self.lease.is_moved() {
+                // The lease is the migration destination's: its windows replaced ours.
+                drop(window);
+                continue;
+            }
             if let Err(e) = self.lease.unmap_dma(gpa, size) {
                 warn!(
                     "lease {}: unmap dma {gpa:#x}+{size:#x}: {e}",

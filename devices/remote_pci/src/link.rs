@@ -455,6 +455,9 @@ pub trait LeaseMigration: Send + Sync {
     fn create_transfer(&self, to_node: &str, to_vm: &str) -> Result<LeaseTicket, LinkError>;
     /// Withdraws the ticket. An error means the lease is no longer ours (moved or lost).
     fn cancel_transfer(&self) -> Result<(), LinkError>;
+    /// The destination took the lease: tearing the device down here returns nothing and
+    /// unmaps nothing on the lender (it knows the lease only on the destination's link).
+    fn mark_moved(&self);
 }
 
 /// Asynchronous lease events, delivered by the link to the VMM (see
