@@ -246,11 +246,7 @@ fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
     src.expect_exit(0, T);
     // The moved lease is the destination's: the source's teardown neither returns it nor
     // unmaps its DMA window on the lender.
-    assert!(
-        !src.stderr().contains("unknown lease"),
-        "{}",
-        src.stderr()
-    );
+    assert!(!src.stderr().contains("unknown lease"), "{}", src.stderr());
     let before = src.lines();
     let n_before = rounds_of(&src.stdout()).len();
     let all = || joined(&before, &dst.lines());
