@@ -412,6 +412,47 @@ impl Controller {
                 refused.join(", ")
             )));
         }
+        // Each device's dirty log starts now (it runs until the lease moves, or is stopped
+        // by `abandon_handover`). A lender that cannot log the device's writes cannot
+        // confirm its DMA drained either (VFIO without IOMMU dirty tracking): refused.
+        let mut untracked = Vec::new();
+        let mut failed = None;
+        for d in &mut devs {
+            match d.mig.start_dirty_log() {
+                Ok(exact) => {
+                    d.dirty_log = true;
+                    if !exact {
+                        untracked.push(d.id.clone());
+                    }
+                }
+                Err(e) => {
+                    failed = Some(format!(
+                        "cannot migrate the vm: starting the dirty log of lent device {}: {e}",
+                        d.id
+                    ));
+                    break;
+                }
+            }
+        }
+        let stop_logs = |devs: &[Handing]| {
+            for d in devs.iter().filter(|d| d.dirty_log) {
+                if let Err(e) = d.mig.stop_dirty_log() {
+                    log::warn!("{}: stopping the device dirty log: {e}", d.id);
+                }
+            }
+        };
+        if let Some(why) = failed {
+            stop_logs(&devs);
+            return Err(ApiError::bad_gateway(why));
+        }
+        if !untracked.is_empty() {
+            stop_logs(&devs);
+            return Err(ApiError::conflict(format!(
+                "cannot migrate the vm: the lender cannot track the DMA writes of lent devices \
+                 {} nor confirm they drained (a VFIO device without IOMMU dirty tracking)",
+                untracked.join(", ")
+            )));
+        }
         let Some(src) = self.snapshot.clone() else {
             return Err(ApiError::internal("this vmm cannot migrate its vm"));
         };
@@ -689,9 +730,8 @@ impl Controller {
         Ok((sender.bytes, t_pause.elapsed()))
     }
 
-    /// Precopy: each lent device's dirty log is started (the caller stops them after a
-    /// failure; a transfer stops them on success), all RAM is sent, then rounds of what the
-    /// vCPUs (KVM's log) and the devices (the lenders' logs) dirtied meanwhile.
+    /// Precopy: all RAM is sent, then rounds of what the vCPUs (KVM's log) and the devices
+    /// (the lenders' logs, started by `send_migration`) dirtied meanwhile.
     fn precopy(
         &mut self,
         sender: &mut crate::migration::send::Sender,
@@ -701,23 +741,7 @@ impl Controller {
         round: &mut u32,
     ) -> Result<(), crate::migration::MigrationError> {
         use crate::migration::send::{CONVERGED_PAGES, MAX_ROUNDS};
-        for d in devs.iter_mut() {
-            let exact = d.mig.start_dirty_log().map_err(|e| {
-                crate::migration::MigrationError::Handover {
-                    id: d.id.clone(),
-                    step: "starting the device dirty log",
-                    reason: e.to_string(),
-                }
-            })?;
-            d.dirty_log = true;
-            if !exact {
-                log::warn!(
-                    "{}: the lender cannot track the device's writes: its whole window is \
-                     copied every round",
-                    d.id
-                );
-            }
-        }
+        // The devices' dirty logs run since `send_migration` checked them.
         let pages = sender.send_all()?;
         // Whatever the devices wrote during round 0 is in their first fetch.
         self.emit_iteration(0, pages, 0);
