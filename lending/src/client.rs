@@ -1029,6 +1029,100 @@ impl Lease {
         }))
     }
 
+    /// Peer-to-peer DMA across lenders (protocol version 6), target side: lets lender
+    /// `grantee` map the peer memory of this lease's BAR `bar`. The grant's id and secret go
+    /// to the source's lender in [`Lease::p2p_map_remote`]; [`Lease::p2p_revoke`] ends it.
+    pub fn p2p_grant(&self, bar: u8, grantee: &str) -> Result<protocol::P2pGranted, ClientError> {
+        self.p2px_check()?;
+        let r = Request::P2pGrant(protocol::P2pGrant {
+            target: self.id,
+            bar,
+            grantee: grantee.to_string(),
+        });
+        Ok(self.inner.call(&r, Vec::new())?.0)
+    }
+
+    /// Withdraws grant `grant` of this lease (succeeds when the lender already ended it).
+    pub fn p2p_revoke(&self, grant: u64) -> Result<(), ClientError> {
+        self.p2px_check()?;
+        let r = Request::P2pRevoke(protocol::P2pRevoke {
+            target: self.id,
+            grant,
+        });
+        self.inner.call::<()>(&r, Vec::new()).map(|_| ())
+    }
+
+    /// Peer-to-peer DMA across lenders, source side: maps BAR `bar` of lease `target` on
+    /// lender `lender` (granted to this lease's lender as `granted`) at `iova` in this
+    /// lease's IOMMU domain.
+    pub fn p2p_map_remote(
+        &self,
+        lender: &str,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        granted: &protocol::P2pGranted,
+    ) -> Result<(), ClientError> {
+        self.p2px_check()?;
+        let r = Request::P2pMapRemote(protocol::P2pMapRemote {
+            source: self.id,
+            lender: lender.to_string(),
+            target,
+            bar,
+            iova,
+            grant: granted.grant,
+            secret: granted.secret.clone(),
+        });
+        self.inner.call::<()>(&r, Vec::new()).map(|_| ())
+    }
+
+    /// Undoes [`Lease::p2p_map_remote`] (succeeds when it already ended).
+    pub fn p2p_unmap_remote(&self, lender: &str, target: u64, bar: u8) -> Result<(), ClientError> {
+        self.p2px_check()?;
+        let r = Request::P2pUnmapRemote(protocol::P2pUnmapRemote {
+            source: self.id,
+            lender: lender.to_string(),
+            target,
+            bar,
+        });
+        self.inner.call::<()>(&r, Vec::new()).map(|_| ())
+    }
+
+    /// Same-lender P2P with the target's capability (protocol version 6; what a lender
+    /// requires on tcp for a target borrowed at version 6): like [`Lease::p2p_map`], with
+    /// `granted` from the target lease's [`Lease::p2p_grant`] to this same lender.
+    pub fn p2p_map_granted(
+        &self,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        granted: &protocol::P2pGranted,
+    ) -> Result<(), ClientError> {
+        self.p2px_check()?;
+        let r = Request::P2pMapGranted(protocol::P2pMapGranted {
+            source: self.id,
+            target,
+            bar,
+            iova,
+            grant: granted.grant,
+            secret: granted.secret.clone(),
+        });
+        self.inner.call::<()>(&r, Vec::new()).map(|_| ())
+    }
+
+    fn p2px_check(&self) -> Result<(), ClientError> {
+        let version = self.inner.version();
+        if version < protocol::P2PX_VERSION {
+            return Err(ClientError::Unsupported {
+                lender: self.inner.lender.clone(),
+                what: "peer-to-peer dma across lenders",
+                version,
+                needs: protocol::P2PX_VERSION,
+            });
+        }
+        Ok(())
+    }
+
     fn p2p_call(&self, r: Request) -> Result<(), ClientError> {
         let unsupported = |version| ClientError::Unsupported {
             lender: self.inner.lender.clone(),

@@ -46,7 +46,9 @@ pub fn open_backends(
     let one = |b: Arc<dyn DeviceBackend>| vec![(spec.id.clone(), b)];
     Ok(match &spec.kind {
         DeviceKind::Vfio => one(Arc::new(backend::vfio::VfioBackend::open(&spec.id)?)),
-        DeviceKind::Dmatest { mode } => one(Arc::new(EmulatedBackend::dmatest(&name, *mode)?)),
+        DeviceKind::Dmatest { mode, buf } => one(Arc::new(EmulatedBackend::dmatest_with_buffer(
+            &name, *mode, *buf,
+        )?)),
         DeviceKind::Nvme {
             path,
             size,

@@ -32,7 +32,7 @@ struct Args {
     /// absolute Unix socket path (shm fabric) or ip:port (tcp fabric).
     #[arg(long, value_name = "ADDR")]
     control: Option<String>,
-    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE] | BDF=dmatest[:mode=...]
+    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE] | BDF=dmatest[:mode=...][,buf=SIZE]
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
     /// Cluster auth token (visible in `ps`; prefer --token-file or $LENDVM_TOKEN).
@@ -190,6 +190,10 @@ fn run(args: Args) -> Result<(), String> {
         Some(claims) => Lender::with_claims(Arc::clone(&inventory), &args.node, &token, claims),
         None => Lender::new(Arc::clone(&inventory), &args.node, &token),
     };
+    // Peer-to-peer DMA across lenders: this lender finds the others in the cluster file.
+    if let Some(f) = &file {
+        lender.set_cluster(f.clone());
+    }
     let stop = lender.stop_flag();
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {

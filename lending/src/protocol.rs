@@ -24,6 +24,7 @@
 //! | 0x110 | [`BorrowClaimed`] | [`Borrowed`] (+ notify eventfd on shm) | — (lease fenced by a directory claim) |
 //! | 0x111 | [`P2pMap`] (version 5) | `()` | — (map a peer lease's BAR into this lease's IOMMU domain) |
 //! | 0x112 | [`P2pUnmap`] (version 5) | `()` | — (undo a [`P2pMap`]) |
+//! | 0x113..=0x119 | version 6, peer-to-peer DMA across lenders: see [`p2px`] (grant, revoke, remote map/unmap, lender-to-lender attach/detach) | | — |
 //! | 0x120 | [`AuthChallenge`] (before HELLO) | [`AuthResponse`] | — (mutual challenge–response, [`crate::auth`]) |
 //! | 0x121..=0x127 | version 4, live migration: see [`migration`] (dirty log, hand-over quiesce, lease transfer) | | — |
 //!
@@ -58,6 +59,7 @@
 //! | 4 | live migration ([`migration`]): DIRTY_LOG_START/FETCH/STOP, QUIESCE_HANDOVER, TRANSFER_CREATE/CANCEL/ACCEPT (0x121..=0x127) and the [`LeaseMoved`] event (0x186) |
 //! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event; [`NotifyWrites::Polled`] (sent as `Doorbells` to older borrowers); BAR_WRITE and RESET replies carry [`DoorbellKicks`]; the [`KicksEvent`] event |
 //! | 5 | P2P_MAP and P2P_UNMAP requests (peer-to-peer DMA between two leases of one borrower on this lender) |
+//! | 6 | peer-to-peer DMA across lenders ([`p2px`]): P2P_GRANT/REVOKE, P2P_MAP_REMOTE/UNMAP_REMOTE, lender-to-lender P2P_ATTACH/DETACH (0x113..=0x118) |
 //!
 //! New requests of a version are unknown opcodes in a session of an older version (both
 //! ways: the lender answers `UNKNOWN_OPCODE`, and [`Request::encode_versioned`] refuses to
@@ -70,14 +72,19 @@ use thiserror::Error;
 use ntb::wire::{self, ErrorReply, WireError};
 
 pub mod migration;
+pub mod p2px;
 
 pub use migration::{
     AcceptMap, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, HandoverQuiesced, LeaseMoved,
     QuiesceHandover, TransferAccept, TransferCreate, TransferTicket,
 };
+pub use p2px::{
+    P2pAttach, P2pAttached, P2pDetach, P2pGrant, P2pGranted, P2pMapGranted, P2pMapRemote,
+    P2pRevoke, P2pUnmapRemote, P2PX_VERSION,
+};
 
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// The version that introduced P2P_MAP/P2P_UNMAP.
 pub const P2P_VERSION: u32 = 5;
 /// Oldest version a lender still serves.
@@ -991,6 +998,20 @@ pub enum Request {
     P2pMap(P2pMap),
     /// Peer-to-peer unmap (version 5).
     P2pUnmap(P2pUnmap),
+    /// Grant a lender access to a lease's peer memory (version 6).
+    P2pGrant(P2pGrant),
+    /// Withdraw a grant (version 6).
+    P2pRevoke(P2pRevoke),
+    /// Map a peer's memory on another lender (version 6).
+    P2pMapRemote(P2pMapRemote),
+    /// Undo a remote map (version 6).
+    P2pUnmapRemote(P2pUnmapRemote),
+    /// Lender to lender: attach a grant (version 6).
+    P2pAttach(P2pAttach),
+    /// Lender to lender: detach a grant (version 6).
+    P2pDetach(P2pDetach),
+    /// Same-lender map with the target's capability (version 6).
+    P2pMapGranted(P2pMapGranted),
 }
 
 /// An event, decoded.
@@ -1061,7 +1082,9 @@ impl Request {
             Request::BorrowClaimed(_) => opcode::BORROW_CLAIMED,
             Request::P2pMap(_) => opcode::P2P_MAP,
             Request::P2pUnmap(_) => opcode::P2P_UNMAP,
-            other => migration::opcode_of(other).unwrap_or(0),
+            other => migration::opcode_of(other)
+                .or_else(|| p2px::opcode_of(other))
+                .unwrap_or(0),
         }
     }
 
@@ -1087,7 +1110,7 @@ impl Request {
             | Request::Borrow(_)
             | Request::Status
             | Request::BorrowClaimed(_) => None,
-            other => migration::lease_of(other),
+            other => migration::lease_of(other).or_else(|| p2px::lease_of(other)),
         }
     }
 
@@ -1141,7 +1164,7 @@ impl Request {
             Request::Quiesce(v) => enc(op, v)?,
             Request::P2pMap(v) => enc(op, v)?,
             Request::P2pUnmap(v) => enc(op, v)?,
-            other => match migration::encode(other, op) {
+            other => match migration::encode(other, op).or_else(|| p2px::encode(other, op)) {
                 Some(p) => p?,
                 None => return Err(ProtocolError::UnknownOpcode(op)),
             },
@@ -1156,6 +1179,7 @@ impl Request {
             opcode::LEASE_COUNTERS | opcode::QUIESCE => 3,
             op if migration::is_migration_op(op) => migration::MIGRATION_VERSION,
             opcode::P2P_MAP | opcode::P2P_UNMAP => P2P_VERSION,
+            op if p2px::is_p2px_op(op) => P2PX_VERSION,
             _ => 1,
         }
     }
@@ -1177,6 +1201,9 @@ impl Request {
         }
         if migration::is_migration_op(op) {
             return migration::decode(op, payload);
+        }
+        if p2px::is_p2px_op(op) {
+            return p2px::decode(op, payload);
         }
         let r = match op {
             opcode::LEASE_COUNTERS => Request::LeaseCounters(dec(op, payload)?),

@@ -33,6 +33,7 @@ use crate::backend::{BackendError, DeviceBackend, IrqTrigger};
 use crate::directory::ClaimAuthority;
 use crate::inventory::{Inventory, InventoryError, Lease};
 use crate::iommu::p2p::{P2pBook, P2pError, P2pMapping, P2pRegistration, MAX_P2P_PER_LEASE};
+use crate::iommu::p2p_remote::{Attachments, GrantTable, PeerLenders};
 use crate::iommu::{
     BackingError, DmaBacking, FaultListener, IommuDomain, IommuError, IommuFault, MAX_MAPPINGS,
 };
@@ -44,6 +45,7 @@ use crate::protocol::{
 };
 
 mod migration;
+mod p2px;
 
 pub use migration::TICKET_TTL;
 
@@ -72,16 +74,23 @@ pub struct Lender {
     p2p: Arc<P2pBook>,
     /// Lease transfer tickets and hand-offs (live migration).
     transfers: migration::Transfers,
+    /// Grants of leases' peer memory to other lenders (P2P across lenders, target side).
+    grants: Arc<GrantTable>,
+    /// Links to other lenders (P2P across lenders, source side).
+    peers: Arc<PeerLenders>,
 }
 
 impl Lender {
     /// A lender named `node` that accepts borrowers presenting `token`.
     pub fn new(inventory: Arc<Inventory>, node: &str, token: &str) -> Arc<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
         Arc::new(Lender {
             inventory,
             node: node.to_string(),
             token: token.to_string(),
-            stop: Arc::new(AtomicBool::new(false)),
+            peers: Arc::new(PeerLenders::new(node, token, Arc::clone(&stop))),
+            grants: Arc::default(),
+            stop,
             claims: None,
             auth_failures: FailureLimiter::default(),
             p2p: Arc::default(),
@@ -96,11 +105,14 @@ impl Lender {
         token: &str,
         claims: Arc<dyn ClaimAuthority>,
     ) -> Arc<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
         Arc::new(Lender {
             inventory,
             node: node.to_string(),
             token: token.to_string(),
-            stop: Arc::new(AtomicBool::new(false)),
+            peers: Arc::new(PeerLenders::new(node, token, Arc::clone(&stop))),
+            grants: Arc::default(),
+            stop,
             claims: Some(claims),
             auth_failures: FailureLimiter::default(),
             p2p: Arc::default(),
@@ -121,6 +133,33 @@ impl Lender {
     /// Peer-to-peer mappings into `lease`'s BARs that are live (tests, status).
     pub fn p2p_live_into(&self, lease: u64) -> usize {
         self.p2p.live_into(lease)
+    }
+
+    /// Where the other lenders are, for peer-to-peer DMA across lenders (lenderd passes
+    /// its cluster file). Without it, P2P_MAP_REMOTE is refused with `PEER_LENDER`.
+    pub fn set_cluster(&self, cluster: ntb::ClusterConfig) {
+        self.peers.set_cluster(cluster);
+    }
+
+    /// Grants of this lender's leases that another lender has attached now (tests,
+    /// status).
+    pub fn p2p_grants_attached(&self) -> usize {
+        self.grants.attached()
+    }
+
+    /// Attaches of grants refused (unknown grant, wrong lender or secret).
+    pub fn p2p_grants_refused(&self) -> u64 {
+        self.grants.refused()
+    }
+
+    /// Links to other lenders up now (P2P across lenders).
+    pub fn p2p_peer_links(&self) -> usize {
+        self.peers.links()
+    }
+
+    /// Cross-lender mappings ended by the target's lender or a lost link, so far.
+    pub fn p2p_remote_revoked(&self) -> u64 {
+        self.peers.revoked()
     }
 
     /// Accepts links until the stop flag is set, then ends every session.
@@ -150,6 +189,7 @@ impl Lender {
             sessions.retain(|h| !h.is_finished());
         }
         log::info!("stopping: ending {} sessions", sessions.len());
+        self.peers.close_all();
         for h in sessions {
             let _ = h.join();
         }
@@ -167,6 +207,7 @@ impl Lender {
             rate_key: auth::rate_key(&ep.peer_addr()),
             version: PROTOCOL_VERSION,
             leases: HashMap::new(),
+            attachments: Attachments::default(),
         };
         let peer = ep.peer_node().to_string();
         let reason = loop {
@@ -312,6 +353,8 @@ struct Session {
     /// Protocol version agreed at hello (layouts of versioned messages).
     version: u32,
     leases: HashMap<u64, SessionLease>,
+    /// Grants of this lender's leases the peer (another lender) attached.
+    attachments: Attachments,
 }
 
 type Reply = Result<Message, ErrorReply>;
@@ -773,6 +816,9 @@ impl Session {
         if let Some(r) = self.dispatch_migration(op, &req, &mut fds) {
             return r;
         }
+        if let Some(r) = self.dispatch_p2px(op, &req) {
+            return r;
+        }
         match req {
             Request::Hello(_) => Err(error(code::INVALID, "hello already done")),
             Request::List => ok(op, &self.lender.inventory.list()),
@@ -948,33 +994,7 @@ impl Session {
                 let sl = self.lease(l.lease)?;
                 sl.kicks_reply(op, version)
             }
-            Request::P2pMap(m) => {
-                let book = Arc::clone(&self.lender.p2p);
-                let sl = self.lease(m.source)?;
-                let key = (m.target, m.bar);
-                if let Some(old) = sl.p2p_out.get(&key).filter(|o| o.is_live()) {
-                    return Err(p2p_err(P2pError::AlreadyMapped {
-                        source_lease: m.source,
-                        target: m.target,
-                        bar: m.bar,
-                        iova: old.iova(),
-                    }));
-                }
-                // Revoked mappings stay until unmapped: they count against the cap too.
-                if !sl.p2p_out.contains_key(&key) && sl.p2p_out.len() >= MAX_P2P_PER_LEASE {
-                    return Err(p2p_err(P2pError::TooMany(m.source)));
-                }
-                let holder = sl.p2p.holder().to_string();
-                let domain = sl.lease.backend().domain();
-                let mapping = book
-                    .map(m.source, &holder, domain, m.target, m.bar, m.iova)
-                    .map_err(|e| {
-                        log::info!("{holder}: p2p map refused: {e}");
-                        p2p_err(e)
-                    })?;
-                sl.p2p_out.insert(key, mapping);
-                ok(op, &())
-            }
+            Request::P2pMap(m) => self.p2p_map(op, m, false),
             Request::P2pUnmap(u) => {
                 let sl = self.lease(u.source)?;
                 sl.p2p_out
@@ -1007,6 +1027,41 @@ impl Session {
                 format!("request {:#x} not handled", other.opcode()),
             )),
         }
+    }
+
+    /// P2P_MAP (and P2P_MAP_GRANTED with `capability`: the target's grant was verified).
+    fn p2p_map(&mut self, op: u16, m: protocol::P2pMap, capability: bool) -> Reply {
+        let book = Arc::clone(&self.lender.p2p);
+        let peers = Arc::clone(&self.lender.peers);
+        let sl = self.lease(m.source)?;
+        let key = (m.target, m.bar);
+        if let Some(old) = sl.p2p_out.get(&key).filter(|o| o.is_live()) {
+            return Err(p2p_err(P2pError::AlreadyMapped {
+                source_lease: m.source,
+                target: m.target,
+                bar: m.bar,
+                iova: old.iova(),
+            }));
+        }
+        // Revoked mappings stay until unmapped: they count against the cap too.
+        if !sl.p2p_out.contains_key(&key) && sl.p2p_out.len() >= MAX_P2P_PER_LEASE {
+            return Err(p2p_err(P2pError::TooMany(m.source)));
+        }
+        let holder = sl.p2p.holder().to_string();
+        let domain = sl.lease.backend().domain();
+        let mapping = book
+            .map(
+                m.source, &holder, domain, m.target, m.bar, m.iova, capability,
+            )
+            .map_err(|e| {
+                crate::iommu::p2p_remote::log_refusal(
+                    &peers.refusals,
+                    format_args!("{holder}: p2p map refused: {e}"),
+                );
+                p2p_err(e)
+            })?;
+        sl.p2p_out.insert(key, mapping);
+        ok(op, &())
     }
 
     fn borrow(&mut self, op: u16, device: &str, vm: &str, claim: Option<i64>) -> Reply {
@@ -1080,10 +1135,14 @@ impl Session {
         if self.version >= 3 {
             backend.set_kick_listener(Some(kick_listener(&self.ep, &backend, id, &kicks_told)));
         }
-        let p2p = self
-            .lender
-            .p2p
-            .register(id, &self.p2p_holder(&lease), Arc::clone(&backend));
+        let p2p = self.lender.p2p.register(
+            id,
+            &self.p2p_holder(&lease),
+            Arc::clone(&backend),
+            // tcp: the identity rule's origin is only an IP (docs/SECURITY.md), so a
+            // version 6 lease needs its capability; shm's origin is the process.
+            self.version >= protocol::P2PX_VERSION && self.ep.kind() == FabricKind::Tcp,
+        );
         self.leases.insert(
             id,
             SessionLease {

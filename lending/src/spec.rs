@@ -3,8 +3,11 @@
 //! ```text
 //! 0000:81:00.0=vfio
 //! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE]
-//! 0000:83:00.0=dmatest[:mode=interrupt|polling]
+//! 0000:83:00.0=dmatest[:mode=interrupt|polling][,buf=SIZE]
 //! ```
+//!
+//! `buf=SIZE` (a multiple of 4K, at most 256M; default 60K) sizes the dmatest's data buffer
+//! (its peer memory); BAR0 grows to the next power of two above 4K + SIZE.
 //!
 //! `vfs=N` (1..=32, needs `size`) gives the emulated NVMe N SR-IOV virtual functions at the
 //! next N routing IDs, each lendable on its own with a `size`-byte namespace of its own in
@@ -53,6 +56,8 @@ pub enum DeviceKind {
     Dmatest {
         /// Doorbell notification.
         mode: NotifyMode,
+        /// Data buffer size (`emulated::dmatest::BUF_SIZE` by default).
+        buf: u64,
     },
 }
 
@@ -147,9 +152,21 @@ impl std::str::FromStr for DeviceSpec {
             }
             "dmatest" => {
                 let mut mode = NotifyMode::Interrupt;
+                let mut buf = emulated::dmatest::BUF_SIZE;
                 for (k, v) in pairs {
                     match k {
                         "mode" => mode = parse_mode(v, &err)?,
+                        "buf" => {
+                            buf = parse_size(v)
+                                .filter(|s| {
+                                    s.is_multiple_of(4096) && *s <= emulated::dmatest::MAX_BUF_SIZE
+                                })
+                                .ok_or_else(|| {
+                                    err(format!(
+                                        "buf {v:?} is not a multiple of 4K from 4K to 256M"
+                                    ))
+                                })?;
+                        }
                         "vfs" => {
                             return Err(err(format!(
                                 "vfs={v}: dmatest has no sr-iov (only nvme has virtual functions)"
@@ -158,7 +175,7 @@ impl std::str::FromStr for DeviceSpec {
                         other => return Err(err(format!("unknown dmatest option {other:?}"))),
                     }
                 }
-                DeviceKind::Dmatest { mode }
+                DeviceKind::Dmatest { mode, buf }
             }
             "nvme" => {
                 let mut path = None;
@@ -321,9 +338,18 @@ mod tests {
         assert_eq!(
             s.kind,
             DeviceKind::Dmatest {
-                mode: NotifyMode::Interrupt
+                mode: NotifyMode::Interrupt,
+                buf: emulated::dmatest::BUF_SIZE,
             }
         );
+        let s: DeviceSpec = "0000:83:00.0=dmatest:buf=64M".parse().unwrap();
+        assert!(matches!(s.kind, DeviceKind::Dmatest { buf, .. } if buf == 64 << 20));
+        for bad in ["buf=1000", "buf=512M", "buf=0"] {
+            let e = format!("0000:83:00.0=dmatest:{bad}")
+                .parse::<DeviceSpec>()
+                .unwrap_err();
+            assert!(e.to_string().contains("is not a multiple of 4K"), "{e}");
+        }
     }
 
     #[test]

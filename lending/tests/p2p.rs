@@ -1,4 +1,4 @@
-//! Peer-to-peer DMA between two leases of one borrower on one lender (protocol version 5),
+//! Peer-to-peer DMA between two leases of one borrower on one lender (protocol version 5; shm),
 //! against an in-process lender with three dmatest devices on the shm fabric.
 //!
 //! The borrower plays the VMM: one session per device (as lendvm keeps one link per

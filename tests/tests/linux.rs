@@ -180,13 +180,20 @@ struct Lender {
     disk: PathBuf,
     /// lenderd's current log file (in `dir`).
     log: String,
+    /// Extra options of the lent NVMe's spec (`,cmb=2M`), kept for a restart.
+    nvme_opts: &'static str,
     _lenderd: Lenderd,
 }
 
 impl Lender {
     /// One lender ([`LENDER`]) with an image holding `parts`.
     fn start(parts: &[Part]) -> Lender {
-        Self::start_nodes(&[LENDER], parts)
+        Self::start_with(parts, "")
+    }
+
+    /// One lender whose NVMe spec ends with `nvme_opts` (e.g. `,cmb=2M`).
+    fn start_with(parts: &[Part], nvme_opts: &'static str) -> Lender {
+        Self::start_nodes_with(&[LENDER], parts, nvme_opts)
             .pop()
             .expect("one lender")
     }
@@ -194,6 +201,14 @@ impl Lender {
     /// One lenderd per node of `nodes`, all in one cluster file, each lending its own image
     /// holding `parts`.
     fn start_nodes(nodes: &[&'static str], parts: &[Part]) -> Vec<Lender> {
+        Self::start_nodes_with(nodes, parts, "")
+    }
+
+    fn start_nodes_with(
+        nodes: &[&'static str],
+        parts: &[Part],
+        nvme_opts: &'static str,
+    ) -> Vec<Lender> {
         let dir = Arc::new(tempfile::tempdir().unwrap());
         let cluster = dir.path().join("cluster.toml");
         let mut toml = format!("version = 1\ntoken = \"{TOKEN}\"\n");
@@ -217,7 +232,8 @@ impl Lender {
                     )
                 };
                 write_mbr_image(&disk, DISK_SIZE, parts);
-                let lenderd = Self::spawn_lenderd(node, dir.path(), &cluster, &disk, &log);
+                let lenderd =
+                    Self::spawn_lenderd(node, dir.path(), &cluster, &disk, &log, nvme_opts);
                 Lender {
                     node,
                     dir: dir.clone(),
@@ -225,18 +241,26 @@ impl Lender {
                     cfg: cfg.clone(),
                     disk,
                     log,
+                    nvme_opts,
                     _lenderd: lenderd,
                 }
             })
             .collect()
     }
 
-    fn spawn_lenderd(node: &str, dir: &Path, cluster: &Path, disk: &Path, log: &str) -> Lenderd {
+    fn spawn_lenderd(
+        node: &str,
+        dir: &Path,
+        cluster: &Path,
+        disk: &Path,
+        log: &str,
+        nvme_opts: &str,
+    ) -> Lenderd {
         Lenderd::command(binary("lenderd"), node, cluster)
             .log(dir.join(log))
             .token(TOKEN)
             .device(format!(
-                "{NVME_BDF}=nvme:path={},size={DISK_SIZE}",
+                "{NVME_BDF}=nvme:path={},size={DISK_SIZE}{nvme_opts}",
                 disk.display()
             ))
             .spawn_until_listening(&dir.join(format!("{node}.sock")))
@@ -250,8 +274,14 @@ impl Lender {
     /// Starts lenderd again on the same cluster file and disk (its log: `log`).
     fn restart(&mut self, log: &str) {
         self.log = log.to_string();
-        self._lenderd =
-            Self::spawn_lenderd(self.node, self.dir.path(), &self.cluster, &self.disk, log);
+        self._lenderd = Self::spawn_lenderd(
+            self.node,
+            self.dir.path(),
+            &self.cluster,
+            &self.disk,
+            log,
+            self.nvme_opts,
+        );
     }
 
     fn file(&self, name: &str) -> PathBuf {
@@ -881,6 +911,10 @@ const FIO_VERIFY_OFFSET: u64 = 8 << 20;
 const FIO_VERIFY_TIME: Duration = Duration::from_secs(4 * 60);
 const FIO_VERIFY_BYTES: u64 = 512 << 10;
 const FIO_VERIFY_BS: u64 = 4096;
+/// The fio disk's Controller Memory Buffer (the emulated NVMe's smallest: 2 MiB, which
+/// Linux's p2pdma maps as one 2 MiB sub-section).
+const FIO_CMB_BYTES: u64 = 2 << 20;
+const FIO_CMB_OPTS: &str = ",cmb=2M";
 /// fio's verify header magic (`FIO_HDR_MAGIC`), the first two bytes of every written block.
 const FIO_HDR_MAGIC: u16 = 0xacca;
 
@@ -894,7 +928,10 @@ fn linux_fio_verify_on_a_lent_disk() {
         start: 2048,
         sectors: (DISK_SIZE / SECTOR) as u32 - 2048,
     }];
-    let lender = Lender::start(&parts);
+    // The NVMe has a Controller Memory Buffer: the stock driver (use_cmb_sqes, PCI_P2PDMA in
+    // the guest kernel) registers it as peer-to-peer memory and takes its I/O submission
+    // queue from it, so fio's commands travel through the lent BAR, not guest RAM.
+    let lender = Lender::start_with(&parts, FIO_CMB_OPTS);
     // The initramfs' fio runner instead of the dd check: one run of the verify job on the lent
     // disk, its JSON printed between markers, then `poweroff -f` → exit 0 on the exit port.
     let cmd = cmdline(
@@ -918,6 +955,7 @@ fn linux_fio_verify_on_a_lent_disk() {
     let deadline = guest.out.started() + BOOT_TIMEOUT + FIO_VERIFY_TIME;
     guest.expect_line(&lender, "Linux version ", deadline);
     lender.expect_lent_to("linux-fio");
+    let (_, p2pmem) = guest.expect_line(&lender, "LENDVM-P2PMEM disk=nvme0n1 ", deadline);
     let (run_wall, _) = guest.expect_line(&lender, "LENDVM-FIO run i=1 ", deadline);
     let (ran_wall, _) = guest.expect_line(&lender, "LENDVM-FIO ran i=1 ", deadline);
     let (_, done) = guest.expect_line(&lender, "LENDVM-FIO done ", deadline);
@@ -930,6 +968,20 @@ fn linux_fio_verify_on_a_lent_disk() {
         diag()
     );
     check_nvme_probe_and_parts(&guest, &lender, &parts);
+    // The whole CMB became the guest's p2pmem pool, and the driver's I/O SQ came out of it
+    // (nothing else in this guest allocates p2pmem). Published: CMBSZ has WDS and RDS.
+    let num = |k: &str| -> u64 {
+        field(&p2pmem, k)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {k}= in {p2pmem:?}\n{}", diag()))
+    };
+    assert_eq!(num("size"), FIO_CMB_BYTES, "{p2pmem}");
+    assert!(
+        num("available") < num("size"),
+        "the nvme driver took no submission queue from the CMB: {p2pmem}\n{}",
+        diag()
+    );
+    assert_eq!(num("published"), 1, "{p2pmem}");
     let runs = parse_runs(&guest.out.lines()).unwrap_or_else(|e| panic!("{e}\n{}", diag()));
     assert_eq!(runs.len(), 1, "{runs:?}");
     let run = &runs[0];

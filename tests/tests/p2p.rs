@@ -1,5 +1,6 @@
-//! Peer-to-peer DMA in one VM between two dmatest engines lent by one lender (real `lenderd`
-//! and `lendvm` on the shm fabric, the bare-metal test guest as the driver, `tests=p2p`):
+//! Peer-to-peer DMA in one VM between two dmatest engines lent by one lender, and by two
+//! lenders (real `lenderd`s and `lendvm` on the shm and tcp fabrics, the bare-metal test
+//! guest as the driver, `tests=p2p`):
 //! device A copies guest RAM into device B's BAR by B's guest-physical address, and back;
 //! a copy to an address that is neither RAM nor a BAR ends with STATUS.error and an IOMMU
 //! fault on the lender; after the guest moves B's BAR0 (decoding on) the copy works at the
@@ -27,8 +28,102 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer() {
     ]);
     let a = format!("{LENDER}:{DMATEST_BDF},id=dta");
     let b = format!("{LENDER}:{DMATEST2_BDF},id=dtb");
+    run_guest(&cluster, &a, &b);
+    // The lender counted A's refused DMAs (the hole and the old BAR address).
+    let d = cluster.device(DMATEST_BDF);
+    assert!(d.iommu_faults >= 2, "{d:?}");
+    cluster.wait_available(DMATEST_BDF);
+    cluster.wait_available(DMATEST2_BDF);
+}
+
+/// One lender over tcp: the lender requires B's capability (a grant to itself) for the
+/// same-lender mapping, which the VMM's router asks for.
+#[test]
+fn two_dmatests_of_one_lender_copy_peer_to_peer_tcp() {
+    let cluster = Cluster::new(Fabric::Tcp);
+    let _lender = cluster.start_lenderd(&[
+        format!("{DMATEST_BDF}=dmatest"),
+        format!("{DMATEST2_BDF}=dmatest"),
+    ]);
+    let a = format!("{LENDER}:{DMATEST_BDF},id=dta");
+    let b = format!("{LENDER}:{DMATEST2_BDF},id=dtb");
+    run_guest(&cluster, &a, &b);
+    let log = std::fs::read_to_string(cluster.file("lenderd.log")).unwrap();
+    assert!(
+        log.contains(&format!("granted to lender {LENDER}")),
+        "no capability grant:\n{log}"
+    );
+    cluster.wait_available(DMATEST_BDF);
+    cluster.wait_available(DMATEST2_BDF);
+}
+
+/// A on `node1`, B on `node2`: node1 reaches node2 over its own lender-to-lender link.
+fn two_lenders(fabric: Fabric) {
+    let cluster = two_lender_cluster(fabric);
+    let l1 = start_lender(&cluster, "node1", DMATEST_BDF);
+    let l2 = start_lender(&cluster, "node2", DMATEST2_BDF);
+    let a = format!("node1:{DMATEST_BDF},id=dta");
+    let b = format!("node2:{DMATEST2_BDF},id=dtb");
+    run_guest(&cluster, &a, &b);
+    let log1 = std::fs::read_to_string(cluster.file("node1.log")).unwrap();
+    assert!(
+        log1.contains("lender-to-lender link to node2 up"),
+        "node1 never linked to node2:\n{log1}"
+    );
+    assert!(log1.contains("peer-to-peer across lenders"), "{log1}");
+    let log2 = std::fs::read_to_string(cluster.file("node2.log")).unwrap();
+    assert!(log2.contains("attached by node1"), "{log2}");
+    // The VM is gone: both leases end, the grants and the link with them.
+    let d = lender_device(&cluster, "node1", DMATEST_BDF);
+    assert!(d.iommu_faults >= 2, "{d:?}");
+    // node2 withdrew every window it exported to node1 (at the BAR move and at the end).
+    let withdrawn = poll(Duration::from_secs(10), || {
+        let log2 = std::fs::read_to_string(cluster.file("node2.log")).unwrap();
+        let attached = log2.matches("attached by node1").count();
+        let revoked = log2
+            .lines()
+            .filter(|l| l.contains(") to node1: window ") && l.contains(" revoked ("))
+            .count();
+        (attached >= 2 && revoked == attached).then_some(())
+    });
+    assert!(
+        withdrawn.is_some(),
+        "{}",
+        std::fs::read_to_string(cluster.file("node2.log")).unwrap()
+    );
+    for (node, bdf) in [("node1", DMATEST_BDF), ("node2", DMATEST2_BDF)] {
+        let ok = poll(Duration::from_secs(10), || {
+            (lender_device(&cluster, node, bdf).summary.state
+                == lending::protocol::DeviceState::Available)
+                .then_some(())
+        });
+        assert!(ok.is_some(), "{node}:{bdf} not given back");
+    }
+    drop((l1, l2));
+}
+
+#[test]
+fn two_dmatests_of_two_lenders_copy_peer_to_peer_shm() {
+    two_lenders(Fabric::Shm);
+}
+
+#[test]
+fn two_dmatests_of_two_lenders_copy_peer_to_peer_tcp() {
+    two_lenders(Fabric::Tcp);
+}
+
+/// node2 (B's lender) is killed while A keeps copying into B's BAR: node1 unmaps B's window
+/// as its link to node2 dies, A's copies end with STATUS.error and node1 counts the faults;
+/// afterwards node1's device is given back with nothing left mapped.
+#[test]
+fn killing_the_targets_lender_refuses_the_sources_dma() {
+    let cluster = two_lender_cluster(Fabric::Shm);
+    let _l1 = start_lender(&cluster, "node1", DMATEST_BDF);
+    let mut l2 = start_lender(&cluster, "node2", DMATEST2_BDF);
+    let a = format!("node1:{DMATEST_BDF},id=dta");
+    let b = format!("node2:{DMATEST2_BDF},id=dtb");
     let cluster_arg = cluster.path.display().to_string();
-    let cmdline = format!("tests=p2p seed={SEED:#x}");
+    let cmdline = format!("tests=p2p-loss seed={SEED:#x} wait_ms=30000");
     let mut vm = Vm::start_with_log(
         "64M",
         &[
@@ -38,6 +133,50 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer() {
             &a,
             "--remote-device",
             &b,
+            "--cmdline",
+            &cmdline,
+        ],
+        "info",
+    );
+    let copy = vm.expect_ok("p2p-copy", BOOT_TIMEOUT);
+    assert!(copy.contains("verified"), "{copy}");
+    let before = lender_device(&cluster, "node1", DMATEST_BDF).iommu_faults;
+    l2.kill();
+    vm.expect_exit(0, BOOT_TIMEOUT);
+    let lost = vm.expect_ok("p2p-lost", Duration::ZERO);
+    let log1 = std::fs::read_to_string(cluster.file("node1.log")).unwrap();
+    // Unmapped by node1's link watcher, or (if lendvm's removal of the lost device came
+    // first) by lendvm's P2P_UNMAP_REMOTE: either way before A's copies failed.
+    assert!(
+        log1.contains("lender-to-lender link to node2 ended")
+            && log1.contains(" on node2 at iova ")
+            && log1.contains(" removed ("),
+        "node1 did not unmap at the link's death:\n{log1}\n{lost}"
+    );
+    let d = lender_device(&cluster, "node1", DMATEST_BDF);
+    assert!(d.iommu_faults > before, "{d:?}");
+    let ok = poll(Duration::from_secs(10), || {
+        (lender_device(&cluster, "node1", DMATEST_BDF).summary.state
+            == lending::protocol::DeviceState::Available)
+            .then_some(())
+    });
+    assert!(ok.is_some(), "node1's device not given back");
+}
+
+/// Boots the test guest with dmatests `a` (id dta) and `b` (id dtb) and checks its p2p
+/// steps and the VMM's mappings of B's BAR for A (at B's address, then the moved one).
+fn run_guest(cluster: &Cluster, a: &str, b: &str) {
+    let cluster_arg = cluster.path.display().to_string();
+    let cmdline = format!("tests=p2p seed={SEED:#x}");
+    let mut vm = Vm::start_with_log(
+        "64M",
+        &[
+            "--cluster",
+            &cluster_arg,
+            "--remote-device",
+            a,
+            "--remote-device",
+            b,
             "--cmdline",
             &cmdline,
         ],
@@ -74,9 +213,77 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer() {
         vec![peer, peer + 0x10_0000],
         "mapped at B's address, then at the moved one:\n{err}"
     );
-    // The lender counted A's refused DMAs (the hole and the old BAR address).
-    let d = cluster.device(DMATEST_BDF);
-    assert!(d.iommu_faults >= 2, "{d:?}");
-    cluster.wait_available(DMATEST_BDF);
-    cluster.wait_available(DMATEST2_BDF);
+}
+
+fn free_tcp_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A cluster with two lender nodes, `node1` and `node2`, on `fabric`.
+fn two_lender_cluster(fabric: Fabric) -> Cluster {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let node = |name: &str| match fabric {
+        Fabric::Shm => format!(
+            "[[node]]\nname = \"{name}\"\nfabric = \"shm\"\ncontrol = \"{d}/{name}.sock\"\n"
+        ),
+        Fabric::Tcp => format!(
+            "[[node]]\nname = \"{name}\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{}\"\n",
+            free_tcp_port()
+        ),
+    };
+    let src = format!(
+        "version = 1\ntoken = \"{TOKEN}\"\n\
+         [link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n{}{}",
+        node("node1"),
+        node("node2")
+    );
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, src).unwrap();
+    let cfg = ntb::ClusterConfig::load(&path).unwrap();
+    Cluster {
+        dir,
+        path,
+        cfg,
+        fabric,
+    }
+}
+
+fn lender_device(cluster: &Cluster, node: &str, bdf: &str) -> lending::protocol::DeviceStatus {
+    let session = api::lenders::Session {
+        local: ntb::NodeId::new("lendvm-tests").unwrap(),
+        token: TOKEN.to_string(),
+        connect_timeout: Duration::from_secs(2),
+    };
+    let n = api::lenders::lender(&cluster.cfg, node).unwrap();
+    let c = session.connect(&cluster.cfg, n).unwrap();
+    c.status()
+        .unwrap()
+        .devices
+        .into_iter()
+        .find(|d| d.summary.id == bdf)
+        .unwrap_or_else(|| panic!("{node} has no device {bdf}"))
+}
+
+fn start_lender(cluster: &Cluster, name: &str, bdf: &str) -> lending::testing::Lenderd {
+    let _ = std::fs::remove_file(cluster.file(&format!("{name}.sock")));
+    lending::testing::Lenderd::command(binary("lenderd"), name, &cluster.path)
+        .log(cluster.file(&format!("{name}.log")))
+        .token(TOKEN)
+        .device(format!("{bdf}=dmatest"))
+        .spawn_until("answering status requests", |_| {
+            let session = api::lenders::Session {
+                local: ntb::NodeId::new("lendvm-tests").unwrap(),
+                token: TOKEN.to_string(),
+                connect_timeout: Duration::from_secs(2),
+            };
+            api::lenders::lender(&cluster.cfg, name)
+                .ok()
+                .and_then(|n| session.connect(&cluster.cfg, n).ok())
+                .is_some_and(|c| c.status().is_ok())
+        })
 }

@@ -113,6 +113,16 @@ fn settled_fds(pid: u32) -> Vec<String> {
     panic!("descriptors of {pid} never settled: {prev:?}");
 }
 
+/// The memfd mappings of a process, for a leak report.
+fn memfd_maps(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("/memfd:"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 fn windows_of(pid: u32) -> usize {
     std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .unwrap()
@@ -324,10 +334,16 @@ fn soak_hotplug_cycles_and_lender_restarts_leak_nothing() {
         let Some(base) = base else { return };
         let pid = l.child.id();
         let mut now = Vec::new();
-        // A control connection the test itself just closed may linger for a moment.
-        let same = poll(Duration::from_secs(3), || {
+        let mut windows = 0;
+        // A control connection the test itself just closed may linger for a moment, and the
+        // lender unmaps a returned lease's windows when the VMM's return reaches it, which
+        // can come after `vm.info` stopped listing the device (the lease is returned off the
+        // vCPU, from the VMM's timer). The window's memfd descriptor is closed once mapped,
+        // so settled descriptors say nothing about mappings: wait for both.
+        let same = poll(Duration::from_secs(5), || {
             now = fds_of(pid);
-            (now == base.fds).then_some(())
+            windows = windows_of(pid);
+            (now == base.fds && windows == base.windows).then_some(())
         });
         let diff = if same.is_some() {
             Vec::new()
@@ -338,7 +354,14 @@ fn soak_hotplug_cycles_and_lender_restarts_leak_nothing() {
             eprintln!("cycle {at}: lenderd descriptors changed: {diff:?}");
         }
         tally.lender_fds_leaked += diff.len();
-        tally.lender_windows_leaked += windows_of(pid) as i64 - base.windows as i64;
+        if windows != base.windows {
+            eprintln!(
+                "cycle {at}: lenderd memfd mappings {} -> {windows}:\n{}",
+                base.windows,
+                memfd_maps(pid)
+            );
+        }
+        tally.lender_windows_leaked += windows as i64 - base.windows as i64;
         let rss = proc_status_kb(pid, "VmRSS");
         let growth = rss as i64 - base.rss_kb as i64;
         tally.lender_rss_growth_kb = tally.lender_rss_growth_kb.max(growth);

@@ -2,7 +2,10 @@
 //! interrupt paths of a lent device.
 //!
 //! BAR0 (64 KiB, register memory): the registers in the first 4 KiB, then a 60 KiB data
-//! buffer ([`BUF_OFFSET`], [`BUF_SIZE`]). The buffer is plain memory: the guest reads it
+//! buffer ([`BUF_OFFSET`], [`BUF_SIZE`]). The buffer size is configurable
+//! ([`DmaTest::with_buffer`], lenderd's `dmatest:buf=64M`): BAR0 is then the next power of
+//! two above 4 KiB + the buffer, and a copy may be as long as the buffer (at least
+//! [`MAX_LEN`]). The buffer is plain memory: the guest reads it
 //! directly and writes it through the exact BAR write path, and because BAR0 lives in
 //! shareable memory (a memfd on the lender) another device's DMA can reach it peer-to-peer
 //! when the lender maps this BAR into that device's IOMMU domain.
@@ -73,8 +76,16 @@ pub const CMD_ACK: u32 = 2;
 pub const CMD_SRC_BUF: u32 = 4;
 /// CMD: DST is an offset into the device's own buffer.
 pub const CMD_DST_BUF: u32 = 8;
-/// Largest copy.
+/// Largest copy (with a bigger buffer: the buffer's size).
 pub const MAX_LEN: u32 = 1 << 20;
+/// Largest configurable buffer.
+pub const MAX_BUF_SIZE: u64 = 256 << 20;
+
+/// BAR0's size for a buffer of `buf` bytes: the next power of two above the registers and
+/// the buffer.
+pub fn bar0_size_for(buf: u64) -> u64 {
+    (BUF_OFFSET + buf).next_power_of_two()
+}
 /// BAR0 size (registers, then the buffer).
 pub const BAR0_SIZE: u64 = 0x10000;
 /// Offset of the data buffer in BAR0.
@@ -102,6 +113,8 @@ struct Inner {
     wait: Arc<WaitState>,
     /// Copies the DMA window refused (for the log rate limit).
     refused: AtomicU64,
+    /// Size of the data buffer at [`BUF_OFFSET`].
+    buf_size: u64,
 }
 
 impl Inner {
@@ -161,9 +174,9 @@ impl Inner {
 
     /// The BAR0 offset of `[off, off + len)` of the buffer, if it lies inside it and is
     /// 8-byte aligned.
-    fn buf_range(off: u64, len: u64) -> Option<u64> {
+    fn buf_range(&self, off: u64, len: u64) -> Option<u64> {
         let end = off.checked_add(len)?;
-        (end <= BUF_SIZE && off.is_multiple_of(8) && len.is_multiple_of(8))
+        (end <= self.buf_size && off.is_multiple_of(8) && len.is_multiple_of(8))
             .then_some(BUF_OFFSET + off)
     }
 
@@ -186,15 +199,16 @@ impl Inner {
         let src = self.regs.read64(REG_SRC);
         let dst = self.regs.read64(REG_DST);
         let len = self.regs.read32(REG_LEN);
-        if len > MAX_LEN {
-            log::warn!("dmatest: length {len:#x} exceeds the {MAX_LEN:#x} maximum");
+        let max = u64::from(MAX_LEN).max(self.buf_size);
+        if u64::from(len) > max {
+            log::warn!("dmatest: length {len:#x} exceeds the {max:#x} maximum");
             return false;
         }
         let in_buf = |flag: u32, off: u64| {
             if cmd & flag == 0 {
                 return Some(None);
             }
-            Self::buf_range(off, u64::from(len)).map(Some)
+            self.buf_range(off, u64::from(len)).map(Some)
         };
         let (Some(src_buf), Some(dst_buf)) = (in_buf(CMD_SRC_BUF, src), in_buf(CMD_DST_BUF, dst))
         else {
@@ -202,7 +216,8 @@ impl Inner {
             if n <= 16 || n.is_multiple_of(1024) {
                 log::warn!(
                     "dmatest: buffer copy src {src:#x} dst {dst:#x} len {len:#x} is outside \
-                     the {BUF_SIZE:#x}-byte buffer or not 8-byte aligned (refused copy #{n})"
+                     the {:#x}-byte buffer or not 8-byte aligned (refused copy #{n})",
+                    self.buf_size
                 );
             }
             return false;
@@ -259,10 +274,29 @@ impl DmaTest {
         irq: Arc<dyn InterruptSink>,
         notify: NotifyMode,
     ) -> Result<Self, DeviceError> {
-        if (regs.len() as u64) < BAR0_SIZE {
+        Self::with_buffer(regs, dma, irq, notify, BUF_SIZE)
+    }
+
+    /// Create the device with a data buffer of `buf_size` bytes (a multiple of 4 KiB, at
+    /// most [`MAX_BUF_SIZE`]) over `regs` (at least [`bar0_size_for`] bytes).
+    pub fn with_buffer(
+        regs: Arc<dyn RegisterMemory>,
+        dma: Arc<dyn DmaMemory>,
+        irq: Arc<dyn InterruptSink>,
+        notify: NotifyMode,
+        buf_size: u64,
+    ) -> Result<Self, DeviceError> {
+        if buf_size == 0 || !buf_size.is_multiple_of(0x1000) || buf_size > MAX_BUF_SIZE {
+            return Err(DeviceError::InvalidConfig(format!(
+                "dmatest buffer of {buf_size:#x} bytes: it must be a multiple of 4 KiB, at \
+                 most {MAX_BUF_SIZE:#x}"
+            )));
+        }
+        let need = bar0_size_for(buf_size);
+        if (regs.len() as u64) < need {
             return Err(DeviceError::RegisterMemoryTooSmall {
                 got: regs.len(),
-                need: BAR0_SIZE as usize,
+                need: need as usize,
             });
         }
         let doorbell = EventFd::new(libc::EFD_NONBLOCK).map_err(|source| DeviceError::Os {
@@ -282,6 +316,7 @@ impl DmaTest {
                 source,
             })?,
             refused: AtomicU64::new(0),
+            buf_size,
         };
         inner.publish(&State::default());
         Ok(DmaTest {
@@ -302,7 +337,7 @@ impl DeviceModel for DmaTest {
 
     fn peer_memory(&self, bar: u8) -> Option<(u64, u64)> {
         // The buffer only: peers never reach the registers.
-        (bar == 0).then_some((BUF_OFFSET, BUF_SIZE))
+        (bar == 0).then_some((BUF_OFFSET, self.inner.buf_size))
     }
 
     fn identity(&self) -> PciIdentity {
@@ -322,7 +357,7 @@ impl DeviceModel for DmaTest {
         vec![
             BarInfo {
                 index: 0,
-                size: BAR0_SIZE,
+                size: bar0_size_for(self.inner.buf_size),
                 is_64bit: false,
                 prefetchable: false,
                 register_memory: true,
@@ -427,7 +462,7 @@ impl DeviceModel for DmaTest {
             self.inner.regs.write32(r, 0);
         }
         // The buffer too: the next borrower must not read the last one's data.
-        for off in (BUF_OFFSET..BAR0_SIZE).step_by(8) {
+        for off in (BUF_OFFSET..BUF_OFFSET + self.inner.buf_size).step_by(8) {
             self.inner.regs.write64(off, 0);
         }
         self.inner.publish(&s);

@@ -205,3 +205,54 @@ fn dmatest_buffer_copies_bounds_and_reset() {
         .step_by(8)
         .all(|o| regs.read64(o) == 0));
 }
+
+/// A configured buffer (`dmatest:buf=`): BAR0 grows to the next power of two, the buffer is
+/// the peer memory, a copy may be as long as the buffer (beyond MAX_LEN), the bounds move
+/// with it, and a too-small register memory or a bad size is refused.
+#[test]
+fn dmatest_buffer_size_is_configurable() {
+    let buf = 2u64 << 20;
+    assert_eq!(bar0_size_for(BUF_SIZE), BAR0_SIZE, "default unchanged");
+    assert_eq!(bar0_size_for(buf), 4 << 20);
+    let mem = TestMemory::with_window(8 << 20, 1 << 20, 4 << 20);
+    let irq = CountingInterrupts::new(VECTORS);
+    let small = Arc::new(HeapRegisters::new(BAR0_SIZE as usize));
+    assert!(
+        DmaTest::with_buffer(small, mem.clone(), irq.clone(), NotifyMode::Interrupt, buf).is_err()
+    );
+    for bad in [0, 100, MAX_BUF_SIZE + 4096] {
+        let regs = Arc::new(HeapRegisters::new(BAR0_SIZE as usize));
+        let e = DmaTest::with_buffer(regs, mem.clone(), irq.clone(), NotifyMode::Interrupt, bad)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("multiple of 4 KiB"), "{e}");
+    }
+    let regs = Arc::new(HeapRegisters::new(bar0_size_for(buf) as usize));
+    let dev =
+        DmaTest::with_buffer(regs.clone(), mem.clone(), irq, NotifyMode::Interrupt, buf).unwrap();
+    dev.start().unwrap();
+    assert_eq!(dev.peer_memory(0), Some((BUF_OFFSET, buf)));
+    assert_eq!(dev.bars()[0].size, 4 << 20);
+    // 2 MiB from RAM into the buffer: longer than MAX_LEN, within the buffer.
+    let data: Vec<u8> = (0..buf as u32).map(|i| (i * 7 + 1) as u8).collect();
+    GuestRam::write(&*mem, 0x10_0000, &data);
+    assert_eq!(
+        run_copy_flags(&dev, CMD_DST_BUF, 0x10_0000, 0, buf as u32),
+        STATUS_DONE
+    );
+    assert_eq!(
+        regs.read64(BUF_OFFSET + buf - 8).to_le_bytes(),
+        data[data.len() - 8..]
+    );
+    // One word past the end is refused.
+    assert_eq!(
+        run_copy_flags(&dev, CMD_DST_BUF, 0x10_0000, buf - 8, 16),
+        STATUS_ERROR
+    );
+    dev.reset();
+    assert_eq!(
+        regs.read64(BUF_OFFSET + buf - 8),
+        0,
+        "reset clears the whole buffer"
+    );
+}

@@ -1212,7 +1212,7 @@ impl RemotePciDevice {
                 if let Some(o) = &self.observer {
                     o.dma_mapped(&self.id, bytes, pinned, t0.elapsed());
                 }
-                // Peers' BARs of the same lender, at their guest addresses.
+                // Peers' BARs (any lender), at their guest addresses.
                 if let Some(m) = &self.p2p {
                     m.set_master(true);
                 }

@@ -143,6 +143,10 @@ pub struct LendingEventSink {
     kicks: Arc<KickCell>,
     state: Arc<Mutex<LeaseState>>,
     hook: Arc<Mutex<HookSlot>>,
+    /// Held across a whole report of the loss, the hook's call included: a `set_event_hook`
+    /// racing the event thread's report returns only once the hook has been told (the hook
+    /// must not set a hook of this link from `lease_lost`).
+    reporting: Arc<Mutex<()>>,
     /// Per kind: the eventfds to write on relayed interrupts (tcp).
     relay: Arc<Mutex<HashMap<IrqKind, Vec<EventFd>>>>,
     counts: Arc<Mutex<Vec<u64>>>,
@@ -247,6 +251,7 @@ impl LendingEventSink {
 
     /// Calls the hook's `lease_lost` if there is a hook and it was not told yet.
     fn report_lost(&self, why: &str) {
+        let _turn = self.reporting.lock().unwrap_or_else(PoisonError::into_inner);
         let hook = {
             let mut slot = self.hook.lock().unwrap_or_else(PoisonError::into_inner);
             if slot.lost_reported {
@@ -432,6 +437,7 @@ impl LendingLink {
             kicks: Arc::default(),
             state: Arc::new(Mutex::new(LeaseState::Active)),
             hook: Arc::default(),
+            reporting: Arc::default(),
             relay: Arc::default(),
             counts: Arc::default(),
             wakeups: Arc::default(),
@@ -463,6 +469,8 @@ impl LendingLink {
         let p2p = (client.protocol_version() >= protocol::P2P_VERSION).then(|| {
             Arc::new(LendingP2p {
                 lender: client.hello().node.clone(),
+                capability: client.protocol_version() >= protocol::P2PX_VERSION
+                    && kind == FabricKind::Tcp,
                 bars: pinfo
                     .bars
                     .iter()
@@ -602,6 +610,8 @@ impl LeaseMigration for LendingMigration {
 /// The lease's P2P_MAP/P2P_UNMAP, shared with the VM's P2P router.
 struct LendingP2p {
     lender: String,
+    /// Same-lender peers need this lease's capability (tcp, protocol version 6).
+    capability: bool,
     /// BARs backed by lender memory (exported as windows, not emulated by the borrower).
     bars: Vec<u8>,
     lease: Arc<Lease>,
@@ -645,6 +655,138 @@ impl crate::P2pPort for LendingP2p {
             target,
             bar,
         }))
+    }
+
+    fn needs_capability(&self) -> bool {
+        self.capability
+    }
+
+    fn map_granted(
+        &self,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        grant: &crate::PeerGrant,
+    ) -> Result<Box<dyn crate::PeerMapping>, crate::P2pMapError> {
+        let g = protocol::P2pGranted {
+            grant: grant.grant,
+            secret: grant.secret.clone(),
+        };
+        self.lease
+            .p2p_map_granted(target, bar, iova, &g)
+            .map_err(|e| p2p_map_err("p2p map", e))?;
+        Ok(Box::new(LendingPeerMapping {
+            lease: Arc::clone(&self.lease),
+            target,
+            bar,
+        }))
+    }
+
+    fn grant(
+        &self,
+        bar: u8,
+        grantee: &str,
+    ) -> Result<(crate::PeerGrant, Box<dyn crate::PeerMapping>), crate::P2pMapError> {
+        let g = self
+            .lease
+            .p2p_grant(bar, grantee)
+            .map_err(|e| p2p_map_err("p2p grant", e))?;
+        Ok((
+            crate::PeerGrant {
+                grant: g.grant,
+                secret: g.secret,
+            },
+            Box::new(LendingGrant {
+                lease: Arc::clone(&self.lease),
+                grant: g.grant,
+            }),
+        ))
+    }
+
+    fn map_remote(
+        &self,
+        lender: &str,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        grant: &crate::PeerGrant,
+    ) -> Result<Box<dyn crate::PeerMapping>, crate::P2pMapError> {
+        let g = protocol::P2pGranted {
+            grant: grant.grant,
+            secret: grant.secret.clone(),
+        };
+        self.lease
+            .p2p_map_remote(lender, target, bar, iova, &g)
+            .map_err(|e| p2p_map_err("p2p map remote", e))?;
+        Ok(Box::new(LendingRemoteMapping {
+            lease: Arc::clone(&self.lease),
+            lender: lender.to_string(),
+            target,
+            bar,
+        }))
+    }
+}
+
+/// The lender's verdict on a BAR at an address (no peer memory, not a memory BAR, overlaps
+/// RAM) does not change by asking again: `Refused`; anything else may: `Failed`.
+fn p2p_map_err(op: &'static str, e: ClientError) -> crate::P2pMapError {
+    let permanent = matches!(
+        e.code(),
+        Some(protocol::code::INVALID | protocol::code::OUT_OF_RANGE)
+    );
+    let e = link_err(op, e);
+    if permanent {
+        crate::P2pMapError::Refused(e)
+    } else {
+        crate::P2pMapError::Failed(e)
+    }
+}
+
+/// A grant of this lease's BAR to another lender; dropping it sends P2P_REVOKE.
+struct LendingGrant {
+    lease: Arc<Lease>,
+    grant: u64,
+}
+
+impl crate::PeerMapping for LendingGrant {}
+
+impl Drop for LendingGrant {
+    fn drop(&mut self) {
+        if let Err(e) = self.lease.p2p_revoke(self.grant) {
+            // The target's lender may be gone: its grants went with it.
+            debug!(
+                "lease {}: p2p revoke of grant {}: {e}",
+                self.lease.id(),
+                self.grant
+            );
+        }
+    }
+}
+
+/// One P2P_MAP_REMOTE of the lease; dropping it sends P2P_UNMAP_REMOTE.
+struct LendingRemoteMapping {
+    lease: Arc<Lease>,
+    lender: String,
+    target: u64,
+    bar: u8,
+}
+
+impl crate::PeerMapping for LendingRemoteMapping {}
+
+impl Drop for LendingRemoteMapping {
+    fn drop(&mut self) {
+        if let Err(e) = self
+            .lease
+            .p2p_unmap_remote(&self.lender, self.target, self.bar)
+        {
+            warn!(
+                "lease {}: p2p unmap of lease {} bar {} on {}: {e}",
+                self.lease.id(),
+                self.target,
+                self.bar,
+                self.lender
+            );
+        }
     }
 }
 
@@ -916,6 +1058,7 @@ mod tests {
             kicks: Arc::default(),
             state: Arc::new(Mutex::new(LeaseState::Active)),
             hook: Arc::default(),
+            reporting: Arc::default(),
             relay: Arc::default(),
             counts: Arc::default(),
             wakeups: Arc::default(),

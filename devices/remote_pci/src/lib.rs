@@ -29,7 +29,7 @@ pub use link::{
     RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
 pub use observer::DeviceObserver;
-pub use p2p::{P2pMapError, P2pMember, P2pPort, P2pRouter, PeerMapping};
+pub use p2p::{P2pMapError, P2pMember, P2pPort, P2pRouter, PeerGrant, PeerMapping};
 pub use pin::{
     split_range, DmaPin, DmaPinSource, MlockPinner, ParallelPinner, PinError, PinStats,
     PinnedRange, Pinner, PrivatePins,

@@ -368,8 +368,9 @@ pub trait RemoteDeviceLink: Send {
     }
     /// Registers the VMM's hook for the lease's asynchronous events (loss, IOMMU faults).
     /// The hook is called from the link's event thread and must not block. If the lease is
-    /// already lost when the hook is set, `lease_lost` is called at once, so a loss is never
-    /// missed. Links that cannot report events keep the default (the VMM then only learns of
+    /// already lost when the hook is set, `lease_lost` has been called (exactly once, by this
+    /// call or by the event thread) when this returns, so a loss is never missed. `lease_lost`
+    /// must not set a hook of the same link. Links that cannot report events keep the default (the VMM then only learns of
     /// a loss when a request fails).
     fn set_event_hook(&self, _hook: Arc<dyn LinkEventHook>) {}
 

@@ -1,9 +1,16 @@
-//! Peer-to-peer DMA between borrowed devices of one VM that come from the same lender.
+//! Peer-to-peer DMA between borrowed devices of one VM, from the same lender or from
+//! different lenders.
 //!
 //! A guest driver may give device *source* a bus address that lies in a BAR of device
 //! *target* (a guest-physical address). For the transfer to reach *target*, source's
 //! lender must map target's BAR into source's IOMMU domain at IOVA = that guest-physical
-//! address ([`P2pPort::map`], protocol P2P_MAP).
+//! address ([`P2pPort::map`], protocol P2P_MAP). When *target* is on another lender, the
+//! router first asks target's lender to grant source's lender access to that BAR
+//! ([`P2pPort::grant`], P2P_GRANT: a grant id and a capability secret, for that lender and
+//! that lease only), then hands the grant to source's lender ([`P2pPort::map_remote`],
+//! P2P_MAP_REMOTE), which reaches target's lender over its own lender-to-lender link and
+//! maps the window. The router holds both as one value: dropping it unmaps on source's
+//! lender first, then revokes the grant on target's lender.
 //!
 //! [`P2pRouter`] is the VM's one table of that (the VMM makes one per VM and gives every
 //! `RemotePciDevice` a [`P2pMember`] of it): per device its lender and lease, the memory
@@ -11,7 +18,7 @@
 //! a source. It keeps them in line:
 //!
 //! * a source sets Bus Master Enable → every decoded lender-backed memory BAR of every other
-//!   device of the same lender is mapped for it; clearing BME (or reset, removal) drops them;
+//!   device (any lender) is mapped for it; clearing BME (or reset, removal) drops them;
 //! * a target BAR starts decoding, moves or stops decoding (Command.Memory, BAR program,
 //!   reset, removal) → the mapping at the old address is dropped in every source *before*
 //!   the change takes effect, the one at the new address made *after*.
@@ -57,7 +64,80 @@ pub trait P2pPort: Send + Sync {
     /// Maps BAR `bar` of lease `target` (same lender, same VM) at `iova` in this lease's
     /// IOMMU domain.
     fn map(&self, target: u64, bar: u8, iova: u64) -> Result<Box<dyn PeerMapping>, P2pMapError>;
+    /// Target side across lenders: grants lender `grantee` access to this lease's BAR
+    /// `bar`; the returned value revokes the grant when dropped. Default: not supported.
+    fn grant(
+        &self,
+        bar: u8,
+        grantee: &str,
+    ) -> Result<(PeerGrant, Box<dyn PeerMapping>), P2pMapError> {
+        let _ = (bar, grantee);
+        Err(P2pMapError::Failed(LinkError::Unsupported {
+            op: "p2p grant",
+            reason: "the lender does not support peer-to-peer dma across lenders".into(),
+        }))
+    }
+    /// Whether a peer of the same lender needs this lease's capability (a grant to the
+    /// lender itself) to map it (tcp, protocol version 6). Default: no.
+    fn needs_capability(&self) -> bool {
+        false
+    }
+    /// Like [`P2pPort::map`], presenting the target's capability `grant`. Default: `map`.
+    fn map_granted(
+        &self,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        grant: &PeerGrant,
+    ) -> Result<Box<dyn PeerMapping>, P2pMapError> {
+        let _ = grant;
+        self.map(target, bar, iova)
+    }
+    /// Source side across lenders: maps BAR `bar` of lease `target` on lender `lender`,
+    /// granted as `grant`, at `iova` in this lease's IOMMU domain. Default: not supported.
+    fn map_remote(
+        &self,
+        lender: &str,
+        target: u64,
+        bar: u8,
+        iova: u64,
+        grant: &PeerGrant,
+    ) -> Result<Box<dyn PeerMapping>, P2pMapError> {
+        let _ = (lender, target, bar, iova, grant);
+        Err(P2pMapError::Failed(LinkError::Unsupported {
+            op: "p2p map remote",
+            reason: "the lender does not support peer-to-peer dma across lenders".into(),
+        }))
+    }
 }
+
+/// A grant of a target BAR to another lender (its id and capability secret).
+#[derive(Clone)]
+pub struct PeerGrant {
+    /// Grant id on the target's lender.
+    pub grant: u64,
+    /// Capability secret.
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for PeerGrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the secret.
+        f.debug_struct("PeerGrant")
+            .field("grant", &self.grant)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A mapping made with a grant (across lenders, or the same-lender capability): the source
+/// lender's mapping, then the target lender's grant (fields drop in order: unmapped on the
+/// source's lender before the grant is revoked).
+struct CrossLender {
+    _map: Box<dyn PeerMapping>,
+    _grant: Box<dyn PeerMapping>,
+}
+
+impl PeerMapping for CrossLender {}
 
 struct Member {
     port: Arc<dyn P2pPort>,
@@ -132,7 +212,8 @@ impl P2pRouter {
         self.failures.load(Ordering::Relaxed)
     }
 
-    /// Maps `target`'s BAR `bar` at `gpa` for `source` (both members, same lender).
+    /// Maps `target`'s BAR `bar` at `gpa` for `source` (both members): directly on a
+    /// shared lender, through a grant across lenders.
     fn map_one(&self, st: &mut State, source: &str, target: &str, bar: u8, gpa: u64) {
         let Some(t) = st.members.get(target) else {
             return;
@@ -140,11 +221,33 @@ impl P2pRouter {
         if t.refused.contains(&(bar, gpa)) {
             return;
         }
-        let lease = t.port.lease();
+        let tport = Arc::clone(&t.port);
         let Some(s) = st.members.get_mut(source) else {
             return;
         };
-        match s.port.map(lease, bar, gpa) {
+        let r = if s.port.lender() == tport.lender() && tport.needs_capability() {
+            // Same lender on tcp: the target's grant to its own lender is the capability.
+            tport.grant(bar, tport.lender()).and_then(|(g, guard)| {
+                let m = s.port.map_granted(tport.lease(), bar, gpa, &g)?;
+                Ok(Box::new(CrossLender {
+                    _map: m,
+                    _grant: guard,
+                }) as Box<dyn PeerMapping>)
+            })
+        } else if s.port.lender() == tport.lender() {
+            s.port.map(tport.lease(), bar, gpa)
+        } else {
+            tport.grant(bar, s.port.lender()).and_then(|(g, guard)| {
+                let m = s
+                    .port
+                    .map_remote(tport.lender(), tport.lease(), bar, gpa, &g)?;
+                Ok(Box::new(CrossLender {
+                    _map: m,
+                    _grant: guard,
+                }) as Box<dyn PeerMapping>)
+            })
+        };
+        match r {
             Ok(m) => {
                 self.maps.fetch_add(1, Ordering::Relaxed);
                 info!("{source}: peer bar {bar} of {target} mapped at {gpa:#x}");
@@ -169,13 +272,6 @@ impl P2pRouter {
         }
     }
 
-    fn same_lender(st: &State, a: &str, b: &str) -> bool {
-        match (st.members.get(a), st.members.get(b)) {
-            (Some(x), Some(y)) => x.port.lender() == y.port.lender(),
-            _ => false,
-        }
-    }
-
     fn set_master(&self, id: &str, on: bool) {
         let mut st = lock(&self.state);
         let Some(m) = st.members.get_mut(id) else {
@@ -196,7 +292,7 @@ impl P2pRouter {
         let peers: Vec<(String, u8, u64)> = st
             .members
             .iter()
-            .filter(|(other, _)| other.as_str() != id && Self::same_lender(&st, id, other))
+            .filter(|(other, _)| other.as_str() != id)
             .flat_map(|(other, t)| t.bars.iter().map(move |&(b, g)| (other.clone(), b, g)))
             .collect();
         for (target, bar, gpa) in peers {
@@ -232,7 +328,7 @@ impl P2pRouter {
         let sources: Vec<String> = st
             .members
             .iter()
-            .filter(|(s, m)| s.as_str() != id && m.master && Self::same_lender(&st, id, s))
+            .filter(|(s, m)| s.as_str() != id && m.master)
             .map(|(s, _)| s.clone())
             .collect();
         for s in sources {
@@ -288,7 +384,62 @@ mod tests {
     struct FakeLender {
         live: Mutex<Vec<(u64, u64, u8, u64)>>,
         refuse: AtomicBool,
+        /// Grants given by this lender: (lease, bar, grantee, grant id).
+        grants: Mutex<Vec<(u64, u8, String, u64)>>,
+        /// Remote maps held by this lender: (source lease, lender, target, bar, iova, grant).
+        remote: Mutex<Vec<RemoteRow>>,
+        /// Every unmap and revoke, in order.
+        log: Mutex<Vec<String>>,
     }
+
+    struct Grant {
+        lender: Arc<FakeLender>,
+        id: u64,
+    }
+
+    impl PeerMapping for Grant {}
+
+    impl Drop for Grant {
+        fn drop(&mut self) {
+            self.lender
+                .grants
+                .lock()
+                .unwrap()
+                .retain(|g| g.3 != self.id);
+            self.lender
+                .log
+                .lock()
+                .unwrap()
+                .push(format!("revoke {}", self.id));
+        }
+    }
+
+    struct Remote {
+        lender: Arc<FakeLender>,
+        grant: u64,
+    }
+
+    impl PeerMapping for Remote {}
+
+    impl Drop for Remote {
+        fn drop(&mut self) {
+            self.lender
+                .remote
+                .lock()
+                .unwrap()
+                .retain(|r| r.5 != self.grant);
+            self.lender
+                .log
+                .lock()
+                .unwrap()
+                .push(format!("unmap remote {}", self.grant));
+        }
+    }
+
+    static NEXT_GRANT: AtomicU64 = AtomicU64::new(1);
+
+    /// (source lease, lender, target, bar, iova, grant).
+    type RemoteRow = (u64, String, u64, u8, u64, u64);
 
     struct Port {
         lender: Arc<FakeLender>,
@@ -339,6 +490,58 @@ mod tests {
             Ok(Box::new(Mapping {
                 lender: self.lender.clone(),
                 key,
+            }))
+        }
+        fn grant(
+            &self,
+            bar: u8,
+            grantee: &str,
+        ) -> Result<(PeerGrant, Box<dyn PeerMapping>), P2pMapError> {
+            if bar != 0 {
+                return Err(P2pMapError::Refused(LinkError::Remote {
+                    op: "p2p grant",
+                    message: "no peer memory".into(),
+                }));
+            }
+            let id = NEXT_GRANT.fetch_add(1, Ordering::SeqCst);
+            self.lender
+                .grants
+                .lock()
+                .unwrap()
+                .push((self.lease, bar, grantee.to_string(), id));
+            Ok((
+                PeerGrant {
+                    grant: id,
+                    secret: vec![id as u8; 32],
+                },
+                Box::new(Grant {
+                    lender: self.lender.clone(),
+                    id,
+                }),
+            ))
+        }
+        fn map_remote(
+            &self,
+            lender: &str,
+            target: u64,
+            bar: u8,
+            iova: u64,
+            grant: &PeerGrant,
+        ) -> Result<Box<dyn PeerMapping>, P2pMapError> {
+            if self.lender.refuse.load(Ordering::SeqCst) {
+                return Err(P2pMapError::Failed(LinkError::Down("gone".into())));
+            }
+            self.lender.remote.lock().unwrap().push((
+                self.lease,
+                lender.to_string(),
+                target,
+                bar,
+                iova,
+                grant.grant,
+            ));
+            Ok(Box::new(Remote {
+                lender: self.lender.clone(),
+                grant: grant.grant,
             }))
         }
     }
@@ -393,17 +596,11 @@ mod tests {
     }
 
     #[test]
-    fn other_lenders_are_not_mapped_and_failures_are_counted() {
-        let (l1, l2) = (
-            Arc::new(FakeLender::default()),
-            Arc::new(FakeLender::default()),
-        );
+    fn failures_are_counted_and_refusals_asked_once() {
+        let l1 = Arc::new(FakeLender::default());
         let r = P2pRouter::new();
         let a = r.join("a", port(&l1, "L1", 1));
-        let c = r.join("c", port(&l2, "L2", 1));
-        c.set_bars(vec![(0, 0xc000_0000)]);
         a.set_master(true);
-        assert!(live(&l1).is_empty() && live(&l2).is_empty());
         let b = r.join("b", port(&l1, "L1", 2));
         l1.refuse.store(true, Ordering::SeqCst);
         b.set_bars(vec![(0, 0xc010_0000)]);
@@ -421,6 +618,62 @@ mod tests {
         assert_eq!(live(&l1), vec![(1, 2, 0, 0xc010_0000)]);
         assert_eq!(r.map_failures(), failures, "refusals are not failures");
         assert_eq!(lock(&r.state).members["b"].refused, vec![(2, 0xc020_0000)]);
-        drop((a, b, c));
+        drop((a, b));
+    }
+
+    #[test]
+    fn across_lenders_the_target_lender_grants_and_the_source_lender_maps() {
+        let (l1, l2) = (
+            Arc::new(FakeLender::default()),
+            Arc::new(FakeLender::default()),
+        );
+        let r = P2pRouter::new();
+        let a = r.join("a", port(&l1, "L1", 1));
+        let c = r.join("c", port(&l2, "L2", 7));
+        c.set_bars(vec![(0, 0xc000_0000), (2, 0xc100_0000)]);
+        a.set_master(true);
+        // L2 granted bar 0 of lease 7 to L1 (bar 2 has no peer memory: refused once), and
+        // L1 mapped it with that grant at c's address.
+        let g = l2.grants.lock().unwrap().clone();
+        assert_eq!(g.len(), 1);
+        assert_eq!((g[0].0, g[0].1, g[0].2.as_str()), (7, 0, "L1"));
+        let m = l1.remote.lock().unwrap().clone();
+        assert_eq!(m, vec![(1, "L2".into(), 7, 0, 0xc000_0000, g[0].3)]);
+        assert_eq!(r.live_mappings(), 1);
+        assert_eq!(lock(&r.state).members["c"].refused, vec![(2, 0xc100_0000)]);
+        // The target moves: unmapped on L1 before the grant is revoked on L2, then a new
+        // grant and map at the new address.
+        c.set_bars(vec![(0, 0xc010_0000)]);
+        let first = g[0].3;
+        assert_eq!(
+            l1.log.lock().unwrap().as_slice(),
+            [format!("unmap remote {first}")]
+        );
+        assert_eq!(
+            l2.log.lock().unwrap().as_slice(),
+            [format!("revoke {first}")]
+        );
+        let m = l1.remote.lock().unwrap().clone();
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].4, 0xc010_0000);
+        // A source lender that cannot map: counted, and the grant is not left behind.
+        drop(c);
+        assert!(l1.remote.lock().unwrap().is_empty());
+        assert!(l2.grants.lock().unwrap().is_empty());
+        let c = r.join("c", port(&l2, "L2", 8));
+        l1.refuse.store(true, Ordering::SeqCst);
+        c.set_bars(vec![(0, 0xc020_0000)]);
+        assert_eq!(r.map_failures(), 1);
+        assert!(l2.grants.lock().unwrap().is_empty(), "grant revoked");
+        // Removal of the source: its mappings go, the grants with them.
+        l1.refuse.store(false, Ordering::SeqCst);
+        c.set_bars(Vec::new());
+        c.set_bars(vec![(0, 0xc020_0000)]);
+        assert_eq!(r.live_mappings(), 1);
+        drop(a);
+        assert!(l1.remote.lock().unwrap().is_empty());
+        assert!(l2.grants.lock().unwrap().is_empty());
+        assert_eq!(r.live_mappings(), 0);
+        drop(c);
     }
 }

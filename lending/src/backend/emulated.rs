@@ -121,12 +121,21 @@ impl EmulatedBackend {
 
     /// A `dmatest` copy engine.
     pub fn dmatest(name: &str, notify: NotifyMode) -> Result<Self, BackendError> {
+        Self::dmatest_with_buffer(name, notify, emulated::dmatest::BUF_SIZE)
+    }
+
+    /// A `dmatest` copy engine with a data buffer of `buf` bytes (its peer memory).
+    pub fn dmatest_with_buffer(
+        name: &str,
+        notify: NotifyMode,
+        buf: u64,
+    ) -> Result<Self, BackendError> {
         EmulatedBackend::new(
             name,
             "dmatest",
-            emulated::dmatest::BAR0_SIZE,
+            emulated::dmatest::bar0_size_for(buf),
             emulated::dmatest::VECTORS,
-            Box::new(move |r, d, i| Ok(Box::new(DmaTest::new(r, d, i, notify)?))),
+            Box::new(move |r, d, i| Ok(Box::new(DmaTest::with_buffer(r, d, i, notify, buf)?))),
         )
     }
 

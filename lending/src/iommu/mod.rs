@@ -20,6 +20,7 @@
 pub mod backing;
 pub mod dirty;
 pub mod p2p;
+pub mod p2p_remote;
 pub mod vfio;
 
 use std::collections::BTreeMap;

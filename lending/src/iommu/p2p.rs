@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use thiserror::Error;
 
+use super::p2p_remote::{GrantHandle, RemoteP2pError, RemoteP2pMapping, MAX_GRANTS_PER_LEASE};
 use super::{IommuDomain, IommuError, MmapBacking, IOMMU_PAGE_SIZE};
 use crate::backend::DeviceBackend;
 
@@ -181,6 +182,8 @@ impl Drop for P2pMapping {
 
 struct PeerLease {
     holder: String,
+    /// Borrowed in a version 6 session: mappable only with its capability (a grant).
+    needs_capability: bool,
     backend: Arc<dyn DeviceBackend>,
     /// Mappings of other leases that point into this lease's BARs.
     inbound: Vec<Weak<Mapped>>,
@@ -198,13 +201,24 @@ pub struct P2pRegistration {
     book: Arc<P2pBook>,
     lease: u64,
     holder: String,
+    /// Across lenders: grants of this lease's BARs to other lenders (target side).
+    grants: Mutex<HashMap<u64, GrantHandle>>,
+    /// Across lenders: other lenders' memory mapped into this lease's domain (source
+    /// side), by (lender, target lease, BAR).
+    remote: Mutex<HashMap<(String, u64, u8), RemoteP2pMapping>>,
 }
+
+/// Key of a remote mapping: (the target's lender, target lease, BAR).
+pub type RemoteKey = (String, u64, u8);
 
 impl P2pRegistration {
     /// The lease changed hands (live migration's transfer): every mapping into it is
     /// revoked and it answers to `holder` from now on.
     pub fn rehold(&mut self, holder: &str) -> usize {
-        let n = self.book.revoke_into(self.lease, "lease transferred");
+        // Grants to other lenders and mappings into it end (another holder now), and so do
+        // its own mappings of other lenders' memory.
+        let n = self.revoke_all("lease transferred");
+        self.end_remote();
         if let Some(p) = lock(&self.book.leases).get_mut(&self.lease) {
             p.holder = holder.to_string();
         }
@@ -220,12 +234,71 @@ impl P2pRegistration {
     /// Revokes every mapping into the lease's BARs (before its device resets); returns how
     /// many were live.
     pub fn revoke_all(&self, why: &str) -> usize {
+        let grants = std::mem::take(&mut *lock(&self.grants));
+        if !grants.is_empty() {
+            log::info!(
+                "lease {}: {} grants to other lenders revoked ({why})",
+                self.lease,
+                grants.len()
+            );
+        }
+        drop(grants);
         self.book.revoke_into(self.lease, why)
+    }
+
+    /// Holds a grant of this lease's BAR to another lender until revoked.
+    pub fn add_grant(&self, g: GrantHandle) -> Result<(), RemoteP2pError> {
+        let mut grants = lock(&self.grants);
+        if grants.len() >= MAX_GRANTS_PER_LEASE {
+            return Err(RemoteP2pError::TooManyGrants(self.lease));
+        }
+        grants.insert(g.id(), g);
+        Ok(())
+    }
+
+    /// Revokes grant `id` (its attachment ends first); false if the lease holds no such
+    /// grant (already ended).
+    pub fn revoke_grant(&self, id: u64) -> bool {
+        let g = lock(&self.grants).remove(&id);
+        g.is_some()
+    }
+
+    /// Whether the remote mapping `key` exists and is live; its IOVA.
+    pub fn remote_live(&self, key: &RemoteKey) -> Option<u64> {
+        lock(&self.remote)
+            .get(key)
+            .filter(|m| m.is_live())
+            .map(RemoteP2pMapping::iova)
+    }
+
+    /// Remote mappings held (live or ended).
+    pub fn remote_count(&self) -> usize {
+        lock(&self.remote).len()
+    }
+
+    /// Holds a remote mapping (replacing a dead one of the same key).
+    pub fn add_remote(&self, key: RemoteKey, m: RemoteP2pMapping) {
+        let old = lock(&self.remote).insert(key, m);
+        drop(old);
+    }
+
+    /// Drops (unmaps) the remote mapping `key`; false if there is none.
+    pub fn remove_remote(&self, key: &RemoteKey) -> bool {
+        let m = lock(&self.remote).remove(key);
+        m.is_some()
+    }
+
+    /// Unmaps every remote mapping of this lease (source side).
+    pub fn end_remote(&self) {
+        let all = std::mem::take(&mut *lock(&self.remote));
+        drop(all);
     }
 }
 
 impl Drop for P2pRegistration {
     fn drop(&mut self) {
+        self.end_remote();
+        self.revoke_all("target lease ended");
         self.book.revoke_into(self.lease, "target lease ended");
         lock(&self.book.leases).remove(&self.lease);
     }
@@ -234,16 +307,20 @@ impl Drop for P2pRegistration {
 impl P2pBook {
     /// Enters `lease` (held by `holder`: `node/vm@origin`, leases of one holder may map each
     /// other's BARs) until the returned value is dropped.
+    /// With `needs_capability`, the lease is mapped only by [`P2pBook::map`] calls that
+    /// verified its capability.
     pub fn register(
         self: &Arc<Self>,
         lease: u64,
         holder: &str,
         backend: Arc<dyn DeviceBackend>,
+        needs_capability: bool,
     ) -> P2pRegistration {
         lock(&self.leases).insert(
             lease,
             PeerLease {
                 holder: holder.to_string(),
+                needs_capability,
                 backend,
                 inbound: Vec::new(),
             },
@@ -252,6 +329,8 @@ impl P2pBook {
             book: Arc::clone(self),
             lease,
             holder: holder.to_string(),
+            grants: Mutex::default(),
+            remote: Mutex::default(),
         }
     }
 
@@ -282,7 +361,9 @@ impl P2pBook {
     }
 
     /// Maps BAR `bar` of lease `target` at `iova` in `domain`, the IOMMU domain of lease
-    /// `source` (held by `holder`). The caller checked that `source` is its own lease.
+    /// `source` (held by `holder`). The caller checked that `source` is its own lease, and
+    /// (`capability`) whether the request carried the target's verified capability.
+    #[allow(clippy::too_many_arguments)]
     pub fn map(
         &self,
         source: u64,
@@ -291,39 +372,16 @@ impl P2pBook {
         target: u64,
         bar: u8,
         iova: u64,
+        capability: bool,
     ) -> Result<P2pMapping, P2pError> {
         let mut leases = lock(&self.leases);
         let t = leases
             .get_mut(&target)
-            .filter(|t| t.holder == holder && target != source)
+            .filter(|t| {
+                t.holder == holder && target != source && (capability || !t.needs_capability)
+            })
             .ok_or(P2pError::UnknownLease(target))?;
-        let desc = t.backend.describe("p2p");
-        let b = desc
-            .bars
-            .iter()
-            .find(|b| b.index == bar)
-            .ok_or(P2pError::NoSuchBar { lease: target, bar })?;
-        let not_memory = |why| P2pError::NotMemory {
-            lease: target,
-            bar,
-            why,
-        };
-        if b.io {
-            return Err(not_memory("i/o space"));
-        }
-        if b.emulated_by_borrower {
-            return Err(not_memory("emulated by the borrower"));
-        }
-        let export = t
-            .backend
-            .peer_export(bar)
-            .ok_or_else(|| not_memory("the device has no memory in it a peer may reach"))?;
-        // The part of the BAR a peer may reach, in whole IOMMU pages inside the BAR.
-        let end = export.bar_offset.saturating_add(export.size).min(b.size);
-        let size = end.saturating_sub(export.bar_offset) / IOMMU_PAGE_SIZE * IOMMU_PAGE_SIZE;
-        if size == 0 || !export.bar_offset.is_multiple_of(IOMMU_PAGE_SIZE) {
-            return Err(not_memory("its peer memory is not whole pages"));
-        }
+        let (export, size) = peer_region(t.backend.as_ref(), target, bar)?;
         let iova = iova.checked_add(export.bar_offset).ok_or(P2pError::Iommu {
             lease: source,
             source: IommuError::BadRange { iova, size },
@@ -357,6 +415,37 @@ impl P2pBook {
         );
         Ok(P2pMapping { shared })
     }
+}
+
+/// The part of BAR `bar` of lease `lease`'s device a peer may reach, in whole IOMMU pages
+/// inside the BAR: the device's export and the size to map.
+pub(crate) fn peer_region(
+    backend: &dyn DeviceBackend,
+    lease: u64,
+    bar: u8,
+) -> Result<(crate::backend::PeerExport<'_>, u64), P2pError> {
+    let desc = backend.describe("p2p");
+    let b = desc
+        .bars
+        .iter()
+        .find(|b| b.index == bar)
+        .ok_or(P2pError::NoSuchBar { lease, bar })?;
+    let not_memory = |why| P2pError::NotMemory { lease, bar, why };
+    if b.io {
+        return Err(not_memory("i/o space"));
+    }
+    if b.emulated_by_borrower {
+        return Err(not_memory("emulated by the borrower"));
+    }
+    let export = backend
+        .peer_export(bar)
+        .ok_or_else(|| not_memory("the device has no memory in it a peer may reach"))?;
+    let end = export.bar_offset.saturating_add(export.size).min(b.size);
+    let size = end.saturating_sub(export.bar_offset) / IOMMU_PAGE_SIZE * IOMMU_PAGE_SIZE;
+    if size == 0 || !export.bar_offset.is_multiple_of(IOMMU_PAGE_SIZE) {
+        return Err(not_memory("its peer memory is not whole pages"));
+    }
+    Ok((export, size))
 }
 
 /// A shared mapping of the BAR's memory in this process (what the source's software domain

@@ -126,6 +126,61 @@ pub fn run(r: &mut Results, seed: u32) {
     a.set_command(CMD_MEM | CMD_INTX_DISABLE);
 }
 
+/// `p2p-loss`: A copies RAM into B's buffer (verified, `TEST p2p-copy`), then repeats the
+/// copy every tick until one ends with STATUS.error (the host kills B's lender meanwhile:
+/// A's lender must unmap B's window) and reports it as `TEST p2p-lost`.
+pub fn run_loss(r: &mut Results, seed: u32, wait_ms: u64) {
+    let Some(a) = pci::find(|f| f.id() == ID) else {
+        r.report("p2p-probe", false).s("no dmatest function").nl();
+        return;
+    };
+    let Some(b) = pci::find(|f| f.id() == ID && f.dev != a.dev) else {
+        r.report("p2p-probe", false)
+            .s("one dmatest function, two needed")
+            .nl();
+        return;
+    };
+    b.set_command(CMD_MEM | CMD_INTX_DISABLE);
+    a.set_command(CMD_MEM | CMD_BUS_MASTER | CMD_INTX_DISABLE);
+    let (a0, b0) = (a.bar(0), b.bar(0));
+    a.print(r.report("p2p-probe", a0 != 0 && b0 != 0))
+        .s(" bar0 ")
+        .hex(a0)
+        .s(" peer ")
+        .hex(b0)
+        .nl();
+    if a0 == 0 || b0 == 0 {
+        return;
+    }
+    let src = dma::page(P_SRC);
+    dma::fill_pattern(src, PAGE, seed);
+    let c = copy(a0, src, b0 + BUF, PAGE as u32);
+    let bad = dma::check_pattern(b0 + BUF, PAGE, seed);
+    report_copy(r, "p2p-copy", c, bad, b0 + BUF);
+    // B's BAR is not read again: its lender is about to die.
+    let faults = mmio::read32(a0 + REG_FAULTS);
+    let mut last = (false, 0);
+    let mut copies = 0u64;
+    let refused = wait_until(
+        || {
+            last = copy(a0, src, b0 + BUF, 256);
+            copies += 1;
+            !ok_status(last)
+        },
+        wait_ms,
+    );
+    let nf = mmio::read32(a0 + REG_FAULTS);
+    r.report("p2p-lost", refused && err_status(last) && nf != faults)
+        .s("after ")
+        .dec(copies)
+        .s(" copies status ")
+        .hex(last.1 as u64)
+        .s(" faults ")
+        .dec(nf as u64)
+        .nl();
+    a.set_command(CMD_MEM | CMD_INTX_DISABLE);
+}
+
 fn report_copy(r: &mut Results, name: &str, c: (bool, u32), bad: Option<u64>, at: u64) {
     let o = r
         .report(name, ok_status(c) && bad.is_none())
