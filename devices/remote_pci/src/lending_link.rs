@@ -251,7 +251,10 @@ impl LendingEventSink {
 
     /// Calls the hook's `lease_lost` if there is a hook and it was not told yet.
     fn report_lost(&self, why: &str) {
-        let _turn = self.reporting.lock().unwrap_or_else(PoisonError::into_inner);
+        let _turn = self
+            .reporting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let hook = {
             let mut slot = self.hook.lock().unwrap_or_else(PoisonError::into_inner);
             if slot.lost_reported {
