@@ -18,6 +18,8 @@
 //! * `live_migration_over_tcp_between_network_namespaces`: lenderd on the tcp fabric and the
 //!   destination in one network namespace, the source in another, joined by a veth pair;
 //!   migration over tcp with RAM copied under dirty tracking while the device keeps writing.
+//! * `a_paused_vm_with_a_lent_nvme_arrives_paused_and_resumes_its_io`: paused before the
+//!   migration, it arrives paused; after `vm.resume` its verified I/O goes on.
 //! * `a_destination_killed_mid_transfer_leaves_the_source_its_device`: the destination is
 //!   SIGKILLed once it has built the VM (RAM arriving): the source answers 500, keeps running with its device
 //!   (rounds go on verified), the lease stays the source's; a second migration then works.
@@ -339,6 +341,36 @@ fn live_migration_hands_the_lent_nvme_over_without_reset() {
 fn local_migration_shares_ram_and_hands_the_lent_nvme_over() {
     let s = setup();
     migrate_and_check(s, "dst", true);
+}
+
+/// A VM paused before the migration (its MSI-X vectors masked by the VMM, interrupts of the
+/// command in flight waiting in the irqfds) arrives paused with its device; after
+/// `vm.resume` on the destination its I/O goes on verified, no interrupt missed.
+#[test]
+fn a_paused_vm_with_a_lent_nvme_arrives_paused_and_resumes_its_io() {
+    let Setup {
+        cluster,
+        lender: _lender,
+        mut src,
+        mailbox,
+    } = setup();
+    src.api().pause().unwrap();
+    let (mut dst, url) = destination(&cluster, "dst");
+    send(&src.api(), &url).unwrap_or_else(|e| panic!("{e}\n--- source\n{}", src.stderr()));
+    src.expect_exit(0, T);
+    let dapi = dst.api();
+    assert_eq!(dapi.info().unwrap().state, VmState::Paused);
+    assert_eq!(lent_to(&cluster).as_deref(), Some("vm-dst"));
+    let before = src.lines();
+    let n_before = rounds_of(&src.stdout()).len();
+    dapi.resume().unwrap();
+    let all = || joined(&before, &dst.lines());
+    wait_rounds(all, n_before + 5, "after the resume on the destination");
+    check_rounds(&all());
+    dst.write_guest_u64(mailbox, 1);
+    dst.expect_ok("nvme-loop", T);
+    dst.expect_exit(0, T);
+    cluster.wait_available(NVME_BDF);
 }
 
 #[test]

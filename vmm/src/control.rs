@@ -107,10 +107,14 @@ pub enum SubscriberChange {
 /// failure by [`Controller::abandon_handover`]).
 struct Handing {
     id: String,
+    dev: Arc<Mutex<RemotePciDevice>>,
     mig: Arc<dyn remote_pci::LeaseMigration>,
     dirty_log: bool,
     quiesced: bool,
     ticket: bool,
+    /// MSI-X vectors masked at the final pass with an interrupt waiting (taken from the
+    /// device for the destination; put back on failure).
+    undelivered: Vec<u32>,
 }
 
 /// A torn-down device a vCPU still held; dropped by the release timer once it lets go.
@@ -396,10 +400,12 @@ impl Controller {
             match lock(dev).migration() {
                 Some(mig) => devs.push(Handing {
                     id: id.clone(),
+                    dev: dev.clone(),
                     mig,
                     dirty_log: false,
                     quiesced: false,
                     ticket: false,
+                    undelivered: Vec::new(),
                 }),
                 None => refused.push(id.as_str()),
             }
@@ -549,6 +555,9 @@ impl Controller {
                     log::warn!("{}: stopping the device dirty log: {e}", d.id);
                 }
             }
+            if !d.undelivered.is_empty() {
+                lock(&d.dev).set_msix_pending(&d.undelivered);
+            }
             if d.quiesced {
                 if let Err(e) = d.mig.resume_after_handover() {
                     log::error!("{}: resuming after the hand-over quiesce: {e}", d.id);
@@ -679,6 +688,18 @@ impl Controller {
                 ],
             );
         }
+        // Interrupts waiting on vectors the guest (or, for a VM paused before, the VMM)
+        // masked: they go with the device.
+        for d in devs.iter_mut() {
+            d.undelivered = lock(&d.dev).take_undelivered_msix();
+            if !d.undelivered.is_empty() {
+                log::info!(
+                    "{}: masked msi-x vectors {:?} pending, carried over",
+                    d.id,
+                    d.undelivered
+                );
+            }
+        }
         let lent = self
             .save_lent_devices()
             .map_err(crate::migration::MigrationError::Snapshot)?;
@@ -709,8 +730,7 @@ impl Controller {
                 lease: t.lease,
                 ticket: t.ticket,
                 expires_in_ms: t.expires_in_ms,
-                pending_msix: Vec::new(),
-                pending_intx: false,
+                pending_msix: d.undelivered.clone(),
             });
         }
         sender.send_state(crate::migration::protocol::VmState {
@@ -817,6 +837,8 @@ impl Controller {
             };
             crate::snapshot::devices::replay_lent(self.h.devices.mmio_bus(), d)
                 .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            // Interrupts that waited on masked vectors at the source: pending here.
+            lock(&dev).set_msix_pending(&h.pending_msix);
             let t_replay = t0.elapsed();
             let mig = lock(&dev).migration();
             let Some(mig) = mig else {

@@ -330,9 +330,11 @@ pub struct DeviceHandover {
     /// The single-use ticket.
     pub ticket: Vec<u8>,
     pub expires_in_ms: u64,
-    /// Interrupts the lender holds (replayed by the lender when the device resumes).
+    /// MSI-X vectors masked at the source (by the guest, or by the VMM for a paused VM)
+    /// with an interrupt waiting there: set pending on the destination. (What the device
+    /// raised during the hand-over is held and replayed by the lender.)
+    #[serde(default)]
     pub pending_msix: Vec<u32>,
-    pub pending_intx: bool,
 }
 
 /// The first frame of a stream.
