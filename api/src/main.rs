@@ -126,6 +126,9 @@ enum Command {
     SendMigration {
         #[arg(value_name = "URL")]
         url: String,
+        /// Same-host fast path (unix urls): pass guest RAM's memfd instead of copying it.
+        #[arg(long)]
+        local: bool,
     },
     /// Make a lendvm started with only --api-socket listen at URL for a migrating VM
     /// (vm.receive-migration): unix:/path or tcp:host:port. Returns once it listens.
@@ -400,7 +403,7 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
                 println!("snapshot written to {url}");
             }
         }
-        Command::SendMigration { url } => {
+        Command::SendMigration { url, local } => {
             if !cli.json {
                 // Progress: the migration's events, printed by a follower of vm.events (it
                 // ends with the source VMM's event stream).
@@ -423,6 +426,7 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
             );
             client.send_migration(&api::types::VmSendMigrationData {
                 destination_url: url.clone(),
+                local: *local,
             })?;
             if cli.json {
                 println!("{{}}");

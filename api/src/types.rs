@@ -373,6 +373,10 @@ impl VmSnapshotConfig {
 pub struct VmSendMigrationData {
     /// Where the destination VMM listens: `unix:/path` or `tcp:host:port`.
     pub destination_url: String,
+    /// Same-host fast path (Cloud Hypervisor's "local migration", unix urls only): guest
+    /// RAM's memfd is passed over SCM_RIGHTS instead of copied.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub local: bool,
 }
 
 impl VmSendMigrationData {

@@ -727,6 +727,7 @@ fn openapi_document_covers_every_endpoint_and_request_type() {
         "VmSendMigrationData",
         &serde_json::to_value(api::types::VmSendMigrationData {
             destination_url: "unix:/tmp/m".into(),
+            local: true,
         })
         .unwrap(),
     )

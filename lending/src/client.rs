@@ -662,6 +662,7 @@ impl LenderClient {
             info: b.info,
             notify,
             returned: false,
+            moved: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -736,6 +737,8 @@ pub struct Lease {
     info: DeviceInfo,
     notify: Option<EventFd>,
     returned: bool,
+    /// The lease moved to another borrower ([`Lease::mark_moved`]): nothing to return.
+    moved: std::sync::atomic::AtomicBool,
 }
 
 impl Lease {
@@ -1166,7 +1169,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.returned {
+        if self.returned || self.is_moved() {
             return;
         }
         self.inner.forget_routes(self.id, None);

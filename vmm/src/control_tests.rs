@@ -25,6 +25,45 @@ struct FakeLink {
     /// `Some(live mappings)` if the device can DMA (bus 0x82 in the spec).
     dma: Option<Arc<AtomicUsize>>,
     hook: Arc<Mutex<Option<Arc<dyn LinkEventHook>>>>,
+    /// A lender of protocol version 4 whose dirty log is exact or not (VFIO): bus 0x97 in
+    /// the spec is a VFIO device (not exact); otherwise no migration side.
+    migration: Option<Arc<FakeMigration>>,
+}
+
+/// The migration side of a fake lease: records its dirty log.
+struct FakeMigration {
+    exact: bool,
+    logging: std::sync::atomic::AtomicBool,
+}
+
+impl remote_pci::LeaseMigration for FakeMigration {
+    fn lease_id(&self) -> u64 {
+        1
+    }
+    fn start_dirty_log(&self) -> Result<bool, LinkError> {
+        self.logging.store(true, Ordering::SeqCst);
+        Ok(self.exact)
+    }
+    fn fetch_dirty_log(&self) -> Result<remote_pci::DeviceDirtyPages, LinkError> {
+        Ok(remote_pci::DeviceDirtyPages::default())
+    }
+    fn stop_dirty_log(&self) -> Result<(), LinkError> {
+        self.logging.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+    fn quiesce_for_handover(&self, _: u32) -> Result<remote_pci::HandoverState, LinkError> {
+        Ok(remote_pci::HandoverState::default())
+    }
+    fn resume_after_handover(&self) -> Result<(), LinkError> {
+        Ok(())
+    }
+    fn create_transfer(&self, _: &str, _: &str) -> Result<remote_pci::LeaseTicket, LinkError> {
+        Err(LinkError::Down("fake".into()))
+    }
+    fn cancel_transfer(&self) -> Result<(), LinkError> {
+        Ok(())
+    }
+    fn mark_moved(&self) {}
 }
 
 impl Drop for FakeLink {
@@ -88,6 +127,11 @@ impl RemoteDeviceLink for FakeLink {
     fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
         *lock(&self.hook) = Some(hook);
     }
+    fn migration(&self) -> Option<Arc<dyn remote_pci::LeaseMigration>> {
+        self.migration
+            .clone()
+            .map(|m| m as Arc<dyn remote_pci::LeaseMigration>)
+    }
 }
 
 /// A lender's IOMMU mapping of guest RAM; counted while alive.
@@ -117,6 +161,8 @@ struct FakeSource {
     last: Arc<Mutex<Option<Arc<Mutex<LeaseState>>>>>,
     /// Event hook of the most recently borrowed link.
     last_hook: Arc<Mutex<Option<Arc<dyn LinkEventHook>>>>,
+    /// Migration side of the most recently borrowed VFIO-like link (bus 0x97).
+    last_migration: Arc<Mutex<Option<Arc<FakeMigration>>>>,
 }
 
 impl FakeSource {
@@ -168,6 +214,14 @@ impl LinkSource for FakeSource {
             live: self.live.clone(),
             dma: (spec.bdf.bus == 0x82).then(|| self.dma_maps.clone()),
             hook: hook.clone(),
+            migration: (spec.bdf.bus == 0x97).then(|| {
+                let m = Arc::new(FakeMigration {
+                    exact: false,
+                    logging: Default::default(),
+                });
+                *lock(&self.last_migration) = Some(m.clone());
+                m
+            }),
         };
         // Mirror the hook the VMM sets into the source, so a test can fire it.
         let last_hook = self.last_hook.clone();
@@ -217,6 +271,9 @@ impl RemoteDeviceLink for HookMirror {
     fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
         *lock(&self.hook) = Some(hook.clone());
         *lock(&self.last_hook) = Some(hook);
+    }
+    fn migration(&self) -> Option<Arc<dyn remote_pci::LeaseMigration>> {
+        self.link.migration()
     }
 }
 
@@ -936,6 +993,7 @@ fn migration_refuses_lent_devices_bad_urls_and_incoming_on_a_running_vm() {
         ctl.handle(ApiRequest::VmSendMigration(
             api::types::VmSendMigrationData {
                 destination_url: url.into(),
+                local: false,
             },
         ))
     };
@@ -946,10 +1004,24 @@ fn migration_refuses_lent_devices_bad_urls_and_incoming_on_a_running_vm() {
     let e = send(&mut rig.ctl, "unix:/nonexistent/m.sock").unwrap_err();
     assert_eq!(e.kind, ApiErrorKind::Conflict, "{e}");
     assert!(
-        e.message.contains("nvme0") && e.message.contains("device hand-over not yet supported"),
+        e.message.contains("nvme0") && e.message.contains("cannot be handed over"),
         "{e}"
     );
     // Refused up front: no migration was started, the VM runs on.
+    assert_eq!(rig.ctl.state(), VmState::Running);
+    assert!(!events(&rig.ctl).iter().any(|e| e.starts_with("migration-")));
+    // A device whose lender cannot track its DMA writes (VFIO): refused naming it, its
+    // dirty log started for the check and stopped again.
+    remove(&mut rig.ctl, "nvme0", true).unwrap();
+    add(&mut rig.ctl, "node3:0000:97:00.0", Some("vfio0")).unwrap();
+    let e = send(&mut rig.ctl, "unix:/nonexistent/m.sock").unwrap_err();
+    assert_eq!(e.kind, ApiErrorKind::Conflict, "{e}");
+    assert!(
+        e.message.contains("vfio0") && e.message.contains("cannot track"),
+        "{e}"
+    );
+    let m = lock(&rig.source.last_migration).clone().unwrap();
+    assert!(!m.logging.load(Ordering::SeqCst), "dirty log left on");
     assert_eq!(rig.ctl.state(), VmState::Running);
     assert!(!events(&rig.ctl).iter().any(|e| e.starts_with("migration-")));
     let e = rig

@@ -108,6 +108,51 @@ impl DmaPinSource for DmaManager {
     }
 }
 
+/// A pinner that first hands out ranges pinned ahead of time (a migration destination pins
+/// guest RAM while the source still runs, [`crate::Vm::prepin_ram`]): a `pin` of exactly such
+/// a range takes it, anything else goes to `inner`. [`Prepinned::disarm`] ends that; the
+/// caller decides what becomes of ranges nobody took.
+pub struct Prepinned {
+    inner: Arc<dyn Pinner>,
+    ready: Mutex<Option<Vec<PinnedRange>>>,
+}
+
+impl Prepinned {
+    pub fn new(inner: Arc<dyn Pinner>, pins: Vec<PinnedRange>) -> Self {
+        Self {
+            inner,
+            ready: Mutex::new(Some(pins)),
+        }
+    }
+
+    /// From now on every pin goes to `inner`; returns the ranges not taken.
+    pub fn disarm(&self) -> Vec<PinnedRange> {
+        self.ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default()
+    }
+}
+
+impl Pinner for Prepinned {
+    fn check(&self, total: u64) -> Result<(), PinError> {
+        self.inner.check(total)
+    }
+
+    fn pin(&self, addr: u64, len: u64) -> Result<PinnedRange, PinError> {
+        let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(v) = ready.as_mut() {
+            if let Some(i) = v.iter().position(|p| p.addr() == addr && p.len() == len) {
+                log::info!("dma pin: {len:#x} bytes at {addr:#x} were pinned ahead");
+                return Ok(v.swap_remove(i));
+            }
+        }
+        drop(ready);
+        self.inner.pin(addr, len)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +218,28 @@ mod tests {
         assert_eq!(rec.checks.lock().unwrap().len(), 2);
         drop(c);
         assert_eq!(counters.pinned_bytes.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn ranges_pinned_ahead_are_taken_instead_of_pinned_again() {
+        let rec = Arc::new(Recording::default());
+        let ahead: Vec<PinnedRange> = RAM.iter().map(|&(a, l)| rec.pin(a, l).unwrap()).collect();
+        assert_eq!(rec.live.load(Ordering::SeqCst), 4 << 30);
+        let pre = Arc::new(Prepinned::new(rec.clone(), ahead));
+        let counters = Arc::new(ResourceCounters::default());
+        let m = DmaManager::with_pinner(pre.clone(), counters.clone());
+        let a = m.acquire(&RAM).unwrap();
+        // Taken, not pinned a second time; counted as pinned by the VM.
+        assert_eq!(rec.live.load(Ordering::SeqCst), 4 << 30);
+        assert_eq!(counters.pinned_bytes.load(Ordering::SeqCst), 4 << 30);
+        assert!(pre.disarm().is_empty());
+        drop(a);
+        assert_eq!(rec.live.load(Ordering::SeqCst), 0);
+        // Disarmed: the next first share pins through the inner pinner.
+        let b = m.acquire(&RAM).unwrap();
+        assert_eq!(rec.live.load(Ordering::SeqCst), 4 << 30);
+        drop(b);
+        assert_eq!(rec.live.load(Ordering::SeqCst), 0);
     }
 
     #[test]

@@ -184,7 +184,11 @@ impl ApiHandler for Waiting {
 
 /// Serves the API until `vm.receive-migration` names a url, then receives the VM there.
 /// `Ok(None)`: `vmm.shutdown` came first.
-fn wait_for_migration(chan: &ApiChannel, cli: &Cli) -> Result<Option<Received<Vm>>, String> {
+fn wait_for_migration(
+    chan: &ApiChannel,
+    cli: &Cli,
+    identity: vmm::migration::protocol::Identity,
+) -> Result<Option<Received<Vm>>, String> {
     let mut w = Waiting::default();
     loop {
         // API requests keep being answered until a source connects.
@@ -219,7 +223,7 @@ fn wait_for_migration(chan: &ApiChannel, cli: &Cli) -> Result<Option<Received<Vm
             continue;
         };
         return incoming
-            .receive(|c| {
+            .receive(identity, |c, memfd| {
                 let cpus = config::check_cpus(u32::from(c.cpus))
                     .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
                 let cfg = VmConfig {
@@ -232,7 +236,11 @@ fn wait_for_migration(chan: &ApiChannel, cli: &Cli) -> Result<Option<Received<Vm
                     serial: cli.serial.clone(),
                     cpuid_cmdline: false,
                 };
-                Vm::for_migration(&cfg).map_err(|e| MigrationError::Build(Box::new(e)))
+                match memfd {
+                    Some(f) => Vm::for_migration_on(&cfg, f),
+                    None => Vm::for_migration(&cfg),
+                }
+                .map_err(|e| MigrationError::Build(Box::new(e)))
             })
             .map(Some)
             .map_err(|e| format!("incoming migration at {}: {}", incoming.url(), chain(&e)));
@@ -415,7 +423,14 @@ fn main() -> ExitCode {
             Ok(x) => x,
             Err(e) => return usage_error(e),
         };
-        let got = wait_for_migration(&chan, &cli);
+        let identity = match source.identity() {
+            Some((node, vm)) => vmm::migration::protocol::Identity {
+                node: Some(node),
+                vm: Some(vm),
+            },
+            None => vmm::migration::protocol::Identity::default(),
+        };
+        let got = wait_for_migration(&chan, &cli, identity);
         match got {
             Ok(Some(r)) => migrated = Some(r),
             Ok(None) | Err(_) => {
@@ -468,8 +483,13 @@ fn main() -> ExitCode {
         },
     };
     let migrated_from = migrated.as_ref().map(|m| (m.bytes, m.paused));
+    // The source waits for our verdict until its lent devices are ours (below).
+    let mut handover = None;
     let built = match (&restored, migrated) {
-        (_, Some(m)) => Ok(m.vm),
+        (_, Some(m)) => {
+            handover = Some((m.reply, m.doc.devices.lent, m.handover));
+            Ok(m.vm)
+        }
         (Some(s), None) => Vm::restore(&cfg, s),
         (None, None) => Vm::new(&cfg),
     };
@@ -534,6 +554,32 @@ fn main() -> ExitCode {
                 cli.restore.as_deref().unwrap_or_default(),
                 e.message
             ));
+        }
+    }
+    if let Some((reply, lent, tickets)) = handover {
+        ctl.adopt_prepinned_ram(vm.take_prepinned_ram());
+        // The commit point: the source stops once we acknowledge. A failure here refuses
+        // (the source keeps the VM; a lease already taken over is returned by the teardown
+        // and the source reports that device lost).
+        if let Err(e) = ctl.take_over_lent_devices(&lent, &tickets) {
+            let why = format!("taking the lent devices over: {}", e.message);
+            reply.refuse(&why);
+            ctl.teardown_all();
+            events.emit(
+                "migration",
+                "migration-failed",
+                [("error", Value::from(why.clone()))],
+            );
+            eprintln!("lendvm: incoming migration: {why}");
+            events.close();
+            return ExitCode::from(1);
+        }
+        if let Err(e) = reply.ack() {
+            // The source did not hear it and resumes its VM: this one must not run too.
+            ctl.teardown_all();
+            eprintln!("lendvm: incoming migration: acknowledging: {}", chain(&e));
+            events.close();
+            return ExitCode::from(1);
         }
     }
     let ctl = Rc::new(RefCell::new(ctl));

@@ -44,6 +44,13 @@ pub enum MemoryError {
     #[error("cannot map guest memory")]
     Map(#[source] vm_memory::mmap::FromRangesError),
     #[error(
+        "the guest ram memfd handed over is {got:#x} bytes (or cannot be measured), the vm \
+         has {want:#x}"
+    )]
+    MemfdSize { got: u64, want: u64 },
+    #[error("the guest ram memfd handed over lacks the size seals {want:#x} (it has {got:#x})")]
+    MemfdSeals { got: libc::c_int, want: libc::c_int },
+    #[error(
         "hugepages=on needs {size:#x} bytes of guest ram in {page_size:#x}-byte huge pages \
          ({needed} pages) but only {free} are free (HugePages_Free in /proc/meminfo); reserve \
          them (echo {needed} > /proc/sys/vm/nr_hugepages) or drop hugepages=on"
@@ -189,7 +196,29 @@ impl GuestRam {
                 source: std::io::Error::last_os_error(),
             });
         }
-        let memfd = Arc::new(file);
+        Self::map(Arc::new(file), size, backing.thp)
+    }
+
+    /// Guest RAM on an existing memfd: another lendvm's on the same host (live migration's
+    /// memfd fast path: the RAM is shared, not copied). The memfd must be `size` bytes and
+    /// carry [`GUEST_RAM_SEALS`].
+    pub fn from_memfd(file: File, size: u64) -> Result<Self, MemoryError> {
+        let got = file.metadata().map(|m| m.len()).unwrap_or(0);
+        if got != size {
+            return Err(MemoryError::MemfdSize { got, want: size });
+        }
+        // SAFETY: F_GET_SEALS on an fd we own; no memory is involved; the result is checked.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & GUEST_RAM_SEALS != GUEST_RAM_SEALS {
+            return Err(MemoryError::MemfdSeals {
+                got: seals,
+                want: GUEST_RAM_SEALS,
+            });
+        }
+        Self::map(Arc::new(file), size, false)
+    }
+
+    fn map(memfd: Arc<File>, size: u64, thp: bool) -> Result<Self, MemoryError> {
         let regions = ram_regions(size);
         let ranges = regions.iter().map(|r| {
             (
@@ -199,7 +228,7 @@ impl GuestRam {
             )
         });
         let memory = GuestMemory::from_ranges_with_files(ranges).map_err(MemoryError::Map)?;
-        if backing.thp {
+        if thp {
             advise_thp(&memory)?;
         }
         log::debug!(
@@ -211,6 +240,43 @@ impl GuestRam {
             memory,
             regions,
         })
+    }
+
+    /// Faults every page of guest RAM into this process's page tables
+    /// (`MADV_POPULATE_WRITE`), so that pinning it later (`mlock` when a lent device sets Bus
+    /// Master Enable) only walks them. A migration destination does it before the source
+    /// pauses, keeping it out of the downtime. A kernel without `MADV_POPULATE_WRITE`
+    /// (before 5.14) leaves it to the pin; that is logged, not an error.
+    pub fn populate(&self) {
+        use vm_memory::GuestMemoryBackend;
+        let t0 = std::time::Instant::now();
+        for r in &self.regions {
+            let Ok(host) = self.memory.get_host_address(GuestAddress(r.gpa)) else {
+                continue;
+            };
+            // SAFETY: `[host, host + size)` is this region's live mapping (owned by
+            // `self.memory`); MADV_POPULATE_WRITE only faults pages in, changing no data.
+            let rc = unsafe {
+                libc::madvise(
+                    host.cast::<libc::c_void>(),
+                    r.size as usize,
+                    libc::MADV_POPULATE_WRITE,
+                )
+            };
+            if rc != 0 {
+                log::info!(
+                    "populating guest ram at {:#x}: {}; the pin will fault it in",
+                    r.gpa,
+                    std::io::Error::last_os_error()
+                );
+                return;
+            }
+        }
+        log::info!(
+            "guest ram populated ({:#x} bytes) in {:.1} ms",
+            self.size(),
+            t0.elapsed().as_secs_f64() * 1e3
+        );
     }
 
     /// The guest memory map (cheap to clone: regions are reference counted).

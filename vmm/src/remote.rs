@@ -119,6 +119,36 @@ pub trait LinkSource: Send {
 
     /// Borrows `spec` for this VM; the returned link holds the lease.
     fn borrow(&self, spec: &RemoteDeviceSpec) -> Result<Box<dyn RemoteDeviceLink>, AttachError>;
+
+    /// This VMM's fabric node and VM name, which a migration source names in the transfer
+    /// tickets of its leases (`None`: this VMM cannot take leases over).
+    fn identity(&self) -> Option<(String, String)> {
+        None
+    }
+
+    /// Takes over the lease of `spec` that a migration source authorised with `ticket`
+    /// (live migration: the device is not reset). The lease comes without DMA windows and
+    /// interrupt targets; the device is still quiesced for the hand-over.
+    fn accept(
+        &self,
+        spec: &RemoteDeviceSpec,
+        ticket: &remote_pci::LeaseTicket,
+    ) -> Result<Box<dyn RemoteDeviceLink>, AttachError> {
+        let _ = ticket;
+        Err(AttachError::Local {
+            node: spec.node.clone(),
+            bdf: lender_device_id(spec),
+            reason: "this vmm cannot take leases over".into(),
+        })
+    }
+}
+
+/// How a device's lease is obtained.
+enum Take<'a> {
+    /// A fresh borrow (under a directory claim's revision).
+    Borrow(Option<i64>),
+    /// A lease moved from a migration source.
+    Accept(&'a remote_pci::LeaseTicket),
 }
 
 /// Who this VMM is on the fabric.
@@ -253,6 +283,11 @@ macro_rules! forward_link {
             self.inner.kick_generation()
         }
     };
+    (@ migration) => {
+        fn migration(&self) -> Option<Arc<dyn remote_pci::LeaseMigration>> {
+            self.inner.migration()
+        }
+    };
     (@ kick_doorbells) => {
         fn kick_doorbells(&self) -> KickDoorbells {
             self.inner.kick_doorbells()
@@ -352,7 +387,7 @@ impl LinkSource for LenderSource {
                 &self.cluster,
                 lender,
                 spec,
-                None,
+                Take::Borrow(None),
             )?));
         };
         let lender = dir.lender(node).map_err(|e| directory_err(node, &bdf, e))?;
@@ -362,8 +397,38 @@ impl LinkSource for LenderSource {
         let claim = dir
             .claim(node, &bdf, &self.id.local, &self.id.vm_name)
             .map_err(|e| directory_err(node, &bdf, e))?;
-        let link = self.borrow_from(&cluster, &lender, spec, claim.revision())?;
+        let link = self.borrow_from(&cluster, &lender, spec, Take::Borrow(claim.revision()))?;
         Ok(Box::new(ClaimedLink::new(Box::new(link), claim)))
+    }
+
+    fn identity(&self) -> Option<(String, String)> {
+        Some((self.id.local.clone(), self.id.vm_name.clone()))
+    }
+
+    fn accept(
+        &self,
+        spec: &RemoteDeviceSpec,
+        ticket: &remote_pci::LeaseTicket,
+    ) -> Result<Box<dyn RemoteDeviceLink>, AttachError> {
+        let node = spec.node.as_str();
+        if self.directory.is_some() {
+            // The directory claim belongs to the source; moving it is not implemented.
+            return Err(AttachError::Local {
+                node: node.to_string(),
+                bdf: lender_device_id(spec),
+                reason: "taking a lease over is not supported with a cluster directory".into(),
+            });
+        }
+        let lender = self
+            .cluster
+            .node(node)
+            .ok_or_else(|| unknown_node(&self.cluster, node))?;
+        Ok(Box::new(self.borrow_from(
+            &self.cluster,
+            lender,
+            spec,
+            Take::Accept(ticket),
+        )?))
     }
 }
 
@@ -374,7 +439,7 @@ impl LenderSource {
         cluster: &ClusterConfig,
         lender: &NodeConfig,
         spec: &RemoteDeviceSpec,
-        claim: Option<i64>,
+        take: Take<'_>,
     ) -> Result<LendingLink, AttachError> {
         let node = spec.node.as_str();
         let bdf = lender_device_id(spec);
@@ -409,9 +474,17 @@ impl LenderSource {
             other => unreachable(other.to_string()),
         })?;
         let client = Arc::new(client);
-        let lease = match claim {
-            Some(rev) => client.borrow_claimed(&bdf, &self.id.vm_name, rev),
-            None => client.borrow(&bdf, &self.id.vm_name),
+        let lease = match take {
+            Take::Borrow(Some(rev)) => client.borrow_claimed(&bdf, &self.id.vm_name, rev),
+            Take::Borrow(None) => client.borrow(&bdf, &self.id.vm_name),
+            Take::Accept(t) => {
+                let ticket = lending::protocol::TransferTicket {
+                    lease: t.lease,
+                    ticket: t.ticket.clone(),
+                    expires_in_ms: t.expires_in_ms,
+                };
+                client.accept_transfer(&ticket, &self.id.vm_name, &[], &[])
+            }
         };
         let lease = lease.map_err(|e| match e {
             ClientError::Remote {
@@ -533,7 +606,8 @@ impl RemoteDeviceLink for VmmLink {
         irq_counts,
         lender_counters,
         quiesce,
-        kick_generation
+        kick_generation,
+        migration
     );
 
     fn device_info(&self) -> RemoteDeviceInfo {

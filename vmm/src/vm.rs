@@ -79,13 +79,15 @@ pub struct Vm {
     cmdline: String,
     /// What KVM offers for saving vCPU state (MSR list, XSAVE, XCRs).
     caps: Arc<KvmCaps>,
+    /// Guest RAM pinned ahead of a migration's hand-over ([`Vm::prepin_ram`]).
+    prepinned: std::sync::Mutex<Vec<remote_pci::PinnedRange>>,
 }
 
 impl Vm {
     /// Builds the VM, the hotplug platform and ACPI tables, and loads the kernel; vCPUs are
     /// created but not started.
     pub fn new(cfg: &VmConfig) -> Result<Self, VmError> {
-        Self::build(cfg, true)
+        Self::build(cfg, true, None)
     }
 
     /// Rebuilds the VM a snapshot was taken of (`cfg` from the snapshot's machine config) and
@@ -95,7 +97,7 @@ impl Vm {
         cfg: &VmConfig,
         snap: &crate::snapshot::LoadedSnapshot,
     ) -> Result<Self, VmError> {
-        let vm = Self::build(cfg, false)?;
+        let vm = Self::build(cfg, false, None)?;
         crate::snapshot::restore_into(
             &crate::snapshot::RestoreTarget {
                 vm: &vm.vm,
@@ -114,7 +116,13 @@ impl Vm {
     /// Builds an empty VM of `cfg`'s shape for an incoming live migration: no kernel is
     /// loaded (RAM arrives from the source, then [`Vm::restore_migrated`] puts the state in).
     pub fn for_migration(cfg: &VmConfig) -> Result<Self, VmError> {
-        Self::build(cfg, false)
+        Self::build(cfg, false, None)
+    }
+
+    /// [`Vm::for_migration`] on the source's guest RAM memfd (same host: nothing is
+    /// copied, see [`GuestRam::from_memfd`]).
+    pub fn for_migration_on(cfg: &VmConfig, memfd: std::fs::File) -> Result<Self, VmError> {
+        Self::build(cfg, false, Some(memfd))
     }
 
     /// Puts the migrated state (everything but RAM, which is already in) into a VM built
@@ -155,7 +163,7 @@ impl Vm {
         }
     }
 
-    fn build(cfg: &VmConfig, boot: bool) -> Result<Self, VmError> {
+    fn build(cfg: &VmConfig, boot: bool, memfd: Option<std::fs::File>) -> Result<Self, VmError> {
         let kvm = Kvm::new().map_err(VmError::KvmOpen)?;
         let api = kvm.get_api_version();
         if api != kvm_bindings::KVM_API_VERSION as i32 {
@@ -172,7 +180,10 @@ impl Vm {
         })
         .map_err(kvm_op("KVM_CREATE_PIT2"))?;
 
-        let ram = Arc::new(GuestRam::with_backing(cfg.memory_size, cfg.ram_backing)?);
+        let ram = Arc::new(match memfd {
+            Some(f) => GuestRam::from_memfd(f, cfg.memory_size)?,
+            None => GuestRam::with_backing(cfg.memory_size, cfg.ram_backing)?,
+        });
         let mem = ram.memory();
         for (slot, region) in ram.regions().iter().enumerate() {
             let host = mem
@@ -281,7 +292,46 @@ impl Vm {
             kernel,
             cmdline: line,
             caps,
+            prepinned: std::sync::Mutex::default(),
         })
+    }
+
+    /// A migration destination whose VM holds lent devices pins guest RAM while the source
+    /// still runs, so the devices' Bus Master Enable at the hand-over finds it pinned (see
+    /// `dma::Prepinned`). On failure (e.g. `RLIMIT_MEMLOCK`) the RAM is only faulted in and
+    /// the hand-over pins it.
+    pub fn prepin_ram(&self) {
+        let mem = self.ram.memory();
+        let mut ranges = Vec::new();
+        for r in self.ram.regions() {
+            match mem.get_host_address(GuestAddress(r.gpa)) {
+                Ok(h) => ranges.push((h as u64, r.size)),
+                Err(_) => return self.ram.populate(),
+            }
+        }
+        let pinner = remote_pci::ParallelPinner::available();
+        match remote_pci::pin::pin_all(&pinner, &ranges) {
+            Ok((pins, _)) => {
+                *self
+                    .prepinned
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = pins;
+            }
+            Err(e) => {
+                log::warn!("pinning guest ram ahead of the hand-over: {e}; faulting it in only");
+                self.ram.populate();
+            }
+        }
+    }
+
+    /// The ranges [`Vm::prepin_ram`] pinned (for the VM's DMA manager).
+    pub fn take_prepinned_ram(&self) -> Vec<remote_pci::PinnedRange> {
+        std::mem::take(
+            &mut *self
+                .prepinned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     /// The command line the kernel got (after CPUID augmentation).

@@ -777,6 +777,53 @@ impl RemotePciDevice {
         Ok(())
     }
 
+    /// Migration hand-over (VM paused, device quiesced): the MSI-X vectors that cannot be
+    /// delivered now (masked by the guest, or by the VMM for a paused VM) yet have an
+    /// interrupt waiting — their PBA bit, or a signal in their irqfd's eventfd — taken from
+    /// here for the destination ([`RemotePciDevice::set_msix_pending`]; also the way to put
+    /// them back if the migration fails).
+    pub fn take_undelivered_msix(&mut self) -> Vec<u32> {
+        let Some(m) = &mut self.msix else {
+            return Vec::new();
+        };
+        if !m.config.enabled() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for v in 0..m.config.vectors() {
+            if !m.config.is_vector_masked(v) {
+                // Deliverable: KVM already took any signal into the vCPU's LAPIC.
+                continue;
+            }
+            // A masked vector's irqfd is not attached to KVM: its signals wait in the
+            // eventfd (non-blocking: `Err` when none).
+            let signalled = m
+                .config
+                .group()
+                .notifier(v as u32)
+                .is_some_and(|fd| matches!(fd.read(), Ok(n) if n > 0));
+            if signalled || m.config.is_pending(v) {
+                out.push(v as u32);
+            }
+        }
+        out
+    }
+
+    /// Marks MSI-X `vectors` as having an interrupt waiting: a masked vector's PBA bit is set
+    /// (delivered when unmasked), a deliverable one is injected.
+    pub fn set_msix_pending(&mut self, vectors: &[u32]) {
+        if let Some(m) = &mut self.msix {
+            for &v in vectors {
+                m.config.trigger(v as usize);
+            }
+        }
+    }
+
+    /// The lease's live-migration side (`None`: this device cannot be handed over).
+    pub fn migration(&self) -> Option<Arc<dyn crate::LeaseMigration>> {
+        self.link.migration()
+    }
+
     /// Data-path counters: trapped BAR reads/writes, VMM-signalled kicks, ioeventfds.
     pub fn counters(&self) -> DeviceCountersSnapshot {
         self.io_counters.snapshot()

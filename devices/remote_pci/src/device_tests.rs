@@ -360,6 +360,71 @@ fn capability_writes_forwarded_and_read_back() {
     assert!(config_writes(&f.calls()).is_empty());
 }
 
+/// Live migration: interrupts waiting on masked vectors (a signal in the irqfd, a PBA bit)
+/// are taken from the source device and set pending on the destination's, where unmasking
+/// delivers them; deliverable vectors are left alone (KVM took their signals already).
+#[test]
+fn undelivered_msix_moves_to_another_device_and_is_delivered_on_unmask() {
+    let program = |f: &mut Fx| {
+        let msix = f.lay.msix;
+        let bar0 = f.bar_addr(0);
+        for v in 0..2u64 {
+            f.dev()
+                .write_bar(bar0, 0x1000 + 16 * v, &0xfee0_0000u64.to_le_bytes());
+            f.dev()
+                .write_bar(bar0, 0x1008 + 16 * v, &(0x41 + v as u32).to_le_bytes());
+            f.dev()
+                .write_bar(bar0, 0x100c + 16 * v, &0u32.to_le_bytes());
+        }
+        f.write(msix + 2, &MSIX_CTL_ENABLE.to_le_bytes());
+        // The guest masks vector 1.
+        f.dev().write_bar(bar0, 0x101c, &1u32.to_le_bytes());
+        bar0
+    };
+    let mut src = fixture(Opts::default());
+    program(&mut src);
+    let group = src.irqs.group("msix").unwrap();
+    // The lender signals vector 1 (masked: waits in its eventfd) and vector 0 (deliverable).
+    src.link.lock().unwrap().irq_fds["msix"][1]
+        .write(1)
+        .unwrap();
+    src.link.lock().unwrap().irq_fds["msix"][0]
+        .write(1)
+        .unwrap();
+    assert_eq!(src.dev().take_undelivered_msix(), vec![1]);
+    assert!(
+        group.notifier(1).unwrap().read().is_err(),
+        "signal consumed"
+    );
+    assert_eq!(group.notifier(0).unwrap().read().unwrap(), 1, "left to KVM");
+    assert!(src.dev().take_undelivered_msix().is_empty());
+
+    let mut dst = fixture(Opts::default());
+    let bar0 = program(&mut dst);
+    let dgroup = dst.irqs.group("msix").unwrap();
+    dgroup.take();
+    dst.dev().set_msix_pending(&[1]);
+    let mut q = [0u8; 8];
+    dst.dev().read_bar(bar0, 0x1800, &mut q);
+    assert_eq!(
+        u64::from_le_bytes(q),
+        0b10,
+        "pending in the PBA while masked"
+    );
+    assert!(!dgroup.take().contains(&GroupCall::Trigger(1)));
+    // The guest unmasks it: delivered once.
+    dst.dev().write_bar(bar0, 0x101c, &0u32.to_le_bytes());
+    let calls = dgroup.take();
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|c| **c == GroupCall::Trigger(1))
+            .count(),
+        1,
+        "{calls:?}"
+    );
+}
+
 #[test]
 fn msix_emulated_locally_and_wired_to_lender() {
     let mut f = fixture(Opts::default());

@@ -45,9 +45,10 @@ use pci::vm_ops::GuestRamRegion;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickCell,
-    KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar,
-    RemoteDeviceInfo, RemoteDeviceLink, RemoteMsix,
+    BarAccess, BarKind, DeviceDirtyPages, DirectWindow, DmaMapping, HandoverState,
+    IommuFaultReport, IrqKind, IrqTargets, KickCell, KickDoorbells, LeaseMigration, LeaseState,
+    LeaseTicket, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo,
+    RemoteDeviceLink, RemoteMsix,
 };
 
 /// Errors of setting up the link.
@@ -533,6 +534,82 @@ fn event_loop(client: &LenderClient, sink: &LendingEventSink, stop: &AtomicBool)
     }
 }
 
+/// The lease's version 4 migration requests.
+struct LendingMigration {
+    lease: Arc<Lease>,
+}
+
+impl LeaseMigration for LendingMigration {
+    fn lease_id(&self) -> u64 {
+        self.lease.id()
+    }
+
+    fn start_dirty_log(&self) -> Result<bool, LinkError> {
+        self.lease
+            .start_dirty_log()
+            .map_err(|e| link_err("dirty log start", e))
+    }
+
+    fn fetch_dirty_log(&self) -> Result<DeviceDirtyPages, LinkError> {
+        let d = self
+            .lease
+            .fetch_dirty_log(0, 0)
+            .map_err(|e| link_err("dirty log fetch", e))?;
+        Ok(DeviceDirtyPages {
+            iova: d.iova,
+            pages: d.pages,
+            bits: d.bits,
+            whole_window: d.whole_window,
+        })
+    }
+
+    fn stop_dirty_log(&self) -> Result<(), LinkError> {
+        self.lease
+            .stop_dirty_log()
+            .map_err(|e| link_err("dirty log stop", e))
+    }
+
+    fn quiesce_for_handover(&self, timeout_ms: u32) -> Result<HandoverState, LinkError> {
+        let q = self
+            .lease
+            .quiesce_for_handover(timeout_ms)
+            .map_err(|e| link_err("hand-over quiesce", e))?;
+        Ok(HandoverState {
+            drained: q.drained,
+            pending_msix: q.pending_msix,
+            pending_intx: q.pending_intx,
+        })
+    }
+
+    fn resume_after_handover(&self) -> Result<(), LinkError> {
+        self.lease
+            .quiesce(false)
+            .map_err(|e| link_err("hand-over resume", e))
+    }
+
+    fn create_transfer(&self, to_node: &str, to_vm: &str) -> Result<LeaseTicket, LinkError> {
+        let t = self
+            .lease
+            .create_transfer(to_node, to_vm)
+            .map_err(|e| link_err("transfer create", e))?;
+        Ok(LeaseTicket {
+            lease: t.lease,
+            ticket: t.ticket,
+            expires_in_ms: t.expires_in_ms,
+        })
+    }
+
+    fn cancel_transfer(&self) -> Result<(), LinkError> {
+        self.lease
+            .cancel_transfer()
+            .map_err(|e| link_err("transfer cancel", e))
+    }
+
+    fn mark_moved(&self) {
+        self.lease.mark_moved();
+    }
+}
+
 /// The lease's P2P_MAP/P2P_UNMAP, shared with the VM's P2P router.
 struct LendingP2p {
     lender: String,
@@ -753,6 +830,11 @@ impl DmaMapping for LendingDma {
 impl Drop for LendingDma {
     fn drop(&mut self) {
         for (gpa, size, window) in self.maps.drain(..) {
+            if self.lease.is_moved() {
+                // The lease is the migration destination's: its windows replaced ours.
+                drop(window);
+                continue;
+            }
             if let Err(e) = self.lease.unmap_dma(gpa, size) {
                 warn!(
                     "lease {}: unmap dma {gpa:#x}+{size:#x}: {e}",
@@ -946,6 +1028,16 @@ impl RemoteDeviceLink for LendingLink {
 
     fn p2p_port(&self) -> Option<Arc<dyn crate::P2pPort>> {
         self.p2p.clone().map(|p| p as Arc<dyn crate::P2pPort>)
+    }
+
+    fn migration(&self) -> Option<Arc<dyn LeaseMigration>> {
+        (self.client.protocol_version() >= lending::protocol::migration::MIGRATION_VERSION).then(
+            || {
+                Arc::new(LendingMigration {
+                    lease: Arc::clone(&self.lease),
+                }) as Arc<dyn LeaseMigration>
+            },
+        )
     }
 
     fn irq_counts(&self) -> Option<Vec<u64>> {

@@ -23,9 +23,10 @@ pub use device::{
     RemotePciDeviceParams, RemotePciError,
 };
 pub use link::{
-    BarAccess, BarKind, DirectWindow, DmaMapping, IommuFaultReport, IrqKind, IrqTargets, KickCell,
-    KickDoorbells, LeaseState, LenderCounters, LinkError, LinkEventHook, RemoteBar,
-    RemoteDeviceInfo, RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
+    BarAccess, BarKind, DeviceDirtyPages, DirectWindow, DmaMapping, HandoverState,
+    IommuFaultReport, IrqKind, IrqTargets, KickCell, KickDoorbells, LeaseMigration, LeaseState,
+    LeaseTicket, LenderCounters, LinkError, LinkEventHook, RemoteBar, RemoteDeviceInfo,
+    RemoteDeviceLink, RemoteIoEvent, RemoteMsix,
 };
 pub use observer::DeviceObserver;
 pub use p2p::{P2pMapError, P2pMember, P2pPort, P2pRouter, PeerGrant, PeerMapping};

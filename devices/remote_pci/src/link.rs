@@ -394,6 +394,71 @@ pub trait RemoteDeviceLink: Send {
     fn p2p_port(&self) -> Option<Arc<dyn crate::P2pPort>> {
         None
     }
+
+    /// The lease's live-migration side. Default `None`: a VM holding this device cannot be
+    /// live-migrated (its lender is older than protocol version 4, or the link is a fake).
+    fn migration(&self) -> Option<Arc<dyn LeaseMigration>> {
+        None
+    }
+}
+
+/// The pages a lent device wrote by DMA since the previous fetch (IOVA = GPA).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceDirtyPages {
+    /// First IOVA of the range.
+    pub iova: u64,
+    /// Pages in the range.
+    pub pages: u64,
+    /// Bit `i % 64` of word `i / 64`: page `iova + i * 4 KiB` was written.
+    pub bits: Vec<u64>,
+    /// The lender cannot track the device's writes: every mapped page is reported.
+    pub whole_window: bool,
+}
+
+/// What the lender answered to a hand-over quiesce.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HandoverState {
+    /// No DMA of the device is in flight (the lender confirms).
+    pub drained: bool,
+    /// MSI-X vectors raised since the quiesce began, held by the lender.
+    pub pending_msix: Vec<u32>,
+    /// INTx asserted since the quiesce began (held).
+    pub pending_intx: bool,
+}
+
+/// A single-use authorisation to move the lease to another borrower.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseTicket {
+    pub lease: u64,
+    pub ticket: Vec<u8>,
+    pub expires_in_ms: u64,
+}
+
+/// The lease's live-migration side (lender protocol version 4): the device dirty log, the
+/// hand-over quiesce and the lease transfer. See docs/ARCHITECTURE.md, "Life of a migration".
+pub trait LeaseMigration: Send + Sync {
+    /// The lease id on its lender.
+    fn lease_id(&self) -> u64;
+    /// Starts the device dirty log; `Ok(true)` when the lender logs page by page.
+    fn start_dirty_log(&self) -> Result<bool, LinkError>;
+    /// The pages written since the previous fetch (cleared by the fetch), over the span of
+    /// the lease's DMA windows.
+    fn fetch_dirty_log(&self) -> Result<DeviceDirtyPages, LinkError>;
+    /// Stops the device dirty log.
+    fn stop_dirty_log(&self) -> Result<(), LinkError>;
+    /// Stops the device fetching work, holds its interrupts on the lender and waits up to
+    /// `timeout_ms` for its DMA to drain.
+    fn quiesce_for_handover(&self, timeout_ms: u32) -> Result<HandoverState, LinkError>;
+    /// Ends a hand-over quiesce here: the device runs again and the interrupts held are
+    /// delivered to the targets wired now (on the destination: its irqfds).
+    fn resume_after_handover(&self) -> Result<(), LinkError>;
+    /// Authorises moving the lease to `to_node`/`to_vm`.
+    fn create_transfer(&self, to_node: &str, to_vm: &str) -> Result<LeaseTicket, LinkError>;
+    /// Withdraws the ticket. An error means the lease is no longer ours (moved or lost).
+    fn cancel_transfer(&self) -> Result<(), LinkError>;
+    /// The destination took the lease: tearing the device down here returns nothing and
+    /// unmaps nothing on the lender (it knows the lease only on the destination's link).
+    fn mark_moved(&self);
 }
 
 /// Asynchronous lease events, delivered by the link to the VMM (see

@@ -93,6 +93,19 @@ impl Lease {
         self.inner.call::<()>(&r, Vec::new()).map(|_| ())
     }
 
+    /// The lease moved to another borrower (a destination accepted our transfer ticket):
+    /// from now on its handle is inert — dropping it returns nothing (the lender no longer
+    /// knows it on this link). For a handle shared by several owners; see [`Lease::moved`].
+    pub fn mark_moved(&self) {
+        self.moved.store(true, std::sync::atomic::Ordering::Release);
+        self.inner.forget_routes(self.id, None);
+    }
+
+    /// Whether [`Lease::mark_moved`] was called.
+    pub fn is_moved(&self) -> bool {
+        self.moved.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// The lease moved to another borrower ([`crate::protocol::Event::LeaseMoved`]): forget
     /// it without returning it.
     pub fn moved(mut self) {
@@ -169,6 +182,7 @@ impl LenderClient {
             info: b.info,
             notify,
             returned: false,
+            moved: std::sync::atomic::AtomicBool::new(false),
         };
         if !pass_fds && !msix.is_empty() {
             lease.set_irqs(IrqKind::Msix, msix)?;

@@ -1,5 +1,5 @@
 //! Live migration between two lendvm processes (`vm.send-migration` /
-//! `vm.receive-migration`), for a VM without lent devices.
+//! `vm.receive-migration`), lent devices included.
 //!
 //! Precopy over a Unix or TCP socket ([`protocol`]): the source turns KVM's dirty logging on
 //! for guest RAM, sends all of it while the guest runs, then in bounded rounds the pages the
@@ -9,8 +9,12 @@
 //! destination ([`receive`]) to restore it. Only then does the source stop; any failure
 //! before leaves it running. See docs/ARCHITECTURE.md, "Life of a live migration (VMM side)".
 //!
-//! Lent devices would need a hand-over (quiesce, lease transfer, re-mapping the DMA window
-//! at the destination): not done yet, a VM holding one is refused.
+//! Lent devices stay on their lenders: each round also fetches their lender dirty log (device
+//! DMA, which KVM cannot see); at the final pass each is quiesced for the hand-over and its
+//! lease goes to the destination with a single-use transfer ticket in `STATE`, which the
+//! destination presents before it acknowledges (`Controller::migrate`,
+//! `Controller::take_over_lent_devices`). See docs/ARCHITECTURE.md, "Life of a live
+//! migration (VMM side)", for the failure rule.
 
 pub mod protocol;
 pub mod receive;

@@ -8,11 +8,18 @@
 //! source                                   destination
 //!   Hello {magic, version, lendvm_version} ->
 //!                                         <- Ack | Refused {reason}   (version checked)
-//!   Config {cpus, memory_size, ...}       ->  (builds an empty VM of that shape)
+//!                                         <- Identity {node, vm}      (names for tickets)
+//!  [Memfd + SCM_RIGHTS(guest ram memfd)]  ->  (same-host fast path: RAM shared, no copy)
+//!   Config {cpus, memory_size, ...}       ->  (builds an empty VM of that shape, faults
+//!                                         <- Ack | Refused {reason}    its RAM in)
 //!   Memory {gpa, bytes} ...               ->  (written into guest RAM)
-//!   State {the snapshot document}         ->  (restored; VM paused)
+//!   State {the snapshot document,         ->  (restored; VM paused; each lent device's
+//!          hand-over tickets}                  lease taken over with its ticket)
 //!                                         <- Ack | Refused {reason}
 //! ```
+//!
+//! Version 2 added `Identity`, `Memfd` and the hand-over of lent devices in `State`. With
+//! `Memfd` no `Memory` frame follows: both processes map the same RAM.
 //!
 //! A peer that sends anything else, an oversized frame or a run outside guest RAM gets an
 //! error naming it; the receiver drops the connection, the sender resumes its VM.
@@ -30,7 +37,7 @@ use crate::snapshot::format::{MachineConfig, VmSnapshot};
 /// What a hello must carry.
 pub const MAGIC: &str = "lendvm-migration";
 /// The protocol version this lendvm speaks (both ends must agree).
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest control (JSON) payload accepted: the state document of a big VM is far below.
 pub const MAX_CONTROL: u64 = 16 << 20;
 /// Largest run of guest pages in one memory frame (the sender splits longer runs).
@@ -87,6 +94,10 @@ pub enum MigrationError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("the same-host fast path (local) needs a unix: url: the memfd goes over SCM_RIGHTS")]
+    LocalNeedsUnix,
+    #[error("the source announced its guest ram memfd but none came with the frame")]
+    NoMemfd,
     #[error("the destination refused: {0}")]
     Refused(String),
     #[error("the migrated VM's shape does not fit: {0}")]
@@ -105,6 +116,12 @@ pub enum MigrationError {
         offset: u64,
         #[source]
         source: io::Error,
+    },
+    #[error("handing over lent device {id}: {step}: {reason}")]
+    Handover {
+        id: String,
+        step: &'static str,
+        reason: String,
     },
     #[error("pausing the vm for the final pass: {0}")]
     Pause(String),
@@ -288,6 +305,36 @@ pub mod kind {
     pub const CONFIG: u32 = 4;
     pub const MEMORY: u32 = 5;
     pub const STATE: u32 = 6;
+    pub const IDENTITY: u32 = 7;
+    /// Same-host fast path: no payload; the guest RAM memfd rides along (SCM_RIGHTS).
+    pub const MEMFD: u32 = 8;
+}
+
+/// Who the destination is on the device-lending fabric (payload of `IDENTITY`): the source
+/// names it in the transfer tickets of its leases. `None`: it cannot take leases over.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    pub node: Option<String>,
+    pub vm: Option<String>,
+}
+
+/// One lent device's hand-over, in `STATE`: the lease transfer ticket the source's lender
+/// issued for the destination, and what the hand-over quiesce reported. The device's
+/// guest-visible PCI state is the document's `devices.lent` entry of the same `id`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceHandover {
+    /// The VMM's device id.
+    pub id: String,
+    /// The lease on its lender.
+    pub lease: u64,
+    /// The single-use ticket.
+    pub ticket: Vec<u8>,
+    pub expires_in_ms: u64,
+    /// MSI-X vectors masked at the source (by the guest, or by the VMM for a paused VM)
+    /// with an interrupt waiting there: set pending on the destination. (What the device
+    /// raised during the hand-over is held and replayed by the lender.)
+    #[serde(default)]
+    pub pending_msix: Vec<u32>,
 }
 
 /// The first frame of a stream.
@@ -296,6 +343,9 @@ pub struct Hello {
     pub magic: String,
     pub version: u32,
     pub lendvm_version: String,
+    /// Lent devices the VM holds (the destination readies its RAM for their DMA).
+    #[serde(default)]
+    pub lent_devices: u32,
 }
 
 impl Hello {
@@ -304,6 +354,7 @@ impl Hello {
             magic: MAGIC.into(),
             version: PROTOCOL_VERSION,
             lendvm_version: env!("CARGO_PKG_VERSION").into(),
+            lent_devices: 0,
         }
     }
 
@@ -331,6 +382,9 @@ pub struct VmState {
     pub doc: VmSnapshot,
     #[serde(default)]
     pub paused: bool,
+    /// The lent devices handed over (one per `doc.devices.lent` entry).
+    #[serde(default)]
+    pub handover: Vec<DeviceHandover>,
 }
 
 /// Why the destination refused (payload of `REFUSED`).
@@ -352,6 +406,9 @@ pub enum Frame {
         len: u64,
     },
     State(Box<VmState>),
+    Identity(Identity),
+    /// The source's guest RAM memfd came with it ([`read_frame_with_fd`]).
+    Memfd,
 }
 
 fn io_err(step: &'static str) -> impl Fn(io::Error) -> MigrationError {
@@ -410,6 +467,51 @@ pub fn write_memory(w: &mut impl Write, gpa: u64, data: &[u8]) -> Result<(), Mig
 pub fn read_frame(r: &mut impl Read, step: &'static str) -> Result<Frame, MigrationError> {
     let mut h = [0u8; HEADER_LEN];
     r.read_exact(&mut h).map_err(io_err(step))?;
+    frame_after(r, h, step)
+}
+
+/// Sends the `MEMFD` frame with `fd` attached (unix streams only: the same-host fast path).
+pub fn write_memfd(s: &mut Stream, fd: std::os::fd::RawFd) -> Result<(), MigrationError> {
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+    let step = "handing over the guest ram memfd";
+    let Stream::Unix(u) = s else {
+        return Err(MigrationError::LocalNeedsUnix);
+    };
+    let h = header(kind::MEMFD, 0);
+    let n = u.send_with_fd(&h[..], fd).map_err(|e| MigrationError::Io {
+        step,
+        source: io::Error::from_raw_os_error(e.errno()),
+    })?;
+    u.write_all(&h[n..]).map_err(io_err(step))
+}
+
+/// [`read_frame`], keeping an fd that came with the frame's header (unix streams).
+pub fn read_frame_with_fd(
+    s: &mut Stream,
+    step: &'static str,
+) -> Result<(Frame, Option<std::fs::File>), MigrationError> {
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+    let Stream::Unix(u) = s else {
+        return Ok((read_frame(s, step)?, None));
+    };
+    let mut h = [0u8; HEADER_LEN];
+    let (n, fd) = u.recv_with_fd(&mut h).map_err(|e| MigrationError::Io {
+        step,
+        source: io::Error::from_raw_os_error(e.errno()),
+    })?;
+    if n == 0 {
+        return Err(MigrationError::Closed { step });
+    }
+    u.read_exact(&mut h[n..]).map_err(io_err(step))?;
+    Ok((frame_after(u, h, step)?, fd))
+}
+
+/// The frame whose header is `h` (its payload is read from `r`).
+fn frame_after(
+    r: &mut impl Read,
+    h: [u8; HEADER_LEN],
+    step: &'static str,
+) -> Result<Frame, MigrationError> {
     let mut k = [0u8; 4];
     k.copy_from_slice(&h[0..4]);
     let kind = u32::from_le_bytes(k);
@@ -452,6 +554,8 @@ pub fn read_frame(r: &mut impl Read, step: &'static str) -> Result<Frame, Migrat
         kind::REFUSED => Frame::Refused(json("refusal", &body)?),
         kind::CONFIG => Frame::Config(json("config", &body)?),
         kind::STATE => Frame::State(Box::new(json("state", &body)?)),
+        kind::IDENTITY => Frame::Identity(json("identity", &body)?),
+        kind::MEMFD => Frame::Memfd,
         got => return Err(MigrationError::Unexpected { step, got }),
     })
 }
@@ -465,6 +569,8 @@ pub fn kind_of(f: &Frame) -> u32 {
         Frame::Config(_) => kind::CONFIG,
         Frame::Memory { .. } => kind::MEMORY,
         Frame::State(_) => kind::STATE,
+        Frame::Identity(_) => kind::IDENTITY,
+        Frame::Memfd => kind::MEMFD,
     }
 }
 
@@ -539,7 +645,21 @@ mod tests {
             ..Hello::current()
         };
         let e = h.check().unwrap_err().to_string();
-        assert!(e.contains("version 9") && e.contains("version 1"), "{e}");
+        assert!(
+            e.contains("version 9") && e.contains(&format!("version {PROTOCOL_VERSION}")),
+            "{e}"
+        );
+        // The destination's identity frame.
+        let mut buf = Vec::new();
+        let id = Identity {
+            node: Some("n2".into()),
+            vm: Some("vm2".into()),
+        };
+        write_json(&mut buf, kind::IDENTITY, "identity", &id).unwrap();
+        match read_frame(&mut &buf[..], "t").unwrap() {
+            Frame::Identity(got) => assert_eq!(got, id),
+            f => panic!("{f:?}"),
+        }
         // Oversized and unknown frames.
         let big = header(kind::MEMORY, 8 + MAX_RUN + 1);
         let e = read_frame(&mut &big[..], "t").unwrap_err();

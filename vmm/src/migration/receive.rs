@@ -1,5 +1,6 @@
 //! The destination side: listen, build an empty VM of the source's shape, take its RAM and
-//! state, acknowledge.
+//! state; the caller takes the lent devices over and then acknowledges ([`Reply::ack`]) or
+//! refuses ([`Reply::refuse`]): the source stops only on the acknowledgement.
 
 use std::os::unix::fs::FileExt;
 
@@ -19,6 +20,10 @@ pub struct Incoming {
 pub struct Received<V> {
     pub vm: V,
     pub doc: VmSnapshot,
+    /// The lent devices' hand-over tickets.
+    pub handover: Vec<protocol::DeviceHandover>,
+    /// The source waits on this for the verdict.
+    pub reply: Reply,
     /// The VM was paused on the source: leave it paused (vCPUs parked) until `vm.resume`.
     pub paused: bool,
     /// Guest RAM bytes received (pages sent more than once count each time).
@@ -31,6 +36,36 @@ pub trait MigrationTarget: Sized {
     fn ram(&self) -> &GuestRam;
     /// Puts the state document in (everything but RAM); the VM stays paused.
     fn restore(&self, doc: &VmSnapshot) -> Result<(), MigrationError>;
+    /// Readies the built VM before the source starts sending (while the guest still runs
+    /// there): pins guest RAM (or at least faults it in), so a lent device's Bus Master
+    /// Enable at the hand-over does not pin it during the downtime.
+    fn prepare(&self) {}
+}
+
+/// The stream back to the source, waiting for the destination's verdict. Dropped without
+/// one, the source sees the stream close: the migration failed.
+pub struct Reply {
+    stream: Stream,
+}
+
+impl Reply {
+    /// The destination has the VM and its devices: the source may stop.
+    pub fn ack(mut self) -> Result<(), MigrationError> {
+        protocol::write_empty(&mut self.stream, kind::ACK, "acknowledging the vm")
+    }
+
+    /// The destination cannot run the VM: the source keeps it (best effort, the source may
+    /// be gone).
+    pub fn refuse(mut self, reason: &str) {
+        let _ = protocol::write_json(
+            &mut self.stream,
+            kind::REFUSED,
+            "refusal",
+            &Refusal {
+                reason: reason.to_string(),
+            },
+        );
+    }
 }
 
 impl Incoming {
@@ -56,9 +91,11 @@ impl Incoming {
     /// Accepts one source and receives its VM. Anything wrong is answered with a refusal
     /// naming it (when the stream still works) and returned.
     /// `build` makes an empty VM of the announced shape (no kernel loaded).
+    /// `identity`: this VMM's fabric node and VM name (leases are moved to them).
     pub fn receive<V: MigrationTarget>(
         &self,
-        build: impl FnOnce(&MachineConfig) -> Result<V, MigrationError>,
+        identity: protocol::Identity,
+        build: impl FnOnce(&MachineConfig, Option<std::fs::File>) -> Result<V, MigrationError>,
     ) -> Result<Received<V>, MigrationError> {
         let mut stream = self.listener.accept()?;
         stream
@@ -67,8 +104,15 @@ impl Incoming {
                 step: "setting the stream timeout",
                 source,
             })?;
-        match receive_on(&mut stream, build) {
-            Ok(r) => Ok(r),
+        match receive_on(&mut stream, &identity, build) {
+            Ok((vm, doc, paused, bytes, handover)) => Ok(Received {
+                vm,
+                doc,
+                handover,
+                reply: Reply { stream },
+                paused,
+                bytes,
+            }),
             Err(e) => {
                 let reason = crate::control::error_chain(&e);
                 log::error!("incoming migration failed: {reason}");
@@ -92,27 +136,48 @@ fn unexpected(step: &'static str, f: &Frame) -> MigrationError {
     }
 }
 
+type Arrived<V> = (V, VmSnapshot, bool, u64, Vec<protocol::DeviceHandover>);
+
 fn receive_on<V: MigrationTarget>(
     stream: &mut Stream,
-    build: impl FnOnce(&MachineConfig) -> Result<V, MigrationError>,
-) -> Result<Received<V>, MigrationError> {
+    identity: &protocol::Identity,
+    build: impl FnOnce(&MachineConfig, Option<std::fs::File>) -> Result<V, MigrationError>,
+) -> Result<Arrived<V>, MigrationError> {
     let step = "waiting for the source's hello";
-    match protocol::read_frame(stream, step)? {
-        Frame::Hello(h) => h.check()?,
-        f => return Err(unexpected(step, &f)),
-    }
-    protocol::write_empty(stream, kind::ACK, "answering the hello")?;
-    let step = "waiting for the vm's shape";
-    let config = match protocol::read_frame(stream, step)? {
-        Frame::Config(c) => c,
+    let lent_devices = match protocol::read_frame(stream, step)? {
+        Frame::Hello(h) => {
+            h.check()?;
+            h.lent_devices
+        }
         f => return Err(unexpected(step, &f)),
     };
+    protocol::write_empty(stream, kind::ACK, "answering the hello")?;
+    protocol::write_json(stream, kind::IDENTITY, "identity", identity)?;
+    let step = "waiting for the vm's shape";
+    let (config, memfd) = match protocol::read_frame_with_fd(stream, step)? {
+        (Frame::Memfd, fd) => {
+            let fd = fd.ok_or(MigrationError::NoMemfd)?;
+            match protocol::read_frame(stream, step)? {
+                Frame::Config(c) => (c, Some(fd)),
+                f => return Err(unexpected(step, &f)),
+            }
+        }
+        (Frame::Config(c), _) => (c, None),
+        (f, _) => return Err(unexpected(step, &f)),
+    };
+    if memfd.is_some() {
+        log::info!("same-host migration: guest ram shared through its memfd, not copied");
+    }
     log::info!(
         "incoming vm: {} vCPUs, {:#x} bytes of RAM",
         config.cpus,
         config.memory_size
     );
-    let vm = build(&config)?;
+    let vm = build(&config, memfd)?;
+    if lent_devices > 0 {
+        vm.prepare();
+    }
+    protocol::write_empty(stream, kind::ACK, "saying the vm is built")?;
     let mut buf = vec![0u8; MAX_RUN as usize];
     let mut bytes = 0u64;
     let step = "receiving guest memory and state";
@@ -137,21 +202,28 @@ fn receive_on<V: MigrationTarget>(
             f => return Err(unexpected(step, &f)),
         }
     };
-    let protocol::VmState { doc, paused } = *state;
+    let protocol::VmState {
+        doc,
+        paused,
+        handover,
+    } = *state;
     if doc.config.cpus != config.cpus || doc.config.memory_size != config.memory_size {
         return Err(MigrationError::Mismatch(format!(
             "announced {} vCPUs and {:#x} bytes, the state says {} and {:#x}",
             config.cpus, config.memory_size, doc.config.cpus, doc.config.memory_size
         )));
     }
+    if let Some(h) = handover
+        .iter()
+        .find(|h| !doc.devices.lent.iter().any(|d| d.id == h.id))
+    {
+        return Err(MigrationError::Mismatch(format!(
+            "a hand-over for device {}, which the state does not have",
+            h.id
+        )));
+    }
     vm.restore(&doc)?;
-    protocol::write_empty(stream, kind::ACK, "acknowledging the vm")?;
-    Ok(Received {
-        vm,
-        doc,
-        paused,
-        bytes,
-    })
+    Ok((vm, doc, paused, bytes, handover))
 }
 
 impl MigrationTarget for crate::Vm {
@@ -162,5 +234,9 @@ impl MigrationTarget for crate::Vm {
     fn restore(&self, doc: &VmSnapshot) -> Result<(), MigrationError> {
         self.restore_migrated(doc)
             .map_err(|e| MigrationError::Build(Box::new(e)))
+    }
+
+    fn prepare(&self) {
+        self.prepin_ram();
     }
 }

@@ -130,6 +130,10 @@ pub fn dirty_runs(bitmap: &[u64]) -> Vec<(u64, u64)> {
 pub struct Sender {
     stream: Stream,
     src: SnapshotSource,
+    /// The destination's fabric identity (leases move to it).
+    pub identity: protocol::Identity,
+    /// Same-host fast path: the destination maps our guest RAM memfd; nothing is copied.
+    pub local: bool,
     buf: Vec<u8>,
     /// Bytes of guest RAM sent so far.
     pub bytes: u64,
@@ -138,7 +142,18 @@ pub struct Sender {
 impl Sender {
     /// Connects to `url`, checks the destination speaks this protocol and sends the VM's
     /// shape (the destination builds an empty VM of it).
-    pub fn connect(url: &MigrationUrl, src: SnapshotSource) -> Result<Self, MigrationError> {
+    /// `local`: the same-host fast path (unix urls only): the guest RAM memfd goes to the
+    /// destination over SCM_RIGHTS instead of the pages. `lent_devices`: how many lent
+    /// devices will be handed over (the destination faults its RAM in for them first).
+    pub fn connect(
+        url: &MigrationUrl,
+        src: SnapshotSource,
+        local: bool,
+        lent_devices: u32,
+    ) -> Result<Self, MigrationError> {
+        if local && !matches!(url, MigrationUrl::Unix(_)) {
+            return Err(MigrationError::LocalNeedsUnix);
+        }
         let mut stream = protocol::connect(url)?;
         stream
             .set_timeout(Some(IO_TIMEOUT))
@@ -146,12 +161,34 @@ impl Sender {
                 step: "setting the stream timeout",
                 source,
             })?;
-        protocol::write_json(&mut stream, kind::HELLO, "hello", &Hello::current())?;
+        let hello = Hello {
+            lent_devices,
+            ..Hello::current()
+        };
+        protocol::write_json(&mut stream, kind::HELLO, "hello", &hello)?;
         protocol::read_answer(&mut stream, "waiting for the destination's hello")?;
+        let step = "waiting for the destination's identity";
+        let identity = match protocol::read_frame(&mut stream, step)? {
+            protocol::Frame::Identity(i) => i,
+            protocol::Frame::Refused(why) => return Err(MigrationError::Refused(why.reason)),
+            f => {
+                return Err(MigrationError::Unexpected {
+                    step,
+                    got: protocol::kind_of(&f),
+                })
+            }
+        };
+        if local {
+            use std::os::fd::AsRawFd;
+            protocol::write_memfd(&mut stream, src.ram.memfd().as_raw_fd())?;
+        }
         protocol::write_json(&mut stream, kind::CONFIG, "config", &src.config)?;
+        protocol::read_answer(&mut stream, "waiting for the destination to build the vm")?;
         Ok(Self {
             stream,
             src,
+            identity,
+            local,
             buf: vec![0u8; MAX_RUN as usize],
             bytes: 0,
         })
@@ -236,17 +273,74 @@ impl Sender {
         lent: Vec<LentDevice>,
         paused: bool,
     ) -> Result<u64, MigrationError> {
-        let doc = protocol::VmState {
-            doc: self.src.save_state(lent)?,
-            paused,
-        };
+        let doc = self.save_state(lent)?;
         let pages = self.send_dirty(&log.take()?)?;
+        self.send_state(protocol::VmState {
+            doc,
+            paused,
+            handover: Vec::new(),
+        })?;
+        Ok(pages)
+    }
+
+    /// Reads the vCPU and device state (VM paused).
+    pub fn save_state(
+        &self,
+        lent: Vec<LentDevice>,
+    ) -> Result<crate::snapshot::format::VmSnapshot, MigrationError> {
+        Ok(self.src.save_state(lent)?)
+    }
+
+    /// Sends the state document and waits for the destination to acknowledge that it
+    /// restored the VM (and took its lent devices over).
+    pub fn send_state(&mut self, doc: protocol::VmState) -> Result<(), MigrationError> {
         if let Err(e) = protocol::write_json(&mut self.stream, kind::STATE, "state", &doc) {
             return Err(self.explain(e));
         }
-        protocol::read_answer(&mut self.stream, "waiting for the destination to restore")?;
-        Ok(pages)
+        protocol::read_answer(&mut self.stream, "waiting for the destination to restore")
     }
+
+    /// Guest RAM (for merging a device's dirty pages).
+    pub fn ram(&self) -> &GuestRam {
+        &self.src.ram
+    }
+}
+
+/// Sets in `dirty` (one bitmap per RAM region, as [`DirtyLog::take`]) the pages of guest
+/// RAM a lent device wrote (IOVA = GPA); returns how many were set. Pages outside guest RAM
+/// (none are mapped) are ignored.
+pub fn merge_device_dirty(
+    regions: &[crate::memory::RamRegion],
+    dirty: &mut [Vec<u64>],
+    d: &remote_pci::DeviceDirtyPages,
+) -> u64 {
+    let mut n = 0;
+    for (w, &word) in d.bits.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            let b = u64::from(bits.trailing_zeros());
+            bits &= bits - 1;
+            let i = w as u64 * 64 + b;
+            if i >= d.pages {
+                break;
+            }
+            let gpa = d.iova + i * PAGE_SIZE;
+            for (r, map) in regions.iter().zip(dirty.iter_mut()) {
+                if gpa >= r.gpa && gpa < r.gpa + r.size {
+                    let page = (gpa - r.gpa) / PAGE_SIZE;
+                    let (word, bit) = ((page / 64) as usize, page % 64);
+                    if map.len() <= word {
+                        map.resize(word + 1, 0);
+                    }
+                    if map[word] & (1 << bit) == 0 {
+                        map[word] |= 1 << bit;
+                        n += 1;
+                    }
+                }
+            }
+        }
+    }
+    n
 }
 
 #[cfg(test)]
@@ -266,5 +360,40 @@ mod tests {
         assert_eq!(runs[0], (0, per));
         assert_eq!(runs[1], (per, per));
         assert_eq!(runs.iter().map(|r| r.1).sum::<u64>(), words as u64 * 64);
+    }
+
+    #[test]
+    fn device_dirty_pages_land_in_their_region_bitmap() {
+        use crate::memory::RamRegion;
+        let ram = [
+            RamRegion {
+                gpa: 0,
+                size: 8 * PAGE_SIZE,
+                file_offset: 0,
+            },
+            RamRegion {
+                gpa: 0x1_0000_0000,
+                size: 4 * PAGE_SIZE,
+                file_offset: 8 * PAGE_SIZE,
+            },
+        ];
+        let mut dirty = vec![vec![0u64; 1], vec![0u64; 1]];
+        dirty[0][0] = 1 << 3;
+        // Pages 2 and 3 of region 0 (3 already set), page 1 of region 1, one page past RAM.
+        let d = remote_pci::DeviceDirtyPages {
+            iova: 2 * PAGE_SIZE,
+            pages: 3,
+            bits: vec![0b011],
+            whole_window: false,
+        };
+        assert_eq!(merge_device_dirty(&ram, &mut dirty, &d), 1);
+        let d = remote_pci::DeviceDirtyPages {
+            iova: 0x1_0000_0000,
+            pages: 8,
+            bits: vec![0b0001_0010],
+            whole_window: false,
+        };
+        assert_eq!(merge_device_dirty(&ram, &mut dirty, &d), 1);
+        assert_eq!(dirty, vec![vec![0b1100], vec![0b10]]);
     }
 }
