@@ -68,7 +68,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use api::client::ApiClient;
-use api::types::VmAddRemoteDeviceData;
+use api::types::{VmAddRemoteDeviceData, VmReceiveMigrationData, VmSendMigrationData};
 use lending::protocol::DeviceState;
 use lending::testing::Lenderd;
 use lendvm_tests::capture::ProcessOutput;
@@ -372,6 +372,25 @@ impl Guest {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        Self::spawn(name, cmd)
+    }
+
+    /// A lendvm with no guest of its own yet, for a live migration to arrive into (`extra`:
+    /// its name and API socket); the console it continues is its stdout, as the source's.
+    fn start_destination(name: &'static str, lender: &Lender, extra: &[&str]) -> Guest {
+        let mut cmd = Command::new(binary("lendvm"));
+        cmd.arg("--cluster")
+            .arg(&lender.cluster)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .env_remove("LENDVM_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        Self::spawn(name, cmd)
+    }
+
+    fn spawn(name: &'static str, mut cmd: Command) -> Guest {
         let mut child = cmd.spawn().unwrap();
         let out = ProcessOutput::capture(&mut child);
         Guest {
@@ -921,7 +940,6 @@ const FIO_HDR_MAGIC: u16 = 0xacca;
 #[test]
 #[ignore = "needs the guest kernel and initramfs: scripts/test-linux.sh"]
 fn linux_fio_verify_on_a_lent_disk() {
-    use lendvm_tests::fio::{parse_runs, Dir};
     kernel();
     let initrd = initramfs();
     let parts = [Part {
@@ -982,7 +1000,175 @@ fn linux_fio_verify_on_a_lent_disk() {
         diag()
     );
     assert_eq!(num("published"), 1, "{p2pmem}");
-    let runs = parse_runs(&guest.out.lines()).unwrap_or_else(|e| panic!("{e}\n{}", diag()));
+    let lines = guest.out.lines();
+    let (w, r) = check_fio_verify_run(&lines, &lender, &diag);
+    assert_mbr_intact(&lender.disk, &parts);
+    lender.expect_available();
+    println!(
+        "linux_fio_verify_on_a_lent_disk: fio started after {:.1} s wall, ran {:.1} s \
+         ({:.0} write IOPS, {:.0} verify-read IOPS in the guest), lendvm exit 0 after {:.1} s",
+        run_wall.as_secs_f64(),
+        (ran_wall.saturating_sub(run_wall)).as_secs_f64(),
+        w.iops,
+        r.iops,
+        exit_wall.as_secs_f64()
+    );
+}
+
+/// Polls `f` every 50 ms until it holds (true) or `deadline` passes (false).
+fn poll_until(deadline: Instant, mut f: impl FnMut() -> bool) -> bool {
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether fio's verify job has written a block into the lender's file yet (each starts with
+/// fio's header magic; the region is zero before).
+fn fio_has_written(disk: &Path) -> bool {
+    let data = std::fs::read(disk).unwrap();
+    (0..FIO_VERIFY_BYTES / FIO_VERIFY_BS).any(|b| {
+        let off = (FIO_VERIFY_OFFSET + b * FIO_VERIFY_BS) as usize;
+        u16::from_le_bytes([data[off], data[off + 1]]) == FIO_HDR_MAGIC
+    })
+}
+
+/// Live migration of a Linux guest in the middle of fio's verify job on its lent NVMe, to a
+/// second lendvm on the same host (unix socket, RAM copied with KVM's and the lender's dirty
+/// logs). The device stays on its lender, is never reset, and is handed to the destination;
+/// fio, started on the source, finishes on the destination with every block verified.
+#[test]
+#[ignore = "needs the guest kernel and initramfs: scripts/test-linux.sh"]
+fn linux_fio_verify_survives_a_live_migration() {
+    kernel();
+    let initrd = initramfs();
+    let parts = [Part {
+        start: 2048,
+        sectors: (DISK_SIZE / SECTOR) as u32 - 2048,
+    }];
+    let lender = Lender::start(&parts);
+    let cmd = cmdline(
+        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_fio=verify@nvme0n1",
+    );
+    let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
+    let src_sock = lender.file("src.sock");
+    let dst_sock = lender.file("dst.sock");
+    let mig = format!("unix:{}", lender.file("mig.sock").display());
+    let mut src = Guest::start(
+        "linux_fio_verify_survives_a_live_migration-source",
+        &lender,
+        &cmd,
+        &[
+            "--name",
+            "linux-mig-src",
+            "--remote-device",
+            &dev,
+            "--initramfs",
+            initrd.to_str().unwrap(),
+            "--api-socket",
+            src_sock.to_str().unwrap(),
+        ],
+    );
+    let deadline = src.out.started() + BOOT_TIMEOUT + FIO_VERIFY_TIME;
+    src.expect_line(&lender, "LENDVM-FIO run i=1 ", deadline);
+    // Migrate once fio's writes are reaching the device: I/O is in flight.
+    let writing = poll_until(deadline, || fio_has_written(&lender.disk));
+    assert!(
+        writing,
+        "fio never wrote a block on the source\n{}",
+        src.diag(&lender)
+    );
+    assert!(
+        src.line("LENDVM-FIO ran i=1 ").is_none(),
+        "fio ended before the migration could start\n{}",
+        src.diag(&lender)
+    );
+    let mut dst = Guest::start_destination(
+        "linux_fio_verify_survives_a_live_migration-destination",
+        &lender,
+        &[
+            "--name",
+            "linux-mig-dst",
+            "--api-socket",
+            dst_sock.to_str().unwrap(),
+        ],
+    );
+    let dst_api = ApiClient::new(&dst_sock, Duration::from_secs(60));
+    let up = poll_until(Instant::now() + Duration::from_secs(30), || {
+        dst_api.ping().is_ok()
+    });
+    assert!(up, "destination API never answered\n{}", dst.diag(&lender));
+    dst_api
+        .receive_migration(&VmReceiveMigrationData {
+            receiver_url: mig.clone(),
+        })
+        .unwrap_or_else(|e| panic!("vm.receive-migration: {e}\n{}", dst.diag(&lender)));
+    let t_mig = Instant::now();
+    ApiClient::new(&src_sock, Duration::from_secs(300))
+        .send_migration(&VmSendMigrationData {
+            destination_url: mig,
+            local: false,
+        })
+        .unwrap_or_else(|e| {
+            panic!(
+                "vm.send-migration: {e}\n--- source\n{}--- destination\n{}",
+                src.diag(&lender),
+                dst.diag(&lender)
+            )
+        });
+    let mig_wall = t_mig.elapsed();
+    src.expect_exit_0(&lender, deadline);
+    lender.expect_lent_to("linux-mig-dst");
+    let (_, done) = dst.expect_line(&lender, "LENDVM-FIO done ", deadline);
+    dst.expect_exit_0(&lender, deadline);
+    let diag = || {
+        format!(
+            "--- source\n{}--- destination\n{}",
+            src.diag(&lender),
+            dst.diag(&lender)
+        )
+    };
+    assert_eq!(
+        (field(&done, "runs"), field(&done, "failed")),
+        (Some("1"), Some("0")),
+        "{done}\n{}",
+        diag()
+    );
+    // fio started on the source and finished on the destination: no reboot, no reset.
+    assert!(
+        dst.line("Linux version ").is_none() && dst.line("LENDVM-FIO run i=1 ").is_none(),
+        "the guest started again on the destination\n{}",
+        diag()
+    );
+    let mut lines = src.out.lines();
+    lines.extend(dst.out.lines());
+    let (w, r) = check_fio_verify_run(&lines, &lender, &diag);
+    assert_mbr_intact(&lender.disk, &parts);
+    lender.expect_available();
+    println!(
+        "linux_fio_verify_survives_a_live_migration: migrated in {:.2} s mid-fio \
+         ({:.0} write IOPS, {:.0} verify-read IOPS in the guest over the whole run)",
+        mig_wall.as_secs_f64(),
+        w.iops,
+        r.iops
+    );
+}
+
+/// The one fio verify run in `lines` (the console): exit 0, no error, every block written and
+/// read back once, and each block in the lender's file carrying fio's header for itself.
+/// Returns the write and read statistics.
+fn check_fio_verify_run(
+    lines: &[String],
+    lender: &Lender,
+    diag: &dyn Fn() -> String,
+) -> (lendvm_tests::fio::DirStats, lendvm_tests::fio::DirStats) {
+    use lendvm_tests::fio::{parse_runs, Dir};
+    let runs = parse_runs(lines).unwrap_or_else(|e| panic!("{e}\n{}", diag()));
     assert_eq!(runs.len(), 1, "{runs:?}");
     let run = &runs[0];
     assert_eq!((run.job.as_str(), run.disk.as_str()), ("verify", "nvme0n1"));
@@ -1022,17 +1208,7 @@ fn linux_fio_verify_on_a_lent_disk() {
             "lender's backing file block at {off:#x} has no fio verify header for itself"
         );
     }
-    assert_mbr_intact(&lender.disk, &parts);
-    lender.expect_available();
-    println!(
-        "linux_fio_verify_on_a_lent_disk: fio started after {:.1} s wall, ran {:.1} s \
-         ({:.0} write IOPS, {:.0} verify-read IOPS in the guest), lendvm exit 0 after {:.1} s",
-        run_wall.as_secs_f64(),
-        (ran_wall.saturating_sub(run_wall)).as_secs_f64(),
-        w.iops,
-        r.iops,
-        exit_wall.as_secs_f64()
-    );
+    (w, r)
 }
 
 /// The lender-crash writer of `tests/linux/initramfs/init` (`lendvm_crash=`): 4 KiB blocks,
