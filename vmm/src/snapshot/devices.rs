@@ -10,8 +10,8 @@
 //!
 //! Restore order on a freshly borrowed and reset device: BARs (verified to decode where the
 //! guest placed them), Command with Memory Space only (so the MSI-X table decodes), MSI-X
-//! table entries, MSI-X control, Interrupt Line, then the saved Command (Bus Master Enable
-//! pins and maps guest RAM again).
+//! table entries, MSI-X control, the MSI capability (message, mask, then control), Interrupt
+//! Line, then the saved Command (Bus Master Enable pins and maps guest RAM again).
 
 use pci::Bus;
 use serde::{Deserialize, Serialize};
@@ -20,6 +20,10 @@ use super::SnapshotError;
 use crate::layout::PCI_ECAM_START;
 
 const PCI_CAP_ID_MSIX: u8 = 0x11;
+const PCI_CAP_ID_MSI: u8 = 0x05;
+/// MSI Message Control: 64-bit address, per-vector masking.
+const MSI_CTL_64_BIT: u16 = 1 << 7;
+const MSI_CTL_PER_VECTOR_MASK: u16 = 1 << 8;
 const CMD_MEMORY: u32 = 1 << 1;
 /// Registers of the type 0 header.
 const REG_ID: usize = 0;
@@ -106,18 +110,45 @@ fn bar(config: &[u32], i: usize) -> (u64, bool) {
 
 /// Offset of the MSI-X capability in `config`.
 fn msix_cap(config: &[u32]) -> Option<usize> {
+    find_cap(config, PCI_CAP_ID_MSIX)
+}
+
+/// Offset of the first capability with `id` in `config`'s list (a loop or a pointer out of
+/// the device-specific area ends the walk).
+fn find_cap(config: &[u32], id: u8) -> Option<usize> {
     let byte = |off: usize| (config[off / 4] >> ((off % 4) * 8)) as u8;
     let mut off = usize::from(byte(REG_CAP_PTR * 4)) & !3;
     for _ in 0..48 {
         if !(0x40..CONFIG_DWORDS * 4).contains(&off) {
             return None;
         }
-        if byte(off) == PCI_CAP_ID_MSIX {
+        if byte(off) == id {
             return Some(off);
         }
         off = usize::from(byte(off + 1)) & !3;
     }
     None
+}
+
+/// The config writes that program the MSI capability at `cap` as `config` has it, in the
+/// order a driver uses: message address (low, then high if 64-bit), data, the per-vector
+/// mask if there is one, and Message Control (enable, vectors enabled) last, so the device
+/// builds its routes from the complete message. (byte offset, bytes) each.
+fn msi_writes(config: &[u32], cap: usize) -> Vec<(usize, Vec<u8>)> {
+    let dw = |off: usize| config[off / 4];
+    let control = (dw(cap) >> 16) as u16;
+    let is64 = control & MSI_CTL_64_BIT != 0;
+    let data = if is64 { cap + 12 } else { cap + 8 };
+    let mut w = vec![(cap + 4, dw(cap + 4).to_le_bytes().to_vec())];
+    if is64 {
+        w.push((cap + 8, dw(cap + 8).to_le_bytes().to_vec()));
+    }
+    w.push((data, (dw(data) as u16).to_le_bytes().to_vec()));
+    if control & MSI_CTL_PER_VECTOR_MASK != 0 {
+        w.push((data + 4, dw(data + 4).to_le_bytes().to_vec()));
+    }
+    w.push((cap + 2, control.to_le_bytes().to_vec()));
+    w
 }
 
 /// Where the MSI-X table of `config` is: (address, entries).
@@ -261,6 +292,19 @@ pub fn replay_lent(bus: &Bus, saved: &LentDevice) -> Result<(), SnapshotError> {
         // Message Control is the upper half of the capability's first dword.
         write(bus, ecam(slot, cap / 4) + 2, &m.control.to_le_bytes())?;
     }
+    // Plain MSI lives in config space, which is saved whole: its message and control go back
+    // through the device's config path like the guest's own writes (routes and irqfds).
+    let msi = find_cap(&saved.config, PCI_CAP_ID_MSI);
+    if let Some(cap) = msi {
+        if find_cap(&now, PCI_CAP_ID_MSI) != Some(cap) {
+            return Err(SnapshotError::Mismatch(format!(
+                "{id}: the MSI capability is not at {cap:#x} any more"
+            )));
+        }
+        for (off, bytes) in msi_writes(&saved.config, cap) {
+            write(bus, ecam(slot, off / 4) + (off % 4) as u64, &bytes)?;
+        }
+    }
     write(
         bus,
         ecam(slot, REG_INTERRUPT),
@@ -280,6 +324,9 @@ pub fn replay_lent(bus: &Bus, saved: &LentDevice) -> Result<(), SnapshotError> {
                 m.control
             ),
             None => String::new(),
+        } + &match msi {
+            Some(cap) => format!(", MSI control {:#06x}", saved.config[cap / 4] >> 16),
+            None => String::new(),
         }
     );
     Ok(())
@@ -288,6 +335,7 @@ pub fn replay_lent(bus: &Bus, saved: &LentDevice) -> Result<(), SnapshotError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::{Arc, Mutex};
 
     /// A type 0 header: 64-bit BAR0 at 0x1_0000_0000, 32-bit BAR2 at 0xc000_0000, an
     /// MSI-X capability at 0x50 (after a PM capability at 0x40) with 17 vectors, table at
@@ -314,6 +362,98 @@ mod tests {
         let mut io = c.clone();
         io[REG_BAR0 + 3] = 0xc001;
         assert_eq!(bar(&io, 3), (0, false), "I/O BARs are not memory addresses");
+    }
+
+    /// Config space of slot 1 as plain memory on an ECAM range of a bus, recording writes.
+    struct FakeConfig {
+        bytes: Vec<u8>,
+        writes: Vec<(usize, usize)>,
+    }
+
+    impl pci::BusDevice for FakeConfig {
+        fn read(&mut self, _base: u64, offset: u64, data: &mut [u8]) {
+            let o = offset as usize;
+            data.copy_from_slice(&self.bytes[o..o + data.len()]);
+        }
+        fn write(&mut self, _base: u64, offset: u64, data: &[u8]) {
+            let o = offset as usize;
+            self.bytes[o..o + data.len()].copy_from_slice(data);
+            self.writes.push((o, data.len()));
+        }
+    }
+
+    /// A plain-MSI device is restored with its message and control: the capability's
+    /// registers written back through config space, Message Control after the message.
+    #[test]
+    fn replay_restores_plain_msi_message_and_control() {
+        let mut saved = vec![0u32; CONFIG_DWORDS];
+        saved[REG_ID] = 0x0010_1b36;
+        saved[REG_COMMAND] = 0x0006; // memory + bus master
+        saved[REG_CAP_PTR] = 0x40;
+        saved[0x40 / 4] = 0x0003_6001; // PM, next 0x60
+                                       // MSI: enabled, 2 vectors enabled (MME 1) of 4, 64-bit, per-vector mask.
+        saved[0x60 / 4] = 0x0000_0005 | (0x0193 << 16);
+        saved[0x64 / 4] = 0xfee0_1000;
+        saved[0x68 / 4] = 0;
+        saved[0x6c / 4] = 0x0000_4041;
+        saved[0x70 / 4] = 0x2;
+        saved[REG_INTERRUPT] = 0x010b;
+        assert_eq!(find_cap(&saved, PCI_CAP_ID_MSI), Some(0x60));
+        assert_eq!(
+            msi_writes(&saved, 0x60)
+                .iter()
+                .map(|(o, b)| (*o, b.len()))
+                .collect::<Vec<_>>(),
+            vec![(0x64, 4), (0x68, 4), (0x6c, 2), (0x70, 4), (0x62, 2)]
+        );
+        // The freshly borrowed, reset device: same capability list, MSI off and empty.
+        let mut fresh = saved.clone();
+        fresh[REG_COMMAND] = 0;
+        fresh[0x60 / 4] = 0x0000_0005 | (0x0184 << 16);
+        for r in [0x64, 0x68, 0x6c, 0x70] {
+            fresh[r / 4] = 0;
+        }
+        let dev = Arc::new(Mutex::new(FakeConfig {
+            bytes: fresh.iter().flat_map(|d| d.to_le_bytes()).collect(),
+            writes: Vec::new(),
+        }));
+        let bus = Bus::new();
+        bus.insert(dev.clone(), ecam(1, 0), 4 * CONFIG_DWORDS as u64)
+            .unwrap();
+        let lent = LentDevice {
+            id: "disk0".into(),
+            device: "node1:0000:82:00.0".into(),
+            mode: api::types::RemoteDeviceMode::Direct,
+            slot: 1,
+            config: saved.clone(),
+            msix: None,
+        };
+        replay_lent(&bus, &lent).unwrap();
+        let d = dev.lock().unwrap();
+        let now: Vec<u32> = d
+            .bytes
+            .chunks(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(&now[0x60 / 4..0x74 / 4], &saved[0x60 / 4..0x74 / 4]);
+        assert_eq!(now[REG_COMMAND] & 0xffff, 0x0006);
+        let control_at = d.writes.iter().position(|w| *w == (0x62, 2)).unwrap();
+        let data_at = d.writes.iter().position(|w| *w == (0x6c, 2)).unwrap();
+        assert!(
+            data_at < control_at,
+            "control before the message: {:?}",
+            d.writes
+        );
+        // Bus Master comes last, after every interrupt register.
+        assert_eq!(d.writes.last(), Some(&(4 * REG_COMMAND, 2)));
+
+        // A device whose MSI capability moved is not the saved one.
+        drop(d);
+        let mut other = fresh.clone();
+        other[0x40 / 4] = 0x0003_0001;
+        dev.lock().unwrap().bytes = other.iter().flat_map(|d| d.to_le_bytes()).collect();
+        let e = replay_lent(&bus, &lent).unwrap_err().to_string();
+        assert!(e.contains("MSI capability"), "{e}");
     }
 
     #[test]
