@@ -12,28 +12,24 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use emulated::dmatest::{
-    BUF_OFFSET, BUF_SIZE, CMD_SRC_BUF, CMD_START, REG_CMD, REG_DST, REG_FAULTS, REG_LEN, REG_SRC,
-    REG_STATUS, STATUS_DONE, STATUS_ERROR,
-};
+use emulated::dmatest::{BUF_OFFSET, BUF_SIZE, CMD_SRC_BUF, REG_CMD};
 use emulated::NotifyMode;
 use lending::backend::emulated::EmulatedBackend;
-use lending::client::{ClientError, Lease};
+use lending::client::ClientError;
 use lending::inventory::Inventory;
 use lending::iommu::IommuDomain;
 use lending::protocol::{code, opcode, P2pMap, Request};
 use lending::server::{BackgroundLender, Lender};
 use lending::LenderClient;
-use ntb::{ClusterConfig, ExportedWindow, Fabric, Message, PeerWindow, SharedMemory, SocketFabric};
+use ntb::{ClusterConfig, Fabric, Message, SocketFabric};
+
+mod p2p_common;
+use p2p_common::*;
 
 const TOKEN: &str = "p2p-cluster-token";
 const DEV_A: &str = "0000:00:0a.0";
 const DEV_B: &str = "0000:00:0b.0";
 const DEV_C: &str = "0000:00:0c.0";
-const PAGE: u64 = 0x1000;
-/// Guest RAM: 16 pages at GPA 1 MiB.
-const RAM_GPA: u64 = 0x10_0000;
-const RAM_SIZE: u64 = 16 * PAGE;
 /// Where the borrower placed the target's BAR0.
 const BAR_GPA: u64 = 0xc000_0000;
 /// Where it moves it to.
@@ -99,65 +95,10 @@ fn client(s: &Setup, node: &str) -> LenderClient {
     LenderClient::connect(&s.cfg, node, "lender", TOKEN, "p2p-test").unwrap()
 }
 
-/// Guest RAM exported over `c` and mapped for `lease` at IOVA = GPA.
-struct Ram {
-    mem: SharedMemory,
-    _win: ExportedWindow,
-}
-
-fn ram_for(c: &LenderClient, lease: &Lease) -> Ram {
-    let mem = SharedMemory::new("p2p-guest-ram", RAM_SIZE).unwrap();
-    let win = c
-        .endpoint()
-        .export_window(mem.fd(), 0, RAM_SIZE, &format!("ram-{}", lease.id()))
-        .unwrap();
-    lease.map_dma(RAM_GPA, RAM_SIZE, win.id()).unwrap();
-    Ram { mem, _win: win }
-}
-
-fn w32(l: &Lease, off: u64, v: u32) {
-    l.bar_write(0, off, &v.to_le_bytes()).unwrap();
-}
-
-fn w64(l: &Lease, off: u64, v: u64) {
-    l.bar_write(0, off, &v.to_le_bytes()).unwrap();
-}
-
-fn r32(l: &Lease, off: u64) -> u32 {
-    u32::from_le_bytes(l.bar_read(0, off, 4).unwrap().try_into().unwrap())
-}
-
-/// Runs one copy on `l`'s dmatest and returns (error?, FAULTS register).
-fn copy(l: &Lease, cmd: u32, src: u64, dst: u64, len: u32) -> (bool, u32) {
-    // No CMD_ACK needed: START sets STATUS anew.
-    let done_before = r32(l, 0x28);
-    w64(l, REG_SRC, src);
-    w64(l, REG_DST, dst);
-    w32(l, REG_LEN, len);
-    w32(l, REG_CMD, CMD_START | cmd);
-    let t0 = Instant::now();
-    while r32(l, 0x28) == done_before {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "copy never completed"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let st = r32(l, REG_STATUS);
-    assert_ne!(st & (STATUS_DONE | STATUS_ERROR), 0, "status {st:#x}");
-    (st & STATUS_ERROR != 0, r32(l, REG_FAULTS))
-}
-
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
-}
-
-fn read_win(w: &dyn PeerWindow, off: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0; len];
-    w.read_at(off, &mut v).unwrap();
-    v
 }
 
 fn code_of(e: &ClientError) -> Option<u32> {

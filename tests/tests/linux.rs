@@ -353,45 +353,39 @@ fn cmdline(extra: &str) -> String {
 impl Guest {
     fn start(name: &'static str, lender: &Lender, cmdline: &str, extra: &[&str]) -> Guest {
         let kernel = kernel();
-        let mut cmd = Command::new(binary("lendvm"));
-        cmd.arg("--kernel")
-            .arg(&kernel)
-            .args([
-                "--memory",
-                MEMORY,
-                "--serial",
-                "stdout",
-                "--cmdline",
-                cmdline,
-            ])
-            .arg("--cluster")
-            .arg(&lender.cluster)
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .env_remove("LENDVM_TOKEN")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        Self::spawn(name, cmd)
+        let mut args = vec![
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--memory",
+            MEMORY,
+            "--serial",
+            "stdout",
+            "--cmdline",
+            cmdline,
+        ];
+        args.extend_from_slice(extra);
+        Self::spawn(name, lender, &args)
     }
 
     /// A lendvm with no guest of its own yet, for a live migration to arrive into (`extra`:
     /// its name and API socket); the console it continues is its stdout, as the source's.
     fn start_destination(name: &'static str, lender: &Lender, extra: &[&str]) -> Guest {
-        let mut cmd = Command::new(binary("lendvm"));
-        cmd.arg("--cluster")
+        Self::spawn(name, lender, extra)
+    }
+
+    /// lendvm on the lenders' cluster file with `args`, console and stderr captured.
+    fn spawn(name: &'static str, lender: &Lender, args: &[&str]) -> Guest {
+        let mut child = Command::new(binary("lendvm"))
+            .args(args)
+            .arg("--cluster")
             .arg(&lender.cluster)
-            .args(extra)
             .env("RUST_LOG", "info")
             .env_remove("LENDVM_TOKEN")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        Self::spawn(name, cmd)
-    }
-
-    fn spawn(name: &'static str, mut cmd: Command) -> Guest {
-        let mut child = cmd.spawn().unwrap();
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
         let out = ProcessOutput::capture(&mut child);
         Guest {
             name,
