@@ -110,17 +110,15 @@ struct Setup {
     mailbox: u64,
 }
 
-fn setup() -> Setup {
-    let cluster = Cluster::new(Fabric::Shm);
-    let disk = cluster.file("disk.img");
-    let lender =
-        cluster.start_lenderd(&[format!("{NVME_BDF}=nvme:path={},size=4M", disk.display())]);
+/// The source VM `vm-src` (64 MiB, the `nvme-loop` guest on the lender's NVMe, API socket
+/// `src.sock`, events in `src-events.jsonl`).
+fn start_source(cluster: &Cluster) -> Vm {
     let c = cluster.path.display().to_string();
     let sock = cluster.file("src.sock").display().to_string();
     let ev = format!("path={}", cluster.file("src-events.jsonl").display());
     let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
     let line = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=20");
-    let src = Vm::start_with_log(
+    Vm::start_with_log(
         "64M",
         &[
             "--cluster",
@@ -137,11 +135,26 @@ fn setup() -> Setup {
             &line,
         ],
         "info",
-    );
+    )
+}
+
+/// Waits until the source's API answers and its guest has verified 3 rounds; returns the
+/// guest's mailbox address.
+fn source_running(src: &Vm) -> u64 {
     src.wait_api();
     let mailbox = src.expect_line("MAILBOX ", T);
     let mailbox = u64::from_str_radix(mailbox.trim_start_matches("MAILBOX 0x").trim(), 16).unwrap();
     wait_rounds(|| src.stdout(), 3, "on the source");
+    mailbox
+}
+
+fn setup() -> Setup {
+    let cluster = Cluster::new(Fabric::Shm);
+    let disk = cluster.file("disk.img");
+    let lender =
+        cluster.start_lenderd(&[format!("{NVME_BDF}=nvme:path={},size=4M", disk.display())]);
+    let src = start_source(&cluster);
+    let mailbox = source_running(&src);
     assert_eq!(lent_to(&cluster).as_deref(), Some("vm-src"));
     Setup {
         cluster,
@@ -668,40 +681,12 @@ fn live_migration_over_tcp_between_network_namespaces() {
     let disk = cluster.file("disk.img");
     let nvme = format!("{NVME_BDF}=nvme:path={},size=4M", disk.display());
     let _lender = in_netns(&na, || cluster.start_lenderd(std::slice::from_ref(&nvme)));
-    let c = cluster.path.display().to_string();
-    let line = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=20");
-    let (sock, ev) = (
-        cluster.file("src.sock").display().to_string(),
-        format!("path={}", cluster.file("src-events.jsonl").display()),
-    );
-    let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
-    let mut src = in_netns(&nb, || {
-        Vm::start_with_log(
-            "64M",
-            &[
-                "--cluster",
-                &c,
-                "--name",
-                "vm-src",
-                "--remote-device",
-                &dev,
-                "--api-socket",
-                &sock,
-                "--event-monitor",
-                &ev,
-                "--cmdline",
-                &line,
-            ],
-            "info",
-        )
-    });
-    src.wait_api();
-    let mailbox = src.expect_line("MAILBOX ", T);
-    let mailbox = u64::from_str_radix(mailbox.trim_start_matches("MAILBOX 0x").trim(), 16).unwrap();
-    wait_rounds(|| src.stdout(), 3, "on the source");
+    let mut src = in_netns(&nb, || start_source(&cluster));
+    let mailbox = source_running(&src);
     let lent = || in_netns(&na, || lent_to(&cluster));
     assert_eq!(lent().as_deref(), Some("vm-src"));
 
+    let c = cluster.path.display().to_string();
     let (dsock, dev_ev) = (
         cluster.file("dst.sock").display().to_string(),
         format!("path={}", cluster.file("dst-events.jsonl").display()),
