@@ -741,3 +741,185 @@ fn live_migration_over_tcp_between_network_namespaces() {
     dst.expect_exit(0, T);
     in_netns(&na, || cluster.wait_available(NVME_BDF));
 }
+
+/// A lent NVMe borrowed under an etcd claim (the lender lends only under current claims,
+/// fenced by the claim's revision) migrates with its claim: the destination takes the claim
+/// over with the lease (same revision, its own etcd lease), so the source's exit, which
+/// releases the source's etcd lease, leaves the claim and the lease in place. The guest's
+/// verified I/O goes on past the directory's lease TTL.
+#[test]
+fn a_device_under_an_etcd_claim_migrates_with_its_claim() {
+    use lending::directory::testing::EtcdCluster;
+    const TTL_S: u64 = 2;
+    let etcd = EtcdCluster::start(1);
+    let dir = tempfile::tempdir().unwrap();
+    let eps: Vec<String> = etcd
+        .endpoints()
+        .iter()
+        .map(|e| format!("\"{e}\""))
+        .collect();
+    let file = dir.path().join("cluster.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "version = 1\ntoken = \"{TOKEN}\"\n\
+             [directory]\netcd = [{}]\nprefix = \"{}\"\nlease_ttl_s = {TTL_S}\n",
+            eps.join(", "),
+            etcd.prefix
+        ),
+    )
+    .unwrap();
+    let fc = file.display().to_string();
+    let lsock = dir.path().join("node1.sock");
+    let disk = dir.path().join("disk.img");
+    let _lender = Lenderd::command(binary("lenderd"), LENDER, &file)
+        .log(dir.path().join("lenderd.log"))
+        .arg("--control")
+        .arg(&lsock)
+        .device(format!("{NVME_BDF}=nvme:path={},size=4M", disk.display()))
+        .spawn_until_listening(&lsock);
+    let (directory, _) = lending::directory::open(
+        &fc,
+        lending::directory::static_file::FanOut {
+            local: "migration-test".into(),
+            token: TOKEN.into(),
+            client: "migration-test".into(),
+            connect_timeout: Duration::from_secs(2),
+        },
+    )
+    .unwrap();
+    let claimed_by = || {
+        directory
+            .snapshot()
+            .unwrap()
+            .claim(LENDER, NVME_BDF)
+            .map(|c| (c.record.vm.clone(), c.revision))
+    };
+    // The lender registers right after it listens.
+    let registered = poll(Duration::from_secs(10), || {
+        directory
+            .snapshot()
+            .ok()
+            .filter(|s| s.devices.iter().any(|d| d.device.id == NVME_BDF))
+    });
+    assert!(registered.is_some(), "the lender never registered its NVMe");
+
+    let (src_sock, dst_sock) = (dir.path().join("src.sock"), dir.path().join("dst.sock"));
+    let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
+    let line = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=20");
+    let mut src = Vm::start_with_log(
+        "64M",
+        &[
+            "--cluster",
+            &fc,
+            "--name",
+            "vm-src",
+            "--remote-device",
+            &dev,
+            "--api-socket",
+            &src_sock.display().to_string(),
+            "--cmdline",
+            &line,
+        ],
+        "info",
+    );
+    source_running(&src);
+    let (vm, revision) = claimed_by().expect("the source's claim");
+    assert_eq!(vm, "vm-src");
+
+    // A destination without the directory cannot take the claim over: refused before the
+    // ticket is used, so the source keeps its device and its claim.
+    let plain = dir.path().join("plain.toml");
+    std::fs::write(
+        &plain,
+        format!(
+            "version = 1\ntoken = \"{TOKEN}\"\n[[node]]\nname = \"{LENDER}\"\nfabric = \"shm\"\n\
+             control = \"{}\"\n",
+            lsock.display()
+        ),
+    )
+    .unwrap();
+    let nodir_sock = dir.path().join("nodir.sock");
+    let nodir = Vm::start_args(
+        &[
+            "--cluster",
+            &plain.display().to_string(),
+            "--name",
+            "vm-nodir",
+            "--api-socket",
+            &nodir_sock.display().to_string(),
+        ],
+        "info",
+    );
+    nodir.wait_api();
+    let nodir_url = format!("unix:{}", dir.path().join("nodir.mig").display());
+    nodir
+        .api()
+        .receive_migration(&VmReceiveMigrationData {
+            receiver_url: nodir_url.clone(),
+        })
+        .unwrap();
+    let e = send(&src.api(), &nodir_url).unwrap_err().to_string();
+    assert!(
+        e.contains("claim"),
+        "{e}\n--- destination\n{}",
+        nodir.stderr()
+    );
+    drop(nodir);
+    assert_eq!(src.api().info().unwrap().state, VmState::Running);
+    assert_eq!(claimed_by(), Some(("vm-src".to_string(), revision)));
+    let n = rounds_of(&src.stdout()).len();
+    wait_rounds(|| src.stdout(), n + 3, "on the source after the refusal");
+
+    let dst = Vm::start_args(
+        &[
+            "--cluster",
+            &fc,
+            "--name",
+            "vm-dst",
+            "--api-socket",
+            &dst_sock.display().to_string(),
+        ],
+        "info",
+    );
+    dst.wait_api();
+    let url = format!("unix:{}", dir.path().join("dst.mig").display());
+    dst.api()
+        .receive_migration(&VmReceiveMigrationData {
+            receiver_url: url.clone(),
+        })
+        .unwrap();
+    send(&src.api(), &url).unwrap_or_else(|e| {
+        panic!(
+            "{e}\n--- source\n{}\n--- destination\n{}",
+            src.stderr(),
+            dst.stderr()
+        )
+    });
+    src.expect_exit(0, T);
+    // Same claim (the lender's fencing token), now the destination's.
+    assert_eq!(
+        claimed_by(),
+        Some(("vm-dst".to_string(), revision)),
+        "--- source\n{}\n--- destination\n{}",
+        src.stderr(),
+        dst.stderr()
+    );
+    // Past the directory TTL the source's released etcd lease has taken nothing with it:
+    // the claim stands, the lender has not ended the lease, the guest's I/O goes on.
+    let before = src.lines();
+    let n = rounds_of(&dst.stdout()).len();
+    std::thread::sleep(Duration::from_secs(2 * TTL_S + 1));
+    let all = || joined(&before, &dst.lines());
+    wait_rounds(|| dst.stdout(), n + 5, "after the TTL");
+    check_rounds(&all());
+    assert_eq!(claimed_by(), Some(("vm-dst".to_string(), revision)));
+    let info = dst.api().info().unwrap();
+    assert_eq!(info.state, VmState::Running);
+    assert!(
+        info.remote_devices
+            .iter()
+            .all(|d| d.lease_state == api::types::LeaseState::Active),
+        "{info:?}"
+    );
+}

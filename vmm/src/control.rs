@@ -381,8 +381,8 @@ impl Controller {
     /// here (resumed if the migration paused it, dirty logging off) and the error names the
     /// step. Lent devices stay on their lenders and are handed over (see
     /// docs/ARCHITECTURE.md, "Life of a migration"); a device whose lender cannot hand over
-    /// (protocol older than version 4, or held under a cluster-directory claim) is refused
-    /// with 409.
+    /// (protocol older than version 4) is refused with 409. A device held under an etcd
+    /// claim moves with its claim (the destination takes it over with the lease).
     pub fn send_migration(&mut self, data: &VmSendMigrationData) -> Result<(), ApiError> {
         if !matches!(self.state, VmState::Running | VmState::Paused) {
             return Err(ApiError::conflict(format!(
@@ -413,8 +413,7 @@ impl Controller {
         if !refused.is_empty() {
             return Err(ApiError::conflict(format!(
                 "cannot migrate the vm: lent devices {} cannot be handed over (their lender \
-                 speaks a protocol older than version 4, or they are held under a cluster \
-                 directory claim)",
+                 speaks a protocol older than version 4)",
                 refused.join(", ")
             )));
         }
@@ -731,6 +730,7 @@ impl Controller {
                 ticket: t.ticket,
                 expires_in_ms: t.expires_in_ms,
                 pending_msix: d.undelivered.clone(),
+                claim: t.claim.or_else(|| lock(&d.dev).claim_revision()),
             });
         }
         sender.send_state(crate::migration::protocol::VmState {
@@ -829,6 +829,7 @@ impl Controller {
                 lease: h.lease,
                 ticket: h.ticket.clone(),
                 expires_in_ms: h.expires_in_ms,
+                claim: h.claim,
             };
             self.attach_taking(data, true, Some(d.slot), Some(&ticket))?;
             let t_accept = t0.elapsed();

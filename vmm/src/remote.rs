@@ -288,6 +288,16 @@ macro_rules! forward_link {
             self.inner.migration()
         }
     };
+    (@ claim_revision) => {
+        fn claim_revision(&self) -> Option<i64> {
+            self.inner.claim_revision()
+        }
+    };
+    (@ p2p_port) => {
+        fn p2p_port(&self) -> Option<Arc<dyn remote_pci::P2pPort>> {
+            self.inner.p2p_port()
+        }
+    };
     (@ kick_doorbells) => {
         fn kick_doorbells(&self) -> KickDoorbells {
             self.inner.kick_doorbells()
@@ -322,8 +332,14 @@ impl RemoteDeviceLink for ClaimedLink {
         lender_counters,
         quiesce,
         kick_generation,
-        kick_doorbells
+        kick_doorbells,
+        migration,
+        p2p_port
     );
+
+    fn claim_revision(&self) -> Option<i64> {
+        self.claim.revision()
+    }
 
     /// Lost when the link says so, or when the directory says the lender, the device or
     /// the claim is gone.
@@ -411,24 +427,46 @@ impl LinkSource for LenderSource {
         ticket: &remote_pci::LeaseTicket,
     ) -> Result<Box<dyn RemoteDeviceLink>, AttachError> {
         let node = spec.node.as_str();
-        if self.directory.is_some() {
-            // The directory claim belongs to the source; moving it is not implemented.
-            return Err(AttachError::Local {
-                node: node.to_string(),
-                bdf: lender_device_id(spec),
-                reason: "taking a lease over is not supported with a cluster directory".into(),
-            });
-        }
-        let lender = self
-            .cluster
-            .node(node)
-            .ok_or_else(|| unknown_node(&self.cluster, node))?;
-        Ok(Box::new(self.borrow_from(
-            &self.cluster,
-            lender,
-            spec,
-            Take::Accept(ticket),
-        )?))
+        let bdf = lender_device_id(spec);
+        let Some(dir) = &self.directory else {
+            if let Some(rev) = ticket.claim {
+                // Taking the lease without its claim would leave the claim to the source,
+                // whose exit releases it and makes the lender end the lease here.
+                return Err(AttachError::Local {
+                    node: node.to_string(),
+                    bdf,
+                    reason: format!(
+                        "the lease is held under cluster directory claim {rev}, and this \
+                         lendvm has no directory (start it with the source's --cluster)"
+                    ),
+                });
+            }
+            let lender = self
+                .cluster
+                .node(node)
+                .ok_or_else(|| unknown_node(&self.cluster, node))?;
+            return Ok(Box::new(self.borrow_from(
+                &self.cluster,
+                lender,
+                spec,
+                Take::Accept(ticket),
+            )?));
+        };
+        let lender = dir.lender(node).map_err(|e| directory_err(node, &bdf, e))?;
+        let mut cluster = self.cluster.clone();
+        cluster.nodes.retain(|n| n.name != lender.name);
+        cluster.nodes.push(lender.clone());
+        let link = self.borrow_from(&cluster, &lender, spec, Take::Accept(ticket))?;
+        let Some(rev) = ticket.claim else {
+            return Ok(Box::new(link));
+        };
+        // The lease is ours (the ticket was accepted); the claim follows it. Should taking it
+        // fail, dropping `link` returns the lease to the lender: the source has already let
+        // it go, so it reports the device lost (see "Life of a live migration").
+        let claim = dir
+            .take_over_claim(node, &bdf, rev, &self.id.local, &self.id.vm_name)
+            .map_err(|e| directory_err(node, &bdf, e))?;
+        Ok(Box::new(ClaimedLink::new(Box::new(link), claim)))
     }
 }
 
@@ -607,7 +645,8 @@ impl RemoteDeviceLink for VmmLink {
         lender_counters,
         quiesce,
         kick_generation,
-        migration
+        migration,
+        claim_revision
     );
 
     fn device_info(&self) -> RemoteDeviceInfo {

@@ -824,6 +824,11 @@ impl RemotePciDevice {
         self.link.migration()
     }
 
+    /// The cluster-directory claim revision the device is held under, if any.
+    pub fn claim_revision(&self) -> Option<i64> {
+        self.link.claim_revision()
+    }
+
     /// Data-path counters: trapped BAR reads/writes, VMM-signalled kicks, ioeventfds.
     pub fn counters(&self) -> DeviceCountersSnapshot {
         self.io_counters.snapshot()

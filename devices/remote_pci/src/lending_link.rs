@@ -596,6 +596,8 @@ impl LeaseMigration for LendingMigration {
             lease: t.lease,
             ticket: t.ticket,
             expires_in_ms: t.expires_in_ms,
+            // A claim is the directory's business, not the link's: the VMM adds it.
+            claim: None,
         })
     }
 

@@ -400,6 +400,11 @@ pub trait RemoteDeviceLink: Send {
     fn migration(&self) -> Option<Arc<dyn LeaseMigration>> {
         None
     }
+    /// The cluster-directory claim revision the device is held under, if any (a migration
+    /// moves the claim with the lease). Default: none.
+    fn claim_revision(&self) -> Option<i64> {
+        None
+    }
 }
 
 /// The pages a lent device wrote by DMA since the previous fetch (IOVA = GPA).
@@ -432,6 +437,9 @@ pub struct LeaseTicket {
     pub lease: u64,
     pub ticket: Vec<u8>,
     pub expires_in_ms: u64,
+    /// The cluster-directory claim revision the lease is held under (fenced lenders), which
+    /// the taker takes over with the lease; `None` without a claim.
+    pub claim: Option<i64>,
 }
 
 /// The lease's live-migration side (lender protocol version 4): the device dirty log, the

@@ -72,6 +72,13 @@ pub enum DirectoryError {
         vm: String,
         revision: i64,
     },
+    /// The claim to take over is no longer there (released or expired).
+    #[error("the claim on {node}:{bdf} (revision {revision}) is gone (released or expired)")]
+    ClaimGone {
+        node: String,
+        bdf: String,
+        revision: i64,
+    },
     /// This backend cannot do that.
     #[error("the {backend} directory cannot {what}")]
     Unsupported {
@@ -346,6 +353,18 @@ pub trait Directory: Send + Sync {
         &self,
         node: &str,
         bdf: &str,
+        holder: &str,
+        vm: &str,
+    ) -> Result<Box<dyn ClaimHandle>, DirectoryError>;
+    /// Takes over the claim on `node`'s `bdf` whose revision is `revision` for `holder`/`vm`
+    /// (live migration: the destination VMM takes the source's claim with the lease). The
+    /// claim keeps its revision, so the lender's fencing of the moved lease holds; it is
+    /// refused if the claim has changed since (released, expired, claimed anew).
+    fn take_over_claim(
+        &self,
+        node: &str,
+        bdf: &str,
+        revision: i64,
         holder: &str,
         vm: &str,
     ) -> Result<Box<dyn ClaimHandle>, DirectoryError>;

@@ -168,6 +168,21 @@ impl Directory for StaticDirectory {
         Ok(Box::new(ImplicitClaim))
     }
 
+    fn take_over_claim(
+        &self,
+        _: &str,
+        _: &str,
+        _: i64,
+        _: &str,
+        _: &str,
+    ) -> Result<Box<dyn ClaimHandle>, DirectoryError> {
+        // Its claims are implicit and carry no revision: nothing to take over.
+        Err(DirectoryError::Unsupported {
+            backend: "static",
+            what: "take a claim over",
+        })
+    }
+
     fn watch(
         &self,
     ) -> Result<std::sync::mpsc::Receiver<Result<DirectoryEvent, DirectoryError>>, DirectoryError>

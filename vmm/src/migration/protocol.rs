@@ -335,6 +335,10 @@ pub struct DeviceHandover {
     /// raised during the hand-over is held and replayed by the lender.)
     #[serde(default)]
     pub pending_msix: Vec<u32>,
+    /// The cluster-directory claim revision the lease is held under: the destination takes
+    /// the claim over with the lease (etcd; `None` without a claim).
+    #[serde(default)]
+    pub claim: Option<i64>,
 }
 
 /// The first frame of a stream.

@@ -51,6 +51,19 @@ impl EtcdDirectory {
         lease: i64,
         revision: i64,
     ) -> Box<dyn ClaimHandle> {
+        self.hold_claim_from(node, bdf, lease, revision, revision + 1)
+    }
+
+    /// [`Self::hold_claim`] whose watches start at etcd revision `watch_start` (a claim taken
+    /// over: later than the claim's own revision).
+    pub(super) fn hold_claim_from(
+        &self,
+        node: &str,
+        bdf: &str,
+        lease: i64,
+        revision: i64,
+        watch_start: i64,
+    ) -> Box<dyn ClaimHandle> {
         let shared = &self.shared;
         let keys = &shared.keys;
         let (ckey, nkey, dkey) = (
@@ -78,7 +91,7 @@ impl EtcdDirectory {
                 shared.client.clone(),
                 key,
                 false,
-                revision + 1,
+                watch_start,
                 stop_rx.clone(),
                 move |ev, _, rev| {
                     if ev == EventType::Delete {

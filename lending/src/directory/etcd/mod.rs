@@ -377,6 +377,77 @@ impl Directory for EtcdDirectory {
         Ok(self.hold_claim(node, bdf, lease, revision))
     }
 
+    fn take_over_claim(
+        &self,
+        node: &str,
+        bdf: &str,
+        revision: i64,
+        holder: &str,
+        vm: &str,
+    ) -> Result<Box<dyn ClaimHandle>, DirectoryError> {
+        let shared = &self.shared;
+        let ckey = shared.keys.claim(node, bdf);
+        let lease = grant(shared)?;
+        let rec = ClaimRecord {
+            node: node.to_string(),
+            bdf: bdf.to_string(),
+            holder: holder.to_string(),
+            vm: vm.to_string(),
+        };
+        // Same claim (same create revision), new owner and etcd lease: a put keeps the create
+        // revision, so it stays the lender's fencing token; the old owner's lease no longer
+        // holds the key, so its release leaves the claim in place.
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                ckey.clone(),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([TxnOp::put(
+                ckey.clone(),
+                json(&rec),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(ckey.clone(), None)]);
+        let r = match shared.call("take over claim", |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        }) {
+            Ok(r) => r,
+            Err(e) => {
+                revoke_quietly(shared, lease);
+                return Err(e);
+            }
+        };
+        if !r.succeeded() {
+            revoke_quietly(shared, lease);
+            let now = r.op_responses().into_iter().find_map(|o| match o {
+                TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+                _ => None,
+            });
+            return Err(match now {
+                Some(kv) => {
+                    let other: ClaimRecord = decode(&kv)?;
+                    DirectoryError::Claimed {
+                        node: node.to_string(),
+                        bdf: bdf.to_string(),
+                        holder: other.holder,
+                        vm: other.vm,
+                        revision: kv.create_revision(),
+                    }
+                }
+                None => DirectoryError::ClaimGone {
+                    node: node.to_string(),
+                    bdf: bdf.to_string(),
+                    revision,
+                },
+            });
+        }
+        let now = r.header().map_or(revision, |h| h.revision());
+        log::info!("took over claim {node}:{bdf} (revision {revision}) for {holder}/{vm}");
+        Ok(self.hold_claim_from(node, bdf, lease, revision, now + 1))
+    }
+
     fn watch(
         &self,
     ) -> Result<std::sync::mpsc::Receiver<Result<DirectoryEvent, DirectoryError>>, DirectoryError>
