@@ -395,21 +395,14 @@ impl LinkSource for LenderSource {
         let node = spec.node.as_str();
         let bdf = lender_device_id(spec);
         let Some(dir) = &self.directory else {
-            let lender = self
-                .cluster
-                .node(node)
-                .ok_or_else(|| unknown_node(&self.cluster, node))?;
             return Ok(Box::new(self.borrow_from(
                 &self.cluster,
-                lender,
+                self.file_lender(node)?,
                 spec,
                 Take::Borrow(None),
             )?));
         };
-        let lender = dir.lender(node).map_err(|e| directory_err(node, &bdf, e))?;
-        let mut cluster = self.cluster.clone();
-        cluster.nodes.retain(|n| n.name != lender.name);
-        cluster.nodes.push(lender.clone());
+        let (cluster, lender) = self.directory_lender(dir.as_ref(), node, &bdf)?;
         let claim = dir
             .claim(node, &bdf, &self.id.local, &self.id.vm_name)
             .map_err(|e| directory_err(node, &bdf, e))?;
@@ -441,21 +434,14 @@ impl LinkSource for LenderSource {
                     ),
                 });
             }
-            let lender = self
-                .cluster
-                .node(node)
-                .ok_or_else(|| unknown_node(&self.cluster, node))?;
             return Ok(Box::new(self.borrow_from(
                 &self.cluster,
-                lender,
+                self.file_lender(node)?,
                 spec,
                 Take::Accept(ticket),
             )?));
         };
-        let lender = dir.lender(node).map_err(|e| directory_err(node, &bdf, e))?;
-        let mut cluster = self.cluster.clone();
-        cluster.nodes.retain(|n| n.name != lender.name);
-        cluster.nodes.push(lender.clone());
+        let (cluster, lender) = self.directory_lender(dir.as_ref(), node, &bdf)?;
         let link = self.borrow_from(&cluster, &lender, spec, Take::Accept(ticket))?;
         let Some(rev) = ticket.claim else {
             return Ok(Box::new(link));
@@ -471,6 +457,28 @@ impl LinkSource for LenderSource {
 }
 
 impl LenderSource {
+    /// Lender `node` of the cluster file.
+    fn file_lender(&self, node: &str) -> Result<&NodeConfig, AttachError> {
+        self.cluster
+            .node(node)
+            .ok_or_else(|| unknown_node(&self.cluster, node))
+    }
+
+    /// Lender `node` as the directory has it, and the cluster file with it in place of any
+    /// entry of that name (link timers and token stay the file's).
+    fn directory_lender(
+        &self,
+        dir: &dyn Directory,
+        node: &str,
+        bdf: &str,
+    ) -> Result<(ClusterConfig, NodeConfig), AttachError> {
+        let lender = dir.lender(node).map_err(|e| directory_err(node, bdf, e))?;
+        let mut cluster = self.cluster.clone();
+        cluster.nodes.retain(|n| n.name != lender.name);
+        cluster.nodes.push(lender.clone());
+        Ok((cluster, lender))
+    }
+
     /// Connects to `lender`, borrows the device (under `claim` if given) and maps it.
     fn borrow_from(
         &self,
