@@ -318,13 +318,13 @@ impl ApiHandler for FakeVmm {
                 pid: i64::from(std::process::id()),
                 features: vec!["remote_pci".into()],
             })),
-            ApiRequest::VmInfo => Ok(ApiResponse::VmInfo(VmInfo {
+            ApiRequest::VmInfo => Ok(ApiResponse::VmInfo(Box::new(VmInfo {
                 config: self.config.vm.clone(),
                 state: self.state,
                 remote_devices: self.devices.values().cloned().collect(),
                 counters: None,
                 kvm: None,
-            })),
+            }))),
             ApiRequest::VmAddRemoteDevice(data) => self.add(data).map(ApiResponse::DeviceAdded),
             ApiRequest::VmRemoveDevice(data) => self.remove(data).map(|()| ApiResponse::Empty),
             ApiRequest::VmShutdown | ApiRequest::VmmShutdown => {

@@ -97,7 +97,8 @@ impl ApiRequest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ApiResponse {
     Pong(VmmPingResponse),
-    VmInfo(VmInfo),
+    // Boxed: the largest answer by far, and rare.
+    VmInfo(Box<VmInfo>),
     DeviceAdded(PciDeviceInfo),
     Counters(VmCountersReport),
     Empty,

@@ -568,6 +568,14 @@ pub struct VmCounters {
     /// lender). Absent from older VMMs: 0.
     #[serde(default)]
     pub p2p_mappings: u64,
+    /// Connections to lenders held (one per lender, shared by its devices). Absent from
+    /// older VMMs: 0.
+    #[serde(default)]
+    pub lender_sessions: u64,
+    /// Exports of guest RAM as fabric windows (one per lender while any of its devices has
+    /// DMA enabled). Absent from older VMMs: 0.
+    #[serde(default)]
+    pub ram_exports: u64,
 }
 
 /// Body of `GET /api/v1/vm.counters`, in Cloud Hypervisor's shape: counter group → counter

@@ -207,6 +207,7 @@ impl Lender {
             rate_key: auth::rate_key(&ep.peer_addr()),
             version: PROTOCOL_VERSION,
             leases: HashMap::new(),
+            peer_windows: HashMap::new(),
             attachments: Attachments::default(),
         };
         let peer = ep.peer_node().to_string();
@@ -353,6 +354,10 @@ struct Session {
     /// Protocol version agreed at hello (layouts of versioned messages).
     version: u32,
     leases: HashMap<u64, SessionLease>,
+    /// The borrower's windows this session mapped for DMA, by id: a window that several
+    /// leases map (the borrower exports guest RAM once per session) is mapped into this
+    /// process once and shared by their IOMMU domains.
+    peer_windows: HashMap<WindowId, Weak<PeerWindowBacking>>,
     /// Grants of this lender's leases the peer (another lender) attached.
     attachments: Attachments,
 }
@@ -580,6 +585,23 @@ impl SessionLease {
 }
 
 impl Session {
+    /// The borrower's window `id` as DMA backing: the mapping another lease of this session
+    /// holds, or a new one.
+    fn peer_window(&mut self, id: WindowId) -> Result<Arc<PeerWindowBacking>, ErrorReply> {
+        self.peer_windows.retain(|_, w| w.strong_count() > 0);
+        if let Some(b) = self.peer_windows.get(&id).and_then(Weak::upgrade) {
+            log::debug!("borrower window {id} already mapped: shared");
+            return Ok(b);
+        }
+        let win = self
+            .ep
+            .map_peer_window(id)
+            .map_err(|e| error(code::UNKNOWN_WINDOW, format!("borrower window {id}: {e}")))?;
+        let b = Arc::new(PeerWindowBacking { win });
+        self.peer_windows.insert(id, Arc::downgrade(&b));
+        Ok(b)
+    }
+
     /// Tells the borrower (version 3) about kick-only doorbell changes it has not seen in a
     /// reply: shadow doorbells switched on by an admin command. Late is harmless (the
     /// exact doorbell path keeps working until the borrower registers its ioeventfds).
@@ -920,15 +942,9 @@ impl Session {
                 sl.kicks_reply(op, version)
             }
             Request::DmaMap(m) => {
-                let ep = Arc::clone(&self.ep);
+                self.lease(m.lease)?;
+                let backing = self.peer_window(m.window)?;
                 let sl = self.lease(m.lease)?;
-                let win = ep.map_peer_window(m.window).map_err(|e| {
-                    error(
-                        code::UNKNOWN_WINDOW,
-                        format!("borrower window {}: {e}", m.window),
-                    )
-                })?;
-                let backing = Arc::new(PeerWindowBacking { win });
                 let dom = sl.lease.backend().domain();
                 dom.map(m.iova, m.size, backing).map_err(iommu_err)?;
                 sl.maps.push(DmaEntry {

@@ -1628,6 +1628,8 @@ fn linux_two_lent_disks_from_two_lenders_one_removed_mid_io() {
         c.pinned_bytes, guest_ram,
         "two DMA devices must pin guest RAM once"
     );
+    // One link and one export of guest RAM per lender.
+    assert_eq!((c.lender_sessions, c.ram_exports), (2, 2), "{c:?}");
 
     let (_, a_ok) = guest.expect_line(la, "LENDVM-TWO a ok ", deadline);
     assert!(
@@ -1676,6 +1678,11 @@ fn linux_two_lent_disks_from_two_lenders_one_removed_mid_io() {
     assert_eq!(
         c.pinned_bytes, guest_ram,
         "removing one DMA device must leave guest RAM pinned for the other"
+    );
+    assert_eq!(
+        (c.lender_sessions, c.ram_exports),
+        (1, 1),
+        "the removed disk's lender link closes with it: {c:?}"
     );
 
     let (_, gone) = guest.expect_line(lb, "LENDVM-TWO a gone ", deadline);

@@ -1635,6 +1635,7 @@ impl Controller {
     /// VMM-wide resource counters.
     pub fn counters(&self) -> VmCounters {
         let gsis = lock(self.h.interrupts.gsi_allocator()).in_use();
+        let fabric = self.source.fabric_counts();
         VmCounters {
             devices: self.entries.len() as u64,
             leases: self.counters.leases.load(Ordering::SeqCst) as u64,
@@ -1644,6 +1645,8 @@ impl Controller {
             ioeventfds: self.h.vm_ops.ioevents_registered() as u64,
             pinned_bytes: self.counters.pinned_bytes.load(Ordering::SeqCst),
             p2p_mappings: self.p2p.live_mappings() as u64,
+            lender_sessions: fabric.sessions,
+            ram_exports: fabric.ram_exports,
         }
     }
 
@@ -1811,7 +1814,7 @@ impl ApiHandler for Controller {
                     "migration".into(),
                 ],
             })),
-            ApiRequest::VmInfo => Ok(ApiResponse::VmInfo(self.info())),
+            ApiRequest::VmInfo => Ok(ApiResponse::VmInfo(Box::new(self.info()))),
             ApiRequest::VmAddRemoteDevice(data) => {
                 self.attach(data, false).map(ApiResponse::DeviceAdded)
             }

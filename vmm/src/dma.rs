@@ -8,8 +8,9 @@
 //! one `RLIMIT_MEMLOCK` check for guest RAM), later shares only count. Clearing BME, a reset
 //! or removing the device drops its share; dropping the last share unpins.
 //!
-//! Each device still asks its own lender to map the pinned RAM at IOVA = GPA (one fabric
-//! export per device, over its own link): the pin is shared, the export is not yet.
+//! Each device then asks its lender to map the pinned RAM at IOVA = GPA, through the export of
+//! guest RAM its lender session shares among that lender's devices
+//! (`remote_pci::lending_link::session`): one pin per VM, one export per lender link.
 //!
 //! The shares live under one mutex, held while pinning and unpinning: `mlock` is not
 //! reference counted by the kernel, so a `munlock` of the last share must never overlap the

@@ -6,9 +6,10 @@
 //!   link straight to the node's control address under the VMM's own node name (`--node`,
 //!   default `lendvm-<pid>`; the VMM need not be in the cluster file, like `lendctl`), says
 //!   hello with the cluster token, borrows the device for the VM (`--name`, default
-//!   `vm-<pid>`) and wraps the lease in a [`LendingLink`]. `LendingLink`'s event thread
-//!   consumes every event of its connection, so every borrowed device gets its own
-//!   [`LenderClient`].
+//!   `vm-<pid>`) and wraps the lease in a [`LendingLink`]. Every device borrowed from one
+//!   lender shares one [`LenderSession`] (one link, one event pump, one export of guest
+//!   RAM); the source keeps the sessions weakly, so the last device of a lender closes its
+//!   link, and a session whose link ended is never used again.
 //! * [`VmmLink`] wraps any [`RemoteDeviceLink`]: `mode=trapped` turns every BAR into a
 //!   trapped one, and the wrapper counts live leases in [`ResourceCounters`] until it is
 //!   dropped (after the inner link has returned the lease).
@@ -19,8 +20,9 @@
 //!   [`ClaimedLink`] reports the lease lost when the directory says the lender, the device or
 //!   the claim is gone, so the event loop's lease check performs the usual surprise removal.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use api::types::{RemoteDeviceMode, RemoteDeviceSpec};
@@ -29,7 +31,9 @@ use lending::directory::{ClaimHandle, Directory, DirectoryError};
 use lending::protocol::code;
 use ntb::{ClusterConfig, NodeConfig, NodeId};
 use pci::vm_ops::GuestRamRegion;
-use remote_pci::lending_link::{LendingLink, LendingLinkError, LendingLinkOptions};
+use remote_pci::lending_link::{
+    LenderSession, LendingLink, LendingLinkError, SessionCounters, SessionOptions,
+};
 use remote_pci::{
     BarAccess, DmaMapping, IrqTargets, KickDoorbells, LeaseState, LenderCounters, LinkError,
     LinkEventHook, PinError, PinnedRange, Pinner, RemoteDeviceInfo, RemoteDeviceLink,
@@ -126,6 +130,11 @@ pub trait LinkSource: Send {
         None
     }
 
+    /// Connections to lenders and exports of guest RAM alive now (leak accounting).
+    fn fabric_counts(&self) -> FabricCounts {
+        FabricCounts::default()
+    }
+
     /// Takes over the lease of `spec` that a migration source authorised with `ticket`
     /// (live migration: the device is not reset). The lease comes without DMA windows and
     /// interrupt targets; the device is still quiesced for the hand-over.
@@ -162,11 +171,24 @@ pub struct FabricIdentity {
     pub token: String,
 }
 
+/// What [`LinkSource::fabric_counts`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FabricCounts {
+    /// Sessions (connections to a lender) alive.
+    pub sessions: u64,
+    /// Exports of guest RAM as fabric windows alive (at most one per session).
+    pub ram_exports: u64,
+}
+
 /// Borrows from the lenders of a cluster file, or of a cluster directory.
 pub struct LenderSource {
     cluster: ClusterConfig,
     id: FabricIdentity,
     directory: Option<Arc<dyn Directory>>,
+    /// The session to each lender, by (node, control address): shared by the devices
+    /// borrowed there, held by them (weak here).
+    sessions: Mutex<HashMap<(String, String), Weak<LenderSession>>>,
+    counters: Arc<SessionCounters>,
 }
 
 impl LenderSource {
@@ -175,6 +197,8 @@ impl LenderSource {
             cluster,
             id,
             directory: None,
+            sessions: Mutex::default(),
+            counters: Arc::default(),
         }
     }
 
@@ -189,6 +213,8 @@ impl LenderSource {
             cluster,
             id,
             directory: Some(directory),
+            sessions: Mutex::default(),
+            counters: Arc::default(),
         }
     }
 }
@@ -414,6 +440,13 @@ impl LinkSource for LenderSource {
         Some((self.id.local.clone(), self.id.vm_name.clone()))
     }
 
+    fn fabric_counts(&self) -> FabricCounts {
+        FabricCounts {
+            sessions: self.counters.sessions.load(Ordering::SeqCst) as u64,
+            ram_exports: self.counters.ram_exports.load(Ordering::SeqCst) as u64,
+        }
+    }
+
     fn accept(
         &self,
         spec: &RemoteDeviceSpec,
@@ -479,24 +512,34 @@ impl LenderSource {
         Ok((cluster, lender))
     }
 
-    /// Connects to `lender`, borrows the device (under `claim` if given) and maps it.
-    fn borrow_from(
+    /// The live session to `lender`, or a new one (connected under our node name, the
+    /// cluster token checked by its hello).
+    fn session(
         &self,
         cluster: &ClusterConfig,
         lender: &NodeConfig,
-        spec: &RemoteDeviceSpec,
-        take: Take<'_>,
-    ) -> Result<LendingLink, AttachError> {
-        let node = spec.node.as_str();
-        let bdf = lender_device_id(spec);
+        node: &str,
+        local_err: &dyn Fn(String) -> AttachError,
+    ) -> Result<Arc<LenderSession>, AttachError> {
+        let key = (lender.name.to_string(), lender.control.to_string());
+        let live = self
+            .sessions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+            .and_then(Weak::upgrade);
+        if let Some(s) = live {
+            if s.is_usable() {
+                log::debug!("{node}: sharing the session of {} lease(s)", s.leases());
+                return Ok(s);
+            }
+            // Its link ended (the lender restarted or died): its leases are lost and go with
+            // their devices; new ones need a new link.
+            log::info!("{node}: the previous link to the lender ended; connecting anew");
+        }
         let unreachable = |reason: String| AttachError::Unreachable {
             node: node.to_string(),
             addr: lender.control.to_string(),
-            reason,
-        };
-        let local_err = |reason: String| AttachError::Local {
-            node: node.to_string(),
-            bdf: bdf.clone(),
             reason,
         };
         let local = NodeId::new(&self.id.local).map_err(|e| local_err(e.to_string()))?;
@@ -519,7 +562,37 @@ impl LenderSource {
             },
             other => unreachable(other.to_string()),
         })?;
-        let client = Arc::new(client);
+        let session = LenderSession::new(
+            client,
+            SessionOptions {
+                event_pump: true,
+                counters: Some(Arc::clone(&self.counters)),
+            },
+        )
+        .map_err(|e| local_err(e.to_string()))?;
+        let mut map = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
+        map.retain(|_, w| w.strong_count() > 0);
+        map.insert(key, Arc::downgrade(&session));
+        Ok(session)
+    }
+
+    /// Connects to `lender`, borrows the device (under `claim` if given) and maps it.
+    fn borrow_from(
+        &self,
+        cluster: &ClusterConfig,
+        lender: &NodeConfig,
+        spec: &RemoteDeviceSpec,
+        take: Take<'_>,
+    ) -> Result<LendingLink, AttachError> {
+        let node = spec.node.as_str();
+        let bdf = lender_device_id(spec);
+        let local_err = |reason: String| AttachError::Local {
+            node: node.to_string(),
+            bdf: bdf.clone(),
+            reason,
+        };
+        let session = self.session(cluster, lender, node, &local_err)?;
+        let client = session.client();
         let lease = match take {
             Take::Borrow(Some(rev)) => client.borrow_claimed(&bdf, &self.id.vm_name, rev),
             Take::Borrow(None) => client.borrow(&bdf, &self.id.vm_name),
@@ -563,19 +636,16 @@ impl LenderSource {
             },
         })?;
         let lease_id = lease.id();
-        let link =
-            LendingLink::new(client, lease, LendingLinkOptions::default()).map_err(
-                |e| match e {
-                    LendingLinkError::BarWindow { ref source, .. } if !is_local(source) => {
-                        AttachError::Link {
-                            node: node.to_string(),
-                            bdf: bdf.clone(),
-                            reason: e.to_string(),
-                        }
-                    }
-                    _ => local_err(e.to_string()),
-                },
-            )?;
+        let link = LendingLink::in_session(session, lease).map_err(|e| match e {
+            LendingLinkError::BarWindow { ref source, .. } if !is_local(source) => {
+                AttachError::Link {
+                    node: node.to_string(),
+                    bdf: bdf.clone(),
+                    reason: e.to_string(),
+                }
+            }
+            _ => local_err(e.to_string()),
+        })?;
         log::info!(
             "borrowed {spec} (lease {lease_id}) for vm {}",
             self.id.vm_name

@@ -30,7 +30,9 @@ use pci::interrupt::{
 use pci::vm_ops::{
     GuestRamRegion, IoEventAddress, IoEventDatamatch, IoEventGuard, MemslotGuard, VmOps, VmOpsError,
 };
-use remote_pci::lending_link::{LendingLink, LendingLinkOptions};
+use remote_pci::lending_link::{
+    LenderSession, LendingLink, LendingLinkOptions, SessionCounters, SessionOptions,
+};
 use remote_pci::{BarAccess, LeaseState, RemoteDeviceLink, RemotePciDevice, RemotePciDeviceParams};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -239,8 +241,13 @@ fn nvme_backend(dir: &std::path::Path, name: &str) -> Arc<dyn DeviceBackend> {
 }
 
 fn guest_ram() -> (Arc<std::fs::File>, u64) {
+    guest_ram_named(c"guest-ram")
+}
+
+/// Guest RAM in a memfd called `name` (found by that name in `/proc/self/maps`).
+fn guest_ram_named(name: &std::ffi::CStr) -> (Arc<std::fs::File>, u64) {
     // SAFETY: a fresh memfd we own.
-    let fd = unsafe { libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_ALLOW_SEALING) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_ALLOW_SEALING) };
     assert!(fd >= 0);
     // SAFETY: fd is ours.
     let f = unsafe { std::fs::File::from_raw_fd(fd) };
@@ -738,6 +745,179 @@ fn stopping_lender_reports_device_gone_once() {
     }
 }
 
+// ---- one session per lender ----------------------------------------------------------------
+
+/// Mappings of the session test's guest RAM memfd in this process: the test's own one
+/// plus the in-process lender's mappings of the borrower's window.
+fn guest_ram_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("/memfd:shared-session-ram "))
+        .count()
+}
+
+fn wait_mappings(n: usize) {
+    let t0 = Instant::now();
+    while guest_ram_mappings() != n && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        guest_ram_mappings(),
+        n,
+        "guest ram mappings in this process"
+    );
+}
+
+/// Two dmatests of one lender over one session: guest RAM is exported once and the lender
+/// maps it once, both devices DMA through it; removing one keeps the export for the other;
+/// removing the last revokes it; the session closes with its last link. Then the lender
+/// stops: both leases of a new pair hear of it, once each.
+#[test]
+fn two_leases_of_one_lender_share_one_session_and_one_ram_export() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let src = format!(
+        "version = 1\n\
+         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
+         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
+    );
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, src).unwrap();
+    let cfg = ClusterConfig::load(&path).unwrap();
+    let backend = |name: &str| -> Arc<dyn DeviceBackend> {
+        Arc::new(EmulatedBackend::dmatest(name, NotifyMode::Interrupt).unwrap())
+    };
+    let inv = Arc::new(
+        Inventory::new(vec![
+            ("0000:00:0a.0".to_string(), backend("share-a")),
+            ("0000:00:0b.0".to_string(), backend("share-b")),
+        ])
+        .unwrap(),
+    );
+    let listener = SocketFabric::from_cluster(&cfg, "lender")
+        .unwrap()
+        .listen()
+        .unwrap();
+    let lender = BackgroundLender::start(Lender::new(inv, "lender", TOKEN), listener).unwrap();
+
+    let (ram, host) = guest_ram_named(c"shared-session-ram");
+    let vm: Arc<dyn VmOps> = Arc::new(Vm {
+        ram,
+        host,
+        slots: Arc::default(),
+        ioevents: Arc::default(),
+    });
+    assert_eq!(guest_ram_mappings(), 1, "the test's own mapping only");
+    let irqs = Irqs::default();
+    let alloc = Arc::new(Mutex::new(
+        PciBarAllocators::x86_64(1 << 36, 1 << 36).unwrap(),
+    ));
+    let counters = Arc::new(SessionCounters::default());
+    let client = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "test").unwrap();
+    let session = LenderSession::new(
+        client,
+        SessionOptions {
+            event_pump: true,
+            counters: Some(counters.clone()),
+        },
+    )
+    .unwrap();
+    let device = |dev: &str, id: &str, devid: u32| {
+        let lease = session.client().borrow(dev, "vm0").unwrap();
+        let link = LendingLink::in_session(session.clone(), lease).unwrap();
+        let mut d = RemotePciDevice::new(
+            RemotePciDeviceParams::new(id, devid, None),
+            Box::new(link),
+            vm.clone(),
+            &irqs,
+        )
+        .unwrap();
+        let bars = d.allocate_bars(&alloc).unwrap();
+        let bar0 = bars.iter().find(|b| b.idx == 0).unwrap().addr;
+        (d, bar0)
+    };
+    let exports = || counters.ram_exports.load(Ordering::SeqCst);
+    let (mut a, a_bar0) = device("0000:00:0a.0", "a", 0x20);
+    let (mut b, b_bar0) = device("0000:00:0b.0", "b", 0x28);
+    assert_eq!(session.leases(), 2);
+    assert_eq!(counters.sessions.load(Ordering::SeqCst), 1);
+    assert_eq!(exports(), 0, "nothing exported before bus mastering");
+
+    let mem_bme = (command::MEMORY_SPACE | command::BUS_MASTER).to_le_bytes();
+    a.write_config_register(1, 0, &mem_bme);
+    b.write_config_register(1, 0, &mem_bme);
+    assert!(a.status().dma_mapped && b.status().dma_mapped);
+    assert_eq!(exports(), 1, "one export of guest ram for both leases");
+    assert!(session.ram_exported());
+    wait_mappings(2);
+
+    // Both devices copy guest RAM to guest RAM through the one window.
+    let pattern = |k: u32| -> Vec<u8> { (0..0x1000u32).map(|i| (i * k + 3) as u8).collect() };
+    vm.write_guest(0x4000, &pattern(7)).unwrap();
+    vm.write_guest(0x6000, &pattern(11)).unwrap();
+    assert!(dmatest_copy(&mut a, a_bar0, 0x4000, 0x8000, 0x1000));
+    assert!(dmatest_copy(&mut b, b_bar0, 0x6000, 0xa000, 0x1000));
+    let mut out = vec![0u8; 0x1000];
+    vm.read_guest(0x8000, &mut out).unwrap();
+    assert_eq!(out, pattern(7));
+    vm.read_guest(0xa000, &mut out).unwrap();
+    assert_eq!(out, pattern(11));
+
+    // A goes: B keeps the export and its DMA.
+    drop(a);
+    assert_eq!(session.leases(), 1);
+    assert_eq!(exports(), 1);
+    wait_mappings(2);
+    vm.write_guest(0x4000, &pattern(5)).unwrap();
+    assert!(dmatest_copy(&mut b, b_bar0, 0x4000, 0xc000, 0x1000));
+    vm.read_guest(0xc000, &mut out).unwrap();
+    assert_eq!(out, pattern(5));
+
+    // The last bus master lets go: the export is revoked and the lender unmaps it.
+    b.write_config_register(1, 0, &command::MEMORY_SPACE.to_le_bytes());
+    assert_eq!(exports(), 0);
+    assert!(!session.ram_exported());
+    wait_mappings(1);
+    drop(b);
+    assert_eq!(session.leases(), 0);
+
+    // A new pair; the lender stops: each lease is told once.
+    let hooks: Vec<_> = ["0000:00:0a.0", "0000:00:0b.0"]
+        .iter()
+        .map(|dev| {
+            let lease = session.client().borrow(dev, "vm0").unwrap();
+            let link = LendingLink::in_session(session.clone(), lease).unwrap();
+            let hook = Arc::new(LostHook::default());
+            link.set_event_hook(hook.clone());
+            (link, hook)
+        })
+        .collect();
+    drop(lender);
+    let t0 = Instant::now();
+    while hooks.iter().any(|(_, h)| h.0.lock().unwrap().is_empty())
+        && t0.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for (link, hook) in &hooks {
+        let lost = hook.0.lock().unwrap().clone();
+        assert_eq!(lost.len(), 1, "{lost:?}");
+        assert!(matches!(link.lease_state(), LeaseState::Lost(_)));
+    }
+    let t0 = Instant::now();
+    while session.is_usable() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        !session.is_usable(),
+        "a session whose link ended is not reused"
+    );
+    drop(hooks);
+    drop(session);
+    assert_eq!(counters.sessions.load(Ordering::SeqCst), 0);
+}
+
 // ---- shadow doorbells + ioeventfd -------------------------------------------------------
 
 const SQ1_GPA: u64 = 0x3_0000;
@@ -936,12 +1116,13 @@ fn p2p_between_two_dmatests_of_one_lender_follows_bars_reset_and_removal() {
     let alloc = Arc::new(Mutex::new(
         PciBarAllocators::x86_64(1 << 36, 1 << 36).unwrap(),
     ));
-    // One link (client) per device, as the VMM does.
+    // Both leases over one session, as the VMM borrows from one lender.
+    let client = LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "test").unwrap();
+    let session = LenderSession::new(client, SessionOptions::default()).unwrap();
     let device = |dev: &str, id: &str, devid: u32| {
-        let client = Arc::new(LenderClient::connect(&cfg, "vmm", "lender", TOKEN, "test").unwrap());
-        let lease = client.borrow(dev, "vm0").unwrap();
+        let lease = session.client().borrow(dev, "vm0").unwrap();
         let lease_id = lease.id();
-        let link = LendingLink::new(client, lease, LendingLinkOptions::default()).unwrap();
+        let link = LendingLink::in_session(session.clone(), lease).unwrap();
         let mut params = RemotePciDeviceParams::new(id, devid, None);
         params.p2p = Some(router.clone());
         let mut d = RemotePciDevice::new(params, Box::new(link), vm.clone(), &irqs).unwrap();
