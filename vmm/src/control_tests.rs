@@ -1149,13 +1149,15 @@ fn destination(dir: &std::path::Path) -> (String, std::thread::JoinHandle<Arrive
 /// reads.
 fn migratable(rig: &mut Rig) {
     rig.vm.start().unwrap();
-    rig.ctl
-        .set_snapshot_source(rig.vm.snapshot_source(crate::snapshot::format::MachineConfig {
-            cpus: 1,
-            memory_size: 64 << 20,
-            kernel: "spin.elf".into(),
-            cmdline: String::new(),
-        }));
+    rig.ctl.set_snapshot_source(
+        rig.vm
+            .snapshot_source(crate::snapshot::format::MachineConfig {
+                cpus: 1,
+                memory_size: 64 << 20,
+                kernel: "spin.elf".into(),
+                cmdline: String::new(),
+            }),
+    );
 }
 
 /// Offset of `gpa` in the guest RAM file.
@@ -1222,10 +1224,7 @@ fn migration_of_an_untracked_device_sends_its_whole_window_at_the_final_pass() {
     assert_eq!(rig.ctl.state(), VmState::ShuttingDown);
 
     let evs = migration_events(&rig.ctl);
-    let started = evs
-        .iter()
-        .find(|e| e.event == "migration-started")
-        .unwrap();
+    let started = evs.iter().find(|e| e.event == "migration-started").unwrap();
     assert_eq!(
         started.properties["untracked_devices"],
         serde_json::json!(["vfio0"])

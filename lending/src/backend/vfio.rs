@@ -1298,7 +1298,10 @@ pub(crate) mod tests {
         assert_ne!(command(&b) & CMD_BUS_MASTER, 0, "restored");
         let writes = b.dev.command_writes();
         assert_eq!(
-            writes.iter().map(|c| c & CMD_BUS_MASTER != 0).collect::<Vec<_>>(),
+            writes
+                .iter()
+                .map(|c| c & CMD_BUS_MASTER != 0)
+                .collect::<Vec<_>>(),
             vec![true, false, true],
             "set, cleared once for the hand-over, restored: {writes:x?}"
         );
@@ -1338,7 +1341,11 @@ pub(crate) mod tests {
         b.reset().unwrap();
         let n = b.dev.command_writes().len();
         b.quiesce(false).unwrap();
-        assert_eq!(b.dev.command_writes().len(), n, "nothing written after the reset");
+        assert_eq!(
+            b.dev.command_writes().len(),
+            n,
+            "nothing written after the reset"
+        );
     }
 
     /// A function without a PCI Express capability: bus master cleared and one config read
