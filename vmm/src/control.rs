@@ -110,6 +110,10 @@ struct Handing {
     dev: Arc<Mutex<RemotePciDevice>>,
     mig: Arc<dyn remote_pci::LeaseMigration>,
     dirty_log: bool,
+    /// The lender logs the device's writes page by page. `false` (VFIO without IOMMU dirty
+    /// tracking): every fetch is the whole window, so the log is fetched once, at the final
+    /// pass after the drain, and not in precopy rounds (they would never converge).
+    exact: bool,
     quiesced: bool,
     ticket: bool,
     /// MSI-X vectors masked at the final pass with an interrupt waiting (taken from the
@@ -403,6 +407,7 @@ impl Controller {
                     dev: dev.clone(),
                     mig,
                     dirty_log: false,
+                    exact: true,
                     quiesced: false,
                     ticket: false,
                     undelivered: Vec::new(),
@@ -418,14 +423,16 @@ impl Controller {
             )));
         }
         // Each device's dirty log starts now (it runs until the lease moves, or is stopped
-        // by `abandon_handover`). A lender that cannot log the device's writes cannot
-        // confirm its DMA drained either (VFIO without IOMMU dirty tracking): refused.
+        // by `abandon_handover`). A lender that cannot log the device's writes page by page
+        // (VFIO without IOMMU dirty tracking) reports the whole window: such a device's
+        // window is sent again at the final pass, once its drain is confirmed.
         let mut untracked = Vec::new();
         let mut failed = None;
         for d in &mut devs {
             match d.mig.start_dirty_log() {
                 Ok(exact) => {
                     d.dirty_log = true;
+                    d.exact = exact;
                     if !exact {
                         untracked.push(d.id.clone());
                     }
@@ -450,17 +457,18 @@ impl Controller {
             stop_logs(&devs);
             return Err(ApiError::bad_gateway(why));
         }
-        if !untracked.is_empty() {
-            stop_logs(&devs);
-            return Err(ApiError::conflict(format!(
-                "cannot migrate the vm: the lender cannot track the DMA writes of lent devices \
-                 {} nor confirm they drained (a VFIO device without IOMMU dirty tracking)",
-                untracked.join(", ")
-            )));
-        }
         let Some(src) = self.snapshot.clone() else {
+            stop_logs(&devs);
             return Err(ApiError::internal("this vmm cannot migrate its vm"));
         };
+        if !untracked.is_empty() && !data.local {
+            log::info!(
+                "migration: the lenders cannot track the DMA writes of lent devices {} (no \
+                 IOMMU dirty tracking): their whole DMA windows are sent again at the final \
+                 pass, after their drain is confirmed (longer downtime)",
+                untracked.join(", ")
+            );
+        }
         let t0 = Instant::now();
         self.emit(
             "migration",
@@ -468,6 +476,9 @@ impl Controller {
             [
                 ("destination_url", Value::from(url_text)),
                 ("lent_devices", Value::from(devs.len())),
+                // Devices whose dirty log is the whole window (sent again at the final
+                // pass; nothing extra on the same-host fast path, which copies nothing).
+                ("untracked_devices", Value::from(untracked)),
             ],
         );
         let was_running = self.state == VmState::Running;
@@ -588,14 +599,20 @@ impl Controller {
             .emit("migration", "migration-device-handover", props);
     }
 
-    /// Device dirty logs fetched and merged into `dirty` (one bitmap per RAM region).
+    /// Device dirty logs fetched and merged into `dirty` (one bitmap per RAM region);
+    /// returns the pages they added. A precopy round (`final_pass` false) fetches only the
+    /// exact logs: a whole-window log would set every page of the window every round, and
+    /// precopy would never converge. The final pass, after the hand-over quiesce confirmed
+    /// every device drained, fetches them all: a whole-window device's window is sent once
+    /// more, complete.
     fn merge_device_dirty(
         devs: &[Handing],
         regions: &[crate::memory::RamRegion],
         dirty: &mut [Vec<u64>],
+        final_pass: bool,
     ) -> Result<u64, crate::migration::MigrationError> {
         let mut n = 0;
-        for d in devs {
+        for d in devs.iter().filter(|d| d.exact || final_pass) {
             let pages = d.mig.fetch_dirty_log().map_err(|e| {
                 crate::migration::MigrationError::Handover {
                     id: d.id.clone(),
@@ -603,7 +620,20 @@ impl Controller {
                     reason: e.to_string(),
                 }
             })?;
-            n += crate::migration::send::merge_device_dirty(regions, dirty, &pages);
+            let added = crate::migration::send::merge_device_dirty(regions, dirty, &pages);
+            if !d.exact {
+                log::info!(
+                    "{}: whole dma window sent again at the final pass ({} pages, {added} not \
+                     dirty otherwise)",
+                    d.id,
+                    pages
+                        .bits
+                        .iter()
+                        .map(|w| u64::from(w.count_ones()))
+                        .sum::<u64>()
+                );
+            }
+            n += added;
         }
         Ok(n)
     }
@@ -684,6 +714,10 @@ impl Controller {
                     ("took_us", Value::from(t.elapsed().as_micros() as u64)),
                     ("pending_msix", Value::from(q.pending_msix.clone())),
                     ("pending_intx", Value::from(q.pending_intx)),
+                    (
+                        "dirty_log",
+                        Value::from(if d.exact { "exact" } else { "whole-window" }),
+                    ),
                 ],
             );
         }
@@ -703,10 +737,11 @@ impl Controller {
             .save_lent_devices()
             .map_err(crate::migration::MigrationError::Snapshot)?;
         let doc = sender.save_state(lent)?;
-        // The devices are drained: their last fetch has every page they wrote.
+        // The devices are drained: their last fetch has every page they wrote (a
+        // whole-window device's: its whole window, fetched for the first time here).
         if let Some(log) = &log {
             let mut dirty = log.take()?;
-            let by_devices = Self::merge_device_dirty(devs, &regions, &mut dirty)?;
+            let by_devices = Self::merge_device_dirty(devs, &regions, &mut dirty, true)?;
             let pages = sender.send_dirty(&dirty)?;
             self.emit_iteration(round + 1, pages, by_devices);
         }
@@ -761,14 +796,16 @@ impl Controller {
         round: &mut u32,
     ) -> Result<(), crate::migration::MigrationError> {
         use crate::migration::send::{CONVERGED_PAGES, MAX_ROUNDS};
-        // The devices' dirty logs run since `send_migration` checked them.
+        // The devices' dirty logs run since `send_migration` started them; only the exact
+        // ones are fetched here (see `merge_device_dirty`), so only they count towards
+        // convergence.
         let pages = sender.send_all()?;
         // Whatever the devices wrote during round 0 is in their first fetch.
         self.emit_iteration(0, pages, 0);
         while *round < MAX_ROUNDS {
             *round += 1;
             let mut dirty = log.take()?;
-            let by_devices = Self::merge_device_dirty(devs, regions, &mut dirty)?;
+            let by_devices = Self::merge_device_dirty(devs, regions, &mut dirty, false)?;
             let pages = sender.send_dirty(&dirty)?;
             self.emit_iteration(*round, pages, by_devices);
             if pages <= CONVERGED_PAGES {

@@ -30,10 +30,40 @@ struct FakeLink {
     migration: Option<Arc<FakeMigration>>,
 }
 
-/// The migration side of a fake lease: records its dirty log.
+/// The migration side of a fake lease: records what the VMM asks of it, in order.
 struct FakeMigration {
     exact: bool,
     logging: std::sync::atomic::AtomicBool,
+    /// Calls so far: `start`, `fetch`, `stop`, `quiesce`, `resume`, `ticket`, `cancel`,
+    /// `moved`.
+    calls: Mutex<Vec<&'static str>>,
+    /// What the hand-over quiesce reports.
+    drained: std::sync::atomic::AtomicBool,
+    /// The lease's DMA window (first IOVA, pages): what a whole-window fetch reports.
+    window: Mutex<Option<(u64, u64)>>,
+    /// Runs inside the hand-over quiesce: the device's last DMA before it drained.
+    on_quiesce: Mutex<Option<Box<dyn Fn() + Send>>>,
+}
+
+impl FakeMigration {
+    fn new(exact: bool) -> Self {
+        Self {
+            exact,
+            logging: Default::default(),
+            calls: Mutex::new(Vec::new()),
+            drained: std::sync::atomic::AtomicBool::new(true),
+            window: Mutex::new(None),
+            on_quiesce: Mutex::new(None),
+        }
+    }
+
+    fn call(&self, what: &'static str) {
+        lock(&self.calls).push(what);
+    }
+
+    fn calls(&self) -> Vec<&'static str> {
+        lock(&self.calls).clone()
+    }
 }
 
 impl remote_pci::LeaseMigration for FakeMigration {
@@ -41,29 +71,63 @@ impl remote_pci::LeaseMigration for FakeMigration {
         1
     }
     fn start_dirty_log(&self) -> Result<bool, LinkError> {
+        self.call("start");
         self.logging.store(true, Ordering::SeqCst);
         Ok(self.exact)
     }
     fn fetch_dirty_log(&self) -> Result<remote_pci::DeviceDirtyPages, LinkError> {
-        Ok(remote_pci::DeviceDirtyPages::default())
+        self.call("fetch");
+        if self.exact {
+            return Ok(remote_pci::DeviceDirtyPages::default());
+        }
+        // As the lender's fallback: every page of the window, every time.
+        let (iova, pages) = lock(&self.window).unwrap_or_default();
+        let mut bits = vec![0u64; pages.div_ceil(64) as usize];
+        for i in 0..pages {
+            bits[(i / 64) as usize] |= 1 << (i % 64);
+        }
+        Ok(remote_pci::DeviceDirtyPages {
+            iova,
+            pages,
+            bits,
+            whole_window: true,
+        })
     }
     fn stop_dirty_log(&self) -> Result<(), LinkError> {
+        self.call("stop");
         self.logging.store(false, Ordering::SeqCst);
         Ok(())
     }
     fn quiesce_for_handover(&self, _: u32) -> Result<remote_pci::HandoverState, LinkError> {
-        Ok(remote_pci::HandoverState::default())
+        self.call("quiesce");
+        if let Some(f) = lock(&self.on_quiesce).as_ref() {
+            f();
+        }
+        Ok(remote_pci::HandoverState {
+            drained: self.drained.load(Ordering::SeqCst),
+            ..Default::default()
+        })
     }
     fn resume_after_handover(&self) -> Result<(), LinkError> {
+        self.call("resume");
         Ok(())
     }
     fn create_transfer(&self, _: &str, _: &str) -> Result<remote_pci::LeaseTicket, LinkError> {
-        Err(LinkError::Down("fake".into()))
+        self.call("ticket");
+        Ok(remote_pci::LeaseTicket {
+            lease: 1,
+            ticket: vec![7; 16],
+            expires_in_ms: 10_000,
+            claim: None,
+        })
     }
     fn cancel_transfer(&self) -> Result<(), LinkError> {
+        self.call("cancel");
         Ok(())
     }
-    fn mark_moved(&self) {}
+    fn mark_moved(&self) {
+        self.call("moved");
+    }
 }
 
 impl Drop for FakeLink {
@@ -215,10 +279,7 @@ impl LinkSource for FakeSource {
             dma: (spec.bdf.bus == 0x82).then(|| self.dma_maps.clone()),
             hook: hook.clone(),
             migration: (spec.bdf.bus == 0x97).then(|| {
-                let m = Arc::new(FakeMigration {
-                    exact: false,
-                    logging: Default::default(),
-                });
+                let m = Arc::new(FakeMigration::new(false));
                 *lock(&self.last_migration) = Some(m.clone());
                 m
             }),
@@ -1010,18 +1071,17 @@ fn migration_refuses_lent_devices_bad_urls_and_incoming_on_a_running_vm() {
     // Refused up front: no migration was started, the VM runs on.
     assert_eq!(rig.ctl.state(), VmState::Running);
     assert!(!events(&rig.ctl).iter().any(|e| e.starts_with("migration-")));
-    // A device whose lender cannot track its DMA writes (VFIO): refused naming it, its
-    // dirty log started for the check and stopped again.
+    // A device whose lender cannot track its DMA writes (VFIO) is not refused (see
+    // `migration_of_an_untracked_device_sends_its_whole_window_at_the_final_pass`); a VMM
+    // that cannot migrate at all (no snapshot source here) stops the dirty log it started.
     remove(&mut rig.ctl, "nvme0", true).unwrap();
     add(&mut rig.ctl, "node3:0000:97:00.0", Some("vfio0")).unwrap();
     let e = send(&mut rig.ctl, "unix:/nonexistent/m.sock").unwrap_err();
-    assert_eq!(e.kind, ApiErrorKind::Conflict, "{e}");
-    assert!(
-        e.message.contains("vfio0") && e.message.contains("cannot track"),
-        "{e}"
-    );
+    assert_eq!(e.kind, ApiErrorKind::Internal, "{e}");
+    assert!(e.message.contains("cannot migrate its vm"), "{e}");
     let m = lock(&rig.source.last_migration).clone().unwrap();
     assert!(!m.logging.load(Ordering::SeqCst), "dirty log left on");
+    assert_eq!(m.calls(), ["start", "stop"]);
     assert_eq!(rig.ctl.state(), VmState::Running);
     assert!(!events(&rig.ctl).iter().any(|e| e.starts_with("migration-")));
     let e = rig
@@ -1033,4 +1093,199 @@ fn migration_refuses_lent_devices_bad_urls_and_incoming_on_a_running_vm() {
         ))
         .unwrap_err();
     assert_eq!(e.kind, ApiErrorKind::Conflict, "{e}");
+}
+
+/// The destination of a test migration: guest RAM of its own, no vCPUs or devices (the
+/// state document is taken as it comes).
+struct FakeDestination {
+    ram: Arc<crate::memory::GuestRam>,
+}
+
+impl crate::migration::receive::MigrationTarget for FakeDestination {
+    fn ram(&self) -> &crate::memory::GuestRam {
+        &self.ram
+    }
+    fn restore(
+        &self,
+        _: &crate::snapshot::format::VmSnapshot,
+    ) -> Result<(), crate::migration::MigrationError> {
+        Ok(())
+    }
+}
+
+type Arrived = Result<
+    (
+        Arc<crate::memory::GuestRam>,
+        Vec<crate::migration::protocol::DeviceHandover>,
+    ),
+    String,
+>;
+
+/// Listens at a unix socket in `dir` as `node9`/`dst`, receives one VM and acknowledges it.
+/// The thread returns the RAM it received and the hand-overs, or why it failed.
+fn destination(dir: &std::path::Path) -> (String, std::thread::JoinHandle<Arrived>) {
+    let url = format!("unix:{}", dir.join("migrate.sock").display());
+    let incoming = crate::migration::receive::Incoming::listen(&url).unwrap();
+    let t = std::thread::spawn(move || {
+        let identity = crate::migration::protocol::Identity {
+            node: Some("node9".into()),
+            vm: Some("dst".into()),
+        };
+        let r = incoming
+            .receive(identity, |cfg, _| {
+                Ok(FakeDestination {
+                    ram: Arc::new(crate::memory::GuestRam::new(cfg.memory_size).unwrap()),
+                })
+            })
+            .map_err(|e| error_chain(&e))?;
+        let ram = r.vm.ram.clone();
+        r.reply.ack().map_err(|e| error_chain(&e))?;
+        Ok((ram, r.handover))
+    });
+    (url, t)
+}
+
+/// Starts the rig's vCPUs (the spin kernel) and gives the controller what a migration
+/// reads.
+fn migratable(rig: &mut Rig) {
+    rig.vm.start().unwrap();
+    rig.ctl.set_snapshot_source(
+        rig.vm
+            .snapshot_source(crate::snapshot::format::MachineConfig {
+                cpus: 1,
+                memory_size: 64 << 20,
+                kernel: "spin.elf".into(),
+                cmdline: String::new(),
+            }),
+    );
+}
+
+/// Offset of `gpa` in the guest RAM file.
+fn ram_offset(ram: &crate::memory::GuestRam, gpa: u64) -> u64 {
+    let r = ram
+        .regions()
+        .iter()
+        .find(|r| gpa >= r.gpa && gpa < r.gpa + r.size)
+        .unwrap();
+    r.file_offset + (gpa - r.gpa)
+}
+
+fn migration_events(ctl: &Controller) -> Vec<Arc<api::events::VmEvent>> {
+    ctl.events()
+        .recent()
+        .into_iter()
+        .filter(|e| e.source == "migration")
+        .collect()
+}
+
+/// The DMA window of the VFIO-like device in the migration tests: 64 pages at 1 MiB.
+const WINDOW: u64 = 0x10_0000;
+const WINDOW_PAGES: u64 = 64;
+
+/// A device whose lender cannot log its writes (VFIO without IOMMU dirty tracking)
+/// migrates: its log is not fetched in precopy (it would be the whole window every round),
+/// but once, after the hand-over quiesce confirmed its drain, so its whole window is sent
+/// again with the VM paused. A write the device made at the very end (inside the quiesce,
+/// after precopy sent that page; KVM's log cannot see device writes) arrives at the
+/// destination only through that.
+#[test]
+fn migration_of_an_untracked_device_sends_its_whole_window_at_the_final_pass() {
+    use std::os::unix::fs::FileExt;
+    let Some(mut rig) = rig() else { return };
+    migratable(&mut rig);
+    add(&mut rig.ctl, "node3:0000:97:00.0", Some("vfio0")).unwrap();
+    let m = lock(&rig.source.last_migration).clone().unwrap();
+    *lock(&m.window) = Some((WINDOW, WINDOW_PAGES));
+    const MARK: &[u8] = b"the device's last write before it drained";
+    let at = ram_offset(rig.vm.ram(), WINDOW + 5 * 4096 + 0x123);
+    {
+        let ram = rig.vm.ram().clone();
+        *lock(&m.on_quiesce) = Some(Box::new(move || {
+            ram.memfd().write_all_at(MARK, at).unwrap();
+        }));
+    }
+    let (url, dst) = destination(rig._dir.path());
+    let r = rig.ctl.send_migration(&api::types::VmSendMigrationData {
+        destination_url: url,
+        local: false,
+    });
+    let arrived = dst.join().unwrap();
+    r.unwrap();
+    let (ram, handover) = arrived.unwrap();
+    let mut got = vec![0u8; MARK.len()];
+    ram.memfd().read_exact_at(&mut got, at).unwrap();
+    assert_eq!(got, MARK, "the device's last write arrived");
+    assert_eq!(
+        handover.iter().map(|h| h.id.as_str()).collect::<Vec<_>>(),
+        ["vfio0"]
+    );
+    // One fetch, after the quiesce; the lease moved.
+    assert_eq!(m.calls(), ["start", "quiesce", "fetch", "ticket", "moved"]);
+    assert_eq!(rig.ctl.state(), VmState::ShuttingDown);
+
+    let evs = migration_events(&rig.ctl);
+    let started = evs.iter().find(|e| e.event == "migration-started").unwrap();
+    assert_eq!(
+        started.properties["untracked_devices"],
+        serde_json::json!(["vfio0"])
+    );
+    let quiesced = evs
+        .iter()
+        .find(|e| e.event == "migration-device-handover" && e.properties["phase"] == "quiesced")
+        .unwrap();
+    assert_eq!(quiesced.properties["dirty_log"], "whole-window");
+    let rounds: Vec<(u64, u64)> = evs
+        .iter()
+        .filter(|e| e.event == "migration-memory-iteration")
+        .map(|e| {
+            (
+                e.properties["pages"].as_u64().unwrap(),
+                e.properties["device_pages"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let (last, precopy) = rounds.split_last().unwrap();
+    assert_eq!(precopy[0].0, (64 << 20) / 4096, "round 0: all of RAM");
+    assert!(
+        precopy.iter().all(|&(_, dev)| dev == 0),
+        "no device pages in precopy: {rounds:?}"
+    );
+    assert!(
+        last.0 >= WINDOW_PAGES && last.1 > 0,
+        "the final pass has the whole window: {rounds:?}"
+    );
+}
+
+/// The drain of an untracked device is not confirmed: the migration fails before its log is
+/// fetched or its lease is offered, and the source runs on with the device.
+#[test]
+fn migration_of_an_untracked_device_that_does_not_drain_fails_and_the_source_runs_on() {
+    let Some(mut rig) = rig() else { return };
+    migratable(&mut rig);
+    add(&mut rig.ctl, "node3:0000:97:00.0", Some("vfio0")).unwrap();
+    let m = lock(&rig.source.last_migration).clone().unwrap();
+    *lock(&m.window) = Some((WINDOW, WINDOW_PAGES));
+    m.drained.store(false, Ordering::SeqCst);
+    let (url, dst) = destination(rig._dir.path());
+    let e = rig
+        .ctl
+        .send_migration(&api::types::VmSendMigrationData {
+            destination_url: url,
+            local: false,
+        })
+        .unwrap_err();
+    assert!(
+        e.message.contains("vfio0") && e.message.contains("drained"),
+        "{e}"
+    );
+    assert!(dst.join().unwrap().is_err(), "the destination got no vm");
+    assert_eq!(m.calls(), ["start", "quiesce", "stop", "resume"]);
+    assert_eq!(rig.ctl.state(), VmState::Running);
+    assert!(!rig.vm.vcpu_control().is_paused(), "vCPUs resumed");
+    assert_eq!(entry_state(&rig.ctl, "vfio0"), Some(ApiLeaseState::Active));
+    let names: Vec<String> = migration_events(&rig.ctl)
+        .iter()
+        .map(|e| e.event.clone())
+        .collect();
+    assert_eq!(names.last().map(String::as_str), Some("migration-failed"));
 }

@@ -184,8 +184,9 @@ pub trait DeviceBackend: Send + Sync {
     fn domain(&self) -> Arc<dyn IommuDomain>;
     /// Quiesces (`true`) or resumes (`false`) the device for the borrower's pause: it stops
     /// fetching doorbells and descriptors until resumed. [`DeviceBackend::reset`] resumes it
-    /// (so does the end of a lease, which resets). Default: nothing (a VFIO device cannot be
-    /// told; the borrower masks its vectors).
+    /// (so does the end of a lease, which resets). Default: nothing (the borrower masks its
+    /// vectors). `quiesce(false)` also ends a hand-over quiesce that stayed here (the
+    /// migration failed): the VFIO backend then sets Bus Master Enable as it was.
     fn quiesce(&self, _stop: bool) -> Result<(), BackendError> {
         Ok(())
     }
@@ -193,8 +194,9 @@ pub trait DeviceBackend: Send + Sync {
     /// [`DeviceBackend::quiesce`] that live migration needs): stops the device fetching new
     /// work, holds its interrupts as pending (delivered to the then current targets by
     /// `quiesce(false)`), lets the work already fetched complete and waits, at most
-    /// `timeout`, until no DMA is in flight. Default: quiesce only, drain unconfirmed (a
-    /// VFIO device's DMA cannot be observed by the lender).
+    /// `timeout`, until no DMA is in flight. Default: quiesce only, drain unconfirmed (for a
+    /// backend that cannot observe its device's DMA). The VFIO backend confirms it through
+    /// the device: Bus Master Enable cleared, PCI Express Transactions Pending polled.
     fn quiesce_handover(&self, timeout: std::time::Duration) -> Result<Drained, BackendError> {
         let _ = timeout;
         self.quiesce(true)?;

@@ -18,13 +18,19 @@
 //! * interrupts: `VFIO_DEVICE_SET_IRQS` with the borrower's eventfds (shm) or with local
 //!   eventfds relayed to doorbells/messages ([`super::irq::IrqRelay`]);
 //! * reset: `VFIO_DEVICE_RESET` (FLR or whatever the kernel picks);
-//! * DMA: one VFIO container per device ([`crate::iommu::vfio::VfioDomain`]).
+//! * DMA: one VFIO container per device ([`crate::iommu::vfio::VfioDomain`]);
+//! * live migration: the container API has no IOMMU dirty tracking, so the dirty log reports
+//!   the whole window; the hand-over quiesce confirms the drain as PCIe software does before
+//!   an FLR: Bus Master Enable cleared, then the PCI Express Device Status "Transactions
+//!   Pending" bit polled until clear ([`VfioBackend::drain`]). A failed hand-over restores
+//!   Bus Master Enable (`quiesce(false)`).
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use vfio_bindings::bindings::vfio::{
     VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX,
@@ -34,7 +40,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::config::CMD_BUS_MASTER;
 use super::irq::IrqRelay;
-use super::{BackendError, BarExport, DeviceBackend, IrqTrigger};
+use super::{BackendError, BarExport, DeviceBackend, Drained, IrqTrigger};
 use crate::iommu::vfio::VfioDomain;
 use crate::iommu::IommuDomain;
 use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, IrqKind, MsixDesc, NotifyWrites};
@@ -129,6 +135,17 @@ struct Wiring {
 /// Where the kernel shows PCI functions (`<BDF>/resourceN`).
 pub const SYSFS_PCI_DEVICES: &str = "/sys/bus/pci/devices";
 
+/// Capability ID of the PCI Express capability.
+pub const CAP_ID_PCIE: u8 = 0x10;
+/// Offset of Device Status in the PCI Express capability.
+pub const PCIE_DEVSTA: u64 = 0x0a;
+/// Device Status bit 5: Transactions Pending (non-posted requests of the function still
+/// waiting for their completions).
+pub const DEVSTA_TRANSACTIONS_PENDING: u16 = 1 << 5;
+
+/// Longest pause between two Device Status polls of a drain.
+const DRAIN_POLL_MAX: Duration = Duration::from_millis(1);
+
 /// How one BAR reaches the borrower.
 #[derive(Debug)]
 pub enum BarAccess {
@@ -153,6 +170,13 @@ pub struct VfioBackend<D: VfioDeviceOps> {
     wiring: Mutex<Vec<(IrqKind, Wiring)>>,
     /// BAR index -> how it is lent (BARs the device implements).
     bars: Vec<(u8, BarAccess)>,
+    /// While a hand-over quiesce has Bus Master Enable cleared: whether it was set before
+    /// (restored by `quiesce(false)`; forgotten when the lender sets it itself, after a
+    /// transfer or a reset).
+    handover_bme: Mutex<Option<bool>>,
+    /// Offset of Device Status in the PCI Express capability (found once: the capability
+    /// list is read-only), `None` for a conventional PCI function.
+    devsta: Option<u64>,
 }
 
 impl VfioBackend<vfio_ioctls::VfioDevice> {
@@ -195,8 +219,11 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
             domain,
             wiring: Mutex::new(Vec::new()),
             bars: Vec::new(),
+            handover_bme: Mutex::new(None),
+            devsta: None,
         };
         b.bars = b.decide_bars(sysfs);
+        b.devsta = b.devsta_offset();
         for (i, a) in &b.bars {
             match a {
                 BarAccess::Direct { path, size, .. } => log::info!(
@@ -359,6 +386,99 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
         self.dev
             .region_read(VFIO_PCI_CONFIG_REGION_INDEX, off, &mut b);
         u32::from_le_bytes(b)
+    }
+
+    fn config_u16(&self, off: u64) -> u16 {
+        let mut b = [0u8; 2];
+        self.dev
+            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, off, &mut b);
+        u16::from_le_bytes(b)
+    }
+
+    /// Sets or clears Bus Master Enable in the physical command register; returns whether
+    /// it was set.
+    fn write_bme(&self, enable: bool) -> bool {
+        let cmd = self.config_u16(4);
+        let new = if enable {
+            cmd | CMD_BUS_MASTER
+        } else {
+            cmd & !CMD_BUS_MASTER
+        };
+        if new != cmd {
+            self.dev
+                .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &new.to_le_bytes());
+        }
+        cmd & CMD_BUS_MASTER != 0
+    }
+
+    fn handover_bme(&self) -> std::sync::MutexGuard<'_, Option<bool>> {
+        match self.handover_bme.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// Offset of the PCI Express capability's Device Status register, if the function has
+    /// the capability.
+    fn devsta_offset(&self) -> Option<u64> {
+        let mut cfg = [0u8; 256];
+        self.dev
+            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut cfg);
+        super::capabilities(&cfg)
+            .into_iter()
+            .find(|c| !c.extended && c.id == u16::from(CAP_ID_PCIE))
+            .map(|c| u64::from(c.offset) + PCIE_DEVSTA)
+    }
+
+    /// Confirms that no DMA of the function is in flight, the way PCIe software does before
+    /// a Function Level Reset: Bus Master Enable cleared (the function may start no new
+    /// request), then Device Status polled until Transactions Pending clears (the requests
+    /// it had started have completed), at most `timeout`. Returns whether it cleared.
+    ///
+    /// Every poll is a config read, a non-posted request to the function whose completion
+    /// may not pass the function's earlier posted writes on their way upstream: once a
+    /// read returns, every memory write the function made before has reached the root
+    /// complex (and guest RAM). A function without a PCI Express capability has no
+    /// Transactions Pending bit: it is a conventional PCI function. Only its writes change
+    /// guest RAM, and a conventional PCI write is either finished on the bus or posted in a
+    /// bridge's buffer; with Bus Master Enable clear it starts no new one, and the config
+    /// read (whose completion pushes the bridges' posted writes ahead of it) flushes the
+    /// posted ones. What may still be outstanding are reads, which write no guest RAM. So
+    /// the cleared bit plus one config read is the drain.
+    fn drain(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let was = self.write_bme(false);
+        self.handover_bme().get_or_insert(was);
+        let Some(devsta) = self.devsta else {
+            let _ = self.config_u16(4);
+            log::info!(
+                "{}: bus master off; no pci express capability, drained by a config read",
+                self.name
+            );
+            return true;
+        };
+        let mut pause = Duration::from_micros(10);
+        let mut polls = 0u32;
+        loop {
+            polls += 1;
+            if self.config_u16(devsta) & DEVSTA_TRANSACTIONS_PENDING == 0 {
+                log::info!(
+                    "{}: bus master off, no transaction pending ({polls} polls)",
+                    self.name
+                );
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                log::warn!(
+                    "{}: transactions still pending {timeout:?} after bus master was                      cleared ({polls} polls): drain not confirmed",
+                    self.name
+                );
+                return false;
+            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(DRAIN_POLL_MAX);
+        }
     }
 }
 
@@ -604,21 +724,42 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     }
 
     fn set_bus_master(&self, enable: bool) -> Result<(), BackendError> {
-        let mut b = [0u8; 2];
-        self.dev
-            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 4, &mut b);
-        let mut cmd = u16::from_le_bytes(b);
-        if enable {
-            cmd |= CMD_BUS_MASTER;
-        } else {
-            cmd &= !CMD_BUS_MASTER;
-        }
-        self.dev
-            .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &cmd.to_le_bytes());
+        // The lender decides now (a destination took the lease over, windows came or
+        // went): a hand-over's saved bit is stale.
+        *self.handover_bme() = None;
+        self.write_bme(enable);
         Ok(())
     }
 
+    fn quiesce(&self, stop: bool) -> Result<(), BackendError> {
+        // Pausing: nothing to tell a VFIO device (the borrower masks its vectors). Resuming
+        // after a hand-over quiesce that stayed here: Bus Master Enable as it was.
+        if !stop {
+            if let Some(was) = self.handover_bme().take() {
+                self.write_bme(was);
+                log::info!(
+                    "{}: hand-over quiesce ended here, bus master {}",
+                    self.name,
+                    if was { "on again" } else { "left off" }
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn quiesce_handover(&self, timeout: Duration) -> Result<Drained, BackendError> {
+        self.quiesce(true)?;
+        // Interrupts are not held here: a VFIO device's go straight to the borrower's
+        // eventfds (or the relay), and the borrower has masked its vectors.
+        Ok(Drained {
+            drained: self.drain(timeout),
+            ..Drained::default()
+        })
+    }
+
     fn reset(&self) -> Result<(), BackendError> {
+        // A reset clears Bus Master Enable itself; whatever a hand-over saved is moot.
+        *self.handover_bme() = None;
         self.dev.reset();
         log::info!("{}: VFIO_DEVICE_RESET", self.name);
         Ok(())
@@ -638,8 +779,22 @@ pub mod fake {
     use vmm_sys_util::eventfd::EventFd;
 
     use super::{RegionInfo, VfioDeviceOps};
+    use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
 
-    /// Region contents in memory; records IRQ and reset calls.
+    /// How long the fake holds Device Status "Transactions Pending" set.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub enum TransactionsPending {
+        /// Clear (the default).
+        #[default]
+        Clear,
+        /// Set for the next `n` reads of Device Status, clear after.
+        Reads(u32),
+        /// Set on every read (a function that never completes its requests).
+        Forever,
+    }
+
+    /// Region contents in memory; records IRQ and reset calls, config writes and reads of
+    /// the PCI Express Device Status, whose Transactions Pending bit it can hold set.
     pub struct FakeVfioDevice {
         /// index -> (info, bytes)
         pub regions: Mutex<HashMap<u32, (RegionInfo, Vec<u8>)>>,
@@ -649,6 +804,12 @@ pub mod fake {
         pub enabled: Mutex<HashMap<u32, Vec<EventFd>>>,
         /// Resets so far.
         pub resets: Mutex<u32>,
+        /// Every config region write, in order: (offset, bytes).
+        pub config_writes: Mutex<Vec<(u64, Vec<u8>)>>,
+        /// Transactions Pending as Device Status reads show it.
+        pub pending: Mutex<TransactionsPending>,
+        /// Reads of Device Status so far: whether Bus Master Enable was set at each.
+        pub devsta_reads: Mutex<Vec<bool>>,
         fd: OwnedFd,
     }
 
@@ -665,8 +826,79 @@ pub mod fake {
                 irq_counts: irq_counts.iter().copied().collect(),
                 enabled: Mutex::new(HashMap::new()),
                 resets: Mutex::new(0),
+                config_writes: Mutex::new(Vec::new()),
+                pending: Mutex::new(TransactionsPending::Clear),
+                devsta_reads: Mutex::new(Vec::new()),
                 fd,
             })
+        }
+
+        /// Holds Transactions Pending as `p` says from now on.
+        pub fn hold_pending(&self, p: TransactionsPending) {
+            if let Ok(mut g) = self.pending.lock() {
+                *g = p;
+            }
+        }
+
+        /// The values written to the command register (offset 4, 2 or 4 bytes), in order.
+        pub fn command_writes(&self) -> Vec<u16> {
+            self.config_writes.lock().map_or_else(
+                |_| Vec::new(),
+                |w| {
+                    w.iter()
+                        .filter(|(o, d)| *o == 4 && d.len() >= 2)
+                        .map(|(_, d)| u16::from_le_bytes([d[0], d[1]]))
+                        .collect()
+                },
+            )
+        }
+
+        /// Reads of Device Status so far: whether Bus Master Enable was set at each.
+        pub fn devsta_reads(&self) -> Vec<bool> {
+            self.devsta_reads
+                .lock()
+                .map_or_else(|_| Vec::new(), |g| g.clone())
+        }
+
+        /// Offset of Device Status in `cfg` (its PCI Express capability's), if any.
+        fn devsta_in(cfg: &[u8]) -> Option<u64> {
+            crate::backend::capabilities(cfg)
+                .into_iter()
+                .find(|c| !c.extended && c.id == u16::from(super::CAP_ID_PCIE))
+                .map(|c| u64::from(c.offset) + super::PCIE_DEVSTA)
+        }
+
+        /// A config read covering Device Status: counted, and Transactions Pending set in
+        /// `buf` while held.
+        fn on_config_read(&self, cfg: &[u8], offset: u64, buf: &mut [u8]) {
+            let Some(at) = Self::devsta_in(cfg) else {
+                return;
+            };
+            if offset > at || offset + buf.len() as u64 <= at {
+                return;
+            }
+            if let Ok(mut n) = self.devsta_reads.lock() {
+                n.push(cfg.get(4).is_some_and(|c| c & 4 != 0));
+            }
+            let set = match self.pending.lock() {
+                Ok(mut p) => match *p {
+                    TransactionsPending::Forever => true,
+                    TransactionsPending::Reads(n) if n > 0 => {
+                        *p = if n == 1 {
+                            TransactionsPending::Clear
+                        } else {
+                            TransactionsPending::Reads(n - 1)
+                        };
+                        true
+                    }
+                    _ => false,
+                },
+                Err(_) => false,
+            };
+            if set {
+                // Bit 5 of the register's low byte.
+                buf[(at - offset) as usize] |= super::DEVSTA_TRANSACTIONS_PENDING as u8;
+            }
         }
     }
 
@@ -717,12 +949,20 @@ pub mod fake {
                     let o = offset as usize;
                     if let Some(src) = b.get(o..o + buf.len()) {
                         buf.copy_from_slice(src);
+                        if index == VFIO_PCI_CONFIG_REGION_INDEX {
+                            self.on_config_read(b, offset, buf);
+                        }
                     }
                 }
             }
         }
 
         fn region_write(&self, index: u32, offset: u64, data: &[u8]) {
+            if index == VFIO_PCI_CONFIG_REGION_INDEX {
+                if let Ok(mut w) = self.config_writes.lock() {
+                    w.push((offset, data.to_vec()));
+                }
+            }
             if let Ok(mut r) = self.regions.lock() {
                 if let Some((_, b)) = r.get_mut(&index) {
                     let o = offset as usize;
@@ -964,24 +1204,166 @@ pub(crate) mod tests {
         );
     }
 
-    /// Live migration on a VFIO device: the lender cannot see its DMA, so the hand-over
-    /// quiesce does not confirm a drain and the dirty log reports the whole window.
+    /// Live migration on a VFIO device: the lender cannot see its DMA, so the dirty log
+    /// reports the whole window; the hand-over quiesce confirms the drain through the
+    /// device itself (Bus Master Enable cleared, Transactions Pending clear).
     #[test]
-    fn migration_falls_back_to_whole_window_and_unconfirmed_drain() {
+    fn migration_reports_the_whole_window_and_drains_through_the_device() {
         let (b, c, _sysfs) = backend();
         let dom = b.domain();
         let mem = Arc::new(crate::iommu::MmapBacking::anonymous(0x4000).unwrap());
         dom.map(0x10_0000, 0x4000, mem).unwrap();
+        b.set_bus_master(true).unwrap();
         assert!(!dom.start_dirty_log());
         let d = dom.fetch_dirty(0x10_0000, 0x8000).unwrap();
         assert!(d.whole_window);
         assert_eq!(d.count(), 4, "every mapped page, none beyond");
-        let q = b
-            .quiesce_handover(std::time::Duration::from_millis(10))
-            .unwrap();
-        assert_eq!(q, crate::backend::Drained::default(), "drain not confirmed");
+        let n0 = b.dev.devsta_reads().len();
+        let q = b.quiesce_handover(Duration::from_millis(10)).unwrap();
+        assert_eq!(
+            q,
+            crate::backend::Drained {
+                drained: true,
+                ..Default::default()
+            },
+            "nothing pending: drained at the first poll, no interrupt held"
+        );
+        assert_eq!(
+            b.dev.devsta_reads()[n0..],
+            [false],
+            "polled once, with bus master off"
+        );
+        assert_eq!(command(&b) & CMD_BUS_MASTER, 0);
         dom.stop_dirty_log();
         assert_eq!(c.live(), vec![(0x10_0000, 0x4000)]);
+    }
+
+    fn command(b: &VfioBackend<FakeVfioDevice>) -> u16 {
+        let mut v = [0u8; 2];
+        b.config_read(4, &mut v).unwrap();
+        u16::from_le_bytes(v)
+    }
+
+    /// Transactions Pending set for the first polls: the quiesce waits until it clears and
+    /// confirms the drain; every poll came after Bus Master Enable was cleared.
+    #[test]
+    fn handover_drain_waits_for_transactions_pending_to_clear() {
+        let (b, _, _sysfs) = backend();
+        b.set_bus_master(true).unwrap();
+        let before = command(&b);
+        b.dev.hold_pending(fake::TransactionsPending::Reads(3));
+        let n0 = b.dev.devsta_reads().len();
+        let q = b.quiesce_handover(Duration::from_secs(5)).unwrap();
+        assert!(q.drained, "{q:?}");
+        assert_eq!(
+            b.dev.devsta_reads()[n0..],
+            [false; 4],
+            "three polls saw it pending, the fourth clear, all with bus master off"
+        );
+        assert_eq!(
+            b.dev.command_writes().last(),
+            Some(&(before & !CMD_BUS_MASTER)),
+            "only bus master cleared"
+        );
+        // The hand-over failed: the source keeps the device, bus master as it was.
+        b.quiesce(false).unwrap();
+        assert_eq!(command(&b), before);
+        assert_ne!(before & CMD_BUS_MASTER, 0);
+    }
+
+    /// A function that never completes its requests: the drain is not confirmed, the
+    /// quiesce returns once its timeout is up (no hang), and resuming sets bus master again.
+    #[test]
+    fn handover_drain_is_not_confirmed_while_transactions_stay_pending() {
+        let (b, _, _sysfs) = backend();
+        b.set_bus_master(true).unwrap();
+        b.dev.hold_pending(fake::TransactionsPending::Forever);
+        let n0 = b.dev.devsta_reads().len();
+        let t0 = Instant::now();
+        let q = b.quiesce_handover(Duration::from_millis(50)).unwrap();
+        let took = t0.elapsed();
+        assert!(!q.drained, "{q:?}");
+        assert!(
+            took >= Duration::from_millis(50) && took < Duration::from_secs(2),
+            "{took:?}"
+        );
+        let reads = b.dev.devsta_reads()[n0..].to_vec();
+        assert!(reads.len() > 1, "polled until the timeout: {reads:?}");
+        assert!(reads.iter().all(|bme| !bme), "{reads:?}");
+        assert_eq!(command(&b) & CMD_BUS_MASTER, 0, "stays off until resumed");
+        // A second attempt keeps what the first saved (bus master was on).
+        let q = b.quiesce_handover(Duration::ZERO).unwrap();
+        assert!(!q.drained);
+        b.quiesce(false).unwrap();
+        assert_ne!(command(&b) & CMD_BUS_MASTER, 0, "restored");
+        let writes = b.dev.command_writes();
+        assert_eq!(
+            writes
+                .iter()
+                .map(|c| c & CMD_BUS_MASTER != 0)
+                .collect::<Vec<_>>(),
+            vec![true, false, true],
+            "set, cleared once for the hand-over, restored: {writes:x?}"
+        );
+        // Resumed again without a hand-over: nothing written.
+        b.quiesce(false).unwrap();
+        assert_eq!(b.dev.command_writes().len(), 3);
+    }
+
+    /// Bus master stays as the lender last set it: off before the hand-over stays off after
+    /// it; a lender decision during the hand-over (the destination's accept sets it by its
+    /// windows, a lease end clears it) is not undone by a later resume.
+    #[test]
+    fn handover_resume_restores_only_what_the_handover_changed() {
+        let (b, _, _sysfs) = backend();
+        assert_eq!(command(&b) & CMD_BUS_MASTER, 0);
+        assert!(b.quiesce_handover(Duration::from_secs(1)).unwrap().drained);
+        b.quiesce(false).unwrap();
+        assert_eq!(command(&b) & CMD_BUS_MASTER, 0, "was off, stays off");
+        assert!(b.dev.command_writes().is_empty(), "nothing to write");
+
+        b.set_bus_master(true).unwrap();
+        assert!(b.quiesce_handover(Duration::from_secs(1)).unwrap().drained);
+        // The destination took the lease with its windows mapped: bus master on; its resume
+        // leaves that alone.
+        b.set_bus_master(true).unwrap();
+        b.quiesce(false).unwrap();
+        assert_ne!(command(&b) & CMD_BUS_MASTER, 0);
+        // Quiesced again, then the lease ended (bus master off by the lender): a late
+        // resume does not turn it back on.
+        assert!(b.quiesce_handover(Duration::from_secs(1)).unwrap().drained);
+        b.set_bus_master(false).unwrap();
+        b.quiesce(false).unwrap();
+        assert_eq!(command(&b) & CMD_BUS_MASTER, 0);
+        // Nor after a reset.
+        b.set_bus_master(true).unwrap();
+        assert!(b.quiesce_handover(Duration::from_secs(1)).unwrap().drained);
+        b.reset().unwrap();
+        let n = b.dev.command_writes().len();
+        b.quiesce(false).unwrap();
+        assert_eq!(
+            b.dev.command_writes().len(),
+            n,
+            "nothing written after the reset"
+        );
+    }
+
+    /// A function without a PCI Express capability: bus master cleared and one config read
+    /// are the drain (no Device Status to poll).
+    #[test]
+    fn handover_drain_of_a_conventional_pci_function() {
+        let mut cfg = nic_config(false);
+        cfg[0x41] = 0; // MSI-X is the last capability: no PCI Express.
+        let sysfs = FakeSysfs::new().unwrap();
+        let (b, _) = backend_with(nic_with(cfg, false), &sysfs);
+        b.set_bus_master(true).unwrap();
+        b.dev.hold_pending(fake::TransactionsPending::Forever);
+        let q = b.quiesce_handover(Duration::from_secs(1)).unwrap();
+        assert!(q.drained, "{q:?}");
+        assert!(b.dev.devsta_reads().is_empty());
+        assert_eq!(command(&b) & CMD_BUS_MASTER, 0);
+        b.quiesce(false).unwrap();
+        assert_ne!(command(&b) & CMD_BUS_MASTER, 0);
     }
 
     #[test]

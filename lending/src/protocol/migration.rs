@@ -124,7 +124,8 @@ pub struct QuiesceHandover {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HandoverQuiesced {
     /// The lender confirms that no DMA of the device is in flight (`false`: the timeout
-    /// passed, or the device's DMA cannot be observed: VFIO).
+    /// passed; for VFIO, Transactions Pending stayed set after Bus Master Enable was
+    /// cleared).
     pub drained: bool,
     /// MSI-X vectors raised since the quiesce began (held by the lender).
     pub pending_msix: Vec<u32>,
