@@ -442,6 +442,10 @@ impl DmaBacking for PeerWindowBacking {
     fn host_addr(&self) -> Option<NonNull<u8>> {
         self.win.as_ptr().ok().and_then(NonNull::new)
     }
+
+    fn backing_id(&self) -> Option<ntb::BackingId> {
+        self.win.backing_id()
+    }
 }
 
 /// Rings a borrower doorbell bit.
