@@ -293,6 +293,10 @@ struct SessionLease {
     config: ConfigGate,
     /// This lease started the device's dirty log (stopped when the lease ends or moves).
     dirty_log: bool,
+    /// The previous holder's DMA mappings (iova, size), left in the domain by a transfer
+    /// whose accept named no windows, until this holder maps them (kept if the same memory)
+    /// or resumes the device ([`migration`]).
+    parked: Vec<(u64, u64)>,
 }
 
 impl Drop for SessionLease {
@@ -925,6 +929,7 @@ impl Session {
             }
             Request::DmaMap(m) => {
                 let ep = Arc::clone(&self.ep);
+                let lender = Arc::clone(&self.lender);
                 let sl = self.lease(m.lease)?;
                 let win = ep.map_peer_window(m.window).map_err(|e| {
                     error(
@@ -932,9 +937,12 @@ impl Session {
                         format!("borrower window {}: {e}", m.window),
                     )
                 })?;
-                let backing = Arc::new(PeerWindowBacking { win });
+                let backing: Arc<dyn DmaBacking> = Arc::new(PeerWindowBacking { win });
                 let dom = sl.lease.backend().domain();
-                dom.map(m.iova, m.size, backing).map_err(iommu_err)?;
+                // After a transfer: the previous holder's mapping stays if this is its memory.
+                if !sl.map_over_parked(&lender, m.lease, m.iova, m.size, &backing) {
+                    dom.map(m.iova, m.size, backing).map_err(iommu_err)?;
+                }
                 sl.maps.push(DmaEntry {
                     iova: m.iova,
                     size: m.size,
@@ -977,6 +985,9 @@ impl Session {
             }
             Request::Quiesce(q) => {
                 let sl = self.lease(q.lease)?;
+                if !q.stop {
+                    sl.unmap_parked(q.lease, "the device resumes");
+                }
                 sl.lease.backend().quiesce(q.stop).map_err(backend_err)?;
                 log::info!(
                     "lease {}: {}",
@@ -1162,6 +1173,7 @@ impl Session {
                 claim,
                 config,
                 dirty_log: false,
+                parked: Vec::new(),
             },
         );
         Ok(msg)

@@ -713,40 +713,36 @@ impl DeviceBackend for Recorded {
 
 const SMALL: u64 = 0x40000;
 
-/// Copies `len` bytes of guest RAM from `src` to `dst` with the dmatest engine.
+/// Copies `len` bytes of guest RAM from `src` to `dst` with the dmatest engine (the device
+/// must be running); panics if the copy faulted.
 fn dma_copy(dev: &EmulatedBackend, src: u64, dst: u64, len: u32) {
     use emulated::dmatest::{
-        CMD_ACK, CMD_START, REG_CMD, REG_DST, REG_LEN, REG_SRC, REG_STATUS, STATUS_DONE,
-        STATUS_ERROR,
+        CMD_START, REG_CMD, REG_COMPLETED, REG_DST, REG_FAULTS, REG_LEN, REG_SRC,
+    };
+    let r32 = |off| {
+        let mut b = [0u8; 4];
+        dev.bar_read(0, off, &mut b).unwrap();
+        u32::from_le_bytes(b)
     };
     let w32 = |off, v: u32| dev.bar_write(0, off, &v.to_le_bytes()).unwrap();
     let w64 = |off, v: u64| dev.bar_write(0, off, &v.to_le_bytes()).unwrap();
-    w32(REG_CMD, CMD_ACK);
+    // The engine publishes its counters asynchronously: wait on COMPLETED, not on STATUS
+    // (which may still show the previous copy's done bit).
+    let (done, faults) = (r32(REG_COMPLETED), r32(REG_FAULTS));
     w64(REG_SRC, src);
     w64(REG_DST, dst);
     w32(REG_LEN, len);
     w32(REG_CMD, CMD_START);
     let t0 = Instant::now();
-    loop {
-        let mut s = [0u8; 4];
-        dev.bar_read(0, REG_STATUS, &mut s).unwrap();
-        let s = u32::from_le_bytes(s);
-        assert_eq!(s & STATUS_ERROR, 0, "the copy faulted");
-        if s & STATUS_DONE != 0 {
-            return;
-        }
+    while r32(REG_COMPLETED) == done {
         assert!(t0.elapsed() < Duration::from_secs(5), "copy did not finish");
         std::thread::sleep(Duration::from_millis(1));
     }
+    assert_eq!(r32(REG_FAULTS), faults, "the copy faulted");
 }
 
-/// A lease transfer on the memfd fast path (`same`: the destination exports the source's
-/// guest-RAM memfd at the same offset) keeps the lender's DMA window — the domain is asked
-/// for one rebind and never unmaps — and DMA after it reaches that memory even once the
-/// source revoked its own window. With the destination's own memfd the window is unmapped
-/// and mapped again, as for a copied migration.
-fn transfer_keeping(same: bool) {
-    let c = cluster(FabricKind::Shm);
+/// An in-process lender of a `dmatest` engine whose domain calls are recorded.
+fn recorded_lender(c: &Cluster) -> (Arc<Recorded>, Arc<RecordingDomain>, BackgroundLender) {
     let dev = EmulatedBackend::dmatest("keep", emulated::NotifyMode::Interrupt).unwrap();
     // The device's DMA goes through its own software domain: the lender's calls to it are
     // recorded on the way.
@@ -764,6 +760,19 @@ fn transfer_keeping(same: bool) {
         .listen()
         .unwrap();
     let l = BackgroundLender::start(Lender::new(inv, LENDER, TOKEN), listener).unwrap();
+    (backend, dom, l)
+}
+
+/// A lease transfer on the memfd fast path (`same`: the destination exports the source's
+/// guest-RAM memfd at the same offset) keeps the lender's DMA window — the domain is asked
+/// for one rebind and never unmaps — and DMA after it reaches that memory even once the
+/// source revoked its own window. With the destination's own memfd the window is unmapped
+/// and mapped again, as for a copied migration. `in_accept`: the destination names its
+/// window in TRANSFER_ACCEPT; else it maps it with DMA_MAP after the accept (as lendvm
+/// does), and the source's mapping waits in the domain until then.
+fn transfer_keeping(same: bool, in_accept: bool) {
+    let c = cluster(FabricKind::Shm);
+    let (backend, dom, l) = recorded_lender(&c);
 
     let a = connect(&c);
     let ram = ntb::SharedMemory::new("a-ram", SMALL).unwrap();
@@ -796,18 +805,26 @@ fn transfer_keeping(same: bool) {
         .export_window(b_fd.as_fd(), 0, SMALL, "b-ram")
         .unwrap();
     dom.take();
+    let maps = [AcceptMap {
+        iova: 0,
+        size: SMALL,
+        window: wb.id(),
+    }];
     let lb = b
-        .accept_transfer(
-            &t,
-            "vm0-dst",
-            &[AcceptMap {
-                iova: 0,
-                size: SMALL,
-                window: wb.id(),
-            }],
-            &[],
-        )
+        .accept_transfer(&t, "vm0-dst", if in_accept { &maps } else { &[] }, &[])
         .unwrap();
+    if !in_accept {
+        assert_eq!(dom.take(), vec![], "the source's window waits for B's");
+        assert_eq!(
+            dom.mappings(),
+            vec![MappingInfo {
+                iova: 0,
+                size: SMALL
+            }]
+        );
+        assert_eq!(l.lender().dma_windows_kept(), 0);
+        lb.map_dma(0, SMALL, wb.id()).unwrap();
+    }
     let ops = dom.take();
     if same {
         assert_eq!(
@@ -868,10 +885,47 @@ fn transfer_keeping(same: bool) {
 
 #[test]
 fn a_transfer_onto_the_same_memfd_keeps_the_dma_window() {
-    transfer_keeping(true);
+    transfer_keeping(true, true);
 }
 
 #[test]
 fn a_transfer_onto_another_memfd_maps_the_dma_window_again() {
-    transfer_keeping(false);
+    transfer_keeping(false, true);
+}
+
+#[test]
+fn a_dma_map_after_the_transfer_onto_the_same_memfd_keeps_the_dma_window() {
+    transfer_keeping(true, false);
+}
+
+#[test]
+fn a_dma_map_after_the_transfer_onto_another_memfd_maps_the_dma_window_again() {
+    transfer_keeping(false, false);
+}
+
+/// The new holder resumes the device without mapping the range the source had mapped: the
+/// source's mapping, left in the domain by an accept without windows, is unmapped then.
+#[test]
+fn a_resume_before_the_new_holder_maps_unmaps_the_old_window() {
+    let c = cluster(FabricKind::Shm);
+    let (_backend, dom, l) = recorded_lender(&c);
+    let a = connect(&c);
+    let ram = ntb::SharedMemory::new("a-ram", SMALL).unwrap();
+    let wa = a
+        .endpoint()
+        .export_window(ram.fd(), 0, SMALL, "a-ram")
+        .unwrap();
+    let lease = a.borrow(DEV, "vm0").unwrap();
+    lease.map_dma(0, SMALL, wa.id()).unwrap();
+    lease.quiesce_for_handover(1000).unwrap();
+    let t = lease.create_transfer(BORROWER, "vm0-dst").unwrap();
+    let b = connect(&c);
+    let lb = b.accept_transfer(&t, "vm0-dst", &[], &[]).unwrap();
+    dom.take();
+    lb.quiesce(false).unwrap();
+    assert_eq!(dom.take(), vec![DomainOp::Unmap(0, SMALL)]);
+    assert!(dom.mappings().is_empty());
+    assert_eq!(l.lender().dma_windows_kept(), 0);
+    lease.moved();
+    lb.return_device().unwrap();
 }

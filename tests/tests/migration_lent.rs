@@ -298,6 +298,13 @@ fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
         .iter()
         .rfind(|e| e["event"] == "migration-completed")
         .and_then(|e| e["properties"]["ram_bytes"].as_u64());
+    // The lender kept its DMA window(s) exactly when the destination's window is the
+    // source's memory (the memfd fast path): no IOMMU unmap and map again.
+    let lender_log = lender.as_ref().map(|l| l.log()).unwrap_or_default();
+    let kept = lender_log
+        .lines()
+        .filter(|l| l.contains("dma window(s) across the transfer (same memory)"))
+        .count();
     if local {
         // The memfd fast path copies nothing: the destination maps the same RAM.
         assert_eq!(ram_bytes, Some(0), "{sev:?}");
@@ -306,7 +313,9 @@ fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
             "{}",
             dst.stderr()
         );
+        assert_eq!(kept, 1, "the lender kept the dma window:\n{lender_log}");
     } else {
+        assert_eq!(kept, 0, "another memory: mapped again:\n{lender_log}");
         // The lender's device dirty log found pages only the device wrote.
         assert!(device_pages > 0, "no device-written pages reported");
         assert!(ram_bytes.unwrap() >= 64 << 20, "{sev:?}");

@@ -180,6 +180,59 @@ impl SessionLease {
             self.dirty_log = false;
         }
     }
+
+    /// DMA_MAP of `[iova, iova + size)` onto `backing` by the new holder of a moved lease:
+    /// if the previous holder's parked mapping of exactly that range is the same memory
+    /// (the memfd fast path), it is kept — rebound, never absent — and `true` returned.
+    /// Otherwise this is a copied migration: every parked mapping is unmapped (the caller
+    /// maps the new window), so the device never reaches the old holder's memory again.
+    pub(super) fn map_over_parked(
+        &mut self,
+        lender: &super::Lender,
+        lease: u64,
+        iova: u64,
+        size: u64,
+        backing: &Arc<dyn DmaBacking>,
+    ) -> bool {
+        let Some(i) = self.parked.iter().position(|&p| p == (iova, size)) else {
+            self.unmap_parked(lease, "the new holder maps another range");
+            return false;
+        };
+        match self
+            .lease
+            .backend()
+            .domain()
+            .rebind(iova, size, Arc::clone(backing))
+        {
+            Ok(()) => {
+                self.parked.swap_remove(i);
+                lender.transfers.kept.fetch_add(1, Ordering::Relaxed);
+                log::info!("lease {lease}: kept 1 dma window(s) across the transfer (same memory)");
+                return true;
+            }
+            Err(IommuError::NotSameMemory { .. }) => {}
+            Err(e) => log::warn!("lease {lease}: keeping the window at {iova:#x}: {e}"),
+        }
+        self.unmap_parked(lease, "the new holder maps other memory");
+        false
+    }
+
+    /// Unmaps what is left of the previous holder's mappings (`why`: for the log).
+    pub(super) fn unmap_parked(&mut self, lease: u64, why: &str) {
+        if self.parked.is_empty() {
+            return;
+        }
+        let dom = self.lease.backend().domain();
+        let n = self.parked.len();
+        for (iova, size) in self.parked.drain(..) {
+            if let Err(e) = dom.unmap(iova, size) {
+                log::warn!(
+                    "lease {lease}: unmapping the previous holder's window at {iova:#x}: {e}"
+                );
+            }
+        }
+        log::info!("lease {lease}: the previous holder's {n} dma window(s) unmapped ({why})");
+    }
 }
 
 impl Session {
@@ -526,6 +579,22 @@ impl Session {
             to_map.push((entry, backing));
         }
         let kept = maps.len();
+        if a.maps.is_empty() {
+            // The destination maps its windows after the accept (lendvm does, when the
+            // guest's Bus Master Enable is replayed): the source's mappings stay in the
+            // domain, with Bus Master off, until it does — kept if they are the same
+            // memory ([`SessionLease::map_over_parked`]), else unmapped then, or when the
+            // device resumes.
+            let n = sl.maps.len();
+            sl.parked
+                .extend(sl.maps.drain(..).map(|e| (e.iova, e.size)));
+            if n > 0 {
+                log::info!(
+                    "lease {id}: the source's {n} dma window(s) stay mapped until this \
+                     borrower maps its own (kept if the same memory)"
+                );
+            }
+        }
         for e in sl.maps.drain(..) {
             if let Err(err) = dom.unmap(e.iova, e.size) {
                 log::warn!(
