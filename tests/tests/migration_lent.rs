@@ -14,7 +14,9 @@
 //!   reset, the source exits 0 and the lender shows the lease held by the destination's VM.
 //!   Hand-over events on both sides.
 //! * `local_migration_shares_ram_and_hands_the_lent_nvme_over`: the same with the memfd
-//!   fast path (`local: true`): guest RAM's memfd over SCM_RIGHTS, 0 bytes of RAM copied.
+//!   fast path (`local: true`): guest RAM's memfd over SCM_RIGHTS, 0 bytes of RAM copied,
+//!   and the lender keeps its DMA window (its log: the window is the same memory; the
+//!   copying migration's is not).
 //! * `live_migration_over_tcp_between_network_namespaces`: lenderd on the tcp fabric and the
 //!   destination in one network namespace, the source in another, joined by a veth pair;
 //!   migration over tcp with RAM copied under dirty tracking while the device keeps writing.
