@@ -294,6 +294,10 @@ struct SessionLease {
     config: ConfigGate,
     /// This lease started the device's dirty log (stopped when the lease ends or moves).
     dirty_log: bool,
+    /// The previous holder's DMA mappings (iova, size), left in the domain by a transfer
+    /// whose accept named no windows, until this holder maps them (kept if the same memory)
+    /// or resumes the device ([`migration`]).
+    parked: Vec<(u64, u64)>,
 }
 
 impl Drop for SessionLease {
@@ -446,6 +450,10 @@ impl DmaBacking for PeerWindowBacking {
 
     fn host_addr(&self) -> Option<NonNull<u8>> {
         self.win.as_ptr().ok().and_then(NonNull::new)
+    }
+
+    fn backing_id(&self) -> Option<ntb::BackingId> {
+        self.win.backing_id()
     }
 }
 
@@ -943,10 +951,15 @@ impl Session {
             }
             Request::DmaMap(m) => {
                 self.lease(m.lease)?;
-                let backing = self.peer_window(m.window)?;
+                let lender = Arc::clone(&self.lender);
+                // Shared with the session's other leases that map the same window.
+                let backing: Arc<dyn DmaBacking> = self.peer_window(m.window)?;
                 let sl = self.lease(m.lease)?;
                 let dom = sl.lease.backend().domain();
-                dom.map(m.iova, m.size, backing).map_err(iommu_err)?;
+                // After a transfer: the previous holder's mapping stays if this is its memory.
+                if !sl.map_over_parked(&lender, m.lease, m.iova, m.size, &backing) {
+                    dom.map(m.iova, m.size, backing).map_err(iommu_err)?;
+                }
                 sl.maps.push(DmaEntry {
                     iova: m.iova,
                     size: m.size,
@@ -989,6 +1002,9 @@ impl Session {
             }
             Request::Quiesce(q) => {
                 let sl = self.lease(q.lease)?;
+                if !q.stop {
+                    sl.unmap_parked(q.lease, "the device resumes");
+                }
                 sl.lease.backend().quiesce(q.stop).map_err(backend_err)?;
                 log::info!(
                     "lease {}: {}",
@@ -1174,6 +1190,7 @@ impl Session {
                 claim,
                 config,
                 dirty_log: false,
+                parked: Vec::new(),
             },
         );
         Ok(msg)

@@ -11,14 +11,25 @@
 
 mod common;
 
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
 use emulated::testing::{DriverConfig, GuestBar, GuestIrq, GuestRam, NvmeDriver};
+use lending::backend::emulated::EmulatedBackend;
+use lending::backend::{BackendError, BarExport, DeviceBackend, Drained, IrqTrigger, PeerExport};
 use lending::client::{ClientError, ClientIrq, Lease, LenderClient};
+use lending::inventory::Inventory;
+use lending::iommu::{
+    DirtyLogError, DirtyPages, DmaBacking, FaultListener, IommuDomain, IommuError, MappingInfo,
+};
 use lending::protocol::migration::code::BAD_TICKET;
-use lending::protocol::{AcceptMap, DeviceState, Event, IrqKind, TransferTicket};
+use lending::protocol::{
+    AcceptMap, DeviceInfo, DeviceState, DoorbellKicks, Event, IrqKind, LeaseCounters,
+    TransferTicket,
+};
+use lending::server::{BackgroundLender, Lender};
 use ntb::{ExportedWindow, Fabric, FabricKind};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -556,4 +567,365 @@ fn a_version_3_session_has_no_migration() {
         "{e}"
     );
     assert!(e.to_string().contains("does not support migration"), "{e}");
+}
+
+/// What the lender asked of a device's IOMMU domain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DomainOp {
+    Map(u64, u64),
+    Unmap(u64, u64),
+    /// A rebind and whether it kept the mapping.
+    Rebind(u64, u64, bool),
+}
+
+/// The software domain of an emulated device, with every map, unmap and rebind recorded.
+struct RecordingDomain {
+    inner: Arc<lending::iommu::SoftIommu>,
+    ops: Mutex<Vec<DomainOp>>,
+}
+
+impl RecordingDomain {
+    fn take(&self) -> Vec<DomainOp> {
+        std::mem::take(&mut *self.ops.lock().unwrap())
+    }
+}
+
+impl IommuDomain for RecordingDomain {
+    fn map(&self, iova: u64, size: u64, b: Arc<dyn DmaBacking>) -> Result<(), IommuError> {
+        self.ops.lock().unwrap().push(DomainOp::Map(iova, size));
+        self.inner.map(iova, size, b)
+    }
+    fn unmap(&self, iova: u64, size: u64) -> Result<(), IommuError> {
+        self.ops.lock().unwrap().push(DomainOp::Unmap(iova, size));
+        self.inner.unmap(iova, size)
+    }
+    fn rebind(&self, iova: u64, size: u64, b: Arc<dyn DmaBacking>) -> Result<(), IommuError> {
+        let r = self.inner.rebind(iova, size, b);
+        let op = DomainOp::Rebind(iova, size, r.is_ok());
+        self.ops.lock().unwrap().push(op);
+        r
+    }
+    fn unmap_all(&self) -> usize {
+        self.inner.unmap_all()
+    }
+    fn mappings(&self) -> Vec<MappingInfo> {
+        self.inner.mappings()
+    }
+    fn fault_count(&self) -> u64 {
+        self.inner.fault_count()
+    }
+    fn dma_bytes(&self) -> Option<(u64, u64)> {
+        self.inner.dma_bytes()
+    }
+    fn set_fault_listener(&self, l: Option<Arc<dyn FaultListener>>) {
+        self.inner.set_fault_listener(l)
+    }
+    fn start_dirty_log(&self) -> bool {
+        self.inner.start_dirty_log()
+    }
+    fn stop_dirty_log(&self) {
+        self.inner.stop_dirty_log()
+    }
+    fn fetch_dirty(&self, iova: u64, len: u64) -> Result<DirtyPages, DirtyLogError> {
+        self.inner.fetch_dirty(iova, len)
+    }
+}
+
+/// A `dmatest` copy engine whose domain is a [`RecordingDomain`] (everything else is the
+/// emulated backend's).
+struct Recorded {
+    dev: EmulatedBackend,
+    dom: Arc<RecordingDomain>,
+}
+
+impl DeviceBackend for Recorded {
+    fn kind(&self) -> &str {
+        self.dev.kind()
+    }
+    fn describe(&self, id: &str) -> DeviceInfo {
+        self.dev.describe(id)
+    }
+    fn config_size(&self) -> u16 {
+        self.dev.config_size()
+    }
+    fn config_read(&self, offset: u16, buf: &mut [u8]) -> Result<(), BackendError> {
+        self.dev.config_read(offset, buf)
+    }
+    fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), BackendError> {
+        self.dev.config_write(offset, data)
+    }
+    fn bar_export(&self, bar: u8) -> Option<BarExport<'_>> {
+        self.dev.bar_export(bar)
+    }
+    fn peer_export(&self, bar: u8) -> Option<PeerExport<'_>> {
+        self.dev.peer_export(bar)
+    }
+    fn bar_read(&self, bar: u8, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
+        self.dev.bar_read(bar, offset, buf)
+    }
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), BackendError> {
+        self.dev.bar_write(bar, offset, data)
+    }
+    fn notify_eventfd(&self) -> Option<EventFd> {
+        self.dev.notify_eventfd()
+    }
+    fn set_irqs(
+        &self,
+        kind: IrqKind,
+        targets: Vec<Option<Arc<dyn IrqTrigger>>>,
+    ) -> Result<(), BackendError> {
+        self.dev.set_irqs(kind, targets)
+    }
+    fn clear_irqs(&self) {
+        self.dev.clear_irqs()
+    }
+    fn intx_resample(&self) {
+        self.dev.intx_resample()
+    }
+    fn set_bus_master(&self, enable: bool) -> Result<(), BackendError> {
+        self.dev.set_bus_master(enable)
+    }
+    fn reset(&self) -> Result<(), BackendError> {
+        self.dev.reset()
+    }
+    fn domain(&self) -> Arc<dyn IommuDomain> {
+        Arc::clone(&self.dom) as Arc<dyn IommuDomain>
+    }
+    fn quiesce(&self, stop: bool) -> Result<(), BackendError> {
+        self.dev.quiesce(stop)
+    }
+    fn quiesce_handover(&self, timeout: Duration) -> Result<Drained, BackendError> {
+        self.dev.quiesce_handover(timeout)
+    }
+    fn counters(&self) -> LeaseCounters {
+        self.dev.counters()
+    }
+    fn kick_doorbells(&self) -> DoorbellKicks {
+        self.dev.kick_doorbells()
+    }
+    fn kick_generation(&self) -> u64 {
+        self.dev.kick_generation()
+    }
+    fn set_kick_listener(&self, listener: Option<emulated::KickListener>) {
+        self.dev.set_kick_listener(listener)
+    }
+}
+
+const SMALL: u64 = 0x40000;
+
+/// Copies `len` bytes of guest RAM from `src` to `dst` with the dmatest engine (the device
+/// must be running); panics if the copy faulted.
+fn dma_copy(dev: &EmulatedBackend, src: u64, dst: u64, len: u32) {
+    use emulated::dmatest::{
+        CMD_START, REG_CMD, REG_COMPLETED, REG_DST, REG_FAULTS, REG_LEN, REG_SRC,
+    };
+    let r32 = |off| {
+        let mut b = [0u8; 4];
+        dev.bar_read(0, off, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    };
+    let w32 = |off, v: u32| dev.bar_write(0, off, &v.to_le_bytes()).unwrap();
+    let w64 = |off, v: u64| dev.bar_write(0, off, &v.to_le_bytes()).unwrap();
+    // The engine publishes its counters asynchronously: wait on COMPLETED, not on STATUS
+    // (which may still show the previous copy's done bit).
+    let (done, faults) = (r32(REG_COMPLETED), r32(REG_FAULTS));
+    w64(REG_SRC, src);
+    w64(REG_DST, dst);
+    w32(REG_LEN, len);
+    w32(REG_CMD, CMD_START);
+    let t0 = Instant::now();
+    while r32(REG_COMPLETED) == done {
+        assert!(t0.elapsed() < Duration::from_secs(5), "copy did not finish");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(r32(REG_FAULTS), faults, "the copy faulted");
+}
+
+/// An in-process lender of a `dmatest` engine whose domain calls are recorded.
+fn recorded_lender(c: &Cluster) -> (Arc<Recorded>, Arc<RecordingDomain>, BackgroundLender) {
+    let dev = EmulatedBackend::dmatest("keep", emulated::NotifyMode::Interrupt).unwrap();
+    // The device's DMA goes through its own software domain: the lender's calls to it are
+    // recorded on the way.
+    let dom = Arc::new(RecordingDomain {
+        inner: Arc::clone(dev.soft_iommu()),
+        ops: Mutex::default(),
+    });
+    let backend = Arc::new(Recorded {
+        dev,
+        dom: Arc::clone(&dom),
+    });
+    let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend.clone() as _)]).unwrap());
+    let listener = ntb::SocketFabric::from_cluster(&c.cfg, LENDER)
+        .unwrap()
+        .listen()
+        .unwrap();
+    let l = BackgroundLender::start(Lender::new(inv, LENDER, TOKEN), listener).unwrap();
+    (backend, dom, l)
+}
+
+/// A lease transfer on the memfd fast path (`same`: the destination exports the source's
+/// guest-RAM memfd at the same offset) keeps the lender's DMA window — the domain is asked
+/// for one rebind and never unmaps — and DMA after it reaches that memory even once the
+/// source revoked its own window. With the destination's own memfd the window is unmapped
+/// and mapped again, as for a copied migration. `in_accept`: the destination names its
+/// window in TRANSFER_ACCEPT; else it maps it with DMA_MAP after the accept (as lendvm
+/// does), and the source's mapping waits in the domain until then.
+fn transfer_keeping(same: bool, in_accept: bool) {
+    let c = cluster(FabricKind::Shm);
+    let (backend, dom, l) = recorded_lender(&c);
+
+    let a = connect(&c);
+    let ram = ntb::SharedMemory::new("a-ram", SMALL).unwrap();
+    let wa = a
+        .endpoint()
+        .export_window(ram.fd(), 0, SMALL, "a-ram")
+        .unwrap();
+    let lease = a.borrow(DEV, "vm0").unwrap();
+    lease.map_dma(0, SMALL, wa.id()).unwrap();
+    ram.write_at(0x1000, &pattern(1, 4096)).unwrap();
+    dma_copy(&backend.dev, 0x1000, 0x8000, 4096);
+    let mut got = vec![0u8; 4096];
+    ram.read_at(0x8000, &mut got).unwrap();
+    assert_eq!(got, pattern(1, 4096), "DMA through the source's window");
+
+    assert!(lease.quiesce_for_handover(1000).unwrap().drained);
+    let t = lease.create_transfer(BORROWER, "vm0-dst").unwrap();
+    let b = connect(&c);
+    let own = ntb::SharedMemory::new("b-ram", SMALL).unwrap();
+    let b_ram = if same { &ram } else { &own };
+    if !same {
+        let mut buf = vec![0u8; SMALL as usize];
+        ram.read_at(0, &mut buf).unwrap();
+        own.write_at(0, &buf).unwrap();
+    }
+    // On the fast path B holds the memfd A handed it (another descriptor of the same file).
+    let b_fd = b_ram.fd().try_clone_to_owned().unwrap();
+    let wb = b
+        .endpoint()
+        .export_window(b_fd.as_fd(), 0, SMALL, "b-ram")
+        .unwrap();
+    dom.take();
+    let maps = [AcceptMap {
+        iova: 0,
+        size: SMALL,
+        window: wb.id(),
+    }];
+    let lb = b
+        .accept_transfer(&t, "vm0-dst", if in_accept { &maps } else { &[] }, &[])
+        .unwrap();
+    if !in_accept {
+        assert_eq!(dom.take(), vec![], "the source's window waits for B's");
+        assert_eq!(
+            dom.mappings(),
+            vec![MappingInfo {
+                iova: 0,
+                size: SMALL
+            }]
+        );
+        assert_eq!(l.lender().dma_windows_kept(), 0);
+        lb.map_dma(0, SMALL, wb.id()).unwrap();
+    }
+    let ops = dom.take();
+    if same {
+        assert_eq!(
+            ops,
+            vec![DomainOp::Rebind(0, SMALL, true)],
+            "never unmapped"
+        );
+        assert_eq!(l.lender().dma_windows_kept(), 1);
+    } else {
+        assert_eq!(
+            ops,
+            vec![
+                DomainOp::Rebind(0, SMALL, false),
+                DomainOp::Unmap(0, SMALL),
+                DomainOp::Map(0, SMALL),
+            ]
+        );
+        assert_eq!(l.lender().dma_windows_kept(), 0);
+    }
+    assert_eq!(l.lender().transfers_done(), 1);
+    assert_eq!(
+        dom.mappings(),
+        vec![MappingInfo {
+            iova: 0,
+            size: SMALL
+        }]
+    );
+    assert_eq!(wait_moved(&a, lb.id()), format!("{BORROWER}/vm0-dst"));
+
+    // A lets go: its lease handle without returning the device, then its window. A round
+    // trip on A's link after the revocation: the lender has handled it (frames in order).
+    lease.moved();
+    drop(wa);
+    a.status().unwrap();
+    // The guest on B writes through its memfd; the device copies it by DMA.
+    lb.quiesce(false).unwrap();
+    b_ram.write_at(0x2000, &pattern(2, 4096)).unwrap();
+    dma_copy(&backend.dev, 0x2000, 0x9000, 4096);
+    b_ram.read_at(0x9000, &mut got).unwrap();
+    assert_eq!(
+        got,
+        pattern(2, 4096),
+        "DMA after the transfer (same: {same})"
+    );
+    if !same {
+        ram.read_at(0x9000, &mut got).unwrap();
+        assert_ne!(
+            got,
+            pattern(2, 4096),
+            "the source's memory is no longer the window"
+        );
+    }
+    assert_eq!(dom.fault_count(), 0);
+    assert!(dom.take().is_empty());
+    lb.return_device().unwrap();
+    assert!(dom.mappings().is_empty());
+}
+
+#[test]
+fn a_transfer_onto_the_same_memfd_keeps_the_dma_window() {
+    transfer_keeping(true, true);
+}
+
+#[test]
+fn a_transfer_onto_another_memfd_maps_the_dma_window_again() {
+    transfer_keeping(false, true);
+}
+
+#[test]
+fn a_dma_map_after_the_transfer_onto_the_same_memfd_keeps_the_dma_window() {
+    transfer_keeping(true, false);
+}
+
+#[test]
+fn a_dma_map_after_the_transfer_onto_another_memfd_maps_the_dma_window_again() {
+    transfer_keeping(false, false);
+}
+
+/// The new holder resumes the device without mapping the range the source had mapped: the
+/// source's mapping, left in the domain by an accept without windows, is unmapped then.
+#[test]
+fn a_resume_before_the_new_holder_maps_unmaps_the_old_window() {
+    let c = cluster(FabricKind::Shm);
+    let (_backend, dom, l) = recorded_lender(&c);
+    let a = connect(&c);
+    let ram = ntb::SharedMemory::new("a-ram", SMALL).unwrap();
+    let wa = a
+        .endpoint()
+        .export_window(ram.fd(), 0, SMALL, "a-ram")
+        .unwrap();
+    let lease = a.borrow(DEV, "vm0").unwrap();
+    lease.map_dma(0, SMALL, wa.id()).unwrap();
+    lease.quiesce_for_handover(1000).unwrap();
+    let t = lease.create_transfer(BORROWER, "vm0-dst").unwrap();
+    let b = connect(&c);
+    let lb = b.accept_transfer(&t, "vm0-dst", &[], &[]).unwrap();
+    dom.take();
+    lb.quiesce(false).unwrap();
+    assert_eq!(dom.take(), vec![DomainOp::Unmap(0, SMALL)]);
+    assert!(dom.mappings().is_empty());
+    assert_eq!(l.lender().dma_windows_kept(), 0);
+    lease.moved();
+    lb.return_device().unwrap();
 }

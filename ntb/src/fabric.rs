@@ -398,6 +398,40 @@ impl FabricError {
 
 pub type Result<T, E = FabricError> = std::result::Result<T, E>;
 
+/// Which memory a mapped peer window reaches: the file its exporter passed (`st_dev`,
+/// `st_ino`) and the range of it. Two windows with equal ids are views of the same bytes —
+/// on one host, the same memfd exported by two processes (guest RAM handed to a second VMM
+/// by the memfd fast path of live migration). Compared while both windows are mapped, an
+/// inode cannot have been freed and reused in between (each mapping keeps its file alive).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BackingId {
+    /// `st_dev` of the file.
+    pub dev: u64,
+    /// `st_ino` of the file.
+    pub ino: u64,
+    /// Offset of the window in the file.
+    pub offset: u64,
+    /// Length of the window.
+    pub len: u64,
+}
+
+impl BackingId {
+    /// The identity of `[offset, offset + len)` of the file `fd` refers to.
+    pub fn of_file(
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: u64,
+    ) -> std::result::Result<BackingId, MemError> {
+        let (dev, ino) = crate::mem::fd_file_id(fd)?;
+        Ok(BackingId {
+            dev,
+            ino,
+            offset,
+            len,
+        })
+    }
+}
+
 /// A peer's window mapped into the local address space (an outbound NTB window).
 ///
 /// Dropping it unmaps it. When the peer revokes the window or dies, the mapping is severed:
@@ -425,6 +459,13 @@ pub trait PeerWindow: Send + Sync {
 
     /// Whether the window is still backed by the peer's memory.
     fn is_live(&self) -> bool;
+
+    /// The memory the window was mapped from (shm: the exporter's file and range), so that
+    /// two windows can be recognised as the same memory. `None` (the default) for windows
+    /// reached by messages (tcp), which are never the same memory as another window.
+    fn backing_id(&self) -> Option<BackingId> {
+        None
+    }
 }
 
 /// A local memory region exported to the peer as an inbound window.

@@ -22,8 +22,9 @@ pub mod wire;
 
 pub use config::{ClusterConfig, ConfigError, ControlAddr, DirectoryConfig, NodeConfig};
 pub use fabric::{
-    Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming, LinkConfig, LinkStats,
-    Listener, Message, NodeId, PeerInfo, PeerWindow, RequestId, WindowId, WindowInfo, WindowLimits,
+    BackingId, Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming, LinkConfig,
+    LinkStats, Listener, Message, NodeId, PeerInfo, PeerWindow, RequestId, WindowId, WindowInfo,
+    WindowLimits,
 };
 pub use link::{RateLimit, MAX_LABEL};
 pub use mem::{MemError, SharedMemory};

@@ -20,8 +20,8 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::fabric::{
-    Endpoint, ExportedWindow, FabricError, FabricKind, Incoming, LinkConfig, LinkStats, Message,
-    NodeId, PeerWindow, RequestId, Result, WindowId, WindowInfo, WindowLimits,
+    BackingId, Endpoint, ExportedWindow, FabricError, FabricKind, Incoming, LinkConfig, LinkStats,
+    Message, NodeId, PeerWindow, RequestId, Result, WindowId, WindowInfo, WindowLimits,
 };
 use crate::mem::{fd_has_fixed_extent, fd_seals, fd_size, Mapping, SharedMemory};
 use crate::wire::{
@@ -1180,6 +1180,8 @@ struct DirectWindow {
     inner: Arc<Inner>,
     info: WindowInfo,
     map: Arc<Mapping>,
+    /// The exporter's file and range, taken when it was mapped.
+    backing: BackingId,
 }
 
 impl DirectWindow {
@@ -1212,6 +1214,9 @@ impl PeerWindow for DirectWindow {
     }
     fn is_live(&self) -> bool {
         !self.map.is_severed()
+    }
+    fn backing_id(&self) -> Option<BackingId> {
+        Some(self.backing)
     }
 }
 
@@ -1531,6 +1536,7 @@ impl Endpoint for LinkEndpoint {
         if have < need {
             return Err(FabricError::RegionTooSmall { have, need });
         }
+        let backing = BackingId::of_file(fd.as_fd(), fd_offset, info.size)?;
         let map = Arc::new(Mapping::map_shared(fd.as_fd(), fd_offset, info.size)?);
         {
             let mut st = lock(&inner.state);
@@ -1549,6 +1555,7 @@ impl Endpoint for LinkEndpoint {
             inner: inner.clone(),
             info,
             map,
+            backing,
         }))
     }
 

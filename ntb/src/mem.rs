@@ -113,6 +113,20 @@ pub fn fd_size(fd: BorrowedFd<'_>) -> Result<u64, MemError> {
     Ok(st.st_size.max(0) as u64)
 }
 
+/// The file `fd` refers to, as `(st_dev, st_ino)`: equal for every descriptor of the same
+/// file, in any process of this host (a memfd passed over SCM_RIGHTS keeps its inode).
+pub fn fd_file_id(fd: BorrowedFd<'_>) -> Result<(u64, u64), MemError> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: fstat writes into the valid, properly sized stat buffer; the fd is borrowed live.
+    let r = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
+    if r < 0 {
+        return Err(MemError::Stat(io::Error::last_os_error()));
+    }
+    // SAFETY: fstat succeeded, so the buffer is initialised.
+    let st = unsafe { st.assume_init() };
+    Ok((st.st_dev, st.st_ino))
+}
+
 /// An owned `MAP_SHARED` mapping; unmapped on drop.
 #[derive(Debug)]
 pub struct Mapping {

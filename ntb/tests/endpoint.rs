@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::time::Duration;
 
 use ntb::{
@@ -385,4 +385,44 @@ fn fabric_from_cluster_connects_by_name() {
     assert_eq!(e.to_string(), "unknown peer node9");
     drop(l);
     assert!(!p1.exists(), "listener socket file removed on drop");
+}
+
+/// Two shm windows of the same file range are recognised as the same memory (a second VMM
+/// exporting guest RAM's memfd it was handed); another range or another file is not; tcp
+/// windows are reached by messages and never claim an identity.
+#[test]
+fn shm_windows_of_the_same_memory_share_a_backing_id() {
+    both(|kind, p| {
+        let mem = SharedMemory::new("ram", 16 << 10).unwrap();
+        let other = SharedMemory::new("other", 16 << 10).unwrap();
+        let w1 = p.a.export_window(mem.fd(), 4096, 8192, "one").unwrap();
+        // The same memfd as a second process would hold it: another descriptor of the file.
+        let dup = mem.fd().try_clone_to_owned().unwrap();
+        let _w2 = p.b.export_window(dup.as_fd(), 4096, 8192, "same").unwrap();
+        let one =
+            p.b.map_peer_window(p.b.wait_peer_window("one", T).unwrap().id);
+        let same =
+            p.a.map_peer_window(p.a.wait_peer_window("same", T).unwrap().id);
+        let (one, same) = (one.unwrap(), same.unwrap());
+        match kind {
+            FabricKind::Tcp => {
+                assert_eq!(one.backing_id(), None);
+                assert_eq!(same.backing_id(), None);
+                return;
+            }
+            FabricKind::Shm => {}
+        }
+        let id = one.backing_id().expect("an shm window has an identity");
+        assert_eq!((id.offset, id.len), (4096, 8192));
+        assert_eq!(same.backing_id(), Some(id), "same file, same range");
+        drop(w1);
+        let _w3 = p.a.export_window(mem.fd(), 0, 8192, "shifted").unwrap();
+        let _w4 = p.a.export_window(other.fd(), 4096, 8192, "other").unwrap();
+        for label in ["shifted", "other"] {
+            let w =
+                p.b.map_peer_window(p.b.wait_peer_window(label, T).unwrap().id);
+            let got = w.unwrap().backing_id().unwrap();
+            assert_ne!(got, id, "{label}: not the same memory");
+        }
+    });
 }

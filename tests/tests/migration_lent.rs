@@ -14,7 +14,9 @@
 //!   reset, the source exits 0 and the lender shows the lease held by the destination's VM.
 //!   Hand-over events on both sides.
 //! * `local_migration_shares_ram_and_hands_the_lent_nvme_over`: the same with the memfd
-//!   fast path (`local: true`): guest RAM's memfd over SCM_RIGHTS, 0 bytes of RAM copied.
+//!   fast path (`local: true`): guest RAM's memfd over SCM_RIGHTS, 0 bytes of RAM copied,
+//!   and the lender keeps its DMA window (its log: the window is the same memory; the
+//!   copying migration's is not).
 //! * `live_migration_over_tcp_between_network_namespaces`: lenderd on the tcp fabric and the
 //!   destination in one network namespace, the source in another, joined by a veth pair;
 //!   migration over tcp with RAM copied under dirty tracking while the device keeps writing.
@@ -298,6 +300,13 @@ fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
         .iter()
         .rfind(|e| e["event"] == "migration-completed")
         .and_then(|e| e["properties"]["ram_bytes"].as_u64());
+    // The lender kept its DMA window(s) exactly when the destination's window is the
+    // source's memory (the memfd fast path): no IOMMU unmap and map again.
+    let lender_log = lender.as_ref().map(|l| l.log()).unwrap_or_default();
+    let kept = lender_log
+        .lines()
+        .filter(|l| l.contains("dma window(s) across the transfer (same memory)"))
+        .count();
     if local {
         // The memfd fast path copies nothing: the destination maps the same RAM.
         assert_eq!(ram_bytes, Some(0), "{sev:?}");
@@ -306,7 +315,9 @@ fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
             "{}",
             dst.stderr()
         );
+        assert_eq!(kept, 1, "the lender kept the dma window:\n{lender_log}");
     } else {
+        assert_eq!(kept, 0, "another memory: mapped again:\n{lender_log}");
         // The lender's device dirty log found pages only the device wrote.
         assert!(device_pages > 0, "no device-written pages reported");
         assert!(ram_bytes.unwrap() >= 64 << 20, "{sev:?}");

@@ -3,7 +3,7 @@
 //! On the shm fabric the borrower passes a memfd for its guest RAM window; the lender maps it
 //! with [`MmapBacking`]. Other fabrics (tcp) implement [`DmaBacking`] with read/write messages.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
@@ -55,6 +55,13 @@ pub trait DmaBacking: Send + Sync {
     fn host_addr(&self) -> Option<NonNull<u8>> {
         None
     }
+    /// Which memory this is (a file and a range of it), when it is a mapping of a file; two
+    /// backings with equal ids are the same bytes ([`super::IommuDomain::rebind`] swaps one
+    /// for the other). `None` (the default): memory with no shareable identity (heap,
+    /// message-based windows), never the same as another backing.
+    fn backing_id(&self) -> Option<ntb::BackingId> {
+        None
+    }
 }
 
 /// Checks that `[offset, offset + len)` lies inside a backing of `size` bytes.
@@ -79,6 +86,8 @@ pub struct MmapBacking {
     // Keeps the file open as long as the mapping lives (not needed by mmap, but lets the
     // owner re-export or inspect it).
     _fd: Option<OwnedFd>,
+    /// The file and range mapped (file mappings).
+    id: Option<ntb::BackingId>,
 }
 
 // SAFETY: the mapping is process-wide shared memory; all accesses go through raw-pointer
@@ -117,10 +126,14 @@ impl MmapBacking {
             });
         }
         let addr = NonNull::new(ptr.cast::<u8>()).ok_or(BackingError::BadSize(size))?;
+        // fstat of the descriptor just mapped does not fail in practice; if it did, the
+        // backing merely has no identity (it is never taken for another mapping's memory).
+        let id = ntb::BackingId::of_file(fd.as_fd(), offset, size).ok();
         Ok(MmapBacking {
             addr,
             size,
             _fd: Some(fd),
+            id,
         })
     }
 
@@ -153,6 +166,7 @@ impl MmapBacking {
             addr,
             size,
             _fd: None,
+            id: None,
         })
     }
 }
@@ -191,6 +205,10 @@ impl DmaBacking for MmapBacking {
 
     fn host_addr(&self) -> Option<NonNull<u8>> {
         Some(self.addr)
+    }
+
+    fn backing_id(&self) -> Option<ntb::BackingId> {
+        self.id
     }
 }
 

@@ -91,6 +91,18 @@ pub enum IommuError {
         /// Size.
         size: u64,
     },
+    /// A rebind to memory that is not provably the mapping's own (different or unknown
+    /// [`DmaBacking::backing_id`]).
+    #[error(
+        "dma mapping at iova {iova:#x} size {size:#x}: the new backing is not the same memory \
+         (rebind keeps the mapping only for another view of the same file range)"
+    )]
+    NotSameMemory {
+        /// Start IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+    },
     /// The backing cannot be handed to a hardware IOMMU (not mapped in this process).
     #[error("dma backing for iova {0:#x} has no host mapping; a hardware iommu needs one")]
     NotHostMapped(u64),
@@ -135,6 +147,13 @@ pub trait IommuDomain: Send + Sync {
     fn map(&self, iova: u64, size: u64, backing: Arc<dyn DmaBacking>) -> Result<(), IommuError>;
     /// Removes the mapping that starts at `iova` and has exactly `size` bytes.
     fn unmap(&self, iova: u64, size: u64) -> Result<(), IommuError>;
+    /// Replaces the backing of the mapping that starts at `iova` and has exactly `size`
+    /// bytes with `backing`, another view of the same memory (equal
+    /// [`DmaBacking::backing_id`]; [`IommuError::NotSameMemory`] otherwise,
+    /// [`IommuError::NotMapped`] without such a mapping). The mapping is never absent: DMA
+    /// goes on through it, and the old backing is dropped once the new one is in place (a
+    /// lease moving to a VMM that shares the old one's guest-RAM memfd keeps its window).
+    fn rebind(&self, iova: u64, size: u64, backing: Arc<dyn DmaBacking>) -> Result<(), IommuError>;
     /// Removes every mapping; returns how many there were.
     fn unmap_all(&self) -> usize;
     /// Current mappings, sorted by IOVA.
@@ -235,6 +254,27 @@ impl MapTable {
             }
         }
         Ok(())
+    }
+
+    /// Swaps the backing of the mapping at exactly `[iova, iova + size)` for `backing`, which
+    /// must be the same memory; returns the old one (the caller drops it after releasing the
+    /// table's lock). Dirty bits stay with the entry.
+    fn swap_backing(
+        &mut self,
+        iova: u64,
+        size: u64,
+        backing: Arc<dyn DmaBacking>,
+    ) -> Result<Arc<dyn DmaBacking>, IommuError> {
+        let e = match self.map.get_mut(&iova) {
+            Some(e) if e.size == size => e,
+            _ => return Err(IommuError::NotMapped { iova, size }),
+        };
+        match (e.backing.backing_id(), backing.backing_id()) {
+            (Some(old), Some(new)) if old == new && backing.size() >= size => {
+                Ok(std::mem::replace(&mut e.backing, backing))
+            }
+            _ => Err(IommuError::NotSameMemory { iova, size }),
+        }
     }
 
     fn remove_exact(&mut self, iova: u64, size: u64) -> Result<Entry, IommuError> {
@@ -460,6 +500,19 @@ impl IommuDomain for SoftIommu {
         write(&self.table).remove_exact(iova, size)?;
         log::info!(
             "{}: unmapped dma window iova {iova:#x} size {size:#x}",
+            self.name
+        );
+        Ok(())
+    }
+
+    fn rebind(&self, iova: u64, size: u64, backing: Arc<dyn DmaBacking>) -> Result<(), IommuError> {
+        // Under the write lock no DMA is between translation and copy, so each access goes
+        // wholly to the old backing or wholly to the new one (the same bytes either way).
+        let old = write(&self.table).swap_backing(iova, size, backing)?;
+        drop(old);
+        log::info!(
+            "{}: dma window iova {iova:#x} size {size:#x} kept, rebound to another view of \
+             the same memory",
             self.name
         );
         Ok(())
@@ -780,6 +833,63 @@ mod tests {
             0,
             "a restart begins clean"
         );
+    }
+
+    /// A view of `[offset, offset + size)` of `mem` (each call maps it anew, as a second
+    /// VMM's window of the same memfd does).
+    fn view(mem: &ntb::SharedMemory, offset: u64, size: u64) -> Arc<MmapBacking> {
+        let fd = mem.fd().try_clone_to_owned().unwrap();
+        Arc::new(MmapBacking::new(fd, offset, size).unwrap())
+    }
+
+    #[test]
+    fn rebind_keeps_the_mapping_and_its_dirty_bits_for_the_same_memory_only() {
+        let mem = ntb::SharedMemory::new("ram", 0x8000).unwrap();
+        let other = ntb::SharedMemory::new("other", 0x8000).unwrap();
+        let d = SoftIommu::new("t");
+        let old = view(&mem, 0, 0x4000);
+        d.map(0x10000, 0x4000, old.clone()).unwrap();
+        d.start_dirty_log();
+        d.dma_write(0x11000, &[1; 8]).unwrap();
+        // Not the same memory: another file, another range of the file, no identity, no
+        // such mapping. Each leaves the mapping as it was.
+        for (what, b) in [
+            ("other file", view(&other, 0, 0x4000) as Arc<dyn DmaBacking>),
+            ("other range", view(&mem, 0x4000, 0x4000)),
+            ("heap", Arc::new(VecBacking::new(0x4000))),
+        ] {
+            let e = d.rebind(0x10000, 0x4000, b).unwrap_err();
+            assert!(matches!(e, IommuError::NotSameMemory { .. }), "{what}: {e}");
+        }
+        assert!(matches!(
+            d.rebind(0x10000, 0x2000, view(&mem, 0, 0x4000)),
+            Err(IommuError::NotMapped { .. })
+        ));
+        assert_eq!(Arc::strong_count(&old), 2, "still the mapping's backing");
+        d.rebind(0x10000, 0x4000, view(&mem, 0, 0x4000)).unwrap();
+        assert_eq!(Arc::strong_count(&old), 1, "the old view is let go");
+        assert_eq!(
+            d.mappings(),
+            vec![MappingInfo {
+                iova: 0x10000,
+                size: 0x4000
+            }]
+        );
+        // DMA goes on through the new view, onto the same memory; the page written before
+        // the rebind is still dirty, and so is the one written after.
+        drop(old);
+        d.dma_write(0x13000, &[2; 8]).unwrap();
+        let mut got = [0u8; 8];
+        mem.read_at(0x3000, &mut got).unwrap();
+        assert_eq!(got, [2; 8]);
+        mem.write_at(0x2000, &[3; 8]).unwrap();
+        d.dma_read(0x12000, &mut got).unwrap();
+        assert_eq!(got, [3; 8]);
+        assert_eq!(
+            d.fetch_dirty(0x10000, 0x4000).unwrap().iovas(),
+            vec![0x11000, 0x13000]
+        );
+        assert_eq!(d.fault_count(), 0);
     }
 
     #[test]

@@ -17,8 +17,9 @@ pub trait VfioContainerOps: Send + Sync {
     /// # Safety
     ///
     /// The host range must stay mapped in this process until [`Self::dma_unmap`] of the same
-    /// range succeeds, and no Rust references to it may exist while it is mapped (the device
-    /// reads and writes it concurrently).
+    /// range succeeds — or, see [`VfioDomain`]'s `rebind`, be replaced by another mapping of
+    /// the same file range — and no Rust references to it may exist while it is mapped (the
+    /// device reads and writes it concurrently).
     unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String>;
     /// Removes a mapping made by [`Self::dma_map`].
     fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), String>;
@@ -120,6 +121,31 @@ impl<C: VfioContainerOps> IommuDomain for VfioDomain<C> {
         t.remove_exact(iova, size)?;
         log::info!(
             "{}: vfio unmapped dma window iova {iova:#x} size {size:#x}",
+            self.name
+        );
+        Ok(())
+    }
+
+    /// No VFIO call: the IOMMU mapping stays. Sound because VFIO_IOMMU_MAP_DMA pinned the
+    /// physical pages behind the old host range and the IOMMU translates the IOVAs to those
+    /// pages, not to our virtual addresses; the new backing maps the very same pages (equal
+    /// [`DmaBacking::backing_id`]: the same file — memfd — and range, whose pages stay put
+    /// while any mapping of them lives; a window's memfd is sealed against shrinking). So
+    /// the device keeps reaching exactly the memory the new backing shows, and the pages stay
+    /// pinned until `dma_unmap`, which finds them by IOVA. What the kernel still records is
+    /// the old virtual address, used only to pin again when another group joins the
+    /// container (never: one container per device, its group attached once) and for
+    /// mediated devices (not used); `VFIO_DMA_MAP_FLAG_VADDR` would update it should either
+    /// change. Only the held backing (and so which host mapping is kept alive) changes.
+    fn rebind(&self, iova: u64, size: u64, backing: Arc<dyn DmaBacking>) -> Result<(), IommuError> {
+        if backing.host_addr().is_none() {
+            return Err(IommuError::NotHostMapped(iova));
+        }
+        let old = lock(&self.table).swap_backing(iova, size, backing)?;
+        drop(old);
+        log::info!(
+            "{}: vfio dma window iova {iova:#x} size {size:#x} kept (same memory; no iommu \
+             unmap/map)",
             self.name
         );
         Ok(())
@@ -258,6 +284,43 @@ mod tests {
         assert_eq!(fake.calls(), vec![FakeOp::Map(0x8000_0000, 0x4000)]);
         drop(dom);
         assert!(fake.live().is_empty());
+        assert_eq!(
+            fake.calls(),
+            vec![
+                FakeOp::Map(0x8000_0000, 0x4000),
+                FakeOp::Unmap(0x8000_0000, 0x4000)
+            ]
+        );
+    }
+
+    #[test]
+    fn rebind_to_the_same_memory_makes_no_vfio_call() {
+        let mem = ntb::SharedMemory::new("ram", 0x4000).unwrap();
+        let other = ntb::SharedMemory::new("other", 0x4000).unwrap();
+        let view = |m: &ntb::SharedMemory| {
+            let fd = m.fd().try_clone_to_owned().unwrap();
+            Arc::new(MmapBacking::new(fd, 0, 0x4000).unwrap())
+        };
+        let fake = Arc::new(FakeVfioContainer::default());
+        let dom = VfioDomain::new("vfio-test", Arc::clone(&fake));
+        let old = view(&mem);
+        dom.map(0x8000_0000, 0x4000, old.clone()).unwrap();
+        let live = fake.live.lock().unwrap().clone();
+        assert!(matches!(
+            dom.rebind(0x8000_0000, 0x4000, view(&other)),
+            Err(IommuError::NotSameMemory { .. })
+        ));
+        assert!(matches!(
+            dom.rebind(0x8000_1000, 0x3000, view(&mem)),
+            Err(IommuError::NotMapped { .. })
+        ));
+        dom.rebind(0x8000_0000, 0x4000, view(&mem)).unwrap();
+        assert_eq!(Arc::strong_count(&old), 1, "the old host mapping is let go");
+        // The IOMMU mapping was never removed or made again.
+        assert_eq!(fake.calls(), vec![FakeOp::Map(0x8000_0000, 0x4000)]);
+        assert_eq!(*fake.live.lock().unwrap(), live);
+        assert_eq!(dom.mappings().len(), 1);
+        drop(dom);
         assert_eq!(
             fake.calls(),
             vec![

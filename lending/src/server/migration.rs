@@ -31,7 +31,7 @@ use super::{
 };
 use crate::auth;
 use crate::backend::config::virtualized_info;
-use crate::iommu::{DirtyLogError, IOMMU_PAGE_SIZE};
+use crate::iommu::{DirtyLogError, DmaBacking, IommuError, IOMMU_PAGE_SIZE};
 use crate::protocol::migration::{code as mcode, TICKET_LEN};
 use crate::protocol::{
     self, code, error, Borrowed, DirtyBitmap, DirtyLogFetch, DirtyLogStarted, Event,
@@ -85,6 +85,8 @@ pub(crate) struct Transfers {
     refused: AtomicU64,
     /// Leases moved.
     moved: AtomicU64,
+    /// DMA windows a moved lease kept, rebound to the destination's view of the same memory.
+    kept: AtomicU64,
     next_session: AtomicU64,
     /// Ticket lifetime in milliseconds (0: [`TICKET_TTL`]).
     ttl_ms: AtomicU64,
@@ -121,6 +123,11 @@ impl Transfers {
     /// Leases moved so far.
     pub(crate) fn moved(&self) -> u64 {
         self.moved.load(Ordering::Relaxed)
+    }
+
+    /// DMA windows kept across transfers so far.
+    pub(crate) fn kept(&self) -> u64 {
+        self.kept.load(Ordering::Relaxed)
     }
 
     /// Forgets the tickets and pending hand-offs of a session that ended (its leases end with
@@ -172,6 +179,59 @@ impl SessionLease {
             self.lease.backend().domain().stop_dirty_log();
             self.dirty_log = false;
         }
+    }
+
+    /// DMA_MAP of `[iova, iova + size)` onto `backing` by the new holder of a moved lease:
+    /// if the previous holder's parked mapping of exactly that range is the same memory
+    /// (the memfd fast path), it is kept — rebound, never absent — and `true` returned.
+    /// Otherwise this is a copied migration: every parked mapping is unmapped (the caller
+    /// maps the new window), so the device never reaches the old holder's memory again.
+    pub(super) fn map_over_parked(
+        &mut self,
+        lender: &super::Lender,
+        lease: u64,
+        iova: u64,
+        size: u64,
+        backing: &Arc<dyn DmaBacking>,
+    ) -> bool {
+        let Some(i) = self.parked.iter().position(|&p| p == (iova, size)) else {
+            self.unmap_parked(lease, "the new holder maps another range");
+            return false;
+        };
+        match self
+            .lease
+            .backend()
+            .domain()
+            .rebind(iova, size, Arc::clone(backing))
+        {
+            Ok(()) => {
+                self.parked.swap_remove(i);
+                lender.transfers.kept.fetch_add(1, Ordering::Relaxed);
+                log::info!("lease {lease}: kept 1 dma window(s) across the transfer (same memory)");
+                return true;
+            }
+            Err(IommuError::NotSameMemory { .. }) => {}
+            Err(e) => log::warn!("lease {lease}: keeping the window at {iova:#x}: {e}"),
+        }
+        self.unmap_parked(lease, "the new holder maps other memory");
+        false
+    }
+
+    /// Unmaps what is left of the previous holder's mappings (`why`: for the log).
+    pub(super) fn unmap_parked(&mut self, lease: u64, why: &str) {
+        if self.parked.is_empty() {
+            return;
+        }
+        let dom = self.lease.backend().domain();
+        let n = self.parked.len();
+        for (iova, size) in self.parked.drain(..) {
+            if let Err(e) = dom.unmap(iova, size) {
+                log::warn!(
+                    "lease {lease}: unmapping the previous holder's window at {iova:#x}: {e}"
+                );
+            }
+        }
+        log::info!("lease {lease}: the previous holder's {n} dma window(s) unmapped ({why})");
     }
 }
 
@@ -487,6 +547,54 @@ impl Session {
         sl.stop_dirty_log();
         sl.resample = None;
         backend.clear_irqs();
+        // A destination window that is the source's memory (the memfd fast path: the same
+        // file and range, by `PeerWindow::backing_id`) at the same IOVAs keeps its mapping:
+        // the domain swaps the backing (no IOMMU unmap and re-pin, no gap in which DMA
+        // faults) and drops the source's view after. Every other window is unmapped and
+        // mapped again.
+        let mut maps = Vec::with_capacity(wins.len());
+        let mut to_map = Vec::new();
+        for (m, w) in wins {
+            let backing: Arc<dyn DmaBacking> = Arc::new(PeerWindowBacking { win: w });
+            let entry = DmaEntry {
+                iova: m.iova,
+                size: m.size,
+                window: m.window,
+            };
+            if let Some(i) = sl
+                .maps
+                .iter()
+                .position(|e| e.iova == m.iova && e.size == m.size)
+            {
+                match dom.rebind(m.iova, m.size, Arc::clone(&backing)) {
+                    Ok(()) => {
+                        sl.maps.swap_remove(i);
+                        maps.push(entry);
+                        continue;
+                    }
+                    Err(IommuError::NotSameMemory { .. }) => {}
+                    Err(e) => log::warn!("lease {id}: keeping the window at {:#x}: {e}", m.iova),
+                }
+            }
+            to_map.push((entry, backing));
+        }
+        let kept = maps.len();
+        if a.maps.is_empty() {
+            // The destination maps its windows after the accept (lendvm does, when the
+            // guest's Bus Master Enable is replayed): the source's mappings stay in the
+            // domain, with Bus Master off, until it does — kept if they are the same
+            // memory ([`SessionLease::map_over_parked`]), else unmapped then, or when the
+            // device resumes.
+            let n = sl.maps.len();
+            sl.parked
+                .extend(sl.maps.drain(..).map(|e| (e.iova, e.size)));
+            if n > 0 {
+                log::info!(
+                    "lease {id}: the source's {n} dma window(s) stay mapped until this \
+                     borrower maps its own (kept if the same memory)"
+                );
+            }
+        }
         for e in sl.maps.drain(..) {
             if let Err(err) = dom.unmap(e.iova, e.size) {
                 log::warn!(
@@ -496,18 +604,22 @@ impl Session {
             }
         }
         let mut map_err = None;
-        for (m, w) in wins {
-            match dom.map(m.iova, m.size, Arc::new(PeerWindowBacking { win: w })) {
-                Ok(()) => sl.maps.push(DmaEntry {
-                    iova: m.iova,
-                    size: m.size,
-                    window: m.window,
-                }),
+        for (entry, backing) in to_map {
+            match dom.map(entry.iova, entry.size, backing) {
+                Ok(()) => maps.push(entry),
                 Err(e) => {
                     log::error!("lease {id}: mapping the destination's window: {e}");
                     map_err.get_or_insert(iommu_err(e));
                 }
             }
+        }
+        sl.maps = maps;
+        if kept > 0 {
+            self.lender
+                .transfers
+                .kept
+                .fetch_add(kept as u64, Ordering::Relaxed);
+            log::info!("lease {id}: kept {kept} dma window(s) across the transfer (same memory)");
         }
         if let Err(e) = backend.set_bus_master(!sl.maps.is_empty()) {
             log::warn!("lease {id}: bus master after transfer: {e}");
@@ -636,6 +748,12 @@ impl super::Lender {
     /// Leases moved between borrowers so far.
     pub fn transfers_done(&self) -> u64 {
         self.transfers.moved()
+    }
+
+    /// DMA windows that moved leases kept so far: the destination's window was the source's
+    /// memory (the memfd fast path), so the mapping stayed and only its backing changed.
+    pub fn dma_windows_kept(&self) -> u64 {
+        self.transfers.kept()
     }
 
     /// How long transfer tickets created from now on stay valid (default [`TICKET_TTL`];
