@@ -47,7 +47,7 @@ use ntb::{FabricError, FabricKind, PeerWindow};
 use pci::vm_ops::GuestRamRegion;
 
 pub use events::LendingEventSink;
-use migration::LendingMigration;
+use migration::{DmaRanges, LendingMigration};
 use p2p::LendingP2p;
 pub use session::{LenderSession, SessionCounters, SessionOptions};
 use session::{RamExport, Registration};
@@ -147,6 +147,8 @@ pub struct LendingLink {
     kind: FabricKind,
     /// Peer-to-peer side (lenders of protocol version 5 and later).
     p2p: Option<Arc<LendingP2p>>,
+    /// What the lease has mapped for DMA (the dirty log is fetched over these).
+    dma_ranges: DmaRanges,
     lease: Arc<Lease>,
     session: Arc<LenderSession>,
 }
@@ -307,6 +309,7 @@ impl LendingLink {
             info,
             kind,
             p2p,
+            dma_ranges: DmaRanges::default(),
             lease,
             session,
         })
@@ -334,6 +337,8 @@ struct LendingDma {
     lease: Arc<Lease>,
     /// (GPA, size) mapped so far.
     maps: Vec<(u64, u64)>,
+    /// The lease's DMA ranges (read by its migration side): ours are in it while mapped.
+    published: DmaRanges,
     /// Shared with the session's other leases; revoked after the last one unmaps.
     _export: Arc<RamExport>,
 }
@@ -346,11 +351,16 @@ impl DmaMapping for LendingDma {
 
 impl Drop for LendingDma {
     fn drop(&mut self) {
+        let maps = std::mem::take(&mut self.maps);
+        self.published
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|r| !maps.contains(r));
         if self.lease.is_moved() {
             // The lease is the migration destination's: its windows replaced ours.
             return;
         }
-        for (gpa, size) in self.maps.drain(..) {
+        for (gpa, size) in maps {
             if let Err(e) = self.lease.unmap_dma(gpa, size) {
                 warn!(
                     "lease {}: unmap dma {gpa:#x}+{size:#x}: {e}",
@@ -421,7 +431,8 @@ impl RemoteDeviceLink for LendingLink {
         let export = self.session.ram_export(regions)?;
         let mut dma = LendingDma {
             lease: Arc::clone(&self.lease),
-            maps: Vec::with_capacity(regions.len()),
+            maps: Vec::new(),
+            published: Arc::clone(&self.dma_ranges),
             _export: Arc::clone(&export),
         };
         for (gpa, size, id) in export.windows() {
@@ -431,6 +442,10 @@ impl RemoteDeviceLink for LendingLink {
                 .map_dma(gpa, size, id)
                 .map_err(|e| link_err("dma map", e))?;
             dma.maps.push((gpa, size));
+            dma.published
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push((gpa, size));
         }
         Ok(Box::new(dma))
     }
@@ -541,6 +556,7 @@ impl RemoteDeviceLink for LendingLink {
             .then(|| {
                 Arc::new(LendingMigration {
                     lease: Arc::clone(&self.lease),
+                    ranges: Arc::clone(&self.dma_ranges),
                 }) as Arc<dyn LeaseMigration>
             })
     }
