@@ -190,6 +190,20 @@ fn wait_fd(fd: &EventFd, timeout: Duration) -> bool {
     unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) == 1 }
 }
 
+/// A cluster file with a lender and a VMM node on shm (the directory holds the sockets).
+fn shm_cluster() -> (tempfile::TempDir, ClusterConfig) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let src = format!(
+        "version = 1\n\
+         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
+         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
+    );
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, src).unwrap();
+    (dir, ClusterConfig::load(&path).unwrap())
+}
+
 /// A cluster file with a lender and a VMM node on `fabric`, and the lender serving `backend`
 /// as [`DEV`] in this process.
 fn start_lender(
@@ -273,16 +287,7 @@ fn guest_ram_named(name: &std::ffi::CStr) -> (Arc<std::fs::File>, u64) {
 
 #[test]
 fn borrowed_dmatest_copies_and_interrupts_through_remote_pci() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let src = format!(
-        "version = 1\n\
-         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
-         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
-    );
-    let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
-    let cfg = ClusterConfig::load(&path).unwrap();
+    let (_dir, cfg) = shm_cluster();
     let backend =
         Arc::new(EmulatedBackend::dmatest("rpci-dmatest", NotifyMode::Interrupt).unwrap());
     let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend as _)]).unwrap());
@@ -775,16 +780,7 @@ fn wait_mappings(n: usize) {
 /// stops: both leases of a new pair hear of it, once each.
 #[test]
 fn two_leases_of_one_lender_share_one_session_and_one_ram_export() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let src = format!(
-        "version = 1\n\
-         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
-         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
-    );
-    let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
-    let cfg = ClusterConfig::load(&path).unwrap();
+    let (_dir, cfg) = shm_cluster();
     let backend = |name: &str| -> Arc<dyn DeviceBackend> {
         Arc::new(EmulatedBackend::dmatest(name, NotifyMode::Interrupt).unwrap())
     };
@@ -1077,16 +1073,7 @@ fn bar_bytes(dev: &mut RemotePciDevice, base: u64, off: u64, len: usize) -> Vec<
 fn p2p_between_two_dmatests_of_one_lender_follows_bars_reset_and_removal() {
     use emulated::dmatest::BUF_OFFSET;
     use lending::iommu::IommuDomain;
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let src = format!(
-        "version = 1\n\
-         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
-         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
-    );
-    let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
-    let cfg = ClusterConfig::load(&path).unwrap();
+    let (_dir, cfg) = shm_cluster();
     let a_backend = Arc::new(EmulatedBackend::dmatest("p2p-a", NotifyMode::Interrupt).unwrap());
     let b_backend = Arc::new(EmulatedBackend::dmatest("p2p-b", NotifyMode::Interrupt).unwrap());
     let inv = Arc::new(
