@@ -770,7 +770,8 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     }
 }
 
-/// A scripted VFIO device for tests.
+/// A scripted VFIO device for tests. Built for tests and with the `testing` feature only.
+#[cfg(any(test, feature = "testing"))]
 pub mod fake {
     use std::collections::HashMap;
     use std::os::fd::{AsFd, BorrowedFd, OwnedFd};

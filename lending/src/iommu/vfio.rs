@@ -185,7 +185,8 @@ impl<C: VfioContainerOps> Drop for VfioDomain<C> {
     }
 }
 
-/// A recording stand-in for a VFIO container.
+/// A recording stand-in for a VFIO container. Built for tests and with the `testing` feature only.
+#[cfg(any(test, feature = "testing"))]
 pub mod fake {
     use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicBool, Ordering};
