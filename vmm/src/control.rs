@@ -1756,6 +1756,7 @@ impl Controller {
                 c.insert("vmm_doorbell_kicks".into(), io.kicks);
                 c.insert("ioeventfds".into(), io.ioeventfds);
                 c.insert("msix_refused".into(), io.msix_refused);
+                c.insert("msi_refused".into(), io.msi_refused);
                 c.insert("bar_moves_refused".into(), io.bar_moves_refused);
                 c.insert("flrs".into(), io.flrs);
                 c.insert("config_writes_refused".into(), io.config_writes_refused);

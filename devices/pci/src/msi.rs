@@ -151,6 +151,10 @@ pub struct MsiConfig {
     state: MsiState,
     group: Arc<dyn InterruptSourceGroup>,
     devid: u32,
+    /// Per vector (bit): the guest unmasked it with a message the VMM refuses to route.
+    refusing: u32,
+    /// Times a vector entered that state.
+    refused: u64,
 }
 
 impl std::fmt::Debug for MsiConfig {
@@ -184,6 +188,8 @@ impl MsiConfig {
             state: MsiState::default(),
             group,
             devid,
+            refusing: 0,
+            refused: 0,
         })
     }
 
@@ -220,6 +226,8 @@ impl MsiConfig {
             state: MsiState::default(),
             group,
             devid,
+            refusing: 0,
+            refused: 0,
         };
         c.state = c.read_state(config);
         Ok(c)
@@ -272,9 +280,61 @@ impl MsiConfig {
         s.ctl & MSI_CTL_ENABLE == 0 || s.mask & (1 << v) != 0
     }
 
-    /// True if vector `v` cannot be delivered now.
+    /// Whether vector `v`'s message in `s` may become a KVM route (the same rule as MSI-X,
+    /// [`crate::msix::msi_message_valid`]): a guest-written address outside the local APIC
+    /// window, or a reserved encoding, is never routed.
+    fn valid_in(&self, s: &MsiState, v: u32) -> bool {
+        let m = self.msg(s, v);
+        crate::msix::msi_message_valid(m.low_addr, m.high_addr, m.data)
+    }
+
+    /// True if vector `v` cannot be delivered now: not enabled, masked, or its message is
+    /// refused (then it stays unrouted, as if masked, until a valid message is written).
     pub fn is_vector_masked(&self, v: u32) -> bool {
-        v >= self.enabled_vectors() || self.masked_in(&self.state, v)
+        v >= self.enabled_vectors()
+            || self.masked_in(&self.state, v)
+            || !self.valid_in(&self.state, v)
+    }
+
+    /// How many times the guest enabled or unmasked a vector (or changed an unmasked
+    /// vector's message) with a message the VMM refused to route.
+    pub fn refused_messages(&self) -> u64 {
+        self.refused
+    }
+
+    /// Counts vector `v` as refused when it newly is (unmasked by the guest, message
+    /// invalid); `changed`: its message changed, which makes a new refusal.
+    fn note_refusal(&mut self, v: u32, changed: bool) {
+        let bit = 1u32 << v;
+        if changed {
+            self.refusing &= !bit;
+        }
+        let now = v < self.enabled_vectors()
+            && !self.masked_in(&self.state, v)
+            && !self.valid_in(&self.state, v);
+        let newly = now && self.refusing & bit == 0;
+        if now {
+            self.refusing |= bit;
+        } else {
+            self.refusing &= !bit;
+        }
+        if !newly {
+            return;
+        }
+        self.refused += 1;
+        let n = self.refused;
+        // A guest can do this in a loop: rate-limited.
+        if n <= 16 || n.is_multiple_of(1024) {
+            let m = self.msg(&self.state, v);
+            log::warn!(
+                "msi vector {v} (devid {:#x}): message address {:#x}:{:#x} data {:#x} is not an \
+                 interrupt; not routed (refusal #{n})",
+                self.devid,
+                m.high_addr,
+                m.low_addr,
+                m.data
+            );
+        }
     }
 
     fn msg(&self, s: &MsiState, v: u32) -> MsiIrqSourceConfig {
@@ -335,9 +395,13 @@ impl MsiConfig {
         }
         let mut pending = self.pending(config);
         for v in 0..self.cap.vectors() {
-            let before = v >= old_vectors || self.masked_in(&old, v);
+            let om = &old_msgs[v as usize];
+            let before = v >= old_vectors
+                || self.masked_in(&old, v)
+                || !crate::msix::msi_message_valid(om.low_addr, om.high_addr, om.data);
             let after = self.is_vector_masked(v);
             let msg = self.msg(&new, v);
+            self.note_refusal(v, msg != old_msgs[v as usize]);
             if before != after || (!after && msg != old_msgs[v as usize]) {
                 if let Err(e) = self.group.update(v, msg, after) {
                     log::error!("msi vector {v} update (masked={after}): {e}");
@@ -399,7 +463,7 @@ mod tests {
         assert_eq!(c.find_capability(cap_id::MSI), Some(o));
         // Address, data, mask vector 1.
         write(&mut c, &mut msi, o + 4, &0xfee0_0003u32.to_le_bytes());
-        write(&mut c, &mut msi, o + 8, &1u32.to_le_bytes());
+        write(&mut c, &mut msi, o + 8, &0u32.to_le_bytes());
         write(&mut c, &mut msi, o + 12, &0x40u16.to_le_bytes());
         write(&mut c, &mut msi, o + 16, &0b10u32.to_le_bytes());
         assert!(g.take().is_empty(), "nothing routed while disabled");
@@ -413,7 +477,7 @@ mod tests {
         );
         assert_eq!(msi.enabled_vectors(), 2);
         let m = |data| MsiIrqSourceConfig {
-            high_addr: 1,
+            high_addr: 0,
             low_addr: 0xfee0_0000,
             data,
             devid: 7,
@@ -451,6 +515,68 @@ mod tests {
                 GroupCall::Disable
             ]
         );
+    }
+
+    /// A message that is not an interrupt (address outside the local APIC window, a
+    /// non-zero upper address, a reserved delivery mode) is never routed: the vector stays
+    /// masked for KVM, its interrupts wait in the pending bits, the refusal is counted once
+    /// per message; a valid message routes it and delivers what was pending.
+    #[test]
+    fn bogus_msi_messages_are_never_routed_and_are_counted() {
+        let mut c = PciConfiguration::new(&PciConfigurationParams::default());
+        let g = Arc::new(MockGroup::new(1));
+        let cap = MsiCap::new(1, true, true).unwrap();
+        let mut msi = MsiConfig::add_to(&mut c, cap, g.clone(), 3).unwrap();
+        let o = msi.cap_offset();
+        for (i, (lo, hi, data)) in [
+            (0xfec0_0000u32, 0u32, 0x30u16), // the IOAPIC, not the LAPIC window
+            (0xfee0_0000, 1, 0x30),          // above 4 GiB
+            (0xfee0_0000, 0, 0x330),         // delivery mode 011b (reserved)
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            write(&mut c, &mut msi, o + 4, &lo.to_le_bytes());
+            write(&mut c, &mut msi, o + 8, &hi.to_le_bytes());
+            write(&mut c, &mut msi, o + 12, &data.to_le_bytes());
+            write(&mut c, &mut msi, o + 2, &MSI_CTL_ENABLE.to_le_bytes());
+            let calls = g.take();
+            assert!(
+                !calls.iter().any(|c| matches!(c, GroupCall::Update(_, _, false))),
+                "message {i} routed: {calls:?}"
+            );
+            assert!(msi.is_vector_masked(0));
+            assert_eq!(msi.refused_messages(), i as u64 + 1);
+            // Rewriting the same bogus message is not a new refusal.
+            write(&mut c, &mut msi, o + 12, &data.to_le_bytes());
+            assert_eq!(msi.refused_messages(), i as u64 + 1);
+            assert!(!msi.trigger(&mut c, 0), "not delivered");
+            g.take();
+            write(&mut c, &mut msi, o + 2, &0u16.to_le_bytes());
+            g.take();
+        }
+        // Enabled again with the last bogus message: a new refusal. A device interrupt now
+        // waits in the pending bit; a valid message routes the vector and delivers it.
+        write(&mut c, &mut msi, o + 2, &MSI_CTL_ENABLE.to_le_bytes());
+        assert_eq!(msi.refused_messages(), 4);
+        assert!(!msi.trigger(&mut c, 0));
+        g.take();
+        write(&mut c, &mut msi, o + 4, &0xfee0_0000u32.to_le_bytes());
+        write(&mut c, &mut msi, o + 8, &0u32.to_le_bytes());
+        write(&mut c, &mut msi, o + 12, &0x31u16.to_le_bytes());
+        let good = MsiIrqSourceConfig {
+            high_addr: 0,
+            low_addr: 0xfee0_0000,
+            data: 0x31,
+            devid: 3,
+        };
+        assert_eq!(
+            g.take(),
+            vec![GroupCall::Update(0, good, false), GroupCall::Trigger(0)]
+        );
+        assert!(!msi.is_vector_masked(0));
+        assert!(msi.trigger(&mut c, 0));
+        assert_eq!(msi.refused_messages(), 4, "a valid message is no refusal");
     }
 
     #[test]

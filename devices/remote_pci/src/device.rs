@@ -197,6 +197,8 @@ pub struct DeviceCounters {
     /// MSI-X messages the VMM refused to route (not an x86 interrupt; see
     /// `pci::msix::msi_message_valid`).
     pub msix_refused: AtomicU64,
+    /// Plain MSI messages the VMM refused to route (same rule as MSI-X).
+    pub msi_refused: AtomicU64,
     /// Guest BAR moves the VMM refused (over RAM, another BAR, platform MMIO or outside
     /// the PCI windows): the BAR stayed where it was.
     pub bar_moves_refused: AtomicU64,
@@ -214,6 +216,7 @@ pub struct DeviceCountersSnapshot {
     pub kicks: u64,
     pub ioeventfds: u64,
     pub msix_refused: u64,
+    pub msi_refused: u64,
     pub bar_moves_refused: u64,
     pub flrs: u64,
     pub config_writes_refused: u64,
@@ -227,6 +230,7 @@ impl DeviceCounters {
             kicks: self.kicks.load(Ordering::Relaxed),
             ioeventfds: self.ioeventfds.load(Ordering::Relaxed),
             msix_refused: self.msix_refused.load(Ordering::Relaxed),
+            msi_refused: self.msi_refused.load(Ordering::Relaxed),
             bar_moves_refused: self.bar_moves_refused.load(Ordering::Relaxed),
             flrs: self.flrs.load(Ordering::Relaxed),
             config_writes_refused: self.config_writes_refused.load(Ordering::Relaxed),
@@ -1612,6 +1616,9 @@ impl PciDevice for RemotePciDevice {
             if overlaps(dword, 4, off, len) {
                 self.config.write_config_register(reg_idx, offset, data);
                 m.handle_config_write(&mut self.config, reg_idx, offset, data.len());
+                self.io_counters
+                    .msi_refused
+                    .store(m.refused_messages(), Ordering::Relaxed);
                 self.sync_irqs();
             } else {
                 effects = self.write_forwarded(abs, data);
