@@ -542,7 +542,9 @@ mod tests {
             write(&mut c, &mut msi, o + 2, &MSI_CTL_ENABLE.to_le_bytes());
             let calls = g.take();
             assert!(
-                !calls.iter().any(|c| matches!(c, GroupCall::Update(_, _, false))),
+                !calls
+                    .iter()
+                    .any(|c| matches!(c, GroupCall::Update(_, _, false))),
                 "message {i} routed: {calls:?}"
             );
             assert!(msi.is_vector_masked(0));
