@@ -324,7 +324,7 @@ impl MsiConfig {
         self.refused += 1;
         let n = self.refused;
         // A guest can do this in a loop: rate-limited.
-        if n <= 16 || n.is_multiple_of(1024) {
+        if n <= 16 || n % 1024 == 0 {
             let m = self.msg(&self.state, v);
             log::warn!(
                 "msi vector {v} (devid {:#x}): message address {:#x}:{:#x} data {:#x} is not an \
