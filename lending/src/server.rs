@@ -141,6 +141,16 @@ impl Lender {
         self.peers.set_cluster(cluster);
     }
 
+    /// Where lenders that the cluster file does not name are found, for peer-to-peer DMA
+    /// across lenders (lenderd passes its etcd directory and its link settings).
+    pub fn set_directory(
+        &self,
+        directory: Arc<dyn crate::directory::Directory>,
+        base: ntb::ClusterConfig,
+    ) {
+        self.peers.set_directory(directory, base);
+    }
+
     /// Grants of this lender's leases that another lender has attached now (tests,
     /// status).
     pub fn p2p_grants_attached(&self) -> usize {

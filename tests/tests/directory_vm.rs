@@ -37,30 +37,16 @@ fn info(api: &ApiClient) -> VmInfo {
     api.info().unwrap()
 }
 
-/// A cluster file whose `[directory]` table names every member of `etcd`.
-fn directory_file(dir: &std::path::Path, etcd: &EtcdCluster) -> std::path::PathBuf {
-    let eps: Vec<String> = etcd
-        .endpoints()
-        .iter()
-        .map(|e| format!("\"{e}\""))
-        .collect();
-    let src = format!(
-        "version = 1\ntoken = \"{TOKEN}\"\n\
-         [link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n\
-         [directory]\netcd = [{}]\nprefix = \"{}\"\nlease_ttl_s = {TTL_S}\n",
-        eps.join(", "),
-        etcd.prefix
-    );
-    let p = dir.join("cluster.toml");
-    std::fs::write(&p, src).unwrap();
-    p
-}
-
 #[test]
 fn a_vm_keeps_its_device_through_an_etcd_leader_change() {
     let mut etcd = EtcdCluster::start(3);
     let dir = tempfile::tempdir().unwrap();
-    let file = directory_file(dir.path(), &etcd);
+    let file = directory_file(
+        dir.path(),
+        &etcd,
+        TTL_S,
+        "[link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n",
+    );
     let sock = dir.path().join("node1.sock");
     let _lender = Lenderd::command(binary("lenderd"), LENDER, &file)
         .log(dir.path().join("lenderd.log"))

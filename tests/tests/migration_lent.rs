@@ -764,22 +764,7 @@ fn a_device_under_an_etcd_claim_migrates_with_its_claim() {
     const TTL_S: u64 = 2;
     let etcd = EtcdCluster::start(1);
     let dir = tempfile::tempdir().unwrap();
-    let eps: Vec<String> = etcd
-        .endpoints()
-        .iter()
-        .map(|e| format!("\"{e}\""))
-        .collect();
-    let file = dir.path().join("cluster.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "version = 1\ntoken = \"{TOKEN}\"\n\
-             [directory]\netcd = [{}]\nprefix = \"{}\"\nlease_ttl_s = {TTL_S}\n",
-            eps.join(", "),
-            etcd.prefix
-        ),
-    )
-    .unwrap();
+    let file = directory_file(dir.path(), &etcd, TTL_S, "");
     let fc = file.display().to_string();
     let lsock = dir.path().join("node1.sock");
     let disk = dir.path().join("disk.img");

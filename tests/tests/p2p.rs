@@ -28,7 +28,7 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer() {
     ]);
     let a = format!("{LENDER}:{DMATEST_BDF},id=dta");
     let b = format!("{LENDER}:{DMATEST2_BDF},id=dtb");
-    run_guest(&cluster, &a, &b);
+    run_guest(&cluster.path, &a, &b);
     // The lender counted A's refused DMAs (the hole and the old BAR address).
     let d = cluster.device(DMATEST_BDF);
     assert!(d.iommu_faults >= 2, "{d:?}");
@@ -47,7 +47,7 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer_tcp() {
     ]);
     let a = format!("{LENDER}:{DMATEST_BDF},id=dta");
     let b = format!("{LENDER}:{DMATEST2_BDF},id=dtb");
-    run_guest(&cluster, &a, &b);
+    run_guest(&cluster.path, &a, &b);
     let log = std::fs::read_to_string(cluster.file("lenderd.log")).unwrap();
     assert!(
         log.contains(&format!("granted to lender {LENDER}")),
@@ -64,7 +64,7 @@ fn two_lenders(fabric: Fabric) {
     let l2 = start_lender(&cluster, "node2", DMATEST2_BDF);
     let a = format!("node1:{DMATEST_BDF},id=dta");
     let b = format!("node2:{DMATEST2_BDF},id=dtb");
-    run_guest(&cluster, &a, &b);
+    run_guest(&cluster.path, &a, &b);
     let log1 = std::fs::read_to_string(cluster.file("node1.log")).unwrap();
     assert!(
         log1.contains("lender-to-lender link to node2 up"),
@@ -99,6 +99,54 @@ fn two_lenders(fabric: Fabric) {
         });
         assert!(ok.is_some(), "{node}:{bdf} not given back");
     }
+    drop((l1, l2));
+}
+
+/// The lenders know each other only through the etcd cluster directory (a cluster file
+/// without nodes; each lender registers its own control address): node1 finds node2 there
+/// for its lender-to-lender link, and the VM finds both there.
+#[test]
+fn two_dmatests_of_two_lenders_found_in_etcd_copy_peer_to_peer() {
+    use lending::directory::testing::EtcdCluster;
+    let etcd = EtcdCluster::start(1);
+    let dir = tempfile::tempdir().unwrap();
+    let file = directory_file(dir.path(), &etcd, 4, "");
+    let lender = |node: &str, bdf: &str| {
+        let sock = dir.path().join(format!("{node}.sock"));
+        Lenderd::command(binary("lenderd"), node, &file)
+            .log(dir.path().join(format!("{node}.log")))
+            .arg("--control")
+            .arg(&sock)
+            .device(format!("{bdf}=dmatest"))
+            .spawn_until_listening(&sock)
+    };
+    let l1 = lender("node1", DMATEST_BDF);
+    let l2 = lender("node2", DMATEST2_BDF);
+    // Each lender registers right after it listens.
+    let (directory, _) = lending::directory::open(
+        &file.display().to_string(),
+        lending::directory::static_file::FanOut {
+            local: "p2p-test".into(),
+            token: TOKEN.into(),
+            client: "p2p-test".into(),
+            connect_timeout: Duration::from_secs(2),
+        },
+    )
+    .unwrap();
+    let registered = poll(Duration::from_secs(10), || {
+        directory.snapshot().ok().filter(|s| s.devices.len() == 2)
+    });
+    assert!(registered.is_some(), "lenders never registered in etcd");
+    let a = format!("node1:{DMATEST_BDF},id=dta");
+    let b = format!("node2:{DMATEST2_BDF},id=dtb");
+    run_guest(&file, &a, &b);
+    let log1 = std::fs::read_to_string(dir.path().join("node1.log")).unwrap();
+    assert!(
+        log1.contains("lender-to-lender link to node2 up"),
+        "node1 never linked to node2:\n{log1}"
+    );
+    let log2 = std::fs::read_to_string(dir.path().join("node2.log")).unwrap();
+    assert!(log2.contains("attached by node1"), "{log2}");
     drop((l1, l2));
 }
 
@@ -165,8 +213,8 @@ fn killing_the_targets_lender_refuses_the_sources_dma() {
 
 /// Boots the test guest with dmatests `a` (id dta) and `b` (id dtb) and checks its p2p
 /// steps and the VMM's mappings of B's BAR for A (at B's address, then the moved one).
-fn run_guest(cluster: &Cluster, a: &str, b: &str) {
-    let cluster_arg = cluster.path.display().to_string();
+fn run_guest(cluster_file: &std::path::Path, a: &str, b: &str) {
+    let cluster_arg = cluster_file.display().to_string();
     let cmdline = format!("tests=p2p seed={SEED:#x}");
     let mut vm = Vm::start_with_log(
         "64M",

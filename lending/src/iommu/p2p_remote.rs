@@ -25,13 +25,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use ntb::{ClusterConfig, Endpoint, ExportedWindow, FabricError, Incoming, Message, PeerWindow};
+use ntb::{
+    ClusterConfig, Endpoint, ExportedWindow, FabricError, Incoming, Message, NodeId, PeerWindow,
+};
 use thiserror::Error;
 
 use super::p2p::{peer_region, P2pError};
 use super::{BackingError, DmaBacking, IommuDomain, IommuError};
 use crate::backend::DeviceBackend;
 use crate::client::{ClientError, LenderClient};
+use crate::directory::Directory;
 use crate::protocol::p2px::{self, P2pAttach, P2pAttached, P2pDetach, SECRET_LEN};
 use crate::protocol::{self, Request};
 
@@ -623,6 +626,9 @@ pub struct PeerLenders {
     local: String,
     token: String,
     cluster: Mutex<Option<ClusterConfig>>,
+    /// The cluster directory (etcd), for lenders the cluster file does not name, with the
+    /// link settings to reach them.
+    directory: Mutex<Option<(Arc<dyn Directory>, ClusterConfig)>>,
     links: Mutex<HashMap<String, Arc<PeerLink>>>,
     stop: Arc<AtomicBool>,
     /// Mappings ended because their link died or the target's lender revoked them.
@@ -638,6 +644,7 @@ impl PeerLenders {
             local: local.to_string(),
             token: token.to_string(),
             cluster: Mutex::new(None),
+            directory: Mutex::new(None),
             links: Mutex::default(),
             stop,
             revoked: AtomicU64::new(0),
@@ -645,10 +652,16 @@ impl PeerLenders {
         }
     }
 
-    /// Where the other lenders are (the cluster file). Without it, cross-lender P2P is
-    /// refused with `PEER_LENDER`.
+    /// Where the other lenders are (the cluster file). Without it or a directory,
+    /// cross-lender P2P is refused with `PEER_LENDER`.
     pub fn set_cluster(&self, cluster: ClusterConfig) {
         *lock(&self.cluster) = Some(cluster);
+    }
+
+    /// Where lenders the cluster file does not name are found (the etcd directory they
+    /// register in), and the link settings (`base`: timers, this node's) to reach them.
+    pub fn set_directory(&self, directory: Arc<dyn Directory>, base: ClusterConfig) {
+        *lock(&self.directory) = Some((directory, base));
     }
 
     /// Mappings the target side or a link loss ended so far.
@@ -685,19 +698,28 @@ impl PeerLenders {
             }
             links.remove(lender);
         }
-        let cluster = lock(&self.cluster)
-            .clone()
-            .ok_or_else(|| err("this lender has no cluster file to find it in".into()))?;
-        if cluster.node(lender).is_none() {
-            return Err(err("it is not in this lender's cluster file".into()));
+        let name = format!("lenderd {} (p2p)", self.local);
+        let cluster = lock(&self.cluster).clone();
+        let directory = lock(&self.directory).clone();
+        let client = match (cluster, directory) {
+            (Some(c), _) if c.node(lender).is_some() => {
+                LenderClient::connect(&c, &self.local, lender, &self.token, &name)
+            }
+            // Not in the file: the directory has every registered lender's address.
+            (_, Some((dir, base))) => {
+                let node = dir
+                    .lender(lender)
+                    .map_err(|e| err(format!("the cluster directory: {e}")))?;
+                let local = NodeId::new(&self.local).map_err(|e| err(e.to_string()))?;
+                LenderClient::connect_node(&base, &node, &local, PEER_TIMEOUT, &self.token, &name)
+            }
+            (Some(_), None) => return Err(err("it is not in this lender's cluster file".into())),
+            (None, None) => {
+                return Err(err(
+                    "this lender has no cluster file or directory to find it in".into(),
+                ))
+            }
         }
-        let client = LenderClient::connect(
-            &cluster,
-            &self.local,
-            lender,
-            &self.token,
-            &format!("lenderd {} (p2p)", self.local),
-        )
         .map_err(|e| err(e.to_string()))?;
         if client.protocol_version() < p2px::P2PX_VERSION {
             return Err(err(format!(

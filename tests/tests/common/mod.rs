@@ -526,3 +526,28 @@ pub fn boot_with_api(cluster: &Cluster, cmdline: &str, extra: &[&str]) -> Vm {
     vm.wait_api();
     vm
 }
+
+/// A cluster file without nodes whose `[directory]` table names every member of `etcd`
+/// (lenders register there and VMMs find them there), with `lease_ttl_s = ttl_s` and `extra`
+/// TOML tables (e.g. `[link]` timers) before it.
+pub fn directory_file(
+    dir: &Path,
+    etcd: &lending::directory::testing::EtcdCluster,
+    ttl_s: u64,
+    extra: &str,
+) -> PathBuf {
+    let eps: Vec<String> = etcd
+        .endpoints()
+        .iter()
+        .map(|e| format!("\"{e}\""))
+        .collect();
+    let src = format!(
+        "version = 1\ntoken = \"{TOKEN}\"\n{extra}\
+         [directory]\netcd = [{}]\nprefix = \"{}\"\nlease_ttl_s = {ttl_s}\n",
+        eps.join(", "),
+        etcd.prefix
+    );
+    let p = dir.join("cluster.toml");
+    std::fs::write(&p, src).unwrap();
+    p
+}
