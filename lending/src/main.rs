@@ -173,20 +173,22 @@ fn run(args: Args) -> Result<(), String> {
     let listener = fabric.listen().map_err(|e| format!("listen: {e}"))?;
     // Registered only once the control address listens, so a borrower that finds the
     // lender in the directory can connect.
-    let (registration, dir): (Option<Box<dyn Registration>>, Option<Arc<dyn Directory>>) =
-        match &dir_cfg {
-            None => (None, None),
-            Some(cfg) => {
-                let dir = EtcdDirectory::connect(cfg).map_err(|e| format!("directory: {e}"))?;
-                let reg = dir
-                    .register(
-                        &NodeRecord::from_config(&me),
-                        &records(&args.node, &inventory),
-                    )
-                    .map_err(|e| format!("registering in {}: {e}", dir.describe()))?;
-                (Some(reg), Some(Arc::new(dir)))
-            }
-        };
+    let dir: Option<Arc<dyn Directory>> = match &dir_cfg {
+        None => None,
+        Some(cfg) => Some(Arc::new(
+            EtcdDirectory::connect(cfg).map_err(|e| format!("directory: {e}"))?,
+        )),
+    };
+    let registration: Option<Box<dyn Registration>> = match &dir {
+        None => None,
+        Some(dir) => Some(
+            dir.register(
+                &NodeRecord::from_config(&me),
+                &records(&args.node, &inventory),
+            )
+            .map_err(|e| format!("registering in {}: {e}", dir.describe()))?,
+        ),
+    };
     let lender = match registration.as_ref().and_then(|r| r.claim_authority()) {
         Some(claims) => Lender::with_claims(Arc::clone(&inventory), &args.node, &token, claims),
         None => Lender::new(Arc::clone(&inventory), &args.node, &token),
