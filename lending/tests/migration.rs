@@ -770,11 +770,16 @@ fn recorded_lender(c: &Cluster) -> (Arc<Recorded>, Arc<RecordingDomain>, Backgro
 /// and mapped again, as for a copied migration. `in_accept`: the destination names its
 /// window in TRANSFER_ACCEPT; else it maps it with DMA_MAP after the accept (as lendvm
 /// does), and the source's mapping waits in the domain until then.
-fn transfer_keeping(same: bool, in_accept: bool) {
-    let c = cluster(FabricKind::Shm);
-    let (backend, dom, l) = recorded_lender(&c);
-
-    let a = connect(&c);
+/// A source borrower of [`DEV`] with guest RAM (`a-ram`) exported and mapped at IOVA 0.
+fn source_with_ram(
+    c: &Cluster,
+) -> (
+    LenderClient,
+    ntb::SharedMemory,
+    ntb::ExportedWindow,
+    lending::client::Lease,
+) {
+    let a = connect(c);
     let ram = ntb::SharedMemory::new("a-ram", SMALL).unwrap();
     let wa = a
         .endpoint()
@@ -782,6 +787,14 @@ fn transfer_keeping(same: bool, in_accept: bool) {
         .unwrap();
     let lease = a.borrow(DEV, "vm0").unwrap();
     lease.map_dma(0, SMALL, wa.id()).unwrap();
+    (a, ram, wa, lease)
+}
+
+fn transfer_keeping(same: bool, in_accept: bool) {
+    let c = cluster(FabricKind::Shm);
+    let (backend, dom, l) = recorded_lender(&c);
+
+    let (a, ram, wa, lease) = source_with_ram(&c);
     ram.write_at(0x1000, &pattern(1, 4096)).unwrap();
     dma_copy(&backend.dev, 0x1000, 0x8000, 4096);
     let mut got = vec![0u8; 4096];
@@ -909,14 +922,7 @@ fn a_dma_map_after_the_transfer_onto_another_memfd_maps_the_dma_window_again() {
 fn a_resume_before_the_new_holder_maps_unmaps_the_old_window() {
     let c = cluster(FabricKind::Shm);
     let (_backend, dom, l) = recorded_lender(&c);
-    let a = connect(&c);
-    let ram = ntb::SharedMemory::new("a-ram", SMALL).unwrap();
-    let wa = a
-        .endpoint()
-        .export_window(ram.fd(), 0, SMALL, "a-ram")
-        .unwrap();
-    let lease = a.borrow(DEV, "vm0").unwrap();
-    lease.map_dma(0, SMALL, wa.id()).unwrap();
+    let (_a, _ram, _wa, lease) = source_with_ram(&c);
     lease.quiesce_for_handover(1000).unwrap();
     let t = lease.create_transfer(BORROWER, "vm0-dst").unwrap();
     let b = connect(&c);

@@ -324,6 +324,16 @@ macro_rules! forward_link {
             self.inner.p2p_port()
         }
     };
+    (@ lease_state) => {
+        fn lease_state(&self) -> LeaseState {
+            self.inner.lease_state()
+        }
+    };
+    (@ set_event_hook) => {
+        fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
+            self.inner.set_event_hook(hook)
+        }
+    };
     (@ kick_doorbells) => {
         fn kick_doorbells(&self) -> KickDoorbells {
             self.inner.kick_doorbells()
@@ -724,7 +734,10 @@ impl RemoteDeviceLink for VmmLink {
         quiesce,
         kick_generation,
         migration,
-        claim_revision
+        claim_revision,
+        lease_state,
+        set_event_hook,
+        p2p_port
     );
 
     fn device_info(&self) -> RemoteDeviceInfo {
@@ -738,10 +751,6 @@ impl RemoteDeviceLink for VmmLink {
         info
     }
 
-    fn lease_state(&self) -> LeaseState {
-        self.inner.lease_state()
-    }
-
     fn kick_doorbells(&self) -> KickDoorbells {
         // A trapped device has no direct window to put ioeventfds on (the device ignores
         // them then anyway); the generation still moves so nothing is re-applied.
@@ -753,14 +762,6 @@ impl RemoteDeviceLink for VmmLink {
             };
         }
         k
-    }
-
-    fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
-        self.inner.set_event_hook(hook)
-    }
-
-    fn p2p_port(&self) -> Option<Arc<dyn remote_pci::P2pPort>> {
-        self.inner.p2p_port()
     }
 }
 
