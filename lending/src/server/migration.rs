@@ -27,7 +27,7 @@ use ntb::{FabricKind, Message};
 
 use super::{
     backend_err, iommu_err, kick_listener, ok, proto_err, DmaEntry, FaultRelay, FaultRelayGuard,
-    PeerWindowBacking, Reply, Session, SessionLease,
+    Reply, Session, SessionLease,
 };
 use crate::auth;
 use crate::backend::config::virtualized_info;
@@ -468,19 +468,15 @@ impl Session {
                     format!("windows overlap at iova {:#x}", m.iova),
                 ));
             }
-            let w = self.ep.map_peer_window(m.window).map_err(|e| {
-                error(
-                    code::UNKNOWN_WINDOW,
-                    format!("borrower window {}: {e}", m.window),
-                )
-            })?;
-            if w.len() < m.size {
+            // Shared with the session's other leases that map the same window.
+            let w = self.peer_window(m.window)?;
+            if w.size() < m.size {
                 return Err(error(
                     code::INVALID,
                     format!(
                         "window {} is {:#x} bytes, smaller than {:#x}",
                         m.window,
-                        w.len(),
+                        w.size(),
                         m.size
                     ),
                 ));
@@ -547,79 +543,43 @@ impl Session {
         sl.stop_dirty_log();
         sl.resample = None;
         backend.clear_irqs();
-        // A destination window that is the source's memory (the memfd fast path: the same
-        // file and range, by `PeerWindow::backing_id`) at the same IOVAs keeps its mapping:
-        // the domain swaps the backing (no IOMMU unmap and re-pin, no gap in which DMA
-        // faults) and drops the source's view after. Every other window is unmapped and
-        // mapped again.
-        let mut maps = Vec::with_capacity(wins.len());
-        let mut to_map = Vec::new();
+        // The source's mappings are parked, and each destination window goes the way of a
+        // DMA_MAP after a transfer ([`SessionLease::map_over_parked`]): one that is the
+        // source's memory at the same range (the memfd fast path: the same file and range,
+        // by `PeerWindow::backing_id`) keeps its mapping — the domain swaps the backing, no
+        // IOMMU unmap and re-pin, no gap in which DMA faults — and anything else unmaps
+        // what is parked and maps anew. A destination that names no windows here maps them
+        // after the accept (lendvm does, when the guest's Bus Master Enable is replayed):
+        // the source's mappings stay parked, with Bus Master off, until then, or until the
+        // device resumes.
+        sl.parked
+            .extend(sl.maps.drain(..).map(|e| (e.iova, e.size)));
+        let mut map_err = None;
         for (m, w) in wins {
-            let backing: Arc<dyn DmaBacking> = Arc::new(PeerWindowBacking { win: w });
-            let entry = DmaEntry {
+            let backing: Arc<dyn DmaBacking> = w;
+            if !sl.map_over_parked(&self.lender, id, m.iova, m.size, &backing) {
+                if let Err(e) = dom.map(m.iova, m.size, backing) {
+                    log::error!("lease {id}: mapping the destination's window: {e}");
+                    map_err.get_or_insert(iommu_err(e));
+                    continue;
+                }
+            }
+            sl.maps.push(DmaEntry {
                 iova: m.iova,
                 size: m.size,
                 window: m.window,
-            };
-            if let Some(i) = sl
-                .maps
-                .iter()
-                .position(|e| e.iova == m.iova && e.size == m.size)
-            {
-                match dom.rebind(m.iova, m.size, Arc::clone(&backing)) {
-                    Ok(()) => {
-                        sl.maps.swap_remove(i);
-                        maps.push(entry);
-                        continue;
-                    }
-                    Err(IommuError::NotSameMemory { .. }) => {}
-                    Err(e) => log::warn!("lease {id}: keeping the window at {:#x}: {e}", m.iova),
-                }
-            }
-            to_map.push((entry, backing));
+            });
         }
-        let kept = maps.len();
         if a.maps.is_empty() {
-            // The destination maps its windows after the accept (lendvm does, when the
-            // guest's Bus Master Enable is replayed): the source's mappings stay in the
-            // domain, with Bus Master off, until it does — kept if they are the same
-            // memory ([`SessionLease::map_over_parked`]), else unmapped then, or when the
-            // device resumes.
-            let n = sl.maps.len();
-            sl.parked
-                .extend(sl.maps.drain(..).map(|e| (e.iova, e.size)));
-            if n > 0 {
+            if !sl.parked.is_empty() {
                 log::info!(
-                    "lease {id}: the source's {n} dma window(s) stay mapped until this \
-                     borrower maps its own (kept if the same memory)"
+                    "lease {id}: the source's {} dma window(s) stay mapped until this \
+                     borrower maps its own (kept if the same memory)",
+                    sl.parked.len()
                 );
             }
-        }
-        for e in sl.maps.drain(..) {
-            if let Err(err) = dom.unmap(e.iova, e.size) {
-                log::warn!(
-                    "lease {id}: unmapping the source's window at {:#x}: {err}",
-                    e.iova
-                );
-            }
-        }
-        let mut map_err = None;
-        for (entry, backing) in to_map {
-            match dom.map(entry.iova, entry.size, backing) {
-                Ok(()) => maps.push(entry),
-                Err(e) => {
-                    log::error!("lease {id}: mapping the destination's window: {e}");
-                    map_err.get_or_insert(iommu_err(e));
-                }
-            }
-        }
-        sl.maps = maps;
-        if kept > 0 {
-            self.lender
-                .transfers
-                .kept
-                .fetch_add(kept as u64, Ordering::Relaxed);
-            log::info!("lease {id}: kept {kept} dma window(s) across the transfer (same memory)");
+        } else {
+            sl.unmap_parked(id, "the destination mapped its own windows");
         }
         if let Err(e) = backend.set_bus_master(!sl.maps.is_empty()) {
             log::warn!("lease {id}: bus master after transfer: {e}");

@@ -67,7 +67,9 @@ impl Default for SessionOptions {
 /// registered while the pump reports the end is lost too, never forgotten).
 #[derive(Default)]
 struct Table {
-    sinks: HashMap<u64, LendingEventSink>,
+    /// Shared, so handing an event to its lease (an interrupt relayed on tcp) takes one
+    /// reference count, not a copy of the sink.
+    sinks: HashMap<u64, Arc<LendingEventSink>>,
     ended: Option<String>,
 }
 
@@ -86,7 +88,7 @@ impl Sinks {
     /// The link ended: every lease of the session is lost (told outside the lock: a hook
     /// may take its time).
     fn end(&self, why: String) {
-        let sinks: Vec<LendingEventSink> = {
+        let sinks: Vec<Arc<LendingEventSink>> = {
             let mut t = self.lock();
             t.ended.get_or_insert_with(|| why.clone());
             t.sinks.values().cloned().collect()
@@ -317,7 +319,7 @@ impl LenderSession {
     pub(super) fn register(&self, sink: &LendingEventSink) -> Registration {
         let ended = {
             let mut t = self.sinks.lock();
-            t.sinks.insert(sink.lease(), sink.clone());
+            t.sinks.insert(sink.lease(), Arc::new(sink.clone()));
             t.ended.clone()
         };
         if let Some(why) = ended {
