@@ -471,7 +471,8 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 log::warn!(
-                    "{}: transactions still pending {timeout:?} after bus master was                      cleared ({polls} polls): drain not confirmed",
+                    "{}: transactions still pending {timeout:?} after bus master was \
+                     cleared ({polls} polls): drain not confirmed",
                     self.name
                 );
                 return false;

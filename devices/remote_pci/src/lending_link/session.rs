@@ -18,7 +18,6 @@
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
-use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
@@ -192,14 +191,12 @@ impl Drop for Counted {
     }
 }
 
-/// What identifies an export of guest RAM: each region's place and backing file.
+/// What identifies an export of guest RAM: each region's guest address and the file range
+/// behind it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct RegionKey {
     gpa: u64,
-    size: u64,
-    offset: u64,
-    dev: u64,
-    ino: u64,
+    memory: ntb::BackingId,
 }
 
 /// Guest RAM exported as fabric windows on one session; revoked when the last holder
@@ -345,17 +342,13 @@ impl LenderSession {
                     reason: format!("guest ram at {:#x} is not file backed", r.gpa),
                 });
             };
-            let md = file.metadata().map_err(|e| LinkError::Unsupported {
-                op: "dma map",
-                reason: format!("guest ram at {:#x}: fstat of its file: {e}", r.gpa),
+            let memory = ntb::BackingId::of_file(file.as_fd(), *offset, r.size).map_err(|e| {
+                LinkError::Unsupported {
+                    op: "dma map",
+                    reason: format!("guest ram at {:#x}: fstat of its file: {e}", r.gpa),
+                }
             })?;
-            key.push(RegionKey {
-                gpa: r.gpa,
-                size: r.size,
-                offset: *offset,
-                dev: md.dev(),
-                ino: md.ino(),
-            });
+            key.push(RegionKey { gpa: r.gpa, memory });
         }
         // Held while exporting: a second device setting BME meanwhile waits and shares.
         let mut slot = self.ram.lock().unwrap_or_else(PoisonError::into_inner);
@@ -380,7 +373,7 @@ impl LenderSession {
             let w = self
                 .client
                 .endpoint()
-                .export_window(file.as_fd(), k.offset, r.size, &label)
+                .export_window(file.as_fd(), k.memory.offset, r.size, &label)
                 .map_err(|e| link_err("export guest ram", ClientError::Fabric(e)))?;
             windows.push((r.gpa, r.size, w));
         }
