@@ -185,3 +185,18 @@ impl Drop for Lenderd {
         self.kill();
     }
 }
+
+/// Writes `dir/cluster.toml`: a cluster of `nodes` on the shm fabric, each listening on
+/// `dir/<node>.sock`; returns its path (load it with `ntb::ClusterConfig::load`).
+pub fn shm_cluster_file(dir: &Path, nodes: &[&str]) -> PathBuf {
+    let d = dir.display();
+    let mut src = String::from("version = 1\n");
+    for n in nodes {
+        src.push_str(&format!(
+            "[[node]]\nname = \"{n}\"\nfabric = \"shm\"\ncontrol = \"{d}/{n}.sock\"\n"
+        ));
+    }
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, src).unwrap();
+    path
+}

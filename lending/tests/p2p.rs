@@ -23,6 +23,10 @@ use lending::server::{BackgroundLender, Lender};
 use lending::LenderClient;
 use ntb::{ClusterConfig, Fabric, Message, SocketFabric};
 
+// The shared test harness (std only), as the other tests of this crate include it.
+#[path = "../src/testing.rs"]
+mod testing;
+
 mod p2p_common;
 use p2p_common::*;
 
@@ -62,15 +66,7 @@ fn setup_with(
     others: Vec<(String, Arc<dyn lending::backend::DeviceBackend>)>,
     dir: tempfile::TempDir,
 ) -> Setup {
-    let d = dir.path().display();
-    let src = format!(
-        "version = 1\n\
-         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
-         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n\
-         [[node]]\nname = \"intruder\"\nfabric = \"shm\"\ncontrol = \"{d}/intruder.sock\"\n"
-    );
-    let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
+    let path = testing::shm_cluster_file(dir.path(), &["lender", "vmm", "intruder"]);
     let cfg = ClusterConfig::load(&path).unwrap();
     let mut devices: Vec<(String, Arc<dyn lending::backend::DeviceBackend>)> =
         vec![(DEV_A.to_string(), a.clone() as _)];

@@ -28,6 +28,10 @@ use lending::LenderClient;
 use ntb::wire::ErrorReply;
 use ntb::{ClusterConfig, Endpoint, Fabric, FabricError, Message, NodeId, SocketFabric};
 
+// The shared test harness (std only), as the other tests of this crate include it.
+#[path = "../src/testing.rs"]
+mod testing;
+
 const TOKEN: &str = "v3rsions";
 const DEV: &str = "0000:00:05.0";
 
@@ -50,14 +54,7 @@ fn lender_with_backend(
     Arc<EmulatedBackend>,
 ) {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let src = format!(
-        "version = 1\n\
-         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
-         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
-    );
-    let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
+    let path = testing::shm_cluster_file(dir.path(), &["lender", "vmm"]);
     let cfg = ClusterConfig::load(&path).unwrap();
     let backend = Arc::new(EmulatedBackend::dmatest("versions", mode).unwrap());
     let inv = Arc::new(Inventory::new(vec![(DEV.to_string(), backend.clone() as _)]).unwrap());

@@ -193,14 +193,7 @@ fn wait_fd(fd: &EventFd, timeout: Duration) -> bool {
 /// A cluster file with a lender and a VMM node on shm (the directory holds the sockets).
 fn shm_cluster() -> (tempfile::TempDir, ClusterConfig) {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let src = format!(
-        "version = 1\n\
-         [[node]]\nname = \"lender\"\nfabric = \"shm\"\ncontrol = \"{d}/lender.sock\"\n\
-         [[node]]\nname = \"vmm\"\nfabric = \"shm\"\ncontrol = \"{d}/vmm.sock\"\n"
-    );
-    let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
+    let path = lending::testing::shm_cluster_file(dir.path(), &["lender", "vmm"]);
     (dir, ClusterConfig::load(&path).unwrap())
 }
 
