@@ -29,7 +29,7 @@ pub struct LendingEventSink {
     pub(super) state: Arc<Mutex<LeaseState>>,
     hook: Arc<Mutex<HookSlot>>,
     /// Held across a whole report of the loss, the hook's call included: a `set_event_hook`
-    /// racing the event thread's report returns only once the hook has been told (the hook
+    /// racing the event pump's report returns only once the hook has been told (the hook
     /// must not set a hook of this link from `lease_lost`).
     reporting: Arc<Mutex<()>>,
     /// Per kind: the eventfds to write on relayed interrupts (tcp).

@@ -68,11 +68,11 @@ pub enum LendingLinkError {
         #[source]
         source: ClientError,
     },
-    #[error("starting the event thread: {0}")]
+    #[error("starting the event pump: {0}")]
     Thread(#[source] std::io::Error),
     #[error("duplicating the notify eventfd: {0}")]
     Notify(#[source] std::io::Error),
-    #[error("waking the event thread: {0}")]
+    #[error("waking the event pump: {0}")]
     Waker(#[source] ClientError),
 }
 
@@ -520,7 +520,7 @@ impl RemoteDeviceLink for LendingLink {
     fn set_event_hook(&self, hook: Arc<dyn LinkEventHook>) {
         self.sink.set_hook(hook);
         // `lease_state` already answers Lost once the endpoint is down, possibly before the
-        // event thread has recorded the loss: a hook set in that window is told now too
+        // event pump has recorded the loss: a hook set in that window is told now too
         // (`lost` records once and reports once, whoever comes first).
         if !self.session.client().endpoint().is_up() {
             self.sink.lost("link down".into());
