@@ -580,7 +580,8 @@ pub struct VmCounters {
 
 /// Body of `GET /api/v1/vm.counters`, in Cloud Hypervisor's shape: counter group → counter
 /// name → value. Group `vm` holds the VM-wide KVM statistics summed over vCPUs (`exits`,
-/// `mmio_exits` = MMIO exits to user space, `io_exits`, `halt_exits`, ...); every other group
+/// `mmio_exits` = MMIO exits to user space, `io_exits`, `halt_exits`, ...); groups
+/// `vm:vcpu0`, `vm:vcpu1`, ... hold each vCPU's own figures of that sum; every other group
 /// is a remote device id.
 pub type VmCountersReport = BTreeMap<String, BTreeMap<String, u64>>;
 

@@ -57,7 +57,9 @@ pub fn open_backends(
             dbbuf,
             vfs,
             cmb,
+            msix,
         } => {
+            let defaults = emulated::nvme::NvmeConfig::default();
             let cfg = emulated::nvme::NvmeConfig {
                 backing: path.clone(),
                 size: *size,
@@ -67,7 +69,8 @@ pub fn open_backends(
                 serial: sriov::nvme_serial(&spec.id),
                 subsystem: node.to_string(),
                 cmb_size: *cmb,
-                ..Default::default()
+                msix_vectors: msix.unwrap_or(defaults.msix_vectors),
+                ..defaults
             };
             if *vfs == 0 {
                 one(Arc::new(EmulatedBackend::nvme(&name, cfg)?))

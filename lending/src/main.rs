@@ -32,7 +32,7 @@ struct Args {
     /// absolute Unix socket path (shm fabric) or ip:port (tcp fabric).
     #[arg(long, value_name = "ADDR")]
     control: Option<String>,
-    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE] | BDF=dmatest[:mode=...][,buf=SIZE]
+    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE][,msix=N] | BDF=dmatest[:mode=...][,buf=SIZE]
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
     /// Cluster auth token (visible in `ps`; prefer --token-file or $LENDVM_TOKEN).

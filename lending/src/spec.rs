@@ -51,6 +51,11 @@ pub enum DeviceKind {
         vfs: u16,
         /// Controller Memory Buffer size (0: none).
         cmb: u64,
+        /// MSI-X vectors (`None`: the model's default, one per I/O queue plus the admin
+        /// queue's). `msix=1` makes a guest driver share one vector between all its queues,
+        /// whose interrupt affinity the guest may then move (Linux manages, and pins, the
+        /// affinity of per-queue vectors).
+        msix: Option<u16>,
     },
     /// Emulated dmatest copy engine.
     Dmatest {
@@ -185,6 +190,7 @@ impl std::str::FromStr for DeviceSpec {
                 let mut dbbuf = true;
                 let mut vfs = 0;
                 let mut cmb = 0;
+                let mut msix = None;
                 for (k, v) in pairs {
                     match k {
                         "path" if !v.is_empty() => path = Some(PathBuf::from(v)),
@@ -234,6 +240,20 @@ impl std::str::FromStr for DeviceSpec {
                                     err(format!("cmb {v:?} is not a power of two from 2M to 256M"))
                                 })?;
                         }
+                        "msix" => {
+                            msix = Some(
+                                v.parse::<u16>()
+                                    .ok()
+                                    .filter(|n| (1..=emulated::nvme::MAX_MSIX_VECTORS).contains(n))
+                                    .ok_or_else(|| {
+                                        err(format!(
+                                            "msix {v:?} is not a number of MSI-X vectors \
+                                             (1..={})",
+                                            emulated::nvme::MAX_MSIX_VECTORS
+                                        ))
+                                    })?,
+                            );
+                        }
                         other => return Err(err(format!("unknown nvme option {other:?}"))),
                     }
                 }
@@ -264,6 +284,7 @@ impl std::str::FromStr for DeviceSpec {
                     dbbuf,
                     vfs,
                     cmb,
+                    msix,
                 }
             }
             other => {
@@ -317,6 +338,7 @@ mod tests {
                 dbbuf: true,
                 vfs: 0,
                 cmb: 0,
+                msix: None,
             }
         );
         let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,size=64M,lba=4096,mode=polling"
@@ -430,6 +452,15 @@ mod tests {
         let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,cmb=4M".parse().unwrap();
         assert_eq!(s.function_ids(), ["0000:82:00.0"]);
         assert!(matches!(s.kind, DeviceKind::Nvme { cmb, .. } if cmb == 4 << 20));
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,msix=1".parse().unwrap();
+        assert!(matches!(s.kind, DeviceKind::Nvme { msix: Some(1), .. }));
+        for bad in ["0", "129", "x", ""] {
+            let e = format!("0000:82:00.0=nvme:path=d.img,msix={bad}")
+                .parse::<DeviceSpec>()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("MSI-X vectors (1..=128)"), "{bad}: {e}");
+        }
         // A VF's address is an ordinary BDF: lendable as vfio like any other.
         let s: DeviceSpec = "0000:03:10.2=vfio".parse().unwrap();
         assert_eq!(s.function_ids(), ["0000:03:10.2"]);

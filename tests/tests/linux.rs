@@ -52,6 +52,18 @@
 //!   VM's DMA manager) and that the other disk's blocks verify in the guest and in its
 //!   lender's file, then removes the last one: every leak counter back to 0.
 //!
+//! Every guest has two vCPUs ([`VCPUS`]), as users' VMs have several: each test checks the
+//! kernel's `smp: Brought up 1 node, 2 CPUs` and that the nvme driver made one I/O queue per
+//! CPU; the initramfs tests check `/sys/devices/system/cpu/online` from user space. The fio
+//! verify job runs as two jobs, one pinned to each CPU, and the test checks in the guest's
+//! own `/proc/interrupts` that the vector of queue n fired on CPU n-1 only, and (through
+//! `vm.counters`, per vCPU) that the doorbells of both queues cost ≤ 0.05 MMIO exits to user
+//! space per I/O. The busybox test's disk has one shared MSI-X vector (`msix=1`, so Linux
+//! does not manage its affinity), which /init moves CPU0 → CPU1 → CPU0 → CPU1 by writing
+//! `/proc/irq/N/smp_affinity` while a writer runs: each step's interrupts land on the chosen
+//! CPU, and no write stalls or is lost. The migration test checks that both vCPUs run on
+//! the destination and that the guest still has both CPUs online there.
+//!
 //! All tests print their boot times (wall clock and the guest's printk clock); nothing
 //! asserts on timing. Every wait is bounded ([`BOOT_TIMEOUT`] per boot) and every child
 //! process (lenderd, lendvm) is SIGKILLed and reaped on drop.
@@ -89,6 +101,11 @@ const SECTOR: u64 = 512;
 /// Guest RAM. The kernel needs little; every MiB costs emulated time in memmap init and
 /// `memblock_free_all`.
 const MEMORY: &str = "128M";
+/// vCPUs of every test guest: each CPU gets its own NVMe I/O queue and vector.
+const VCPUS: u32 = 2;
+/// `VCPUS` as the kernel lists online CPUs (`/sys/devices/system/cpu/online`).
+const CPUS_ONLINE: &str = "0-1";
+const VCPUS_ARG: &str = "2";
 
 /// The guest kernel (`LENDVM_LINUX_KERNEL`, a bzImage or vmlinux).
 fn kernel() -> PathBuf {
@@ -358,6 +375,8 @@ impl Guest {
             kernel.to_str().unwrap(),
             "--memory",
             MEMORY,
+            "--cpus",
+            VCPUS_ARG,
             "--serial",
             "stdout",
             "--cmdline",
@@ -592,6 +611,34 @@ fn check_nvme_probe_and_parts(guest: &Guest, lender: &Lender, parts: &[Part]) {
     );
 }
 
+/// The guest kernel brought up every vCPU (its own SMP line), and the stock nvme driver made
+/// one I/O queue per CPU (`queues` of them: one per CPU unless the device offers fewer
+/// vectors).
+fn check_smp_and_queues(guest: &Guest, lender: &Lender, queues: u32) {
+    let diag = || guest.diag(lender);
+    let want = format!("smp: Brought up 1 node, {VCPUS} CPUs");
+    assert!(
+        guest.line(&want).is_some(),
+        "no {want:?}: the guest did not bring up every vCPU\n{}",
+        diag()
+    );
+    let q = format!("nvme nvme0: {queues}/0/0 default/read/poll queues");
+    assert!(guest.line(&q).is_some(), "no {q:?}\n{}", diag());
+}
+
+/// User space (the initramfs' /init) saw every vCPU online: `LENDVM-CPUS online=0-1`.
+fn check_cpus_online(guest: &Guest, lender: &Lender) {
+    let line = guest
+        .line("LENDVM-CPUS ")
+        .unwrap_or_else(|| panic!("/init printed no LENDVM-CPUS line\n{}", guest.diag(lender)));
+    assert_eq!(
+        (field(&line, "online"), field(&line, "possible")),
+        (Some(CPUS_ONLINE), Some(CPUS_ONLINE)),
+        "{line}\n{}",
+        guest.diag(lender)
+    );
+}
+
 /// What the self-test tests check once lendvm has exited 0: the nvme driver's probe lines, the
 /// partition line, the self-test result (size, partitions, lba, seed), the pattern and the
 /// MBR in the backing file, and the lease back on the lender.
@@ -705,6 +752,7 @@ fn linux_boots_with_a_lent_nvme_disk() {
     let exit_wall = guest.expect_exit_0(&lender, deadline);
     let ok = check_guest_used_the_disk(&guest, &lender, &parts, lba, count, seed);
     assert_eq!(ok, ok_line);
+    check_smp_and_queues(&guest, &lender, VCPUS);
     // Linux's stock driver enabled shadow doorbells (lenderd's default dbbuf=on), so the VMM
     // turned the I/O queue doorbells into ioeventfds.
     let stderr = guest.out.stderr();
@@ -773,6 +821,8 @@ fn linux_hot_adds_a_lent_nvme_disk_through_acpi() {
     let exit_wall = guest.expect_exit_0(&lender, deadline);
     let ok = check_guest_used_the_disk(&guest, &lender, &parts, lba, count, seed);
     assert_eq!(ok, ok_line);
+    // The hot-added function's queues and vectors reach every CPU of the running guest.
+    check_smp_and_queues(&guest, &lender, VCPUS);
     let stderr = guest.out.stderr();
     assert!(
         stderr.contains("pci hotplug: slot 1 added")
@@ -809,12 +859,15 @@ fn linux_busybox_user_space_on_a_lent_disk() {
         sectors: (DISK_SIZE / SECTOR) as u32 - 2048,
     }];
     let (lba, count) = (8192u64, 8u64);
-    let lender = Lender::start(&parts);
+    // One MSI-X vector: the guest's nvme driver shares it between its queues and does not
+    // manage its affinity, so /init can move it between the CPUs while it writes.
+    let lender = Lender::start_with(&parts, ",msix=1");
     // No lendvm_selftest=: the disk check runs in user space. lendvm_syscall_fixup finishes the
     // SYSCALLs that PVM's emulator leaves at user privilege (inert where SYSCALL works);
     // lendvm_exit_port turns `poweroff -f` into exit code 0 (a panic, e.g. /init failing, into 7).
     let cmd = cmdline(&format!(
-        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_us=nvme0n1,{lba},{count}"
+        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_us=nvme0n1,{lba},{count} \
+         lendvm_irqmove=nvme0n1,{IRQMOVE_BLOCKS}"
     ));
     let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
     let mut guest = Guest::start(
@@ -849,6 +902,9 @@ fn linux_busybox_user_space_on_a_lent_disk() {
         diag()
     );
     check_nvme_probe_and_parts(&guest, &lender, &parts);
+    check_smp_and_queues(&guest, &lender, 1);
+    check_cpus_online(&guest, &lender);
+    check_irq_moves(&guest, &lender);
     assert!(
         ok_line.contains("LENDVM-USERSPACE nvme0n1 ok "),
         "{ok_line}\n{}",
@@ -917,6 +973,89 @@ fn linux_busybox_user_space_on_a_lent_disk() {
     report(&guest, "user space", ok_wall, exit_wall, t("uptime"));
 }
 
+/// Blocks /init's background writer acknowledges in each step of the affinity moves.
+const IRQMOVE_BLOCKS: u64 = 6;
+
+/// The per-CPU counts of a `<cpu0>/<cpu1>` field.
+fn cpu_counts(line: &str, key: &str) -> Vec<u64> {
+    field(line, key)
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+        .split('/')
+        .map(|c| c.parse().unwrap_or_else(|_| panic!("{key}= in {line:?}")))
+        .collect()
+}
+
+/// /init's affinity moves (`lendvm_irqmove=`): while a writer runs without pause, the
+/// disk's vector was moved CPU0 → CPU1 → CPU0 → CPU1. In each step the guest's own
+/// /proc/interrupts shows the step's interrupts on the CPU it chose (at least one per
+/// acknowledged write), at most two on the other (one already on its way at the move, and
+/// x86's move at the next interrupt), its effective affinity is that CPU, the writer never
+/// stalled (no lost interrupt: every step is bounded) and every block read back intact.
+fn check_irq_moves(guest: &Guest, lender: &Lender) {
+    let diag = || guest.diag(lender);
+    let start = guest
+        .line("LENDVM-IRQMOVE start ")
+        .unwrap_or_else(|| panic!("no LENDVM-IRQMOVE start\n{}", diag()));
+    assert!(
+        guest.line("LENDVM-IRQMOVE fail").is_none(),
+        "the affinity moves failed\n{}",
+        diag()
+    );
+    let steps: Vec<String> = guest
+        .out
+        .lines()
+        .into_iter()
+        .filter(|l| l.contains("LENDVM-IRQMOVE step "))
+        .collect();
+    assert_eq!(steps.len(), 4, "{steps:?}\n{}", diag());
+    let mut prev = cpu_counts(&start, "counts");
+    assert_eq!(prev.len(), VCPUS as usize, "{start}");
+    for step in &steps {
+        let cpu = match field(step, "mask") {
+            Some("1") => 0,
+            Some("2") => 1,
+            other => panic!("mask {other:?} in {step}"),
+        };
+        let cur = cpu_counts(step, "counts");
+        let delta: Vec<u64> = cur.iter().zip(&prev).map(|(c, p)| c - p).collect();
+        assert!(
+            delta[cpu] >= IRQMOVE_BLOCKS,
+            "step {step}: {} interrupts on CPU{cpu} for {IRQMOVE_BLOCKS} writes\n{}",
+            delta[cpu],
+            diag()
+        );
+        assert!(
+            delta[1 - cpu] <= 2,
+            "step {step}: {} interrupts still on CPU{} after the move\n{}",
+            delta[1 - cpu],
+            1 - cpu,
+            diag()
+        );
+        assert_eq!(field(step, "effective"), Some(cpu.to_string().as_str()), "{step}");
+        prev = cur;
+    }
+    let ok = guest
+        .line("LENDVM-IRQMOVE ok ")
+        .unwrap_or_else(|| panic!("the writer did not finish\n{}", diag()));
+    let blocks: u64 = field(&ok, "blocks").and_then(|b| b.parse().ok()).unwrap_or(0);
+    assert!(blocks >= 4 * IRQMOVE_BLOCKS, "{ok}");
+    // The guest's nvme driver never had to time out a command.
+    assert!(
+        guest.line("timeout, aborting").is_none() && guest.line("I/O timeout").is_none(),
+        "an NVMe command timed out (a lost interrupt)\n{}",
+        diag()
+    );
+    println!(
+        "linux_busybox_user_space_on_a_lent_disk: vector moved 4 times while {blocks} blocks \
+         were written: {}",
+        steps
+            .iter()
+            .map(|s| field(s, "counts").unwrap_or("?").to_string())
+            .collect::<Vec<_>>()
+            .join(" -> ")
+    );
+}
+
 /// fio's verify job (`tests/linux/initramfs/fio/verify.fio`): 4 KiB random writes at QD4 from
 /// 8 MiB on, 512 KiB in all, each block read back and checked with crc32c.
 const FIO_VERIFY_OFFSET: u64 = 8 << 20;
@@ -950,6 +1089,7 @@ fn linux_fio_verify_on_a_lent_disk() {
         "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_fio=verify@nvme0n1",
     );
     let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
+    let socket = lender.file("api.sock");
     let mut guest = Guest::start(
         "linux_fio_verify_on_a_lent_disk",
         &lender,
@@ -961,15 +1101,24 @@ fn linux_fio_verify_on_a_lent_disk() {
             &dev,
             "--initramfs",
             initrd.to_str().unwrap(),
+            "--api-socket",
+            socket.to_str().unwrap(),
         ],
     );
+    let api = ApiClient::new(&socket, Duration::from_secs(60));
     // A boot plus fio: its start-up, 256 I/Os and the JSON on the serial console.
     let deadline = guest.out.started() + BOOT_TIMEOUT + FIO_VERIFY_TIME;
     guest.expect_line(&lender, "Linux version ", deadline);
     lender.expect_lent_to("linux-fio");
     let (_, p2pmem) = guest.expect_line(&lender, "LENDVM-P2PMEM disk=nvme0n1 ", deadline);
     let (run_wall, _) = guest.expect_line(&lender, "LENDVM-FIO run i=1 ", deadline);
+    let before = api
+        .counters()
+        .unwrap_or_else(|e| panic!("vm.counters: {e}\n{}", guest.diag(&lender)));
     let (ran_wall, _) = guest.expect_line(&lender, "LENDVM-FIO ran i=1 ", deadline);
+    let after = api
+        .counters()
+        .unwrap_or_else(|e| panic!("vm.counters: {e}\n{}", guest.diag(&lender)));
     let (_, done) = guest.expect_line(&lender, "LENDVM-FIO done ", deadline);
     let exit_wall = guest.expect_exit_0(&lender, deadline);
     let diag = || guest.diag(&lender);
@@ -996,17 +1145,84 @@ fn linux_fio_verify_on_a_lent_disk() {
     assert_eq!(num("published"), 1, "{p2pmem}");
     let lines = guest.out.lines();
     let (w, r) = check_fio_verify_run(&lines, &lender, &diag);
+    check_smp_and_queues(&guest, &lender, VCPUS);
+    check_cpus_online(&guest, &lender);
+    let per_cpu = check_per_cpu_queues(&guest, &lender);
+    // Shadow doorbells and ioeventfd doorbells on every queue: with both CPUs submitting,
+    // the doorbells cost (almost) no exit to user space. MMIO exits are what a trapped
+    // doorbell would cost; the idle guest makes none (its console is port I/O).
+    let ios = w.total_ios + r.total_ios;
+    let mmio = |c: &api::types::VmCountersReport, g: &str| {
+        c.get(g)
+            .and_then(|m| m.get("mmio_exits"))
+            .copied()
+            .unwrap_or_else(|| panic!("no {g}.mmio_exits in vm.counters: {c:?}"))
+    };
+    let user_exits = mmio(&after, "vm") - mmio(&before, "vm");
+    let per_io = user_exits as f64 / ios as f64;
+    assert!(
+        per_io <= 0.05,
+        "{user_exits} MMIO exits to user space for {ios} I/Os ({per_io:.3} per I/O)\n{}",
+        diag()
+    );
+    // vm.counters shows each vCPU beside the sum, and both ran during fio.
+    let mut sum = 0;
+    for cpu in 0..VCPUS {
+        let g = format!("vm:vcpu{cpu}");
+        sum += mmio(&after, &g);
+        let exits = |c: &api::types::VmCountersReport| c[&g]["exits"];
+        assert!(
+            exits(&after) > exits(&before),
+            "vCPU {cpu} never exited during fio: {after:?}"
+        );
+    }
+    assert_eq!(sum, mmio(&after, "vm"), "the per-vCPU groups sum to group vm");
     assert_mbr_intact(&lender.disk, &parts);
     lender.expect_available();
     println!(
         "linux_fio_verify_on_a_lent_disk: fio started after {:.1} s wall, ran {:.1} s \
-         ({:.0} write IOPS, {:.0} verify-read IOPS in the guest), lendvm exit 0 after {:.1} s",
+         ({:.0} write IOPS, {:.0} verify-read IOPS in the guest, 2 jobs, one per CPU; \
+         per-queue interrupts by CPU: {per_cpu}; {user_exits} MMIO exits to user space for \
+         {ios} I/Os), lendvm exit 0 after {:.1} s",
         run_wall.as_secs_f64(),
         (ran_wall.saturating_sub(run_wall)).as_secs_f64(),
         w.iops,
         r.iops,
         exit_wall.as_secs_f64()
     );
+}
+
+/// After fio's two jobs (one pinned to each CPU), the guest's /proc/interrupts: the vector
+/// of I/O queue n (`nvme0q<n>`) took interrupts on CPU n-1 and on no other CPU. Linux gives
+/// each CPU its own queue and aims the queue's vector at that CPU; the lender's interrupts
+/// reach it through the MSI-X route of that vector. Returns the counts for the report.
+fn check_per_cpu_queues(guest: &Guest, lender: &Lender) -> String {
+    let diag = || guest.diag(lender);
+    let line = guest
+        .line("LENDVM-FIO qirq i=1 when=after")
+        .unwrap_or_else(|| panic!("no qirq line from /init\n{}", diag()));
+    let mut seen = Vec::new();
+    for q in 1..=VCPUS {
+        let name = format!("nvme0q{q}=");
+        let counts: Vec<u64> = line
+            .split_whitespace()
+            .find_map(|w| w.split_once(':').and_then(|(_, r)| r.strip_prefix(&name)))
+            .unwrap_or_else(|| panic!("no {name} in {line}\n{}", diag()))
+            .split('/')
+            .map(|c| c.parse().unwrap_or_else(|_| panic!("{line}")))
+            .collect();
+        assert_eq!(counts.len(), VCPUS as usize, "{line}");
+        let own = (q - 1) as usize;
+        for (cpu, &n) in counts.iter().enumerate() {
+            if cpu == own {
+                assert!(n > 0, "queue {q}'s vector never fired on CPU {own}: {line}\n{}", diag());
+            } else {
+                assert_eq!(n, 0, "queue {q}'s vector fired on CPU {cpu}: {line}\n{}", diag());
+            }
+        }
+        seen.push(format!("q{q}={}", counts.iter().map(u64::to_string).collect::<Vec<_>>().join("/")));
+    }
+    seen.join(" ")
 }
 
 /// Polls `f` every 50 ms until it holds (true) or `deadline` passes (false).
@@ -1116,6 +1332,21 @@ fn linux_fio_verify_survives_a_live_migration() {
             )
         });
     let mig_wall = t_mig.elapsed();
+    // Both vCPUs run on the destination: each one's exits rise there.
+    let exits = |cpu: u32| -> u64 {
+        let c = dst_api
+            .counters()
+            .unwrap_or_else(|e| panic!("destination vm.counters: {e}\n{}", dst.diag(&lender)));
+        c.get(&format!("vm:vcpu{cpu}"))
+            .and_then(|g| g.get("exits"))
+            .copied()
+            .unwrap_or_else(|| panic!("no vm:vcpu{cpu} in the destination's vm.counters: {c:?}"))
+    };
+    let first: Vec<u64> = (0..VCPUS).map(exits).collect();
+    let ran = poll_until(Instant::now() + Duration::from_secs(30), || {
+        (0..VCPUS).all(|cpu| exits(cpu) > first[cpu as usize])
+    });
+    assert!(ran, "a vCPU never ran on the destination\n{}", dst.diag(&lender));
     src.expect_exit_0(&lender, deadline);
     lender.expect_lent_to("linux-mig-dst");
     let (_, done) = dst.expect_line(&lender, "LENDVM-FIO done ", deadline);
@@ -1137,6 +1368,17 @@ fn linux_fio_verify_survives_a_live_migration() {
     assert!(
         dst.line("Linux version ").is_none() && dst.line("LENDVM-FIO run i=1 ").is_none(),
         "the guest started again on the destination\n{}",
+        diag()
+    );
+    // Two CPUs on the source, both still online at the end, on the destination.
+    check_smp_and_queues(&src, &lender, VCPUS);
+    let end = dst
+        .line("LENDVM-CPUS ")
+        .unwrap_or_else(|| panic!("no LENDVM-CPUS line on the destination\n{}", diag()));
+    assert_eq!(
+        (field(&end, "online"), field(&end, "when")),
+        (Some(CPUS_ONLINE), Some("end")),
+        "{end}\n{}",
         diag()
     );
     let mut lines = src.out.lines();
@@ -1463,6 +1705,8 @@ fn linux_lender_crash_mid_write_loses_no_acknowledged_block() {
         guest.diag(&lender)
     );
     guest.expect_exit_0(&lender, deadline);
+    check_smp_and_queues(&guest, &lender, VCPUS);
+    check_cpus_online(&guest, &lender);
     let data = std::fs::read(&lender.disk).unwrap();
     for n in 0..CRASH_PASS2_BLOCKS {
         let off = (CRASH_BASE2 + n * CRASH_BLOCK) as usize;
@@ -1692,6 +1936,8 @@ fn linux_two_lent_disks_from_two_lenders_one_removed_mid_io() {
         .unwrap_or_else(|| panic!("{b_ok}\n{}", diag(&guest)));
     let b_at_gone: u64 = field(&gone, "b_block").unwrap().parse().unwrap();
     assert_eq!(b_blocks, b_at_gone + TWO_B_AFTER, "{gone} / {b_ok}");
+    check_smp_and_queues(&guest, lb, VCPUS);
+    check_cpus_online(&guest, lb);
     // Every block of both disks is in its own lender's file (and only there).
     expect_blocks(&la.disk, "a", TWO_A_BLOCKS);
     expect_blocks(&lb.disk, "b", b_blocks);

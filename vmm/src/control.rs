@@ -1747,6 +1747,18 @@ impl Controller {
             Ok(_) => {}
             Err(e) => log::warn!("vm.counters: {e}"),
         }
+        // Each vCPU's own figures beside their sum: `vm:vcpuN` (a ':' is never in a device
+        // id, so these groups cannot collide with a device's).
+        if self.h.vcpus.has_stats() {
+            match self.h.vcpus.kvm_stats_per_vcpu() {
+                Ok(each) => {
+                    for (i, stats) in each.into_iter().enumerate() {
+                        report.insert(format!("vm:vcpu{i}"), stats);
+                    }
+                }
+                Err(e) => log::warn!("vm.counters (per vCPU): {e}"),
+            }
+        }
         for (id, e) in &self.entries {
             let mut c = BTreeMap::new();
             if let Some(d) = &e.device {

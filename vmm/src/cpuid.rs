@@ -291,7 +291,49 @@ pub const MASKED: &[MaskedBit] = &[
     m(0x8000_0001, None, Reg::Ecx, 11, "xop", VEC),
     m(0x8000_0001, None, Reg::Ecx, 16, "fma4", VEC),
     m(0x8000_0001, None, Reg::Ecx, 21, "tbm", VEC),
+    // Leaf 0x4000_0001 EAX: KVM's paravirtual features. Those that work by `vmcall` are
+    // masked: on this PVM host a `vmcall` of a guest in KVM's instruction emulator never
+    // completes (the vCPU stays on the instruction). An SMP Linux sends its IPIs by
+    // KVM_HC_SEND_IPI when offered, so it hung at AP bring-up ("x86: Booting SMP
+    // configuration:"), the AP in `vmcall` and the BSP spinning on a lock it held.
+    // Without these the guest uses the local APIC's ICR, which KVM emulates in the kernel.
+    m(
+        KVM_CPUID_FEATURES,
+        None,
+        Reg::Eax,
+        7,
+        "kvm-pv-unhalt",
+        "kicks halted vCPUs with vmcall KVM_HC_KICK_CPU, which never completes in PVM's emulator",
+    ),
+    m(
+        KVM_CPUID_FEATURES,
+        None,
+        Reg::Eax,
+        11,
+        "kvm-pv-ipi",
+        "sends IPIs with vmcall KVM_HC_SEND_IPI, which never completes in PVM's emulator \
+         (an SMP guest hangs at AP bring-up)",
+    ),
+    m(
+        KVM_CPUID_FEATURES,
+        None,
+        Reg::Eax,
+        13,
+        "kvm-pv-sched-yield",
+        "yields with vmcall KVM_HC_SCHED_YIELD, which never completes in PVM's emulator",
+    ),
+    m(
+        KVM_CPUID_FEATURES,
+        None,
+        Reg::Eax,
+        16,
+        "kvm-hc-map-gpa-range",
+        "vmcall KVM_HC_MAP_GPA_RANGE, which never completes in PVM's emulator",
+    ),
 ];
+
+/// KVM's paravirtual feature leaf (`KVM_CPUID_FEATURES`).
+pub const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
 
 /// Leaves removed entirely.
 pub const REMOVED_LEAVES: &[(u32, &str)] = &[
@@ -462,6 +504,7 @@ mod tests {
             entry(0xd, 0, all),
             entry(0xd, 1, all),
             entry(0x8000_0001, 0, all),
+            entry(KVM_CPUID_FEATURES, 0, all),
         ];
         let out = filter_entries(&input, 1, 2);
         let l1 = find(&out, 1, 0);
@@ -482,6 +525,14 @@ mod tests {
         assert_eq!(find(&out, 7, 1).eax & (1 << 4), 0);
         assert!(out.iter().all(|e| e.function != 0xd), "leaf 0xd removed");
         assert_eq!(find(&out, 0x8000_0001, 0).ecx & (1 << 5), 0, "lzcnt");
+        // KVM's vmcall-based paravirtual features are gone, the MSR-based ones stay.
+        let pv = find(&out, KVM_CPUID_FEATURES, 0).eax;
+        for bit in [7, 11, 13, 16] {
+            assert_eq!(pv & (1 << bit), 0, "kvm pv feature bit {bit}");
+        }
+        for bit in [0, 3, 6] {
+            assert_ne!(pv & (1 << bit), 0, "kvmclock / kvmclock2 / pv-eoi stay: bit {bit}");
+        }
     }
 
     #[test]

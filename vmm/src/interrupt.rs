@@ -225,6 +225,19 @@ impl RouteTable {
         Ok(())
     }
 
+    /// The GSI routed to the MSI message `address_lo`/`data`, if any (inspection).
+    pub fn gsi_of_msi(&self, address_lo: u32, data: u32) -> Option<u32> {
+        let msi = self.msi.lock().unwrap_or_else(|e| e.into_inner());
+        msi.iter().find_map(|(g, r)| match r {
+            Route::Msi {
+                address_lo: a,
+                data: d,
+                ..
+            } if *a == address_lo && *d == data => Some(*g),
+            _ => None,
+        })
+    }
+
     /// Number of non-legacy routes installed.
     pub fn msi_routes(&self) -> usize {
         self.msi.lock().map(|m| m.len()).unwrap_or(0)
@@ -240,6 +253,8 @@ impl RouteTable {
 /// The VM's interrupt manager: creates MSI and INTx groups.
 pub struct KvmInterruptManager {
     vm: Arc<VmFd>,
+    /// vCPUs of the VM: their local APIC ids are 0..vcpus (the MADT's).
+    vcpus: u8,
     gsis: Arc<Mutex<GsiAllocator>>,
     routes: Arc<RouteTable>,
     use_devid: bool,
@@ -247,13 +262,14 @@ pub struct KvmInterruptManager {
 }
 
 impl KvmInterruptManager {
-    /// Creates the manager and pushes the legacy routing table.
-    pub fn new(vm: Arc<VmFd>) -> Result<Self, InterruptError> {
+    /// Creates the manager of a VM with `vcpus` vCPUs and pushes the legacy routing table.
+    pub fn new(vm: Arc<VmFd>, vcpus: u8) -> Result<Self, InterruptError> {
         let routes = Arc::new(RouteTable::new(vm.clone()));
         routes.install_legacy()?;
         let use_devid = vm.check_extension(kvm_ioctls::Cap::MsiDevid);
         Ok(Self {
             vm,
+            vcpus,
             gsis: Arc::new(Mutex::new(GsiAllocator::new(
                 "GSI",
                 IOAPIC_PINS,
@@ -297,6 +313,7 @@ impl InterruptManager for KvmInterruptManager {
         }
         Ok(Arc::new(KvmMsiGroup {
             vm: self.vm.clone(),
+            vcpus: self.vcpus,
             gsis: self.gsis.clone(),
             routes: self.routes.clone(),
             use_devid: self.use_devid,
@@ -352,6 +369,7 @@ impl VectorState {
 /// MSI / MSI-X vectors of one device: an irqfd per vector, GSI + route on first unmask.
 pub struct KvmMsiGroup {
     vm: Arc<VmFd>,
+    vcpus: u8,
     gsis: Arc<Mutex<GsiAllocator>>,
     routes: Arc<RouteTable>,
     use_devid: bool,
@@ -475,6 +493,24 @@ impl InterruptSourceGroup for KvmMsiGroup {
 
     fn count(&self) -> InterruptIndex {
         self.irqfds.len() as InterruptIndex
+    }
+
+    fn destination_exists(&self, config: &MsiIrqSourceConfig) -> bool {
+        msi_destination_exists(config.low_addr, self.vcpus)
+    }
+}
+
+/// Whether an x86 MSI address (bits 19:12 destination id, bit 2 destination mode) names a
+/// local APIC of a VM with `vcpus` vCPUs, whose APIC ids are 0..vcpus. Physical mode: that
+/// id, or 0xff (broadcast). Logical mode: the guest programs the logical ids itself (flat or
+/// cluster), so only an empty destination, which reaches no vCPU, is refused.
+pub fn msi_destination_exists(low_addr: u32, vcpus: u8) -> bool {
+    let dest = (low_addr >> 12) & 0xff;
+    let logical = low_addr & (1 << 2) != 0;
+    if logical {
+        dest != 0
+    } else {
+        dest == 0xff || dest < u32::from(vcpus)
     }
 }
 
@@ -653,9 +689,10 @@ mod tests {
     fn gsi_is_kept_while_its_irqfd_may_live() {
         let vm = Arc::new(kvm().create_vm().unwrap());
         vm.create_irq_chip().unwrap();
-        let mgr = KvmInterruptManager::new(vm).unwrap();
+        let mgr = KvmInterruptManager::new(vm, 2).unwrap();
         let group = Arc::new(KvmMsiGroup {
             vm: mgr.vm.clone(),
+            vcpus: mgr.vcpus,
             gsis: mgr.gsis.clone(),
             routes: mgr.routes.clone(),
             use_devid: mgr.use_devid,
@@ -696,7 +733,7 @@ mod tests {
         let kvm = kvm();
         let vm = Arc::new(kvm.create_vm().unwrap());
         vm.create_irq_chip().unwrap();
-        let mgr = KvmInterruptManager::new(vm).unwrap();
+        let mgr = KvmInterruptManager::new(vm, 2).unwrap();
         let group = mgr.create_msi_group(4).unwrap();
         assert_eq!(group.count(), 4);
         let cfg = MsiIrqSourceConfig {
@@ -721,5 +758,49 @@ mod tests {
         assert!(intx.resample_notifier(0).is_some());
         intx.trigger(0).unwrap();
         assert!(mgr.create_intx_group(24).is_err());
+    }
+
+    /// Physical destinations are the vCPUs' APIC ids (0..n) or the broadcast id; logical ones
+    /// only need some destination bit.
+    #[test]
+    fn msi_destinations_are_the_vcpus_apic_ids() {
+        let phys = |id: u32| 0xfee0_0000 | (id << 12);
+        let logical = |mask: u32| 0xfee0_0000 | (mask << 12) | (1 << 2);
+        assert!(msi_destination_exists(phys(0), 2));
+        assert!(msi_destination_exists(phys(1), 2));
+        assert!(!msi_destination_exists(phys(2), 2), "no vCPU has APIC id 2");
+        assert!(!msi_destination_exists(phys(0x7f), 8));
+        assert!(msi_destination_exists(phys(0xff), 1), "broadcast");
+        assert!(msi_destination_exists(logical(0b10), 2));
+        assert!(!msi_destination_exists(logical(0), 2), "an empty logical set");
+    }
+
+    /// An affinity change rewrites an unmasked vector's message: the vector keeps its GSI and
+    /// its registered irqfd (the same eventfd), and only the route changes; a message aimed
+    /// at an APIC id that no vCPU has is refused by the group.
+    #[test]
+    fn new_destination_reroutes_the_gsi_and_keeps_the_irqfd() {
+        let kvm = kvm();
+        let vm = Arc::new(kvm.create_vm().unwrap());
+        vm.create_irq_chip().unwrap();
+        let mgr = KvmInterruptManager::new(vm, 2).unwrap();
+        let group = mgr.create_msi_group(2).unwrap();
+        let to = |apic: u32| MsiIrqSourceConfig {
+            low_addr: 0xfee0_0000 | (apic << 12),
+            data: 0x41,
+            ..Default::default()
+        };
+        group.enable().unwrap();
+        group.update(0, to(0), false).unwrap();
+        let gsi = mgr.routes().gsi_of_msi(0xfee0_0000, 0x41);
+        assert!(gsi.is_some());
+        assert_eq!(mgr.irqfds_registered(), 1);
+        group.update(0, to(1), false).unwrap();
+        assert_eq!(mgr.irqfds_registered(), 1, "the irqfd stayed registered");
+        assert_eq!(mgr.routes().gsi_of_msi(0xfee0_1000, 0x41), gsi, "same GSI, new route");
+        assert_eq!(mgr.routes().gsi_of_msi(0xfee0_0000, 0x41), None);
+        assert_eq!(mgr.routes().msi_routes(), 1);
+        assert!(group.destination_exists(&to(1)));
+        assert!(!group.destination_exists(&to(2)));
     }
 }

@@ -127,6 +127,22 @@ pub fn setup_boot_state(fd: &VcpuFd, id: u8, entry: u64) -> Result<(), VcpuError
     Ok(())
 }
 
+/// Puts an application processor in its reset state, waiting for INIT and SIPI from the
+/// guest (`KVM_MP_STATE_UNINITIALIZED`); its LAPIC keeps KVM's reset values (every LVT
+/// masked: LINT0 as ExtINT is the bootstrap processor's alone).
+pub fn hold_in_reset(fd: &VcpuFd, id: u8) -> Result<(), VcpuError> {
+    fd.set_mp_state(kvm_bindings::kvm_mp_state {
+        mp_state: kvm_bindings::KVM_MP_STATE_UNINITIALIZED,
+    })
+    .map_err(|source| VcpuError::Arch {
+        id,
+        source: ArchError::Kvm {
+            what: "MP state (reset)",
+            source,
+        },
+    })
+}
+
 thread_local! {
     static ON_VCPU: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
@@ -193,6 +209,14 @@ impl VcpuControl {
     /// The vCPUs' KVM statistics, summed (`exits`, `mmio_exits`, `io_exits`, `halt_exits`, ...).
     pub fn kvm_stats(&self) -> Result<BTreeMap<String, u64>, StatsError> {
         stats::sum(&self.stats)
+    }
+
+    /// Each vCPU's KVM statistics, in vCPU order (what [`VcpuControl::kvm_stats`] sums).
+    pub fn kvm_stats_per_vcpu(&self) -> Result<Vec<BTreeMap<String, u64>>, StatsError> {
+        self.stats
+            .iter()
+            .map(|s| stats::sum(std::slice::from_ref(s)))
+            .collect()
     }
 
     /// Whether KVM statistics are available.

@@ -56,6 +56,8 @@ pub enum VmError {
     Platform(#[from] PlatformError),
     #[error("cannot restore the snapshot")]
     Restore(#[from] crate::snapshot::SnapshotError),
+    #[error("--cpus {asked}: this KVM allows at most {max} vCPUs per VM (KVM_CAP_MAX_VCPUS)")]
+    TooManyCpus { asked: u8, max: usize },
 }
 
 fn kvm_op(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -169,6 +171,15 @@ impl Vm {
         if api != kvm_bindings::KVM_API_VERSION as i32 {
             return Err(VmError::KvmApi(api));
         }
+        // Checked before anything is built: KVM_CREATE_VCPU would fail only at the vCPU
+        // past the limit, with a bare EINVAL.
+        let max = kvm.get_max_vcpus();
+        if usize::from(cfg.cpus) > max {
+            return Err(VmError::TooManyCpus {
+                asked: cfg.cpus,
+                max,
+            });
+        }
         let vm = Arc::new(kvm.create_vm().map_err(kvm_op("KVM_CREATE_VM"))?);
         if let Err(e) = vm.set_tss_address(KVM_TSS_ADDRESS) {
             log::debug!("KVM_SET_TSS_ADDR not accepted ({e}); continuing");
@@ -203,7 +214,7 @@ impl Vm {
         }
 
         let exit = Arc::new(ExitNotifier::new());
-        let interrupts = Arc::new(KvmInterruptManager::new(vm.clone())?);
+        let interrupts = Arc::new(KvmInterruptManager::new(vm.clone(), cfg.cpus)?);
         let mmio64_start = pci_mmio64_start(ram.end());
         let devices = Arc::new(DeviceManager::new(
             &vm,
@@ -250,8 +261,16 @@ impl Vm {
                     acpi_rsdp_addr: Some(platform.rsdp_addr()),
                 },
             )?;
-            for (id, fd) in vcpus.iter().enumerate() {
-                vcpu::setup_boot_state(fd, id as u8, kernel.entry)?;
+            // Only the bootstrap processor enters the kernel. The application processors
+            // stay in their reset state (KVM_MP_STATE_UNINITIALIZED: KVM makes every vCPU
+            // but vCPU 0 of a VM with an in-kernel LAPIC so), waiting for the guest's
+            // INIT-SIPI-SIPI through its local APIC, as on hardware: an AP given the boot
+            // registers would run the kernel's entry a second time.
+            if let Some(bsp) = vcpus.first() {
+                vcpu::setup_boot_state(bsp, 0, kernel.entry)?;
+            }
+            for (id, fd) in vcpus.iter().enumerate().skip(1) {
+                vcpu::hold_in_reset(fd, id as u8)?;
             }
             Some(kernel)
         } else {

@@ -118,6 +118,14 @@ pub trait InterruptSourceGroup: Send + Sync {
     fn resample_notifier(&self, _index: InterruptIndex) -> Option<&EventFd> {
         None
     }
+
+    /// Whether the destination of an MSI message exists on the platform (on x86: a local
+    /// APIC that some vCPU has). The PCI layer routes no message whose destination does not
+    /// exist, as it routes no message outside the LAPIC window
+    /// ([`crate::msix::msi_message_valid`]). Default: every destination exists.
+    fn destination_exists(&self, _config: &MsiIrqSourceConfig) -> bool {
+        true
+    }
 }
 
 /// Factory for interrupt groups, implemented by the VMM.

@@ -285,7 +285,14 @@ impl MsiConfig {
     /// window, or a reserved encoding, is never routed.
     fn valid_in(&self, s: &MsiState, v: u32) -> bool {
         let m = self.msg(s, v);
+        self.routable(&m)
+    }
+
+    /// The MSI-X rule ([`crate::msix::msi_message_valid`]) plus a destination the VM has
+    /// ([`InterruptSourceGroup::destination_exists`]).
+    fn routable(&self, m: &MsiIrqSourceConfig) -> bool {
         crate::msix::msi_message_valid(m.low_addr, m.high_addr, m.data)
+            && self.group.destination_exists(m)
     }
 
     /// True if vector `v` cannot be delivered now: not enabled, masked, or its message is
@@ -328,7 +335,7 @@ impl MsiConfig {
             let m = self.msg(&self.state, v);
             log::warn!(
                 "msi vector {v} (devid {:#x}): message address {:#x}:{:#x} data {:#x} is not an \
-                 interrupt; not routed (refusal #{n})",
+                 interrupt for a local APIC of this VM; not routed (refusal #{n})",
                 self.devid,
                 m.high_addr,
                 m.low_addr,
@@ -398,7 +405,7 @@ impl MsiConfig {
             let om = &old_msgs[v as usize];
             let before = v >= old_vectors
                 || self.masked_in(&old, v)
-                || !crate::msix::msi_message_valid(om.low_addr, om.high_addr, om.data);
+                || !self.routable(om);
             let after = self.is_vector_masked(v);
             let msg = self.msg(&new, v);
             self.note_refusal(v, msg != old_msgs[v as usize]);

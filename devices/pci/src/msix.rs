@@ -11,7 +11,8 @@
 //!
 //! A guest can write anything into the table. A message that is not an x86 interrupt
 //! ([`msi_message_valid`]: address outside the 0xFEEx_xxxx window, a non-zero upper
-//! address, reserved data bits or delivery modes) is never routed: the vector behaves as
+//! address, reserved data bits or delivery modes), or one aimed at a local APIC that no vCPU
+//! has ([`InterruptSourceGroup::destination_exists`]), is never routed: the vector behaves as
 //! masked (no KVM route, no irqfd; signals wait in the eventfd or the PBA) until the guest
 //! writes a valid message. Each refusal is counted ([`MsixConfig::refused_messages`]) and
 //! logged rate-limited; the other vectors are not affected.
@@ -312,7 +313,20 @@ impl MsixConfig {
             || self
                 .table_entries
                 .get(vector)
-                .is_none_or(|e| !e.message_valid())
+                .is_none_or(|e| !self.routable(e))
+    }
+
+    /// Whether `e`'s message may become a KVM route: an x86 interrupt
+    /// ([`msi_message_valid`]) aimed at a local APIC the VM has
+    /// ([`InterruptSourceGroup::destination_exists`]).
+    fn routable(&self, e: &MsixTableEntry) -> bool {
+        e.message_valid()
+            && self.group.destination_exists(&MsiIrqSourceConfig {
+                high_addr: e.msg_addr_hi,
+                low_addr: e.msg_addr_lo,
+                data: e.msg_data,
+                devid: self.devid,
+            })
     }
 
     /// Masked as the guest sees it (disabled, function mask, vector mask).
@@ -326,7 +340,7 @@ impl MsixConfig {
         let Some(e) = self.table_entries.get(vector).copied() else {
             return;
         };
-        let now = !self.guest_masked(vector) && !e.message_valid();
+        let now = !self.guest_masked(vector) && !self.routable(&e);
         let Some(was) = self.refusing.get_mut(vector) else {
             return;
         };
@@ -340,7 +354,8 @@ impl MsixConfig {
         if n <= 16 || n % 1024 == 0 {
             log::warn!(
                 "msi-x vector {vector} (devid {:#x}): message address {:#x}:{:#x} data {:#x} \
-                 is not an x86 interrupt; not routed until the guest writes a valid one \
+                 is not an x86 interrupt for a local APIC of this VM; not routed until the \
+                 guest writes a valid one \
                  (refusal #{n})",
                 self.devid,
                 e.msg_addr_hi,
@@ -728,6 +743,37 @@ mod tests {
         program(&mut msix, 3, 0xdead_0000, 0x31, false);
         assert_eq!(msix.refused_messages(), 5);
         assert!(msi_message_valid(0xfee0_1008, 0, 0x4041));
+    }
+
+    /// A message aimed at a local APIC that no vCPU has is refused and counted like any
+    /// other invalid message; aimed at a vCPU the VM has, it routes.
+    #[test]
+    fn messages_to_missing_apic_ids_are_refused_and_counted() {
+        let (g, mut msix) = setup(2);
+        *g.apic_ids.lock().unwrap() = Some(2);
+        msix.set_msg_ctl(MSIX_CTL_ENABLE);
+        g.take();
+        program(&mut msix, 0, 0xfee0_5000, 0x31, false);
+        assert!(msix.is_vector_masked(0));
+        assert_eq!(msix.refused_messages(), 1);
+        assert!(
+            !g.take()
+                .iter()
+                .any(|c| matches!(c, GroupCall::Update(0, _, false))),
+            "APIC id 5 routed on a 2-vCPU VM"
+        );
+        assert!(!msix.trigger(0));
+        assert_eq!(pba(&msix), 0b1);
+        // Aimed at vCPU 1: routed, and the pending interrupt delivered.
+        msix.write_table(0, &0xfee0_1000u64.to_le_bytes());
+        assert_eq!(
+            g.take(),
+            vec![
+                GroupCall::Update(0, msg(0xfee0_1000, 0x31), false),
+                GroupCall::Trigger(0)
+            ]
+        );
+        assert_eq!(msix.refused_messages(), 1);
     }
 
     #[test]

@@ -22,6 +22,9 @@ pub enum GroupCall {
 /// eventfds.
 pub struct MockGroup {
     pub calls: Mutex<Vec<GroupCall>>,
+    /// `Some(n)`: physical MSI destinations are APIC ids 0..n (and 0xff), as on a VM of n
+    /// vCPUs; `None`: every destination exists.
+    pub apic_ids: Mutex<Option<u32>>,
     fds: Vec<EventFd>,
     resample: Option<EventFd>,
 }
@@ -37,6 +40,7 @@ impl MockGroup {
     pub fn with_resample(count: u32, resample: bool) -> Self {
         Self {
             calls: Mutex::new(Vec::new()),
+            apic_ids: Mutex::new(None),
             fds: (0..count)
                 .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
                 .collect(),
@@ -92,5 +96,13 @@ impl InterruptSourceGroup for MockGroup {
     }
     fn resample_notifier(&self, index: InterruptIndex) -> Option<&EventFd> {
         (index == 0).then_some(self.resample.as_ref()).flatten()
+    }
+    fn destination_exists(&self, config: &MsiIrqSourceConfig) -> bool {
+        let dest = (config.low_addr >> 12) & 0xff;
+        let physical = config.low_addr & (1 << 2) == 0;
+        match *self.apic_ids.lock().unwrap() {
+            Some(n) if physical => dest == 0xff || dest < n,
+            _ => true,
+        }
     }
 }

@@ -85,7 +85,7 @@ pub struct NvmeConfig {
     pub max_io_queues: u16,
     /// Maximum entries per queue (MQES + 1), 2..=4096.
     pub max_queue_entries: u16,
-    /// MSI-X vectors (1..=128).
+    /// MSI-X vectors (1..=[`MAX_MSIX_VECTORS`]).
     pub msix_vectors: u16,
     /// Maximum data transfer size as a power of two of 4 KiB pages (1..=8).
     pub mdts: u8,
@@ -105,6 +105,9 @@ pub struct NvmeConfig {
     /// borrowing from both rejects the second ("Duplicate cntlid"). Empty: the serial alone.
     pub subsystem: String,
 }
+
+/// Most MSI-X vectors the controller offers.
+pub const MAX_MSIX_VECTORS: u16 = 128;
 
 impl Default for NvmeConfig {
     fn default() -> Self {
@@ -168,9 +171,9 @@ impl NvmeConfig {
                 self.max_queue_entries
             ));
         }
-        if !(1..=128).contains(&self.msix_vectors) {
+        if !(1..=MAX_MSIX_VECTORS).contains(&self.msix_vectors) {
             return bad(format!(
-                "msix vectors {} is not in 1..=128",
+                "msix vectors {} is not in 1..={MAX_MSIX_VECTORS}",
                 self.msix_vectors
             ));
         }
