@@ -182,13 +182,13 @@ linux_demo() {
   cmdline+=" rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4"
   cmdline+=" lendvm_fio=verify@nvme0n1,verify@nvme1n1"
   RUST_LOG=${RUST_LOG:-info} "$bin/lendvm" --kernel "$vmlinux" --initramfs "$initramfs" \
-    --memory 128M --cpus 1 --cmdline "$cmdline" \
+    --memory 128M --cpus 2 --cmdline "$cmdline" \
     --serial "file=$serial" --cluster "$state/cluster.toml" --name demo-vm \
     --remote-device node1:0000:01:00.0,id=nvme0 --api-socket "$api" 2>"$state/lendvm.log" &
   vmm=$!
   pids+=("$vmm")
   wait_for "$serial" "nvme nvme0: pci function" 1 600 "Linux to probe the lent disk"
-  grep -E "nvme nvme0:|nvme0n1:" "$serial" | sed 's/^/  guest: /' || true
+  grep -E "smp: Brought up|nvme nvme0:|nvme0n1:" "$serial" | sed 's/^/  guest: /' || true
   wait_for "$serial" "LENDVM-FIO run i=1" 1 600 "fio to start on /dev/nvme0n1"
   echo "  guest: fio verify on /dev/nvme0n1 (node1's disk) is running"
   local api_ctl=("$bin/lendctl" --api-socket "$api")
@@ -201,6 +201,9 @@ linux_demo() {
   "${api_ctl[@]}" info
   "${ctl[@]}" list
   wait_for "$serial" "LENDVM-FIO done" 1 900 "fio on both disks"
+  echo "== the guest's 2 vCPUs: one NVMe I/O queue per CPU, each queue's interrupts on its CPU"
+  echo "   (the guest's /proc/interrupts after each fio run: <irq>:<queue>=<CPU0>/<CPU1>)"
+  grep -E "LENDVM-CPUS|LENDVM-FIO qirq" "$serial" | sed 's/^/  guest: /' || true
   echo "== fio in the guest (fio's JSON, parsed by lendvm-fio-summary)"
   local summary_rc=0
   "$bin/lendvm-fio-summary" "$serial" | sed 's/^/  /' || summary_rc=$?

@@ -60,6 +60,14 @@ pub enum VmError {
     TooManyCpus { asked: u8, max: usize },
 }
 
+/// Refuses more vCPUs than KVM allows per VM (`KVM_CAP_MAX_VCPUS`: `max`).
+fn check_vcpu_limit(asked: u8, max: usize) -> Result<(), VmError> {
+    if usize::from(asked) > max {
+        return Err(VmError::TooManyCpus { asked, max });
+    }
+    Ok(())
+}
+
 fn kvm_op(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::Kvm { op, source }
 }
@@ -173,13 +181,7 @@ impl Vm {
         }
         // Checked before anything is built: KVM_CREATE_VCPU would fail only at the vCPU
         // past the limit, with a bare EINVAL.
-        let max = kvm.get_max_vcpus();
-        if usize::from(cfg.cpus) > max {
-            return Err(VmError::TooManyCpus {
-                asked: cfg.cpus,
-                max,
-            });
-        }
+        check_vcpu_limit(cfg.cpus, kvm.get_max_vcpus())?;
         let vm = Arc::new(kvm.create_vm().map_err(kvm_op("KVM_CREATE_VM"))?);
         if let Err(e) = vm.set_tss_address(KVM_TSS_ADDRESS) {
             log::debug!("KVM_SET_TSS_ADDR not accepted ({e}); continuing");
@@ -447,5 +449,23 @@ impl Vm {
 impl Drop for Vm {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn more_vcpus_than_kvm_allows_are_refused_by_name() {
+        assert!(check_vcpu_limit(2, 2).is_ok());
+        let e = check_vcpu_limit(9, 8).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--cpus 9: this KVM allows at most 8 vCPUs per VM (KVM_CAP_MAX_VCPUS)"
+        );
+        // This host's KVM takes every count the command line accepts.
+        let kvm = Kvm::new().expect("/dev/kvm is required by the vmm tests");
+        assert!(kvm.get_max_vcpus() >= 2);
     }
 }

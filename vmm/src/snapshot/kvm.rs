@@ -306,3 +306,98 @@ pub fn restore_vm(vm: &VmFd, s: &KvmVmState) -> Result<(), KvmStateError> {
     vm.set_clock(&clock).map_err(vm_err("KVM_SET_CLOCK"))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use kvm_bindings::{kvm_lapic_state, KVM_MP_STATE_HALTED};
+
+    const APIC_SVR: usize = 0xf0;
+    const APIC_IRR: usize = 0x200;
+    const VECTOR: usize = 0x41;
+
+    fn reg(l: &kvm_lapic_state, off: usize) -> u32 {
+        let b: Vec<u8> = l.regs[off..off + 4].iter().map(|&x| x as u8).collect();
+        u32::from_le_bytes(b.try_into().unwrap())
+    }
+
+    fn set_reg(l: &mut kvm_lapic_state, off: usize, v: u32) {
+        for (i, b) in v.to_le_bytes().iter().enumerate() {
+            l.regs[off + i] = *b as _;
+        }
+    }
+
+    fn vm_with_two_vcpus(kvm: &kvm_ioctls::Kvm) -> (VmFd, Vec<VcpuFd>) {
+        let vm = kvm.create_vm().unwrap();
+        vm.create_irq_chip().unwrap();
+        let vcpus = (0..2).map(|i| vm.create_vcpu(i).unwrap()).collect();
+        (vm, vcpus)
+    }
+
+    /// A two-vCPU VM's state moves whole: vCPU 0 running with its registers, vCPU 1 halted
+    /// in the guest's idle loop with an interrupt pending in its local APIC's IRR. Each
+    /// comes back on the new VM's vCPU of the same id, halted and still pending.
+    #[test]
+    fn every_vcpu_moves_including_a_halted_one_with_an_interrupt_pending() {
+        let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
+        let (vm, mut vcpus) = vm_with_two_vcpus(&kvm);
+        let caps = KvmCaps::probe(&kvm, &vm);
+        let mut regs = vcpus[0].get_regs().unwrap();
+        regs.rip = 0x1000;
+        regs.rax = 0xb5b0;
+        vcpus[0].set_regs(&regs).unwrap();
+        vcpus[0]
+            .set_mp_state(kvm_mp_state {
+                mp_state: kvm_bindings::KVM_MP_STATE_RUNNABLE,
+            })
+            .unwrap();
+        let mut regs = vcpus[1].get_regs().unwrap();
+        regs.rip = 0x2000;
+        regs.rax = 0xa9;
+        vcpus[1].set_regs(&regs).unwrap();
+        let mut lapic = vcpus[1].get_lapic().unwrap();
+        set_reg(&mut lapic, APIC_SVR, 0x1ff);
+        let irr = APIC_IRR + (VECTOR / 32) * 0x10;
+        set_reg(&mut lapic, irr, 1 << (VECTOR % 32));
+        vcpus[1].set_lapic(&lapic).unwrap();
+        vcpus[1]
+            .set_mp_state(kvm_mp_state {
+                mp_state: KVM_MP_STATE_HALTED,
+            })
+            .unwrap();
+
+        let saved: Vec<VcpuState> = vcpus
+            .iter_mut()
+            .enumerate()
+            .map(|(i, fd)| save_vcpu(fd, i as u8, &caps).unwrap())
+            .collect();
+        assert_eq!(saved.len(), 2);
+
+        let (_vm2, vcpus2) = vm_with_two_vcpus(&kvm);
+        for (fd, s) in vcpus2.iter().zip(&saved) {
+            restore_vcpu(fd, s, &caps).unwrap();
+        }
+        let r0 = vcpus2[0].get_regs().unwrap();
+        assert_eq!((r0.rip, r0.rax), (0x1000, 0xb5b0));
+        let r1 = vcpus2[1].get_regs().unwrap();
+        assert_eq!((r1.rip, r1.rax), (0x2000, 0xa9));
+        assert_eq!(
+            vcpus2[1].get_mp_state().unwrap().mp_state,
+            KVM_MP_STATE_HALTED,
+            "vCPU 1 is still halted"
+        );
+        let l1 = vcpus2[1].get_lapic().unwrap();
+        assert_ne!(
+            reg(&l1, irr) & (1 << (VECTOR % 32)),
+            0,
+            "vector {VECTOR:#x} is still pending in vCPU 1's IRR"
+        );
+        assert_eq!(reg(&l1, APIC_SVR) & 0x100, 0x100, "its LAPIC stays enabled");
+        assert_ne!(
+            vcpus2[0].get_mp_state().unwrap().mp_state,
+            KVM_MP_STATE_HALTED,
+            "vCPU 0 was not halted"
+        );
+    }
+}
