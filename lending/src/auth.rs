@@ -66,6 +66,12 @@ pub enum Role {
     Lender,
     /// The borrower (sends HELLO).
     Borrower,
+    /// The source of a live migration (`vmm::migration`): the same construction over the
+    /// migration stream, under labels of its own so that no proof of one protocol verifies
+    /// in the other.
+    MigrationSource,
+    /// The destination of a live migration.
+    MigrationDestination,
 }
 
 impl Role {
@@ -73,6 +79,8 @@ impl Role {
         match self {
             Role::Lender => b"lender",
             Role::Borrower => b"borrower",
+            Role::MigrationSource => b"migration-source",
+            Role::MigrationDestination => b"migration-destination",
         }
     }
 }

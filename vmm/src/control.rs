@@ -192,6 +192,8 @@ pub struct Controller {
     release_timer: Option<vmm_sys_util::timerfd::TimerFd>,
     /// What `vm.snapshot` reads (absent in unit tests without a KVM VM).
     snapshot: Option<SnapshotSource>,
+    /// How an outgoing migration authenticates (the cluster secret, this node's name).
+    migration_auth: crate::migration::auth::StreamAuth,
     /// Guest RAM a migration destination pinned ahead of the hand-over, until it is over.
     prepinned: Option<Arc<crate::dma::Prepinned>>,
     /// Ranges pinned ahead that no device took while others hold the pin: kept (dropping
@@ -235,6 +237,7 @@ impl Controller {
                 }
             },
             snapshot: None,
+            migration_auth: Default::default(),
             prepinned: None,
             _spare_pins: Vec::new(),
         }
@@ -273,6 +276,11 @@ impl Controller {
     /// Enables `vm.snapshot` with what it reads of the VM.
     pub fn set_snapshot_source(&mut self, source: SnapshotSource) {
         self.snapshot = Some(source);
+    }
+
+    /// How `vm.send-migration` authenticates to the destination.
+    pub fn set_migration_auth(&mut self, auth: crate::migration::auth::StreamAuth) {
+        self.migration_auth = auth;
     }
 
     /// Marks a restored VM: its vCPUs were started parked, so the VM is paused until
@@ -1350,6 +1358,10 @@ impl crate::migration::orchestrate::MigrationHost for Controller {
 
     fn snapshot_source(&self) -> Option<SnapshotSource> {
         self.snapshot.clone()
+    }
+
+    fn stream_auth(&self) -> crate::migration::auth::StreamAuth {
+        self.migration_auth.clone()
     }
 
     fn save_lent_devices(

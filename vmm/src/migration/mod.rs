@@ -16,6 +16,7 @@
 //! of a migration through the controller's [`orchestrate::MigrationHost`]). See docs/ARCHITECTURE.md, "Life of a live
 //! migration (VMM side)", for the failure rule.
 
+pub mod auth;
 pub mod orchestrate;
 pub mod protocol;
 pub mod receive;

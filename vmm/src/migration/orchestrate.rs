@@ -36,6 +36,8 @@ pub trait MigrationHost {
     fn leased_devices(&self) -> Vec<(String, Arc<Mutex<RemotePciDevice>>)>;
     /// What the migration reads of the VM (absent in unit tests without a KVM VM).
     fn snapshot_source(&self) -> Option<SnapshotSource>;
+    /// How the migration stream is authenticated (see [`super::auth`]).
+    fn stream_auth(&self) -> super::auth::StreamAuth;
     /// The lent devices' lease identities and guest-visible PCI state (VM paused).
     fn save_lent_devices(&self) -> Result<Vec<LentDevice>, crate::snapshot::SnapshotError>;
     /// Parks the vCPUs only (the devices are handed over, not paused).
@@ -381,7 +383,8 @@ fn migrate(
         step,
         reason: e,
     };
-    let mut sender = Sender::connect(url, src, local, devs.len() as u32)?;
+    let auth = host.stream_auth();
+    let mut sender = Sender::connect(url, src, local, devs.len() as u32, &auth)?;
     let to = match (&sender.identity.node, &sender.identity.vm) {
         (Some(n), Some(v)) => Some((n.clone(), v.clone())),
         _ => None,
