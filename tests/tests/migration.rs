@@ -19,10 +19,16 @@
 //! * `a_wrong_secret_source_is_refused_and_the_destination_goes_on_listening`: over tcp, a
 //!   source with another secret is refused (500 naming it, and it runs on); the destination
 //!   goes on listening, takes a source with the right secret, and then stops listening.
+//! * `a_migrated_vm_keeps_its_console_configuration`: a source writing its console to a file
+//!   migrates to a destination started without `--serial`: the guest's output goes on in the
+//!   same file (appended, nothing before lost), none on the destination's stdout; a further
+//!   migration to a destination whose own `--serial stdout` overrides it moves the console
+//!   there.
 //! * `a_relay_in_the_middle_sees_no_guest_ram`: a plain tcp relay between the two records
 //!   every byte; the migration succeeds through it, and the guest's marker pattern is
 //!   nowhere in what it relayed (the stream runs inside TLS).
-//! * `failed_migrations_leave_the_source_running`: bad urls (400 naming them), nobody
+//! * `failed_migrations_leave_the_source_running`: bad urls (400 naming them; a tcp url
+//!   without the cluster secret, 400 naming it), nobody
 //!   listening, a destination that refuses the version, a destination that dies after
 //!   1 MiB of RAM, and a real destination lendvm SIGKILLed mid-transfer: each time the
 //!   source answers 500 naming the cause, emits `migration-failed`, and keeps running and
@@ -461,6 +467,10 @@ fn failed_migrations_leave_the_source_running() {
         assert_eq!(st, 400, "{url}: {msg}");
         assert!(msg.contains(url) && msg.contains(want), "{url}: {msg}");
     }
+    // Over tcp without the cluster secret: 400 naming it, nothing started.
+    let (st, msg) = status_of(send(&api, "tcp:127.0.0.1:9"));
+    assert_eq!(st, 400, "{msg}");
+    assert!(msg.contains("needs the cluster secret"), "{msg}");
     std::thread::sleep(Duration::from_millis(100));
     assert!(named(&events(dir.path(), "src-events.jsonl"), "migration-failed").is_empty());
 
@@ -702,4 +712,95 @@ fn a_relay_in_the_middle_sees_no_guest_ram() {
         .windows(pattern.len())
         .position(|w| w == pattern.as_slice());
     assert_eq!(found, None, "guest RAM crossed the relay in clear");
+}
+
+/// The guest's console configuration moves with the VM (as Cloud Hypervisor's VM config
+/// does), unless the destination's own `--serial` overrides it.
+#[test]
+fn a_migrated_vm_keeps_its_console_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
+    let src_sock = dir.path().join("src.sock").display().to_string();
+    let serial = format!("file={}", console.display());
+    let line = format!("tests=ticker seed={SEED} period_ms=50");
+    let mut src = Vm::start_exact(
+        &[
+            "--kernel",
+            TEST_GUEST,
+            "--memory",
+            "64M",
+            "--cpus",
+            "2",
+            "--serial",
+            &serial,
+            "--api-socket",
+            &src_sock,
+            "--cmdline",
+            &line,
+        ],
+        "warn",
+    );
+    src.wait_api();
+    let ticks_in_file = |n: usize| {
+        poll(T, || (ticks_of(&read_console()).len() >= n).then_some(()))
+            .unwrap_or_else(|| panic!("fewer than {n} TICK lines in the console file"));
+    };
+    ticks_in_file(3);
+    let mailbox = read_console()
+        .lines()
+        .find_map(|l| l.strip_prefix("MAILBOX 0x"))
+        .map(|h| u64::from_str_radix(h.trim(), 16).unwrap())
+        .unwrap();
+    // A destination without --serial.
+    let dst_sock = dir.path().join("dst.sock").display().to_string();
+    let mut dst = Vm::start_exact(&["--api-socket", &dst_sock], "warn");
+    dst.wait_api();
+    let url = format!("unix:{}", dir.path().join("dst.mig").display());
+    dst.api()
+        .receive_migration(&VmReceiveMigrationData {
+            receiver_url: url.clone(),
+        })
+        .unwrap();
+    let written = read_console();
+    send(&src.api(), &url).unwrap();
+    src.expect_exit(0, T);
+    let before = ticks_of(&read_console()).len();
+    ticks_in_file(before + 3);
+    let text = read_console();
+    assert!(
+        text.starts_with(&written),
+        "the file was not appended to:\n{text}"
+    );
+    let ticks = ticks_of(&text);
+    for w in ticks.windows(2) {
+        assert_eq!(
+            w[1].0,
+            w[0].0 + 1,
+            "gap or repeat: {:?} then {:?}",
+            w[0],
+            w[1]
+        );
+    }
+    assert!(
+        ticks_of(&dst.stdout()).is_empty(),
+        "the destination wrote the console to its stdout:\n{}",
+        dst.stdout()
+    );
+    // Onward to a destination whose own --serial stdout overrides the VM's configuration.
+    let (dst2, url2) = destination(dir.path(), "dst2");
+    send(&dst.api(), &url2).unwrap();
+    dst.expect_exit(0, T);
+    let in_file = ticks_of(&read_console()).len();
+    wait_ticks(&dst2, 3);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        ticks_of(&read_console()).len(),
+        in_file,
+        "the console still went to the file"
+    );
+    dst2.write_guest_u64(mailbox, 1);
+    let mut dst2 = dst2;
+    dst2.expect_ok("ticker", T);
+    dst2.expect_exit(0, T);
 }

@@ -1157,6 +1157,7 @@ fn migratable(rig: &mut Rig) {
                 memory_size: 64 << 20,
                 kernel: "spin.elf".into(),
                 cmdline: String::new(),
+                serial: None,
             }),
     );
 }

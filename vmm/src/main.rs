@@ -71,9 +71,11 @@ struct Cli {
     /// Number of vCPUs.
     #[arg(long, value_name = "N", default_value = "1", value_parser = parse_cpus)]
     cpus: u8,
-    /// Serial console: stdout, off or file=PATH.
-    #[arg(long, value_name = "stdout|file=PATH|off", default_value = "stdout")]
-    serial: SerialConfig,
+    /// Serial console: stdout (the default), off or file=PATH. A VM received by live
+    /// migration keeps its source's console configuration (a file is appended to) unless
+    /// this is given.
+    #[arg(long, value_name = "stdout|file=PATH|off")]
+    serial: Option<SerialConfig>,
     /// REST API socket (Unix socket, root /api/v1).
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
@@ -241,7 +243,7 @@ fn wait_for_migration(
                 kernel: PathBuf::from(&c.kernel),
                 cmdline: c.cmdline.clone(),
                 initramfs: None,
-                serial: cli.serial.clone(),
+                serial: migrated_serial(cli, c)?,
                 cpuid_cmdline: false,
             };
             match memfd {
@@ -263,6 +265,23 @@ fn wait_for_migration(
             }
         }
     }
+}
+
+/// Where a migrated VM's console goes: `--serial` if given, else where the source's said.
+fn migrated_serial(
+    cli: &Cli,
+    c: &vmm::snapshot::format::MachineConfig,
+) -> Result<SerialConfig, MigrationError> {
+    let source = match &c.serial {
+        None => None,
+        Some(s) => Some(s.parse::<SerialConfig>().map_err(|e| {
+            MigrationError::Mismatch(format!("the source's serial console '{s}': {e}"))
+        })?),
+    };
+    Ok(SerialConfig::for_migrated(
+        cli.serial.as_ref(),
+        source.as_ref(),
+    ))
 }
 
 /// Devices cannot be borrowed without a cluster file.
@@ -490,7 +509,14 @@ fn main() -> ExitCode {
             kernel: PathBuf::from(&m.doc.config.kernel),
             cmdline: m.doc.config.cmdline.clone(),
             initramfs: None,
-            serial: cli.serial.clone(),
+            // As the VM was built with (the CONFIG frame carries the same machine config).
+            serial: match migrated_serial(&cli, &m.doc.config) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("lendvm: incoming migration: {}", chain(&e));
+                    return ExitCode::from(1);
+                }
+            },
             cpuid_cmdline: false,
         },
         (Some(s), None) => VmConfig {
@@ -500,7 +526,7 @@ fn main() -> ExitCode {
             kernel: PathBuf::from(&s.doc.config.kernel),
             cmdline: s.doc.config.cmdline.clone(),
             initramfs: None,
-            serial: cli.serial.clone(),
+            serial: cli.serial.clone().unwrap_or(SerialConfig::Stdout),
             cpuid_cmdline: false,
         },
         (None, None) => VmConfig {
@@ -510,7 +536,7 @@ fn main() -> ExitCode {
             kernel: cli.kernel.clone().unwrap_or_default(),
             cmdline: cli.cmdline.clone(),
             initramfs: cli.initramfs.clone(),
-            serial: cli.serial.clone(),
+            serial: cli.serial.clone().unwrap_or(SerialConfig::Stdout),
             cpuid_cmdline: !cli.no_cpuid_cmdline,
         },
     };
@@ -571,6 +597,8 @@ fn main() -> ExitCode {
         memory_size: cfg.memory_size,
         kernel: cfg.kernel.display().to_string(),
         cmdline: vm.cmdline().to_string(),
+        // Moves with the VM on a migration (the destination's --serial may override it).
+        serial: Some(cfg.serial.to_string()),
     };
     let migration_node = source.identity().map(|(node, _)| node);
     let mut ctl = Controller::new(handles, source, info);

@@ -110,6 +110,17 @@ pub fn send_migration(
     }
     let url_text = data.destination_url.as_str();
     let url = super::parse_url(url_text).map_err(|e| ApiError::bad_request(error_chain(&e)))?;
+    // What the request cannot have, refused before anything starts.
+    if matches!(url, MigrationUrl::Tcp(_)) {
+        if data.local {
+            return Err(ApiError::bad_request(
+                MigrationError::LocalNeedsUnix.to_string(),
+            ));
+        }
+        if !host.stream_auth().has_secret() {
+            return Err(ApiError::bad_request(MigrationError::NoSecret.to_string()));
+        }
+    }
     let mut devs = Vec::new();
     let mut refused = Vec::new();
     for (id, dev) in host.leased_devices() {
