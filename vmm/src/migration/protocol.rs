@@ -257,6 +257,14 @@ impl Stream {
         }
     }
 
+    /// A handle that cuts this connection from another thread (a deadline's watchdog).
+    pub fn cutter(&self) -> io::Result<Cutter> {
+        Ok(match self {
+            Stream::Unix(s) | Stream::Tls { plain: s, .. } => Cutter::Unix(s.try_clone()?),
+            Stream::Tcp(s) => Cutter::Tcp(s.try_clone()?),
+        })
+    }
+
     /// The TLS session's channel binding (empty on a unix socket): authentication covers
     /// it, so a proof made through a relay does not verify.
     pub fn binding(&self) -> &[u8] {
@@ -275,11 +283,7 @@ impl Stream {
         let uid = ntb::sock::peer_uid(u).map_err(MigrationError::PeerCred)?;
         // SAFETY: geteuid has no arguments and cannot fail.
         let ours = unsafe { libc::geteuid() };
-        if uid == ours || uid == 0 {
-            Ok(())
-        } else {
-            Err(MigrationError::PeerUser { uid, ours })
-        }
+        peer_user_allowed(uid, ours)
     }
 
     /// Runs the TLS handshake on a plain tcp connection (`initiator`: as the client), by
@@ -323,6 +327,31 @@ impl Write for Stream {
             Stream::Tcp(s) => s.flush(),
             Stream::Tls { plain, .. } => plain.flush(),
         }
+    }
+}
+
+/// See [`Stream::cutter`].
+pub enum Cutter {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Cutter {
+    /// Shuts the connection down both ways: the other side's next read or write fails.
+    pub fn cut(&self) {
+        let _ = match self {
+            Cutter::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Cutter::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
+/// A unix peer may run as this process's uid or as root; no one else.
+fn peer_user_allowed(uid: u32, ours: u32) -> Result<(), MigrationError> {
+    if uid == ours || uid == 0 {
+        Ok(())
+    } else {
+        Err(MigrationError::PeerUser { uid, ours })
     }
 }
 
@@ -763,6 +792,24 @@ mod tests {
             let e = parse_url(url).unwrap_err().to_string();
             assert!(e.contains(url) && e.contains(want), "{url}: {e}");
         }
+    }
+
+    #[test]
+    fn the_unix_listener_is_private_and_other_users_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("m.sock");
+        let l = Listener::bind(&MigrationUrl::Unix(p.clone())).unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        // A second listener on a live path is refused, not swapped in.
+        assert!(Listener::bind(&MigrationUrl::Unix(p.clone())).is_err());
+        drop(l);
+        assert!(!p.exists(), "the socket file goes with the listener");
+        peer_user_allowed(1000, 1000).unwrap();
+        peer_user_allowed(0, 1000).unwrap();
+        let e = peer_user_allowed(1001, 1000).unwrap_err().to_string();
+        assert!(e.contains("uid 1001") && e.contains("uid 1000"), "{e}");
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct Incoming {
     auth: super::auth::StreamAuth,
     /// Refused peers are logged at most once a second (a peer can retry at will).
     refusals: ntb::RateLimit,
+    /// [`AUTH_TIMEOUT`] (shorter in tests).
+    auth_timeout: std::time::Duration,
 }
 
 /// What arrived: the VM (restored, vCPUs parked) and the state document it was restored from.
@@ -92,6 +94,7 @@ impl Incoming {
             listener: Some(listener),
             auth,
             refusals: ntb::RateLimit::new(std::time::Duration::from_secs(1)),
+            auth_timeout: AUTH_TIMEOUT,
         })
     }
 
@@ -107,12 +110,42 @@ impl Incoming {
         &self.url
     }
 
-    /// TLS (tcp), the peer's credentials (unix) and the source's proof of the secret; a
-    /// failure is answered with a refusal naming it (best effort) and returned.
+    /// TLS (tcp), the peer's credentials (unix) and the source's proof of the secret, all
+    /// within [`AUTH_TIMEOUT`] however slowly the peer sends; a failure is answered with a
+    /// refusal naming it (best effort) and returned.
     fn admit(&self, raw: Stream, identity: &protocol::Identity) -> Result<Stream, MigrationError> {
-        let mut stream = raw.into_tls(false, AUTH_TIMEOUT)?;
+        // The watchdog cuts the connection at the deadline unless told the peer got in.
+        let arming = |source| MigrationError::Io {
+            step: "arming the authentication deadline",
+            source,
+        };
+        let cutter = raw.cutter().map_err(arming)?;
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let deadline = self.auth_timeout;
+        let watchdog = std::thread::Builder::new()
+            .name("mig-auth-deadline".into())
+            .spawn(move || {
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(deadline)
+                {
+                    cutter.cut();
+                }
+            })
+            .map_err(arming)?;
+        let r = self.admit_within(raw, identity);
+        // Disarmed whatever the outcome (a failed peer is dropped anyway).
+        let _ = done.send(());
+        let _ = watchdog.join();
+        r
+    }
+
+    fn admit_within(
+        &self,
+        raw: Stream,
+        identity: &protocol::Identity,
+    ) -> Result<Stream, MigrationError> {
+        let mut stream = raw.into_tls(false, self.auth_timeout)?;
         stream
-            .set_timeout(Some(AUTH_TIMEOUT))
+            .set_timeout(Some(self.auth_timeout))
             .map_err(|source| MigrationError::Io {
                 step: "setting the stream timeout",
                 source,
@@ -309,5 +342,53 @@ impl MigrationTarget for crate::Vm {
 
     fn prepare(&self) {
         self.prepin_ram();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+
+    /// A peer that trickles a frame a byte at a time is cut at the authentication deadline
+    /// (not only when one read stalls), and the listener goes on.
+    #[test]
+    fn a_trickling_peer_is_cut_at_the_deadline_and_listening_goes_on() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("m.sock");
+        let auth = super::super::auth::StreamAuth {
+            secret: Some("s3cret".into()),
+            node: Some("node9".into()),
+        };
+        let mut incoming = Incoming::listen(&format!("unix:{}", path.display()), auth).unwrap();
+        incoming.auth_timeout = Duration::from_millis(300);
+        let peer = std::thread::spawn(move || {
+            let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+            let mut h = Vec::new();
+            h.extend_from_slice(&kind::AUTH.to_le_bytes());
+            h.extend_from_slice(&0u32.to_le_bytes());
+            h.extend_from_slice(&1000u64.to_le_bytes());
+            s.write_all(&h).unwrap();
+            // One byte every 100 ms: each read is quick, the whole never ends.
+            for _ in 0..100 {
+                if s.write_all(b"x").is_err() {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            false
+        });
+        let t0 = Instant::now();
+        let e = incoming
+            .receive(protocol::Identity::default(), |_, _| {
+                Err::<crate::Vm, _>(MigrationError::NoMemfd)
+            })
+            .err()
+            .unwrap();
+        assert!(matches!(e, MigrationError::NotAuthenticated { .. }), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        assert!(peer.join().unwrap(), "the peer was not cut off");
+        assert!(incoming.listen_fd() >= 0, "the listener went with the peer");
     }
 }
