@@ -331,6 +331,17 @@ mod tests {
             !tr.verify("secret", Role::Lender, &p).unwrap(),
             "reflection"
         );
+        // The migration stream's proofs never pass for the fabric's, nor the other way.
+        for (a, b) in [
+            (Role::Borrower, Role::MigrationSource),
+            (Role::Lender, Role::MigrationDestination),
+            (Role::MigrationSource, Role::MigrationDestination),
+        ] {
+            let pa = tr.prove("secret", a).unwrap();
+            assert!(!tr.verify("secret", b, &pa).unwrap(), "{a:?} as {b:?}");
+            let pb = tr.prove("secret", b).unwrap();
+            assert!(!tr.verify("secret", a, &pb).unwrap(), "{b:?} as {a:?}");
+        }
         assert!(
             !tr.verify("other", Role::Borrower, &p).unwrap(),
             "wrong token"
