@@ -145,6 +145,9 @@ impl Sender {
     /// `local`: the same-host fast path (unix urls only): the guest RAM memfd goes to the
     /// destination over SCM_RIGHTS instead of the pages. `lent_devices`: how many lent
     /// devices will be handed over (the destination faults its RAM in for them first).
+    /// `auth`: the cluster secret and this node's name; the stream is authenticated first
+    /// ([`super::auth`]: TLS on tcp, the peer's uid on unix, then the proofs), so nothing of
+    /// the VM goes to a destination that did not prove the secret.
     pub fn connect(
         url: &MigrationUrl,
         src: SnapshotSource,
