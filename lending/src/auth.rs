@@ -66,6 +66,12 @@ pub enum Role {
     Lender,
     /// The borrower (sends HELLO).
     Borrower,
+    /// The source of a live migration (`vmm::migration`): the same construction over the
+    /// migration stream, under labels of its own so that no proof of one protocol verifies
+    /// in the other.
+    MigrationSource,
+    /// The destination of a live migration.
+    MigrationDestination,
 }
 
 impl Role {
@@ -73,6 +79,8 @@ impl Role {
         match self {
             Role::Lender => b"lender",
             Role::Borrower => b"borrower",
+            Role::MigrationSource => b"migration-source",
+            Role::MigrationDestination => b"migration-destination",
         }
     }
 }
@@ -323,6 +331,17 @@ mod tests {
             !tr.verify("secret", Role::Lender, &p).unwrap(),
             "reflection"
         );
+        // The migration stream's proofs never pass for the fabric's, nor the other way.
+        for (a, b) in [
+            (Role::Borrower, Role::MigrationSource),
+            (Role::Lender, Role::MigrationDestination),
+            (Role::MigrationSource, Role::MigrationDestination),
+        ] {
+            let pa = tr.prove("secret", a).unwrap();
+            assert!(!tr.verify("secret", b, &pa).unwrap(), "{a:?} as {b:?}");
+            let pb = tr.prove("secret", b).unwrap();
+            assert!(!tr.verify("secret", a, &pb).unwrap(), "{b:?} as {a:?}");
+        }
         assert!(
             !tr.verify("other", Role::Borrower, &p).unwrap(),
             "wrong token"

@@ -92,7 +92,16 @@ struct Vm {
 }
 
 fn vm(c: &Cluster) -> Vm {
-    let client = connect(c);
+    vm_on(c, connect(c))
+}
+
+/// A VM on another node of the cluster (it holds the cluster token, as every member does).
+fn vm_as(c: &Cluster, node: &str) -> Vm {
+    let client = LenderClient::connect(&c.cfg, node, LENDER, TOKEN, "nvme-lent").unwrap();
+    vm_on(c, client)
+}
+
+fn vm_on(_c: &Cluster, client: LenderClient) -> Vm {
     let ram = MemfdRam::new(RAM);
     let window = client
         .endpoint()
@@ -527,6 +536,53 @@ fn forged_misdirected_and_replayed_tickets_are_refused() {
         d.log().contains("refusal #5"),
         "refusals are counted in the log"
     );
+    lb.return_device().unwrap();
+}
+
+/// A ticket is bound to the node it was issued for: another node of the cluster (which holds
+/// the token, and could have read a ticket off a plain migration stream) presenting it, even
+/// for the right VM name, is refused, and the lease stays with its holder; the node it names
+/// takes it.
+#[test]
+fn a_ticket_presented_under_another_nodes_name_is_refused() {
+    let mut c = cluster(FabricKind::Tcp);
+    // A third member of the cluster.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut text = std::fs::read_to_string(&c.path).unwrap();
+    text.push_str(&format!(
+        "[[node]]\nname = \"node7\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{port}\"\n"
+    ));
+    std::fs::write(&c.path, text).unwrap();
+    c.cfg = ntb::ClusterConfig::load(&c.path).unwrap();
+    let _d = lenderd(&c, "othernode");
+    let mut r = rig(&c);
+    let buf = r.driver.alloc_data(4096, 0, false).unwrap();
+    let t = r.lease.create_transfer(BORROWER, "vm0-dst").unwrap();
+    let thief = vm_as(&c, "node7");
+    let e = refused(accept(&thief, &t, "vm0-dst"));
+    assert_eq!(e.code(), Some(BAD_TICKET), "{e}");
+    assert!(
+        e.to_string().contains("node1/vm0-dst") && e.to_string().contains("node7"),
+        "{e}"
+    );
+    // The lease is untouched and the ticket not used up.
+    r.driver.rw(1, false, 0, 8, &buf).unwrap();
+    let b = vm(&c);
+    let lb = accept(&b, &t, "vm0-dst").unwrap();
+    assert_eq!(
+        wait_moved(&r.a.client, t.lease),
+        format!("{BORROWER}/vm0-dst")
+    );
+    drop(r.driver);
+    drop(r.bar);
+    let lease_a = Arc::try_unwrap(r.lease)
+        .ok()
+        .expect("only the rig holds A's lease");
+    lease_a.moved();
     lb.return_device().unwrap();
 }
 

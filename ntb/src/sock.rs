@@ -127,6 +127,32 @@ pub fn bind_private(path: &Path) -> Result<(UnixListener, SocketFile), BindError
     ))
 }
 
+/// The uid of the process at the other end of `s` (`SO_PEERCRED`: who connected, or who
+/// listens, as the kernel recorded it at `connect`; the peer cannot choose it).
+pub fn peer_uid(s: &UnixStream) -> std::io::Result<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a ucred we own.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

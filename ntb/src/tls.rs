@@ -1,6 +1,7 @@
 //! TLS 1.3 on tcp links (rustls, ring provider).
 //!
-//! Every tcp link runs inside TLS: control messages, BAR accesses and the window data that
+//! Every tcp link runs inside TLS (and so does the live-migration stream on tcp, through
+//! [`client`] and [`server`]): control messages, BAR accesses and the window data that
 //! carries guest memory are encrypted and integrity-protected. Each process presents a
 //! self-signed certificate made at start-up, and neither side checks the other's
 //! certificate chain: who the peer is, is decided above, by the cluster token
@@ -373,11 +374,22 @@ fn pump(mut conn: Connection, tcp: TcpStream, local: UnixStream) -> io::Result<(
     r
 }
 
-/// Connects the plaintext side of a TLS link to `tcp` as a client, for tests and tools that
-/// speak the wire format by hand; returns the plaintext stream and the channel binding.
+/// Connects the plaintext side of a TLS session to `tcp` as the client: for the other
+/// secret-bearing streams of the tree (the live-migration stream, `vmm::migration`), so that
+/// there is one TLS set-up, and for tests and tools that speak the wire format by hand.
+/// Returns the plaintext stream and the session's channel binding, which the caller's
+/// authentication must cover (as `lending::auth` does) for the session to be safe from a
+/// relay in the middle.
 pub fn client(tcp: TcpStream, timeout: Duration) -> Result<(UnixStream, Vec<u8>)> {
     let l = wrap(tcp, true, Instant::now() + timeout)?;
     // The pump runs detached; it ends when the returned stream is closed.
+    drop(l.pump);
+    Ok((l.plain, l.binding))
+}
+
+/// [`client`]'s other end: runs the server side of the handshake on an accepted `tcp`.
+pub fn server(tcp: TcpStream, timeout: Duration) -> Result<(UnixStream, Vec<u8>)> {
+    let l = wrap(tcp, false, Instant::now() + timeout)?;
     drop(l.pump);
     Ok((l.plain, l.binding))
 }

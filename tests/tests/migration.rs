@@ -14,8 +14,21 @@
 //!   destination finds every word of its 2 MiB buffer as it left it (`churn=ok`, its
 //!   generation goes on).
 //! * `a_paused_vm_arrives_paused`: and stays paused until `vm.resume` on the destination.
-//! * `live_migration_over_tcp_with_lendctl`: loopback TCP, driven by `lendctl`.
-//! * `failed_migrations_leave_the_source_running`: bad urls (400 naming them), nobody
+//! * `live_migration_over_tcp_with_lendctl`: loopback TCP, driven by `lendctl`; both VMMs
+//!   hold the cluster secret (`--token`), which a tcp migration needs.
+//! * `a_wrong_secret_source_is_refused_and_the_destination_goes_on_listening`: over tcp, a
+//!   source with another secret is refused (500 naming it, and it runs on); the destination
+//!   goes on listening, takes a source with the right secret, and then stops listening.
+//! * `a_migrated_vm_keeps_its_console_configuration`: a source writing its console to a file
+//!   migrates to a destination started without `--serial`: the guest's output goes on in the
+//!   same file (appended, nothing before lost), none on the destination's stdout; a further
+//!   migration to a destination whose own `--serial stdout` overrides it moves the console
+//!   there.
+//! * `a_relay_in_the_middle_sees_no_guest_ram`: a plain tcp relay between the two records
+//!   every byte; the migration succeeds through it, and the guest's marker pattern is
+//!   nowhere in what it relayed (the stream runs inside TLS).
+//! * `failed_migrations_leave_the_source_running`: bad urls (400 naming them; a tcp url
+//!   without the cluster secret, 400 naming it), nobody
 //!   listening, a destination that refuses the version, a destination that dies after
 //!   1 MiB of RAM, and a real destination lendvm SIGKILLed mid-transfer: each time the
 //!   source answers 500 naming the cause, emits `migration-failed`, and keeps running and
@@ -82,6 +95,51 @@ fn destination(dir: &Path, name: &str) -> (Vm, String) {
     let vm = Vm::start_args(&["--api-socket", &sock, "--event-monitor", &events], "warn");
     vm.wait_api();
     let url = format!("unix:{}", dir.join(format!("{name}.mig")).display());
+    vm.api()
+        .receive_migration(&VmReceiveMigrationData {
+            receiver_url: url.clone(),
+        })
+        .unwrap();
+    (vm, url)
+}
+
+/// A source VM (as `boot`) holding the cluster secret `token`, its API on `dir/src.sock`.
+fn source_with_token(dir: &Path, token: &str) -> Vm {
+    std::fs::create_dir_all(dir).unwrap();
+    let sock = dir.join("src.sock").display().to_string();
+    let line = format!("tests=ticker seed={SEED} period_ms=50");
+    let vm = Vm::start(
+        "64M",
+        &[
+            "--cpus",
+            "2",
+            "--api-socket",
+            &sock,
+            "--cmdline",
+            &line,
+            "--token",
+            token,
+        ],
+    );
+    vm.wait_api();
+    vm
+}
+
+/// A free loopback port (the tiny window before lendvm binds it is harmless here).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A destination lendvm holding `token`, listening on a loopback tcp port.
+fn tcp_destination(dir: &Path, token: &str) -> (Vm, String) {
+    let sock = dir.join("dst.sock").display().to_string();
+    let vm = Vm::start_args(&["--api-socket", &sock, "--token", token], "info");
+    vm.wait_api();
+    let url = format!("tcp:127.0.0.1:{}", free_port());
     vm.api()
         .receive_migration(&VmReceiveMigrationData {
             receiver_url: url.clone(),
@@ -227,23 +285,41 @@ fn lendctl(socket: &Path, args: &[&str]) -> std::process::Output {
 #[test]
 fn live_migration_over_tcp_with_lendctl() {
     let dir = tempfile::tempdir().unwrap();
-    let src = boot(dir.path(), "");
+    let src = source_with_token(dir.path(), "migration-test-secret");
     let mailbox = mailbox_of(&src);
     wait_ticks(&src, 3);
     let dsock = dir.path().join("dst.sock");
-    let dst = Vm::start_args(&["--api-socket", dsock.to_str().unwrap()], "warn");
+    let url = format!("tcp:127.0.0.1:{}", free_port());
+    // Without the cluster secret a tcp migration is refused up front, naming what is missing.
+    let bare = Vm::start_args(
+        &[
+            "--api-socket",
+            dir.path().join("bare.sock").to_str().unwrap(),
+        ],
+        "warn",
+    );
+    bare.wait_api();
+    let out = lendctl(&dir.path().join("bare.sock"), &["receive-migration", &url]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("needs the cluster secret"),
+        "{out:?}"
+    );
+    drop(bare);
+    let dst = Vm::start_args(
+        &[
+            "--api-socket",
+            dsock.to_str().unwrap(),
+            "--token",
+            "migration-test-secret",
+        ],
+        "warn",
+    );
     dst.wait_api();
     // No vm yet: anything but receive-migration (and ping, shutdown) is refused.
     let (st, msg) = status_of(dst.api().info().map(|_| ()));
     assert_eq!(st, 409, "{msg}");
     assert!(msg.contains("waits for vm.receive-migration"), "{msg}");
-    // A free loopback port (the tiny window before lendvm binds it is harmless here).
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("tcp:127.0.0.1:{port}");
     let out = lendctl(&dsock, &["receive-migration", &url]);
     assert!(out.status.success(), "{out:?}");
     assert!(
@@ -391,6 +467,10 @@ fn failed_migrations_leave_the_source_running() {
         assert_eq!(st, 400, "{url}: {msg}");
         assert!(msg.contains(url) && msg.contains(want), "{url}: {msg}");
     }
+    // Over tcp without the cluster secret: 400 naming it, nothing started.
+    let (st, msg) = status_of(send(&api, "tcp:127.0.0.1:9"));
+    assert_eq!(st, 400, "{msg}");
+    assert!(msg.contains("needs the cluster secret"), "{msg}");
     std::thread::sleep(Duration::from_millis(100));
     assert!(named(&events(dir.path(), "src-events.jsonl"), "migration-failed").is_empty());
 
@@ -469,7 +549,7 @@ fn failed_migrations_leave_the_source_running() {
     let why: serde_json::Value = serde_json::from_slice(&body).unwrap();
     let why = why["reason"].as_str().unwrap();
     assert!(
-        why.contains("version 99") && why.contains("version 2"),
+        why.contains("version 99") && why.contains("version 3"),
         "{why}"
     );
     dst.expect_exit(1, T);
@@ -536,4 +616,191 @@ fn a_paused_vm_arrives_paused() {
     let evs = events(dir.path(), "dst-events.jsonl");
     let m = named(&evs, "vm-migrated");
     assert_eq!(m[0]["properties"]["paused"], true, "{m:?}");
+}
+
+/// Over tcp a source that holds another secret is refused and runs on; the destination goes
+/// on listening and takes the first source that proves the secret, then stops listening.
+#[test]
+fn a_wrong_secret_source_is_refused_and_the_destination_goes_on_listening() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dst, url) = tcp_destination(dir.path(), "the-cluster-secret");
+    let wrong = source_with_token(&dir.path().join("wrong"), "a-guessed-secret");
+    wait_ticks(&wrong, 2);
+    let (st, msg) = status_of(send(&wrong.api(), &url));
+    assert_eq!(st, 500, "{msg}");
+    assert!(msg.contains("did not prove the cluster secret"), "{msg}");
+    assert_eq!(wrong.api().info().unwrap().state, VmState::Running);
+    // The destination still has no VM and still listens.
+    let (st, msg) = status_of(dst.api().info().map(|_| ()));
+    assert_eq!(st, 409, "{msg}");
+    let src = source_with_token(&dir.path().join("right"), "the-cluster-secret");
+    let mailbox = mailbox_of(&src);
+    wait_ticks(&src, 3);
+    send(&src.api(), &url).unwrap_or_else(|e| panic!("{e}\n--- destination\n{}", dst.stderr()));
+    let port = url.rsplit(':').next().unwrap();
+    let dst_log = dst.stderr();
+    check_migrated(src, dst, mailbox);
+    // One migration, once: nothing listens there any more.
+    assert!(
+        std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_err(),
+        "the destination still listens after taking its vm"
+    );
+    assert!(dst_log.contains("refused"), "{dst_log}");
+}
+
+/// Copies `from` to `to`, appending every byte to `seen`, until either side closes.
+fn relay_half(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+) {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                seen.lock().unwrap().extend_from_slice(&buf[..n]);
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Write);
+}
+
+/// A man in the middle that relays the tcp stream and records it sees no guest RAM.
+#[test]
+fn a_relay_in_the_middle_sees_no_guest_ram() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dst, url) = tcp_destination(dir.path(), "the-cluster-secret");
+    let target = url.trim_start_matches("tcp:").to_string();
+    let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_url = format!("tcp:{}", relay.local_addr().unwrap());
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let relayer = {
+        let seen = seen.clone();
+        std::thread::spawn(move || {
+            let (a, _) = relay.accept().unwrap();
+            let b = std::net::TcpStream::connect(&target).unwrap();
+            let (a2, b2) = (a.try_clone().unwrap(), b.try_clone().unwrap());
+            let s2 = seen.clone();
+            let back = std::thread::spawn(move || relay_half(b2, a2, s2));
+            relay_half(a, b, seen);
+            back.join().unwrap();
+        })
+    };
+    let src = source_with_token(&dir.path().join("src"), "the-cluster-secret");
+    let mailbox = mailbox_of(&src);
+    wait_ticks(&src, 3);
+    send(&src.api(), &relay_url)
+        .unwrap_or_else(|e| panic!("{e}\n--- destination\n{}", dst.stderr()));
+    check_migrated(src, dst, mailbox);
+    relayer.join().unwrap();
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    // All of guest RAM went through the relay...
+    assert!(
+        seen.len() as u64 >= 64 << 20,
+        "{} bytes relayed",
+        seen.len()
+    );
+    // ...and not one run of the guest's marker (u64 word w = seed << 32 | w) in clear.
+    let pattern: Vec<u8> = (100..108u64)
+        .flat_map(|w| ((u64::from(SEED) << 32) | w).to_le_bytes())
+        .collect();
+    let found = seen
+        .windows(pattern.len())
+        .position(|w| w == pattern.as_slice());
+    assert_eq!(found, None, "guest RAM crossed the relay in clear");
+}
+
+/// The guest's console configuration moves with the VM (as Cloud Hypervisor's VM config
+/// does), unless the destination's own `--serial` overrides it.
+#[test]
+fn a_migrated_vm_keeps_its_console_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let console = dir.path().join("console.log");
+    let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
+    let src_sock = dir.path().join("src.sock").display().to_string();
+    let serial = format!("file={}", console.display());
+    let line = format!("tests=ticker seed={SEED} period_ms=50");
+    let mut src = Vm::start_exact(
+        &[
+            "--kernel",
+            TEST_GUEST,
+            "--memory",
+            "64M",
+            "--cpus",
+            "2",
+            "--serial",
+            &serial,
+            "--api-socket",
+            &src_sock,
+            "--cmdline",
+            &line,
+        ],
+        "warn",
+    );
+    src.wait_api();
+    let ticks_in_file = |n: usize| {
+        poll(T, || (ticks_of(&read_console()).len() >= n).then_some(()))
+            .unwrap_or_else(|| panic!("fewer than {n} TICK lines in the console file"));
+    };
+    ticks_in_file(3);
+    let mailbox = read_console()
+        .lines()
+        .find_map(|l| l.strip_prefix("MAILBOX 0x"))
+        .map(|h| u64::from_str_radix(h.trim(), 16).unwrap())
+        .unwrap();
+    // A destination without --serial.
+    let dst_sock = dir.path().join("dst.sock").display().to_string();
+    let mut dst = Vm::start_exact(&["--api-socket", &dst_sock], "warn");
+    dst.wait_api();
+    let url = format!("unix:{}", dir.path().join("dst.mig").display());
+    dst.api()
+        .receive_migration(&VmReceiveMigrationData {
+            receiver_url: url.clone(),
+        })
+        .unwrap();
+    let written = read_console();
+    send(&src.api(), &url).unwrap();
+    src.expect_exit(0, T);
+    let before = ticks_of(&read_console()).len();
+    ticks_in_file(before + 3);
+    let text = read_console();
+    assert!(
+        text.starts_with(&written),
+        "the file was not appended to:\n{text}"
+    );
+    let ticks = ticks_of(&text);
+    for w in ticks.windows(2) {
+        assert_eq!(
+            w[1].0,
+            w[0].0 + 1,
+            "gap or repeat: {:?} then {:?}",
+            w[0],
+            w[1]
+        );
+    }
+    assert!(
+        ticks_of(&dst.stdout()).is_empty(),
+        "the destination wrote the console to its stdout:\n{}",
+        dst.stdout()
+    );
+    // Onward to a destination whose own --serial stdout overrides the VM's configuration.
+    let (dst2, url2) = destination(dir.path(), "dst2");
+    send(&dst.api(), &url2).unwrap();
+    dst.expect_exit(0, T);
+    let in_file = ticks_of(&read_console()).len();
+    wait_ticks(&dst2, 3);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        ticks_of(&read_console()).len(),
+        in_file,
+        "the console still went to the file"
+    );
+    dst2.write_guest_u64(mailbox, 1);
+    let mut dst2 = dst2;
+    dst2.expect_ok("ticker", T);
+    dst2.expect_exit(0, T);
 }

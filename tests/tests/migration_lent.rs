@@ -456,9 +456,10 @@ fn a_lender_killed_mid_handover_loses_the_device_not_the_vm() {
     src.wait_exit(T).expect("the guest did not end when asked");
 }
 
-/// A fake destination speaking the migration stream: answers the hello and announces the
-/// fabric identity `node`/`vm`, swallows the VM's RAM and returns the state document (with
-/// the hand-over tickets) and the stream, without answering it.
+/// A fake destination speaking the migration stream: proves the cluster secret as
+/// `node`/`vm` (it is a member of the cluster, as a real destination), answers the hello and
+/// announces the same fabric identity, swallows the VM's RAM and returns the state document
+/// (with the hand-over tickets) and the stream, without answering it.
 fn fake_destination(
     path: &Path,
     node: &str,
@@ -466,6 +467,7 @@ fn fake_destination(
 ) -> std::thread::JoinHandle<(serde_json::Value, UnixStream)> {
     let l = UnixListener::bind(path).unwrap();
     let identity = serde_json::to_vec(&serde_json::json!({ "node": node, "vm": vm })).unwrap();
+    let (node, vm) = (node.to_string(), vm.to_string());
     std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
         let frame = |kind: u32, body: &[u8]| {
@@ -485,6 +487,37 @@ fn fake_destination(
             let body = &mut buf[..len];
             s.read_exact(body).unwrap();
             match kind {
+                // AUTH: prove the secret (no TLS on a unix socket: an empty binding).
+                9 => {
+                    let a: serde_json::Value = serde_json::from_slice(body).unwrap();
+                    let bytes = |v: &serde_json::Value| -> Vec<u8> {
+                        v.as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|b| b.as_u64().unwrap() as u8)
+                            .collect()
+                    };
+                    let theirs = bytes(&a["nonce"]);
+                    let ours = lending::auth::nonce().unwrap();
+                    let source = a["node"].as_str().unwrap_or_default().to_string();
+                    let me = format!("{node}/{vm}");
+                    let proof = lending::auth::Transcript {
+                        borrower_nonce: &theirs,
+                        lender_nonce: &ours,
+                        borrower: &source,
+                        lender: &me,
+                        binding: &[],
+                    }
+                    .prove(TOKEN, lending::auth::Role::MigrationDestination)
+                    .unwrap();
+                    let reply = serde_json::to_vec(&serde_json::json!({
+                        "node": node, "vm": vm, "nonce": ours.to_vec(), "proof": proof.to_vec()
+                    }))
+                    .unwrap();
+                    s.write_all(&frame(10, &reply)).unwrap();
+                }
+                // AUTH_PROOF: taken.
+                11 => s.write_all(&frame(2, &[])).unwrap(),
                 1 => {
                     s.write_all(&frame(2, &[])).unwrap();
                     s.write_all(&frame(7, &identity)).unwrap();

@@ -88,8 +88,39 @@ pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SerialConfig {
     Stdout,
+    /// A file, created afresh (truncated).
     File(PathBuf),
+    /// A file appended to: a migrated VM's console goes on in the file its source wrote,
+    /// whose content stays (never parsed from the command line).
+    Append(PathBuf),
     Off,
+}
+
+impl SerialConfig {
+    /// Where a migrated VM's console goes: the destination's explicit `--serial` if it gave
+    /// one, else the source's configuration (a file appended to, not truncated), else
+    /// stdout.
+    pub fn for_migrated(explicit: Option<&SerialConfig>, source: Option<&SerialConfig>) -> Self {
+        match (explicit, source) {
+            (Some(e), _) => e.clone(),
+            (None, Some(SerialConfig::File(p) | SerialConfig::Append(p))) => {
+                SerialConfig::Append(p.clone())
+            }
+            (None, Some(s)) => s.clone(),
+            (None, None) => SerialConfig::Stdout,
+        }
+    }
+}
+
+/// The form `--serial` takes (a file appended to reads as `file=`).
+impl std::fmt::Display for SerialConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SerialConfig::Stdout => write!(f, "stdout"),
+            SerialConfig::File(p) | SerialConfig::Append(p) => write!(f, "file={}", p.display()),
+            SerialConfig::Off => write!(f, "off"),
+        }
+    }
 }
 
 impl std::str::FromStr for SerialConfig {
@@ -188,6 +219,27 @@ mod tests {
         );
         assert!("file=".parse::<SerialConfig>().is_err());
         assert!("tty".parse::<SerialConfig>().is_err());
+        for s in ["stdout", "off", "file=/tmp/x"] {
+            assert_eq!(s.parse::<SerialConfig>().unwrap().to_string(), s);
+        }
+        // A migrated VM: the destination's own --serial wins; else the source's, a file
+        // appended to.
+        let file = SerialConfig::File(PathBuf::from("/tmp/x"));
+        let append = SerialConfig::Append(PathBuf::from("/tmp/x"));
+        assert_eq!(
+            SerialConfig::for_migrated(None, Some(&file)),
+            append.clone()
+        );
+        assert_eq!(
+            SerialConfig::for_migrated(Some(&SerialConfig::Stdout), Some(&file)),
+            SerialConfig::Stdout
+        );
+        assert_eq!(
+            SerialConfig::for_migrated(None, Some(&SerialConfig::Off)),
+            SerialConfig::Off
+        );
+        assert_eq!(SerialConfig::for_migrated(None, None), SerialConfig::Stdout);
+        assert_eq!(append.to_string(), "file=/tmp/x");
         assert_eq!(check_cpus(0), Err(ConfigError::Cpus(0)));
         assert_eq!(check_cpus(2), Ok(2));
     }

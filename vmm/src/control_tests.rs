@@ -1125,7 +1125,8 @@ type Arrived = Result<
 /// The thread returns the RAM it received and the hand-overs, or why it failed.
 fn destination(dir: &std::path::Path) -> (String, std::thread::JoinHandle<Arrived>) {
     let url = format!("unix:{}", dir.join("migrate.sock").display());
-    let incoming = crate::migration::receive::Incoming::listen(&url).unwrap();
+    let mut incoming =
+        crate::migration::receive::Incoming::listen(&url, Default::default()).unwrap();
     let t = std::thread::spawn(move || {
         let identity = crate::migration::protocol::Identity {
             node: Some("node9".into()),
@@ -1156,6 +1157,7 @@ fn migratable(rig: &mut Rig) {
                 memory_size: 64 << 20,
                 kernel: "spin.elf".into(),
                 cmdline: String::new(),
+                serial: None,
             }),
     );
 }

@@ -208,6 +208,16 @@ impl DeviceManager {
                     source,
                 }
             })?)),
+            SerialConfig::Append(path) => Some(Box::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|source| DeviceError::SerialFile {
+                        path: path.clone(),
+                        source,
+                    })?,
+            )),
             SerialConfig::Off => None,
         };
         let serial = match out {

@@ -21,6 +21,7 @@ use std::rc::Rc;
 use vmm::config::{self, SerialConfig, VmConfig};
 use vmm::control::{Controller, VmHandles};
 use vmm::event_loop::{ApiChannel, EventLoop};
+use vmm::migration::auth::StreamAuth;
 use vmm::migration::receive::{Incoming, Received};
 use vmm::migration::MigrationError;
 use vmm::remote::{AttachError, FabricIdentity, LenderSource, LinkSource};
@@ -70,9 +71,11 @@ struct Cli {
     /// Number of vCPUs.
     #[arg(long, value_name = "N", default_value = "1", value_parser = parse_cpus)]
     cpus: u8,
-    /// Serial console: stdout, off or file=PATH.
-    #[arg(long, value_name = "stdout|file=PATH|off", default_value = "stdout")]
-    serial: SerialConfig,
+    /// Serial console: stdout (the default), off or file=PATH. A VM received by live
+    /// migration keeps its source's console configuration (a file is appended to) unless
+    /// this is given.
+    #[arg(long, value_name = "stdout|file=PATH|off")]
+    serial: Option<SerialConfig>,
     /// REST API socket (Unix socket, root /api/v1).
     #[arg(long, value_name = "PATH")]
     api_socket: Option<PathBuf>,
@@ -91,6 +94,7 @@ struct Cli {
     #[arg(long, value_name = "NAME")]
     name: Option<String>,
     /// Cluster auth token (visible in `ps`; prefer $LENDVM_TOKEN or the cluster file's token).
+    /// It also authenticates live migrations (needed for tcp ones), with or without --cluster.
     #[arg(long, value_name = "TOKEN")]
     token: Option<String>,
     /// Do not append `noxsave clearcpuid=...` to a Linux kernel's command line when KVM
@@ -144,10 +148,11 @@ fn start_api(
 }
 
 /// The API of a lendvm that has no VM yet: it waits for `vm.receive-migration`.
-#[derive(Default)]
 struct Waiting {
     incoming: Option<Incoming>,
     shutdown: bool,
+    /// How sources must authenticate.
+    auth: StreamAuth,
 }
 
 impl ApiHandler for Waiting {
@@ -165,7 +170,7 @@ impl ApiHandler for Waiting {
                         i.url()
                     )));
                 }
-                let i = Incoming::listen(&d.receiver_url)
+                let i = Incoming::listen(&d.receiver_url, self.auth.clone())
                     .map_err(|e| ApiError::bad_request(chain(&e)))?;
                 self.incoming = Some(i);
                 Ok(ApiResponse::Empty)
@@ -182,14 +187,20 @@ impl ApiHandler for Waiting {
     }
 }
 
-/// Serves the API until `vm.receive-migration` names a url, then receives the VM there.
-/// `Ok(None)`: `vmm.shutdown` came first.
+/// Serves the API until `vm.receive-migration` names a url, then receives the VM there: from
+/// the first source that authenticates (a peer that does not is dropped and listening goes
+/// on). `Ok(None)`: `vmm.shutdown` came first.
 fn wait_for_migration(
     chan: &ApiChannel,
     cli: &Cli,
     identity: vmm::migration::protocol::Identity,
+    auth: StreamAuth,
 ) -> Result<Option<Received<Vm>>, String> {
-    let mut w = Waiting::default();
+    let mut w = Waiting {
+        incoming: None,
+        shutdown: false,
+        auth,
+    };
     loop {
         // API requests keep being answered until a source connects.
         let mut fds = [
@@ -219,32 +230,58 @@ fn wait_for_migration(
         if fds[1].revents == 0 {
             continue;
         }
-        let Some(incoming) = w.incoming.take() else {
+        let Some(incoming) = w.incoming.as_mut() else {
             continue;
         };
-        return incoming
-            .receive(identity, |c, memfd| {
-                let cpus = config::check_cpus(u32::from(c.cpus))
-                    .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
-                let cfg = VmConfig {
-                    memory_size: c.memory_size,
-                    ram_backing: cli.memory.backing,
-                    cpus,
-                    kernel: PathBuf::from(&c.kernel),
-                    cmdline: c.cmdline.clone(),
-                    initramfs: None,
-                    serial: cli.serial.clone(),
-                    cpuid_cmdline: false,
-                };
-                match memfd {
-                    Some(f) => Vm::for_migration_on(&cfg, f),
-                    None => Vm::for_migration(&cfg),
-                }
-                .map_err(|e| MigrationError::Build(Box::new(e)))
-            })
-            .map(Some)
-            .map_err(|e| format!("incoming migration at {}: {}", incoming.url(), chain(&e)));
+        let got = incoming.receive(identity.clone(), |c, memfd| {
+            let cpus = config::check_cpus(u32::from(c.cpus))
+                .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
+            let cfg = VmConfig {
+                memory_size: c.memory_size,
+                ram_backing: cli.memory.backing,
+                cpus,
+                kernel: PathBuf::from(&c.kernel),
+                cmdline: c.cmdline.clone(),
+                initramfs: None,
+                serial: migrated_serial(cli, c)?,
+                cpuid_cmdline: false,
+            };
+            match memfd {
+                Some(f) => Vm::for_migration_on(&cfg, f),
+                None => Vm::for_migration(&cfg),
+            }
+            .map_err(|e| MigrationError::Build(Box::new(e)))
+        });
+        match got {
+            Ok(r) => return Ok(Some(r)),
+            // Logged (rate-limited) by `receive`; the listener goes on.
+            Err(MigrationError::NotAuthenticated { .. }) => continue,
+            Err(e) => {
+                return Err(format!(
+                    "incoming migration at {}: {}",
+                    incoming.url(),
+                    chain(&e)
+                ))
+            }
+        }
     }
+}
+
+/// Where a migrated VM's console goes: `--serial` if given, else where the source's said.
+fn migrated_serial(
+    cli: &Cli,
+    c: &vmm::snapshot::format::MachineConfig,
+) -> Result<SerialConfig, MigrationError> {
+    let source = match &c.serial {
+        None => None,
+        Some(s) => Some(s.parse::<SerialConfig>().map_err(|e| {
+            MigrationError::Mismatch(format!("the source's serial console '{s}': {e}"))
+        })?),
+    };
+    Ok(SerialConfig::for_migrated(
+        cli.serial.as_ref(),
+        source.as_ref(),
+    ))
 }
 
 /// Devices cannot be borrowed without a cluster file.
@@ -337,8 +374,15 @@ fn main() -> ExitCode {
         },
     };
     let pid = std::process::id();
+    // The migration stream's secret: the cluster token, from wherever it came.
+    let mut secret = None;
     let source: Box<dyn LinkSource> = match &cli.cluster {
         None => {
+            secret = cli
+                .token
+                .clone()
+                .or_else(|| std::env::var("LENDVM_TOKEN").ok())
+                .filter(|t| !t.trim().is_empty());
             if let Some(d) = cli.remote_device.first() {
                 return usage_error(format!(
                     "--remote-device {} needs --cluster FILE to find node {}",
@@ -386,6 +430,9 @@ fn main() -> ExitCode {
                     ),
                     Err(e) => return usage_error(e),
                 };
+            if !token.is_empty() {
+                secret = Some(token.clone());
+            }
             let id = FabricIdentity {
                 local: cli.node.clone().unwrap_or_else(|| format!("lendvm-{pid}")),
                 vm_name: cli.name.clone().unwrap_or_else(|| format!("vm-{pid}")),
@@ -430,7 +477,11 @@ fn main() -> ExitCode {
             },
             None => vmm::migration::protocol::Identity::default(),
         };
-        let got = wait_for_migration(&chan, &cli, identity);
+        let auth = StreamAuth {
+            secret: secret.clone(),
+            node: identity.node.clone(),
+        };
+        let got = wait_for_migration(&chan, &cli, identity, auth);
         match got {
             Ok(Some(r)) => migrated = Some(r),
             Ok(None) | Err(_) => {
@@ -458,7 +509,14 @@ fn main() -> ExitCode {
             kernel: PathBuf::from(&m.doc.config.kernel),
             cmdline: m.doc.config.cmdline.clone(),
             initramfs: None,
-            serial: cli.serial.clone(),
+            // As the VM was built with (the CONFIG frame carries the same machine config).
+            serial: match migrated_serial(&cli, &m.doc.config) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("lendvm: incoming migration: {}", chain(&e));
+                    return ExitCode::from(1);
+                }
+            },
             cpuid_cmdline: false,
         },
         (Some(s), None) => VmConfig {
@@ -468,7 +526,7 @@ fn main() -> ExitCode {
             kernel: PathBuf::from(&s.doc.config.kernel),
             cmdline: s.doc.config.cmdline.clone(),
             initramfs: None,
-            serial: cli.serial.clone(),
+            serial: cli.serial.clone().unwrap_or(SerialConfig::Stdout),
             cpuid_cmdline: false,
         },
         (None, None) => VmConfig {
@@ -478,7 +536,7 @@ fn main() -> ExitCode {
             kernel: cli.kernel.clone().unwrap_or_default(),
             cmdline: cli.cmdline.clone(),
             initramfs: cli.initramfs.clone(),
-            serial: cli.serial.clone(),
+            serial: cli.serial.clone().unwrap_or(SerialConfig::Stdout),
             cpuid_cmdline: !cli.no_cpuid_cmdline,
         },
     };
@@ -539,8 +597,15 @@ fn main() -> ExitCode {
         memory_size: cfg.memory_size,
         kernel: cfg.kernel.display().to_string(),
         cmdline: vm.cmdline().to_string(),
+        // Moves with the VM on a migration (the destination's --serial may override it).
+        serial: Some(cfg.serial.to_string()),
     };
+    let migration_node = source.identity().map(|(node, _)| node);
     let mut ctl = Controller::new(handles, source, info);
+    ctl.set_migration_auth(StreamAuth {
+        secret,
+        node: migration_node,
+    });
     ctl.set_snapshot_source(vm.snapshot_source(machine));
     if let Err(e) = ctl.attach_boot_devices(&cli.remote_device) {
         ctl.teardown_all();

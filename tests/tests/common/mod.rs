@@ -222,6 +222,11 @@ impl Vm {
         vm
     }
 
+    /// `lendvm` with exactly `args` (no `--serial` added).
+    pub fn start_exact(args: &[&str], log: &str) -> Vm {
+        Self::spawn(args, log)
+    }
+
     pub fn start_args(args: &[&str], log: &str) -> Vm {
         let mut full = vec!["--serial", "stdout"];
         full.extend_from_slice(args);

@@ -12,10 +12,12 @@
 //! Lent devices stay on their lenders: each round also fetches their lender dirty log (device
 //! DMA, which KVM cannot see); at the final pass each is quiesced for the hand-over and its
 //! lease goes to the destination with a single-use transfer ticket in `STATE`, which the
-//! destination presents before it acknowledges (`Controller::migrate`,
-//! `Controller::take_over_lent_devices`). See docs/ARCHITECTURE.md, "Life of a live
+//! destination presents before it acknowledges ([`orchestrate`], which drives both sides
+//! of a migration through the controller's [`orchestrate::MigrationHost`]). See docs/ARCHITECTURE.md, "Life of a live
 //! migration (VMM side)", for the failure rule.
 
+pub mod auth;
+pub mod orchestrate;
 pub mod protocol;
 pub mod receive;
 pub mod send;

@@ -4,8 +4,17 @@
 //! and `len` bytes of payload. Control messages carry JSON (serde); a memory frame carries
 //! `gpa: u64 LE` and the raw bytes of one run of guest pages, so RAM is never encoded.
 //!
+//! On tcp the stream runs inside the fabric's TLS ([`ntb::tls`]); on a unix socket each side
+//! first checks the other's credentials (`SO_PEERCRED`: this lendvm's uid, or root). Then,
+//! when the VMMs hold the cluster secret (always on tcp), the two prove it to each other
+//! ([`super::auth`]) before anything else is said:
+//!
 //! ```text
 //! source                                   destination
+//!   Auth {node, nonce}                    ->
+//!                                         <- AuthReply {node, vm, nonce, proof}
+//!   AuthProof {proof}                     ->
+//!                                         <- Ack | Refused {reason}   (the source proved it)
 //!   Hello {magic, version, lendvm_version} ->
 //!                                         <- Ack | Refused {reason}   (version checked)
 //!                                         <- Identity {node, vm}      (names for tickets)
@@ -19,7 +28,8 @@
 //! ```
 //!
 //! Version 2 added `Identity`, `Memfd` and the hand-over of lent devices in `State`. With
-//! `Memfd` no `Memory` frame follows: both processes map the same RAM.
+//! `Memfd` no `Memory` frame follows: both processes map the same RAM. Version 3 added TLS on
+//! tcp and the `Auth` exchange; `Identity` must name the destination that proved the secret.
 //!
 //! A peer that sends anything else, an oversized frame or a run outside guest RAM gets an
 //! error naming it; the receiver drops the connection, the sender resumes its VM.
@@ -37,7 +47,7 @@ use crate::snapshot::format::{MachineConfig, VmSnapshot};
 /// What a hello must carry.
 pub const MAGIC: &str = "lendvm-migration";
 /// The protocol version this lendvm speaks (both ends must agree).
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Largest control (JSON) payload accepted: the state document of a big VM is far below.
 pub const MAX_CONTROL: u64 = 16 << 20;
 /// Largest run of guest pages in one memory frame (the sender splits longer runs).
@@ -129,6 +139,46 @@ pub enum MigrationError {
     Build(#[source] Box<crate::vm::VmError>),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
+    #[error(
+        "a tcp migration needs the cluster secret on both sides (--token, $LENDVM_TOKEN or the \
+         cluster file's token): the stream carries guest RAM and lease tickets"
+    )]
+    NoSecret,
+    #[error("tls on the migration stream")]
+    Tls(#[source] ntb::FabricError),
+    #[error("authenticating the migration stream")]
+    Auth(#[source] lending::auth::AuthError),
+    #[error("cannot read the credentials of the peer on the migration socket")]
+    PeerCred(#[source] io::Error),
+    #[error(
+        "the peer on the migration socket runs as uid {uid}, neither this lendvm's uid {ours} \
+         nor root: refused before anything (the guest ram memfd) is passed"
+    )]
+    PeerUser { uid: u32, ours: u32 },
+    #[error("the {who} did not prove the cluster secret")]
+    Unproven { who: &'static str },
+    #[error(
+        "the source did not authenticate: this destination accepts only a source that proves \
+         the cluster secret (start the source with the cluster token)"
+    )]
+    Unauthenticated,
+    #[error(
+        "the source authenticates with a cluster secret, but this destination has none (start \
+         it with the cluster token)"
+    )]
+    NoSecretHere,
+    #[error(
+        "the destination proved the secret as {proved}, but names itself {named} for the leases"
+    )]
+    IdentityChanged { proved: String, named: String },
+    #[error("refused a migration source at {peer} before it authenticated")]
+    NotAuthenticated {
+        peer: String,
+        #[source]
+        source: Box<MigrationError>,
+    },
+    #[error("this destination already received its vm: it accepts one migration, once")]
+    AlreadyReceived,
 }
 
 /// Where a migration goes: `unix:/path` or `tcp:host:port`.
@@ -180,10 +230,12 @@ pub fn parse_url(url: &str) -> Result<MigrationUrl, MigrationError> {
     Err(bad(&format!("unsupported scheme '{scheme}'")))
 }
 
-/// One connection, either kind.
+/// One connection: a unix socket, a plain tcp connection just accepted (before TLS), or the
+/// plaintext end of a TLS session ([`ntb::tls`]) and its channel binding.
 pub enum Stream {
     Unix(UnixStream),
     Tcp(TcpStream),
+    Tls { plain: UnixStream, binding: Vec<u8> },
 }
 
 impl Stream {
@@ -198,7 +250,55 @@ impl Stream {
                 s.set_read_timeout(t)?;
                 s.set_write_timeout(t)
             }
+            Stream::Tls { plain, .. } => {
+                plain.set_read_timeout(t)?;
+                plain.set_write_timeout(t)
+            }
         }
+    }
+
+    /// A handle that cuts this connection from another thread (a deadline's watchdog).
+    pub fn cutter(&self) -> io::Result<Cutter> {
+        Ok(match self {
+            Stream::Unix(s) | Stream::Tls { plain: s, .. } => Cutter::Unix(s.try_clone()?),
+            Stream::Tcp(s) => Cutter::Tcp(s.try_clone()?),
+        })
+    }
+
+    /// The TLS session's channel binding (empty on a unix socket): authentication covers
+    /// it, so a proof made through a relay does not verify.
+    pub fn binding(&self) -> &[u8] {
+        match self {
+            Stream::Tls { binding, .. } => binding,
+            Stream::Unix(_) | Stream::Tcp(_) => &[],
+        }
+    }
+
+    /// On a unix socket: refuses a peer that runs as another user than this process (root
+    /// excepted), before anything is said or passed (`SO_PEERCRED`).
+    pub fn check_peer_user(&self) -> Result<(), MigrationError> {
+        let Stream::Unix(u) = self else {
+            return Ok(());
+        };
+        let uid = ntb::sock::peer_uid(u).map_err(MigrationError::PeerCred)?;
+        // SAFETY: geteuid has no arguments and cannot fail.
+        let ours = unsafe { libc::geteuid() };
+        peer_user_allowed(uid, ours)
+    }
+
+    /// Runs the TLS handshake on a plain tcp connection (`initiator`: as the client), by
+    /// `timeout`. Other kinds are returned as they are.
+    pub fn into_tls(self, initiator: bool, timeout: Duration) -> Result<Stream, MigrationError> {
+        let Stream::Tcp(tcp) = self else {
+            return Ok(self);
+        };
+        let (plain, binding) = if initiator {
+            ntb::tls::client(tcp, timeout)
+        } else {
+            ntb::tls::server(tcp, timeout)
+        }
+        .map_err(MigrationError::Tls)?;
+        Ok(Stream::Tls { plain, binding })
     }
 }
 
@@ -207,6 +307,7 @@ impl Read for Stream {
         match self {
             Stream::Unix(s) => s.read(buf),
             Stream::Tcp(s) => s.read(buf),
+            Stream::Tls { plain, .. } => plain.read(buf),
         }
     }
 }
@@ -216,6 +317,7 @@ impl Write for Stream {
         match self {
             Stream::Unix(s) => s.write(buf),
             Stream::Tcp(s) => s.write(buf),
+            Stream::Tls { plain, .. } => plain.write(buf),
         }
     }
 
@@ -223,12 +325,38 @@ impl Write for Stream {
         match self {
             Stream::Unix(s) => s.flush(),
             Stream::Tcp(s) => s.flush(),
+            Stream::Tls { plain, .. } => plain.flush(),
         }
     }
 }
 
-/// Connects to the destination.
-pub fn connect(url: &MigrationUrl) -> Result<Stream, MigrationError> {
+/// See [`Stream::cutter`].
+pub enum Cutter {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Cutter {
+    /// Shuts the connection down both ways: the other side's next read or write fails.
+    pub fn cut(&self) {
+        let _ = match self {
+            Cutter::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Cutter::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
+/// A unix peer may run as this process's uid or as root; no one else.
+fn peer_user_allowed(uid: u32, ours: u32) -> Result<(), MigrationError> {
+    if uid == ours || uid == 0 {
+        Ok(())
+    } else {
+        Err(MigrationError::PeerUser { uid, ours })
+    }
+}
+
+/// Connects to the destination (on tcp: inside TLS, handshake done by `timeout`).
+pub fn connect(url: &MigrationUrl, timeout: Duration) -> Result<Stream, MigrationError> {
     let err = |source| MigrationError::Connect {
         url: url.to_string(),
         source,
@@ -239,42 +367,50 @@ pub fn connect(url: &MigrationUrl) -> Result<Stream, MigrationError> {
             let s = TcpStream::connect(a).map_err(err)?;
             // Small control frames must not wait for Nagle.
             s.set_nodelay(true).map_err(err)?;
-            Stream::Tcp(s)
+            Stream::Tcp(s).into_tls(true, timeout)?
         }
     })
 }
 
 /// A listening socket; a Unix socket's file is removed when this is dropped.
 pub enum Listener {
-    Unix(UnixListener, PathBuf),
+    Unix(UnixListener, PathBuf, ntb::sock::SocketFile),
     Tcp(TcpListener),
 }
 
 impl Listener {
-    /// Listens at `url` (an existing Unix socket file is refused, not replaced).
+    /// Listens at `url`. A Unix socket is private (0600) from the first instant
+    /// ([`ntb::sock::bind_private`]); a path where a listener still accepts is refused.
     pub fn bind(url: &MigrationUrl) -> Result<Self, MigrationError> {
         let err = |source| MigrationError::Listen {
             url: url.to_string(),
             source,
         };
         Ok(match url {
-            MigrationUrl::Unix(p) => Listener::Unix(UnixListener::bind(p).map_err(err)?, p.clone()),
+            MigrationUrl::Unix(p) => {
+                let (l, file) = ntb::sock::bind_private(p)
+                    .map_err(|e| err(io::Error::new(io::ErrorKind::AddrInUse, e)))?;
+                Listener::Unix(l, p.clone(), file)
+            }
             MigrationUrl::Tcp(a) => Listener::Tcp(TcpListener::bind(a).map_err(err)?),
         })
     }
 
-    /// Waits for the source.
-    pub fn accept(&self) -> Result<Stream, MigrationError> {
+    /// Waits for a source: the connection (tcp: before TLS) and who it comes from.
+    pub fn accept(&self) -> Result<(Stream, String), MigrationError> {
         let err = |source| MigrationError::Io {
             step: "accepting the source",
             source,
         };
         Ok(match self {
-            Listener::Unix(l, _) => Stream::Unix(l.accept().map_err(err)?.0),
+            Listener::Unix(l, p, _) => (
+                Stream::Unix(l.accept().map_err(err)?.0),
+                format!("unix:{}", p.display()),
+            ),
             Listener::Tcp(l) => {
-                let s = l.accept().map_err(err)?.0;
+                let (s, a) = l.accept().map_err(err)?;
                 s.set_nodelay(true).map_err(err)?;
-                Stream::Tcp(s)
+                (Stream::Tcp(s), a.to_string())
             }
         })
     }
@@ -283,7 +419,7 @@ impl Listener {
 impl std::os::fd::AsRawFd for Listener {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         match self {
-            Listener::Unix(l, _) => l.as_raw_fd(),
+            Listener::Unix(l, ..) => l.as_raw_fd(),
             Listener::Tcp(l) => l.as_raw_fd(),
         }
     }
@@ -291,8 +427,8 @@ impl std::os::fd::AsRawFd for Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, p) = self {
-            let _ = std::fs::remove_file(p);
+        if let Listener::Unix(_, p, file) = self {
+            file.remove_if_ours(p);
         }
     }
 }
@@ -308,6 +444,33 @@ pub mod kind {
     pub const IDENTITY: u32 = 7;
     /// Same-host fast path: no payload; the guest RAM memfd rides along (SCM_RIGHTS).
     pub const MEMFD: u32 = 8;
+    /// Authentication (version 3), see [`super::super::auth`].
+    pub const AUTH: u32 = 9;
+    pub const AUTH_REPLY: u32 = 10;
+    pub const AUTH_PROOF: u32 = 11;
+}
+
+/// The source's opening of the authentication (payload of `AUTH`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthHello {
+    /// The source's fabric node name (bound into both proofs).
+    pub node: Option<String>,
+    pub nonce: Vec<u8>,
+}
+
+/// The destination's answer (payload of `AUTH_REPLY`): who it is, its nonce and its proof.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthReply {
+    pub node: Option<String>,
+    pub vm: Option<String>,
+    pub nonce: Vec<u8>,
+    pub proof: Vec<u8>,
+}
+
+/// The source's proof (payload of `AUTH_PROOF`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthProof {
+    pub proof: Vec<u8>,
 }
 
 /// Who the destination is on the device-lending fabric (payload of `IDENTITY`): the source
@@ -413,6 +576,9 @@ pub enum Frame {
     Identity(Identity),
     /// The source's guest RAM memfd came with it ([`read_frame_with_fd`]).
     Memfd,
+    Auth(AuthHello),
+    AuthReply(AuthReply),
+    AuthProof(AuthProof),
 }
 
 fn io_err(step: &'static str) -> impl Fn(io::Error) -> MigrationError {
@@ -560,6 +726,9 @@ fn frame_after(
         kind::STATE => Frame::State(Box::new(json("state", &body)?)),
         kind::IDENTITY => Frame::Identity(json("identity", &body)?),
         kind::MEMFD => Frame::Memfd,
+        kind::AUTH => Frame::Auth(json("auth", &body)?),
+        kind::AUTH_REPLY => Frame::AuthReply(json("auth reply", &body)?),
+        kind::AUTH_PROOF => Frame::AuthProof(json("auth proof", &body)?),
         got => return Err(MigrationError::Unexpected { step, got }),
     })
 }
@@ -575,6 +744,9 @@ pub fn kind_of(f: &Frame) -> u32 {
         Frame::State(_) => kind::STATE,
         Frame::Identity(_) => kind::IDENTITY,
         Frame::Memfd => kind::MEMFD,
+        Frame::Auth(_) => kind::AUTH,
+        Frame::AuthReply(_) => kind::AUTH_REPLY,
+        Frame::AuthProof(_) => kind::AUTH_PROOF,
     }
 }
 
@@ -620,6 +792,24 @@ mod tests {
             let e = parse_url(url).unwrap_err().to_string();
             assert!(e.contains(url) && e.contains(want), "{url}: {e}");
         }
+    }
+
+    #[test]
+    fn the_unix_listener_is_private_and_other_users_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("m.sock");
+        let l = Listener::bind(&MigrationUrl::Unix(p.clone())).unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        // A second listener on a live path is refused, not swapped in.
+        assert!(Listener::bind(&MigrationUrl::Unix(p.clone())).is_err());
+        drop(l);
+        assert!(!p.exists(), "the socket file goes with the listener");
+        peer_user_allowed(1000, 1000).unwrap();
+        peer_user_allowed(0, 1000).unwrap();
+        let e = peer_user_allowed(1001, 1000).unwrap_err().to_string();
+        assert!(e.contains("uid 1001") && e.contains("uid 1000"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The destination side: listen, build an empty VM of the source's shape, take its RAM and
 //! state; the caller takes the lent devices over and then acknowledges ([`Reply::ack`]) or
-//! refuses ([`Reply::refuse`]): the source stops only on the acknowledgement.
+//! refuses ([`Reply::refuse`]): the source stops only on the acknowledgement. Only a source
+//! that authenticates is taken ([`super::auth`]), and only one.
 
 use std::os::unix::fs::FileExt;
 
@@ -10,10 +11,20 @@ use super::protocol::{
 use crate::memory::GuestRam;
 use crate::snapshot::format::{MachineConfig, VmSnapshot};
 
-/// A listening destination (`vm.receive-migration`); the socket goes when this is dropped.
+/// How long a connecting source has for TLS and authentication: the destination takes one
+/// connection at a time, so a peer that says nothing holds it only this long.
+pub const AUTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A listening destination (`vm.receive-migration`); the socket goes when this is dropped,
+/// or as soon as a source authenticated (one migration, once).
 pub struct Incoming {
     url: MigrationUrl,
-    listener: Listener,
+    listener: Option<Listener>,
+    auth: super::auth::StreamAuth,
+    /// Refused peers are logged at most once a second (a peer can retry at will).
+    refusals: ntb::RateLimit,
+    /// [`AUTH_TIMEOUT`] (shorter in tests).
+    auth_timeout: std::time::Duration,
 }
 
 /// What arrived: the VM (restored, vCPUs parked) and the state document it was restored from.
@@ -69,18 +80,29 @@ impl Reply {
 }
 
 impl Incoming {
-    /// Parses `url` and listens there.
-    pub fn listen(url: &str) -> Result<Self, MigrationError> {
+    /// Parses `url` and listens there; sources must authenticate as `auth` says (a tcp url
+    /// needs the cluster secret).
+    pub fn listen(url: &str, auth: super::auth::StreamAuth) -> Result<Self, MigrationError> {
         let url = protocol::parse_url(url)?;
+        if matches!(url, MigrationUrl::Tcp(_)) && !auth.has_secret() {
+            return Err(MigrationError::NoSecret);
+        }
         let listener = Listener::bind(&url)?;
         log::info!("waiting for a migrating vm at {url}");
-        Ok(Self { url, listener })
+        Ok(Self {
+            url,
+            listener: Some(listener),
+            auth,
+            refusals: ntb::RateLimit::new(std::time::Duration::from_secs(1)),
+            auth_timeout: AUTH_TIMEOUT,
+        })
     }
 
-    /// The listening socket (readable once a source connects), for the caller's poll.
+    /// The listening socket (readable once a source connects), for the caller's poll; -1
+    /// once a source was taken.
     pub fn listen_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
-        self.listener.as_raw_fd()
+        self.listener.as_ref().map_or(-1, |l| l.as_raw_fd())
     }
 
     /// Where this listens.
@@ -88,16 +110,97 @@ impl Incoming {
         &self.url
     }
 
+    /// TLS (tcp), the peer's credentials (unix) and the source's proof of the secret, all
+    /// within [`AUTH_TIMEOUT`] however slowly the peer sends; a failure is answered with a
+    /// refusal naming it (best effort) and returned.
+    fn admit(&self, raw: Stream, identity: &protocol::Identity) -> Result<Stream, MigrationError> {
+        // The watchdog cuts the connection at the deadline unless told the peer got in.
+        let arming = |source| MigrationError::Io {
+            step: "arming the authentication deadline",
+            source,
+        };
+        let cutter = raw.cutter().map_err(arming)?;
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let deadline = self.auth_timeout;
+        let watchdog = std::thread::Builder::new()
+            .name("mig-auth-deadline".into())
+            .spawn(move || {
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(deadline)
+                {
+                    cutter.cut();
+                }
+            })
+            .map_err(arming)?;
+        let r = self.admit_within(raw, identity);
+        // Disarmed whatever the outcome (a failed peer is dropped anyway).
+        let _ = done.send(());
+        let _ = watchdog.join();
+        r
+    }
+
+    fn admit_within(
+        &self,
+        raw: Stream,
+        identity: &protocol::Identity,
+    ) -> Result<Stream, MigrationError> {
+        let mut stream = raw.into_tls(false, self.auth_timeout)?;
+        stream
+            .set_timeout(Some(self.auth_timeout))
+            .map_err(|source| MigrationError::Io {
+                step: "setting the stream timeout",
+                source,
+            })?;
+        let r = stream
+            .check_peer_user()
+            .and_then(|()| super::auth::verify_source(&mut stream, &self.auth, identity));
+        if let Err(e) = r {
+            let _ = protocol::write_json(
+                &mut stream,
+                kind::REFUSED,
+                "refusal",
+                &Refusal {
+                    reason: crate::control::error_chain(&e),
+                },
+            );
+            return Err(e);
+        }
+        Ok(stream)
+    }
+
     /// Accepts one source and receives its VM. Anything wrong is answered with a refusal
-    /// naming it (when the stream still works) and returned.
+    /// naming it (when the stream still works) and returned. A peer that does not
+    /// authenticate is dropped with [`MigrationError::NotAuthenticated`]: the caller may
+    /// call this again, the listener goes on. The first source that authenticates closes
+    /// the listener: a later call fails with [`MigrationError::AlreadyReceived`].
     /// `build` makes an empty VM of the announced shape (no kernel loaded).
     /// `identity`: this VMM's fabric node and VM name (leases are moved to them).
     pub fn receive<V: MigrationTarget>(
-        &self,
+        &mut self,
         identity: protocol::Identity,
         build: impl FnOnce(&MachineConfig, Option<std::fs::File>) -> Result<V, MigrationError>,
     ) -> Result<Received<V>, MigrationError> {
-        let mut stream = self.listener.accept()?;
+        let Some(listener) = &self.listener else {
+            return Err(MigrationError::AlreadyReceived);
+        };
+        let (raw, peer) = listener.accept()?;
+        let mut stream = match self.admit(raw, &identity) {
+            Ok(s) => s,
+            Err(e) => {
+                if let Some(held) = self.refusals.hit() {
+                    log::warn!(
+                        "migration: refused {peer}: {} ({held} refusals not logged since the \
+                         last)",
+                        crate::control::error_chain(&e)
+                    );
+                }
+                return Err(MigrationError::NotAuthenticated {
+                    peer,
+                    source: Box::new(e),
+                });
+            }
+        };
+        // One source, once.
+        self.listener = None;
         stream
             .set_timeout(Some(super::send::IO_TIMEOUT))
             .map_err(|source| MigrationError::Io {
@@ -149,6 +252,7 @@ fn receive_on<V: MigrationTarget>(
             h.check()?;
             h.lent_devices
         }
+        Frame::Auth(_) => return Err(MigrationError::NoSecretHere),
         f => return Err(unexpected(step, &f)),
     };
     protocol::write_empty(stream, kind::ACK, "answering the hello")?;
@@ -238,5 +342,53 @@ impl MigrationTarget for crate::Vm {
 
     fn prepare(&self) {
         self.prepin_ram();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+
+    /// A peer that trickles a frame a byte at a time is cut at the authentication deadline
+    /// (not only when one read stalls), and the listener goes on.
+    #[test]
+    fn a_trickling_peer_is_cut_at_the_deadline_and_listening_goes_on() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("m.sock");
+        let auth = super::super::auth::StreamAuth {
+            secret: Some("s3cret".into()),
+            node: Some("node9".into()),
+        };
+        let mut incoming = Incoming::listen(&format!("unix:{}", path.display()), auth).unwrap();
+        incoming.auth_timeout = Duration::from_millis(300);
+        let peer = std::thread::spawn(move || {
+            let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+            let mut h = Vec::new();
+            h.extend_from_slice(&kind::AUTH.to_le_bytes());
+            h.extend_from_slice(&0u32.to_le_bytes());
+            h.extend_from_slice(&1000u64.to_le_bytes());
+            s.write_all(&h).unwrap();
+            // One byte every 100 ms: each read is quick, the whole never ends.
+            for _ in 0..100 {
+                if s.write_all(b"x").is_err() {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            false
+        });
+        let t0 = Instant::now();
+        let e = incoming
+            .receive(protocol::Identity::default(), |_, _| {
+                Err::<crate::Vm, _>(MigrationError::NoMemfd)
+            })
+            .err()
+            .unwrap();
+        assert!(matches!(e, MigrationError::NotAuthenticated { .. }), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        assert!(peer.join().unwrap(), "the peer was not cut off");
+        assert!(incoming.listen_fd() >= 0, "the listener went with the peer");
     }
 }

@@ -145,22 +145,33 @@ impl Sender {
     /// `local`: the same-host fast path (unix urls only): the guest RAM memfd goes to the
     /// destination over SCM_RIGHTS instead of the pages. `lent_devices`: how many lent
     /// devices will be handed over (the destination faults its RAM in for them first).
+    /// `auth`: the cluster secret and this node's name; the stream is authenticated first
+    /// ([`super::auth`]: TLS on tcp, the peer's uid on unix, then the proofs), so nothing of
+    /// the VM goes to a destination that did not prove the secret.
     pub fn connect(
         url: &MigrationUrl,
         src: SnapshotSource,
         local: bool,
         lent_devices: u32,
+        auth: &super::auth::StreamAuth,
     ) -> Result<Self, MigrationError> {
         if local && !matches!(url, MigrationUrl::Unix(_)) {
             return Err(MigrationError::LocalNeedsUnix);
         }
-        let mut stream = protocol::connect(url)?;
+        if matches!(url, MigrationUrl::Tcp(_)) && !auth.has_secret() {
+            return Err(MigrationError::NoSecret);
+        }
+        let mut stream = protocol::connect(url, IO_TIMEOUT)?;
         stream
             .set_timeout(Some(IO_TIMEOUT))
             .map_err(|source| MigrationError::Io {
                 step: "setting the stream timeout",
                 source,
             })?;
+        // Before anything is said (or the RAM memfd passed): the peer's user, then the
+        // secret, which also proves the destination's name for the leases' tickets.
+        stream.check_peer_user()?;
+        let proven = super::auth::prove_source(&mut stream, auth)?;
         let hello = Hello {
             lent_devices,
             ..Hello::current()
@@ -178,6 +189,21 @@ impl Sender {
                 })
             }
         };
+        if let Some(p) = proven {
+            if p != identity {
+                let name = |i: &protocol::Identity| {
+                    format!(
+                        "{}/{}",
+                        i.node.as_deref().unwrap_or_default(),
+                        i.vm.as_deref().unwrap_or_default()
+                    )
+                };
+                return Err(MigrationError::IdentityChanged {
+                    proved: name(&p),
+                    named: name(&identity),
+                });
+            }
+        }
         if local {
             use std::os::fd::AsRawFd;
             protocol::write_memfd(&mut stream, src.ram.memfd().as_raw_fd())?;

@@ -190,6 +190,11 @@ pub struct MachineConfig {
     /// Informational: the kernel is in guest RAM, the file is not read on restore.
     pub kernel: String,
     pub cmdline: String,
+    /// Where the guest's console went (`--serial`'s form): a migrated VM's console goes
+    /// there on the destination too, unless the destination's own `--serial` says otherwise.
+    /// Absent in documents of older lendvms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
 }
 
 /// One guest RAM region and its file.
@@ -496,6 +501,7 @@ mod tests {
                 memory_size: 64 << 20,
                 kernel: "/k".into(),
                 cmdline: "tests=none".into(),
+                serial: Some("file=/tmp/console.log".into()),
             },
             memory: vec![RamFile {
                 gpa: 0,
