@@ -179,7 +179,7 @@ struct EventPump {
     stop: Arc<AtomicBool>,
     rx: Arc<PumpRx>,
     /// For wakers.
-    tx: mpsc::Sender<PumpMsg>,
+    tx: mpsc::SyncSender<PumpMsg>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -187,11 +187,34 @@ struct EventPump {
 /// safety net: teardown closes the link, which ends the `recv` at once.
 const PUMP_POLL: Duration = Duration::from_millis(500);
 
+/// Messages the relay thread may have waiting for the event consumer. The events come from
+/// the lender (a guest's device can raise interrupts as fast as it likes): once this many
+/// wait, the relay stops reading the link, whose incoming queue is bounded in turn, so the
+/// VMM never holds more than this many undelivered events per lender session.
+pub const EVENT_QUEUE: usize = 4096;
+
+/// Hands `m` to the consumer, waiting while [`EVENT_QUEUE`] messages are undelivered
+/// (backpressure on the link); gives up when the relay is stopped or the consumer gone.
+fn relay(tx: &mpsc::SyncSender<PumpMsg>, mut m: PumpMsg, stop: &AtomicBool) {
+    loop {
+        match tx.try_send(m) {
+            Ok(()) | Err(mpsc::TrySendError::Disconnected(_)) => return,
+            Err(mpsc::TrySendError::Full(back)) => {
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
+                m = back;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
 fn pump_loop(
     ep: &Arc<dyn Endpoint>,
     routes: &IrqRoutes,
     stop: &AtomicBool,
-    tx: &mpsc::Sender<PumpMsg>,
+    tx: &mpsc::SyncSender<PumpMsg>,
     rx: &PumpRx,
 ) {
     while !stop.load(Ordering::Acquire) {
@@ -212,12 +235,12 @@ fn pump_loop(
                         }
                         None => {
                             drop(routes);
-                            let _ = tx.send(PumpMsg::Event(Event::Irq(ev)));
+                            relay(tx, PumpMsg::Event(Event::Irq(ev)), stop);
                         }
                     }
                 }
                 Ok(other) => {
-                    let _ = tx.send(PumpMsg::Event(other));
+                    relay(tx, PumpMsg::Event(other), stop);
                 }
                 Err(e) => log::warn!("{}: undecodable event: {e}", ep.peer_node()),
             },
@@ -229,7 +252,7 @@ fn pump_loop(
                     other => other.to_string(),
                 };
                 *lock(&rx.down) = Some(reason.clone());
-                let _ = tx.send(PumpMsg::Down(reason));
+                relay(tx, PumpMsg::Down(reason), stop);
                 return;
             }
         }
@@ -240,14 +263,15 @@ fn pump_loop(
 /// `Ok(None)` at once. Cheap to clone; outliving the client is harmless.
 #[derive(Clone)]
 pub struct EventWaker {
-    tx: mpsc::Sender<PumpMsg>,
+    tx: mpsc::SyncSender<PumpMsg>,
 }
 
 impl EventWaker {
     /// Wakes the thread waiting for events (or the next one to wait).
     pub fn wake(&self) {
         // The receiver is gone only when the client is: nothing left to wake.
-        let _ = self.tx.send(PumpMsg::Wake);
+        // A full queue already wakes the waiter (it has messages to take).
+        let _ = self.tx.try_send(PumpMsg::Wake);
     }
 }
 
@@ -325,7 +349,7 @@ impl Inner {
             return Ok(());
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let (tx, events) = mpsc::channel();
+        let (tx, events) = mpsc::sync_channel(EVENT_QUEUE);
         let rx = Arc::new(PumpRx {
             events: Mutex::new(events),
             down: Mutex::new(None),

@@ -196,16 +196,23 @@ pub(crate) struct Ctrl {
     nq_sq: u16,
     nq_cq: u16,
     feats: Features,
+    /// Parked Asynchronous Event Requests. Bound: MAX_AERS (more are refused).
     aers: Vec<u16>,
     /// An asynchronous event waiting for an Asynchronous Event Request to complete.
     pending_aen: Option<u32>,
     /// Error events are masked from the one reported until the host reads the Error
     /// Information log page (NVMe 1.4 5.2: one event of a type until its log is read).
     aen_error_masked: bool,
+    /// Engine I/O by tag, with the free tags. Bound: commands are fetched only with a
+    /// reserved CQ slot, so at most the sum of the I/O CQ sizes (max_io_queues x
+    /// max_queue_entries) are in flight at once; tags are reused.
     inflight: Vec<Option<Inflight>>,
     free_tags: Vec<usize>,
+    /// I/O the engine could not take yet. Bound: the in-flight commands above.
     backlog: VecDeque<IoOp>,
+    /// Engine completions of one reap. Bound: the in-flight commands.
     done: Vec<IoDone>,
+    /// Recycled data buffers. Bound: 256 (`recycle`), each at most MDTS.
     pool: Vec<AlignedBuf>,
     smart: SmartCounters,
     started: Instant,
