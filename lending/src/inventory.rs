@@ -40,6 +40,23 @@ pub enum InventoryError {
     /// Two devices with one id.
     #[error("duplicate device id {0}")]
     Duplicate(String),
+    /// An SR-IOV relative is lent (or being reset after its lease): a PF and its VFs are
+    /// never lent at the same time, since resetting the PF takes the VFs away.
+    #[error(
+        "{id} cannot be lent while its {relation} {relative} is {state}: a physical function \
+         and its virtual functions are never lent at the same time (a PF reset takes its VFs \
+         away from their borrowers)"
+    )]
+    Family {
+        /// The device asked for.
+        id: String,
+        /// "physical function" or "virtual function".
+        relation: &'static str,
+        /// The relative's id.
+        relative: String,
+        /// The relative's state (e.g. `lent to node/vm`).
+        state: String,
+    },
 }
 
 /// One device of the inventory.
@@ -90,6 +107,9 @@ impl DeviceEntry {
 /// All devices of this lender.
 pub struct Inventory {
     devices: Vec<Arc<DeviceEntry>>,
+    /// Held while an acquire checks a device's SR-IOV relatives and marks it lent, so a PF
+    /// and one of its VFs cannot both pass the check at once.
+    family: Mutex<()>,
     next_lease: AtomicU64,
     started: Instant,
 }
@@ -111,6 +131,7 @@ impl Inventory {
         }
         Ok(Inventory {
             devices: v,
+            family: Mutex::new(()),
             next_lease: AtomicU64::new(1),
             started: Instant::now(),
         })
@@ -147,11 +168,38 @@ impl Inventory {
         self.started.elapsed().as_secs()
     }
 
-    /// Takes an exclusive lease on `id` for `node/vm`.
+    /// Refuses `dev` while its PF, or one of its VFs, is lent or resetting (a failed or
+    /// available relative does not hold it back). Called with the family lock held.
+    fn check_family(&self, dev: &DeviceEntry) -> Result<(), InventoryError> {
+        let physfn = dev.backend.physical_function();
+        for other in self.devices.iter().filter(|d| d.id != dev.id) {
+            let relation = if physfn.as_deref() == Some(other.id.as_str()) {
+                "physical function"
+            } else if other.backend.physical_function().as_deref() == Some(dev.id.as_str()) {
+                "virtual function"
+            } else {
+                continue;
+            };
+            let state = other.state();
+            if matches!(state, DeviceState::Lent { .. } | DeviceState::Resetting) {
+                return Err(InventoryError::Family {
+                    id: dev.id.clone(),
+                    relation,
+                    relative: other.id.clone(),
+                    state: state.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes an exclusive lease on `id` for `node/vm`. A PF is refused while any of its
+    /// VFs is lent, and a VF while its PF is ([`InventoryError::Family`]).
     pub fn acquire(&self, id: &str, node: &str, vm: &str) -> Result<Lease, InventoryError> {
         let dev = self
             .get(id)
             .ok_or_else(|| InventoryError::UnknownDevice(id.to_string()))?;
+        let _family = self.family.lock().unwrap_or_else(|p| p.into_inner());
         {
             let mut st = dev.lock();
             match &*st {
@@ -169,6 +217,7 @@ impl Inventory {
                     })
                 }
             }
+            self.check_family(dev)?;
             *st = DeviceState::Lent {
                 node: node.to_string(),
                 vm: vm.to_string(),
@@ -286,5 +335,69 @@ impl Drop for Lease {
             self.holder,
             self.end_reason
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::backend::emulated::EmulatedBackend;
+    use emulated::NotifyMode;
+
+    fn function(name: &str, pf: Option<&str>) -> (String, Arc<dyn DeviceBackend>) {
+        let b =
+            EmulatedBackend::dmatest(&format!("inv-family-{name}"), NotifyMode::Interrupt).unwrap();
+        let b = match pf {
+            Some(pf) => b.with_physfn(pf),
+            None => b,
+        };
+        (name.to_string(), Arc::new(b))
+    }
+
+    /// A PF is refused while one of its VFs is lent, a VF while its PF is; unrelated
+    /// devices and the other VF are not held back, and a returned lease frees the family.
+    #[test]
+    fn a_pf_and_its_vfs_are_never_lent_at_the_same_time() {
+        let inv = Inventory::new(vec![
+            function("pf", None),
+            function("vf1", Some("pf")),
+            function("vf2", Some("pf")),
+            function("other", None),
+        ])
+        .unwrap();
+        let vf1 = inv.acquire("vf1", "n1", "vm-a").unwrap();
+        let vf2 = inv.acquire("vf2", "n2", "vm-b").unwrap();
+        let other = inv.acquire("other", "n3", "vm-c").unwrap();
+        let e = inv.acquire("pf", "n3", "vm-p").err().unwrap();
+        assert!(
+            matches!(
+                &e,
+                InventoryError::Family {
+                    relation: "virtual function",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("pf cannot be lent while its virtual function vf1 is lent to n1/vm-a"),
+            "{msg}"
+        );
+        drop(vf1);
+        let e = inv.acquire("pf", "n3", "vm-p").err().unwrap().to_string();
+        assert!(e.contains("virtual function vf2 is lent to n2/vm-b"), "{e}");
+        drop(vf2);
+        let pf = inv.acquire("pf", "n3", "vm-p").unwrap();
+        let e = inv.acquire("vf2", "n2", "vm-b").err().unwrap().to_string();
+        assert!(
+            e.contains("vf2 cannot be lent while its physical function pf is lent to n3/vm-p"),
+            "{e}"
+        );
+        drop(pf);
+        let _vf2 = inv.acquire("vf2", "n2", "vm-b").unwrap();
+        drop(other);
     }
 }

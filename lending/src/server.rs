@@ -419,7 +419,7 @@ fn iommu_err(e: IommuError) -> ErrorReply {
 fn inv_err(e: InventoryError) -> ErrorReply {
     let c = match &e {
         InventoryError::UnknownDevice(_) => code::UNKNOWN_DEVICE,
-        InventoryError::Busy { .. } => code::DEVICE_BUSY,
+        InventoryError::Busy { .. } | InventoryError::Family { .. } => code::DEVICE_BUSY,
         _ => code::DEVICE_UNAVAILABLE,
     };
     error(c, e.to_string())

@@ -68,6 +68,8 @@ pub struct EmulatedBackend {
     /// (an SR-IOV PF).
     config: Mutex<Vec<u8>>,
     pristine: Vec<u8>,
+    /// The PF's id, for an SR-IOV virtual function.
+    physfn: Option<String>,
 }
 
 impl EmulatedBackend {
@@ -116,6 +118,7 @@ impl EmulatedBackend {
             irqs,
             config: Mutex::new(pristine.clone()),
             pristine,
+            physfn: None,
         })
     }
 
@@ -170,6 +173,13 @@ impl EmulatedBackend {
         self
     }
 
+    /// Marks the function as a virtual function of the PF `pf` (see
+    /// [`DeviceBackend::physical_function`]).
+    pub fn with_physfn(mut self, pf: &str) -> Self {
+        self.physfn = Some(pf.to_string());
+        self
+    }
+
     /// The software IOMMU (tests and status).
     pub fn soft_iommu(&self) -> &Arc<SoftIommu> {
         &self.iommu
@@ -217,6 +227,10 @@ impl EmulatedBackend {
 impl DeviceBackend for EmulatedBackend {
     fn kind(&self) -> &str {
         &self.kind
+    }
+
+    fn physical_function(&self) -> Option<String> {
+        self.physfn.clone()
     }
 
     fn describe(&self, id: &str) -> DeviceInfo {

@@ -228,6 +228,12 @@ pub trait DeviceBackend: Send + Sync {
     fn set_kick_listener(&self, listener: Option<::emulated::KickListener>) {
         let _ = listener;
     }
+    /// For an SR-IOV virtual function: the id (BDF) of its physical function. The inventory
+    /// never lends a PF and any of its VFs at the same time (a PF reset takes its VFs away).
+    /// Default: none.
+    fn physical_function(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Applies the lender's filter to a borrower's config write, then performs it (a one-off
