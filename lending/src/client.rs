@@ -1203,3 +1203,37 @@ impl Drop for Lease {
         }
     }
 }
+
+#[cfg(test)]
+mod relay_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// The event relay holds at most EVENT_QUEUE undelivered messages: a full queue makes
+    /// the relay wait (backpressure on the link) instead of growing, a stop ends the wait,
+    /// and a waker's wake-up never blocks.
+    #[test]
+    fn the_event_relay_queue_is_bounded_and_a_stop_ends_the_wait() {
+        let (tx, rx) = mpsc::sync_channel(EVENT_QUEUE);
+        let stop = AtomicBool::new(false);
+        for _ in 0..EVENT_QUEUE {
+            relay(&tx, PumpMsg::Wake, &stop);
+        }
+        // Full: the next relay waits until the consumer takes one.
+        std::thread::scope(|s| {
+            let t = s.spawn(|| relay(&tx, PumpMsg::Down("gone".into()), &stop));
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(!t.is_finished(), "the relay did not wait on a full queue");
+            rx.recv().unwrap();
+            t.join().unwrap();
+        });
+        assert!(matches!(tx.try_send(PumpMsg::Wake), Err(mpsc::TrySendError::Full(_))));
+        // A stopped relay gives up instead of waiting forever.
+        stop.store(true, Ordering::Release);
+        relay(&tx, PumpMsg::Wake, &stop);
+        let waker = EventWaker { tx: tx.clone() };
+        waker.wake();
+        assert_eq!(rx.try_iter().count(), EVENT_QUEUE);
+    }
+}
