@@ -1228,7 +1228,10 @@ mod relay_tests {
             rx.recv().unwrap();
             t.join().unwrap();
         });
-        assert!(matches!(tx.try_send(PumpMsg::Wake), Err(mpsc::TrySendError::Full(_))));
+        assert!(matches!(
+            tx.try_send(PumpMsg::Wake),
+            Err(mpsc::TrySendError::Full(_))
+        ));
         // A stopped relay gives up instead of waiting forever.
         stop.store(true, Ordering::Release);
         relay(&tx, PumpMsg::Wake, &stop);
