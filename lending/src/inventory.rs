@@ -316,7 +316,9 @@ impl Drop for Lease {
         if let Err(e) = b.set_bus_master(false) {
             log::warn!("lease {}: clearing bus master on {}: {e}", self.id, dev.id);
         }
-        let state = match b.reset() {
+        // After the reset, the memory the lease exported moves to fresh memory: what a
+        // borrower or a grantee kept of it no longer reaches the device.
+        let state = match b.reset().and_then(|()| b.renew_exports()) {
             Ok(()) => DeviceState::Available,
             Err(e) => {
                 log::error!("lease {}: reset of {} failed: {e}", self.id, dev.id);
@@ -354,6 +356,75 @@ mod tests {
             None => b,
         };
         (name.to_string(), Arc::new(b))
+    }
+
+    /// The end of a lease moves the device's exported memory to a fresh memfd: a mapping of
+    /// the old one (what a borrower, or a lender granted the peer memory, kept on shm)
+    /// neither reaches the device any more nor sees what the device does next; the next
+    /// export is the fresh memory.
+    #[test]
+    fn the_end_of_a_lease_cuts_off_what_a_holder_kept_of_the_device_memory() {
+        use emulated::dmatest::BUF_OFFSET;
+        use ntb::mem::Mapping;
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::MetadataExt;
+
+        let ino = |fd: std::os::fd::BorrowedFd<'_>| {
+            let f = std::fs::File::from(fd.try_clone_to_owned().unwrap());
+            f.metadata().unwrap().ino()
+        };
+        let inv = Inventory::new(vec![function("renewed", None)]).unwrap();
+        let b = Arc::clone(inv.get("renewed").unwrap().backend());
+        let lease = inv.acquire("renewed", "n1", "vm-a").unwrap();
+        let (kept, off, size) = {
+            let x = b.peer_export(0).unwrap();
+            (x.fd.try_clone_to_owned().unwrap(), x.fd_offset, x.size)
+        };
+        let old = Mapping::map_shared(kept.as_fd(), off, size).unwrap();
+        // The device's own view of its buffer (BAR accesses go through its register memory).
+        let device = |at: u64| {
+            let mut v = [0u8; 8];
+            b.bar_read(0, BUF_OFFSET + at, &mut v).unwrap();
+            u64::from_le_bytes(v)
+        };
+        let kept_at = |at: u64| {
+            let mut v = [0u8; 8];
+            old.read_at(at, &mut v).unwrap();
+            u64::from_le_bytes(v)
+        };
+        // While the lease lasts, the kept mapping is the device's memory.
+        old.write_at(0, &0x5a5a_0001u64.to_le_bytes()).unwrap();
+        assert_eq!(device(0), 0x5a5a_0001);
+        drop(lease);
+
+        old.write_at(0, &0xa5a5_0002u64.to_le_bytes()).unwrap();
+        assert_ne!(
+            device(0),
+            0xa5a5_0002,
+            "a write through the kept mapping reached the device"
+        );
+        b.bar_write(0, BUF_OFFSET + 64, &0x7777_0003u64.to_le_bytes())
+            .unwrap();
+        assert_eq!(device(64), 0x7777_0003);
+        assert_ne!(
+            kept_at(64),
+            0x7777_0003,
+            "the kept mapping sees the device's new data"
+        );
+        // The next lease exports the fresh memory, which is the device's.
+        let _next = inv.acquire("renewed", "n2", "vm-b").unwrap();
+        let x = b.peer_export(0).unwrap();
+        assert_ne!(
+            ino(x.fd),
+            ino(kept.as_fd()),
+            "the export is still the old memfd"
+        );
+        let fresh = Mapping::map_shared(x.fd, x.fd_offset, x.size).unwrap();
+        let mut v = [0u8; 8];
+        fresh.read_at(64, &mut v).unwrap();
+        assert_eq!(u64::from_le_bytes(v), 0x7777_0003);
+        fresh.write_at(128, &0x3c3c_0004u64.to_le_bytes()).unwrap();
+        assert_eq!(device(128), 0x3c3c_0004);
     }
 
     /// A PF is refused while one of its VFs is lent, a VF while its PF is; unrelated
