@@ -68,8 +68,22 @@ fn renew_memfd(shm: &ntb::SharedMemory) -> Result<(), BackendError> {
         len: 0,
         size: shm.len(),
     })?;
-    // SAFETY: both mappings are `len` bytes, live for this call, and distinct memfds.
-    unsafe { std::ptr::copy_nonoverlapping(shm.as_ptr(), fresh.as_ptr(), len) };
+    // Only pages with data: a large buffer the lease never touched stays unallocated. Raw
+    // reads and copies (like the fabric's window copies): a holder of the old memfd may
+    // still write it; what it writes now is its own business.
+    const PAGE: usize = 4096;
+    let (old, new) = (shm.as_ptr(), fresh.as_ptr());
+    for at in (0..len).step_by(PAGE) {
+        let n = PAGE.min(len - at);
+        // SAFETY: `at + n <= len` inside both live mappings (page aligned, so u64 aligned);
+        // volatile loads tolerate a concurrent writer.
+        let used = (0..n / 8)
+            .any(|w| unsafe { std::ptr::read_volatile(old.add(at).cast::<u64>().add(w)) != 0 });
+        if used {
+            // SAFETY: as above; distinct memfds, so the ranges do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(old.add(at), new.add(at), n) };
+        }
+    }
     // SAFETY: replaces exactly the mapping `shm` owns (same address and length, shared, read
     // and write as before) with the fresh memfd; `shm`'s drop unmaps that range as before.
     let p = unsafe {
