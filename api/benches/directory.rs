@@ -33,7 +33,7 @@ use ntb::{ClusterConfig, Fabric, FabricError, Incoming, Message, SocketFabric};
 use serde_json::json;
 
 const DEVICES: usize = 8;
-const TOKEN: &str = "bench-token";
+const TOKEN: &str = "bench-token-8f3a61c2d4b7e9051a6c";
 
 fn env_usize(k: &str, d: usize) -> usize {
     std::env::var(k)
@@ -149,7 +149,7 @@ impl FakeLenders {
             );
         }
         let cluster_file = dir.join(format!("static-{n}.toml"));
-        std::fs::write(&cluster_file, src).unwrap();
+        ntb::config::write_private_file(&cluster_file, &src).unwrap();
         let cfg = ClusterConfig::load(&cluster_file).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
@@ -413,9 +413,9 @@ fn main() {
     let etcd = EtcdCluster::single();
     let cfg = etcd.config(ttl);
     let f = dir.path().join("death.toml");
-    std::fs::write(
+    ntb::config::write_private_file(
         &f,
-        format!(
+        &format!(
             "version = 1\ntoken = \"{TOKEN}\"\n[directory]\netcd = [\"{}\"]\nprefix = \"{}\"\nlease_ttl_s = {}\n",
             cfg.etcd[0],
             cfg.prefix,

@@ -7,7 +7,7 @@
 //!                        |snapshot file:///abs/dir
 //!                        |send-migration unix:/path|tcp:host:port
 //!                        |receive-migration unix:/path|tcp:host:port
-//! lendctl --cluster F [--token T] [--node NAME] lenders|list
+//! lendctl --cluster F [--token T | --token-file PATH] [--node NAME] lenders|list
 //! lendctl --cluster F --lender NODE list|status
 //! lendctl --cluster etcd://HOST:PORT[,...] list|watch|lenders    (or a file with [directory])
 //! ```
@@ -22,8 +22,9 @@
 //! an error, 2 usage error. `lenders` lists unreachable lenders and still exits 0; `list`
 //! exits 1 if any lender was unreachable (after printing the devices of the others).
 //!
-//! The cluster token comes from `--token`, else `$LENDVM_TOKEN`, else the cluster file's
-//! `token`/`token_file`.
+//! The cluster token comes from `--token`, else `--token-file` (mode 0600 or stricter), else
+//! `$LENDVM_TOKEN`, else the cluster file's `token`/`token_file`; a token shorter than
+//! `ntb::config::MIN_TOKEN_LEN` bytes (or too repetitive) is refused.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -56,9 +57,19 @@ struct Cli {
     /// Talk to one lender (node name from the cluster config).
     #[arg(long, global = true, value_name = "NODE")]
     lender: Option<String>,
-    /// Cluster auth token for lenders (else $LENDVM_TOKEN, else the cluster file's token).
-    #[arg(long, global = true, value_name = "TOKEN")]
+    /// Cluster auth token for lenders (visible in `ps`; prefer --token-file or
+    /// $LENDVM_TOKEN; else the cluster file's token).
+    #[arg(
+        long,
+        global = true,
+        value_name = "TOKEN",
+        conflicts_with = "token_file"
+    )]
     token: Option<String>,
+    /// File holding the cluster auth token (surrounding whitespace ignored); it must not be
+    /// readable by group or others (mode 0600 or stricter).
+    #[arg(long, global = true, value_name = "PATH")]
+    token_file: Option<PathBuf>,
     /// Our node name on the fabric when talking to lenders (default lendctl-<pid>; need not
     /// be in the cluster file).
     #[arg(long, global = true, value_name = "NAME")]
@@ -621,13 +632,9 @@ fn directory_command(
         let cluster = lending::directory::cluster_of(node);
         let token = match file {
             Some(f) => cluster_token(cli, f, cluster_path)?,
-            None => cli
-                .token
-                .clone()
-                .or_else(|| std::env::var("LENDVM_TOKEN").ok().filter(|t| !t.is_empty()))
-                .ok_or_else(|| {
-                    Failure("no cluster token: pass --token or set LENDVM_TOKEN".into())
-                })?,
+            None => given_token(cli)?.ok_or_else(|| {
+                Failure("no cluster token: pass --token, --token-file or set LENDVM_TOKEN".into())
+            })?,
         };
         let session = Session {
             local: local_node(cli)?,
@@ -723,26 +730,41 @@ fn directory_command(
     }
 }
 
-/// `--token`, else `$LENDVM_TOKEN` (if not empty), else the cluster file's token.
+/// `--token`, else `--token-file` (mode-checked), else `$LENDVM_TOKEN` (if not empty),
+/// each checked for strength ([`ntb::config::check_token`]); `None` if none is given.
+fn given_token(cli: &Cli) -> Result<Option<String>, Failure> {
+    let (t, from) = if let Some(t) = &cli.token {
+        (t.clone(), "--token".to_string())
+    } else if let Some(p) = &cli.token_file {
+        // Refuses a file group or others can read, naming it and its mode.
+        let t = ntb::config::read_token_file(p).map_err(|e| Failure(e.to_string()))?;
+        (t, format!("token file {}", p.display()))
+    } else {
+        match std::env::var("LENDVM_TOKEN") {
+            Ok(t) if !t.is_empty() => (t, "$LENDVM_TOKEN".to_string()),
+            _ => return Ok(None),
+        }
+    };
+    ntb::config::check_token(&t, &from).map_err(|e| Failure(e.to_string()))?;
+    Ok(Some(t))
+}
+
+/// [`given_token`], else the cluster file's token (checked when it is read).
 fn cluster_token(
     cli: &Cli,
     cluster: &ntb::ClusterConfig,
     path: &std::path::Path,
 ) -> Result<String, Failure> {
-    if let Some(t) = &cli.token {
-        return Ok(t.clone());
-    }
-    if let Ok(t) = std::env::var("LENDVM_TOKEN") {
-        if !t.is_empty() {
-            return Ok(t);
-        }
+    if let Some(t) = given_token(cli)? {
+        return Ok(t);
     }
     cluster
         .auth_token()
         .map_err(|e| Failure(e.to_string()))?
         .ok_or_else(|| {
             Failure(format!(
-                "no cluster token: pass --token, set LENDVM_TOKEN, or set token/token_file in {}",
+                "no cluster token: pass --token, --token-file, set LENDVM_TOKEN, or set \
+                 token/token_file in {}",
                 path.display()
             ))
         })

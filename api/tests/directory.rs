@@ -23,7 +23,7 @@ use lending::testing::{lenderd_binary, Lenderd};
 use ntb::{DirectoryConfig, NodeId};
 use serde_json::Value;
 
-const TOKEN: &str = "directory-test-token";
+const TOKEN: &str = "directory-test-token-8f3a61c2d4b7e9051a6c";
 /// Short leases so expiry tests take seconds (etcd's minimum is about 1.5 s).
 const TTL: Duration = Duration::from_secs(2);
 /// Slack on top of a TTL for expiry to be noticed (etcd checks expiry every 500 ms; the
@@ -53,7 +53,7 @@ fn site(etcd: &EtcdCluster) -> Site {
         TTL.as_secs()
     );
     let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
+    ntb::config::write_private_file(&path, &src).unwrap();
     Site { dir, path, cfg }
 }
 
@@ -648,7 +648,7 @@ fn a_lender_cut_off_from_etcd_leaves_the_directory_although_its_fabric_works() {
     let src = std::fs::read_to_string(&s.path)
         .unwrap()
         .replace(&etcd.members[0].endpoint(), &proxy.endpoint());
-    std::fs::write(&lender_site.path, src).unwrap();
+    ntb::config::write_private_file(&lender_site.path, &src).unwrap();
     let d = lenderd(&lender_site, "node3", 1);
     let a = Borrower::new(&s, "vmm-a");
     let ca = a.connect("node3");
@@ -690,9 +690,9 @@ fn the_static_file_directory_fans_out_to_every_lender() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
     let path = dir.path().join("cluster.toml");
-    std::fs::write(
+    ntb::config::write_private_file(
         &path,
-        format!(
+        &format!(
             "version = 1\ntoken = \"{TOKEN}\"\n\
              [[node]]\nname = \"node3\"\nfabric = \"shm\"\ncontrol = \"{d}/node3.sock\"\n\
              [[node]]\nname = \"node2\"\nfabric = \"shm\"\ncontrol = \"{d}/node2.sock\"\n"

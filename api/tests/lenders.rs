@@ -16,7 +16,9 @@ use lending::testing::{lenderd_binary, Lenderd};
 use ntb::ClusterConfig;
 use serde_json::Value;
 
-const TOKEN: &str = "lendctl-test-token";
+const TOKEN: &str = "lendctl-test-token-8f3a61c2d4b7e9051a6c";
+/// A token of the accepted strength that is not the cluster's.
+const WRONG: &str = "wrong-but-strong-token-0f9e8d7c6b5a4321";
 const DEV: &str = "0000:00:04.0";
 
 /// A cluster in a temp dir: node3 runs lenderd, node1 is the test's borrower, node2 runs
@@ -40,7 +42,7 @@ fn cluster(token_line: &str) -> Cluster {
     std::fs::write(&tok, format!("{TOKEN}\n")).unwrap();
     std::fs::set_permissions(&tok, std::fs::Permissions::from_mode(0o600)).unwrap();
     let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
+    ntb::config::write_private_file(&path, &src).unwrap();
     let cfg = ClusterConfig::load(&path).unwrap();
     Cluster { dir, path, cfg }
 }
@@ -254,7 +256,7 @@ fn token_sources_and_refusals() {
     assert!(err(&o).contains("no cluster token"), "{}", err(&o));
     // $LENDVM_TOKEN, and --token over it.
     ok(&lendctl(&c, &["--lender", "node3", "list"], Some(TOKEN)));
-    let o = lendctl(&c, &["--lender", "node3", "list"], Some("wrong"));
+    let o = lendctl(&c, &["--lender", "node3", "list"], Some(WRONG));
     assert_eq!(o.status.code(), Some(1));
     // Mutual authentication: with the wrong token lendctl cannot verify the lender's proof.
     assert!(
@@ -265,10 +267,10 @@ fn token_sources_and_refusals() {
     ok(&lendctl(
         &c,
         &["--lender", "node3", "--token", TOKEN, "list"],
-        Some("wrong"),
+        Some(WRONG),
     ));
     // A bad token makes the lender unreachable in `lenders`, which still exits 0.
-    let t = ok(&lendctl(&c, &["--token", "wrong", "lenders"], None));
+    let t = ok(&lendctl(&c, &["--token", WRONG, "lenders"], None));
     assert!(row(&t, "node3").contains("no: lender node3 at "), "{t}");
     assert!(row(&t, "node3").contains("did not prove"), "{t}");
 
@@ -287,6 +289,52 @@ fn token_sources_and_refusals() {
         "{}",
         err(&o)
     );
+    // Inline in a cluster file group or others may read: refused, naming file and mode.
+    std::fs::set_permissions(&c2.path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let o = lendctl(&c2, &["--lender", "node3", "list"], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        err(&o).contains(&format!(
+            "{} holds an inline `token` and has mode 0644",
+            c2.path.display()
+        )),
+        "{}",
+        err(&o)
+    );
+    // --token-file: a private file works; one others may read is refused.
+    let tf = c.dir.path().join("lendctl.token");
+    ntb::config::write_token_file(&tf, &format!("{TOKEN}\n")).unwrap();
+    let tfs = tf.to_str().unwrap();
+    ok(&lendctl(
+        &c,
+        &["--lender", "node3", "--token-file", tfs, "list"],
+        Some(WRONG),
+    ));
+    std::fs::set_permissions(&tf, std::fs::Permissions::from_mode(0o604)).unwrap();
+    let o = lendctl(
+        &c,
+        &["--lender", "node3", "--token-file", tfs, "list"],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        err(&o).contains(&format!("token file {tfs} has mode 0604")),
+        "{}",
+        err(&o)
+    );
+    // A weak token is refused before anything is sent, with the minimum.
+    for (args, env) in [
+        (vec!["--lender", "node3", "--token", "s3cret", "list"], None),
+        (vec!["--lender", "node3", "list"], Some("s3cret")),
+    ] {
+        let o = lendctl(&c, &args, env);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(
+            err(&o).contains("is too weak: it is 6 bytes long, the minimum is 32"),
+            "{}",
+            err(&o)
+        );
+    }
     // A token file that is missing is named.
     let c3 = cluster("token_file = \"missing.token\"");
     let o = lendctl(&c3, &["--lender", "node3", "list"], None);

@@ -43,7 +43,7 @@ use lending::LenderClient;
 use ntb::{ClusterConfig, Fabric, PeerWindow, SharedMemory, SocketFabric};
 use vmm_sys_util::eventfd::EventFd;
 
-const TOKEN: &str = "p2p-bench-token";
+const TOKEN: &str = "p2p-bench-token-8f3a61c2d4b7e9051a6c";
 const RAM_GPA: u64 = 0x10_0000;
 const RAM_SIZE: u64 = 64 << 20;
 const BUF: u64 = 64 << 20;

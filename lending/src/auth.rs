@@ -179,18 +179,30 @@ pub fn decode_proof(token: &str) -> Option<[u8; PROOF_LEN]> {
     Some(out)
 }
 
-/// The key failed authentications are counted under: a tcp peer's IP address (without the
-/// port, which an attacker chooses freely), a local peer's uid.
+/// The key failed authentications are counted under: a tcp peer's IPv4 address (without
+/// the port, which an attacker chooses freely), its IPv6 /64 prefix (one host or site
+/// holds a whole /64 and can rotate through it at will, so a per-address key would never
+/// lock it out), a local peer's uid.
 pub fn rate_key(peer_addr: &str) -> String {
     if let Some(rest) = peer_addr.strip_prefix("unix:") {
         // "unix:uid=N,pid=P" -> "uid=N".
         return rest.split(',').next().unwrap_or(rest).to_string();
     }
-    match peer_addr.rsplit_once(':') {
-        Some((ip, port)) if port.bytes().all(|b| b.is_ascii_digit()) && !port.is_empty() => {
-            ip.to_string()
-        }
-        _ => peer_addr.to_string(),
+    let ip = match peer_addr.rsplit_once(':') {
+        Some((ip, port)) if port.bytes().all(|b| b.is_ascii_digit()) && !port.is_empty() => ip,
+        _ => peer_addr,
+    };
+    let bare = ip.trim_start_matches('[').trim_end_matches(']');
+    match bare.parse::<std::net::Ipv6Addr>() {
+        Ok(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None => {
+                let s = v6.segments();
+                let prefix = std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0);
+                format!("{prefix}/64")
+            }
+        },
+        Err(_) => ip.to_string(),
     }
 }
 
@@ -383,12 +395,38 @@ mod tests {
     #[test]
     fn rate_keys_ignore_ports_and_pids() {
         assert_eq!(rate_key("10.0.0.1:4242"), "10.0.0.1");
-        assert_eq!(rate_key("[::1]:4242"), "[::1]");
+        assert_eq!(rate_key("[::1]:4242"), "::/64");
         assert_eq!(rate_key("unix:uid=1000,pid=77"), "uid=1000");
         assert_eq!(
             rate_key("/run/lendvm/lender.sock"),
             "/run/lendvm/lender.sock"
         );
+    }
+
+    /// Rotating IPv6 addresses inside one /64 share one key (and so one lockout); another
+    /// /64 does not; an IPv4-mapped address counts as its IPv4 address.
+    #[test]
+    fn ipv6_peers_are_limited_per_64_prefix() {
+        assert_eq!(rate_key("[2001:db8:1:2::1]:4242"), "2001:db8:1:2::/64");
+        assert_eq!(
+            rate_key("[2001:db8:1:2:dead:beef:0:7]:1"),
+            "2001:db8:1:2::/64"
+        );
+        assert_eq!(rate_key("[2001:db8:1:3::1]:4242"), "2001:db8:1:3::/64");
+        assert_eq!(rate_key("[::ffff:10.0.0.1]:4242"), "10.0.0.1");
+        let l = FailureLimiter::default();
+        for i in 0..MAX_FAILURES {
+            // A new address of the same /64 for every attempt.
+            let key = rate_key(&format!("[2001:db8:1:2:{i:x}:{:x}::9]:4242", i * 7 + 1));
+            assert!(l.check(&key).is_ok(), "attempt {i} refused early");
+            l.fail(&key, "test");
+        }
+        let e = l.check(&rate_key("[2001:db8:1:2:ffff::1]:99"));
+        assert!(
+            e.is_err(),
+            "a fresh address of the locked-out /64 got through"
+        );
+        assert!(l.check(&rate_key("[2001:db8:1:3::1]:99")).is_ok());
     }
 
     #[test]

@@ -179,7 +179,7 @@ struct EventPump {
     stop: Arc<AtomicBool>,
     rx: Arc<PumpRx>,
     /// For wakers.
-    tx: mpsc::Sender<PumpMsg>,
+    tx: mpsc::SyncSender<PumpMsg>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -187,11 +187,34 @@ struct EventPump {
 /// safety net: teardown closes the link, which ends the `recv` at once.
 const PUMP_POLL: Duration = Duration::from_millis(500);
 
+/// Messages the relay thread may have waiting for the event consumer. The events come from
+/// the lender (a guest's device can raise interrupts as fast as it likes): once this many
+/// wait, the relay stops reading the link, whose incoming queue is bounded in turn, so the
+/// VMM never holds more than this many undelivered events per lender session.
+pub const EVENT_QUEUE: usize = 4096;
+
+/// Hands `m` to the consumer, waiting while [`EVENT_QUEUE`] messages are undelivered
+/// (backpressure on the link); gives up when the relay is stopped or the consumer gone.
+fn relay(tx: &mpsc::SyncSender<PumpMsg>, mut m: PumpMsg, stop: &AtomicBool) {
+    loop {
+        match tx.try_send(m) {
+            Ok(()) | Err(mpsc::TrySendError::Disconnected(_)) => return,
+            Err(mpsc::TrySendError::Full(back)) => {
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
+                m = back;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
 fn pump_loop(
     ep: &Arc<dyn Endpoint>,
     routes: &IrqRoutes,
     stop: &AtomicBool,
-    tx: &mpsc::Sender<PumpMsg>,
+    tx: &mpsc::SyncSender<PumpMsg>,
     rx: &PumpRx,
 ) {
     while !stop.load(Ordering::Acquire) {
@@ -212,12 +235,12 @@ fn pump_loop(
                         }
                         None => {
                             drop(routes);
-                            let _ = tx.send(PumpMsg::Event(Event::Irq(ev)));
+                            relay(tx, PumpMsg::Event(Event::Irq(ev)), stop);
                         }
                     }
                 }
                 Ok(other) => {
-                    let _ = tx.send(PumpMsg::Event(other));
+                    relay(tx, PumpMsg::Event(other), stop);
                 }
                 Err(e) => log::warn!("{}: undecodable event: {e}", ep.peer_node()),
             },
@@ -229,7 +252,7 @@ fn pump_loop(
                     other => other.to_string(),
                 };
                 *lock(&rx.down) = Some(reason.clone());
-                let _ = tx.send(PumpMsg::Down(reason));
+                relay(tx, PumpMsg::Down(reason), stop);
                 return;
             }
         }
@@ -240,14 +263,15 @@ fn pump_loop(
 /// `Ok(None)` at once. Cheap to clone; outliving the client is harmless.
 #[derive(Clone)]
 pub struct EventWaker {
-    tx: mpsc::Sender<PumpMsg>,
+    tx: mpsc::SyncSender<PumpMsg>,
 }
 
 impl EventWaker {
     /// Wakes the thread waiting for events (or the next one to wait).
     pub fn wake(&self) {
         // The receiver is gone only when the client is: nothing left to wake.
-        let _ = self.tx.send(PumpMsg::Wake);
+        // A full queue already wakes the waiter (it has messages to take).
+        let _ = self.tx.try_send(PumpMsg::Wake);
     }
 }
 
@@ -325,7 +349,7 @@ impl Inner {
             return Ok(());
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let (tx, events) = mpsc::channel();
+        let (tx, events) = mpsc::sync_channel(EVENT_QUEUE);
         let rx = Arc::new(PumpRx {
             events: Mutex::new(events),
             down: Mutex::new(None),
@@ -1177,5 +1201,42 @@ impl Drop for Lease {
         if let Err(e) = self.inner.call::<()>(&r, Vec::new()) {
             log::warn!("returning lease {} to {}: {e}", self.id, self.inner.lender);
         }
+    }
+}
+
+#[cfg(test)]
+mod relay_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// The event relay holds at most EVENT_QUEUE undelivered messages: a full queue makes
+    /// the relay wait (backpressure on the link) instead of growing, a stop ends the wait,
+    /// and a waker's wake-up never blocks.
+    #[test]
+    fn the_event_relay_queue_is_bounded_and_a_stop_ends_the_wait() {
+        let (tx, rx) = mpsc::sync_channel(EVENT_QUEUE);
+        let stop = AtomicBool::new(false);
+        for _ in 0..EVENT_QUEUE {
+            relay(&tx, PumpMsg::Wake, &stop);
+        }
+        // Full: the next relay waits until the consumer takes one.
+        std::thread::scope(|s| {
+            let t = s.spawn(|| relay(&tx, PumpMsg::Down("gone".into()), &stop));
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(!t.is_finished(), "the relay did not wait on a full queue");
+            rx.recv().unwrap();
+            t.join().unwrap();
+        });
+        assert!(matches!(
+            tx.try_send(PumpMsg::Wake),
+            Err(mpsc::TrySendError::Full(_))
+        ));
+        // A stopped relay gives up instead of waiting forever.
+        stop.store(true, Ordering::Release);
+        relay(&tx, PumpMsg::Wake, &stop);
+        let waker = EventWaker { tx: tx.clone() };
+        waker.wake();
+        assert_eq!(rx.try_iter().count(), EVENT_QUEUE);
     }
 }

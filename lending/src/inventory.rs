@@ -40,6 +40,23 @@ pub enum InventoryError {
     /// Two devices with one id.
     #[error("duplicate device id {0}")]
     Duplicate(String),
+    /// An SR-IOV relative is lent (or being reset after its lease): a PF and its VFs are
+    /// never lent at the same time, since resetting the PF takes the VFs away.
+    #[error(
+        "{id} cannot be lent while its {relation} {relative} is {state}: a physical function \
+         and its virtual functions are never lent at the same time (a PF reset takes its VFs \
+         away from their borrowers)"
+    )]
+    Family {
+        /// The device asked for.
+        id: String,
+        /// "physical function" or "virtual function".
+        relation: &'static str,
+        /// The relative's id.
+        relative: String,
+        /// The relative's state (e.g. `lent to node/vm`).
+        state: String,
+    },
 }
 
 /// One device of the inventory.
@@ -90,6 +107,9 @@ impl DeviceEntry {
 /// All devices of this lender.
 pub struct Inventory {
     devices: Vec<Arc<DeviceEntry>>,
+    /// Held while an acquire checks a device's SR-IOV relatives and marks it lent, so a PF
+    /// and one of its VFs cannot both pass the check at once.
+    family: Mutex<()>,
     next_lease: AtomicU64,
     started: Instant,
 }
@@ -111,6 +131,7 @@ impl Inventory {
         }
         Ok(Inventory {
             devices: v,
+            family: Mutex::new(()),
             next_lease: AtomicU64::new(1),
             started: Instant::now(),
         })
@@ -147,11 +168,38 @@ impl Inventory {
         self.started.elapsed().as_secs()
     }
 
-    /// Takes an exclusive lease on `id` for `node/vm`.
+    /// Refuses `dev` while its PF, or one of its VFs, is lent or resetting (a failed or
+    /// available relative does not hold it back). Called with the family lock held.
+    fn check_family(&self, dev: &DeviceEntry) -> Result<(), InventoryError> {
+        let physfn = dev.backend.physical_function();
+        for other in self.devices.iter().filter(|d| d.id != dev.id) {
+            let relation = if physfn.as_deref() == Some(other.id.as_str()) {
+                "physical function"
+            } else if other.backend.physical_function().as_deref() == Some(dev.id.as_str()) {
+                "virtual function"
+            } else {
+                continue;
+            };
+            let state = other.state();
+            if matches!(state, DeviceState::Lent { .. } | DeviceState::Resetting) {
+                return Err(InventoryError::Family {
+                    id: dev.id.clone(),
+                    relation,
+                    relative: other.id.clone(),
+                    state: state.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes an exclusive lease on `id` for `node/vm`. A PF is refused while any of its
+    /// VFs is lent, and a VF while its PF is ([`InventoryError::Family`]).
     pub fn acquire(&self, id: &str, node: &str, vm: &str) -> Result<Lease, InventoryError> {
         let dev = self
             .get(id)
             .ok_or_else(|| InventoryError::UnknownDevice(id.to_string()))?;
+        let _family = self.family.lock().unwrap_or_else(|p| p.into_inner());
         {
             let mut st = dev.lock();
             match &*st {
@@ -169,6 +217,7 @@ impl Inventory {
                     })
                 }
             }
+            self.check_family(dev)?;
             *st = DeviceState::Lent {
                 node: node.to_string(),
                 vm: vm.to_string(),
@@ -267,7 +316,9 @@ impl Drop for Lease {
         if let Err(e) = b.set_bus_master(false) {
             log::warn!("lease {}: clearing bus master on {}: {e}", self.id, dev.id);
         }
-        let state = match b.reset() {
+        // After the reset, the memory the lease exported moves to fresh memory: what a
+        // borrower or a grantee kept of it no longer reaches the device.
+        let state = match b.reset().and_then(|()| b.renew_exports()) {
             Ok(()) => DeviceState::Available,
             Err(e) => {
                 log::error!("lease {}: reset of {} failed: {e}", self.id, dev.id);
@@ -286,5 +337,138 @@ impl Drop for Lease {
             self.holder,
             self.end_reason
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::backend::emulated::EmulatedBackend;
+    use emulated::NotifyMode;
+
+    fn function(name: &str, pf: Option<&str>) -> (String, Arc<dyn DeviceBackend>) {
+        let b =
+            EmulatedBackend::dmatest(&format!("inv-family-{name}"), NotifyMode::Interrupt).unwrap();
+        let b = match pf {
+            Some(pf) => b.with_physfn(pf),
+            None => b,
+        };
+        (name.to_string(), Arc::new(b))
+    }
+
+    /// The end of a lease moves the device's exported memory to a fresh memfd: a mapping of
+    /// the old one (what a borrower, or a lender granted the peer memory, kept on shm)
+    /// neither reaches the device any more nor sees what the device does next; the next
+    /// export is the fresh memory.
+    #[test]
+    fn the_end_of_a_lease_cuts_off_what_a_holder_kept_of_the_device_memory() {
+        use emulated::dmatest::BUF_OFFSET;
+        use ntb::mem::Mapping;
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::MetadataExt;
+
+        let ino = |fd: std::os::fd::BorrowedFd<'_>| {
+            let f = std::fs::File::from(fd.try_clone_to_owned().unwrap());
+            f.metadata().unwrap().ino()
+        };
+        let inv = Inventory::new(vec![function("renewed", None)]).unwrap();
+        let b = Arc::clone(inv.get("renewed").unwrap().backend());
+        let lease = inv.acquire("renewed", "n1", "vm-a").unwrap();
+        let (kept, off, size) = {
+            let x = b.peer_export(0).unwrap();
+            (x.fd.try_clone_to_owned().unwrap(), x.fd_offset, x.size)
+        };
+        let old = Mapping::map_shared(kept.as_fd(), off, size).unwrap();
+        // The device's own view of its buffer (BAR accesses go through its register memory).
+        let device = |at: u64| {
+            let mut v = [0u8; 8];
+            b.bar_read(0, BUF_OFFSET + at, &mut v).unwrap();
+            u64::from_le_bytes(v)
+        };
+        let kept_at = |at: u64| {
+            let mut v = [0u8; 8];
+            old.read_at(at, &mut v).unwrap();
+            u64::from_le_bytes(v)
+        };
+        // While the lease lasts, the kept mapping is the device's memory.
+        old.write_at(0, &0x5a5a_0001u64.to_le_bytes()).unwrap();
+        assert_eq!(device(0), 0x5a5a_0001);
+        drop(lease);
+
+        old.write_at(0, &0xa5a5_0002u64.to_le_bytes()).unwrap();
+        assert_ne!(
+            device(0),
+            0xa5a5_0002,
+            "a write through the kept mapping reached the device"
+        );
+        b.bar_write(0, BUF_OFFSET + 64, &0x7777_0003u64.to_le_bytes())
+            .unwrap();
+        assert_eq!(device(64), 0x7777_0003);
+        assert_ne!(
+            kept_at(64),
+            0x7777_0003,
+            "the kept mapping sees the device's new data"
+        );
+        // The next lease exports the fresh memory, which is the device's.
+        let _next = inv.acquire("renewed", "n2", "vm-b").unwrap();
+        let x = b.peer_export(0).unwrap();
+        assert_ne!(
+            ino(x.fd),
+            ino(kept.as_fd()),
+            "the export is still the old memfd"
+        );
+        let fresh = Mapping::map_shared(x.fd, x.fd_offset, x.size).unwrap();
+        let mut v = [0u8; 8];
+        fresh.read_at(64, &mut v).unwrap();
+        assert_eq!(u64::from_le_bytes(v), 0x7777_0003);
+        fresh.write_at(128, &0x3c3c_0004u64.to_le_bytes()).unwrap();
+        assert_eq!(device(128), 0x3c3c_0004);
+    }
+
+    /// A PF is refused while one of its VFs is lent, a VF while its PF is; unrelated
+    /// devices and the other VF are not held back, and a returned lease frees the family.
+    #[test]
+    fn a_pf_and_its_vfs_are_never_lent_at_the_same_time() {
+        let inv = Inventory::new(vec![
+            function("pf", None),
+            function("vf1", Some("pf")),
+            function("vf2", Some("pf")),
+            function("other", None),
+        ])
+        .unwrap();
+        let vf1 = inv.acquire("vf1", "n1", "vm-a").unwrap();
+        let vf2 = inv.acquire("vf2", "n2", "vm-b").unwrap();
+        let other = inv.acquire("other", "n3", "vm-c").unwrap();
+        let e = inv.acquire("pf", "n3", "vm-p").err().unwrap();
+        assert!(
+            matches!(
+                &e,
+                InventoryError::Family {
+                    relation: "virtual function",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("pf cannot be lent while its virtual function vf1 is lent to n1/vm-a"),
+            "{msg}"
+        );
+        drop(vf1);
+        let e = inv.acquire("pf", "n3", "vm-p").err().unwrap().to_string();
+        assert!(e.contains("virtual function vf2 is lent to n2/vm-b"), "{e}");
+        drop(vf2);
+        let pf = inv.acquire("pf", "n3", "vm-p").unwrap();
+        let e = inv.acquire("vf2", "n2", "vm-b").err().unwrap().to_string();
+        assert!(
+            e.contains("vf2 cannot be lent while its physical function pf is lent to n3/vm-p"),
+            "{e}"
+        );
+        drop(pf);
+        let _vf2 = inv.acquire("vf2", "n2", "vm-b").unwrap();
+        drop(other);
     }
 }

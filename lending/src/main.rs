@@ -77,6 +77,7 @@ fn token(args: &Args, cluster: Option<&ClusterConfig>) -> Result<String, String>
     if t.trim().is_empty() {
         return Err(format!("the cluster token from {from} is empty"));
     }
+    ntb::config::check_token(&t, &from).map_err(|e| e.to_string())?;
     Ok(t)
 }
 

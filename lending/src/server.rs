@@ -277,7 +277,8 @@ struct DmaEntry {
 }
 
 struct SessionLease {
-    /// Peer-to-peer mappings this lease's domain holds, by (target lease, BAR).
+    /// Peer-to-peer mappings this lease's domain holds, by (target lease, BAR). Bound:
+    /// MAX_P2P_PER_LEASE (revoked ones count until unmapped).
     p2p_out: HashMap<(u64, u8), P2pMapping>,
     /// This lease in the lender's P2P book: mappings into its BARs are revoked before it
     /// ends.
@@ -291,8 +292,9 @@ struct SessionLease {
     /// difference).
     baseline: LeaseCounters,
     lease: Lease,
+    /// Bound: the domain's MAX_MAPPINGS (a DMA_MAP beyond it is refused before the push).
     maps: Vec<DmaEntry>,
-    /// BAR index -> fabric window id exported for it.
+    /// BAR index -> fabric window id exported for it. Bound: 6 BARs.
     bar_windows: HashMap<u8, u32>,
     /// The directory claim revision the lease was granted under (fenced leases only).
     claim: Option<i64>,
@@ -306,7 +308,8 @@ struct SessionLease {
     dirty_log: bool,
     /// The previous holder's DMA mappings (iova, size), left in the domain by a transfer
     /// whose accept named no windows, until this holder maps them (kept if the same memory)
-    /// or resumes the device ([`migration`]).
+    /// or resumes the device ([`migration`]). Bound: the previous holder's maps
+    /// (MAX_MAPPINGS).
     parked: Vec<(u64, u64)>,
 }
 
@@ -416,7 +419,7 @@ fn iommu_err(e: IommuError) -> ErrorReply {
 fn inv_err(e: InventoryError) -> ErrorReply {
     let c = match &e {
         InventoryError::UnknownDevice(_) => code::UNKNOWN_DEVICE,
-        InventoryError::Busy { .. } => code::DEVICE_BUSY,
+        InventoryError::Busy { .. } | InventoryError::Family { .. } => code::DEVICE_BUSY,
         _ => code::DEVICE_UNAVAILABLE,
     };
     error(c, e.to_string())

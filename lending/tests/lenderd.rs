@@ -18,7 +18,7 @@ use lending::protocol::{code, DeviceState, IrqKind};
 use ntb::{ClusterConfig, PeerWindow, SharedMemory};
 use vmm_sys_util::eventfd::EventFd;
 
-const TOKEN: &str = "s3cret-cluster-token";
+const TOKEN: &str = "s3cret-cluster-token-8f3a61c2d4b7e9051a6c";
 const DEV: &str = "0000:00:04.0";
 const PAGE: u64 = 0x1000;
 const GUARD: u8 = 0xA5;

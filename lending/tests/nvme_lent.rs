@@ -337,6 +337,21 @@ fn lenderd_token_sources() {
     let (ok, err) = lenderd_status(&c, &["--token", "a", "--token-file", "/x"], None);
     assert!(!ok);
     assert!(err.contains("cannot be used with"), "{err}");
+    // A weak token is refused by name and minimum, from the flag or the environment.
+    let (ok, err) = lenderd_status(&c, &["--token", "s3cret"], None);
+    assert!(!ok);
+    assert!(
+        err.contains(
+            "the cluster token from --token is too weak: it is 6 bytes long, the minimum is 32"
+        ),
+        "{err}"
+    );
+    let (ok, err) = lenderd_status(&c, &[], Some("abababababababababababababababab"));
+    assert!(!ok);
+    assert!(
+        err.contains("from $LENDVM_TOKEN is too weak: it has 2 distinct characters"),
+        "{err}"
+    );
 
     // An explicit token file wins over a stale $LENDVM_TOKEN.
     let tok = c.dir.path().join("tok");

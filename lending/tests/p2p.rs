@@ -30,7 +30,7 @@ mod testing;
 mod p2p_common;
 use p2p_common::*;
 
-const TOKEN: &str = "p2p-cluster-token";
+const TOKEN: &str = "p2p-cluster-token-8f3a61c2d4b7e9051a6c";
 const DEV_A: &str = "0000:00:0a.0";
 const DEV_B: &str = "0000:00:0b.0";
 const DEV_C: &str = "0000:00:0c.0";

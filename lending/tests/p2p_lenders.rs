@@ -28,7 +28,7 @@ use ntb::{ClusterConfig, Fabric, Message, SocketFabric};
 mod p2p_common;
 use p2p_common::*;
 
-const TOKEN: &str = "p2p-lenders-token";
+const TOKEN: &str = "p2p-lenders-token-8f3a61c2d4b7e9051a6c";
 const DEV_A: &str = "0000:00:0a.0";
 const DEV_B: &str = "0000:00:0b.0";
 const NVME: &str = "0000:00:0d.0";
@@ -525,4 +525,75 @@ fn a_transferred_target_revokes_its_grants() {
         "after transfer: err {err} faults {faults}"
     );
     std::mem::forget(lb); // its session no longer holds it
+}
+
+/// On shm too, a grantee never receives the target's memory as an fd: it reaches exactly
+/// the granted range through the target's lender (a mediated window, not directly
+/// mappable), so the registers are never exposed, and once the grant is revoked the window
+/// neither reaches the device nor shows its new state. Driven as the grantee lender itself.
+#[test]
+fn a_revoked_grant_leaves_the_grantee_nothing_on_shm() {
+    use emulated::dmatest::BUF_OFFSET;
+    let s = setup(ntb::FabricKind::Shm);
+    let cb = client(&s, "vmm", "lenderB");
+    let lb = cb.borrow(DEV_B, "vm0").unwrap();
+    let g = lb.p2p_grant(0, "lenderA").unwrap();
+    // The grantee's own authenticated link, as lender A opens it.
+    let ga = client(&s, "lenderA", "lenderB");
+    let (op, p) = Request::P2pAttach(P2pAttach {
+        grant: g.grant,
+        secret: g.secret.clone(),
+    })
+    .encode()
+    .unwrap();
+    let reply = ga
+        .endpoint()
+        .request(Message::raw(op, p), Duration::from_secs(5))
+        .unwrap();
+    let attached: p2px::P2pAttached = lending::protocol::decode_reply(op, &reply.payload).unwrap();
+    assert_eq!(
+        attached.bar_offset, BUF_OFFSET,
+        "only the peer memory is granted"
+    );
+    let w = ga.endpoint().map_peer_window(attached.window).unwrap();
+    assert!(
+        w.as_ptr().is_err(),
+        "the grantee received the device's memory as an fd it could keep"
+    );
+    assert_eq!(w.len(), attached.size);
+    let device = |at: u64| {
+        u64::from_le_bytes(
+            lb.bar_read(0, BUF_OFFSET + at, 8)
+                .unwrap()
+                .try_into()
+                .unwrap(),
+        )
+    };
+    // While granted, the window is the device's buffer, both ways.
+    w.write_at(0, &0x6b6b_0001u64.to_le_bytes()).unwrap();
+    assert_eq!(device(0), 0x6b6b_0001);
+    lb.bar_write(0, BUF_OFFSET + 8, &0x6b6b_0002u64.to_le_bytes())
+        .unwrap();
+    let mut v = [0u8; 8];
+    w.read_at(8, &mut v).unwrap();
+    assert_eq!(u64::from_le_bytes(v), 0x6b6b_0002);
+
+    // Revoked by the target's holder: the lender ends it, whatever the grantee does.
+    lb.p2p_revoke(g.grant).unwrap();
+    lb.bar_write(0, BUF_OFFSET + 8, &0x6b6b_0003u64.to_le_bytes())
+        .unwrap();
+    assert!(
+        w.write_at(0, &0x6b6b_0004u64.to_le_bytes()).is_err(),
+        "a write through the revoked window was accepted"
+    );
+    assert_eq!(
+        device(0),
+        0x6b6b_0001,
+        "a write through the revoked window reached the device"
+    );
+    let r = w.read_at(8, &mut v);
+    assert!(
+        r.is_err() || u64::from_le_bytes(v) != 0x6b6b_0003,
+        "the revoked window shows the device's new data"
+    );
 }

@@ -3,13 +3,15 @@
 //! process by `emulated::testing::NvmeDriver` (see `common`).
 //!
 //! * The inventory lists the PF and both VFs (kinds `nvme` and `nvme-vf`).
-//! * VF 1 to `vm-a`, VF 2 to `vm-b` and the PF to `vm-p` at once; VF 1 is busy for anyone
-//!   else.
+//! * VF 1 to `vm-a`, VF 2 to `vm-b`; VF 1 is busy for anyone else, and the PF is refused
+//!   while a VF is lent (a PF reset would take the VFs away; see `lending::sriov`).
 //! * Concurrent verified I/O: A and B (two threads) write different data to the *same* LBAs
-//!   and read it back; each sees only its own (the PF writes there too). The backing file
-//!   holds each function's data in its own slice.
+//!   and read it back; each sees only its own. The backing file holds each function's data
+//!   in its own slice.
 //! * Resetting A, and then returning A's lease, while B keeps writing and verifying: B never
 //!   sees an error, its controller stays ready; A's data survives both (reset, re-borrow).
+//! * Once no VF is lent the PF goes to `vm-p`, writes its own slice (the VFs' data stays),
+//!   and the VFs are refused while it is lent.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -122,7 +124,7 @@ fn state(c: &Cluster, id: &str) -> DeviceState {
 }
 
 #[test]
-fn two_vfs_two_borrowers_concurrent_io_isolation_and_reset() {
+fn two_vfs_two_borrowers_concurrent_io_isolation_and_reset_the_pf_refused_while_they_are_lent() {
     let c = cluster(FabricKind::Shm);
     let disk = c.dir.path().join("pf.img");
     let _d = start_lenderd(
@@ -151,21 +153,23 @@ fn two_vfs_two_borrowers_concurrent_io_isolation_and_reset() {
     let direct = BarPath::Direct { notify: true };
     let mut a = lent_rig_as(&c, VF1, "vm-a", RAM, direct, &[], 2, true);
     let mut b = lent_rig_as(&c, VF2, "vm-b", RAM, direct, &[], 2, true);
-    let mut p = lent_rig_as(&c, PF, "vm-p", RAM, direct, &[], 2, true);
     let e = connect(&c).borrow(VF1, "vm-b").err().unwrap().to_string();
     assert!(e.contains("busy") && e.contains("vm-a"), "{e}");
-    // A VF has no INTx; the PF has.
+    // The PF is refused while its VFs are lent, with the reason, and stays available.
+    let e = connect(&c).borrow(PF, "vm-p").err().unwrap().to_string();
+    assert!(
+        e.contains(&format!(
+            "{PF} cannot be lent while its virtual function {VF1} is lent to"
+        )) && e.contains("never lent at the same time"),
+        "{e}"
+    );
+    assert_eq!(state(&c, PF), DeviceState::Available);
+    // A VF has no INTx.
     assert_eq!(a.lease.info().irqs.intx, 0);
-    assert_eq!(p.lease.info().irqs.intx, 1);
 
     bring_up(&mut a.driver, "LENDVM000082001");
     bring_up(&mut b.driver, "LENDVM000082002");
-    bring_up(&mut p.driver, "LENDVM000082000");
-    let (ba, bb, bp) = (
-        bufs(&mut a.driver),
-        bufs(&mut b.driver),
-        bufs(&mut p.driver),
-    );
+    let (ba, bb) = (bufs(&mut a.driver), bufs(&mut b.driver));
 
     // Phase 1: A and B write the same LBAs at the same time, then read back their own.
     let (sa, sb, sp) = (0xa1, 0xb1, 0x91);
@@ -174,27 +178,10 @@ fn two_vfs_two_borrowers_concurrent_io_isolation_and_reset() {
             pass(&mut a.driver, &ba, sa, true);
             pass(&mut a.driver, &ba, sa, false);
         });
-        let tb = s.spawn(|| {
-            pass(&mut b.driver, &bb, sb, true);
-            pass(&mut b.driver, &bb, sb, false);
-        });
-        pass(&mut p.driver, &bp, sp, true);
+        pass(&mut b.driver, &bb, sb, true);
+        pass(&mut b.driver, &bb, sb, false);
         ta.join().unwrap();
-        tb.join().unwrap();
     });
-    // Each function's data sits in its own slice of the backing file.
-    let f = std::fs::File::open(&disk).unwrap();
-    assert_eq!(f.metadata().unwrap().len(), 3 * NS_BYTES);
-    for (slice, seed) in [(0, sp), (1, sa), (2, sb)] {
-        for i in [0, EXTENTS / 2, EXTENTS - 1] {
-            let mut got = vec![0u8; 4096];
-            f.read_exact_at(&mut got, slice * NS_BYTES + lba(i) * 512)
-                .unwrap();
-            assert!(got == data(seed, lba(i)), "slice {slice}, lba {}", lba(i));
-        }
-    }
-    // The PF reads its own data, not the VFs'.
-    pass(&mut p.driver, &bp, sp, false);
 
     // Phase 2: B keeps writing and verifying while A is reset, re-enabled, then returned and
     // borrowed again by another VM.
@@ -248,6 +235,44 @@ fn two_vfs_two_borrowers_concurrent_io_isolation_and_reset() {
     });
     // B's last data, and nothing of A's, on B's namespace.
     pass(&mut b.driver, &bb, last, false);
+    let e = connect(&c).borrow(PF, "vm-p").err().unwrap().to_string();
+    assert!(
+        e.contains(&format!("virtual function {VF2} is lent to")),
+        "{e}"
+    );
+
+    // Phase 3: no VF lent, the PF goes to vm-p (it has INTx) and writes its own slice; the
+    // VFs are refused meanwhile.
+    drop(b);
+    let t0 = Instant::now();
+    while state(&c, VF2) != DeviceState::Available && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut p = lent_rig_as(&c, PF, "vm-p", RAM, direct, &[], 2, true);
+    assert_eq!(p.lease.info().irqs.intx, 1);
+    let e = connect(&c).borrow(VF1, "vm-a").err().unwrap().to_string();
+    assert!(
+        e.contains(&format!(
+            "{VF1} cannot be lent while its physical function {PF} is lent to"
+        )),
+        "{e}"
+    );
+    bring_up(&mut p.driver, "LENDVM000082000");
+    let bp = bufs(&mut p.driver);
+    pass(&mut p.driver, &bp, sp, true);
+    pass(&mut p.driver, &bp, sp, false);
+    // Each function's data sits in its own slice of the backing file.
+    let f = std::fs::File::open(&disk).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), 3 * NS_BYTES);
+    for (slice, seed) in [(0, sp), (1, sa), (2, last)] {
+        for i in [0, EXTENTS / 2, EXTENTS - 1] {
+            let mut got = vec![0u8; 4096];
+            f.read_exact_at(&mut got, slice * NS_BYTES + lba(i) * 512)
+                .unwrap();
+            assert!(got == data(seed, lba(i)), "slice {slice}, lba {}", lba(i));
+        }
+    }
+    drop(p);
     let st = connect(&c).status().unwrap();
     for d in &st.devices {
         assert_eq!(d.iommu_faults, 0, "{d:?}");

@@ -46,6 +46,13 @@ pub enum ConfigError {
          run `chmod 600 {path}`"
     )]
     TokenFileMode { path: String, mode: u32 },
+    #[error(
+        "{path} holds an inline `token` and has mode {mode:04o}: group or others may read or \
+         write it; run `chmod 600 {path}`, or move the token to a `token_file`"
+    )]
+    InlineTokenMode { path: String, mode: u32 },
+    #[error("the cluster token from {from} is too weak: {problem}")]
+    WeakToken { from: String, problem: String },
 }
 
 /// Where the cluster auth token comes from.
@@ -70,6 +77,45 @@ impl fmt::Debug for ClusterToken {
 
 /// Longest accepted token.
 pub const MAX_TOKEN_LEN: usize = 4096;
+/// Shortest accepted token, in bytes: the token is the cluster's only secret (the links'
+/// challenge-response and TLS binding derive from it), so it must carry at least 128 bits,
+/// which 32 random hex digits do (`openssl rand -hex 32` gives 64).
+pub const MIN_TOKEN_LEN: usize = 32;
+/// Fewest distinct characters in an accepted token: refuses `aaaa...` and `abab...`-like
+/// tokens of the right length (32 random hex digits have about 14 distinct ones).
+pub const MIN_TOKEN_DISTINCT: usize = 8;
+
+/// Why `t` is too weak to be the cluster token, `None` if it is strong enough: at least
+/// [`MIN_TOKEN_LEN`] bytes and [`MIN_TOKEN_DISTINCT`] distinct characters.
+pub fn token_weakness(t: &str) -> Option<String> {
+    let hint = "(make one with `openssl rand -hex 32`)";
+    if t.len() < MIN_TOKEN_LEN {
+        return Some(format!(
+            "it is {} bytes long, the minimum is {MIN_TOKEN_LEN} {hint}",
+            t.len()
+        ));
+    }
+    let distinct = t.chars().collect::<std::collections::BTreeSet<_>>().len();
+    if distinct < MIN_TOKEN_DISTINCT {
+        return Some(format!(
+            "it has {distinct} distinct characters, the minimum is {MIN_TOKEN_DISTINCT} {hint}"
+        ));
+    }
+    None
+}
+
+/// Refuses a cluster token that is too weak ([`token_weakness`]); `from` names where it came
+/// from (`--token`, `$LENDVM_TOKEN`, a file) in the error. Every binary checks the token it
+/// is given with this before it uses it.
+pub fn check_token(t: &str, from: &str) -> Result<(), ConfigError> {
+    match token_weakness(t) {
+        None => Ok(()),
+        Some(problem) => Err(ConfigError::WeakToken {
+            from: from.to_string(),
+            problem,
+        }),
+    }
+}
 
 /// Checks a token's text; `None` if it is fine.
 fn token_problem(t: &str) -> Option<String> {
@@ -82,7 +128,7 @@ fn token_problem(t: &str) -> Option<String> {
     } else if t.chars().any(char::is_control) {
         Some("contains control characters".into())
     } else {
-        None
+        token_weakness(t).map(|w| format!("is too weak: {w}"))
     }
 }
 
@@ -120,15 +166,23 @@ pub fn read_token_file(path: &Path) -> Result<String, ConfigError> {
 /// Writes `token` to a new file at `path` with mode 0600 from the start (for tools and
 /// tests that make token files).
 pub fn write_token_file(path: &Path, token: &str) -> std::io::Result<()> {
+    write_private_file(path, token)
+}
+
+/// Writes `text` to `path`, readable and writable by its owner only (mode 0600 from the
+/// start, and set again on a file that existed): for token files and cluster files with an
+/// inline `token`.
+pub fn write_private_file(path: &Path, text: &str) -> std::io::Result<()> {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
         .open(path)?;
-    f.write_all(token.as_bytes())
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(text.as_bytes())
 }
 
 /// Where a node listens for links.
@@ -329,13 +383,29 @@ impl Ctx<'_> {
 
 impl ClusterConfig {
     /// Loads and validates a cluster file.
+    /// A file with an inline `token` is refused unless only its owner may read and write
+    /// it (mode checked on the opened file, as for a token file): the token is the cluster's
+    /// secret.
     pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
-        let src = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        use std::io::Read;
+        use std::os::unix::fs::PermissionsExt;
+        let io = |source| ConfigError::Io {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        let mut f = std::fs::File::open(path).map_err(io)?;
+        let mode = f.metadata().map_err(io)?.permissions().mode() & 0o7777;
+        let mut src = String::new();
+        f.read_to_string(&mut src).map_err(io)?;
         let dir = path.parent().unwrap_or(Path::new(""));
-        Self::parse_in(&src, &path.display().to_string(), dir)
+        let c = Self::parse_in(&src, &path.display().to_string(), dir)?;
+        if matches!(c.token, Some(ClusterToken::Inline(_))) && mode & 0o077 != 0 {
+            return Err(ConfigError::InlineTokenMode {
+                path: path.display().to_string(),
+                mode,
+            });
+        }
+        Ok(c)
     }
 
     /// Parses and validates a cluster description; `origin` names it in errors. A relative
@@ -688,15 +758,19 @@ doorbells = 32
         assert!(c.nodes[0].link.require_sealed_windows);
     }
 
+    /// A token of the accepted strength (64 hex digits).
+    const STRONG: &str = "9f2c4e6a8b0d1f3e5c7a9b1d3f5e7c9a0b2d4f6e8a1c3e5b7d9f0a2c4e6b8d0f";
+
     fn with_top(line: &str) -> String {
         GOOD.replace("version = 1\n", &format!("version = 1\n{line}\n"))
     }
 
     #[test]
     fn inline_token_is_returned_and_never_printed() {
-        let c = ClusterConfig::parse(&with_top("token = \"s3cret\""), "t.toml").unwrap();
-        assert_eq!(c.auth_token().unwrap().as_deref(), Some("s3cret"));
-        assert!(!format!("{c:?}").contains("s3cret"));
+        let c =
+            ClusterConfig::parse(&with_top(&format!("token = \"{STRONG}\"")), "t.toml").unwrap();
+        assert_eq!(c.auth_token().unwrap().as_deref(), Some(STRONG));
+        assert!(!format!("{c:?}").contains(STRONG));
         let c = ClusterConfig::parse(GOOD, "t.toml").unwrap();
         assert_eq!(c.token, None);
         assert_eq!(c.auth_token().unwrap(), None);
@@ -721,8 +795,8 @@ doorbells = 32
         write_token_file(&tok, "abc\ndef\n").unwrap();
         let e = c.auth_token().unwrap_err().to_string();
         assert!(e.contains("control characters"), "{e}");
-        write_token_file(&tok, "\n  t0ken-1  \n").unwrap();
-        assert_eq!(c.auth_token().unwrap().as_deref(), Some("t0ken-1"));
+        write_token_file(&tok, &format!("\n  {STRONG}  \n")).unwrap();
+        assert_eq!(c.auth_token().unwrap().as_deref(), Some(STRONG));
         // A token file group or others can read is refused, naming the file and its mode.
         for mode in [0o640, 0o604, 0o644] {
             use std::os::unix::fs::PermissionsExt;
@@ -760,6 +834,69 @@ doorbells = 32
         assert!(e.starts_with("c.toml:3: field `token_file`"), "{e}");
         let e = err(&with_top("token = 5"));
         assert!(e.starts_with("c.toml:3:"), "{e}");
+    }
+
+    /// The minimum strength (MIN_TOKEN_LEN bytes, MIN_TOKEN_DISTINCT distinct characters),
+    /// inline or in a token file, each refusal naming the rule; `check_token` names where
+    /// the token came from.
+    #[test]
+    fn weak_tokens_are_refused_with_the_minimum() {
+        let e = err(&with_top("token = \"s3cret-cluster-token\""));
+        assert!(
+            e.starts_with(
+                "c.toml:3: field `token`: is too weak: it is 20 bytes long, the \
+                           minimum is 32"
+            ),
+            "{e}"
+        );
+        let e = err(&with_top(&format!("token = \"{}\"", "ab".repeat(20))));
+        assert!(e.contains("2 distinct characters, the minimum is 8"), "{e}");
+        // 32 hex digits (128 bits) are enough.
+        ClusterConfig::parse(
+            &with_top(&format!("token = \"{}\"", &STRONG[..32])),
+            "c.toml",
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let tok = dir.path().join("token");
+        write_token_file(&tok, "short").unwrap();
+        let e = read_token_file(&tok).unwrap_err().to_string();
+        assert!(e.contains("too weak: it is 5 bytes long"), "{e}");
+        let e = check_token("short", "--token").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "the cluster token from --token is too weak: it is 5 bytes long, the minimum is \
+             32 (make one with `openssl rand -hex 32`)"
+        );
+        check_token(STRONG, "--token").unwrap();
+    }
+
+    /// An inline token in a cluster file that group or others may read or write is refused
+    /// by `load`, naming the file and its mode; the same file at 0600 loads, and a file
+    /// without an inline token may stay world-readable.
+    #[test]
+    fn an_inline_token_needs_a_private_cluster_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cluster.toml");
+        std::fs::write(&path, with_top(&format!("token = \"{STRONG}\""))).unwrap();
+        for mode in [0o644, 0o640, 0o604, 0o620, 0o602] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = ClusterConfig::load(&path).unwrap_err().to_string();
+            assert!(
+                e.contains(&path.display().to_string())
+                    && e.contains(&format!("mode {mode:04o}"))
+                    && e.contains("inline `token`")
+                    && e.contains("chmod 600"),
+                "{e}"
+            );
+        }
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let c = ClusterConfig::load(&path).unwrap();
+        assert_eq!(c.auth_token().unwrap().as_deref(), Some(STRONG));
+        std::fs::write(&path, GOOD).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        ClusterConfig::load(&path).unwrap();
     }
 
     #[test]

@@ -547,6 +547,20 @@ pub trait Endpoint: Send + Sync {
         label: &str,
     ) -> Result<ExportedWindow>;
 
+    /// Like [`Endpoint::export_window`], but the peer never receives the fd, on shm too: it
+    /// reaches exactly `[offset, offset + size)` of the file through reads and writes this
+    /// end serves from its own mapping of that range. So nothing else of the file is ever
+    /// exposed, and dropping the window ends the peer's access for good (there is nothing
+    /// it could keep). For memory lent to a party that must not keep it: a peer-to-peer
+    /// grant to another lender.
+    fn export_window_mediated(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        size: u64,
+        label: &str,
+    ) -> Result<ExportedWindow>;
+
     /// Windows the peer currently exports to us.
     fn peer_windows(&self) -> Vec<WindowInfo>;
 

@@ -577,14 +577,9 @@ impl Inner {
 
     /// Whether the peer may add window `a`: within the limits it announced at the handshake
     /// (at most `max_windows` at once, aligned, not oversized), with exactly one fd on shm.
-    fn check_window_add(
-        &self,
-        a: &msg::WindowAdd,
-        has_fd: bool,
-    ) -> std::result::Result<(), String> {
-        if self.kind == FabricKind::Shm && !has_fd {
-            return Err("a shm window needs exactly one fd".into());
-        }
+    /// A shm window without an fd is a mediated one (`export_window_mediated`): read and
+    /// written through the exporter, as on tcp.
+    fn check_window_add(&self, a: &msg::WindowAdd) -> std::result::Result<(), String> {
         if a.label.len() > MAX_LABEL {
             return Err(format!(
                 "label of {} bytes exceeds {MAX_LABEL}",
@@ -716,7 +711,7 @@ impl Inner {
                     } else {
                         None
                     };
-                    if let Err(why) = self.check_window_add(&a, fd.is_some()) {
+                    if let Err(why) = self.check_window_add(&a) {
                         if let Some(n) = self.abuse_log.hit() {
                             log::warn!(
                                 "peer {}: refusing window {} ({:?}): {why} ({n} more refused \
@@ -1380,6 +1375,91 @@ pub(crate) fn poll_fds(fds: &[BorrowedFd<'_>], timeout: Duration) -> Result<bool
     Ok(r > 0)
 }
 
+impl LinkEndpoint {
+    /// Exports a window: with `mediated` (always on tcp) this end serves the peer's reads
+    /// and writes from its own mapping of the range and the fd never leaves; else (shm) the
+    /// peer receives the fd.
+    fn export(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        size: u64,
+        label: &str,
+        mediated: bool,
+    ) -> Result<ExportedWindow> {
+        let inner = &self.inner;
+        inner.check_up()?;
+        inner.cfg.limits.check_window(offset, size)?;
+        if label.len() > MAX_LABEL {
+            return Err(FabricError::BadLimits(format!(
+                "window label of {} bytes exceeds {MAX_LABEL}",
+                label.len()
+            )));
+        }
+        let need = offset.checked_add(size).ok_or(FabricError::Oversized {
+            size,
+            max: inner.cfg.limits.max_size,
+        })?;
+        let have = fd_size(fd)?;
+        if have < need {
+            return Err(FabricError::RegionTooSmall { have, need });
+        }
+        // Served by this end (tcp, or mediated): map exactly the window's range.
+        let map = if mediated {
+            Some(Arc::new(Mapping::map_shared(fd, offset, size)?))
+        } else {
+            None
+        };
+        let id = {
+            let mut st = lock(&inner.state);
+            let max = inner.cfg.limits.max_windows;
+            if st.exported.len() >= max as usize {
+                return Err(FabricError::WindowLimit { max });
+            }
+            let id = st.next_window;
+            st.next_window = st.next_window.wrapping_add(1).max(1);
+            st.exported.insert(id, map);
+            id
+        };
+        let add = msg::WindowAdd {
+            id,
+            size,
+            fd_offset: offset,
+            label: label.to_string(),
+        };
+        let fds: Vec<RawFd> = if mediated {
+            Vec::new()
+        } else {
+            vec![fd.as_raw_fd()]
+        };
+        if let Err(e) = wire::encode_payload(&add)
+            .map_err(FabricError::from)
+            .and_then(|p| inner.send_frame(0, op::WINDOW_ADD, 0, &p, &fds))
+        {
+            lock(&inner.state).exported.remove(&id);
+            return Err(e);
+        }
+        let weak = Arc::downgrade(inner);
+        let info = WindowInfo {
+            id,
+            size,
+            label: label.to_string(),
+        };
+        Ok(ExportedWindow::new(
+            info,
+            Box::new(move || {
+                let Some(inner) = weak.upgrade() else { return };
+                let was = lock(&inner.state).exported.remove(&id).is_some();
+                if was && !inner.is_gone() {
+                    if let Ok(p) = wire::encode_payload(&msg::WindowRemove { id }) {
+                        let _ = inner.send_frame(0, op::WINDOW_REMOVE, 0, &p, &[]);
+                    }
+                }
+            }),
+        ))
+    }
+}
+
 impl Endpoint for LinkEndpoint {
     fn local_node(&self) -> &NodeId {
         &self.inner.local
@@ -1424,73 +1504,17 @@ impl Endpoint for LinkEndpoint {
         size: u64,
         label: &str,
     ) -> Result<ExportedWindow> {
-        let inner = &self.inner;
-        inner.check_up()?;
-        inner.cfg.limits.check_window(offset, size)?;
-        if label.len() > MAX_LABEL {
-            return Err(FabricError::BadLimits(format!(
-                "window label of {} bytes exceeds {MAX_LABEL}",
-                label.len()
-            )));
-        }
-        let need = offset.checked_add(size).ok_or(FabricError::Oversized {
-            size,
-            max: inner.cfg.limits.max_size,
-        })?;
-        let have = fd_size(fd)?;
-        if have < need {
-            return Err(FabricError::RegionTooSmall { have, need });
-        }
-        let map = match inner.kind {
-            FabricKind::Tcp => Some(Arc::new(Mapping::map_shared(fd, offset, size)?)),
-            FabricKind::Shm => None,
-        };
-        let id = {
-            let mut st = lock(&inner.state);
-            let max = inner.cfg.limits.max_windows;
-            if st.exported.len() >= max as usize {
-                return Err(FabricError::WindowLimit { max });
-            }
-            let id = st.next_window;
-            st.next_window = st.next_window.wrapping_add(1).max(1);
-            st.exported.insert(id, map);
-            id
-        };
-        let add = msg::WindowAdd {
-            id,
-            size,
-            fd_offset: offset,
-            label: label.to_string(),
-        };
-        let fds: Vec<RawFd> = match inner.kind {
-            FabricKind::Shm => vec![fd.as_raw_fd()],
-            FabricKind::Tcp => Vec::new(),
-        };
-        if let Err(e) = wire::encode_payload(&add)
-            .map_err(FabricError::from)
-            .and_then(|p| inner.send_frame(0, op::WINDOW_ADD, 0, &p, &fds))
-        {
-            lock(&inner.state).exported.remove(&id);
-            return Err(e);
-        }
-        let weak = Arc::downgrade(inner);
-        let info = WindowInfo {
-            id,
-            size,
-            label: label.to_string(),
-        };
-        Ok(ExportedWindow::new(
-            info,
-            Box::new(move || {
-                let Some(inner) = weak.upgrade() else { return };
-                let was = lock(&inner.state).exported.remove(&id).is_some();
-                if was && !inner.is_gone() {
-                    if let Ok(p) = wire::encode_payload(&msg::WindowRemove { id }) {
-                        let _ = inner.send_frame(0, op::WINDOW_REMOVE, 0, &p, &[]);
-                    }
-                }
-            }),
-        ))
+        self.export(fd, offset, size, label, self.inner.kind == FabricKind::Tcp)
+    }
+
+    fn export_window_mediated(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        size: u64,
+        label: &str,
+    ) -> Result<ExportedWindow> {
+        self.export(fd, offset, size, label, true)
     }
 
     fn peer_windows(&self) -> Vec<WindowInfo> {

@@ -137,6 +137,59 @@ fn revoked_window_is_severed_at_the_mapper() {
     });
 }
 
+/// A mediated window sends no fd, on shm too: the mapper cannot map it directly, reaches
+/// exactly the exported range of the file (nothing before or after it) through the
+/// exporter, and loses it when the exporter drops the window, whatever it does.
+#[test]
+fn a_mediated_window_sends_no_fd_and_is_the_exporters_to_revoke() {
+    both(|kind, p| {
+        let mem = SharedMemory::new("m", 3 * 4096).unwrap();
+        mem.write_at(0, b"registers").unwrap();
+        let w =
+            p.a.export_window_mediated(mem.fd(), 4096, 4096, "peer")
+                .unwrap();
+        let info = p.b.wait_peer_window("peer", T).unwrap();
+        let m = p.b.map_peer_window(info.id).unwrap();
+        assert!(
+            m.as_ptr().is_err(),
+            "{kind}: a mediated window was directly mappable"
+        );
+        assert_eq!(m.len(), 4096);
+        m.write_at(8, b"hello").unwrap();
+        let mut got = [0u8; 9];
+        mem.read_at(4096 + 8, &mut got[..5]).unwrap();
+        assert_eq!(&got[..5], b"hello", "{kind}");
+        // The range only: offsets are the window's, and past its end is refused.
+        m.read_at(0, &mut got).unwrap();
+        assert_ne!(&got, b"registers", "{kind}");
+        assert!(m.write_at(4095, b"ab").is_err(), "{kind}");
+        drop(w);
+        loop {
+            match p.b.recv(T).unwrap() {
+                Incoming::WindowRemoved(id) => {
+                    assert_eq!(id, info.id);
+                    break;
+                }
+                Incoming::WindowAdded(_) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(m.write_at(0, b"late").is_err(), "{kind}");
+        mem.write_at(4096 + 16, b"new").unwrap();
+        let mut late = [0u8; 3];
+        assert!(
+            m.read_at(16, &mut late).is_err() || &late != b"new",
+            "{kind}: the revoked window shows new data"
+        );
+        mem.read_at(4096, &mut got[..4]).unwrap();
+        assert_eq!(
+            &got[..4],
+            &[0, 0, 0, 0],
+            "{kind}: revoked writes must not land"
+        );
+    });
+}
+
 #[test]
 fn tcp_batches_large_transfers_and_refuses_direct_mapping() {
     let p = pair(FabricKind::Tcp);

@@ -143,7 +143,7 @@ fn cluster() -> Cluster {
          [[node]]\nname = \"{LENDER}\"\nfabric = \"tcp\"\ncontrol = \"{LENDER_ADDR}:{PORT}\"\n"
     );
     let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
+    ntb::config::write_private_file(&path, &src).unwrap();
     let cfg = ClusterConfig::load(&path).unwrap();
     Cluster {
         dir,

@@ -92,7 +92,7 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(8 * 60);
 /// The self-test's own bound on waiting for the disk (seconds). It must cover the hot-add
 /// (API round trip, ACPI notify, probe, namespace scan) on a loaded host.
 const SELFTEST_WAIT_S: u32 = 300;
-const TOKEN: &str = "lendvm-linux-tests-token";
+const TOKEN: &str = "lendvm-linux-tests-token-8f3a61c2d4b7e9051a6c";
 const LENDER: &str = "node1";
 const NVME_BDF: &str = "0000:82:00.0";
 /// Size of the lent disk (the lender's `size=`).
@@ -235,7 +235,7 @@ impl Lender {
                 dir.path().display()
             ));
         }
-        std::fs::write(&cluster, toml).unwrap();
+        ntb::config::write_private_file(&cluster, &toml).unwrap();
         let cfg = ClusterConfig::load(&cluster).unwrap();
         nodes
             .iter()

@@ -715,7 +715,7 @@ fn live_migration_over_tcp_between_network_namespaces() {
          [[node]]\nname = \"{LENDER}\"\nfabric = \"tcp\"\ncontrol = \"169.254.79.1:7781\"\n"
     );
     let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src_cfg).unwrap();
+    ntb::config::write_private_file(&path, &src_cfg).unwrap();
     let cluster = Cluster {
         cfg: ntb::ClusterConfig::load(&path).unwrap(),
         path,
@@ -859,9 +859,9 @@ fn a_device_under_an_etcd_claim_migrates_with_its_claim() {
     // A destination without the directory cannot take the claim over: refused before the
     // ticket is used, so the source keeps its device and its claim.
     let plain = dir.path().join("plain.toml");
-    std::fs::write(
+    ntb::config::write_private_file(
         &plain,
-        format!(
+        &format!(
             "version = 1\ntoken = \"{TOKEN}\"\n[[node]]\nname = \"{LENDER}\"\nfabric = \"shm\"\n\
              control = \"{}\"\n",
             lsock.display()

@@ -291,7 +291,7 @@ fn two_lender_cluster(fabric: Fabric) -> Cluster {
         node("node2")
     );
     let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
+    ntb::config::write_private_file(&path, &src).unwrap();
     let cfg = ntb::ClusterConfig::load(&path).unwrap();
     Cluster {
         dir,

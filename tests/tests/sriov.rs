@@ -9,8 +9,9 @@
 //! (VF n at n * size), the PF's slice stays untouched, and both VFs are available again
 //! after the VMs exit.
 //!
-//! `the_pf_and_a_vf_go_to_two_vms`: the PF itself is lent to a VM while a VF is held by
-//! another.
+//! `the_pf_is_refused_while_a_vf_is_lent_then_goes_to_a_vm`: the PF is refused to a VM
+//! while a VF is held by another (a PF reset would take the VF away), and lent once the VF
+//! is back.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -135,12 +136,13 @@ fn two_vms_each_borrow_a_vf_of_one_pf_and_do_verified_io_at_once() {
     cluster.wait_available(VF2);
 }
 
-/// The PF goes to one VM while a VF is held by another: the PF's borrower gets the whole
-/// 4 KiB config space of the PF (its SR-IOV capability hidden by the lender), drives its own
-/// namespace (slice 0) and exits; the VF's VM then does its I/O, untouched by the PF's
-/// lease ending (reset) meanwhile.
+/// The PF is refused to a VM while a VF is held by another: that `lendvm` fails at boot
+/// with the lender's reason, and the VF's VM then does its I/O undisturbed. Once the VF is
+/// back the PF goes to a VM: its borrower gets the whole 4 KiB config space of the PF (its
+/// SR-IOV capability hidden by the lender) and drives its own namespace (slice 0), leaving
+/// the VF's slice as the VF wrote it.
 #[test]
-fn the_pf_and_a_vf_go_to_two_vms() {
+fn the_pf_is_refused_while_a_vf_is_lent_then_goes_to_a_vm() {
     let cluster = Cluster::new(Fabric::Shm);
     let disk = cluster.file("pf.img");
     let _lender = cluster.start_lenderd(&[format!(
@@ -152,6 +154,30 @@ fn the_pf_and_a_vf_go_to_two_vms() {
     let m = v.expect_line("MAILBOX ", BOOT_TIMEOUT);
     let mailbox = u64::from_str_radix(m.trim_start_matches("MAILBOX 0x"), 16).unwrap();
     v.expect_line("STEP 1 nvme-ready", BOOT_TIMEOUT);
+    let mut refused = boot_on(&cluster, "vm-p", NVME_BDF, seed_p, false);
+    let st = refused.wait_exit(BOOT_TIMEOUT);
+    let err = refused.stderr();
+    assert!(
+        st.is_some_and(|s| !s.success())
+            && err.contains(&format!("virtual function {VF2} is lent to"))
+            && err.contains("never lent at the same time"),
+        "lendvm with the PF while a VF is lent: {st:?}\n{err}"
+    );
+    assert_eq!(
+        cluster.device(NVME_BDF).summary.state,
+        DeviceState::Available
+    );
+    // The VF was lent all along; now it does its I/O.
+    assert!(matches!(
+        cluster.device(VF2).summary.state,
+        DeviceState::Lent { ref vm, .. } if vm == "vm-v"
+    ));
+    v.write_guest_u64(mailbox, 1);
+    v.expect_exit(0, BOOT_TIMEOUT);
+    let read = v.expect_ok("nvme-read", Duration::ZERO);
+    assert!(read.contains("verified 32768 bytes"), "{read}");
+    cluster.wait_available(VF2);
+
     let mut p = boot_on(&cluster, "vm-p", NVME_BDF, seed_p, false);
     p.expect_exit(0, BOOT_TIMEOUT);
     let read = p.expect_ok("nvme-read", Duration::ZERO);
@@ -162,15 +188,6 @@ fn the_pf_and_a_vf_go_to_two_vms() {
         "{ident}"
     );
     cluster.wait_available(NVME_BDF);
-    // The VF was lent all along; now it does its I/O.
-    assert!(matches!(
-        cluster.device(VF2).summary.state,
-        DeviceState::Lent { ref vm, .. } if vm == "vm-v"
-    ));
-    v.write_guest_u64(mailbox, 1);
-    v.expect_exit(0, BOOT_TIMEOUT);
-    let read = v.expect_ok("nvme-read", Duration::ZERO);
-    assert!(read.contains("verified 32768 bytes"), "{read}");
     assert_backing_has_pattern(&disk, SLBA, LBAS, seed_p);
     assert_backing_has_pattern(&disk, 2 * NS_BLOCKS + SLBA, LBAS, seed_v);
     cluster.wait_available(VF2);

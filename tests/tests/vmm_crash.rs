@@ -71,7 +71,7 @@ fn two_lender_cluster(fabric: Fabric) -> Cluster {
         node("node2")
     );
     let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, src).unwrap();
+    ntb::config::write_private_file(&path, &src).unwrap();
     let cfg = ClusterConfig::load(&path).unwrap();
     Cluster {
         dir,

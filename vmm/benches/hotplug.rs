@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use api::client::ApiClient;
 use api::types::{VmAddRemoteDeviceData, VmRemoveDeviceData};
 
-const TOKEN: &str = "hotplug-bench-token";
+const TOKEN: &str = "hotplug-bench-token-8f3a61c2d4b7e9051a6c";
 const DEV: &str = "0000:81:00.0";
 const TARGET_MS: f64 = 20.0;
 
@@ -179,9 +179,9 @@ fn main() {
     );
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    std::fs::write(
-        d.join("cluster.toml"),
-        format!(
+    ntb::config::write_private_file(
+        &d.join("cluster.toml"),
+        &format!(
             "version = 1\ntoken = \"{TOKEN}\"\n[[node]]\nname = \"node3\"\nfabric = \"shm\"\ncontrol = \"{}\"\n",
             d.join("node3.sock").display()
         ),

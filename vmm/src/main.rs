@@ -309,14 +309,20 @@ impl LinkSource for NoCluster {
 
 /// The cluster token: `--token`, else `$LENDVM_TOKEN`, else the cluster file's.
 fn token(cli: &Cli, cluster: &ClusterConfig) -> Result<Option<String>, String> {
+    let strong = |t: String, from: &str| {
+        ntb::config::check_token(&t, from)
+            .map(|()| Some(t))
+            .map_err(|e| e.to_string())
+    };
     if let Some(t) = &cli.token {
-        return Ok(Some(t.clone()));
+        return strong(t.clone(), "--token");
     }
     if let Ok(t) = std::env::var("LENDVM_TOKEN") {
         if !t.trim().is_empty() {
-            return Ok(Some(t));
+            return strong(t, "$LENDVM_TOKEN");
         }
     }
+    // The cluster file's token is checked when it is read.
     cluster.auth_token().map_err(|e| e.to_string())
 }
 

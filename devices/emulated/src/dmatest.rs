@@ -95,6 +95,9 @@ pub const BUF_SIZE: u64 = BAR0_SIZE - BUF_OFFSET;
 /// MSI-X vectors.
 pub const VECTORS: u16 = 2;
 
+/// The engine's only per-guest state: one copy at a time, started by a CMD store (a store
+/// while busy is kept in the register, not queued); each copy moves at most `MAX_LEN` (or
+/// the buffer's size) bytes. Nothing here grows with the guest's requests.
 #[derive(Default)]
 struct State {
     status: u32,

@@ -239,6 +239,7 @@ struct PoolShared {
 }
 
 struct PoolQueue {
+    /// Bound: the controller's in-flight commands (each fetched with a reserved CQ slot).
     ops: VecDeque<IoOp>,
 }
 

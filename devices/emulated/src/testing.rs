@@ -892,6 +892,28 @@ impl NvmeDriver {
         Ok(cid)
     }
 
+    /// Places `sqe` on queue `qid` whether or not its CQ could take the completion, as a
+    /// hostile driver that never consumes its CQ does; the command is not counted as
+    /// outstanding (nothing limits such a driver). Returns its cid.
+    pub fn push_unchecked(&mut self, qid: u16, mut sqe: Sqe) -> Result<u16, DriverError> {
+        let ram = self.ram.clone();
+        let q = self.queue(qid)?;
+        if q.sq_bar.is_some() {
+            return Err(DriverError::NoQueue(qid));
+        }
+        let cid = q.next_cid;
+        q.next_cid = q.next_cid.wrapping_add(1);
+        sqe.dw[0] = (sqe.dw[0] & 0xffff) | (u32::from(cid) << 16);
+        ram.write(q.sq + u64::from(q.tail) * SQE_SIZE, &sqe.to_bytes());
+        q.tail = (q.tail + 1) % q.size;
+        Ok(cid)
+    }
+
+    /// Queue `qid`'s SQ tail as the driver last stored it.
+    pub fn sq_tail(&mut self, qid: u16) -> Result<u16, DriverError> {
+        Ok(self.queue(qid)?.tail)
+    }
+
     /// Ring queue `qid`'s SQ tail doorbell.
     pub fn ring(&mut self, qid: u16) -> Result<(), DriverError> {
         let tail = self.queue(qid)?.tail;

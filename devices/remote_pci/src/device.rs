@@ -243,7 +243,8 @@ impl DeviceCounters {
 struct KickState {
     /// What the link reported last (generation applied).
     doorbells: KickDoorbells,
-    /// (BAR offset, guard) per registered doorbell; dropping a guard unregisters it.
+    /// (BAR offset, guard) per registered doorbell; dropping a guard unregisters it. Bound:
+    /// the lender's report, at most `lending::protocol::MAX_KICKS` (decoding refuses more).
     guards: Vec<(u64, IoEventGuard)>,
     log: LogLimit,
 }

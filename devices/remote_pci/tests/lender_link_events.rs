@@ -39,7 +39,7 @@ use remote_pci::{
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-const TOKEN: &str = "lender-events-token";
+const TOKEN: &str = "lender-events-token-8f3a61c2d4b7e9051a6c";
 const LENDER: &str = "node3";
 const VMM: &str = "node1";
 const NVME: &str = "0000:82:00.0";

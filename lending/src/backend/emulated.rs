@@ -46,6 +46,74 @@ pub fn shm_registers(name: &str, size: u64) -> Result<ShmRegisters, BackendError
     Ok(unsafe { MappedRegisters::with_backing(shm, base, len) })
 }
 
+/// Moves `shm`'s memory to a fresh memfd with the same contents, in place: the new memfd is
+/// mapped over the old mapping's address (the device's pointers stay valid) and takes over
+/// the old fd's number, so `shm.fd()` and every later export name the new memory while
+/// anyone who holds the old memfd (another process's mapping, a duplicated fd) keeps only
+/// the old one, cut off from the device. The caller keeps writers away meanwhile.
+fn renew_memfd(shm: &ntb::SharedMemory) -> Result<(), BackendError> {
+    use std::os::fd::AsRawFd;
+    let os = |what: &'static str| {
+        let source = std::io::Error::last_os_error();
+        BackendError::Os { what, source }
+    };
+    let fresh =
+        ntb::SharedMemory::new("lendvm-bar-renewed", shm.len()).map_err(|e| BackendError::Os {
+            what: "fresh register memfd",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    let len = usize::try_from(shm.len()).map_err(|_| BackendError::OutOfRange {
+        what: "register memory".into(),
+        offset: 0,
+        len: 0,
+        size: shm.len(),
+    })?;
+    // Only pages with data: a large buffer the lease never touched stays unallocated. Raw
+    // reads and copies (like the fabric's window copies): a holder of the old memfd may
+    // still write it; what it writes now is its own business.
+    const PAGE: usize = 4096;
+    let (old, new) = (shm.as_ptr(), fresh.as_ptr());
+    for at in (0..len).step_by(PAGE) {
+        let n = PAGE.min(len - at);
+        // SAFETY: `at + n <= len` inside both live mappings (page aligned, so u64 aligned);
+        // volatile loads tolerate a concurrent writer.
+        let used = (0..n / 8)
+            .any(|w| unsafe { std::ptr::read_volatile(old.add(at).cast::<u64>().add(w)) != 0 });
+        if used {
+            // SAFETY: as above; distinct memfds, so the ranges do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(old.add(at), new.add(at), n) };
+        }
+    }
+    // SAFETY: replaces exactly the mapping `shm` owns (same address and length, shared, read
+    // and write as before) with the fresh memfd; `shm`'s drop unmaps that range as before.
+    let p = unsafe {
+        libc::mmap(
+            shm.as_ptr().cast(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fresh.fd().as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED || p.cast::<u8>() != shm.as_ptr() {
+        return Err(os("mapping the fresh register memfd in place"));
+    }
+    // SAFETY: both fds are open and owned (`shm` keeps owning its fd number, which now
+    // names the fresh memfd; `fresh` closes its own number when dropped).
+    if unsafe {
+        libc::dup3(
+            fresh.fd().as_raw_fd(),
+            shm.fd().as_raw_fd(),
+            libc::O_CLOEXEC,
+        )
+    } < 0
+    {
+        return Err(os("moving the fresh register memfd to the exported fd"));
+    }
+    Ok(())
+}
+
 /// Builds a model over the seams the backend provides.
 pub type ModelFactory<'a> = Box<
     dyn FnOnce(
@@ -68,6 +136,8 @@ pub struct EmulatedBackend {
     /// (an SR-IOV PF).
     config: Mutex<Vec<u8>>,
     pristine: Vec<u8>,
+    /// The PF's id, for an SR-IOV virtual function.
+    physfn: Option<String>,
 }
 
 impl EmulatedBackend {
@@ -116,6 +186,7 @@ impl EmulatedBackend {
             irqs,
             config: Mutex::new(pristine.clone()),
             pristine,
+            physfn: None,
         })
     }
 
@@ -170,6 +241,13 @@ impl EmulatedBackend {
         self
     }
 
+    /// Marks the function as a virtual function of the PF `pf` (see
+    /// [`DeviceBackend::physical_function`]).
+    pub fn with_physfn(mut self, pf: &str) -> Self {
+        self.physfn = Some(pf.to_string());
+        self
+    }
+
     /// The software IOMMU (tests and status).
     pub fn soft_iommu(&self) -> &Arc<SoftIommu> {
         &self.iommu
@@ -217,6 +295,10 @@ impl EmulatedBackend {
 impl DeviceBackend for EmulatedBackend {
     fn kind(&self) -> &str {
         &self.kind
+    }
+
+    fn physical_function(&self) -> Option<String> {
+        self.physfn.clone()
     }
 
     fn describe(&self, id: &str) -> DeviceInfo {
@@ -399,6 +481,14 @@ impl DeviceBackend for EmulatedBackend {
 
     fn domain(&self) -> Arc<dyn IommuDomain> {
         Arc::clone(&self.iommu) as Arc<dyn IommuDomain>
+    }
+
+    fn renew_exports(&self) -> Result<(), BackendError> {
+        // The worker parks between passes: nothing writes the registers while they move.
+        self.model.quiesce(true);
+        let r = renew_memfd(self.regs.backing());
+        self.model.quiesce(false);
+        r
     }
 
     fn quiesce(&self, stop: bool) -> Result<(), BackendError> {

@@ -228,6 +228,21 @@ pub trait DeviceBackend: Send + Sync {
     fn set_kick_listener(&self, listener: Option<::emulated::KickListener>) {
         let _ = listener;
     }
+    /// At the end of a lease, after the reset: moves the memory the lease exported (BAR
+    /// windows, peer memory granted to other lenders) to fresh memory with the same
+    /// contents, so whoever kept the old memory (a borrower's or a grantee's mapping, an fd
+    /// it kept on shm) no longer reaches the device, and what the next lease does never
+    /// shows there. Default: nothing (a VFIO BAR is the device's own memory, which a
+    /// holder's mapping reaches only through a live IOMMU and window mapping).
+    fn renew_exports(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// For an SR-IOV virtual function: the id (BDF) of its physical function. The inventory
+    /// never lends a PF and any of its VFs at the same time (a PF reset takes its VFs away).
+    /// Default: none.
+    fn physical_function(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Applies the lender's filter to a borrower's config write, then performs it (a one-off

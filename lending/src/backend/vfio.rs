@@ -177,6 +177,8 @@ pub struct VfioBackend<D: VfioDeviceOps> {
     /// Offset of Device Status in the PCI Express capability (found once: the capability
     /// list is read-only), `None` for a conventional PCI function.
     devsta: Option<u64>,
+    /// For an SR-IOV virtual function: its PF's BDF (sysfs `physfn`).
+    physfn: Option<String>,
 }
 
 impl VfioBackend<vfio_ioctls::VfioDevice> {
@@ -221,7 +223,14 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
             bars: Vec::new(),
             handover_bme: Mutex::new(None),
             devsta: None,
+            physfn: None,
         };
+        // A VF's `physfn` link names its PF (the link's last component is the PF's BDF).
+        if plain_name(name) {
+            b.physfn = std::fs::read_link(sysfs.join(name).join("physfn"))
+                .ok()
+                .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()));
+        }
         b.bars = b.decide_bars(sysfs);
         b.devsta = b.devsta_offset();
         for (i, a) in &b.bars {
@@ -486,6 +495,10 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
 impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     fn kind(&self) -> &str {
         "vfio"
+    }
+
+    fn physical_function(&self) -> Option<String> {
+        self.physfn.clone()
     }
 
     fn config_size(&self) -> u16 {
@@ -1628,8 +1641,10 @@ pub(crate) mod tests {
     /// from the PF's SR-IOV capability (Intel-style First VF Offset 0x80, stride 2: VFs of
     /// 81:00.0 at 81:10.0 and 81:10.2); each parses as a `--device` spec, names its own sysfs
     /// directory (BAR0 lent directly through `<sysfs>/<VF BDF>/resource0`) and, having no
-    /// INTx (VFs have none), describes MSI-X only. The PF and both VFs sit in one inventory
-    /// and go to three borrowers at once; returning one VF's lease resets that VF only.
+    /// INTx (VFs have none), describes MSI-X only; its sysfs `physfn` link names its PF. The
+    /// PF and both VFs sit in one inventory; the VFs go to two borrowers, and the PF is then
+    /// refused to a third (resetting it would take the VFs away); returning one VF's lease
+    /// resets that VF only, and the PF is lent once no VF is, its VFs then refused.
     #[test]
     fn virtual_functions_are_plain_bdfs_in_sysfs_and_the_inventory() {
         use crate::inventory::{Inventory, InventoryError};
@@ -1656,6 +1671,9 @@ pub(crate) mod tests {
             let spec: crate::spec::DeviceSpec = format!("{vf}=vfio").parse().unwrap();
             assert_eq!(spec.function_ids(), std::slice::from_ref(vf));
             sysfs.add_resource(vf, 0, 0x4000).unwrap();
+            // As the kernel does: `<VF>/physfn -> ../<PF>`.
+            std::os::unix::fs::symlink(format!("../{BDF}"), sysfs.root().join(vf).join("physfn"))
+                .unwrap();
             // vfio-pci shows a VF's vendor and device id (the VF's own header reads
             // ffff:ffff); it has MSI-X and no INTx.
             let mut cfg = nic_config(false);
@@ -1665,6 +1683,7 @@ pub(crate) mod tests {
             let c = Arc::new(FakeVfioContainer::default());
             let dom = Arc::new(VfioDomain::new(format!("vfio {vf}"), c));
             let b = Arc::new(VfioBackend::with_parts(vf, dev, dom, sysfs.root()));
+            assert_eq!(b.physical_function().as_deref(), Some(BDF), "{vf}");
             match b.bar_access(0) {
                 Some(BarAccess::Direct { path, .. }) => {
                     assert_eq!(path, &sysfs.root().join(vf).join("resource0"))
@@ -1682,7 +1701,13 @@ pub(crate) mod tests {
         assert_eq!(ids, [BDF, "0000:81:10.0", "0000:81:10.2"]);
         let l1 = inv.acquire(&vfs[0], "node1", "vm-a").unwrap();
         let l2 = inv.acquire(&vfs[1], "node2", "vm-b").unwrap();
-        let lp = inv.acquire(BDF, "node4", "vm-c").unwrap();
+        assert_eq!(pf_b.physical_function(), None);
+        let e = inv.acquire(BDF, "node4", "vm-c").err().unwrap();
+        assert!(
+            matches!(&e, InventoryError::Family { relative, .. } if *relative == vfs[0]),
+            "{e:?}"
+        );
+        assert_eq!(inv.get(BDF).unwrap().state(), DeviceState::Available);
         assert_eq!(
             inv.acquire(&vfs[0], "node2", "vm-b").err(),
             Some(InventoryError::Busy {
@@ -1699,6 +1724,17 @@ pub(crate) mod tests {
             inv.get(&vfs[1]).unwrap().state(),
             DeviceState::Lent { .. }
         ));
-        drop((l2, lp));
+        drop(l2);
+        assert_eq!(*pf_b.dev.resets.lock().unwrap(), 0, "pf untouched");
+        let lp = inv.acquire(BDF, "node4", "vm-c").unwrap();
+        let e = inv.acquire(&vfs[1], "node2", "vm-b").err().unwrap();
+        assert!(
+            e.to_string()
+                .contains("its physical function 0000:81:00.0 is lent to node4/vm-c"),
+            "{e}"
+        );
+        drop(lp);
+        assert_eq!(*pf_b.dev.resets.lock().unwrap(), 1);
+        inv.acquire(&vfs[1], "node2", "vm-b").unwrap();
     }
 }

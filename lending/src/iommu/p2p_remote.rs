@@ -7,7 +7,9 @@
 //!   random capability secret; dropping it (P2P_REVOKE, T reset, T's lease ending or moving)
 //!   ends its attachment first. A presents the grant over a lender-to-lender link that
 //!   authenticated as A (P2P_ATTACH); B checks the grantee and the secret (constant time) and
-//!   exports T's peer memory as a fabric window on that link ([`Attachment`]).
+//!   exports T's peer memory as a *mediated* fabric window on that link: A reads and writes
+//!   exactly that range through B, never holding an fd of the device's memory, so a
+//!   revocation is B's to enforce ([`Attachment`]).
 //! * On A, [`PeerLenders`]: one authenticated link per peer lender, opened on first use
 //!   with the cluster token exactly as a borrower's ([`crate::LenderClient`]) and closed
 //!   when its last mapping ends, and a watcher thread per link (ends with the link). [`RemoteP2pMapping`] maps the attached window into S's IOMMU domain at
@@ -348,8 +350,12 @@ impl GrantTable {
             return Err(RemoteP2pError::Attached(g.id));
         }
         let label = format!("p2p-grant{}-lease{}-bar{}", g.id, g.target, g.bar);
+        // Mediated on every fabric: the grantee never receives the device's memfd (which
+        // holds its registers too, and which it could keep past a revocation); it reads and
+        // writes exactly the granted range through this lender, and the window's drop ends
+        // that for good.
         let w = ep
-            .export_window(g.fd.as_fd(), g.fd_offset, g.size, &label)
+            .export_window_mediated(g.fd.as_fd(), g.fd_offset, g.size, &label)
             .map_err(|source| RemoteP2pError::Export {
                 grant: g.id,
                 peer: peer.clone(),

@@ -25,7 +25,7 @@ use lending::protocol::IrqKind;
 use ntb::{ClusterConfig, ExportedWindow, FabricKind, PeerWindow, SharedMemory};
 use vmm_sys_util::eventfd::EventFd;
 
-pub const TOKEN: &str = "nvme-lent-cluster-token";
+pub const TOKEN: &str = "nvme-lent-cluster-token-8f3a61c2d4b7e9051a6c";
 pub const LENDER: &str = "node3";
 pub const BORROWER: &str = "node1";
 /// Where the driver allocates queues and buffers from (below: nothing, like low guest RAM).

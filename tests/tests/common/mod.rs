@@ -22,7 +22,7 @@ use ntb::ClusterConfig;
 pub use lendvm_tests::TEST_GUEST;
 
 /// The cluster token every process of a test uses.
-pub const TOKEN: &str = "lendvm-tests-cluster-token";
+pub const TOKEN: &str = "lendvm-tests-cluster-token-8f3a61c2d4b7e9051a6c";
 /// The lender's node name.
 pub const LENDER: &str = "node1";
 /// Lender-local PCI addresses of the devices it lends.
@@ -106,7 +106,7 @@ impl Cluster {
              [[node]]\nname = \"node9\"\nfabric = \"shm\"\ncontrol = \"{d}/node9.sock\"\n"
         );
         let path = dir.path().join("cluster.toml");
-        std::fs::write(&path, src).unwrap();
+        ntb::config::write_private_file(&path, &src).unwrap();
         let cfg = ClusterConfig::load(&path).unwrap();
         Cluster {
             dir,
@@ -553,6 +553,6 @@ pub fn directory_file(
         etcd.prefix
     );
     let p = dir.join("cluster.toml");
-    std::fs::write(&p, src).unwrap();
+    ntb::config::write_private_file(&p, &src).unwrap();
     p
 }

@@ -42,6 +42,9 @@ struct SubQ {
     size: u16,
     head: u16,
     cqid: u16,
+    /// Commands fetched from this queue whose completion is not yet produced (engine I/O,
+    /// a pending Delete I/O SQ). Bound: fetching stops at `size` (as QEMU bounds a queue's
+    /// requests by its size), and by the CQ's room before that.
     inflight: u32,
     deleting: Option<u16>,
     /// The out-of-range tail last refused (counted once per value written, not per pass).
@@ -60,7 +63,18 @@ struct CompQ {
     phase: bool,
     ien: bool,
     vector: u16,
-    overflow: VecDeque<Cqe>,
+    /// Completions fetched commands of this CQ's SQs still owe (not yet written or held).
+    /// A command is fetched only while `used + reserved + held < size - 1`, so a CQ the
+    /// host never consumes stops its SQs instead of queueing completions (a real
+    /// controller's behaviour): a guest cannot make the lender hold more than that.
+    reserved: u32,
+    /// Completions produced while the ring had no room. Every one had a reserved slot when
+    /// its command was fetched, so this only fills when the host moved its head backwards
+    /// (its own ring is then corrupt) or for Asynchronous Event Request completions.
+    /// Bound: `size - 1 + MAX_AERS` entries (checked in `complete`).
+    held: VecDeque<Cqe>,
+    /// Fetch stopped for lack of room here: EventIdx asks for the next head update.
+    starved: bool,
     unsignalled: u32,
     first_unsignalled: Option<Instant>,
     /// The out-of-range head last refused.
@@ -68,8 +82,44 @@ struct CompQ {
 }
 
 impl CompQ {
+    fn new(base: u64, shadow: bool, size: u16, ien: bool, vector: u16) -> Self {
+        CompQ {
+            base,
+            shadow,
+            event_idx: None,
+            size,
+            tail: 0,
+            head: 0,
+            phase: true,
+            ien,
+            vector,
+            reserved: 0,
+            held: VecDeque::new(),
+            starved: false,
+            unsignalled: 0,
+            first_unsignalled: None,
+            bad_head: None,
+        }
+    }
+
     fn full(&self) -> bool {
         (self.tail + 1) % self.size == self.head
+    }
+
+    /// Entries posted and not yet consumed by the host.
+    fn used(&self) -> u32 {
+        u32::from((self.tail + self.size - self.head) % self.size)
+    }
+
+    /// Whether one more command may be fetched for this CQ: its completion has a slot.
+    fn has_room(&self) -> bool {
+        self.used() + self.reserved + self.held.len() as u32 + 1 < u32::from(self.size)
+    }
+
+    /// Completions waiting for room, or a fetch stopped for it: the controller needs to
+    /// hear about the next head update.
+    fn waits_for_head(&self) -> bool {
+        self.starved || !self.held.is_empty()
     }
 }
 
@@ -146,16 +196,23 @@ pub(crate) struct Ctrl {
     nq_sq: u16,
     nq_cq: u16,
     feats: Features,
+    /// Parked Asynchronous Event Requests. Bound: MAX_AERS (more are refused).
     aers: Vec<u16>,
     /// An asynchronous event waiting for an Asynchronous Event Request to complete.
     pending_aen: Option<u32>,
     /// Error events are masked from the one reported until the host reads the Error
     /// Information log page (NVMe 1.4 5.2: one event of a type until its log is read).
     aen_error_masked: bool,
+    /// Engine I/O by tag, with the free tags. Bound: commands are fetched only with a
+    /// reserved CQ slot, so at most the sum of the I/O CQ sizes (max_io_queues x
+    /// max_queue_entries) are in flight at once; tags are reused.
     inflight: Vec<Option<Inflight>>,
     free_tags: Vec<usize>,
+    /// I/O the engine could not take yet. Bound: the in-flight commands above.
     backlog: VecDeque<IoOp>,
+    /// Engine completions of one reap. Bound: the in-flight commands.
     done: Vec<IoDone>,
+    /// Recycled data buffers. Bound: 256 (`recycle`), each at most MDTS.
     pool: Vec<AlignedBuf>,
     smart: SmartCounters,
     started: Instant,
@@ -389,21 +446,7 @@ impl Ctrl {
             self.csts |= CSTS_CFS;
             return;
         }
-        self.cqs[0] = Some(CompQ {
-            base: acq,
-            shadow: false,
-            event_idx: None,
-            size: acqs as u16,
-            tail: 0,
-            head: 0,
-            phase: true,
-            ien: true,
-            vector: 0,
-            overflow: VecDeque::new(),
-            unsignalled: 0,
-            first_unsignalled: None,
-            bad_head: None,
-        });
+        self.cqs[0] = Some(CompQ::new(acq, false, acqs as u16, true, 0));
         self.sqs[0] = Some(SubQ {
             base: asq,
             shadow: false,
@@ -601,9 +644,10 @@ impl Ctrl {
             cq.bad_head = None;
             if h as u16 != cq.head {
                 cq.head = h as u16;
+                cq.starved = false;
                 work = true;
-                if !cq.overflow.is_empty() {
-                    self.flush_overflow(qid);
+                if !cq.held.is_empty() {
+                    self.flush_held(qid);
                 }
             }
         }
@@ -613,7 +657,7 @@ impl Ctrl {
         work
     }
 
-    fn flush_overflow(&mut self, qid: usize) {
+    fn flush_held(&mut self, qid: usize) {
         loop {
             let Some(cq) = self.cqs[qid].as_mut() else {
                 return;
@@ -621,7 +665,7 @@ impl Ctrl {
             if cq.full() {
                 return;
             }
-            let Some(e) = cq.overflow.pop_front() else {
+            let Some(e) = cq.held.pop_front() else {
                 return;
             };
             self.write_cqe(qid, e);
@@ -669,6 +713,26 @@ impl Ctrl {
                 if u32::from(sq.head) == tail || sq.deleting.is_some() {
                     break;
                 }
+                // Bounded work per queue: at most `size` commands of this SQ outstanding,
+                // and none whose completion the CQ could not take. The SQ entries stay in
+                // guest memory until the host makes room (advances the CQ head).
+                if sq.inflight >= u32::from(sq.size) {
+                    break;
+                }
+                let cqid = sq.cqid as usize;
+                let Some(cq) = self.cqs.get_mut(cqid).and_then(Option::as_mut) else {
+                    break;
+                };
+                if !cq.has_room() {
+                    if !cq.starved {
+                        cq.starved = true;
+                        self.stats.fetch_stalls.fetch_add(1, Ordering::Relaxed);
+                    }
+                    break;
+                }
+                let Some(sq) = self.sqs[qid].as_mut() else {
+                    break;
+                };
                 let addr = sq.base + u64::from(sq.head) * SQE_SIZE;
                 sq.head = (sq.head + 1) % sq.size;
                 budget -= 1;
@@ -680,6 +744,9 @@ impl Ctrl {
                         log::warn!("nvme sq {qid}: {e}; entry dropped (dma fault #{n})");
                     }
                     continue;
+                }
+                if let Some(cq) = self.cqs.get_mut(cqid).and_then(Option::as_mut) {
+                    cq.reserved += 1;
                 }
                 let sqe = Sqe::from_bytes(&raw);
                 self.stats.commands.fetch_add(1, Ordering::Relaxed);
@@ -697,7 +764,14 @@ impl Ctrl {
         work
     }
 
+    /// Posts the completion of a fetched command, which holds a reserved CQ slot.
     fn complete(&mut self, sqid: u16, cid: u16, dw0: u32, st: u16) {
+        self.post(sqid, cid, dw0, st, true);
+    }
+
+    /// Posts a completion; `reserved` when its command still holds a CQ slot reservation
+    /// (every command but a parked Asynchronous Event Request).
+    fn post(&mut self, sqid: u16, cid: u16, dw0: u32, st: u16, reserved: bool) {
         let Some(sq) = self.sqs.get(sqid as usize).and_then(Option::as_ref) else {
             return;
         };
@@ -716,8 +790,28 @@ impl Ctrl {
         let Some(cq) = self.cqs.get_mut(cqid).and_then(Option::as_mut) else {
             return;
         };
-        if cq.full() || !cq.overflow.is_empty() {
-            cq.overflow.push_back(e);
+        if reserved {
+            cq.reserved = cq.reserved.saturating_sub(1);
+        }
+        if cq.full() || !cq.held.is_empty() {
+            // Only a host that moved its head backwards (or AER completions) gets here:
+            // bounded by the reservations plus the AERs.
+            if cq.held.len() >= usize::from(cq.size) + MAX_AERS {
+                let n = self
+                    .stats
+                    .dropped_completions
+                    .fetch_add(1, Ordering::Relaxed)
+                    + 1;
+                if loud(n) {
+                    log::warn!(
+                        "nvme cq {cqid}: {} completions wait for room; completion of cid \
+                         {cid} dropped (#{n})",
+                        cq.held.len()
+                    );
+                }
+                return;
+            }
+            cq.held.push_back(e);
             return;
         }
         self.write_cqe(cqid, e);
@@ -778,7 +872,8 @@ impl Ctrl {
         }
         let cid = self.aers.remove(0);
         let dw0 = self.pending_aen.take().unwrap_or(0);
-        self.complete(0, cid, dw0, status::SUCCESS);
+        // A parked AER gave its CQ reservation back when it was parked.
+        self.post(0, cid, dw0, status::SUCCESS, false);
     }
 
     fn finish_deletes(&mut self) {
@@ -928,6 +1023,11 @@ impl Ctrl {
                 if self.aers.len() >= MAX_AERS {
                     err(status::AER_LIMIT_EXCEEDED)
                 } else {
+                    // Parked (bounded by MAX_AERS) without its CQ slot: an AER may wait
+                    // forever and must not keep the admin queue from fetching.
+                    if let Some(cq) = self.cqs[0].as_mut() {
+                        cq.reserved = cq.reserved.saturating_sub(1);
+                    }
                     self.aers.push(sqe.cid());
                     self.deliver_aen();
                     None
@@ -1097,21 +1197,7 @@ impl Ctrl {
             return err(status::INVALID_VECTOR);
         }
         let shadow = self.init_slots(cq_slot(qid as usize));
-        self.cqs[qid as usize] = Some(CompQ {
-            base: prp1,
-            shadow,
-            event_idx: None,
-            size,
-            tail: 0,
-            head: 0,
-            phase: true,
-            ien,
-            vector: iv,
-            overflow: VecDeque::new(),
-            unsignalled: 0,
-            first_unsignalled: None,
-            bad_head: None,
-        });
+        self.cqs[qid as usize] = Some(CompQ::new(prp1, shadow, size, ien, iv));
         self.regs.write32(cq_doorbell(qid), 0);
         ok(0)
     }

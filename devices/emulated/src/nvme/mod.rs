@@ -207,6 +207,12 @@ pub struct NvmeStats {
     /// Commands refused for their PRPs (misaligned entries, a list walk that exceeds its
     /// bound: loops).
     pub invalid_prps: AtomicU64,
+    /// Times fetching from a queue stopped because its CQ had no room for another
+    /// completion (counted once per stall, until the host advances that CQ's head).
+    pub fetch_stalls: AtomicU64,
+    /// Completions dropped because the CQ held its bound of completions waiting for room
+    /// (only a host that moved its CQ head backwards can cause it).
+    pub dropped_completions: AtomicU64,
 }
 
 struct Inner {
@@ -577,7 +583,7 @@ impl DeviceModel for NvmeController {
 
     fn intx_resample(&self) {
         self.inner.lock().intx_resample();
-        // Head doorbells read here may have freed room for overflowed completions: let the
+        // Head doorbells read here may have freed room for held completions: let the
         // controller thread post and signal them.
         self.inner.wait.wake();
     }

@@ -32,7 +32,9 @@ pub struct LendingEventSink {
     /// racing the event pump's report returns only once the hook has been told (the hook
     /// must not set a hook of this link from `lease_lost`).
     reporting: Arc<Mutex<()>>,
-    /// Per kind: the eventfds to write on relayed interrupts (tcp).
+    /// Per kind: the eventfds to write on relayed interrupts (tcp). Bound: the vectors the
+    /// VMM wired (at most `lending::protocol::MAX_IRQS`); relayed interrupts are eventfd
+    /// writes, never queued here (the session's event queue is `lending::client::EVENT_QUEUE`).
     pub(super) relay: Arc<Mutex<HashMap<IrqKind, Vec<EventFd>>>>,
     pub(super) counts: Arc<Mutex<Vec<u64>>>,
     /// Times the session's event pump returned from its wait (events, wake-ups).

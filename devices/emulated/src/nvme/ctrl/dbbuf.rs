@@ -70,7 +70,7 @@ impl Ctrl {
             let (Some(cq), Some(d)) = (self.cqs[qid].as_ref(), self.dbbuf) else {
                 continue;
             };
-            if cq.shadow && !cq.overflow.is_empty() {
+            if cq.shadow && cq.waits_for_head() {
                 std::sync::atomic::fence(Ordering::SeqCst);
                 moved |= read_slot(&*self.dma, d.shadow, cq_slot(qid))
                     .is_some_and(|h| h != u32::from(cq.head));
@@ -96,9 +96,10 @@ impl Ctrl {
     }
 
     /// A shadowed CQ's EventIdx. The controller reads CQ heads from the shadow buffer every
-    /// pass, so it needs a doorbell only when completions wait for room (overflow): then
-    /// EventIdx = head (the next head update rings); otherwise one below the head, which a
-    /// driver's new head only passes when it wraps the ring.
+    /// pass, so it needs a doorbell only when it waits for room (completions held, or a fetch
+    /// stopped because the CQ could not take another completion): then EventIdx = head (the
+    /// next head update rings); otherwise one below the head, which a driver's new head only
+    /// passes when it wraps the ring.
     pub(super) fn cq_event_idx(&mut self, qid: usize) {
         let (Some(cq), Some(d)) = (self.cqs[qid].as_mut(), self.dbbuf) else {
             return;
@@ -106,7 +107,7 @@ impl Ctrl {
         if !cq.shadow {
             return;
         }
-        let ei = if !cq.overflow.is_empty() {
+        let ei = if cq.waits_for_head() {
             cq.head
         } else if cq.head == 0 {
             cq.size - 1
