@@ -393,10 +393,12 @@ fn main() -> ExitCode {
             };
             let source = match directory {
                 None => LenderSource::new(cluster, id),
-                Some(d) => match lending::directory::etcd::EtcdDirectory::connect(&d) {
-                    Ok(dir) => LenderSource::with_directory(cluster, id, Arc::new(dir)),
-                    Err(e) => return usage_error(format!("cluster directory: {e}")),
-                },
+                Some(d) => {
+                    match lending::directory::etcd::EtcdDirectory::connect(&d, Some(&id.token)) {
+                        Ok(dir) => LenderSource::with_directory(cluster, id, Arc::new(dir)),
+                        Err(e) => return usage_error(format!("cluster directory: {e}")),
+                    }
+                }
             };
             for d in &cli.remote_device {
                 if let Err(e) = source.check_node(&d.device.node) {

@@ -185,23 +185,61 @@ pub(super) struct EtcdClaims {
     pub(super) node: String,
     /// Device → revision of its current claim.
     pub(super) current: Mutex<HashMap<String, i64>>,
+    /// Log limit for claim records that do not check (anyone with etcd write access can
+    /// write them at will).
+    pub(super) forged: ntb::RateLimit,
 }
 
 impl EtcdClaims {
+    /// Checks a claim record's MAC with the cluster secret (`secure`).
+    fn authentic(&self, kv: &KeyValue) -> Result<ClaimRecord, String> {
+        let rec: ClaimRecord = decode(kv).map_err(|e| e.to_string())?;
+        let Some(key) = &self.shared.claim_key else {
+            return Err("this lender has no cluster secret to check claims with".into());
+        };
+        key.check(&rec).map_err(|e| e.to_string())?;
+        if rec.node != self.node {
+            return Err(format!(
+                "the record names lender {}, not {}",
+                rec.node, self.node
+            ));
+        }
+        Ok(rec)
+    }
+
+    fn log_forged(&self, key: &str, why: &str) {
+        if let Some(held) = self.forged.hit() {
+            log::warn!(
+                "lender {}: ignoring claim record {key}: {why} ({held} more not logged)",
+                self.node
+            );
+        }
+    }
+
     pub(super) fn apply(&self, ev: EventType, kv: &KeyValue) {
         let key = String::from_utf8_lossy(kv.key());
         let KeyKind::Claim(_, bdf) = classify(&self.shared.keys, &key) else {
             return;
         };
-        let mut cur = lock(&self.current);
         match ev {
             EventType::Put => {
+                // Only a record signed with the cluster secret becomes the current claim
+                // (a new revision here ends the lease fenced by the old one).
+                let rec = match self.authentic(kv) {
+                    Ok(r) => r,
+                    Err(why) => return self.log_forged(&key, &why),
+                };
+                if rec.bdf != bdf {
+                    return self.log_forged(&key, &format!("the record names device {}", rec.bdf));
+                }
                 let rev = kv.create_revision();
+                let mut cur = lock(&self.current);
                 let e = cur.entry(bdf.to_string()).or_insert(rev);
                 *e = (*e).max(rev);
             }
             EventType::Delete => {
                 // A delete older than a claim verify() already saw must not remove it.
+                let mut cur = lock(&self.current);
                 if cur.get(bdf).is_some_and(|&r| r <= kv.mod_revision()) {
                     cur.remove(bdf);
                 }
@@ -229,8 +267,10 @@ impl ClaimAuthority for EtcdClaims {
                 kv.create_revision()
             ));
         }
-        let rec: ClaimRecord = decode(kv).map_err(|e| e.to_string())?;
-        if rec.holder != holder || rec.vm != vm {
+        let rec = self
+            .authentic(kv)
+            .inspect_err(|why| self.log_forged(&key, why))?;
+        if rec.bdf != device || rec.holder != holder || rec.vm != vm {
             return Err(format!(
                 "the claim belongs to {}/{}, not {holder}/{vm}",
                 rec.holder, rec.vm
