@@ -116,8 +116,9 @@ impl Drop for EtcdRegistration {
     }
 }
 
-/// Runs the registration's lease: keep-alive, and after a loss a fresh lease with the
-/// records re-written, until stopped.
+/// Runs the registration's lease: keep-alive (reporting, not giving up, a TTL without a
+/// renewal), and once etcd says the lease is gone a fresh lease with the records re-written,
+/// until stopped.
 pub(super) async fn registration_task(
     shared: Arc<Shared>,
     node: NodeRecord,
@@ -129,23 +130,43 @@ pub(super) async fn registration_task(
     let ttl = shared.cfg.lease_ttl;
     loop {
         let id = lease.load(Ordering::SeqCst);
-        let why = match keep_alive(shared.client.clone(), id, ttl, stop.clone()).await {
-            KeepAliveEnd::Stopped => return,
-            KeepAliveEnd::Expired => format!("etcd lease {id:x} expired"),
-            KeepAliveEnd::Unrenewed => format!("etcd lease {id:x} not renewed for {ttl:?}"),
+        let (l, name) = (Arc::clone(&lost), node.name.clone());
+        let on = move |r| match r {
+            Renewal::Renewed => {
+                if lock(&l).take().is_some() {
+                    log::info!("lender {name}: registration renewed again (lease {id:x})");
+                }
+            }
+            Renewal::Unrenewed => {
+                let why = format!("etcd lease {id:x} not renewed for {ttl:?}");
+                // Running leases continue (their claims have not been seen to end; a claim
+                // cannot expire without an etcd leader either); only new borrows wait.
+                log::error!("lender {name}: registration not in force ({why}); still renewing");
+                *lock(&l) = Some(why);
+            }
         };
+        match keep_alive(shared.client.clone(), id, ttl, stop.clone(), on).await {
+            KeepAliveEnd::Stopped => return,
+            KeepAliveEnd::Expired => {}
+        }
+        let why = format!("etcd lease {id:x} expired");
         *lock(&lost) = Some(why.clone());
-        // Running leases continue (their claims have not been seen to end; a claim cannot
-        // expire without an etcd leader either); only new borrows wait for etcd.
         log::error!(
             "lender {}: registration lost ({why}); re-registering",
             node.name
         );
-        // Re-register until it works or we are stopped.
+        // Re-register until it works or we are stopped: at once, then every second.
+        let mut first = true;
         loop {
-            tokio::select! {
-                _ = tokio::time::sleep(RETRY * 4) => {}
-                _ = async { let mut s = stop.clone(); let _ = s.changed().await; } => return,
+            if !first {
+                tokio::select! {
+                    _ = tokio::time::sleep(RETRY * 4) => {}
+                    _ = async { let mut s = stop.clone(); let _ = s.changed().await; } => return,
+                }
+            }
+            first = false;
+            if *stop.borrow() {
+                return;
             }
             let mut c = shared.client.clone();
             let ttl_s = shared.ttl_secs();
@@ -170,9 +191,6 @@ pub(super) async fn registration_task(
                     node.name,
                     g.id()
                 );
-                // The keys now live under the new lease; the old one (if etcd still has it)
-                // holds nothing any more.
-                let _ = tokio::time::timeout(CALL_TIMEOUT, c.lease_revoke(id)).await;
                 break;
             }
         }
