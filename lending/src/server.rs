@@ -15,7 +15,7 @@
 //!
 //! Before the HELLO proves the token a session is limited ([`PreAuth`]): at most
 //! [`MAX_UNAUTHENTICATED`] such sessions at once, [`MAX_UNAUTHENTICATED_PER_SOURCE`] of them
-//! from one source ([`ntb::source_key`]), each closed if it has not authenticated within the
+//! from one tcp source ([`ntb::source_key`]), each closed if it has not authenticated within the
 //! AUTH deadline ([`DEFAULT_AUTH_TIMEOUT`], [`Lender::set_auth_timeout`]). A peer that opens
 //! links and never sends AUTH is thus bounded too, not only one that fails it.
 
@@ -60,7 +60,8 @@ const POLL: Duration = Duration::from_millis(100);
 
 /// Most sessions that have not authenticated yet, in total.
 pub const MAX_UNAUTHENTICATED: usize = 64;
-/// Most of those from one source ([`ntb::source_key`]).
+/// Most of those from one tcp source ([`ntb::source_key`]); shm peers are all the lender's
+/// own uid (the socket is 0600), so only the total bounds them.
 pub const MAX_UNAUTHENTICATED_PER_SOURCE: usize = 8;
 /// How long a session may take from its link coming up to a HELLO that proves the token.
 pub const DEFAULT_AUTH_TIMEOUT: Duration = Duration::from_secs(10);
@@ -99,7 +100,9 @@ struct PreAuthSlot {
 }
 
 impl PreAuthSlot {
-    fn take(pre: &Arc<PreAuth>, source: &str) -> Result<PreAuthSlot, String> {
+    /// `share`: the per-source share applies (tcp; a shm socket is 0600, so every shm peer
+    /// is the lender's own uid, one source).
+    fn take(pre: &Arc<PreAuth>, source: &str, share: bool) -> Result<PreAuthSlot, String> {
         let mut c = pre.counts.lock().unwrap_or_else(|e| e.into_inner());
         if c.0 >= MAX_UNAUTHENTICATED {
             return Err(format!(
@@ -107,7 +110,7 @@ impl PreAuthSlot {
             ));
         }
         let n = c.1.entry(source.to_string()).or_insert(0);
-        if *n >= MAX_UNAUTHENTICATED_PER_SOURCE {
+        if share && *n >= MAX_UNAUTHENTICATED_PER_SOURCE {
             return Err(format!(
                 "{MAX_UNAUTHENTICATED_PER_SOURCE} sessions from {source} are already waiting \
                  to authenticate"
@@ -305,7 +308,8 @@ impl Lender {
     /// Serves one link until it goes down or the lender stops.
     pub fn run_session(self: Arc<Self>, ep: Arc<dyn Endpoint>) {
         let source = ntb::source_key(&ep.peer_addr());
-        let slot = match PreAuthSlot::take(&self.preauth, &source) {
+        let share = ep.kind() == FabricKind::Tcp;
+        let slot = match PreAuthSlot::take(&self.preauth, &source, share) {
             Ok(slot) => slot,
             Err(why) => {
                 if let Some(n) = self.preauth.log.hit() {

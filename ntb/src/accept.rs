@@ -4,8 +4,10 @@
 //! first.
 //!
 //! Pre-authentication limits: at most [`MAX_PENDING_HANDSHAKES`] handshakes at once, of which
-//! one source ([`source_key`]: an IPv4 address, an IPv6 /64, a local uid) holds at most
-//! [`MAX_PENDING_PER_SOURCE`], so silent connections from one place cannot take every slot.
+//! one source ([`source_key`]: an IPv4 address, an IPv6 /64) holds at most
+//! [`MAX_PENDING_PER_SOURCE`] on tcp, so silent connections from one place cannot take every
+//! slot. Shm listeners have no per-source share: their socket is 0600, so every peer is the
+//! listener's own uid, one source.
 
 use std::collections::HashMap;
 use std::io;
@@ -71,15 +73,15 @@ struct Pending {
 }
 
 impl Pending {
-    /// Takes a slot for `source`, or says why not.
-    fn take(&mut self, source: &str) -> std::result::Result<(), String> {
+    /// Takes a slot for `source` (`share`: the per-source share applies), or says why not.
+    fn take(&mut self, source: &str, share: bool) -> std::result::Result<(), String> {
         if self.total >= MAX_PENDING_HANDSHAKES {
             return Err(format!(
                 "{MAX_PENDING_HANDSHAKES} handshakes already pending"
             ));
         }
         let n = self.per_source.entry(source.to_string()).or_insert(0);
-        if *n >= MAX_PENDING_PER_SOURCE {
+        if share && *n >= MAX_PENDING_PER_SOURCE {
             return Err(format!(
                 "{MAX_PENDING_PER_SOURCE} handshakes from {source} already pending"
             ));
@@ -111,11 +113,14 @@ pub(crate) struct Handshakes {
     /// Written by a handshake thread when it has sent its result.
     done: Arc<EventFd>,
     pending: Arc<Mutex<Pending>>,
+    /// Whether each source gets only its share of the slots (tcp).
+    per_source: bool,
     log: Arc<RateLimit>,
 }
 
 impl Handshakes {
-    pub(crate) fn new(local: &NodeId, cfg: &LinkConfig) -> Result<Handshakes> {
+    /// `per_source`: each source holds at most [`MAX_PENDING_PER_SOURCE`] slots.
+    pub(crate) fn new(local: &NodeId, cfg: &LinkConfig, per_source: bool) -> Result<Handshakes> {
         let (tx, rx) = mpsc::channel();
         Ok(Handshakes {
             local: local.clone(),
@@ -124,6 +129,7 @@ impl Handshakes {
             rx: Mutex::new(rx),
             done: Arc::new(new_eventfd()?),
             pending: Arc::default(),
+            per_source,
             log: Arc::new(RateLimit::new(Duration::from_secs(1))),
         })
     }
@@ -131,7 +137,7 @@ impl Handshakes {
     /// Starts the handshake of a freshly accepted connection from `from`.
     fn start(&self, stream: Accepted, from: String) {
         let source = source_key(&from);
-        if let Err(why) = lock(&self.pending).take(&source) {
+        if let Err(why) = lock(&self.pending).take(&source, self.per_source) {
             if let Some(n) = self.log.hit() {
                 log::warn!(
                     "{why}, closing the connection from {from} ({n} more closed or failed \
@@ -254,9 +260,9 @@ mod tests {
     fn one_source_holds_at_most_its_share_of_the_handshake_slots() {
         let mut p = Pending::default();
         for _ in 0..MAX_PENDING_PER_SOURCE {
-            p.take("10.0.0.9").unwrap();
+            p.take("10.0.0.9", true).unwrap();
         }
-        let e = p.take("10.0.0.9").unwrap_err();
+        let e = p.take("10.0.0.9", true).unwrap_err();
         assert!(e.contains("from 10.0.0.9"), "{e}");
         // Others still get in, up to the global bound.
         let mut n = MAX_PENDING_PER_SOURCE;
@@ -267,9 +273,15 @@ mod tests {
             n += 1;
             i += 1;
         }
-        assert!(p.take("10.2.0.1").is_err());
+        assert!(p.take("10.2.0.1", true).is_err());
         p.give("10.0.0.9");
-        p.take("10.2.0.1").unwrap();
+        p.take("10.2.0.1", true).unwrap();
         assert_eq!(p.total, MAX_PENDING_HANDSHAKES);
+        // Without shares (shm: one uid) one source may take every slot.
+        let mut p = Pending::default();
+        for _ in 0..MAX_PENDING_HANDSHAKES {
+            p.take("uid=0", false).unwrap();
+        }
+        assert!(p.take("uid=0", false).is_err());
     }
 }

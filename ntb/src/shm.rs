@@ -54,7 +54,7 @@ impl ShmListener {
             listener,
             path: path.to_path_buf(),
             file,
-            handshakes: Handshakes::new(local, cfg)?,
+            handshakes: Handshakes::new(local, cfg, false)?,
         })
     }
 }
