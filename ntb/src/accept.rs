@@ -268,7 +268,7 @@ mod tests {
         let mut n = MAX_PENDING_PER_SOURCE;
         let mut i = 0;
         while n < MAX_PENDING_HANDSHAKES {
-            p.take(&format!("10.1.0.{}", i / MAX_PENDING_PER_SOURCE))
+            p.take(&format!("10.1.0.{}", i / MAX_PENDING_PER_SOURCE), true)
                 .unwrap();
             n += 1;
             i += 1;
