@@ -355,7 +355,7 @@ fn main() {
     let claims_n = env_usize("DIRECTORY_BENCH_CLAIMS", 200);
     fill_etcd(&etcd, claims_n.div_ceil(DEVICES));
     let cfg = etcd.config(Duration::from_secs(5));
-    let d = EtcdDirectory::connect(&cfg).unwrap();
+    let d = EtcdDirectory::connect(&cfg, Some(TOKEN)).unwrap();
     let targets: Vec<(String, String)> = (0..claims_n)
         .map(|k| {
             (
@@ -378,7 +378,7 @@ fn main() {
         for tnum in 0..threads {
             let (cfg, targets) = (&cfg, &targets);
             s.spawn(move || {
-                let d = EtcdDirectory::connect(cfg).unwrap();
+                let d = EtcdDirectory::connect(cfg, Some(TOKEN)).unwrap();
                 let mut held = Vec::new();
                 for (node, bdf) in targets.iter().skip(tnum).step_by(threads) {
                     // A released claim may still be there for a moment (revoke in flight).
@@ -423,7 +423,7 @@ fn main() {
         ),
     )
     .unwrap();
-    let b = EtcdDirectory::connect(&cfg).unwrap();
+    let b = EtcdDirectory::connect(&cfg, Some(TOKEN)).unwrap();
     for round in 0..env_usize("DIRECTORY_BENCH_DEATHS", 3) {
         let sock = dir.path().join(format!("death{round}.sock"));
         let mut l = Lenderd::command(lenderd_binary(), "victim", &f)

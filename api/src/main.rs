@@ -622,7 +622,8 @@ fn directory_command(
 ) -> Result<(), Failure> {
     use lending::directory::etcd::EtcdDirectory;
     use lending::directory::Directory;
-    let dir = EtcdDirectory::connect(cfg).map_err(|e| Failure(format!("directory: {e}")))?;
+    // Read-only views: no cluster secret, so no claims.
+    let dir = EtcdDirectory::connect(cfg, None).map_err(|e| Failure(format!("directory: {e}")))?;
     let fail = |e: lenders::LendersError| Failure(e.to_string());
     // One lender, asked directly over the fabric (diagnosis): its address is in the directory.
     if let Some(name) = &cli.lender {

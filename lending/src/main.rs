@@ -177,7 +177,7 @@ fn run(args: Args) -> Result<(), String> {
     let dir: Option<Arc<dyn Directory>> = match &dir_cfg {
         None => None,
         Some(cfg) => Some(Arc::new(
-            EtcdDirectory::connect(cfg).map_err(|e| format!("directory: {e}"))?,
+            EtcdDirectory::connect(cfg, Some(&token)).map_err(|e| format!("directory: {e}"))?,
         )),
     };
     let registration: Option<Box<dyn Registration>> = match &dir {

@@ -12,6 +12,12 @@
 //! directory claim (`BORROW_CLAIMED` with the claim's revision as fencing token; a plain
 //! `BORROW` is refused), and a lease whose claim this lender sees end (expired, released,
 //! replaced) is ended with a `DeviceGone` event within one poll period ([`POLL`]).
+//!
+//! Before the HELLO proves the token a session is limited ([`PreAuth`]): at most
+//! [`MAX_UNAUTHENTICATED`] such sessions at once, [`MAX_UNAUTHENTICATED_PER_SOURCE`] of them
+//! from one tcp source ([`ntb::source_key`]), each closed if it has not authenticated within the
+//! AUTH deadline ([`DEFAULT_AUTH_TIMEOUT`], [`Lender::set_auth_timeout`]). A peer that opens
+//! links and never sends AUTH is thus bounded too, not only one that fails it.
 
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
@@ -52,6 +58,86 @@ pub use migration::TICKET_TTL;
 /// How often idle loops look at the stop flag.
 const POLL: Duration = Duration::from_millis(100);
 
+/// Most sessions that have not authenticated yet, in total.
+pub const MAX_UNAUTHENTICATED: usize = 64;
+/// Most of those from one tcp source ([`ntb::source_key`]); shm peers are all the lender's
+/// own uid (the socket is 0600), so only the total bounds them.
+pub const MAX_UNAUTHENTICATED_PER_SOURCE: usize = 8;
+/// How long a session may take from its link coming up to a HELLO that proves the token.
+pub const DEFAULT_AUTH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The sessions that have not authenticated yet: counts (bounded by [`MAX_UNAUTHENTICATED`]
+/// in total and [`MAX_UNAUTHENTICATED_PER_SOURCE`] per source; the map holds only sources
+/// with a session in it) and the AUTH deadline.
+struct PreAuth {
+    counts: Mutex<(usize, HashMap<String, usize>)>,
+    timeout_ms: AtomicU64,
+    /// Refusals and deadline closes are peer-triggered: logged rate-limited.
+    log: ntb::RateLimit,
+}
+
+impl Default for PreAuth {
+    fn default() -> Self {
+        PreAuth {
+            counts: Mutex::default(),
+            timeout_ms: AtomicU64::new(DEFAULT_AUTH_TIMEOUT.as_millis() as u64),
+            log: ntb::RateLimit::new(Duration::from_secs(1)),
+        }
+    }
+}
+
+impl PreAuth {
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+}
+
+/// One unauthenticated session's place in [`PreAuth`]; dropping it (HELLO done, or the
+/// session over) gives the place back.
+struct PreAuthSlot {
+    pre: Arc<PreAuth>,
+    source: String,
+}
+
+impl PreAuthSlot {
+    /// `share`: the per-source share applies (tcp; a shm socket is 0600, so every shm peer
+    /// is the lender's own uid, one source).
+    fn take(pre: &Arc<PreAuth>, source: &str, share: bool) -> Result<PreAuthSlot, String> {
+        let mut c = pre.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if c.0 >= MAX_UNAUTHENTICATED {
+            return Err(format!(
+                "{MAX_UNAUTHENTICATED} sessions are already waiting to authenticate"
+            ));
+        }
+        let n = c.1.entry(source.to_string()).or_insert(0);
+        if share && *n >= MAX_UNAUTHENTICATED_PER_SOURCE {
+            return Err(format!(
+                "{MAX_UNAUTHENTICATED_PER_SOURCE} sessions from {source} are already waiting \
+                 to authenticate"
+            ));
+        }
+        *n += 1;
+        c.0 += 1;
+        Ok(PreAuthSlot {
+            pre: Arc::clone(pre),
+            source: source.to_string(),
+        })
+    }
+}
+
+impl Drop for PreAuthSlot {
+    fn drop(&mut self) {
+        let mut c = self.pre.counts.lock().unwrap_or_else(|e| e.into_inner());
+        c.0 = c.0.saturating_sub(1);
+        if let Some(n) = c.1.get_mut(&self.source) {
+            *n -= 1;
+            if *n == 0 {
+                c.1.remove(&self.source);
+            }
+        }
+    }
+}
+
 /// Errors of the server.
 #[derive(Debug, Error)]
 pub enum ServerError {
@@ -70,6 +156,8 @@ pub struct Lender {
     claims: Option<Arc<dyn ClaimAuthority>>,
     /// Failed authentications per peer address.
     auth_failures: FailureLimiter,
+    /// Sessions not authenticated yet: their cap and deadline.
+    preauth: Arc<PreAuth>,
     /// Every lease, across sessions, for peer-to-peer DMA between leases of one borrower.
     p2p: Arc<P2pBook>,
     /// Lease transfer tickets and hand-offs (live migration).
@@ -93,6 +181,7 @@ impl Lender {
             stop,
             claims: None,
             auth_failures: FailureLimiter::default(),
+            preauth: Arc::default(),
             p2p: Arc::default(),
             transfers: migration::Transfers::default(),
         })
@@ -115,9 +204,19 @@ impl Lender {
             stop,
             claims: Some(claims),
             auth_failures: FailureLimiter::default(),
+            preauth: Arc::default(),
             p2p: Arc::default(),
             transfers: migration::Transfers::default(),
         })
+    }
+
+    /// How long a session may take from its link coming up to its HELLO (default
+    /// [`DEFAULT_AUTH_TIMEOUT`]); a session past it is closed.
+    pub fn set_auth_timeout(&self, timeout: Duration) {
+        let ms = u64::try_from(timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        self.preauth.timeout_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Set it to stop [`Lender::serve`] (sessions end, leases are taken back).
@@ -208,11 +307,29 @@ impl Lender {
 
     /// Serves one link until it goes down or the lender stops.
     pub fn run_session(self: Arc<Self>, ep: Arc<dyn Endpoint>) {
+        let source = ntb::source_key(&ep.peer_addr());
+        let share = ep.kind() == FabricKind::Tcp;
+        let slot = match PreAuthSlot::take(&self.preauth, &source, share) {
+            Ok(slot) => slot,
+            Err(why) => {
+                if let Some(n) = self.preauth.log.hit() {
+                    log::warn!(
+                        "{why}: closing the link from {} ({source}) ({n} more refused or timed \
+                         out since the last report)",
+                        ep.peer_node()
+                    );
+                }
+                ep.close();
+                return;
+            }
+        };
+        let started = Instant::now();
         let mut s = Session {
             id: self.transfers.session_id(),
             lender: Arc::clone(&self),
             ep: Arc::clone(&ep),
             hello: false,
+            preauth: Some(slot),
             challenge: None,
             rate_key: auth::rate_key(&ep.peer_addr()),
             version: PROTOCOL_VERSION,
@@ -256,6 +373,20 @@ impl Lender {
                 Ok(Incoming::WindowRemoved(id)) => s.window_removed(id),
                 Err(FabricError::Timeout(_)) => {}
                 Err(e) => break e.to_string(),
+            }
+            if !s.hello {
+                let limit = self.preauth.timeout();
+                if started.elapsed() >= limit {
+                    if let Some(n) = self.preauth.log.hit() {
+                        log::warn!(
+                            "{peer} ({}): no HELLO within {limit:?} of the link coming up, \
+                             closing it ({n} more refused or timed out since the last report)",
+                            ep.peer_addr()
+                        );
+                    }
+                    ep.close();
+                    break format!("not authenticated within {limit:?}");
+                }
             }
             s.serve_handoffs();
             s.announce_kicks();
@@ -364,6 +495,8 @@ struct Session {
     lender: Arc<Lender>,
     ep: Arc<dyn Endpoint>,
     hello: bool,
+    /// Its place among the unauthenticated sessions, until the HELLO.
+    preauth: Option<PreAuthSlot>,
     /// The nonces of the session's AUTH (borrower's, lender's), until HELLO uses them.
     challenge: Option<([u8; auth::NONCE_LEN], [u8; auth::NONCE_LEN])>,
     /// The peer's address as counted by the failure limiter.
@@ -722,6 +855,7 @@ impl Session {
                 );
             };
             self.hello = true;
+            self.preauth = None;
             self.version = version;
             log::info!(
                 "{}: hello from {} (protocol version {version})",

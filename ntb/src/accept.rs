@@ -2,11 +2,17 @@
 //! (TLS on tcp, then the fabric hello) on its own thread, bounded by `connect_timeout`, so a
 //! silent or slow peer never delays the others; `accept` hands out whichever link is ready
 //! first.
+//!
+//! Pre-authentication limits: at most [`MAX_PENDING_HANDSHAKES`] handshakes at once, of which
+//! one source ([`source_key`]: an IPv4 address, an IPv6 /64) holds at most
+//! [`MAX_PENDING_PER_SOURCE`] on tcp, so silent connections from one place cannot take every
+//! slot. Shm listeners have no per-source share: their socket is 0600, so every peer is the
+//! listener's own uid, one source.
 
+use std::collections::HashMap;
 use std::io;
-use std::net::TcpStream;
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,6 +33,74 @@ pub(crate) enum Accepted {
 
 /// Most handshakes a listener runs at once; connections beyond are closed at once.
 pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
+/// Most of those one source ([`source_key`]) may hold: an eighth, so a source that keeps
+/// opening silent connections leaves the other 56 slots to everyone else.
+pub const MAX_PENDING_PER_SOURCE: usize = 8;
+
+/// The unit pre-authentication limits count per: the IPv4 address, the /64 of an IPv6
+/// address (one host usually holds a whole /64, and rotates through it at will), `uid=N` of
+/// a local peer (`unix:uid=N,pid=P`); anything else as given.
+pub fn source_key(peer_addr: &str) -> String {
+    if let Some(rest) = peer_addr.strip_prefix("unix:") {
+        return rest.split(',').next().unwrap_or(rest).to_string();
+    }
+    let ip = match peer_addr.parse::<SocketAddr>() {
+        Ok(a) => a.ip(),
+        Err(_) => match peer_addr.parse::<IpAddr>() {
+            Ok(ip) => ip,
+            Err(_) => return peer_addr.to_string(),
+        },
+    };
+    match ip {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None => {
+                let s = v6.segments();
+                format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+            }
+        },
+    }
+}
+
+/// Handshakes in flight, in total and per source.
+#[derive(Default)]
+struct Pending {
+    total: usize,
+    /// Bounded by [`MAX_PENDING_HANDSHAKES`] entries (an entry exists only while its source
+    /// has a handshake in flight).
+    per_source: HashMap<String, usize>,
+}
+
+impl Pending {
+    /// Takes a slot for `source` (`share`: the per-source share applies), or says why not.
+    fn take(&mut self, source: &str, share: bool) -> std::result::Result<(), String> {
+        if self.total >= MAX_PENDING_HANDSHAKES {
+            return Err(format!(
+                "{MAX_PENDING_HANDSHAKES} handshakes already pending"
+            ));
+        }
+        let n = self.per_source.entry(source.to_string()).or_insert(0);
+        if share && *n >= MAX_PENDING_PER_SOURCE {
+            return Err(format!(
+                "{MAX_PENDING_PER_SOURCE} handshakes from {source} already pending"
+            ));
+        }
+        *n += 1;
+        self.total += 1;
+        Ok(())
+    }
+
+    fn give(&mut self, source: &str) {
+        self.total = self.total.saturating_sub(1);
+        if let Some(n) = self.per_source.get_mut(source) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_source.remove(source);
+            }
+        }
+    }
+}
 
 /// The accepting side's handshakes, each on its own thread and bounded by
 /// `connect_timeout`, so a silent or slow peer never delays the others: `accept` hands out
@@ -38,12 +112,15 @@ pub(crate) struct Handshakes {
     rx: Mutex<mpsc::Receiver<Result<LinkEndpoint>>>,
     /// Written by a handshake thread when it has sent its result.
     done: Arc<EventFd>,
-    pending: Arc<AtomicUsize>,
+    pending: Arc<Mutex<Pending>>,
+    /// Whether each source gets only its share of the slots (tcp).
+    per_source: bool,
     log: Arc<RateLimit>,
 }
 
 impl Handshakes {
-    pub(crate) fn new(local: &NodeId, cfg: &LinkConfig) -> Result<Handshakes> {
+    /// `per_source`: each source holds at most [`MAX_PENDING_PER_SOURCE`] slots.
+    pub(crate) fn new(local: &NodeId, cfg: &LinkConfig, per_source: bool) -> Result<Handshakes> {
         let (tx, rx) = mpsc::channel();
         Ok(Handshakes {
             local: local.clone(),
@@ -52,24 +129,26 @@ impl Handshakes {
             rx: Mutex::new(rx),
             done: Arc::new(new_eventfd()?),
             pending: Arc::default(),
+            per_source,
             log: Arc::new(RateLimit::new(Duration::from_secs(1))),
         })
     }
 
     /// Starts the handshake of a freshly accepted connection from `from`.
     fn start(&self, stream: Accepted, from: String) {
-        if self.pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HANDSHAKES {
-            self.pending.fetch_sub(1, Ordering::AcqRel);
+        let source = source_key(&from);
+        if let Err(why) = lock(&self.pending).take(&source, self.per_source) {
             if let Some(n) = self.log.hit() {
                 log::warn!(
-                    "{MAX_PENDING_HANDSHAKES} handshakes already pending, closing the connection \
-                     from {from} ({n} more closed or failed since the last report)"
+                    "{why}, closing the connection from {from} ({n} more closed or failed \
+                     since the last report)"
                 );
             }
             return;
         }
         let (local, cfg, tx) = (self.local.clone(), self.cfg.clone(), self.tx.clone());
         let (done, pending, log) = (self.done.clone(), self.pending.clone(), self.log.clone());
+        let source_of = source.clone();
         let spawned = std::thread::Builder::new()
             .name("ntb-handshake".into())
             .spawn(move || {
@@ -96,7 +175,7 @@ impl Handshakes {
                         );
                     }
                 }
-                pending.fetch_sub(1, Ordering::AcqRel);
+                lock(&pending).give(&source_of);
                 if r.is_ok() {
                     // Fails only when the listener is gone; the link then closes on drop.
                     let _ = tx.send(r);
@@ -104,7 +183,7 @@ impl Handshakes {
                 let _ = done.write(1);
             });
         if let Err(e) = spawned {
-            self.pending.fetch_sub(1, Ordering::AcqRel);
+            lock(&self.pending).give(&source);
             log::warn!("cannot start a handshake thread: {e}");
         }
     }
@@ -153,5 +232,56 @@ impl Handshakes {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_are_ipv4_addresses_ipv6_64s_and_local_uids() {
+        assert_eq!(source_key("10.1.2.3:4000"), "10.1.2.3");
+        assert_eq!(
+            source_key("[2001:db8:1:2:aaaa::1]:4000"),
+            source_key("[2001:db8:1:2:bbbb:cccc:dddd:eeee]:5000")
+        );
+        assert_eq!(source_key("[2001:db8:1:2::1]:1"), "2001:db8:1:2::/64");
+        assert_ne!(
+            source_key("[2001:db8:1:2::1]:1"),
+            source_key("[2001:db8:1:3::1]:1")
+        );
+        assert_eq!(source_key("[::ffff:10.1.2.3]:7"), "10.1.2.3");
+        assert_eq!(source_key("unix:uid=1000,pid=77"), "uid=1000");
+        assert_eq!(source_key("odd"), "odd");
+    }
+
+    #[test]
+    fn one_source_holds_at_most_its_share_of_the_handshake_slots() {
+        let mut p = Pending::default();
+        for _ in 0..MAX_PENDING_PER_SOURCE {
+            p.take("10.0.0.9", true).unwrap();
+        }
+        let e = p.take("10.0.0.9", true).unwrap_err();
+        assert!(e.contains("from 10.0.0.9"), "{e}");
+        // Others still get in, up to the global bound.
+        let mut n = MAX_PENDING_PER_SOURCE;
+        let mut i = 0;
+        while n < MAX_PENDING_HANDSHAKES {
+            p.take(&format!("10.1.0.{}", i / MAX_PENDING_PER_SOURCE), true)
+                .unwrap();
+            n += 1;
+            i += 1;
+        }
+        assert!(p.take("10.2.0.1", true).is_err());
+        p.give("10.0.0.9");
+        p.take("10.2.0.1", true).unwrap();
+        assert_eq!(p.total, MAX_PENDING_HANDSHAKES);
+        // Without shares (shm: one uid) one source may take every slot.
+        let mut p = Pending::default();
+        for _ in 0..MAX_PENDING_HANDSHAKES {
+            p.take("uid=0", false).unwrap();
+        }
+        assert!(p.take("uid=0", false).is_err());
     }
 }

@@ -262,12 +262,33 @@ pub struct ClusterConfig {
 /// etcd = ["127.0.0.1:2379"]   # client endpoints (host:port), at least one
 /// prefix = "/lendvm"          # key prefix (default /lendvm)
 /// lease_ttl_s = 5             # TTL of lender registrations and borrower claims (2..=300)
+/// ca = "etcd-ca.pem"          # TLS: the CA of the members' certificates (https endpoints)
+/// cert = "client.pem"         # TLS client certificate (etcd --client-cert-auth), with key
+/// key = "client-key.pem"      # its private key (mode 0600)
+/// user = "lendvm"             # etcd auth: user name, with password_file
+/// password_file = "etcd-pw"   # the user's password (mode 0600; never inline)
+/// allow_plain = false         # plain http to endpoints off loopback (explicit opt-in)
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Relative paths are relative to the cluster file. The `--cluster etcd://` URL takes the
+/// same keys as query parameters ([`DirectoryConfig::from_url`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct DirectoryConfig {
     pub etcd: Vec<String>,
     pub prefix: String,
     pub lease_ttl: Duration,
+    /// CA bundle (PEM) that signs the members' certificates: with it every endpoint is
+    /// reached over https.
+    pub ca: Option<PathBuf>,
+    /// Client certificate chain (PEM) for members started with `--client-cert-auth`.
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    pub key: Option<PathBuf>,
+    /// etcd user (members with auth enabled); its password is read from `password_file`.
+    pub user: Option<String>,
+    pub password_file: Option<PathBuf>,
+    /// The operator's explicit consent to plain http with endpoints off loopback.
+    pub allow_plain: bool,
 }
 
 /// Default key prefix of the etcd directory.
@@ -276,13 +297,29 @@ pub const DEFAULT_DIRECTORY_PREFIX: &str = "/lendvm";
 pub const DEFAULT_DIRECTORY_TTL: Duration = Duration::from_secs(5);
 
 impl DirectoryConfig {
-    /// Parses `etcd://host:port[,host:port...]` (the `--cluster` form) with default prefix
-    /// and TTL.
+    /// A plain config for `endpoints` with the default prefix and TTL (no TLS, no user).
+    pub fn new(endpoints: Vec<String>) -> DirectoryConfig {
+        DirectoryConfig {
+            etcd: endpoints,
+            prefix: DEFAULT_DIRECTORY_PREFIX.into(),
+            lease_ttl: DEFAULT_DIRECTORY_TTL,
+            ..DirectoryConfig::default()
+        }
+    }
+
+    /// Parses `etcd://host:port[,host:port...][/][?key=value&...]` (the `--cluster` form).
+    /// The keys are those of the `[directory]` table: `ca`, `cert`, `key` (file paths),
+    /// `user`, `password_file`, `allow_plain` (`true`/`false`, or bare), `prefix`,
+    /// `lease_ttl_s`. A password is never taken inline (it would show in `ps`).
     pub fn from_url(url: &str) -> Result<DirectoryConfig, String> {
         let rest = url
             .strip_prefix("etcd://")
             .ok_or_else(|| format!("directory {url:?} does not start with etcd://"))?;
-        let etcd: Vec<String> = rest
+        let (hosts, query) = match rest.split_once('?') {
+            Some((h, q)) => (h, Some(q)),
+            None => (rest, None),
+        };
+        let etcd: Vec<String> = hosts
             .trim_end_matches('/')
             .split(',')
             .map(str::to_string)
@@ -290,11 +327,143 @@ impl DirectoryConfig {
         for e in &etcd {
             check_endpoint(e)?;
         }
-        Ok(DirectoryConfig {
-            etcd,
-            prefix: DEFAULT_DIRECTORY_PREFIX.into(),
-            lease_ttl: DEFAULT_DIRECTORY_TTL,
-        })
+        let mut cfg = DirectoryConfig::new(etcd);
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let path = |v: &str| {
+                if v.is_empty() {
+                    Err(format!("directory URL parameter {k} needs a file path"))
+                } else {
+                    Ok(Some(PathBuf::from(v)))
+                }
+            };
+            match k {
+                "ca" => cfg.ca = path(v)?,
+                "cert" => cfg.cert = path(v)?,
+                "key" => cfg.key = path(v)?,
+                "password_file" => cfg.password_file = path(v)?,
+                "user" if !v.is_empty() => cfg.user = Some(v.to_string()),
+                "allow_plain" => {
+                    cfg.allow_plain = match v {
+                        "" | "true" | "1" => true,
+                        "false" | "0" => false,
+                        _ => {
+                            return Err(format!(
+                                "directory URL: allow_plain={v:?} is not true or false"
+                            ))
+                        }
+                    }
+                }
+                "prefix" => {
+                    check_prefix(v).map_err(|m| format!("directory URL: prefix {m}"))?;
+                    cfg.prefix = v.to_string();
+                }
+                "lease_ttl_s" => {
+                    cfg.lease_ttl = check_ttl(v.parse::<u64>().map_err(|_| {
+                        format!("directory URL: lease_ttl_s={v:?} is not a number")
+                    })?)
+                    .map_err(|m| format!("directory URL: lease_ttl_s {m}"))?;
+                }
+                "password" => {
+                    return Err(
+                        "directory URL: a password is not taken inline (it would show in the \
+                         process list); put it in a mode-0600 file and pass password_file=PATH"
+                            .into(),
+                    )
+                }
+                other => {
+                    return Err(format!(
+                        "directory URL: unknown parameter {other:?} (known: ca, cert, key, user, \
+                         password_file, allow_plain, prefix, lease_ttl_s)"
+                    ))
+                }
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Whether the endpoints are reached over TLS.
+    pub fn tls(&self) -> bool {
+        self.ca.is_some()
+    }
+
+    /// Checks that the settings go together, and refuses plain http to an endpoint off
+    /// loopback unless `allow_plain` says the operator wants it: without TLS anyone on the
+    /// path reads and rewrites the directory.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.etcd.is_empty() {
+            return Err("the directory has no etcd endpoints".into());
+        }
+        for e in &self.etcd {
+            check_endpoint(e)?;
+        }
+        if self.cert.is_some() != self.key.is_some() {
+            return Err("directory: a client certificate needs both cert and key".into());
+        }
+        if self.cert.is_some() && self.ca.is_none() {
+            return Err(
+                "directory: cert and key are TLS settings; give ca (the CA of the etcd \
+                 members) too"
+                    .into(),
+            );
+        }
+        if self.user.is_some() != self.password_file.is_some() {
+            return Err("directory: etcd auth needs both user and password_file".into());
+        }
+        if !self.tls() && !self.allow_plain {
+            if let Some(e) = self.etcd.iter().find(|e| !is_loopback_endpoint(e)) {
+                return Err(format!(
+                    "directory: etcd endpoint {e} is not on loopback and no ca is set: plain \
+                     http would let anyone on the path read and rewrite the directory; set ca \
+                     (and cert/key) for TLS, or allow_plain = true to accept that"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Resolves the relative file paths against `dir` (the cluster file's directory).
+    fn resolve_in(&mut self, dir: &Path) {
+        for p in [
+            &mut self.ca,
+            &mut self.cert,
+            &mut self.key,
+            &mut self.password_file,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if p.is_relative() {
+                *p = dir.join(&*p);
+            }
+        }
+    }
+}
+
+/// Whether an endpoint's host is a loopback address (or `localhost`).
+fn is_loopback_endpoint(e: &str) -> bool {
+    let host = e.rsplit_once(':').map_or(e, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+fn check_prefix(v: &str) -> Result<(), String> {
+    if !v.starts_with('/') || v.ends_with('/') || v.len() > 256 {
+        Err(format!("{v:?} must start with / and not end with /"))
+    } else {
+        Ok(())
+    }
+}
+
+fn check_ttl(t: u64) -> Result<Duration, String> {
+    if (2..=300).contains(&t) {
+        Ok(Duration::from_secs(t))
+    } else {
+        Err(format!("{t} is not in 2..=300"))
     }
 }
 
@@ -312,6 +481,13 @@ struct RawDirectory {
     etcd: Spanned<Vec<String>>,
     prefix: Option<Spanned<String>>,
     lease_ttl_s: Option<Spanned<u64>>,
+    ca: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
+    user: Option<String>,
+    password_file: Option<String>,
+    #[serde(default)]
+    allow_plain: bool,
 }
 
 #[derive(Deserialize)]
@@ -511,32 +687,35 @@ impl ClusterConfig {
                     None => DEFAULT_DIRECTORY_PREFIX.to_string(),
                     Some(p) => {
                         let v = p.get_ref();
-                        if !v.starts_with('/') || v.ends_with('/') || v.len() > 256 {
-                            return cx.invalid(
-                                "directory.prefix",
-                                p.span(),
-                                format!("{v:?} must start with / and not end with /"),
-                            );
+                        if let Err(m) = check_prefix(v) {
+                            return cx.invalid("directory.prefix", p.span(), m);
                         }
                         v.clone()
                     }
                 };
                 let lease_ttl = match &d.lease_ttl_s {
                     None => DEFAULT_DIRECTORY_TTL,
-                    Some(t) if (2..=300).contains(t.get_ref()) => Duration::from_secs(*t.get_ref()),
-                    Some(t) => {
-                        return cx.invalid(
-                            "directory.lease_ttl_s",
-                            t.span(),
-                            format!("{} is not in 2..=300", t.get_ref()),
-                        )
-                    }
+                    Some(t) => match check_ttl(*t.get_ref()) {
+                        Ok(t) => t,
+                        Err(m) => return cx.invalid("directory.lease_ttl_s", t.span(), m),
+                    },
                 };
-                Some(DirectoryConfig {
+                let mut cfg = DirectoryConfig {
                     etcd: d.etcd.get_ref().clone(),
                     prefix,
                     lease_ttl,
-                })
+                    ca: d.ca.as_ref().map(PathBuf::from),
+                    cert: d.cert.as_ref().map(PathBuf::from),
+                    key: d.key.as_ref().map(PathBuf::from),
+                    user: d.user.clone(),
+                    password_file: d.password_file.as_ref().map(PathBuf::from),
+                    allow_plain: d.allow_plain,
+                };
+                cfg.resolve_in(dir);
+                if let Err(m) = cfg.validate() {
+                    return cx.invalid("directory", d.etcd.span(), m);
+                }
+                Some(cfg)
             }
         };
         if raw.node.is_empty() && directory.is_none() {
@@ -902,7 +1081,7 @@ doorbells = 32
     #[test]
     fn directory_table_is_parsed_and_checked() {
         let src = "version = 1\n[directory]\netcd = [\"127.0.0.1:2379\", \"h2:2379\"]\n\
-                   lease_ttl_s = 3\n";
+                   lease_ttl_s = 3\nallow_plain = true\n";
         let c = ClusterConfig::parse(src, "t.toml").unwrap();
         let d = c.directory.unwrap();
         assert_eq!(d.etcd, ["127.0.0.1:2379", "h2:2379"]);
@@ -918,10 +1097,81 @@ doorbells = 32
         assert!(e.contains("\"h2\" is not host:port"), "{e}");
         let e = err(&format!("{src}prefix = \"x/\"\n"));
         assert!(e.contains("directory.prefix"), "{e}");
-        let u = DirectoryConfig::from_url("etcd://a:1,b:2").unwrap();
+        let u = DirectoryConfig::from_url("etcd://a:1,b:2?allow_plain").unwrap();
         assert_eq!(u.etcd, ["a:1", "b:2"]);
         assert!(DirectoryConfig::from_url("etcd://a").is_err());
         assert!(DirectoryConfig::from_url("http://a:1").is_err());
+    }
+
+    #[test]
+    fn plain_http_etcd_off_loopback_needs_the_operators_explicit_consent() {
+        for ok in [
+            "etcd://127.0.0.1:2379",
+            "etcd://localhost:2379,[::1]:2379",
+            "etcd://h2:2379?allow_plain=true",
+            "etcd://h2:2379/?ca=/etc/ca.pem",
+        ] {
+            DirectoryConfig::from_url(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        let e = DirectoryConfig::from_url("etcd://127.0.0.1:2379,10.0.0.2:2379").unwrap_err();
+        assert!(e.contains("10.0.0.2:2379 is not on loopback"), "{e}");
+        assert!(e.contains("allow_plain"), "{e}");
+        let src = "version = 1\n[directory]\netcd = [\"h2:2379\"]\n";
+        let e = err(src);
+        assert!(e.contains("h2:2379 is not on loopback"), "{e}");
+    }
+
+    #[test]
+    fn directory_tls_and_auth_settings_from_the_table_and_the_url() {
+        let d = DirectoryConfig::from_url(
+            "etcd://h1:2379,h2:2379?ca=/p/ca.pem&cert=/p/c.pem&key=/p/k.pem&user=lv\
+             &password_file=/p/pw&prefix=/x&lease_ttl_s=6",
+        )
+        .unwrap();
+        assert!(d.tls());
+        assert_eq!(d.ca.as_deref(), Some(Path::new("/p/ca.pem")));
+        assert_eq!(d.cert.as_deref(), Some(Path::new("/p/c.pem")));
+        assert_eq!(d.key.as_deref(), Some(Path::new("/p/k.pem")));
+        assert_eq!(d.user.as_deref(), Some("lv"));
+        assert_eq!(d.password_file.as_deref(), Some(Path::new("/p/pw")));
+        assert_eq!(d.prefix, "/x");
+        assert_eq!(d.lease_ttl, Duration::from_secs(6));
+        for (bad, says) in [
+            ("etcd://h:1?ca=/c&cert=/c", "both cert and key"),
+            ("etcd://127.0.0.1:1?cert=/c&key=/k", "give ca"),
+            ("etcd://127.0.0.1:1?user=u", "both user and password_file"),
+            (
+                "etcd://127.0.0.1:1?user=u&password=hunter2",
+                "not taken inline",
+            ),
+            (
+                "etcd://127.0.0.1:1?cafile=/c",
+                "unknown parameter \"cafile\"",
+            ),
+            ("etcd://127.0.0.1:1?ca=", "needs a file path"),
+            ("etcd://127.0.0.1:1?lease_ttl_s=1", "not in 2..=300"),
+        ] {
+            let e = DirectoryConfig::from_url(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // In a cluster file, relative paths are relative to the file.
+        let src = "version = 1\n[directory]\netcd = [\"h2:2379\"]\nca = \"tls/ca.pem\"\n\
+                   cert = \"tls/c.pem\"\nkey = \"/abs/k.pem\"\nuser = \"lv\"\n\
+                   password_file = \"pw\"\n";
+        let c = ClusterConfig::parse_in(src, "c.toml", Path::new("/etc/lendvm")).unwrap();
+        let d = c.directory.unwrap();
+        assert_eq!(d.ca.as_deref(), Some(Path::new("/etc/lendvm/tls/ca.pem")));
+        assert_eq!(d.cert.as_deref(), Some(Path::new("/etc/lendvm/tls/c.pem")));
+        assert_eq!(d.key.as_deref(), Some(Path::new("/abs/k.pem")));
+        assert_eq!(
+            d.password_file.as_deref(),
+            Some(Path::new("/etc/lendvm/pw"))
+        );
+        let e = err(&src.replace("key = \"/abs/k.pem\"\n", ""));
+        assert!(
+            e.contains("field `directory`") && e.contains("cert and key"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod tcp;
 pub mod tls;
 pub mod wire;
 
+pub use accept::{source_key, MAX_PENDING_PER_SOURCE};
 pub use config::{ClusterConfig, ConfigError, ControlAddr, DirectoryConfig, NodeConfig};
 pub use fabric::{
     BackingId, Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming, LinkConfig,

@@ -34,6 +34,18 @@ pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_LABEL: usize = 256;
 /// Most received messages (requests, events, window notices) waiting for the user.
 pub(crate) const MAX_INCOMING: usize = 4096;
+/// Most payload bytes of those messages (4096 messages of up to ~1 MiB would be 4 GiB): 32
+/// maximal messages. A message is always taken when nothing waits, whatever its size.
+pub(crate) const MAX_INCOMING_BYTES: usize = 32 * wire::MAX_PAYLOAD;
+
+/// What a waiting message counts against [`MAX_INCOMING_BYTES`].
+fn incoming_bytes(i: &Incoming) -> usize {
+    match i {
+        Incoming::Request { msg, .. } | Incoming::Event(msg) => msg.payload.len(),
+        Incoming::WindowAdded(w) => w.label.len(),
+        Incoming::WindowRemoved(_) => 0,
+    }
+}
 
 /// Lets a log line through at most once per `every`; counts the ones held back. Public so the
 /// lender's own peer-triggerable logs (config filter) use the same pattern.
@@ -89,7 +101,7 @@ impl Stream {
     }
 
     /// The peer's address (see [`crate::Endpoint::peer_addr`]).
-    fn peer_desc(&self) -> String {
+    pub(crate) fn peer_desc(&self) -> String {
         match self {
             Stream::Tls(_) => String::new(),
             Stream::Unix(s) => {
@@ -285,6 +297,8 @@ struct PeerWin {
 struct State {
     pending: HashMap<u64, mpsc::Sender<Result<Message>>>,
     incoming: VecDeque<Incoming>,
+    /// Payload bytes of `incoming` (bounded by [`MAX_INCOMING_BYTES`]).
+    incoming_bytes: usize,
     /// Local exports; on tcp with the mapping that serves the peer's accesses.
     exported: HashMap<WindowId, Option<Arc<Mapping>>>,
     next_window: WindowId,
@@ -512,17 +526,23 @@ impl Inner {
     fn push_incoming(&self, i: Incoming) -> bool {
         {
             let mut st = lock(&self.state);
-            if st.incoming.len() >= MAX_INCOMING {
+            let bytes = incoming_bytes(&i);
+            let full = st.incoming.len() >= MAX_INCOMING
+                || (!st.incoming.is_empty() && st.incoming_bytes + bytes > MAX_INCOMING_BYTES);
+            if full {
+                let (n_msgs, n_bytes) = (st.incoming.len(), st.incoming_bytes);
                 drop(st);
                 if let Some(n) = self.abuse_log.hit() {
                     log::warn!(
-                        "peer {}: {MAX_INCOMING} messages already wait to be read, dropping more \
-                         ({n} more dropped or refused since the last report)",
+                        "peer {}: {n_msgs} messages ({n_bytes} bytes) already wait to be read \
+                         (bounds {MAX_INCOMING} messages, {MAX_INCOMING_BYTES} bytes), dropping \
+                         more ({n} more dropped or refused since the last report)",
                         self.peer
                     );
                 }
                 return false;
             }
+            st.incoming_bytes += bytes;
             st.incoming.push_back(i);
         }
         self.cond.notify_all();
@@ -691,7 +711,10 @@ impl Inner {
                     h.opcode,
                     Err(ErrorReply::new(
                         code::BUSY,
-                        format!("{MAX_INCOMING} requests already wait on this link"),
+                        format!(
+                            "the link's queue is full ({MAX_INCOMING} requests or \
+                             {MAX_INCOMING_BYTES} bytes wait)"
+                        ),
                     )),
                 );
             }
@@ -1760,7 +1783,11 @@ impl Endpoint for LinkEndpoint {
     }
 
     fn recv(&self, timeout: Duration) -> Result<Incoming> {
-        self.inner.wait_for(timeout, |st| st.incoming.pop_front())
+        self.inner.wait_for(timeout, |st| {
+            let i = st.incoming.pop_front()?;
+            st.incoming_bytes = st.incoming_bytes.saturating_sub(incoming_bytes(&i));
+            Some(i)
+        })
     }
 
     fn wait_gone(&self, timeout: Duration) -> Result<String> {

@@ -54,7 +54,7 @@ impl ShmListener {
             listener,
             path: path.to_path_buf(),
             file,
-            handshakes: Handshakes::new(local, cfg)?,
+            handshakes: Handshakes::new(local, cfg, false)?,
         })
     }
 }
@@ -79,10 +79,10 @@ impl Listener for ShmListener {
             || {
                 let (s, _) = self.listener.accept()?;
                 s.set_nonblocking(false)?;
-                Ok((
-                    Accepted::Plain(Stream::Unix(s)),
-                    format!("{}", self.path.display()),
-                ))
+                // The peer's uid is the source its handshakes are counted under.
+                let s = Stream::Unix(s);
+                let from = s.peer_desc();
+                Ok((Accepted::Plain(s), from))
             },
             timeout,
         )?;

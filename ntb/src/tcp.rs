@@ -49,7 +49,7 @@ impl TcpFabricListener {
             .map_err(FabricError::io("make the tcp listener non-blocking"))?;
         Ok(TcpFabricListener {
             listener,
-            handshakes: Handshakes::new(local, cfg)?,
+            handshakes: Handshakes::new(local, cfg, true)?,
         })
     }
 }

@@ -479,3 +479,42 @@ fn shm_windows_of_the_same_memory_share_a_backing_id() {
         }
     });
 }
+
+#[test]
+fn the_bytes_waiting_on_a_link_are_bounded_not_just_their_count() {
+    let p = pair(FabricKind::Shm);
+    // 40 events of the largest payload the wire takes, none of them read yet: 40 MiB and
+    // more if only their count (4096) were bounded.
+    let big = ntb::wire::MAX_PAYLOAD;
+    let n = 40;
+    for _ in 0..n {
+        p.b.send(Message::raw(
+            ntb::wire::USER_OPCODE_BASE + 1,
+            vec![7u8; big],
+        ))
+        .unwrap();
+    }
+    // Wait until the receiving side has taken every frame off the wire (nothing read yet).
+    let t0 = std::time::Instant::now();
+    while p.a.stats().frames_received < n as u64 {
+        assert!(t0.elapsed() < T * 4, "{:?}", p.a.stats());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut kept = 0usize;
+    while let Ok(Incoming::Event(m)) = p.a.recv(Duration::from_millis(300)) {
+        assert_eq!(m.payload.len(), big);
+        kept += 1;
+    }
+    assert!(kept >= 1, "nothing was queued");
+    assert!(
+        kept * big <= 32 * big,
+        "{kept} messages of {big} bytes were queued on one link"
+    );
+    // The link still works afterwards.
+    p.b.send(Message::raw(ntb::wire::USER_OPCODE_BASE + 1, vec![1]))
+        .unwrap();
+    match p.a.recv(T).unwrap() {
+        Incoming::Event(m) => assert_eq!(m.payload, [1]),
+        _ => panic!("unexpected message"),
+    }
+}

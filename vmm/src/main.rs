@@ -446,10 +446,16 @@ fn main() -> ExitCode {
             };
             let source = match directory {
                 None => LenderSource::new(cluster, id),
-                Some(d) => match lending::directory::etcd::EtcdDirectory::connect(&d) {
-                    Ok(dir) => LenderSource::with_directory(cluster, id, Arc::new(dir)),
-                    Err(e) => return usage_error(format!("cluster directory: {e}")),
-                },
+                Some(d) => {
+                    match lending::directory::etcd::EtcdDirectory::connect(
+                        &d,
+                        // Claims are signed with the cluster token; without one, none are made.
+                        Some(id.token.as_str()).filter(|t| !t.is_empty()),
+                    ) {
+                        Ok(dir) => LenderSource::with_directory(cluster, id, Arc::new(dir)),
+                        Err(e) => return usage_error(format!("cluster directory: {e}")),
+                    }
+                }
             };
             for d in &cli.remote_device {
                 if let Err(e) = source.check_node(&d.device.node) {

@@ -88,6 +88,38 @@ pub enum DirectoryError {
     /// The process could not start the directory's runtime.
     #[error("starting the etcd client runtime: {0}")]
     Runtime(#[source] std::io::Error),
+    /// The directory settings do not go together (see [`DirectoryConfig::validate`]).
+    #[error("{0}")]
+    Config(String),
+    /// A TLS or password file could not be read.
+    #[error("etcd {what} file {path}: {source}")]
+    Credential {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A private key or password file that others may read.
+    #[error(
+        "etcd {what} file {path} has mode {mode:04o}: group or others may read it; \
+         run `chmod 600 {path}`"
+    )]
+    CredentialMode {
+        what: &'static str,
+        path: String,
+        mode: u32,
+    },
+    /// The first call to etcd failed: the endpoints, what etcd or the TLS layer said, and a
+    /// hint at the usual cause.
+    #[error("etcd at {endpoints} cannot be used: {detail}{hint}")]
+    Connect {
+        endpoints: String,
+        detail: String,
+        hint: String,
+    },
+    /// Claims are signed with the cluster secret; this directory was opened without it.
+    #[error("claiming {node}:{bdf} needs the cluster secret (claims are signed with it)")]
+    NoClaimSecret { node: String, bdf: String },
 }
 
 /// A lender as the directory records it: enough for a borrower to open a fabric link.
@@ -187,6 +219,10 @@ pub struct ClaimRecord {
     pub holder: String,
     /// Borrowing VM.
     pub vm: String,
+    /// HMAC-SHA256 (hex) over the fields above with a key derived from the cluster secret
+    /// (`etcd::secure`): lenders ignore a claim whose MAC does not check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
 }
 
 /// A claim with its revision (the fencing token).
@@ -382,14 +418,18 @@ pub fn open(
     cluster: &str,
     fanout: static_file::FanOut,
 ) -> Result<(Arc<dyn Directory>, Option<ClusterConfig>), String> {
+    // Claims are signed with the cluster secret the fan-out authenticates with.
+    let secret = Some(fanout.token.as_str()).filter(|t| !t.is_empty());
     if cluster.starts_with("etcd://") {
         let cfg = DirectoryConfig::from_url(cluster)?;
-        let d = etcd::EtcdDirectory::connect(&cfg).map_err(|e| e.to_string())?;
+        let d = etcd::EtcdDirectory::connect(&cfg, secret).map_err(|e| e.to_string())?;
         return Ok((Arc::new(d), None));
     }
     let file = ClusterConfig::load(std::path::Path::new(cluster)).map_err(|e| e.to_string())?;
     let dir: Arc<dyn Directory> = match &file.directory {
-        Some(cfg) => Arc::new(etcd::EtcdDirectory::connect(cfg).map_err(|e| e.to_string())?),
+        Some(cfg) => {
+            Arc::new(etcd::EtcdDirectory::connect(cfg, secret).map_err(|e| e.to_string())?)
+        }
         None => Arc::new(static_file::StaticDirectory::new(
             file.clone(),
             cluster.to_string(),

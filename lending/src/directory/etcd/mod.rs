@@ -35,10 +35,12 @@ use super::{
 mod claim;
 mod keys;
 mod registration;
+pub mod secure;
 mod streams;
 
 use keys::*;
 use registration::*;
+use secure::ClaimKey;
 use streams::*;
 
 /// Bound on every unary etcd call.
@@ -56,6 +58,9 @@ struct Shared {
     client: Client,
     keys: Keys,
     cfg: DirectoryConfig,
+    /// Signs this process's claims and checks those a lender fences with; `None`: opened
+    /// without the cluster secret (lendctl's read-only views), which cannot claim.
+    claim_key: Option<ClaimKey>,
 }
 
 impl Shared {
@@ -104,6 +109,57 @@ impl Shared {
     }
 }
 
+/// The error of a first call that failed: the whole cause chain (the TLS alert is several
+/// sources deep), with a hint at the usual cause.
+fn connect_error(cfg: &DirectoryConfig, endpoints: &str, e: &etcd_client::Error) -> DirectoryError {
+    let mut detail = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        let text = s.to_string();
+        if !detail.contains(&text) {
+            detail.push_str(": ");
+            detail.push_str(&text);
+        }
+        src = s.source();
+    }
+    let low = detail.to_ascii_lowercase();
+    let dropped = low.contains("broken pipe")
+        || low.contains("connection reset")
+        || low.contains("h2 protocol error");
+    let hint = if low.contains("certificaterequired") || low.contains("certificate required") {
+        if cfg.cert.is_some() {
+            "; the members did not accept the client certificate (is it signed by their CA?)"
+        } else {
+            "; the members require a client certificate: set cert and key"
+        }
+    } else if low.contains("unknownissuer")
+        || low.contains("unknown issuer")
+        || low.contains("invalid peer certificate")
+    {
+        "; the members' certificate is not signed by the configured ca (or does not name this host)"
+    } else if low.contains("authentication failed")
+        || low.contains("user name is empty")
+        || low.contains("user name not found")
+        || low.contains("invalid auth token")
+    {
+        "; etcd refused the credentials: check user and password_file"
+    } else if dropped && cfg.tls() && cfg.cert.is_none() {
+        // TLS 1.3: the server checks the client certificate after the client considers the
+        // handshake done, so a refusal shows as a dropped session.
+        "; the members dropped the TLS session: they may require a client certificate \
+         (etcd --client-cert-auth): set cert and key"
+    } else if dropped && !cfg.tls() {
+        "; do the members speak TLS? set ca (and cert/key)"
+    } else {
+        ""
+    };
+    DirectoryError::Connect {
+        endpoints: endpoints.to_string(),
+        detail,
+        hint: hint.to_string(),
+    }
+}
+
 /// Whether an etcd error may go away on its own (another member, a new leader).
 fn transient(e: &etcd_client::Error) -> bool {
     match e {
@@ -120,8 +176,13 @@ pub struct EtcdDirectory {
 }
 
 impl EtcdDirectory {
-    /// Connects to the endpoints of `cfg` (the connection is checked with one status call).
-    pub fn connect(cfg: &DirectoryConfig) -> Result<Self, DirectoryError> {
+    /// Connects to the endpoints of `cfg` (over TLS with its CA and client certificate, as
+    /// its etcd user, if it says so; the connection is checked with one status call).
+    /// `claim_secret` is the cluster secret claims are signed and checked with.
+    pub fn connect(
+        cfg: &DirectoryConfig,
+        claim_secret: Option<&str>,
+    ) -> Result<Self, DirectoryError> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("etcd-directory")
@@ -133,17 +194,16 @@ impl EtcdDirectory {
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
             // A member cut off from the leader fails calls instead of serving stale data.
             .with_require_leader(true);
-        let endpoints = cfg.etcd.clone();
+        let opts = secure::apply_credentials(cfg, opts)?;
+        let endpoints = secure::endpoint_urls(cfg);
+        let shown = endpoints.join(",");
         let client = rt.block_on(async {
             match tokio::time::timeout(CALL_TIMEOUT, Client::connect(endpoints, Some(opts))).await {
-                Ok(r) => r.map_err(|source| DirectoryError::Etcd {
-                    op: "connect".into(),
-                    source,
-                }),
+                Ok(r) => r.map_err(|source| connect_error(cfg, &shown, &source)),
                 Err(_) => Err(DirectoryError::Timeout {
                     op: "connect".into(),
                     timeout: CALL_TIMEOUT,
-                    endpoints: cfg.etcd.join(","),
+                    endpoints: shown.clone(),
                 }),
             }
         })?;
@@ -154,8 +214,14 @@ impl EtcdDirectory {
                 prefix: cfg.prefix.clone(),
             },
             cfg: cfg.clone(),
+            claim_key: claim_secret.map(ClaimKey::from_secret),
         });
-        shared.call("status", |mut c| async move { c.status().await })?;
+        shared
+            .call("status", |mut c| async move { c.status().await })
+            .map_err(|e| match e {
+                DirectoryError::Etcd { source, .. } => connect_error(cfg, &shown, &source),
+                other => other,
+            })?;
         Ok(EtcdDirectory { shared })
     }
 
@@ -163,14 +229,40 @@ impl EtcdDirectory {
     pub fn config(&self) -> &DirectoryConfig {
         &self.shared.cfg
     }
+
+    /// The claim record of `holder`/`vm` on `node`'s `bdf`, signed with the claim key.
+    fn signed(
+        &self,
+        node: &str,
+        bdf: &str,
+        holder: &str,
+        vm: &str,
+    ) -> Result<ClaimRecord, DirectoryError> {
+        let key = self
+            .shared
+            .claim_key
+            .as_ref()
+            .ok_or_else(|| DirectoryError::NoClaimSecret {
+                node: node.to_string(),
+                bdf: bdf.to_string(),
+            })?;
+        Ok(key.sign(ClaimRecord {
+            node: node.to_string(),
+            bdf: bdf.to_string(),
+            holder: holder.to_string(),
+            vm: vm.to_string(),
+            mac: None,
+        }))
+    }
 }
 
 impl Directory for EtcdDirectory {
     fn describe(&self) -> String {
         format!(
-            "etcd {} (prefix {})",
+            "etcd {} (prefix {}{})",
             self.shared.cfg.etcd.join(","),
-            self.shared.cfg.prefix
+            self.shared.cfg.prefix,
+            if self.shared.cfg.tls() { ", tls" } else { "" }
         )
     }
 
@@ -237,6 +329,7 @@ impl Directory for EtcdDirectory {
             shared: Arc::clone(shared),
             node: node.name.clone(),
             current: Mutex::new(HashMap::new()),
+            forged: ntb::RateLimit::new(Duration::from_secs(5)),
         });
         // The claims already there, then every change after that read.
         let prefix = shared.keys.claims_of(&node.name);
@@ -300,13 +393,8 @@ impl Directory for EtcdDirectory {
             keys.node(node),
             keys.device(node, bdf),
         );
+        let rec = self.signed(node, bdf, holder, vm)?;
         let lease = grant(shared)?;
-        let rec = ClaimRecord {
-            node: node.to_string(),
-            bdf: bdf.to_string(),
-            holder: holder.to_string(),
-            vm: vm.to_string(),
-        };
         // Create-if-absent, and only for a device its lender has registered.
         let txn = Txn::new()
             .when([
@@ -387,13 +475,8 @@ impl Directory for EtcdDirectory {
     ) -> Result<Box<dyn ClaimHandle>, DirectoryError> {
         let shared = &self.shared;
         let ckey = shared.keys.claim(node, bdf);
+        let rec = self.signed(node, bdf, holder, vm)?;
         let lease = grant(shared)?;
-        let rec = ClaimRecord {
-            node: node.to_string(),
-            bdf: bdf.to_string(),
-            holder: holder.to_string(),
-            vm: vm.to_string(),
-        };
         // Same claim (same create revision), new owner and etcd lease: a put keeps the create
         // revision, so it stays the lender's fencing token; the old owner's lease no longer
         // holds the key, so its release leaves the claim in place.

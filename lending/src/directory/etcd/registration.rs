@@ -116,8 +116,9 @@ impl Drop for EtcdRegistration {
     }
 }
 
-/// Runs the registration's lease: keep-alive, and after a loss a fresh lease with the
-/// records re-written, until stopped.
+/// Runs the registration's lease: keep-alive (reporting, not giving up, a TTL without a
+/// renewal), and once etcd says the lease is gone a fresh lease with the records re-written,
+/// until stopped.
 pub(super) async fn registration_task(
     shared: Arc<Shared>,
     node: NodeRecord,
@@ -129,23 +130,43 @@ pub(super) async fn registration_task(
     let ttl = shared.cfg.lease_ttl;
     loop {
         let id = lease.load(Ordering::SeqCst);
-        let why = match keep_alive(shared.client.clone(), id, ttl, stop.clone()).await {
-            KeepAliveEnd::Stopped => return,
-            KeepAliveEnd::Expired => format!("etcd lease {id:x} expired"),
-            KeepAliveEnd::Unrenewed => format!("etcd lease {id:x} not renewed for {ttl:?}"),
+        let (l, name) = (Arc::clone(&lost), node.name.clone());
+        let on = move |r| match r {
+            Renewal::Renewed => {
+                if lock(&l).take().is_some() {
+                    log::info!("lender {name}: registration renewed again (lease {id:x})");
+                }
+            }
+            Renewal::Unrenewed => {
+                let why = format!("etcd lease {id:x} not renewed for {ttl:?}");
+                // Running leases continue (their claims have not been seen to end; a claim
+                // cannot expire without an etcd leader either); only new borrows wait.
+                log::error!("lender {name}: registration not in force ({why}); still renewing");
+                *lock(&l) = Some(why);
+            }
         };
+        match keep_alive(shared.client.clone(), id, ttl, stop.clone(), on).await {
+            KeepAliveEnd::Stopped => return,
+            KeepAliveEnd::Expired => {}
+        }
+        let why = format!("etcd lease {id:x} expired");
         *lock(&lost) = Some(why.clone());
-        // Running leases continue (their claims have not been seen to end; a claim cannot
-        // expire without an etcd leader either); only new borrows wait for etcd.
         log::error!(
             "lender {}: registration lost ({why}); re-registering",
             node.name
         );
-        // Re-register until it works or we are stopped.
+        // Re-register until it works or we are stopped: at once, then every second.
+        let mut first = true;
         loop {
-            tokio::select! {
-                _ = tokio::time::sleep(RETRY * 4) => {}
-                _ = async { let mut s = stop.clone(); let _ = s.changed().await; } => return,
+            if !first {
+                tokio::select! {
+                    _ = tokio::time::sleep(RETRY * 4) => {}
+                    _ = async { let mut s = stop.clone(); let _ = s.changed().await; } => return,
+                }
+            }
+            first = false;
+            if *stop.borrow() {
+                return;
             }
             let mut c = shared.client.clone();
             let ttl_s = shared.ttl_secs();
@@ -170,9 +191,6 @@ pub(super) async fn registration_task(
                     node.name,
                     g.id()
                 );
-                // The keys now live under the new lease; the old one (if etcd still has it)
-                // holds nothing any more.
-                let _ = tokio::time::timeout(CALL_TIMEOUT, c.lease_revoke(id)).await;
                 break;
             }
         }
@@ -185,23 +203,61 @@ pub(super) struct EtcdClaims {
     pub(super) node: String,
     /// Device → revision of its current claim.
     pub(super) current: Mutex<HashMap<String, i64>>,
+    /// Log limit for claim records that do not check (anyone with etcd write access can
+    /// write them at will).
+    pub(super) forged: ntb::RateLimit,
 }
 
 impl EtcdClaims {
+    /// Checks a claim record's MAC with the cluster secret (`secure`).
+    fn authentic(&self, kv: &KeyValue) -> Result<ClaimRecord, String> {
+        let rec: ClaimRecord = decode(kv).map_err(|e| e.to_string())?;
+        let Some(key) = &self.shared.claim_key else {
+            return Err("this lender has no cluster secret to check claims with".into());
+        };
+        key.check(&rec).map_err(|e| e.to_string())?;
+        if rec.node != self.node {
+            return Err(format!(
+                "the record names lender {}, not {}",
+                rec.node, self.node
+            ));
+        }
+        Ok(rec)
+    }
+
+    fn log_forged(&self, key: &str, why: &str) {
+        if let Some(held) = self.forged.hit() {
+            log::warn!(
+                "lender {}: ignoring claim record {key}: {why} ({held} more not logged)",
+                self.node
+            );
+        }
+    }
+
     pub(super) fn apply(&self, ev: EventType, kv: &KeyValue) {
         let key = String::from_utf8_lossy(kv.key());
         let KeyKind::Claim(_, bdf) = classify(&self.shared.keys, &key) else {
             return;
         };
-        let mut cur = lock(&self.current);
         match ev {
             EventType::Put => {
+                // Only a record signed with the cluster secret becomes the current claim
+                // (a new revision here ends the lease fenced by the old one).
+                let rec = match self.authentic(kv) {
+                    Ok(r) => r,
+                    Err(why) => return self.log_forged(&key, &why),
+                };
+                if rec.bdf != bdf {
+                    return self.log_forged(&key, &format!("the record names device {}", rec.bdf));
+                }
                 let rev = kv.create_revision();
+                let mut cur = lock(&self.current);
                 let e = cur.entry(bdf.to_string()).or_insert(rev);
                 *e = (*e).max(rev);
             }
             EventType::Delete => {
                 // A delete older than a claim verify() already saw must not remove it.
+                let mut cur = lock(&self.current);
                 if cur.get(bdf).is_some_and(|&r| r <= kv.mod_revision()) {
                     cur.remove(bdf);
                 }
@@ -229,8 +285,10 @@ impl ClaimAuthority for EtcdClaims {
                 kv.create_revision()
             ));
         }
-        let rec: ClaimRecord = decode(kv).map_err(|e| e.to_string())?;
-        if rec.holder != holder || rec.vm != vm {
+        let rec = self
+            .authentic(kv)
+            .inspect_err(|why| self.log_forged(&key, why))?;
+        if rec.bdf != device || rec.holder != holder || rec.vm != vm {
             return Err(format!(
                 "the claim belongs to {}/{}, not {holder}/{vm}",
                 rec.holder, rec.vm

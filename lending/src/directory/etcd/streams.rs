@@ -10,23 +10,39 @@ pub(super) enum KeepAliveEnd {
     Stopped,
     /// etcd answered that the lease no longer exists: its keys are gone.
     Expired,
+}
+
+/// What a [`keep_alive`] tells its owner while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Renewal {
+    /// A renewal succeeded.
+    Renewed,
     /// No renewal succeeded for a whole TTL (etcd unreachable, or an election). The lease may
     /// still exist: etcd does not expire leases without a leader, and a new leader extends
-    /// them.
+    /// every lease by its election timeout on top of the TTL, so the keep-alive goes on.
     Unrenewed,
 }
 
-/// Keeps one lease alive until `stop`, etcd says it is gone, or no renewal succeeded for a
-/// whole TTL.
+/// Keeps one lease alive until `stop` or until etcd says it is gone; `on` hears of every
+/// renewal and of the first whole TTL without one.
+///
+/// The timing is the TTL's: a renewal every TTL/3, each attempt bounded by TTL/3, and a
+/// failed stream (member killed, leader lost) re-opened at once, then every [`RETRY`]; the
+/// client's balanced channel sends the new stream to a member that answers. Not hearing
+/// from etcd never ends the keep-alive: giving the lease up while etcd still holds it (a new
+/// leader extends it) would let it expire and take its keys away.
 pub(super) async fn keep_alive(
     client: Client,
     lease: i64,
     ttl: Duration,
     mut stop: watch::Receiver<bool>,
+    mut on: impl FnMut(Renewal) + Send,
 ) -> KeepAliveEnd {
     let period = (ttl / 3).max(Duration::from_millis(300));
     let mut deadline = Instant::now() + ttl;
-    'outer: loop {
+    let mut told_unrenewed = false;
+    let mut failures = 0u32;
+    loop {
         if *stop.borrow() {
             return KeepAliveEnd::Stopped;
         }
@@ -43,6 +59,9 @@ pub(super) async fn keep_alive(
                 match answer {
                     Ok(Ok(Some(r))) if r.ttl() > 0 => {
                         deadline = sent + Duration::from_secs(u64::try_from(r.ttl()).unwrap_or(0));
+                        failures = 0;
+                        told_unrenewed = false;
+                        on(Renewal::Renewed);
                     }
                     Ok(Ok(Some(_))) => return KeepAliveEnd::Expired,
                     Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
@@ -50,24 +69,37 @@ pub(super) async fn keep_alive(
                         break;
                     }
                 }
-                if Instant::now() >= deadline {
-                    break 'outer;
-                }
                 tokio::select! {
                     _ = tokio::time::sleep(period) => {}
                     _ = stop.changed() => return KeepAliveEnd::Stopped,
                 }
             }
         }
-        if Instant::now() >= deadline {
-            break;
+        if Instant::now() >= deadline && !told_unrenewed {
+            told_unrenewed = true;
+            on(Renewal::Unrenewed);
         }
-        tokio::select! {
-            _ = tokio::time::sleep(RETRY) => {}
-            _ = stop.changed() => return KeepAliveEnd::Stopped,
+        if told_unrenewed {
+            // A lease that expired while etcd was out of reach: a unary question answers even
+            // when the re-opened stream does not (yet), and ends the wait (etcd reports -1).
+            let mut c = client.clone();
+            if let Ok(Ok(r)) = tokio::time::timeout(period, c.lease_time_to_live(lease, None)).await
+            {
+                if r.ttl() <= 0 {
+                    return KeepAliveEnd::Expired;
+                }
+            }
+        }
+        // The first re-open goes out at once (a dead member or a lost leader costs one
+        // round trip, not a pause); later ones every RETRY.
+        failures = failures.saturating_add(1);
+        if failures > 1 {
+            tokio::select! {
+                _ = tokio::time::sleep(RETRY) => {}
+                _ = stop.changed() => return KeepAliveEnd::Stopped,
+            }
         }
     }
-    KeepAliveEnd::Unrenewed
 }
 
 /// Keeps a borrower's claim lease alive. Only etcd's word that the lease is gone makes the
@@ -80,17 +112,13 @@ pub(super) async fn keep_claim(
     stop: watch::Receiver<bool>,
     lost: Arc<LossCell>,
 ) {
-    loop {
-        match keep_alive(client.clone(), lease, ttl, stop.clone()).await {
-            KeepAliveEnd::Stopped => return,
-            KeepAliveEnd::Expired => {
-                lost.set(&format!("claim lease {lease:x} expired"));
-                return;
-            }
-            KeepAliveEnd::Unrenewed => {
-                log::warn!("claim lease {lease:x}: etcd unreachable for {ttl:?}; still trying")
-            }
+    let on = move |r| {
+        if r == Renewal::Unrenewed {
+            log::warn!("claim lease {lease:x}: etcd unreachable for {ttl:?}; still trying");
         }
+    };
+    if keep_alive(client, lease, ttl, stop, on).await == KeepAliveEnd::Expired {
+        lost.set(&format!("claim lease {lease:x} expired"));
     }
 }
 
