@@ -1034,13 +1034,19 @@ fn check_irq_moves(guest: &Guest, lender: &Lender) {
             1 - cpu,
             diag()
         );
-        assert_eq!(field(step, "effective"), Some(cpu.to_string().as_str()), "{step}");
+        assert_eq!(
+            field(step, "effective"),
+            Some(cpu.to_string().as_str()),
+            "{step}"
+        );
         prev = cur;
     }
     let ok = guest
         .line("LENDVM-IRQMOVE ok ")
         .unwrap_or_else(|| panic!("the writer did not finish\n{}", diag()));
-    let blocks: u64 = field(&ok, "blocks").and_then(|b| b.parse().ok()).unwrap_or(0);
+    let blocks: u64 = field(&ok, "blocks")
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(0);
     assert!(blocks >= 4 * IRQMOVE_BLOCKS, "{ok}");
     // The guest's nvme driver never had to time out a command.
     assert!(
@@ -1179,7 +1185,11 @@ fn linux_fio_verify_on_a_lent_disk() {
             "vCPU {cpu} never exited during fio: {after:?}"
         );
     }
-    assert_eq!(sum, mmio(&after, "vm"), "the per-vCPU groups sum to group vm");
+    assert_eq!(
+        sum,
+        mmio(&after, "vm"),
+        "the per-vCPU groups sum to group vm"
+    );
     assert_mbr_intact(&lender.disk, &parts);
     lender.expect_available();
     println!(
@@ -1218,12 +1228,28 @@ fn check_per_cpu_queues(guest: &Guest, lender: &Lender) -> String {
         let own = (q - 1) as usize;
         for (cpu, &n) in counts.iter().enumerate() {
             if cpu == own {
-                assert!(n > 0, "queue {q}'s vector never fired on CPU {own}: {line}\n{}", diag());
+                assert!(
+                    n > 0,
+                    "queue {q}'s vector never fired on CPU {own}: {line}\n{}",
+                    diag()
+                );
             } else {
-                assert_eq!(n, 0, "queue {q}'s vector fired on CPU {cpu}: {line}\n{}", diag());
+                assert_eq!(
+                    n,
+                    0,
+                    "queue {q}'s vector fired on CPU {cpu}: {line}\n{}",
+                    diag()
+                );
             }
         }
-        seen.push(format!("q{q}={}", counts.iter().map(u64::to_string).collect::<Vec<_>>().join("/")));
+        seen.push(format!(
+            "q{q}={}",
+            counts
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join("/")
+        ));
     }
     seen.join(" ")
 }
@@ -1349,7 +1375,11 @@ fn linux_fio_verify_survives_a_live_migration() {
     let ran = poll_until(Instant::now() + Duration::from_secs(30), || {
         (0..VCPUS).all(|cpu| exits(cpu) > first[cpu as usize])
     });
-    assert!(ran, "a vCPU never ran on the destination\n{}", dst.diag(&lender));
+    assert!(
+        ran,
+        "a vCPU never ran on the destination\n{}",
+        dst.diag(&lender)
+    );
     src.expect_exit_0(&lender, deadline);
     lender.expect_lent_to("linux-mig-dst");
     let (_, done) = dst.expect_line(&lender, "LENDVM-FIO done ", deadline);

@@ -531,7 +531,11 @@ mod tests {
             assert_eq!(pv & (1 << bit), 0, "kvm pv feature bit {bit}");
         }
         for bit in [0, 3, 6] {
-            assert_ne!(pv & (1 << bit), 0, "kvmclock / kvmclock2 / pv-eoi stay: bit {bit}");
+            assert_ne!(
+                pv & (1 << bit),
+                0,
+                "kvmclock / kvmclock2 / pv-eoi stay: bit {bit}"
+            );
         }
     }
 

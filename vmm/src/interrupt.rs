@@ -772,7 +772,10 @@ mod tests {
         assert!(!msi_destination_exists(phys(0x7f), 8));
         assert!(msi_destination_exists(phys(0xff), 1), "broadcast");
         assert!(msi_destination_exists(logical(0b10), 2));
-        assert!(!msi_destination_exists(logical(0), 2), "an empty logical set");
+        assert!(
+            !msi_destination_exists(logical(0), 2),
+            "an empty logical set"
+        );
     }
 
     /// An affinity change rewrites an unmasked vector's message: the vector keeps its GSI and
@@ -797,7 +800,11 @@ mod tests {
         assert_eq!(mgr.irqfds_registered(), 1);
         group.update(0, to(1), false).unwrap();
         assert_eq!(mgr.irqfds_registered(), 1, "the irqfd stayed registered");
-        assert_eq!(mgr.routes().gsi_of_msi(0xfee0_1000, 0x41), gsi, "same GSI, new route");
+        assert_eq!(
+            mgr.routes().gsi_of_msi(0xfee0_1000, 0x41),
+            gsi,
+            "same GSI, new route"
+        );
         assert_eq!(mgr.routes().gsi_of_msi(0xfee0_0000, 0x41), None);
         assert_eq!(mgr.routes().msi_routes(), 1);
         assert!(group.destination_exists(&to(1)));

@@ -403,9 +403,7 @@ impl MsiConfig {
         let mut pending = self.pending(config);
         for v in 0..self.cap.vectors() {
             let om = &old_msgs[v as usize];
-            let before = v >= old_vectors
-                || self.masked_in(&old, v)
-                || !self.routable(om);
+            let before = v >= old_vectors || self.masked_in(&old, v) || !self.routable(om);
             let after = self.is_vector_masked(v);
             let msg = self.msg(&new, v);
             self.note_refusal(v, msg != old_msgs[v as usize]);
