@@ -259,6 +259,8 @@ impl Drop for Mapping {
 pub struct SharedMemory {
     fd: OwnedFd,
     map: Mapping,
+    /// The memfd's name (`/proc/PID/fd` shows `/memfd:NAME`), kept for a renewal in place.
+    name: String,
 }
 
 impl SharedMemory {
@@ -293,7 +295,16 @@ impl SharedMemory {
             });
         }
         let map = Mapping::map_shared(fd.as_fd(), 0, size)?;
-        Ok(SharedMemory { fd, map })
+        Ok(SharedMemory {
+            fd,
+            map,
+            name: name.to_string(),
+        })
+    }
+
+    /// The name the memfd was created with.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     pub fn fd(&self) -> BorrowedFd<'_> {

@@ -57,8 +57,10 @@ fn renew_memfd(shm: &ntb::SharedMemory) -> Result<(), BackendError> {
         let source = std::io::Error::last_os_error();
         BackendError::Os { what, source }
     };
+    // The same name: the device's memory is still the device's (`/proc/PID/fd` of the lender
+    // shows one memfd per device, whatever lease it is in).
     let fresh =
-        ntb::SharedMemory::new("lendvm-bar-renewed", shm.len()).map_err(|e| BackendError::Os {
+        ntb::SharedMemory::new(shm.name(), shm.len()).map_err(|e| BackendError::Os {
             what: "fresh register memfd",
             source: std::io::Error::other(e.to_string()),
         })?;
