@@ -78,6 +78,69 @@ pub struct Lender {
     grants: Arc<GrantTable>,
     /// Links to other lenders (P2P across lenders, source side).
     peers: Arc<PeerLenders>,
+    /// Sessions running now and authentication failures by reason (metrics).
+    stats: LenderStats,
+}
+
+/// Why an authentication failed (a fixed set: the metrics' `reason` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// The peer's address failed too often and is refused for a while.
+    RateLimited,
+    /// A malformed AUTH (bad nonce, undecodable).
+    Malformed,
+    /// HELLO without AUTH first or without a proof.
+    NoProof,
+    /// A proof that does not verify (wrong token).
+    BadProof,
+}
+
+impl AuthFailure {
+    /// Every reason, in label order.
+    pub const ALL: [AuthFailure; 4] = [
+        AuthFailure::RateLimited,
+        AuthFailure::Malformed,
+        AuthFailure::NoProof,
+        AuthFailure::BadProof,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuthFailure::RateLimited => "rate_limited",
+            AuthFailure::Malformed => "malformed",
+            AuthFailure::NoProof => "no_proof",
+            AuthFailure::BadProof => "bad_proof",
+        }
+    }
+}
+
+#[derive(Default)]
+struct LenderStats {
+    sessions: AtomicU64,
+    auth_failures: [AtomicU64; 4],
+}
+
+impl LenderStats {
+    fn auth_failed(&self, why: AuthFailure) {
+        self.auth_failures[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Counts a running session while alive.
+struct SessionCount<'a>(&'a AtomicU64);
+
+impl<'a> SessionCount<'a> {
+    fn new(n: &'a AtomicU64) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        SessionCount(n)
+    }
+}
+
+impl Drop for SessionCount<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Lender {
@@ -95,6 +158,7 @@ impl Lender {
             auth_failures: FailureLimiter::default(),
             p2p: Arc::default(),
             transfers: migration::Transfers::default(),
+            stats: LenderStats::default(),
         })
     }
 
@@ -117,6 +181,7 @@ impl Lender {
             auth_failures: FailureLimiter::default(),
             p2p: Arc::default(),
             transfers: migration::Transfers::default(),
+            stats: LenderStats::default(),
         })
     }
 
@@ -128,6 +193,21 @@ impl Lender {
     /// The inventory.
     pub fn inventory(&self) -> &Arc<Inventory> {
         &self.inventory
+    }
+
+    /// This lender's node name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Borrower sessions (fabric links past the handshake) running now.
+    pub fn sessions(&self) -> u64 {
+        self.stats.sessions.load(Ordering::Relaxed)
+    }
+
+    /// Authentication failures of `why` since the lender started.
+    pub fn auth_failures(&self, why: AuthFailure) -> u64 {
+        self.stats.auth_failures[why as usize].load(Ordering::Relaxed)
     }
 
     /// Peer-to-peer mappings into `lease`'s BARs that are live (tests, status).
@@ -208,6 +288,8 @@ impl Lender {
 
     /// Serves one link until it goes down or the lender stops.
     pub fn run_session(self: Arc<Self>, ep: Arc<dyn Endpoint>) {
+        let me = Arc::clone(&self);
+        let _counted = SessionCount::new(&me.stats.sessions);
         let mut s = Session {
             id: self.transfers.session_id(),
             lender: Arc::clone(&self),
@@ -698,6 +780,12 @@ impl Session {
                 return (Err(error(code::INVALID, "hello already done")), false);
             }
             if let Err(e) = self.check_proof(&h.token) {
+                let why = if e.message.starts_with("bad token: ") {
+                    AuthFailure::NoProof
+                } else {
+                    AuthFailure::BadProof
+                };
+                self.lender.stats.auth_failed(why);
                 self.lender.auth_failures.fail(
                     &self.rate_key,
                     &format!("{} ({:?}): {}", self.peer(), h.client, e.message),
@@ -753,6 +841,7 @@ impl Session {
             );
         }
         if let Err(l) = self.lender.auth_failures.check(&self.rate_key) {
+            self.lender.stats.auth_failed(AuthFailure::RateLimited);
             return (
                 Err(error(
                     code::BAD_TOKEN,
@@ -771,9 +860,13 @@ impl Session {
         );
         let c: AuthChallenge = match protocol::decode_reply(op, payload) {
             Ok(c) => c,
-            Err(e) => return (Err(proto_err(e)), true),
+            Err(e) => {
+                self.lender.stats.auth_failed(AuthFailure::Malformed);
+                return (Err(proto_err(e)), true);
+            }
         };
         let Ok(nb) = <[u8; auth::NONCE_LEN]>::try_from(c.nonce.as_slice()) else {
+            self.lender.stats.auth_failed(AuthFailure::Malformed);
             return (
                 Err(error(
                     code::INVALID,
@@ -1008,7 +1101,9 @@ impl Session {
             Request::LeaseCounters(l) => {
                 let sl = self.lease(l.lease)?;
                 let c = sl.lease.backend().counters().since(&sl.baseline);
-                ok(op, &c)
+                protocol::encode_lease_counters(&c, self.version)
+                    .map(|p| Message::raw(op, p))
+                    .map_err(proto_err)
             }
             Request::Quiesce(q) => {
                 let sl = self.lease(q.lease)?;

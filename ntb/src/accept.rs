@@ -43,6 +43,11 @@ pub(crate) struct Handshakes {
 }
 
 impl Handshakes {
+    /// Handshakes in progress now.
+    pub(crate) fn pending(&self) -> usize {
+        self.pending.load(Ordering::Acquire)
+    }
+
     pub(crate) fn new(local: &NodeId, cfg: &LinkConfig) -> Result<Handshakes> {
         let (tx, rx) = mpsc::channel();
         Ok(Handshakes {

@@ -428,6 +428,7 @@ impl DeviceBackend for EmulatedBackend {
     fn counters(&self) -> LeaseCounters {
         let (dma_bytes_read, dma_bytes_written) = self.iommu.dma_bytes().unwrap_or((0, 0));
         let (msix, intx) = self.irqs.counts();
+        let m = self.model.model_counters();
         LeaseCounters {
             dma_bytes_read,
             dma_bytes_written,
@@ -435,6 +436,9 @@ impl DeviceBackend for EmulatedBackend {
             doorbell_kicks: self.model.doorbell_kicks(),
             msix,
             intx,
+            commands: m.commands,
+            invalid_doorbells: m.invalid_doorbells,
+            bad_prps: m.bad_prps,
         }
     }
 }

@@ -47,6 +47,8 @@ pub(super) struct EtcdRegistration {
     pub(super) devices: Arc<Mutex<Vec<DeviceRecord>>>,
     pub(super) claims: Arc<EtcdClaims>,
     pub(super) stop: watch::Sender<bool>,
+    /// The last keep-alive's round trip, in microseconds (0: none yet).
+    pub(super) latency: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Registration for EtcdRegistration {
@@ -96,6 +98,13 @@ impl Registration for EtcdRegistration {
     fn claim_authority(&self) -> Option<Arc<dyn ClaimAuthority>> {
         Some(self.claims.clone())
     }
+
+    fn keepalive_latency(&self) -> Option<Duration> {
+        match self.latency.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        }
+    }
 }
 
 impl Drop for EtcdRegistration {
@@ -125,15 +134,17 @@ pub(super) async fn registration_task(
     lease: Arc<AtomicI64>,
     lost: Arc<Mutex<Option<String>>>,
     stop: watch::Receiver<bool>,
+    latency: Arc<std::sync::atomic::AtomicU64>,
 ) {
     let ttl = shared.cfg.lease_ttl;
     loop {
         let id = lease.load(Ordering::SeqCst);
-        let why = match keep_alive(shared.client.clone(), id, ttl, stop.clone()).await {
-            KeepAliveEnd::Stopped => return,
-            KeepAliveEnd::Expired => format!("etcd lease {id:x} expired"),
-            KeepAliveEnd::Unrenewed => format!("etcd lease {id:x} not renewed for {ttl:?}"),
-        };
+        let why =
+            match keep_alive(shared.client.clone(), id, ttl, stop.clone(), Some(&latency)).await {
+                KeepAliveEnd::Stopped => return,
+                KeepAliveEnd::Expired => format!("etcd lease {id:x} expired"),
+                KeepAliveEnd::Unrenewed => format!("etcd lease {id:x} not renewed for {ttl:?}"),
+            };
         *lock(&lost) = Some(why.clone());
         // Running leases continue (their claims have not been seen to end; a claim cannot
         // expire without an etcd leader either); only new borrows wait for etcd.

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::directory::LossCell;
+use std::sync::atomic::AtomicU64;
 
 /// How a [`keep_alive`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +24,7 @@ pub(super) async fn keep_alive(
     lease: i64,
     ttl: Duration,
     mut stop: watch::Receiver<bool>,
+    latency: Option<&AtomicU64>,
 ) -> KeepAliveEnd {
     let period = (ttl / 3).max(Duration::from_millis(300));
     let mut deadline = Instant::now() + ttl;
@@ -42,6 +44,9 @@ pub(super) async fn keep_alive(
                 .await;
                 match answer {
                     Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                        if let Some(l) = latency {
+                            l.store(sent.elapsed().as_micros() as u64, Ordering::Relaxed);
+                        }
                         deadline = sent + Duration::from_secs(u64::try_from(r.ttl()).unwrap_or(0));
                     }
                     Ok(Ok(Some(_))) => return KeepAliveEnd::Expired,
@@ -81,7 +86,7 @@ pub(super) async fn keep_claim(
     lost: Arc<LossCell>,
 ) {
     loop {
-        match keep_alive(client.clone(), lease, ttl, stop.clone()).await {
+        match keep_alive(client.clone(), lease, ttl, stop.clone(), None).await {
             KeepAliveEnd::Stopped => return,
             KeepAliveEnd::Expired => {
                 lost.set(&format!("claim lease {lease:x} expired"));
