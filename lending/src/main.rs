@@ -234,7 +234,7 @@ fn run(args: Args) -> Result<(), String> {
             registration.clone(),
             Some(Arc::clone(&listener)),
         ));
-        match MetricsServer::start(addr, Arc::new(move || Ok(m.render()))) {
+        match MetricsServer::start(addr, Arc::new(move |f| Ok(m.render(f)))) {
             Ok(s) => Some(s),
             Err(e) => {
                 log::error!("{e}; lending continues without metrics");

@@ -45,6 +45,34 @@ pub mod lender;
 /// The content type of the OpenMetrics text format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// Which text a scraper gets: OpenMetrics when its `Accept` names it (Prometheus does), else
+/// the classic Prometheus text format 0.0.4 (curl, `promtool check metrics`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// `application/openmetrics-text; version=1.0.0`.
+    OpenMetrics,
+    /// `text/plain; version=0.0.4`.
+    Text,
+}
+
+impl Format {
+    /// The format an `Accept` header asks for.
+    pub fn from_accept(accept: Option<&str>) -> Format {
+        match accept {
+            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
+            _ => Format::Text,
+        }
+    }
+
+    /// Its `Content-Type`.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => CONTENT_TYPE,
+            Format::Text => prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+        }
+    }
+}
+
 /// Errors of the metrics listener.
 #[derive(Debug, Error)]
 pub enum MetricsError {
@@ -216,11 +244,22 @@ impl Families {
 
     /// The OpenMetrics text (ends with `# EOF`).
     pub fn encode(self) -> String {
+        self.encode_as(Format::OpenMetrics)
+    }
+
+    /// The text in `format`.
+    pub fn encode_as(self, format: Format) -> String {
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Snapshot(self)));
         let mut out = String::new();
         // Writing into a String cannot fail; an encoder error would be a bug in a name.
-        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &registry) {
+        let r = match format {
+            Format::OpenMetrics => prometheus_client::encoding::text::encode(&mut out, &registry),
+            Format::Text => {
+                prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)
+            }
+        };
+        if let Err(e) = r {
             log::error!("metrics: encoding failed: {e}");
         }
         out
@@ -273,8 +312,9 @@ impl Collector for Snapshot {
     }
 }
 
-/// Renders the text for one scrape (called on a blocking thread of the listener).
-pub type Render = Arc<dyn Fn() -> Result<String, String> + Send + Sync>;
+/// Renders the text for one scrape in a format (called on a blocking thread of the
+/// listener).
+pub type Render = Arc<dyn Fn(Format) -> Result<String, String> + Send + Sync>;
 
 /// A running `GET /metrics` listener. Dropping it stops it (and removes its Unix socket).
 #[derive(Debug)]
@@ -317,9 +357,11 @@ impl MetricsServer {
             .map_err(MetricsError::Start)?;
         let app = Router::new().route(
             "/metrics",
-            get(move || {
+            get(move |headers: axum::http::HeaderMap| {
                 let render = Arc::clone(&render);
-                async move { scrape(render).await }
+                let format =
+                    Format::from_accept(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
+                async move { scrape(render, format).await }
             }),
         );
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -357,11 +399,14 @@ impl Drop for MetricsServer {
     }
 }
 
-async fn scrape(render: Render) -> Response {
-    match tokio::task::spawn_blocking(move || render()).await {
-        Ok(Ok(text)) => {
-            (StatusCode::OK, [(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response()
-        }
+async fn scrape(render: Render, format: Format) -> Response {
+    match tokio::task::spawn_blocking(move || render(format)).await {
+        Ok(Ok(text)) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, format.content_type())],
+            text,
+        )
+            .into_response(),
         Ok(Err(e)) => (StatusCode::SERVICE_UNAVAILABLE, e).into_response(),
         Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -450,7 +495,7 @@ mod tests {
     fn a_taken_address_is_a_clear_error() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let a = MetricsAddr::Tcp(l.local_addr().unwrap());
-        let e = MetricsServer::start(&a, Arc::new(|| Ok(String::new()))).unwrap_err();
+        let e = MetricsServer::start(&a, Arc::new(|_| Ok(String::new()))).unwrap_err();
         assert!(
             e.to_string().contains(&format!(
                 "cannot listen for metrics at {}",

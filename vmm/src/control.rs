@@ -217,6 +217,8 @@ pub struct Controller {
     /// Ranges pinned ahead that no device took while others hold the pin: kept (dropping
     /// them would munlock RAM the devices' pin relies on) until the controller goes.
     _spare_pins: Vec<remote_pci::PinnedRange>,
+    /// Live-migration progress, also read by metrics scrapes while a migration runs.
+    migration: Arc<crate::metrics::MigrationProgress>,
 }
 
 impl Controller {
@@ -234,6 +236,7 @@ impl Controller {
             next_auto_id: 0,
             next_key: 0,
             self_ejects: BTreeMap::new(),
+            migration: Arc::new(crate::metrics::MigrationProgress::new()),
             subscriber_changes: Vec::new(),
             deferred: Vec::new(),
             release_timer: match vmm_sys_util::timerfd::TimerFd::new() {
@@ -470,6 +473,7 @@ impl Controller {
             );
         }
         let t0 = Instant::now();
+        self.migration.start();
         self.emit(
             "migration",
             "migration-started",
@@ -493,6 +497,7 @@ impl Controller {
         );
         match r {
             Ok((bytes, downtime)) => {
+                self.migration.end(Some(downtime));
                 log::info!(
                     "vm migrated to {url} ({bytes} bytes of RAM sent, {:.1} ms paused)",
                     downtime.as_secs_f64() * 1e3
@@ -517,6 +522,7 @@ impl Controller {
                 Ok(())
             }
             Err(e) => {
+                self.migration.end(None);
                 let msg = error_chain(&e);
                 log::error!("migration to {url} failed: {msg}; the vm keeps running here");
                 self.abandon_handover(&devs);
@@ -915,6 +921,7 @@ impl Controller {
     }
 
     fn emit_iteration(&self, round: u32, pages: u64, device_pages: u64) {
+        self.migration.round_sent(round, pages);
         log::info!("migration round {round}: {pages} pages ({device_pages} written by devices)");
         self.emit(
             "migration",
@@ -1669,6 +1676,30 @@ impl Controller {
         }
     }
 
+    /// Live-migration progress (shared: scrapes read it while the VMM thread migrates).
+    pub fn migration_progress(&self) -> Arc<crate::metrics::MigrationProgress> {
+        Arc::clone(&self.migration)
+    }
+
+    /// The VM's name on the fabric (the metrics' `vm` label).
+    pub fn vm_name(&self) -> String {
+        self.source
+            .identity()
+            .map_or_else(|| "vm".to_string(), |(_, vm)| vm)
+    }
+
+    /// `GET /api/v1/metrics`: what `vm.counters` and `vm.info` compute, as metrics text.
+    pub fn metrics_text(&self, format: lending::metrics::Format) -> String {
+        crate::metrics::families(
+            &self.vm_name(),
+            &self.counters_report(),
+            &self.counters(),
+            &self.info(),
+            &self.migration,
+        )
+        .encode_as(format)
+    }
+
     /// VMM-wide resource counters.
     pub fn counters(&self) -> VmCounters {
         let gsis = lock(self.h.interrupts.gsi_allocator()).in_use();
@@ -1879,6 +1910,7 @@ impl ApiHandler for Controller {
                  only --api-socket to receive one)",
             )),
             ApiRequest::VmCounters => Ok(ApiResponse::Counters(self.counters_report())),
+            ApiRequest::VmMetrics(f) => Ok(ApiResponse::Metrics(self.metrics_text(f))),
         }
     }
 }

@@ -252,8 +252,8 @@ impl LenderMetrics {
         f
     }
 
-    /// The OpenMetrics text of one scrape.
-    pub fn render(&self) -> String {
-        self.families().encode()
+    /// The text of one scrape.
+    pub fn render(&self, format: super::Format) -> String {
+        self.families().encode_as(format)
     }
 }
