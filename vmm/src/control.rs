@@ -1814,6 +1814,11 @@ impl Controller {
                     c.insert("iommu_faults".into(), l.iommu_faults);
                     c.insert("doorbell_kicks".into(), l.doorbell_kicks);
                     c.insert("interrupts_intx".into(), l.intx);
+                    // Lenders of protocol version 7 count these for the device model
+                    // (emulated NVMe); older ones report 0.
+                    c.insert("commands".into(), l.commands);
+                    c.insert("invalid_doorbells".into(), l.invalid_doorbells);
+                    c.insert("bad_prps".into(), l.bad_prps);
                     for (i, n) in l.msix.iter().enumerate() {
                         c.insert(format!("interrupts_vector_{i}"), *n);
                     }

@@ -35,7 +35,7 @@ pub const NAMES: &[&str] = &[
     "lendvm_device_commands_total",
     "lendvm_device_invalid_doorbells_total",
     "lendvm_device_bad_prps_total",
-    "lendvm_device_counter",
+    "lendvm_device_figure",
     "lendvm_migrations_total",
     "lendvm_migration_active",
     "lendvm_migration_round",
@@ -325,7 +325,7 @@ pub fn families(
         }
         for (k, n) in c {
             f.gauge(
-                "lendvm_device_counter",
+                "lendvm_device_figure",
                 "Every per-device figure of vm.counters, by its name there.",
                 labels([("vm", vm), ("device", id), ("name", k)]),
                 *n as f64,
