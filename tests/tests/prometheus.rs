@@ -271,6 +271,35 @@ fn scraped_by_prometheus() {
     );
     promtool_check(&r.body_text(), "lendvm's GET /api/v1/metrics");
 
+    // Every metric the Grafana dashboard queries is in these scrapes.
+    let scraped: std::collections::BTreeSet<&str> = lender_text
+        .lines()
+        .chain(vm_text.lines())
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let dash: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../resources/grafana/lendvm.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            let e = t["expr"].as_str().unwrap();
+            for w in e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if w.starts_with("lenderd_") || w.starts_with("lendvm_") {
+                    assert!(
+                        scraped.contains(w),
+                        "the dashboard queries {w} ({e}), not in the scrapes:\n{lender_text}\n{vm_text}"
+                    );
+                }
+            }
+        }
+    }
+
     vm.api()
         .remove_device(&api::types::VmRemoveDeviceData {
             id: "dma0".into(),
