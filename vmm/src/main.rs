@@ -158,6 +158,46 @@ fn parse_cpus(s: &str) -> Result<u8, String> {
     config::check_cpus(n).map_err(|e| e.to_string())
 }
 
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// SIGTERM/SIGINT request a clean shutdown of the VM (see `main`).
+fn watch_stop_signals(exit: Arc<vmm::exit::ExitNotifier>) {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(
+            libc::SIGTERM,
+            on_stop_signal as *const () as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGINT,
+            on_stop_signal as *const () as libc::sighandler_t,
+        );
+    }
+    let spawned = std::thread::Builder::new()
+        .name("stop-signals".into())
+        .spawn(move || loop {
+            let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
+            if sig != 0 {
+                let name = if sig == libc::SIGTERM {
+                    "SIGTERM"
+                } else {
+                    "SIGINT"
+                };
+                log::info!("{name}: shutting the vm down");
+                exit.request(VmExit::Shutdown(format!("{name} received")));
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        });
+    if let Err(e) = spawned {
+        log::warn!("cannot watch for SIGTERM ({e}): it will kill the vmm without a clean stop");
+    }
+}
+
 /// Bad input: one line on stderr, exit status 2.
 fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
     eprintln!("lendvm: {msg}");
@@ -723,6 +763,20 @@ fn main() -> ExitCode {
         eprintln!("lendvm: {}", chain(&e));
         return ExitCode::from(1);
     }
+    // `systemctl stop` (SIGTERM) and ^C end the VM like vm.shutdown: leases returned,
+    // claims released. The handler only sets a flag; a thread turns it into the request.
+    watch_stop_signals(vm.exit_notifier().clone());
+    // Readiness for systemd (Type=notify): the VM runs and its API socket listens.
+    let ready = format!("vm {} running", ctl.borrow().vm_name());
+    if let Err(e) = sd_notify::notify(
+        false,
+        &[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status(&ready),
+        ],
+    ) {
+        log::warn!("sd_notify: {e}");
+    }
     if let Some((bytes, paused)) = migrated_from {
         // The source has stopped: the guest runs on here at once, unless it was paused there.
         ctl.borrow_mut().set_restored_paused();
@@ -774,6 +828,7 @@ fn main() -> ExitCode {
         );
     }
     let exit = event_loop.run();
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     drop(event_loop);
     vm.stop();
     ctl.borrow_mut().teardown_all();
