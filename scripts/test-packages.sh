@@ -36,7 +36,7 @@ out="$target/debian"
 rm -rf "$out"
 mkdir -p "$out"
 for p in lending vmm; do
-  cargo deb --locked --no-build --profile "$cargo_profile" -p "$p" -o "$out" >/dev/null
+  cargo deb --locked --no-build --fast --profile "$cargo_profile" -p "$p" -o "$out" >/dev/null
 done
 ls -la "$out"
 
