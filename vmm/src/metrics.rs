@@ -342,3 +342,56 @@ pub fn migration_only(vm: &str, migration: &MigrationProgress) -> Families {
     migration.add_to(&mut f, vm);
     f
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(f: &Families, name: &str, label: Option<(&str, &str)>) -> f64 {
+        let fam = f
+            .families()
+            .iter()
+            .find(|x| x.name == name)
+            .unwrap_or_else(|| panic!("{name} missing"));
+        fam.samples
+            .iter()
+            .find(|(l, _)| label.is_none_or(|(k, v)| l.iter().any(|(a, b)| a == k && b == v)))
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("{name} {label:?} missing"))
+    }
+
+    #[test]
+    fn migration_progress_follows_a_migration() {
+        let p = MigrationProgress::new();
+        let f = migration_only("vm1", &p);
+        assert_eq!(value(&f, "lendvm_migration_active", None), 0.0);
+        p.start();
+        p.round_sent(0, 100);
+        p.round_sent(1, 20);
+        let f = migration_only("vm1", &p);
+        assert_eq!(value(&f, "lendvm_migration_active", None), 1.0);
+        assert_eq!(value(&f, "lendvm_migration_round", None), 1.0);
+        assert_eq!(value(&f, "lendvm_migration_pages_sent", None), 120.0);
+        p.end(Some(std::time::Duration::from_millis(250)));
+        p.start();
+        p.end(None);
+        let f = migration_only("vm1", &p);
+        assert_eq!(value(&f, "lendvm_migration_active", None), 0.0);
+        assert_eq!(
+            value(&f, "lendvm_migrations", Some(("result", "started"))),
+            2.0
+        );
+        assert_eq!(
+            value(&f, "lendvm_migrations", Some(("result", "completed"))),
+            1.0
+        );
+        assert_eq!(
+            value(&f, "lendvm_migrations", Some(("result", "failed"))),
+            1.0
+        );
+        assert_eq!(value(&f, "lendvm_migration_last_downtime", None), 0.25);
+        for n in f.exposed_names() {
+            assert!(NAMES.contains(&n.as_str()), "{n}");
+        }
+    }
+}
