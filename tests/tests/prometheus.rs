@@ -271,6 +271,14 @@ fn scraped_by_prometheus() {
     );
     promtool_check(&r.body_text(), "lendvm's GET /api/v1/metrics");
 
+    // lenderd exports what lending::metrics::lender::NAMES says (the dashboard test's list).
+    for l in lender_text.lines().filter(|l| !l.starts_with('#')) {
+        let name = l.split(['{', ' ']).next().unwrap();
+        assert!(
+            lending::metrics::lender::NAMES.contains(&name),
+            "{name} is not in lending::metrics::lender::NAMES"
+        );
+    }
     // Every metric the Grafana dashboard queries is in these scrapes.
     let scraped: std::collections::BTreeSet<&str> = lender_text
         .lines()
@@ -323,18 +331,34 @@ fn scraped_by_prometheus() {
     );
 }
 
+/// What a daemon told systemd (`$NOTIFY_SOCKET`), once it has said `READY=1`.
+fn notified(sock: &std::os::unix::net::UnixDatagram) -> String {
+    sock.set_read_timeout(Some(SEEN)).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = sock.recv(&mut buf).expect("no sd_notify message");
+        let m = String::from_utf8_lossy(&buf[..n]).to_string();
+        if m.contains("READY=1") {
+            return m;
+        }
+    }
+}
+
 #[test]
 fn a_metrics_address_in_use_does_not_stop_lending() {
     let cluster = Cluster::new(Fabric::Shm);
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     let _ = std::fs::remove_file(cluster.file("node1.sock"));
+    let notify_path = cluster.file("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
     let lender = Lenderd::command(binary("lenderd"), LENDER, &cluster.path)
         .log(cluster.file("lenderd.log"))
         .token(TOKEN)
         .device(format!("{DMATEST_BDF}=dmatest"))
         .arg("--metrics")
         .arg(&addr)
+        .env("NOTIFY_SOCKET", &notify_path)
         .spawn_until("answering status requests", |_| cluster.status().is_ok());
     let log = lender.log();
     assert!(
@@ -342,7 +366,39 @@ fn a_metrics_address_in_use_does_not_stop_lending() {
             && log.contains("lending continues without metrics"),
         "{log}"
     );
+    // Ready for systemd all the same, with the problem in its status line.
+    let m = notified(&notify);
+    assert!(
+        m.contains("STATUS=lending 1 devices; metrics off: cannot listen for metrics at"),
+        "{m}"
+    );
     cluster.wait_available(DMATEST_BDF);
+    // lendvm too runs its VM without its metrics listener, and tells systemd it is ready.
+    let vm_notify_path = cluster.file("vm-notify.sock");
+    let vm_notify = std::os::unix::net::UnixDatagram::bind(&vm_notify_path).unwrap();
+    let sock = cluster.file("api.sock").display().to_string();
+    let mut vm = Vm::start_env(
+        "64M",
+        &[
+            "--api-socket",
+            &sock,
+            "--metrics",
+            &addr,
+            "--cmdline",
+            "tests=idle total_ms=60000",
+        ],
+        &[("NOTIFY_SOCKET", vm_notify_path.as_os_str())],
+    );
+    vm.wait_api();
+    let m = notified(&vm_notify);
+    assert!(m.contains("STATUS=vm "), "{m}");
+    assert!(vm.running());
+    assert!(
+        vm.stderr()
+            .contains(&format!("cannot listen for metrics at {addr}")),
+        "{}",
+        vm.stderr()
+    );
     // A bad address (not loopback) is refused up front, naming it.
     let out = Command::new(binary("lenderd"))
         .args(["--node", LENDER, "--cluster"])
