@@ -228,7 +228,7 @@ fn run(args: Args) -> Result<(), String> {
     // Metrics are an observer: a listener that cannot start is an error in the log and the
     // service status, and lending goes on.
     let mut metrics_problem = None;
-    let _metrics: Option<MetricsServer> = args.metrics.as_ref().and_then(|addr| {
+    let metrics: Option<MetricsServer> = args.metrics.as_ref().and_then(|addr| {
         let m = Arc::new(LenderMetrics::new(
             Arc::clone(&lender),
             registration.clone(),
@@ -294,6 +294,7 @@ fn run(args: Args) -> Result<(), String> {
     );
     STOP.store(true, Ordering::SeqCst);
     let _ = watcher.join();
+    drop(metrics);
     // Sessions have ended and devices are back: leave the directory now (revoke), not after
     // the TTL.
     drop(registration);

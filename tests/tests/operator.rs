@@ -55,10 +55,13 @@ fn lenderd_sigterm_returns_leases_and_leaves_the_directory() {
         "[link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n",
     );
     let sock = dir.path().join("node1.sock");
+    let metrics = dir.path().join("metrics.sock");
     let mut lender = Lenderd::command(binary("lenderd"), LENDER, &file)
         .log(dir.path().join("lenderd.log"))
         .arg("--control")
         .arg(&sock)
+        .arg("--metrics")
+        .arg(&metrics)
         .device(format!("{DMATEST_BDF}=dmatest"))
         .spawn_until_listening(&sock);
     let directory = EtcdDirectory::connect(&etcd.config(Duration::from_secs(TTL_S))).unwrap();
@@ -95,6 +98,26 @@ fn lenderd_sigterm_returns_leases_and_leaves_the_directory() {
         vm.stderr()
     );
     assert!(lender.log().contains("lent to"), "{}", lender.log());
+    // The directory's side in the metrics (over the Unix socket): registered, with the
+    // keep-alive's round trip.
+    let scrape = || {
+        use std::io::{Read, Write};
+        let mut s = std::os::unix::net::UnixStream::connect(&metrics).ok()?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").ok()?;
+        let mut b = String::new();
+        s.read_to_string(&mut b).ok()?;
+        Some(b)
+    };
+    let body = poll(T, || {
+        scrape()
+            .filter(|b| b.contains("lenderd_directory_keepalive_latency_seconds{node=\"node1\"}"))
+    })
+    .expect("no keep-alive latency in the metrics");
+    assert!(
+        body.contains("lenderd_directory_registered{node=\"node1\"} 1"),
+        "{body}"
+    );
+    assert!(body.contains("lenderd_leases{node=\"node1\"} 1"), "{body}");
 
     let t0 = Instant::now();
     sigterm(lender.child.id());
@@ -110,6 +133,7 @@ fn lenderd_sigterm_returns_leases_and_leaves_the_directory() {
     // ...and the registration revoked: no record left, long before the TTL.
     assert!(log.contains("left the directory"), "{log}");
     assert_eq!(registered(&directory), (false, 0), "{log}");
+    assert!(!metrics.exists(), "the metrics socket was left behind");
     assert!(
         stopped_in < Duration::from_secs(TTL_S / 4),
         "{stopped_in:?}"

@@ -2,7 +2,7 @@
 //! counters, its sessions and its directory registration (see the module above for the label
 //! bounds).
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use prometheus_client::registry::Unit;
 
@@ -40,7 +40,9 @@ pub const NAMES: &[&str] = &[
 /// What `lenderd --metrics` shows.
 pub struct LenderMetrics {
     lender: Arc<Lender>,
-    registration: Option<Arc<dyn Registration>>,
+    /// Weak: the observer must not keep the registration alive (its drop revokes it, and
+    /// must happen on lenderd's main thread, not on the metrics thread's runtime).
+    registration: Option<Weak<dyn Registration>>,
     listener: Option<Arc<dyn ntb::Listener>>,
 }
 
@@ -53,7 +55,7 @@ impl LenderMetrics {
     ) -> Self {
         LenderMetrics {
             lender,
-            registration,
+            registration: registration.as_ref().map(Arc::downgrade),
             listener,
         }
     }
@@ -231,7 +233,7 @@ impl LenderMetrics {
                 lis.handshake_slots() as f64,
             );
         }
-        if let Some(r) = &self.registration {
+        if let Some(r) = self.registration.as_ref().and_then(Weak::upgrade) {
             f.gauge(
                 "lenderd_directory_registered",
                 "1 while the lender's directory registration is in force.",
