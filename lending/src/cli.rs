@@ -100,25 +100,35 @@ pub fn config_args(cmd: &clap::Command, path: &Path) -> Result<Vec<OsString>, Co
                 .is_some_and(|l| !matches!(l, "config" | "help" | "version"))
         })
         .collect();
+    // The key a file uses for each option: `devices` for the repeatable `--device`.
     let known = || {
         args.iter()
-            .filter_map(|a| a.get_long())
-            .map(|l| l.replace('-', "_"))
+            .filter_map(|a| {
+                let l = a.get_long()?.replace('-', "_");
+                Some(match a.get_action() {
+                    ArgAction::Append if !l.ends_with('s') => format!("{l}s"),
+                    _ => l,
+                })
+            })
             .collect::<Vec<_>>()
             .join(", ")
+    };
+    let named = |a: &clap::Arg, long: &str| {
+        a.get_long() == Some(long)
+            || a.get_all_aliases()
+                .is_some_and(|v| v.iter().any(|x| *x == long))
     };
     let mut out = Vec::new();
     for (key, value) in &table {
         let long = key.replace('_', "-");
         let arg = args
             .iter()
-            .find(|a| a.get_long() == Some(long.as_str()))
+            .find(|a| named(a, long.as_str()))
             .or_else(|| {
                 // `devices = [...]` for the repeatable `--device`.
                 long.strip_suffix('s').and_then(|one| {
-                    args.iter().find(|a| {
-                        a.get_long() == Some(one) && matches!(a.get_action(), ArgAction::Append)
-                    })
+                    args.iter()
+                        .find(|a| named(a, one) && matches!(a.get_action(), ArgAction::Append))
                 })
             })
             .ok_or_else(|| ConfigFileError::UnknownKey {
@@ -236,6 +246,7 @@ mod tests {
     fn cmd() -> Command {
         Command::new("t")
             .arg(Arg::new("node").long("node").required(true))
+            .arg(Arg::new("cluster").long("cluster").alias("directory"))
             .arg(Arg::new("devices").long("device").action(ArgAction::Append))
             .arg(Arg::new("metrics").long("metrics"))
             .arg(Arg::new("flag").long("no-thing").action(ArgAction::SetTrue))
@@ -257,7 +268,8 @@ mod tests {
     #[test]
     fn a_config_file_is_options_the_command_line_overrides() {
         let f = file(
-            "node = \"n1\"\ndevices = [\"a\", \"b\"]\nmetrics = \"127.0.0.1:1\"\nno_thing = true\n",
+            "node = \"n1\"\ndevices = [\"a\", \"b\"]\nmetrics = \"127.0.0.1:1\"\nno_thing = true\n\
+             directory = \"etcd://127.0.0.1:2379\"\n",
             0o600,
         );
         let p = f.path().to_str().unwrap();
@@ -272,6 +284,10 @@ mod tests {
         let d: Vec<&String> = m.get_many("devices").unwrap().collect();
         assert_eq!(d, ["a", "b", "c"]);
         assert!(m.get_flag("flag"));
+        assert_eq!(
+            m.get_one::<String>("cluster").unwrap(),
+            "etcd://127.0.0.1:2379"
+        );
     }
 
     #[test]
@@ -279,7 +295,7 @@ mod tests {
         let f = file("node = \"n\"\nmetric = \"x\"\n", 0o600);
         let e = config_args(&cmd(), f.path()).unwrap_err().to_string();
         assert!(e.contains("unknown key `metric`"), "{e}");
-        assert!(e.contains("metrics"), "{e}");
+        assert!(e.contains("metrics") && e.contains("devices"), "{e}");
         let f = file("node = \"n\"\n", 0o620);
         let e = config_args(&cmd(), f.path()).unwrap_err().to_string();
         assert!(e.contains("writable by group or others (mode 620)"), "{e}");

@@ -36,8 +36,9 @@ struct Args {
     #[arg(long)]
     node: String,
     /// Cluster description: a TOML file (its `[directory]` table, if any, names etcd), or
-    /// `etcd://host:port[,host:port...]` to register in etcd without a file.
-    #[arg(long)]
+    /// `etcd://host:port[,host:port...]` to register in etcd without a file (also
+    /// `--directory`, the `directory` key of a config file).
+    #[arg(long, visible_alias = "directory")]
     cluster: String,
     /// Where to listen, for a lender that is not in the cluster file (etcd directory): an
     /// absolute Unix socket path (shm fabric) or ip:port (tcp fabric).
