@@ -368,7 +368,12 @@ impl MetricsServer {
         let name = shown.clone();
         let thread = std::thread::Builder::new()
             .name("metrics-http".into())
-            .spawn(move || runtime.block_on(serve(bound, app, stop_rx, name)))
+            .spawn(move || {
+                runtime.block_on(serve(bound, app, stop_rx, name));
+                // A render still running (lendvm's waits for its VMM thread) is left to
+                // finish on its own rather than hold up the stop.
+                runtime.shutdown_timeout(DRAIN);
+            })
             .map_err(MetricsError::Start)?;
         log::info!("metrics: serving GET /metrics at {shown}");
         Ok(MetricsServer {
@@ -416,28 +421,49 @@ async fn scrape(render: Render, format: Format) -> Response {
     }
 }
 
+/// How long a stop waits for scrapes in flight. Prometheus keeps its connection open between
+/// scrapes, so a graceful shutdown alone could wait for ever.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(1);
+
 async fn serve(bound: Bound, app: Router, stop: oneshot::Receiver<()>, name: String) {
+    let (stopping_tx, stopping_rx) = oneshot::channel::<()>();
     let signal = async move {
+        // Also fires when the MetricsServer is dropped (sender gone).
         let _ = stop.await;
+        let _ = stopping_tx.send(());
     };
-    let r = match bound {
-        Bound::Tcp(l) => match l
-            .set_nonblocking(true)
-            .and_then(|()| tokio::net::TcpListener::from_std(l))
-        {
-            Ok(l) => axum::serve(l, app).with_graceful_shutdown(signal).await,
-            Err(e) => Err(e),
-        },
-        Bound::Unix(l) => match l
-            .set_nonblocking(true)
-            .and_then(|()| tokio::net::UnixListener::from_std(l))
-        {
-            Ok(l) => axum::serve(l, app).with_graceful_shutdown(signal).await,
-            Err(e) => Err(e),
-        },
+    let deadline = async move {
+        if stopping_rx.await.is_ok() {
+            tokio::time::sleep(DRAIN).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
     };
-    if let Err(e) = r {
-        log::error!("metrics: the listener at {name} failed: {e}");
+    let server = async move {
+        match bound {
+            Bound::Tcp(l) => match l
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpListener::from_std(l))
+            {
+                Ok(l) => axum::serve(l, app).with_graceful_shutdown(signal).await,
+                Err(e) => Err(e),
+            },
+            Bound::Unix(l) => match l
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::UnixListener::from_std(l))
+            {
+                Ok(l) => axum::serve(l, app).with_graceful_shutdown(signal).await,
+                Err(e) => Err(e),
+            },
+        }
+    };
+    tokio::select! {
+        r = server => {
+            if let Err(e) = r {
+                log::error!("metrics: the listener at {name} failed: {e}");
+            }
+        }
+        _ = deadline => log::debug!("metrics: open connections at {name} dropped at stop"),
     }
 }
 
@@ -489,6 +515,45 @@ mod tests {
         assert!(t.contains("# UNIT x_age_seconds seconds"), "{t}");
         assert!(t.contains("x_age_seconds{lease=\"1\"} 1.5"), "{t}");
         assert!(t.ends_with("# EOF\n"), "{t}");
+    }
+
+    #[test]
+    fn a_slow_scrape_in_flight_does_not_hold_up_the_stop() {
+        use std::io::{Read, Write};
+        use std::time::{Duration, Instant};
+        let a = MetricsAddr::Tcp("127.0.0.1:0".parse().unwrap());
+        let s = MetricsServer::start(&a, Arc::new(|f| Ok(format!("{f:?}\n")))).unwrap();
+        let mut c = std::net::TcpStream::connect(s.addr()).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut reply = String::new();
+        c.read_to_string(&mut reply).unwrap();
+        assert!(
+            reply.starts_with("HTTP/1.0 200") && reply.contains("Text"),
+            "{reply}"
+        );
+        drop(s);
+        // A render that takes far longer than the stop may wait (lendvm's waits for its
+        // VMM thread): the stop is bounded all the same.
+        let slow = MetricsServer::start(
+            &a,
+            Arc::new(|_| {
+                std::thread::sleep(Duration::from_secs(20));
+                Ok(String::new())
+            }),
+        )
+        .unwrap();
+        let addr = slow.addr().to_string();
+        let client = std::thread::spawn(move || {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+            let mut b = Vec::new();
+            let _ = c.read_to_end(&mut b);
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let t0 = Instant::now();
+        drop(slow);
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        client.join().unwrap();
     }
 
     #[test]
