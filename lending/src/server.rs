@@ -93,15 +93,19 @@ pub enum AuthFailure {
     NoProof,
     /// A proof that does not verify (wrong token).
     BadProof,
+    /// The link closed after the lender's challenge without a HELLO (a borrower that found
+    /// the lender's proof wrong, i.e. a different token, leaves here).
+    Unanswered,
 }
 
 impl AuthFailure {
     /// Every reason, in label order.
-    pub const ALL: [AuthFailure; 4] = [
+    pub const ALL: [AuthFailure; 5] = [
         AuthFailure::RateLimited,
         AuthFailure::Malformed,
         AuthFailure::NoProof,
         AuthFailure::BadProof,
+        AuthFailure::Unanswered,
     ];
 
     /// The label value.
@@ -111,6 +115,7 @@ impl AuthFailure {
             AuthFailure::Malformed => "malformed",
             AuthFailure::NoProof => "no_proof",
             AuthFailure::BadProof => "bad_proof",
+            AuthFailure::Unanswered => "unanswered",
         }
     }
 }
@@ -118,7 +123,7 @@ impl AuthFailure {
 #[derive(Default)]
 struct LenderStats {
     sessions: AtomicU64,
-    auth_failures: [AtomicU64; 4],
+    auth_failures: [AtomicU64; 5],
 }
 
 impl LenderStats {
@@ -343,6 +348,9 @@ impl Lender {
             s.announce_kicks();
             s.end_stale_claims();
         };
+        if s.challenge.is_some() && !s.hello {
+            self.stats.auth_failed(AuthFailure::Unanswered);
+        }
         self.transfers
             .forget(s.id, None, "the source's link is down");
         let n = s.leases.len();

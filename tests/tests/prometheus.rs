@@ -254,6 +254,21 @@ fn scraped_by_prometheus() {
     prom.value(&lender_dma, "dmatest lease on the lender", |v| v >= 0.0);
     prom.value(vm_dma, "dmatest in the vm", |v| v == 1.0);
 
+    // A borrower with the wrong token is counted by reason (it finds the lender's proof
+    // wrong and leaves without a HELLO).
+    let out = Command::new(binary("lendctl"))
+        .arg("--cluster")
+        .arg(&cluster.path)
+        .args(["--token", "not-the-cluster-token", "list"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    prom.value(
+        "lenderd_auth_failures_total{reason=\"unanswered\"}",
+        "a failed authentication counted",
+        |v| v >= 1.0,
+    );
+
     // promtool on what the daemons serve (while both devices are there: every family).
     let (s, lender_text) = http_get(lender_port, "/metrics", None).unwrap();
     assert_eq!(s, 200);
