@@ -114,9 +114,7 @@ pub fn config_args(cmd: &clap::Command, path: &Path) -> Result<Vec<OsString>, Co
             .join(", ")
     };
     let named = |a: &clap::Arg, long: &str| {
-        a.get_long() == Some(long)
-            || a.get_all_aliases()
-                .is_some_and(|v| v.iter().any(|x| *x == long))
+        a.get_long() == Some(long) || a.get_all_aliases().is_some_and(|v| v.contains(&long))
     };
     let mut out = Vec::new();
     for (key, value) in &table {
