@@ -105,13 +105,26 @@ control = "$state/node2.sock"
 EOF
 truncate -s 64M "$state/disk1.img" "$state/disk2.img"
 
+# A loopback port nothing listens on, from $1 up (for the lenders' --metrics).
+free_port() {
+  local p=$1
+  while (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; do p=$((p + 1)); done
+  echo "$p"
+}
+metrics1=127.0.0.1:$(free_port 9464)
+metrics2=127.0.0.1:$(free_port $((${metrics1##*:} + 1)))
+
 echo "== starting lenderd on node1 and node2 (emulated NVMe, 64 MiB sparse images)"
 RUST_LOG=${RUST_LOG:-info} "$bin/lenderd" --node node1 --cluster "$state/cluster.toml" \
-  --device "0000:01:00.0=nvme:path=$state/disk1.img,size=64M" 2>"$state/node1.log" &
+  --device "0000:01:00.0=nvme:path=$state/disk1.img,size=64M" --metrics "$metrics1" \
+  2>"$state/node1.log" &
 pids+=($!)
 RUST_LOG=${RUST_LOG:-info} "$bin/lenderd" --node node2 --cluster "$state/cluster.toml" \
-  --device "0000:02:00.0=nvme:path=$state/disk2.img,size=64M" 2>"$state/node2.log" &
+  --device "0000:02:00.0=nvme:path=$state/disk2.img,size=64M" --metrics "$metrics2" \
+  2>"$state/node2.log" &
 pids+=($!)
+echo "   Prometheus metrics: node1 at http://$metrics1/metrics, node2 at http://$metrics2/metrics"
+echo "   (scrape_configs: - job_name: lenderd; static_configs: [{targets: ['$metrics1', '$metrics2']}])"
 for n in node1 node2; do
   deadline=$((SECONDS + 20))
   until [ -S "$state/$n.sock" ]; do

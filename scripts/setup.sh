@@ -16,6 +16,13 @@ command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
 [ -e /usr/include/google/protobuf/descriptor.proto ] || need_apt+=(libprotobuf-dev)
 # The directory tests start their own etcd members on loopback (Debian's 3.4, binary `etcd`).
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+# tests/tests/prometheus.rs scrapes lenderd and lendvm with a real Prometheus and lints the
+# scrapes with promtool (both in Debian's prometheus).
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+# tests/tests/operator.rs runs `systemd-analyze verify` on the units; scripts/test-packages.sh
+# reads the packaged man pages with `man -l`.
+command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
+command -v man >/dev/null 2>&1 || need_apt+=(man-db)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -29,6 +29,10 @@ PROPTEST_CASES=2000 cargo test -p api --locked --test rest_fuzz
 # LENDVM_SOAK_CYCLES / LENDVM_SOAK_RESTARTS.
 LENDVM_SOAK_CYCLES="${LENDVM_SOAK_CYCLES:-500}" LENDVM_SOAK_RESTARTS="${LENDVM_SOAK_RESTARTS:-10}" \
   cargo test -p lendvm-tests --locked --test soak -- --ignored --nocapture
+# The Debian packages: built with cargo-deb from the binaries above, installed into a
+# throwaway root, their lendctl/lenderd/man pages run from the installed paths (~20 s, plus
+# `cargo install cargo-deb` once).
+scripts/test-packages.sh
 if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
   if [ -n "${CI:-}" ]; then
     echo "test: LENDVM_SKIP_LINUX=1 under CI: the Linux end-to-end tests are required there" >&2

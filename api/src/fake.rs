@@ -374,6 +374,18 @@ impl ApiHandler for FakeVmm {
                 }
                 Ok(ApiResponse::Counters(report))
             }
+            ApiRequest::VmMetrics(format) => {
+                let mut f = lending::metrics::Families::new();
+                for (id, d) in &self.devices {
+                    f.counter(
+                        "lendvm_device_interrupts",
+                        "Interrupts delivered.",
+                        lending::metrics::labels([("device", id)]),
+                        d.interrupts.total(),
+                    );
+                }
+                Ok(ApiResponse::Metrics(f.encode_as(format)))
+            }
         }
     }
 }

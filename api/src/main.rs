@@ -781,6 +781,16 @@ fn print_value<T: serde::Serialize>(v: &T) -> Result<(), Failure> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(dir) = lending::cli::generate_assets_requested(&argv) {
+        return match lending::cli::generate_assets(Cli::command(), &dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lendctl: {}: {e}", dir.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Lenders | Command::List | Command::Status | Command::Watch { .. } => {

@@ -61,6 +61,8 @@ pub enum ApiRequest {
     VmSendMigration(VmSendMigrationData),
     VmReceiveMigration(VmReceiveMigrationData),
     VmmShutdown,
+    /// `GET /api/v1/metrics`: the VM's figures as OpenMetrics (or Prometheus) text.
+    VmMetrics(lending::metrics::Format),
 }
 
 impl ApiRequest {
@@ -79,6 +81,7 @@ impl ApiRequest {
             ApiRequest::VmSendMigration(_) => "vm.send-migration",
             ApiRequest::VmReceiveMigration(_) => "vm.receive-migration",
             ApiRequest::VmmShutdown => "vmm.shutdown",
+            ApiRequest::VmMetrics(_) => "metrics",
         }
     }
 }
@@ -91,6 +94,7 @@ impl ApiRequest {
 /// | `VmInfo` | `VmInfo` | 200 JSON |
 /// | `VmAddRemoteDevice` | `DeviceAdded` | 200 JSON `{"id","bdf"}` |
 /// | `VmCounters` | `Counters` | 200 JSON `{id: {name: number}}` |
+/// | `VmMetrics` | `Metrics` | 200 OpenMetrics text |
 /// | `VmRemoveDevice`, `VmShutdown`, `VmPause`, `VmResume`, `VmSnapshot`, `VmSendMigration`, `VmReceiveMigration`, `VmmShutdown` | `Empty` | 204 |
 ///
 /// Any other pairing is answered with 500 (a VMM bug).
@@ -101,6 +105,8 @@ pub enum ApiResponse {
     VmInfo(Box<VmInfo>),
     DeviceAdded(PciDeviceInfo),
     Counters(VmCountersReport),
+    /// Metrics text in the format asked for.
+    Metrics(String),
     Empty,
 }
 

@@ -14,6 +14,7 @@
 //! | case | status | body |
 //! |---|---|---|
 //! | success with data (`vmm.ping`, `vm.info`, `vm.add-remote-device`) | 200 | JSON |
+//! | `metrics` | 200 | OpenMetrics text |
 //! | success without data (`vm.remove-device`, `vm.shutdown`, `vm.pause`, `vm.resume`, `vm.snapshot`, `vm.send-migration`, `vm.receive-migration`, `vmm.shutdown`) | 204 | empty |
 //! | `vm.events` | 200 | JSON lines, chunked, until the VMM shuts down (`follow=false`: what is retained) |
 //! | malformed JSON, unknown field, bad BDF/node/id syntax, empty body | 400 | text |
@@ -93,6 +94,7 @@ pub const ENDPOINTS: &[(&str, &str)] = &[
     ("vm.receive-migration", "PUT"),
     ("vm.events", "GET"),
     ("vmm.shutdown", "PUT"),
+    ("metrics", "GET"),
 ];
 
 /// Errors starting or stopping the server.
@@ -248,6 +250,12 @@ impl AppState {
                 json(&d)
             }
             (ApiRequest::VmCounters, Ok(ApiResponse::Counters(c))) => json(&c),
+            (ApiRequest::VmMetrics(f), Ok(ApiResponse::Metrics(t))) => (
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, f.content_type())],
+                t,
+            )
+                .into_response(),
             (
                 ApiRequest::VmRemoveDevice(_)
                 | ApiRequest::VmShutdown
@@ -442,6 +450,13 @@ async fn vm_counters(State(s): State<AppState>) -> Response {
     s.forward(ApiRequest::VmCounters).await
 }
 
+async fn vm_metrics(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    let format = lending::metrics::Format::from_accept(
+        headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()),
+    );
+    s.forward(ApiRequest::VmMetrics(format)).await
+}
+
 async fn vm_pause(State(s): State<AppState>) -> Response {
     s.forward(ApiRequest::VmPause).await
 }
@@ -569,6 +584,7 @@ fn router(state: AppState) -> Router {
         )
         .route(&format!("{API_ROOT}/vm.shutdown"), put(vm_shutdown))
         .route(&format!("{API_ROOT}/vm.counters"), get(vm_counters))
+        .route(&format!("{API_ROOT}/metrics"), get(vm_metrics))
         .route(&format!("{API_ROOT}/vm.pause"), put(vm_pause))
         .route(&format!("{API_ROOT}/vm.snapshot"), put(vm_snapshot))
         .route(

@@ -994,8 +994,11 @@ impl Lease {
             return Ok(None);
         }
         let r = Request::LeaseCounters(LeaseRef { lease: self.id });
-        match self.inner.call::<LeaseCounters>(&r, Vec::new()) {
-            Ok((c, _)) => Ok(Some(c)),
+        match self.inner.call_raw(&r, Vec::new()) {
+            Ok((_, payload, _)) => Ok(Some(protocol::decode_lease_counters(
+                &payload,
+                self.inner.version(),
+            )?)),
             Err(e) if e.code() == Some(code::UNKNOWN_OPCODE) => Ok(None),
             Err(e) => Err(e),
         }

@@ -13,7 +13,7 @@ use std::time::Instant;
 use thiserror::Error;
 
 use crate::backend::DeviceBackend;
-use crate::protocol::{DeviceState, DeviceStatus, DeviceSummary};
+use crate::protocol::{DeviceState, DeviceStatus, DeviceSummary, LeaseCounters};
 
 /// Errors of the inventory.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -65,6 +65,25 @@ pub struct DeviceEntry {
     backend: Arc<dyn DeviceBackend>,
     state: Mutex<DeviceState>,
     leases_granted: AtomicU64,
+    /// The lease in force, for the metrics (one per device at most: bounded).
+    current: Mutex<Option<LeaseView>>,
+}
+
+/// What the metrics show of the lease in force on a device.
+#[derive(Debug, Clone)]
+pub struct LeaseView {
+    /// Lease id.
+    pub id: u64,
+    /// Borrower node.
+    pub node: String,
+    /// Borrower VM.
+    pub vm: String,
+    /// When it was granted.
+    pub granted: Instant,
+    /// The device's counters when it was granted.
+    pub baseline: LeaseCounters,
+    /// DIRTY_LOG_FETCH requests answered for it.
+    pub dirty_log_fetches: u64,
 }
 
 impl DeviceEntry {
@@ -88,6 +107,15 @@ impl DeviceEntry {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         }
+    }
+
+    fn current(&self) -> MutexGuard<'_, Option<LeaseView>> {
+        self.current.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The lease in force, if any.
+    pub fn lease_view(&self) -> Option<LeaseView> {
+        self.current().clone()
     }
 
     fn summary(&self) -> DeviceSummary {
@@ -127,6 +155,7 @@ impl Inventory {
                 backend,
                 state: Mutex::new(DeviceState::Available),
                 leases_granted: AtomicU64::new(0),
+                current: Mutex::new(None),
             }));
         }
         Ok(Inventory {
@@ -225,6 +254,14 @@ impl Inventory {
         }
         dev.leases_granted.fetch_add(1, Ordering::Relaxed);
         let lease = self.next_lease.fetch_add(1, Ordering::Relaxed);
+        *dev.current() = Some(LeaseView {
+            id: lease,
+            node: node.to_string(),
+            vm: vm.to_string(),
+            granted: Instant::now(),
+            baseline: dev.backend.counters(),
+            dirty_log_fetches: 0,
+        });
         log::info!("lease {lease}: {id} lent to {node}/{vm}");
         Ok(Lease {
             id: lease,
@@ -279,6 +316,10 @@ impl Lease {
             node: node.to_string(),
             vm: vm.to_string(),
         };
+        if let Some(v) = self.device.current().as_mut() {
+            v.node = node.to_string();
+            v.vm = vm.to_string();
+        }
         log::info!(
             "lease {}: {} moved from {} to {node}/{vm}",
             self.id,
@@ -299,6 +340,13 @@ impl Lease {
         self.irq_keepalive.push(v);
     }
 
+    /// Counts a DIRTY_LOG_FETCH answered for the lease (metrics).
+    pub fn count_dirty_log_fetch(&self) {
+        if let Some(v) = self.device.current().as_mut() {
+            v.dirty_log_fetches += 1;
+        }
+    }
+
     /// Why the lease ends (logged on drop).
     pub fn set_end_reason(&mut self, why: impl Into<String>) {
         self.end_reason = why.into();
@@ -308,6 +356,7 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         let dev = &self.device;
+        *dev.current() = None;
         *dev.lock() = DeviceState::Resetting;
         let b = &dev.backend;
         let unmapped = b.domain().unmap_all();

@@ -12,14 +12,17 @@
 //! * [`directory`]: the cluster directory (static file or etcd): registration, claims and
 //!   fencing.
 //! * [`spec`]: `--device` parsing.
+//! * [`metrics`]: the `--metrics` listener (Prometheus/OpenMetrics) of lenderd and lendvm.
 //! * `testing` (cargo feature `testing`): the real `lenderd` as a child process of a test.
 
 pub mod auth;
 pub mod backend;
+pub mod cli;
 pub mod client;
 pub mod directory;
 pub mod inventory;
 pub mod iommu;
+pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod spec;

@@ -6,10 +6,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use lending::directory::etcd::EtcdDirectory;
 use lending::directory::{self, DeviceRecord, Directory, NodeRecord, Registration};
 use lending::inventory::Inventory;
+use lending::metrics::lender::LenderMetrics;
+use lending::metrics::{MetricsAddr, MetricsServer};
 use lending::server::Lender;
 use lending::spec::DeviceSpec;
 use ntb::{
@@ -19,14 +21,24 @@ use ntb::{
 
 /// Lends this node's PCI devices over the NTB fabric.
 #[derive(Parser, Debug)]
-#[command(name = "lenderd", version)]
+#[command(
+    name = "lenderd",
+    version,
+    about = "Lends this node's PCI devices to VMs on other nodes over the NTB fabric"
+)]
 struct Args {
+    /// Read options from a TOML file whose keys are the long options (`node`, `cluster`,
+    /// `devices = [...]`, `metrics`, `token_file`, ...); the command line overrides it. A key
+    /// that is no option, or a file group or others can write, is refused.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// This node's name in the cluster file.
     #[arg(long)]
     node: String,
     /// Cluster description: a TOML file (its `[directory]` table, if any, names etcd), or
-    /// `etcd://host:port[,host:port...]` to register in etcd without a file.
-    #[arg(long)]
+    /// `etcd://host:port[,host:port...]` to register in etcd without a file (also
+    /// `--directory`, the `directory` key of a config file).
+    #[arg(long, visible_alias = "directory")]
     cluster: String,
     /// Where to listen, for a lender that is not in the cluster file (etcd directory): an
     /// absolute Unix socket path (shm fabric) or ip:port (tcp fabric).
@@ -42,6 +54,11 @@ struct Args {
     /// readable by group or others (mode 0600 or stricter).
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// Serve Prometheus metrics (OpenMetrics text, GET /metrics) at a loopback ip:port or a
+    /// Unix socket path. Off by default. If it cannot listen, lenderd logs the error and
+    /// lends anyway.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<MetricsAddr>,
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -171,7 +188,8 @@ fn run(args: Args) -> Result<(), String> {
         }
     }
     let inventory = Arc::new(Inventory::new(devices).map_err(|e| e.to_string())?);
-    let listener = fabric.listen().map_err(|e| format!("listen: {e}"))?;
+    let listener: Arc<dyn ntb::Listener> =
+        Arc::from(fabric.listen().map_err(|e| format!("listen: {e}"))?);
     // Registered only once the control address listens, so a borrower that finds the
     // lender in the directory can connect.
     let dir: Option<Arc<dyn Directory>> = match &dir_cfg {
@@ -209,6 +227,24 @@ fn run(args: Args) -> Result<(), String> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
     let registration = registration.map(Arc::<dyn Registration>::from);
+    // Metrics are an observer: a listener that cannot start is an error in the log and the
+    // service status, and lending goes on.
+    let mut metrics_problem = None;
+    let metrics: Option<MetricsServer> = args.metrics.as_ref().and_then(|addr| {
+        let m = Arc::new(LenderMetrics::new(
+            Arc::clone(&lender),
+            registration.clone(),
+            Some(Arc::clone(&listener)),
+        ));
+        match MetricsServer::start(addr, Arc::new(move |f| Ok(m.render(f)))) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                log::error!("{e}; lending continues without metrics");
+                metrics_problem = Some(e.to_string());
+                None
+            }
+        }
+    });
     let reg = registration.clone();
     let node = args.node.clone();
     let inv = Arc::clone(&inventory);
@@ -232,9 +268,35 @@ fn run(args: Args) -> Result<(), String> {
         listener.local_addr(),
         inventory.list().len()
     );
+    let status = match &metrics_problem {
+        None => format!("lending {} devices", inventory.list().len()),
+        Some(p) => format!(
+            "lending {} devices; metrics off: {p}",
+            inventory.list().len()
+        ),
+    };
+    // Readiness for systemd (Type=notify): the control address listens and the directory
+    // has the lender. Outside systemd ($NOTIFY_SOCKET unset) this does nothing.
+    if let Err(e) = sd_notify::notify(
+        false,
+        &[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status(&status),
+        ],
+    ) {
+        log::warn!("sd_notify: {e}");
+    }
     let r = lender.serve(listener.as_ref()).map_err(|e| e.to_string());
+    let _ = sd_notify::notify(
+        false,
+        &[
+            sd_notify::NotifyState::Stopping,
+            sd_notify::NotifyState::Status("leases ended; leaving the directory"),
+        ],
+    );
     STOP.store(true, Ordering::SeqCst);
     let _ = watcher.join();
+    drop(metrics);
     // Sessions have ended and devices are back: leave the directory now (revoke), not after
     // the TTL.
     drop(registration);
@@ -244,7 +306,28 @@ fn run(args: Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    let args = Args::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(dir) = lending::cli::generate_assets_requested(&argv) {
+        return match lending::cli::generate_assets(Args::command(), &dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lenderd: {}: {e}", dir.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let cmd = Args::command().args_override_self(true);
+    let argv = match lending::cli::expand_config(&cmd, argv) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("lenderd: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let args = match Args::from_arg_matches(&cmd.get_matches_from(argv)) {
+        Ok(a) => a,
+        Err(e) => e.exit(),
+    };
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

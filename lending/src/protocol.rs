@@ -60,6 +60,7 @@
 //! | 3 | LEASE_COUNTERS and QUIESCE requests; the [`IommuFaultEvent`] event; [`NotifyWrites::Polled`] (sent as `Doorbells` to older borrowers); BAR_WRITE and RESET replies carry [`DoorbellKicks`]; the [`KicksEvent`] event |
 //! | 5 | P2P_MAP and P2P_UNMAP requests (peer-to-peer DMA between two leases of one borrower on this lender) |
 //! | 6 | peer-to-peer DMA across lenders ([`p2px`]): P2P_GRANT/REVOKE, P2P_MAP_REMOTE/UNMAP_REMOTE, lender-to-lender P2P_ATTACH/DETACH (0x113..=0x118) |
+//! | 7 | [`LeaseCounters`] carries the device model's `commands`, `invalid_doorbells` and `bad_prps` (older sessions get the version 3 layout, [`encode_lease_counters`]) |
 //!
 //! New requests of a version are unknown opcodes in a session of an older version (both
 //! ways: the lender answers `UNKNOWN_OPCODE`, and [`Request::encode_versioned`] refuses to
@@ -84,7 +85,9 @@ pub use p2px::{
 };
 
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
+/// The version whose [`LeaseCounters`] carries the device model's command counters.
+pub const MODEL_COUNTERS_VERSION: u32 = 7;
 /// The version that introduced P2P_MAP/P2P_UNMAP.
 pub const P2P_VERSION: u32 = 5;
 /// Oldest version a lender still serves.
@@ -883,6 +886,60 @@ pub struct LeaseCounters {
     pub msix: Vec<u64>,
     /// INTx assertions the lender signalled.
     pub intx: u64,
+    /// Commands the device model fetched (0 where it does not count them: VFIO, dmatest).
+    /// Version 7.
+    pub commands: u64,
+    /// Doorbell writes the model refused for a value outside the queue (NVMe). Version 7.
+    pub invalid_doorbells: u64,
+    /// Commands the model refused for their PRPs (NVMe). Version 7.
+    pub bad_prps: u64,
+}
+
+/// [`LeaseCounters`] in versions 3..=6.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct LeaseCountersV3 {
+    dma_bytes_read: u64,
+    dma_bytes_written: u64,
+    iommu_faults: u64,
+    doorbell_kicks: u64,
+    msix: Vec<u64>,
+    intx: u64,
+}
+
+/// Encodes a LEASE_COUNTERS reply in the layout of protocol `version`.
+pub fn encode_lease_counters(c: &LeaseCounters, version: u32) -> Result<Vec<u8>, ProtocolError> {
+    let op = opcode::LEASE_COUNTERS;
+    if version < MODEL_COUNTERS_VERSION {
+        let v3 = LeaseCountersV3 {
+            dma_bytes_read: c.dma_bytes_read,
+            dma_bytes_written: c.dma_bytes_written,
+            iommu_faults: c.iommu_faults,
+            doorbell_kicks: c.doorbell_kicks,
+            msix: c.msix.clone(),
+            intx: c.intx,
+        };
+        return enc(op, &v3);
+    }
+    enc(op, c)
+}
+
+/// Decodes a LEASE_COUNTERS reply sent in the layout of protocol `version` (the model's
+/// counters are 0 before version 7).
+pub fn decode_lease_counters(payload: &[u8], version: u32) -> Result<LeaseCounters, ProtocolError> {
+    let op = opcode::LEASE_COUNTERS;
+    if version < MODEL_COUNTERS_VERSION {
+        let v3: LeaseCountersV3 = dec(op, payload)?;
+        return Ok(LeaseCounters {
+            dma_bytes_read: v3.dma_bytes_read,
+            dma_bytes_written: v3.dma_bytes_written,
+            iommu_faults: v3.iommu_faults,
+            doorbell_kicks: v3.doorbell_kicks,
+            msix: v3.msix,
+            intx: v3.intx,
+            ..LeaseCounters::default()
+        });
+    }
+    dec(op, payload)
 }
 
 impl LeaseCounters {
@@ -902,6 +959,11 @@ impl LeaseCounters {
                 .map(|(i, n)| n.saturating_sub(base.msix.get(i).copied().unwrap_or(0)))
                 .collect(),
             intx: self.intx.saturating_sub(base.intx),
+            commands: self.commands.saturating_sub(base.commands),
+            invalid_doorbells: self
+                .invalid_doorbells
+                .saturating_sub(base.invalid_doorbells),
+            bad_prps: self.bad_prps.saturating_sub(base.bad_prps),
         }
     }
 }
@@ -1925,7 +1987,34 @@ mod tests {
             doorbell_kicks: 80,
             msix: vec![3, 40, 0, 1 << 40],
             intx: 5,
+            commands: 41,
+            invalid_doorbells: 3,
+            bad_prps: 1,
         }
+    }
+
+    #[test]
+    fn version_7_counters_carry_the_model_counts_and_older_sessions_the_old_layout() {
+        let c = sample_counters();
+        let p7 = encode_lease_counters(&c, 7).unwrap();
+        assert_eq!(decode_lease_counters(&p7, 7).unwrap(), c);
+        let p6 = encode_lease_counters(&c, 6).unwrap();
+        assert!(p6.len() < p7.len());
+        // A version 6 borrower reads the old layout to its end (no trailing bytes).
+        let old: LeaseCountersV3 = dec(opcode::LEASE_COUNTERS, &p6).unwrap();
+        assert_eq!(old.msix, c.msix);
+        let back = decode_lease_counters(&p6, 6).unwrap();
+        assert_eq!(
+            back,
+            LeaseCounters {
+                commands: 0,
+                invalid_doorbells: 0,
+                bad_prps: 0,
+                ..c.clone()
+            }
+        );
+        // The new layout is not the old one: read as version 6 it is refused, not misread.
+        assert!(decode_lease_counters(&p7, 6).is_err());
     }
 
     #[test]
@@ -1944,6 +2033,9 @@ mod tests {
             doorbell_kicks: 2,
             msix: vec![1, 2],
             intx: 5,
+            commands: 1,
+            invalid_doorbells: 1,
+            bad_prps: 0,
         };
         assert_eq!(
             c.since(&base),
@@ -1954,6 +2046,9 @@ mod tests {
                 doorbell_kicks: 78,
                 msix: vec![2, 38, 0, 1 << 40],
                 intx: 0,
+                commands: 40,
+                invalid_doorbells: 2,
+                bad_prps: 1,
             }
         );
         // Nothing newer than the session: encoding refuses, decoding sees an unknown opcode

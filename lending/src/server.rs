@@ -166,6 +166,74 @@ pub struct Lender {
     grants: Arc<GrantTable>,
     /// Links to other lenders (P2P across lenders, source side).
     peers: Arc<PeerLenders>,
+    /// Sessions running now and authentication failures by reason (metrics).
+    stats: LenderStats,
+}
+
+/// Why an authentication failed (a fixed set: the metrics' `reason` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// The peer's address failed too often and is refused for a while.
+    RateLimited,
+    /// A malformed AUTH (bad nonce, undecodable).
+    Malformed,
+    /// HELLO without AUTH first or without a proof.
+    NoProof,
+    /// A proof that does not verify (wrong token).
+    BadProof,
+    /// The link closed after the lender's challenge without a HELLO (a borrower that found
+    /// the lender's proof wrong, i.e. a different token, leaves here).
+    Unanswered,
+}
+
+impl AuthFailure {
+    /// Every reason, in label order.
+    pub const ALL: [AuthFailure; 5] = [
+        AuthFailure::RateLimited,
+        AuthFailure::Malformed,
+        AuthFailure::NoProof,
+        AuthFailure::BadProof,
+        AuthFailure::Unanswered,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuthFailure::RateLimited => "rate_limited",
+            AuthFailure::Malformed => "malformed",
+            AuthFailure::NoProof => "no_proof",
+            AuthFailure::BadProof => "bad_proof",
+            AuthFailure::Unanswered => "unanswered",
+        }
+    }
+}
+
+#[derive(Default)]
+struct LenderStats {
+    sessions: AtomicU64,
+    auth_failures: [AtomicU64; 5],
+}
+
+impl LenderStats {
+    fn auth_failed(&self, why: AuthFailure) {
+        self.auth_failures[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Counts a running session while alive.
+struct SessionCount<'a>(&'a AtomicU64);
+
+impl<'a> SessionCount<'a> {
+    fn new(n: &'a AtomicU64) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        SessionCount(n)
+    }
+}
+
+impl Drop for SessionCount<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Lender {
@@ -184,6 +252,7 @@ impl Lender {
             preauth: Arc::default(),
             p2p: Arc::default(),
             transfers: migration::Transfers::default(),
+            stats: LenderStats::default(),
         })
     }
 
@@ -207,6 +276,7 @@ impl Lender {
             preauth: Arc::default(),
             p2p: Arc::default(),
             transfers: migration::Transfers::default(),
+            stats: LenderStats::default(),
         })
     }
 
@@ -227,6 +297,21 @@ impl Lender {
     /// The inventory.
     pub fn inventory(&self) -> &Arc<Inventory> {
         &self.inventory
+    }
+
+    /// This lender's node name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Borrower sessions (fabric links past the handshake) running now.
+    pub fn sessions(&self) -> u64 {
+        self.stats.sessions.load(Ordering::Relaxed)
+    }
+
+    /// Authentication failures of `why` since the lender started.
+    pub fn auth_failures(&self, why: AuthFailure) -> u64 {
+        self.stats.auth_failures[why as usize].load(Ordering::Relaxed)
     }
 
     /// Peer-to-peer mappings into `lease`'s BARs that are live (tests, status).
@@ -307,6 +392,8 @@ impl Lender {
 
     /// Serves one link until it goes down or the lender stops.
     pub fn run_session(self: Arc<Self>, ep: Arc<dyn Endpoint>) {
+        let me = Arc::clone(&self);
+        let _counted = SessionCount::new(&me.stats.sessions);
         let source = ntb::source_key(&ep.peer_addr());
         let share = ep.kind() == FabricKind::Tcp;
         let slot = match PreAuthSlot::take(&self.preauth, &source, share) {
@@ -392,6 +479,9 @@ impl Lender {
             s.announce_kicks();
             s.end_stale_claims();
         };
+        if s.challenge.is_some() && !s.hello {
+            self.stats.auth_failed(AuthFailure::Unanswered);
+        }
         self.transfers
             .forget(s.id, None, "the source's link is down");
         let n = s.leases.len();
@@ -834,6 +924,12 @@ impl Session {
                 return (Err(error(code::INVALID, "hello already done")), false);
             }
             if let Err(e) = self.check_proof(&h.token) {
+                let why = if e.message.starts_with("bad token: ") {
+                    AuthFailure::NoProof
+                } else {
+                    AuthFailure::BadProof
+                };
+                self.lender.stats.auth_failed(why);
                 self.lender.auth_failures.fail(
                     &self.rate_key,
                     &format!("{} ({:?}): {}", self.peer(), h.client, e.message),
@@ -890,6 +986,7 @@ impl Session {
             );
         }
         if let Err(l) = self.lender.auth_failures.check(&self.rate_key) {
+            self.lender.stats.auth_failed(AuthFailure::RateLimited);
             return (
                 Err(error(
                     code::BAD_TOKEN,
@@ -908,9 +1005,13 @@ impl Session {
         );
         let c: AuthChallenge = match protocol::decode_reply(op, payload) {
             Ok(c) => c,
-            Err(e) => return (Err(proto_err(e)), true),
+            Err(e) => {
+                self.lender.stats.auth_failed(AuthFailure::Malformed);
+                return (Err(proto_err(e)), true);
+            }
         };
         let Ok(nb) = <[u8; auth::NONCE_LEN]>::try_from(c.nonce.as_slice()) else {
+            self.lender.stats.auth_failed(AuthFailure::Malformed);
             return (
                 Err(error(
                     code::INVALID,
@@ -1145,7 +1246,9 @@ impl Session {
             Request::LeaseCounters(l) => {
                 let sl = self.lease(l.lease)?;
                 let c = sl.lease.backend().counters().since(&sl.baseline);
-                ok(op, &c)
+                protocol::encode_lease_counters(&c, self.version)
+                    .map(|p| Message::raw(op, p))
+                    .map_err(proto_err)
             }
             Request::Quiesce(q) => {
                 let sl = self.lease(q.lease)?;

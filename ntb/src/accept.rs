@@ -119,6 +119,14 @@ pub(crate) struct Handshakes {
 }
 
 impl Handshakes {
+    /// Handshakes in progress now.
+    pub(crate) fn pending(&self) -> usize {
+        self.pending
+            .lock()
+            .map(|p| p.total)
+            .unwrap_or_else(|e| e.into_inner().total)
+    }
+
     /// `per_source`: each source holds at most [`MAX_PENDING_PER_SOURCE`] slots.
     pub(crate) fn new(local: &NodeId, cfg: &LinkConfig, per_source: bool) -> Result<Handshakes> {
         let (tx, rx) = mpsc::channel();

@@ -616,6 +616,15 @@ pub trait Listener: Send + Sync {
     fn local_addr(&self) -> ControlAddr;
     /// Waits for the next peer (forever if `timeout` is `None`).
     fn accept(&self, timeout: Option<Duration>) -> Result<Box<dyn Endpoint>>;
+    /// Handshakes of accepted connections in progress now, out of
+    /// [`Listener::handshake_slots`] (metrics). Default: not counted.
+    fn handshakes_pending(&self) -> Option<usize> {
+        None
+    }
+    /// Handshakes that may be in progress at once.
+    fn handshake_slots(&self) -> usize {
+        crate::accept::MAX_PENDING_HANDSHAKES
+    }
 }
 
 /// The local node's view of the fabric.

@@ -67,6 +67,10 @@ impl Drop for ShmListener {
 }
 
 impl Listener for ShmListener {
+    fn handshakes_pending(&self) -> Option<usize> {
+        Some(self.handshakes.pending())
+    }
+
     fn local_addr(&self) -> ControlAddr {
         ControlAddr::Unix(self.path.clone())
     }

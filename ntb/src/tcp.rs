@@ -55,6 +55,10 @@ impl TcpFabricListener {
 }
 
 impl Listener for TcpFabricListener {
+    fn handshakes_pending(&self) -> Option<usize> {
+        Some(self.handshakes.pending())
+    }
+
     fn local_addr(&self) -> ControlAddr {
         match self.listener.local_addr() {
             Ok(a) => ControlAddr::Tcp(a),

@@ -199,6 +199,8 @@ pub struct Controller {
     /// Ranges pinned ahead that no device took while others hold the pin: kept (dropping
     /// them would munlock RAM the devices' pin relies on) until the controller goes.
     _spare_pins: Vec<remote_pci::PinnedRange>,
+    /// Live-migration progress, also read by metrics scrapes while a migration runs.
+    migration: Arc<crate::metrics::MigrationProgress>,
 }
 
 impl Controller {
@@ -216,6 +218,7 @@ impl Controller {
             next_auto_id: 0,
             next_key: 0,
             self_ejects: BTreeMap::new(),
+            migration: Arc::new(crate::metrics::MigrationProgress::new()),
             subscriber_changes: Vec::new(),
             deferred: Vec::new(),
             release_timer: match vmm_sys_util::timerfd::TimerFd::new() {
@@ -1126,6 +1129,30 @@ impl Controller {
         }
     }
 
+    /// Live-migration progress (shared: scrapes read it while the VMM thread migrates).
+    pub fn migration_progress(&self) -> Arc<crate::metrics::MigrationProgress> {
+        Arc::clone(&self.migration)
+    }
+
+    /// The VM's name on the fabric (the metrics' `vm` label).
+    pub fn vm_name(&self) -> String {
+        self.source
+            .identity()
+            .map_or_else(|| "vm".to_string(), |(_, vm)| vm)
+    }
+
+    /// `GET /api/v1/metrics`: what `vm.counters` and `vm.info` compute, as metrics text.
+    pub fn metrics_text(&self, format: lending::metrics::Format) -> String {
+        crate::metrics::families(
+            &self.vm_name(),
+            &self.counters_report(),
+            &self.counters(),
+            &self.info(),
+            &self.migration,
+        )
+        .encode_as(format)
+    }
+
     /// VMM-wide resource counters.
     pub fn counters(&self) -> VmCounters {
         let gsis = lock(self.h.interrupts.gsi_allocator()).in_use();
@@ -1252,6 +1279,11 @@ impl Controller {
                     c.insert("iommu_faults".into(), l.iommu_faults);
                     c.insert("doorbell_kicks".into(), l.doorbell_kicks);
                     c.insert("interrupts_intx".into(), l.intx);
+                    // Lenders of protocol version 7 count these for the device model
+                    // (emulated NVMe); older ones report 0.
+                    c.insert("commands".into(), l.commands);
+                    c.insert("invalid_doorbells".into(), l.invalid_doorbells);
+                    c.insert("bad_prps".into(), l.bad_prps);
                     for (i, n) in l.msix.iter().enumerate() {
                         c.insert(format!("interrupts_vector_{i}"), *n);
                     }
@@ -1348,6 +1380,7 @@ impl ApiHandler for Controller {
                  only --api-socket to receive one)",
             )),
             ApiRequest::VmCounters => Ok(ApiResponse::Counters(self.counters_report())),
+            ApiRequest::VmMetrics(f) => Ok(ApiResponse::Metrics(self.metrics_text(f))),
         }
     }
 }
@@ -1423,6 +1456,10 @@ impl crate::migration::orchestrate::MigrationHost for Controller {
     fn replay_lent(&self, d: &crate::snapshot::devices::LentDevice) -> Result<(), ApiError> {
         crate::snapshot::devices::replay_lent(self.h.devices.mmio_bus(), d)
             .map_err(|e| ApiError::internal(error_chain(&e)))
+    }
+
+    fn progress(&self) -> &crate::metrics::MigrationProgress {
+        &self.migration
     }
 }
 

@@ -917,6 +917,45 @@ fn counters_report_kvm_statistics_and_devices() {
 }
 
 #[test]
+fn metrics_are_the_counters_under_exported_names() {
+    let Some(mut rig) = rig() else { return };
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
+    let Ok(ApiResponse::Metrics(t)) = rig
+        .ctl
+        .handle(ApiRequest::VmMetrics(lending::metrics::Format::Text))
+    else {
+        panic!("metrics failed");
+    };
+    let names: std::collections::BTreeSet<&str> = t
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    for n in &names {
+        assert!(crate::metrics::NAMES.contains(n), "{n} is not in NAMES");
+    }
+    for n in [
+        "lendvm_kvm_exits_total",
+        "lendvm_device_mmio_exits_total",
+        "lendvm_device_lease_state",
+        "lendvm_device_pinned_bytes",
+        "lendvm_resources",
+        "lendvm_pinned_bytes",
+        "lendvm_migrations_total",
+        "lendvm_migration_active",
+    ] {
+        assert!(names.contains(n), "{n} missing:\n{t}");
+    }
+    // The figures are vm.counters' own, under their names there.
+    assert!(
+        t.contains("device=\"d\",name=\"bme_transitions\"} 0"),
+        "{t}"
+    );
+    assert!(t.contains("resource=\"devices\"} 1"), "{t}");
+    assert!(t.contains("state=\"active\"} 1"), "{t}");
+}
+
+#[test]
 fn a_device_a_vcpu_still_holds_is_dropped_later_on_the_control_thread() {
     let Some(mut rig) = rig() else { return };
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();

@@ -18,6 +18,7 @@ pub mod layout;
 pub mod legacy;
 pub mod loader;
 pub mod memory;
+pub mod metrics;
 pub mod migration;
 pub mod platform;
 pub mod remote;

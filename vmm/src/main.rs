@@ -12,7 +12,7 @@ use api::events::{EventBus, MonitorTarget};
 use api::request::{serve_pending, ApiError, ApiHandler, ApiReply, ApiRequest, ApiResponse};
 use api::server::{ApiServer, ApiServerConfig};
 use api::types::{RemoteDeviceConfig, VmConfigInfo};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use ntb::ClusterConfig;
 use serde_json::Value;
 use std::cell::RefCell;
@@ -28,7 +28,7 @@ use vmm::remote::{AttachError, FabricIdentity, LenderSource, LinkSource};
 use vmm::{Vm, VmError, VmExit};
 use vmm_sys_util::eventfd::EventFd;
 
-#[derive(Parser, Debug)]
+#[derive(clap::Parser, Debug)]
 #[command(
     name = "lendvm",
     version,
@@ -105,11 +105,101 @@ struct Cli {
     /// readable as GET /api/v1/vm.events).
     #[arg(long, value_name = "path=FILE|fd=N")]
     event_monitor: Option<String>,
+    /// Read options from a TOML file whose keys are the long options (`kernel`, `memory`,
+    /// `cpus`, `remote_devices = [...]`, `api_socket`, `metrics`, ...); the command line
+    /// overrides it. A key that is no option, or a file group or others can write, is
+    /// refused.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Also serve the VM's metrics (the text of GET /api/v1/metrics) at GET /metrics on a
+    /// loopback ip:port or a Unix socket path. If it cannot listen, lendvm logs the error and
+    /// runs the VM anyway.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<lending::metrics::MetricsAddr>,
+}
+
+/// The `--metrics` renderer: asks the VMM thread for the text like the API server does;
+/// while that thread is busy (sending a live migration) the scrape gets the migration's
+/// progress alone after a few seconds. Each such scrape leaves one request queued for the
+/// VMM (answered into the void once it is back): one per scrape interval at most.
+fn metrics_render(
+    tx: std::sync::mpsc::Sender<api::request::ApiMessage>,
+    evt: EventFd,
+    progress: Arc<vmm::metrics::MigrationProgress>,
+    vm: String,
+) -> lending::metrics::Render {
+    Arc::new(move |format| {
+        let (msg, mut reply) = api::request::ApiMessage::new(ApiRequest::VmMetrics(format));
+        if tx.send(msg).is_err() {
+            return Err("the vmm is not accepting requests".into());
+        }
+        evt.write(1)
+            .map_err(|e| format!("cannot signal the vmm: {e}"))?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            match reply.try_recv() {
+                Ok(Ok(ApiResponse::Metrics(t))) => return Ok(t),
+                Ok(Ok(other)) => return Err(format!("the vmm answered {other:?}")),
+                Ok(Err(e)) => return Err(e.message),
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+                    if std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
+                    return Ok(vmm::metrics::migration_only(&vm, &progress).encode_as(format))
+                }
+                Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
+                    return Err("the vmm dropped the request".into())
+                }
+            }
+        }
+    })
 }
 
 fn parse_cpus(s: &str) -> Result<u8, String> {
     let n: u32 = s.parse().map_err(|_| format!("'{s}' is not a CPU count"))?;
     config::check_cpus(n).map_err(|e| e.to_string())
+}
+
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// SIGTERM/SIGINT request a clean shutdown of the VM (see `main`).
+fn watch_stop_signals(exit: Arc<vmm::exit::ExitNotifier>) {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(
+            libc::SIGTERM,
+            on_stop_signal as *const () as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGINT,
+            on_stop_signal as *const () as libc::sighandler_t,
+        );
+    }
+    let spawned = std::thread::Builder::new()
+        .name("stop-signals".into())
+        .spawn(move || loop {
+            let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
+            if sig != 0 {
+                let name = if sig == libc::SIGTERM {
+                    "SIGTERM"
+                } else {
+                    "SIGINT"
+                };
+                log::info!("{name}: shutting the vm down");
+                exit.request(VmExit::Shutdown(format!("{name} received")));
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        });
+    if let Err(e) = spawned {
+        log::warn!("cannot watch for SIGTERM ({e}): it will kill the vmm without a clean stop");
+    }
 }
 
 /// Bad input: one line on stderr, exit status 2.
@@ -133,18 +223,26 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Starts the API server on `path` with the VMM end of its request channel.
+/// What else sends requests to the VMM thread besides the API server (`--metrics`).
+type ExtraSender = (std::sync::mpsc::Sender<api::request::ApiMessage>, EventFd);
+
 fn start_api(
     path: &std::path::Path,
     events: &Arc<EventBus>,
-) -> Result<(ApiServer, Rc<ApiChannel>), String> {
+) -> Result<(ApiServer, Rc<ApiChannel>, ExtraSender), String> {
     let evt = EventFd::new(libc::EFD_NONBLOCK)
         .and_then(|e| Ok((e.try_clone()?, e)))
         .map_err(|e| format!("api eventfd: {e}"))?;
+    let extra_evt = evt.0.try_clone().map_err(|e| format!("api eventfd: {e}"))?;
     let (tx, rx) = channel();
     let mut cfg = ApiServerConfig::new(path);
     cfg.events = Some(events.clone());
-    let server = ApiServer::start(cfg, tx, evt.0).map_err(|e| e.to_string())?;
-    Ok((server, Rc::new(ApiChannel { rx, evt: evt.1 })))
+    let server = ApiServer::start(cfg, tx.clone(), evt.0).map_err(|e| e.to_string())?;
+    Ok((
+        server,
+        Rc::new(ApiChannel { rx, evt: evt.1 }),
+        (tx, extra_evt),
+    ))
 }
 
 /// The API of a lendvm that has no VM yet: it waits for `vm.receive-migration`.
@@ -328,7 +426,22 @@ fn token(cli: &Cli, cluster: &ClusterConfig) -> Result<Option<String>, String> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let cli = match Cli::try_parse() {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(dir) = lending::cli::generate_assets_requested(&argv) {
+        return match lending::cli::generate_assets(Cli::command(), &dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => usage_error(format!("{}: {e}", dir.display())),
+        };
+    }
+    let cmd = Cli::command().args_override_self(true);
+    let argv = match lending::cli::expand_config(&cmd, argv) {
+        Ok(a) => a,
+        Err(e) => return usage_error(e),
+    };
+    let cli = match cmd
+        .try_get_matches_from(argv)
+        .and_then(|m| Cli::from_arg_matches(&m))
+    {
         Ok(c) => c,
         Err(e) => {
             use clap::error::ErrorKind;
@@ -478,7 +591,7 @@ fn main() -> ExitCode {
         let Some(path) = &cli.api_socket else {
             return usage_error("--kernel, --restore or --api-socket is needed");
         };
-        let (server, chan) = match start_api(path, &events) {
+        let (server, chan, extra) = match start_api(path, &events) {
             Ok(x) => x,
             Err(e) => return usage_error(e),
         };
@@ -511,7 +624,7 @@ fn main() -> ExitCode {
                 return code;
             }
         }
-        early_api = Some((server, chan));
+        early_api = Some((server, chan, extra));
     }
     let cfg = match (&restored, &migrated) {
         (_, Some(m)) => VmConfig {
@@ -662,11 +775,15 @@ fn main() -> ExitCode {
     let ctl = Rc::new(RefCell::new(ctl));
     let mut api = None;
     let mut server = None;
-    if let Some((s, chan)) = early_api {
+    let mut extra = None;
+    if let Some((s, chan, x)) = early_api {
         server = Some(s);
         api = Some(chan);
-    } else if let Some(path) = &cli.api_socket {
-        let evt = match EventFd::new(libc::EFD_NONBLOCK).and_then(|e| Ok((e.try_clone()?, e))) {
+        extra = Some(x);
+    } else if cli.api_socket.is_some() || cli.metrics.is_some() {
+        let evt = match EventFd::new(libc::EFD_NONBLOCK)
+            .and_then(|e| Ok((e.try_clone()?, e.try_clone()?, e)))
+        {
             Ok(e) => e,
             Err(e) => {
                 eprintln!("lendvm: api eventfd: {e}");
@@ -674,17 +791,40 @@ fn main() -> ExitCode {
             }
         };
         let (tx, rx) = channel();
-        let mut cfg = ApiServerConfig::new(path);
-        cfg.events = Some(events.clone());
-        match ApiServer::start(cfg, tx, evt.0) {
-            Ok(s) => server = Some(s),
-            Err(e) => {
-                ctl.borrow_mut().teardown_all();
-                return usage_error(e);
+        if let Some(path) = &cli.api_socket {
+            let mut cfg = ApiServerConfig::new(path);
+            cfg.events = Some(events.clone());
+            match ApiServer::start(cfg, tx.clone(), evt.0) {
+                Ok(s) => server = Some(s),
+                Err(e) => {
+                    ctl.borrow_mut().teardown_all();
+                    return usage_error(e);
+                }
             }
         }
-        api = Some(Rc::new(ApiChannel { rx, evt: evt.1 }));
+        extra = Some((tx, evt.1));
+        api = Some(Rc::new(ApiChannel { rx, evt: evt.2 }));
     }
+    // Metrics are an observer: a listener that cannot start is logged and the VM runs.
+    let _metrics = match (&cli.metrics, extra) {
+        (Some(addr), Some((tx, evt))) => {
+            let render = metrics_render(
+                tx,
+                evt,
+                ctl.borrow().migration_progress(),
+                ctl.borrow().vm_name(),
+            );
+            match lending::metrics::MetricsServer::start(addr, render) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    log::error!("{e}; the vm runs without --metrics");
+                    eprintln!("lendvm: {e}; the vm runs without --metrics");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
     let mut event_loop =
         match EventLoop::new(ctl.clone(), api.clone(), ejects, vm.exit_notifier().clone()) {
             Ok(l) => l,
@@ -699,6 +839,20 @@ fn main() -> ExitCode {
         ctl.borrow_mut().teardown_all();
         eprintln!("lendvm: {}", chain(&e));
         return ExitCode::from(1);
+    }
+    // `systemctl stop` (SIGTERM) and ^C end the VM like vm.shutdown: leases returned,
+    // claims released. The handler only sets a flag; a thread turns it into the request.
+    watch_stop_signals(vm.exit_notifier().clone());
+    // Readiness for systemd (Type=notify): the VM runs and its API socket listens.
+    let ready = format!("vm {} running", ctl.borrow().vm_name());
+    if let Err(e) = sd_notify::notify(
+        false,
+        &[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status(&ready),
+        ],
+    ) {
+        log::warn!("sd_notify: {e}");
     }
     if let Some((bytes, paused)) = migrated_from {
         // The source has stopped: the guest runs on here at once, unless it was paused there.
@@ -751,6 +905,7 @@ fn main() -> ExitCode {
         );
     }
     let exit = event_loop.run();
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     drop(event_loop);
     vm.stop();
     ctl.borrow_mut().teardown_all();

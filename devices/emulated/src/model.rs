@@ -181,6 +181,11 @@ pub trait DeviceModel: Send + Sync {
     fn doorbell_kicks(&self) -> u64 {
         0
     }
+    /// The model's own counters over its life (monotonic), for the lender's metrics and
+    /// `vm.counters`. Default: none counted.
+    fn model_counters(&self) -> ModelCounters {
+        ModelCounters::default()
+    }
     /// `true`: stop fetching doorbells and descriptors (for the borrower's `vm.pause`): the
     /// worker finishes the pass it is in (commands already fetched complete, but their
     /// completions are posted only after resume) and returns here once it is stopped (or
@@ -359,4 +364,15 @@ mod tests {
         assert!(!r.contains(0x14, 4));
         assert!(!r.contains(u64::MAX, 4));
     }
+}
+
+/// What a device model counts of the guest's use of it ([`DeviceModel::model_counters`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelCounters {
+    /// Commands fetched.
+    pub commands: u64,
+    /// Doorbell writes refused for a value outside the queue.
+    pub invalid_doorbells: u64,
+    /// Commands refused for their PRPs.
+    pub bad_prps: u64,
 }

@@ -504,4 +504,10 @@ pub struct LenderCounters {
     pub msix: Vec<u64>,
     /// INTx assertions the lender signalled.
     pub intx: u64,
+    /// Commands the device model fetched (lenders of protocol version 7; else 0).
+    pub commands: u64,
+    /// Doorbell writes the model refused for a value outside the queue (version 7).
+    pub invalid_doorbells: u64,
+    /// Commands the model refused for their PRPs (version 7).
+    pub bad_prps: u64,
 }

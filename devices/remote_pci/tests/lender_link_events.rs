@@ -376,6 +376,9 @@ fn diff(a: &LenderCounters, b: &LenderCounters) -> LenderCounters {
         doorbell_kicks: b.doorbell_kicks - a.doorbell_kicks,
         msix: b.msix.iter().zip(&a.msix).map(|(b, a)| b - a).collect(),
         intx: b.intx - a.intx,
+        commands: b.commands - a.commands,
+        invalid_doorbells: b.invalid_doorbells - a.invalid_doorbells,
+        bad_prps: b.bad_prps - a.bad_prps,
     }
 }
 

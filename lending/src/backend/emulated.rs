@@ -59,11 +59,10 @@ fn renew_memfd(shm: &ntb::SharedMemory) -> Result<(), BackendError> {
     };
     // The same name: the device's memory is still the device's (`/proc/PID/fd` of the lender
     // shows one memfd per device, whatever lease it is in).
-    let fresh =
-        ntb::SharedMemory::new(shm.name(), shm.len()).map_err(|e| BackendError::Os {
-            what: "fresh register memfd",
-            source: std::io::Error::other(e.to_string()),
-        })?;
+    let fresh = ntb::SharedMemory::new(shm.name(), shm.len()).map_err(|e| BackendError::Os {
+        what: "fresh register memfd",
+        source: std::io::Error::other(e.to_string()),
+    })?;
     let len = usize::try_from(shm.len()).map_err(|_| BackendError::OutOfRange {
         what: "register memory".into(),
         offset: 0,
@@ -520,6 +519,7 @@ impl DeviceBackend for EmulatedBackend {
     fn counters(&self) -> LeaseCounters {
         let (dma_bytes_read, dma_bytes_written) = self.iommu.dma_bytes().unwrap_or((0, 0));
         let (msix, intx) = self.irqs.counts();
+        let m = self.model.model_counters();
         LeaseCounters {
             dma_bytes_read,
             dma_bytes_written,
@@ -527,6 +527,9 @@ impl DeviceBackend for EmulatedBackend {
             doorbell_kicks: self.model.doorbell_kicks(),
             msix,
             intx,
+            commands: m.commands,
+            invalid_doorbells: m.invalid_doorbells,
+            bad_prps: m.bad_prps,
         }
     }
 }

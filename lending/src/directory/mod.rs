@@ -295,6 +295,11 @@ pub trait Registration: Send + Sync {
     fn lost(&self) -> Option<String>;
     /// The claims that fence this lender's leases, if the directory has claims.
     fn claim_authority(&self) -> Option<Arc<dyn ClaimAuthority>>;
+    /// The round trip of the last renewal of the registration's lease (metrics). Default:
+    /// not measured.
+    fn keepalive_latency(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 /// A borrower's claim on a device; dropping it releases the claim.

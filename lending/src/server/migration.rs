@@ -289,6 +289,7 @@ impl Session {
                 format!("lease {}: dirty log not started", f.lease),
             ));
         }
+        sl.lease.count_dirty_log_fetch();
         let (iova, len) = if f.len == 0 {
             let lo = sl.maps.iter().map(|e| e.iova).min();
             let hi = sl.maps.iter().map(|e| e.iova + e.size).max();

@@ -233,7 +233,20 @@ impl Vm {
         Self::spawn(&full, log)
     }
 
+    /// [`Vm::start`] with extra environment variables.
+    pub fn start_env(memory: &str, args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Vm {
+        let mut full = vec![
+            "--kernel", TEST_GUEST, "--serial", "stdout", "--memory", memory,
+        ];
+        full.extend_from_slice(args);
+        Self::spawn_env(&full, "warn", env)
+    }
+
     fn spawn(full: &[&str], log: &str) -> Vm {
+        Self::spawn_env(full, log, &[])
+    }
+
+    fn spawn_env(full: &[&str], log: &str, env: &[(&str, &std::ffi::OsStr)]) -> Vm {
         let api_socket = full
             .iter()
             .position(|a| *a == "--api-socket")
@@ -241,6 +254,7 @@ impl Vm {
             .map(PathBuf::from);
         let mut child = Command::new(binary("lendvm"))
             .args(full)
+            .envs(env.iter().copied())
             .env("RUST_LOG", log)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

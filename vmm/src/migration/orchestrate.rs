@@ -57,6 +57,8 @@ pub trait MigrationHost {
     ) -> Result<Arc<Mutex<RemotePciDevice>>, ApiError>;
     /// Puts the guest-visible PCI state of `d` back (BARs, MSI-X, Command).
     fn replay_lent(&self, d: &LentDevice) -> Result<(), ApiError>;
+    /// The outgoing migration's progress, which metrics scrapes read while it runs.
+    fn progress(&self) -> &crate::metrics::MigrationProgress;
 }
 
 /// One lent device's hand-over in an outgoing migration: what has been done (undone on
@@ -194,6 +196,7 @@ pub fn send_migration(
         );
     }
     let t0 = Instant::now();
+    host.progress().start();
     emit(
         host,
         "migration",
@@ -219,6 +222,7 @@ pub fn send_migration(
     );
     match r {
         Ok((bytes, downtime)) => {
+            host.progress().end(Some(downtime));
             log::info!(
                 "vm migrated to {url} ({bytes} bytes of RAM sent, {:.1} ms paused)",
                 downtime.as_secs_f64() * 1e3
@@ -241,6 +245,7 @@ pub fn send_migration(
             Ok(())
         }
         Err(e) => {
+            host.progress().end(None);
             let msg = error_chain(&e);
             log::error!("migration to {url} failed: {msg}; the vm keeps running here");
             abandon_handover(host, &devs);
@@ -324,6 +329,7 @@ fn emit_handover<const N: usize>(
 }
 
 fn emit_iteration(host: &impl MigrationHost, round: u32, pages: u64, device_pages: u64) {
+    host.progress().round_sent(round, pages);
     log::info!("migration round {round}: {pages} pages ({device_pages} written by devices)");
     emit(
         host,

@@ -592,6 +592,14 @@ impl DeviceModel for NvmeController {
         self.inner.wait.kicks()
     }
 
+    fn model_counters(&self) -> crate::model::ModelCounters {
+        crate::model::ModelCounters {
+            commands: self.stats.commands.load(Ordering::Relaxed),
+            invalid_doorbells: self.stats.invalid_doorbells.load(Ordering::Relaxed),
+            bad_prps: self.stats.invalid_prps.load(Ordering::Relaxed),
+        }
+    }
+
     fn quiesce(&self, stop: bool) {
         self.inner.wait.quiesce("nvme", stop);
     }

@@ -539,6 +539,9 @@ impl RemoteDeviceLink for LendingLink {
             doorbell_kicks: c.doorbell_kicks,
             msix: c.msix,
             intx: c.intx,
+            commands: c.commands,
+            invalid_doorbells: c.invalid_doorbells,
+            bad_prps: c.bad_prps,
         }))
     }
 

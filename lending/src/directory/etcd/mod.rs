@@ -354,6 +354,7 @@ impl Directory for EtcdDirectory {
             },
         ));
         let current = Arc::new(Mutex::new(devices.to_vec()));
+        let latency = Arc::new(std::sync::atomic::AtomicU64::new(0));
         shared.rt.spawn(registration_task(
             Arc::clone(shared),
             node.clone(),
@@ -361,6 +362,7 @@ impl Directory for EtcdDirectory {
             Arc::clone(&lease),
             Arc::clone(&lost),
             stop_rx,
+            Arc::clone(&latency),
         ));
         Ok(Box::new(EtcdRegistration {
             shared: Arc::clone(shared),
@@ -376,6 +378,7 @@ impl Directory for EtcdDirectory {
             devices: current,
             claims,
             stop,
+            latency,
         }))
     }
 

@@ -47,6 +47,8 @@ pub(super) struct EtcdRegistration {
     pub(super) devices: Arc<Mutex<Vec<DeviceRecord>>>,
     pub(super) claims: Arc<EtcdClaims>,
     pub(super) stop: watch::Sender<bool>,
+    /// The last keep-alive's round trip, in microseconds (0: none yet).
+    pub(super) latency: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Registration for EtcdRegistration {
@@ -96,6 +98,13 @@ impl Registration for EtcdRegistration {
     fn claim_authority(&self) -> Option<Arc<dyn ClaimAuthority>> {
         Some(self.claims.clone())
     }
+
+    fn keepalive_latency(&self) -> Option<Duration> {
+        match self.latency.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        }
+    }
 }
 
 impl Drop for EtcdRegistration {
@@ -126,6 +135,7 @@ pub(super) async fn registration_task(
     lease: Arc<AtomicI64>,
     lost: Arc<Mutex<Option<String>>>,
     stop: watch::Receiver<bool>,
+    latency: Arc<std::sync::atomic::AtomicU64>,
 ) {
     let ttl = shared.cfg.lease_ttl;
     loop {
@@ -145,7 +155,16 @@ pub(super) async fn registration_task(
                 *lock(&l) = Some(why);
             }
         };
-        match keep_alive(shared.client.clone(), id, ttl, stop.clone(), on).await {
+        match keep_alive(
+            shared.client.clone(),
+            id,
+            ttl,
+            stop.clone(),
+            Some(&latency),
+            on,
+        )
+        .await
+        {
             KeepAliveEnd::Stopped => return,
             KeepAliveEnd::Expired => {}
         }

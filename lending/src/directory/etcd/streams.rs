@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::directory::LossCell;
+use std::sync::atomic::AtomicU64;
 
 /// How a [`keep_alive`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +37,7 @@ pub(super) async fn keep_alive(
     lease: i64,
     ttl: Duration,
     mut stop: watch::Receiver<bool>,
+    latency: Option<&AtomicU64>,
     mut on: impl FnMut(Renewal) + Send,
 ) -> KeepAliveEnd {
     let period = (ttl / 3).max(Duration::from_millis(300));
@@ -58,6 +60,9 @@ pub(super) async fn keep_alive(
                 .await;
                 match answer {
                     Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                        if let Some(l) = latency {
+                            l.store(sent.elapsed().as_micros() as u64, Ordering::Relaxed);
+                        }
                         deadline = sent + Duration::from_secs(u64::try_from(r.ttl()).unwrap_or(0));
                         failures = 0;
                         told_unrenewed = false;
@@ -117,7 +122,7 @@ pub(super) async fn keep_claim(
             log::warn!("claim lease {lease:x}: etcd unreachable for {ttl:?}; still trying");
         }
     };
-    if keep_alive(client, lease, ttl, stop, on).await == KeepAliveEnd::Expired {
+    if keep_alive(client, lease, ttl, stop, None, on).await == KeepAliveEnd::Expired {
         lost.set(&format!("claim lease {lease:x} expired"));
     }
 }
