@@ -9,7 +9,10 @@
 #    from busybox-static and a static fio from Debian's fio source, tests/linux/build-fio.sh,
 #    ~2 min the first time; cached by content like the kernel);
 # 3. builds lendvm and lenderd (the tests spawn them from the same target dir);
-# 4. runs the #[ignore]d tests of `--test linux`, two boots at a time (one per core):
+# 4. runs the #[ignore]d tests of `--test linux`, one boot at a time: each guest has 2 vCPUs,
+#    and two such guests on the 2 cores (4 vCPUs) wait on each other's descheduled vCPUs
+#    (IPIs, spinlocks) so badly that a boot took 2-3 times as long as alone
+#    (docs/linux-guest-on-pvm.md, "Two vCPUs"):
 #    a boot with a lent NVMe disk, a boot without it plus an ACPI hot-add (both checked by
 #    the in-kernel self-test), a boot with the lent disk checked from busybox user space,
 #    a boot that runs fio's crc32c verify job on the lent disk (fio's JSON checked: no errors,
@@ -53,4 +56,4 @@ echo "test-linux: guest kernel $LENDVM_LINUX_KERNEL, initramfs $LENDVM_LINUX_INI
 
 cargo build --workspace --bins --locked
 # --nocapture: each test prints one line with its boot times.
-cargo test -p lendvm-tests --locked --test linux -- --ignored --test-threads=2 --nocapture "$@"
+cargo test -p lendvm-tests --locked --test linux -- --ignored --test-threads=1 --nocapture "$@"

@@ -259,7 +259,7 @@ fn scraped_by_prometheus() {
     let out = Command::new(binary("lendctl"))
         .arg("--cluster")
         .arg(&cluster.path)
-        .args(["--token", "not-the-cluster-token", "list"])
+        .args(["--token", "not-the-cluster-token-but-as-long-as-one", "list"])
         .output()
         .unwrap();
     assert!(!out.status.success());
