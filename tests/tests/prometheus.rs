@@ -248,6 +248,14 @@ fn scraped_by_prometheus() {
         |v| v == 0.0,
     );
 
+    // Each vCPU's exits beside their sum (vm.counters' `vm:vcpuN` groups); the test VM runs
+    // on vCPU 0.
+    prom.value(
+        "lendvm_vcpu_exits_total{vcpu=\"0\",reason=\"io\"}",
+        "vCPU 0's port-I/O exits",
+        |v| v > 0.0,
+    );
+
     // Both daemons show the dmatest lease, then its series go stale once it is removed.
     let lender_dma = format!("lenderd_lease_age_seconds{{device=\"{DMATEST_BDF}\"}}");
     let vm_dma = "lendvm_device_lease_state{device=\"dma0\",state=\"active\"}";
@@ -259,7 +267,11 @@ fn scraped_by_prometheus() {
     let out = Command::new(binary("lendctl"))
         .arg("--cluster")
         .arg(&cluster.path)
-        .args(["--token", "not-the-cluster-token-but-as-long-as-one", "list"])
+        .args([
+            "--token",
+            "not-the-cluster-token-but-as-long-as-one",
+            "list",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());

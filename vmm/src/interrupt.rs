@@ -462,6 +462,12 @@ impl InterruptSourceGroup for KvmMsiGroup {
         masked: bool,
     ) -> Result<(), InterruptError> {
         let i = self.check(index)?;
+        log::debug!(
+            "msi vector {i}: address {:#x} data {:#x}{}",
+            config.low_addr,
+            config.data,
+            if masked { " (masked)" } else { "" }
+        );
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let v = &mut st[i];
         v.config = config;

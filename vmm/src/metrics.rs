@@ -21,6 +21,7 @@ pub const NAMES: &[&str] = &[
     "lendvm_vm_running",
     "lendvm_kvm_exits_total",
     "lendvm_kvm_halt_polls_total",
+    "lendvm_vcpu_exits_total",
     "lendvm_kvm_stat",
     "lendvm_resources",
     "lendvm_pinned_bytes",
@@ -195,6 +196,22 @@ pub fn families(
                 labels([("vm", vm), ("stat", k)]),
                 *n as f64,
             );
+        }
+    }
+    // Each vCPU's own exits (`vm.counters` groups `vm:vcpuN`): bounded by the VM's vCPUs.
+    for (group, stats) in report {
+        let Some(cpu) = group.strip_prefix("vm:vcpu") else {
+            continue;
+        };
+        for (k, n) in stats {
+            if let Some(reason) = k.strip_suffix("_exits") {
+                f.counter(
+                    "lendvm_vcpu_exits",
+                    "KVM exits of one vCPU by reason (mmio: to user space).",
+                    labels([("vm", vm), ("vcpu", cpu), ("reason", reason)]),
+                    *n,
+                );
+            }
         }
     }
     if let Ok(serde_json::Value::Object(m)) = serde_json::to_value(counters) {
