@@ -104,29 +104,10 @@ impl Stream {
     pub(crate) fn peer_desc(&self) -> String {
         match self {
             Stream::Tls(_) => String::new(),
-            Stream::Unix(s) => {
-                let mut cred = libc::ucred {
-                    pid: 0,
-                    uid: 0,
-                    gid: 0,
-                };
-                let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-                // SAFETY: getsockopt writes at most `len` bytes into `cred`, a ucred we own.
-                let r = unsafe {
-                    libc::getsockopt(
-                        s.as_raw_fd(),
-                        libc::SOL_SOCKET,
-                        libc::SO_PEERCRED,
-                        (&mut cred as *mut libc::ucred).cast(),
-                        &mut len,
-                    )
-                };
-                if r == 0 {
-                    format!("unix:uid={},pid={}", cred.uid, cred.pid)
-                } else {
-                    "unix:unknown".into()
-                }
-            }
+            Stream::Unix(s) => match crate::sock::peer_cred(s) {
+                Ok(cred) => format!("unix:uid={},pid={}", cred.uid, cred.pid),
+                Err(_) => "unix:unknown".into(),
+            },
         }
     }
 

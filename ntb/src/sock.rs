@@ -127,9 +127,9 @@ pub fn bind_private(path: &Path) -> Result<(UnixListener, SocketFile), BindError
     ))
 }
 
-/// The uid of the process at the other end of `s` (`SO_PEERCRED`: who connected, or who
-/// listens, as the kernel recorded it at `connect`; the peer cannot choose it).
-pub fn peer_uid(s: &UnixStream) -> std::io::Result<u32> {
+/// The credentials of the process at the other end of `s` (`SO_PEERCRED`: who connected,
+/// or who listens, as the kernel recorded it at `connect`; the peer cannot choose them).
+pub fn peer_cred(s: &UnixStream) -> std::io::Result<libc::ucred> {
     use std::os::fd::AsRawFd;
     let mut cred = libc::ucred {
         pid: 0,
@@ -150,7 +150,12 @@ pub fn peer_uid(s: &UnixStream) -> std::io::Result<u32> {
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok(cred)
+}
+
+/// The uid of the process at the other end of `s` ([`peer_cred`]).
+pub fn peer_uid(s: &UnixStream) -> std::io::Result<u32> {
+    peer_cred(s).map(|c| c.uid)
 }
 
 #[cfg(test)]

@@ -418,16 +418,7 @@ impl Controller {
         lent: &[crate::snapshot::devices::LentDevice],
     ) -> Result<(), ApiError> {
         for d in lent {
-            let spec: RemoteDeviceSpec = d.device.parse().map_err(|e| {
-                ApiError::bad_request(format!("{}: lent device '{}': {e}", d.id, d.device))
-            })?;
-            let data = VmAddRemoteDeviceData {
-                device: spec,
-                id: Some(d.id.clone()),
-                mode: Some(d.mode),
-                replace_lost: false,
-            };
-            self.attach_in(data, true, Some(d.slot))?;
+            self.attach_in(lent_device_request(d)?, true, Some(d.slot))?;
             let Some(dev) = self.entries.get(&d.id).and_then(|e| e.device.clone()) else {
                 return Err(ApiError::internal(format!("{}: not attached", d.id)));
             };
@@ -1383,6 +1374,23 @@ impl ApiHandler for Controller {
             ApiRequest::VmMetrics(f) => Ok(ApiResponse::Metrics(self.metrics_text(f))),
         }
     }
+}
+
+/// The add request that borrows a snapshot's (or a migration's) lent device `d` again under
+/// its own id and BAR access mode.
+pub(crate) fn lent_device_request(
+    d: &crate::snapshot::devices::LentDevice,
+) -> Result<VmAddRemoteDeviceData, ApiError> {
+    let spec: RemoteDeviceSpec = d
+        .device
+        .parse()
+        .map_err(|e| ApiError::bad_request(format!("{}: lent device '{}': {e}", d.id, d.device)))?;
+    Ok(VmAddRemoteDeviceData {
+        device: spec,
+        id: Some(d.id.clone()),
+        mode: Some(d.mode),
+        replace_lost: false,
+    })
 }
 
 impl crate::migration::orchestrate::MigrationHost for Controller {

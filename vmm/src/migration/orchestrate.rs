@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use api::events::EventBus;
 use api::request::ApiError;
-use api::types::{RemoteDeviceSpec, VmAddRemoteDeviceData, VmSendMigrationData, VmState};
+use api::types::{VmAddRemoteDeviceData, VmSendMigrationData, VmState};
 use remote_pci::RemotePciDevice;
 use serde_json::Value;
 
@@ -576,15 +576,7 @@ pub fn take_over_lent_devices(
                 d.id
             )));
         };
-        let spec: RemoteDeviceSpec = d.device.parse().map_err(|e| {
-            ApiError::bad_request(format!("{}: lent device '{}': {e}", d.id, d.device))
-        })?;
-        let data = VmAddRemoteDeviceData {
-            device: spec,
-            id: Some(d.id.clone()),
-            mode: Some(d.mode),
-            replace_lost: false,
-        };
+        let data = crate::control::lent_device_request(d)?;
         let ticket = remote_pci::LeaseTicket {
             lease: h.lease,
             ticket: h.ticket.clone(),
