@@ -126,7 +126,13 @@ fn connect_error(cfg: &DirectoryConfig, endpoints: &str, e: &etcd_client::Error)
     let dropped = low.contains("broken pipe")
         || low.contains("connection reset")
         || low.contains("h2 protocol error");
-    let hint = if low.contains("certificaterequired") || low.contains("certificate required") {
+    // etcd (Go's TLS) answers a missing or refused client certificate with the alert
+    // `certificate_required` or `bad_certificate`, depending on when in the handshake it saw it.
+    let refused_cert = low.contains("certificaterequired")
+        || low.contains("certificate required")
+        || low.contains("badcertificate")
+        || low.contains("bad certificate");
+    let hint = if refused_cert {
         if cfg.cert.is_some() {
             "; the members did not accept the client certificate (is it signed by their CA?)"
         } else {
