@@ -154,12 +154,14 @@ fn fifty_add_remove_cycles_leak_nothing() {
     );
 
     assert_eq!(info(&api).counters.unwrap(), VmCounters::default());
-    // The API server closes its end of the last `vm.info` connection asynchronously: give a
-    // transient socket a moment to go away; a leaked descriptor stays.
+    // The API server closes its end of a `vm.info` connection asynchronously: give a
+    // transient socket a moment to go away; a leaked descriptor stays. (One that was open
+    // before the cycles, such as the connection of an earlier request, may be gone: no
+    // leak.)
     let mut now = Vec::new();
     let same = poll(Duration::from_secs(3), || {
         now = vm.fds();
-        (now == fds).then_some(())
+        now.iter().all(|f| fds.contains(f)).then_some(())
     });
     assert!(
         same.is_some(),
