@@ -176,12 +176,14 @@ fn hostile_guest_is_refused_or_contained() {
     assert_eq!(d("nvme0", "bar_moves_refused"), 4 * REPS);
     assert_eq!(d("dma0", "bar_moves_refused"), 3 * REPS);
     assert_eq!(d("nvme0", "flrs"), FLRS);
-    // The lender's own counts of the NVMe abuse reach vm.counters (protocol version 7):
-    // every out-of-range doorbell value the guest wrote is one the controller refused.
+    // The lender's own counts of the NVMe abuse reach vm.counters (protocol version 7). Not
+    // one for one: the controller counts an out-of-range value once until the doorbell
+    // changes, a storm of writes may reach it as fewer doorbell updates (shadow doorbells),
+    // and other steps (the FLR storm) write doorbells of their own.
+    let invalid = d("nvme0", "invalid_doorbells");
     assert!(
-        d("nvme0", "invalid_doorbells") >= doorbells.1.max(1),
-        "invalid doorbells {} for {doorbells:?}: {c1:?}",
-        d("nvme0", "invalid_doorbells")
+        invalid >= 1,
+        "invalid doorbells {invalid} for {doorbells:?}: {c1:?}"
     );
     assert_eq!(d("dma0", "flrs"), FLRS);
     // PCIe capability header/devcap and PM control per repetition reach the lender's filter.
