@@ -29,8 +29,23 @@ pub type ShmRegisters = MappedRegisters<SharedMemory>;
 
 /// A zeroed memfd of `size` bytes (page multiple) as register memory.
 pub fn shm_registers(name: &str, size: u64) -> Result<ShmRegisters, BackendError> {
+    let (shm, len) = register_memfd(name, size, "register memory memfd")?;
+    let base = shm.as_ptr();
+    // SAFETY: the memfd mapping is page aligned, `len` bytes long and owned by `shm`, which
+    // the registers keep (moving it does not move the mapping); everyone else (device worker,
+    // borrower through the fabric window) accesses it atomically.
+    Ok(unsafe { MappedRegisters::with_backing(shm, base, len) })
+}
+
+/// A zeroed memfd of `size` bytes named `name`, mapped, and its length in bytes; `what`
+/// names it in an error.
+fn register_memfd(
+    name: &str,
+    size: u64,
+    what: &'static str,
+) -> Result<(SharedMemory, usize), BackendError> {
     let shm = SharedMemory::new(name, size).map_err(|e| BackendError::Os {
-        what: "register memory memfd",
+        what,
         source: std::io::Error::other(e.to_string()),
     })?;
     let len = usize::try_from(shm.len()).map_err(|_| BackendError::OutOfRange {
@@ -39,11 +54,7 @@ pub fn shm_registers(name: &str, size: u64) -> Result<ShmRegisters, BackendError
         len: 0,
         size,
     })?;
-    let base = shm.as_ptr();
-    // SAFETY: the memfd mapping is page aligned, `len` bytes long and owned by `shm`, which
-    // the registers keep (moving it does not move the mapping); everyone else (device worker,
-    // borrower through the fabric window) accesses it atomically.
-    Ok(unsafe { MappedRegisters::with_backing(shm, base, len) })
+    Ok((shm, len))
 }
 
 /// Moves `shm`'s memory to a fresh memfd with the same contents, in place: the new memfd is
@@ -59,16 +70,7 @@ fn renew_memfd(shm: &ntb::SharedMemory) -> Result<(), BackendError> {
     };
     // The same name: the device's memory is still the device's (`/proc/PID/fd` of the lender
     // shows one memfd per device, whatever lease it is in).
-    let fresh = ntb::SharedMemory::new(shm.name(), shm.len()).map_err(|e| BackendError::Os {
-        what: "fresh register memfd",
-        source: std::io::Error::other(e.to_string()),
-    })?;
-    let len = usize::try_from(shm.len()).map_err(|_| BackendError::OutOfRange {
-        what: "register memory".into(),
-        offset: 0,
-        len: 0,
-        size: shm.len(),
-    })?;
+    let (fresh, len) = register_memfd(shm.name(), shm.len(), "fresh register memfd")?;
     // Only pages with data: a large buffer the lease never touched stays unallocated. Raw
     // reads and copies (like the fabric's window copies): a holder of the old memfd may
     // still write it; what it writes now is its own business.
