@@ -17,7 +17,7 @@ impl Drop for LinkEndpoint {
     }
 }
 
-/// A peer window mapped with `mmap` (shm).
+/// `bits` must name at least one doorbell and only doorbells below `count`.
 pub(super) fn check_doorbell_bits(bits: u64, count: u32) -> Result<()> {
     let valid = if count >= 64 {
         u64::MAX
@@ -99,7 +99,12 @@ impl Endpoint for LinkEndpoint {
         size: u64,
         label: &str,
     ) -> Result<ExportedWindow> {
-        self.export(fd, offset, size, label, self.inner.kind == FabricKind::Tcp)
+        let how = match (&self.inner.region, self.inner.kind) {
+            (_, FabricKind::Shm) => Export::Fd,
+            (Some(r), _) if r.holds(fd)? => Export::Shared,
+            _ => Export::Mediated,
+        };
+        self.export(fd, offset, size, label, how)
     }
 
     fn export_window_mediated(
@@ -109,7 +114,7 @@ impl Endpoint for LinkEndpoint {
         size: u64,
         label: &str,
     ) -> Result<ExportedWindow> {
-        self.export(fd, offset, size, label, true)
+        self.export(fd, offset, size, label, Export::Mediated)
     }
 
     fn peer_windows(&self) -> Vec<WindowInfo> {
@@ -132,13 +137,13 @@ impl Endpoint for LinkEndpoint {
     fn map_peer_window(&self, id: WindowId) -> Result<Box<dyn PeerWindow>> {
         let inner = &self.inner;
         inner.check_up()?;
-        let (info, fd, fd_offset) = {
+        let (info, fd, fd_offset, shared) = {
             let st = lock(&inner.state);
             let w = st
                 .peer_windows
                 .get(&id)
                 .ok_or(FabricError::UnknownWindow(id))?;
-            (w.info.clone(), w.fd.clone(), w.fd_offset)
+            (w.info.clone(), w.fd.clone(), w.fd_offset, w.shared)
         };
         let Some(fd) = fd else {
             return Ok(Box::new(MessageWindow {
@@ -149,7 +154,9 @@ impl Endpoint for LinkEndpoint {
         // Seals first: once F_SEAL_SHRINK is seen it cannot go away, so the size checked next
         // stays valid for the life of the mapping.
         let what = format!("window {id} ({:?})", info.label);
-        check_sealed(fd.as_fd(), &inner.cfg, &inner.peer, &what)?;
+        if !shared {
+            check_sealed(fd.as_fd(), &inner.cfg, &inner.peer, &what)?;
+        }
         let need = fd_offset.saturating_add(info.size);
         let have = fd_size(fd.as_fd())?;
         if have < need {
@@ -195,7 +202,7 @@ impl Endpoint for LinkEndpoint {
                 }
                 Ok(())
             }
-            FabricKind::Tcp => {
+            FabricKind::Tcp | FabricKind::Bar => {
                 let p = wire::encode_payload(&msg::Doorbell { bits })?;
                 inner.send_frame(0, op::DOORBELL, 0, &p, &[])
             }
@@ -308,7 +315,7 @@ impl Endpoint for LinkEndpoint {
 
     fn send(&self, msg: Message) -> Result<()> {
         msg.check_user()?;
-        if self.inner.kind == FabricKind::Tcp && !msg.fds.is_empty() {
+        if !self.inner.kind.passes_fds() && !msg.fds.is_empty() {
             return Err(FabricError::FdPassingUnsupported {
                 kind: self.inner.kind,
             });
@@ -319,7 +326,7 @@ impl Endpoint for LinkEndpoint {
 
     fn request(&self, msg: Message, timeout: Duration) -> Result<Message> {
         msg.check_user()?;
-        if self.inner.kind == FabricKind::Tcp && !msg.fds.is_empty() {
+        if !self.inner.kind.passes_fds() && !msg.fds.is_empty() {
             return Err(FabricError::FdPassingUnsupported {
                 kind: self.inner.kind,
             });
@@ -332,7 +339,7 @@ impl Endpoint for LinkEndpoint {
     fn reply(&self, id: RequestId, reply: std::result::Result<Message, ErrorReply>) -> Result<()> {
         match reply {
             Ok(m) => {
-                if self.inner.kind == FabricKind::Tcp && !m.fds.is_empty() {
+                if !self.inner.kind.passes_fds() && !m.fds.is_empty() {
                     return Err(FabricError::FdPassingUnsupported {
                         kind: self.inner.kind,
                     });

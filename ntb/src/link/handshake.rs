@@ -26,6 +26,7 @@ pub(super) fn check_hello(
         peer_timeout: Duration::from_millis(u64::from(h.heartbeat_ms) * 2 + 1),
         connect_timeout: cfg.connect_timeout,
         require_sealed_windows: cfg.require_sealed_windows,
+        region: None,
     };
     peer_cfg.validate().map_err(|e| e.to_string())?;
     if peer_cfg.heartbeat * 2 >= cfg.peer_timeout {
@@ -36,7 +37,7 @@ pub(super) fn check_hello(
     }
     let want = match kind {
         FabricKind::Shm => h.doorbells as usize + 1,
-        FabricKind::Tcp => 0,
+        FabricKind::Tcp | FabricKind::Bar => 0,
     };
     if nfds != want {
         return Err(format!("hello carries {nfds} fds, expected {want}"));
@@ -120,7 +121,23 @@ pub(crate) fn establish(
     opts: LinkOpts,
 ) -> Result<LinkEndpoint> {
     cfg.validate()?;
-    let kind = stream.kind();
+    // A node with a shared region speaks `bar` on its tcp links; the region is opened per
+    // link (an open and an fstat), so a region that went away fails the link, not the node.
+    let region = match (&cfg.region, stream.kind()) {
+        (None, _) => None,
+        (Some(spec), FabricKind::Tcp) => Some(Arc::new(Region::open(spec)?)),
+        (Some(spec), k) => {
+            return Err(FabricError::BadRegion {
+                path: spec.path().display().to_string(),
+                problem: format!("a shared region needs a tcp control address, not {k}"),
+            })
+        }
+    };
+    let kind = if region.is_some() {
+        FabricKind::Bar
+    } else {
+        stream.kind()
+    };
     let doorbells = (0..cfg.doorbells)
         .map(|_| new_eventfd())
         .collect::<Result<Vec<_>>>()?;
@@ -141,7 +158,7 @@ pub(crate) fn establish(
             .map(|e| e.as_raw_fd())
             .chain(std::iter::once(spads.fd().as_raw_fd()))
             .collect(),
-        FabricKind::Tcp => Vec::new(),
+        FabricKind::Tcp | FabricKind::Bar => Vec::new(),
     };
     stream
         .set_timeouts(cfg.connect_timeout)
@@ -221,7 +238,7 @@ pub(crate) fn establish(
                 .collect();
             (dbs, Some(map))
         }
-        FabricKind::Tcp => (Vec::new(), None),
+        FabricKind::Tcp | FabricKind::Bar => (Vec::new(), None),
     };
     stream
         .set_timeouts(cfg.peer_timeout)
@@ -258,6 +275,7 @@ pub(crate) fn establish(
         stats: Counters::default(),
         svc_tx: Mutex::new(Some(svc_tx)),
         abuse_log: RateLimit::new(Duration::from_secs(1)),
+        region,
     });
     let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
         std::thread::Builder::new()

@@ -28,6 +28,7 @@ use crate::fabric::{
     Message, NodeId, PeerWindow, RequestId, Result, WindowId, WindowInfo, WindowLimits,
 };
 use crate::mem::{fd_has_fixed_extent, fd_seals, fd_size, Mapping, SharedMemory};
+use crate::region::Region;
 use crate::wire::{
     self, code, msg, op, ErrorReply, Header, FLAG_ERROR, FLAG_REPLY, HEADER_LEN, MAX_FDS, VERSION,
 };

@@ -7,6 +7,9 @@ pub(super) struct PeerWin {
     pub(super) info: WindowInfo,
     pub(super) fd: Option<Arc<OwnedFd>>,
     pub(super) fd_offset: u64,
+    /// Inside this end's shared region (`bar`): `fd` is the region's, which this host
+    /// opened itself, so it is not checked for seals.
+    pub(super) shared: bool,
 }
 
 #[derive(Default)]
@@ -65,6 +68,8 @@ pub(crate) struct Inner {
     pub(super) svc_tx: Mutex<Option<mpsc::Sender<Svc>>>,
     /// Rate limit of the warnings about a misbehaving peer.
     pub(super) abuse_log: RateLimit,
+    /// The shared region of a `bar` link.
+    pub(super) region: Option<Arc<Region>>,
 }
 
 pub(super) fn spad_bytes(n: u32) -> u64 {
@@ -323,6 +328,63 @@ impl Inner {
     /// (at most `max_windows` at once, aligned, not oversized), with exactly one fd on shm.
     /// A shm window without an fd is a mediated one (`export_window_mediated`): read and
     /// written through the exporter, as on tcp.
+    /// A peer's window notice: with its memfd (shm), served by messages (tcp, and `bar`
+    /// windows outside the region), or an offset into this end's shared region (`bar`).
+    fn window_added(&self, opcode: u16, a: msg::WindowAdd, fds: Vec<OwnedFd>) {
+        // Any fd beyond the window's one is closed here (dropped with `fds`).
+        let mut fds = fds;
+        let shared = opcode == op::WINDOW_ADD_SHARED;
+        let checked = self.check_window_add(&a).and_then(|()| {
+            if !shared {
+                return Ok(if self.kind.passes_fds() && fds.len() == 1 {
+                    fds.pop().map(Arc::new)
+                } else {
+                    None
+                });
+            }
+            let region = self
+                .region
+                .as_ref()
+                .ok_or_else(|| format!("a shared-region window on a {} link", self.kind))?;
+            region.check_range(a.fd_offset, a.size)?;
+            Ok(Some(region.fd().clone()))
+        });
+        let fd = match checked {
+            Ok(fd) => fd,
+            Err(why) => {
+                if let Some(n) = self.abuse_log.hit() {
+                    log::warn!(
+                        "peer {}: refusing window {} ({:?}): {why} ({n} more refused since the \
+                         last report)",
+                        self.peer,
+                        a.id,
+                        a.label
+                    );
+                }
+                return;
+            }
+        };
+        let info = WindowInfo {
+            id: a.id,
+            size: a.size,
+            label: a.label,
+        };
+        {
+            let mut st = lock(&self.state);
+            // The count was checked above; this thread is the only inserter.
+            st.peer_windows.insert(
+                a.id,
+                PeerWin {
+                    info: info.clone(),
+                    fd,
+                    fd_offset: a.fd_offset,
+                    shared,
+                },
+            );
+        }
+        self.push_incoming(Incoming::WindowAdded(info));
+    }
+
     pub(super) fn check_window_add(&self, a: &msg::WindowAdd) -> std::result::Result<(), String> {
         if a.label.len() > MAX_LABEL {
             return Err(format!(
@@ -449,48 +511,12 @@ impl Inner {
                 self.mark_gone("peer closed the link");
                 return false;
             }
-            op::WINDOW_ADD => match wire::decode_payload::<msg::WindowAdd>(&payload) {
-                Ok(a) => {
-                    // Any fd beyond the window's one is closed here (dropped with `fds`).
-                    let mut fds = fds;
-                    let fd = if self.kind == FabricKind::Shm && fds.len() == 1 {
-                        fds.pop().map(Arc::new)
-                    } else {
-                        None
-                    };
-                    if let Err(why) = self.check_window_add(&a) {
-                        if let Some(n) = self.abuse_log.hit() {
-                            log::warn!(
-                                "peer {}: refusing window {} ({:?}): {why} ({n} more refused \
-                                 since the last report)",
-                                self.peer,
-                                a.id,
-                                a.label
-                            );
-                        }
-                        return true;
-                    }
-                    let info = WindowInfo {
-                        id: a.id,
-                        size: a.size,
-                        label: a.label,
-                    };
-                    {
-                        let mut st = lock(&self.state);
-                        // The count was checked above; this thread is the only inserter.
-                        st.peer_windows.insert(
-                            a.id,
-                            PeerWin {
-                                info: info.clone(),
-                                fd,
-                                fd_offset: a.fd_offset,
-                            },
-                        );
-                    }
-                    self.push_incoming(Incoming::WindowAdded(info));
+            op::WINDOW_ADD | op::WINDOW_ADD_SHARED => {
+                match wire::decode_payload::<msg::WindowAdd>(&payload) {
+                    Ok(a) => self.window_added(h.opcode, a, fds),
+                    Err(e) => log::warn!("bad window add from {}: {e}", self.peer),
                 }
-                Err(e) => log::warn!("bad window add from {}: {e}", self.peer),
-            },
+            }
             op::WINDOW_REMOVE => match wire::decode_payload::<msg::WindowRemove>(&payload) {
                 Ok(r) => {
                     let severed: Vec<_> = {

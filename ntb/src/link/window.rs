@@ -3,6 +3,7 @@
 
 use super::*;
 
+/// A peer window mapped with `mmap` (shm, and `bar` windows in the shared region).
 pub(super) struct DirectWindow {
     pub(super) inner: Arc<Inner>,
     pub(super) info: WindowInfo,
@@ -169,19 +170,17 @@ pub(super) fn copy_reply(m: Message, dst: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
-/// `bits` must name at least one doorbell and only doorbells below `count`.
 impl LinkEndpoint {
-    /// Exports a window: with `mediated` (always on tcp) this end serves the peer's reads
-    /// and writes from its own mapping of the range and the fd never leaves; else (shm) the
-    /// peer receives the fd.
+    /// Exports a window as `how` says ([`Export`]).
     pub(super) fn export(
         &self,
         fd: BorrowedFd<'_>,
         offset: u64,
         size: u64,
         label: &str,
-        mediated: bool,
+        how: Export,
     ) -> Result<ExportedWindow> {
+        let mediated = how == Export::Mediated;
         let inner = &self.inner;
         inner.check_up()?;
         inner.cfg.limits.check_window(offset, size)?;
@@ -198,6 +197,13 @@ impl LinkEndpoint {
         let have = fd_size(fd)?;
         if have < need {
             return Err(FabricError::RegionTooSmall { have, need });
+        }
+        if let (Export::Shared, Some(r)) = (how, &inner.region) {
+            r.check_range(offset, size)
+                .map_err(|problem| FabricError::BadRegion {
+                    path: r.path().display().to_string(),
+                    problem,
+                })?;
         }
         // Served by this end (tcp, or mediated): map exactly the window's range.
         let map = if mediated {
@@ -222,14 +228,15 @@ impl LinkEndpoint {
             fd_offset: offset,
             label: label.to_string(),
         };
-        let fds: Vec<RawFd> = if mediated {
-            Vec::new()
-        } else {
-            vec![fd.as_raw_fd()]
+        let (opcode, fds): (u16, Vec<RawFd>) = match how {
+            Export::Fd => (op::WINDOW_ADD, vec![fd.as_raw_fd()]),
+            Export::Mediated => (op::WINDOW_ADD, Vec::new()),
+            // The peer maps the same offset of its own view of the region.
+            Export::Shared => (op::WINDOW_ADD_SHARED, Vec::new()),
         };
         if let Err(e) = wire::encode_payload(&add)
             .map_err(FabricError::from)
-            .and_then(|p| inner.send_frame(0, op::WINDOW_ADD, 0, &p, &fds))
+            .and_then(|p| inner.send_frame(0, opcode, 0, &p, &fds))
         {
             lock(&inner.state).exported.remove(&id);
             return Err(e);
@@ -253,4 +260,17 @@ impl LinkEndpoint {
             }),
         ))
     }
+}
+
+/// How a window reaches the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Export {
+    /// Its memfd is passed (shm).
+    Fd,
+    /// This end serves the peer's reads and writes from its own mapping of the range (tcp,
+    /// or on request).
+    Mediated,
+    /// It lies in the link's shared region: the peer maps the same offset of its own view
+    /// of the region (`bar`).
+    Shared,
 }
