@@ -841,6 +841,17 @@ impl Session {
             .ep
             .map_peer_window(id)
             .map_err(|e| error(code::UNKNOWN_WINDOW, format!("borrower window {id}: {e}")))?;
+        let info = win.info();
+        log::info!(
+            "borrower window {id} ({:?}, {:#x} bytes) mapped {}",
+            info.label,
+            info.size,
+            if win.as_ptr().is_ok() {
+                "directly"
+            } else {
+                "by messages"
+            }
+        );
         let b = Arc::new(PeerWindowBacking { win });
         self.peer_windows.insert(id, Arc::downgrade(&b));
         Ok(b)

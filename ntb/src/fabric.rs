@@ -544,6 +544,12 @@ pub trait Endpoint: Send + Sync {
     fn peer_addr(&self) -> String {
         String::new()
     }
+
+    /// The shared region of a `bar` link (`None` on shm and tcp).
+    fn shared_region(&self) -> Option<std::sync::Arc<crate::region::Region>> {
+        None
+    }
+
     /// Bytes unique to this link's secure channel that both ends see alike (the TLS exporter
     /// on tcp, [`crate::tls`]); empty when the link has none (shm, where the socket's
     /// permissions protect the channel). Authentication above the fabric mixes it into its

@@ -35,10 +35,7 @@ fn cfg(region: Option<&Path>) -> LinkConfig {
 }
 
 /// Lender "a" listens with `lender_region`, borrower "b" connects with `borrower_region`.
-fn pair(
-    lender_region: Option<&Path>,
-    borrower_region: Option<&Path>,
-) -> Result<Pair, FabricError> {
+fn pair(lender_region: Option<&Path>, borrower_region: Option<&Path>) -> Result<Pair, FabricError> {
     pair_within(lender_region, borrower_region, T)
 }
 

@@ -62,6 +62,10 @@ impl Endpoint for LinkEndpoint {
     fn peer_node(&self) -> &NodeId {
         &self.inner.peer
     }
+    fn shared_region(&self) -> Option<Arc<Region>> {
+        self.inner.region.clone()
+    }
+
     fn kind(&self) -> FabricKind {
         self.inner.kind
     }
