@@ -1,0 +1,210 @@
+//! Real devices through the real kernel: a Linux guest of lendvm uses a device that vfio-pci
+//! owns inside a QEMU guest ("L1") with an emulated intel-iommu, lent by the `lenderd` in L1
+//! over the bar fabric (guest RAM inside the ivshmem region that L1 maps as a BAR).
+//!
+//! `scripts/test-vfio.sh` boots L1 and runs these with `--ignored`, passing what it set up:
+//!
+//! | variable | what |
+//! |---|---|
+//! | `LENDVM_VFIO_CLUSTER` | the outer side's cluster file: the L1 node (`fabric = "bar"`, control through QEMU's loopback forward, `region` = the ivshmem file) |
+//! | `LENDVM_VFIO_LENDER` | the L1 node's name |
+//! | `LENDVM_VFIO_REGION` | the ivshmem file (guest RAM goes inside it) |
+//! | `LENDVM_VFIO_NVME` | the NVMe's BDF in L1 |
+//! | `LENDVM_VFIO_DISK` | the file behind QEMU's NVMe, on this machine |
+//! | `LENDVM_LINUX_KERNEL`, `LENDVM_LINUX_INITRAMFS` | the guest kernel and initramfs of the Linux tests |
+//!
+//! A missing variable fails the test with its name (they only run from the script).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use lendvm_tests::capture::ProcessOutput;
+
+/// Boot plus fio on a guest whose kernel runs in KVM's instruction emulator, with the lender's
+/// device two levels down (L1 is emulated too): generous.
+const RUN_TIMEOUT: Duration = Duration::from_secs(12 * 60);
+const FIO_VERIFY_OFFSET: u64 = 8 << 20;
+const FIO_VERIFY_BYTES: u64 = 512 << 10;
+const FIO_VERIFY_BS: u64 = 4096;
+const FIO_HDR_MAGIC: u16 = 0xacca;
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set: run this test through scripts/test-vfio.sh, which boots L1")
+    })
+}
+
+fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let p = dir.join(name);
+    assert!(p.exists(), "{} is missing: cargo build --bins", p.display());
+    p
+}
+
+/// A lendvm running the Linux guest; killed on drop, its console kept next to the tests.
+struct Guest {
+    name: &'static str,
+    child: Child,
+    out: ProcessOutput,
+    status: Option<ExitStatus>,
+}
+
+impl Guest {
+    fn start(name: &'static str, cmdline_extra: &str, extra: &[&str]) -> Guest {
+        let memory = format!("128M,shared={}", env("LENDVM_VFIO_REGION"));
+        let cmdline = format!(
+            "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000 \
+             {cmdline_extra}"
+        );
+        let mut child = Command::new(binary("lendvm"))
+            .args([
+                "--kernel",
+                &env("LENDVM_LINUX_KERNEL"),
+                "--initramfs",
+                &env("LENDVM_LINUX_INITRAMFS"),
+                "--memory",
+                &memory,
+                "--cpus",
+                "2",
+                "--serial",
+                "stdout",
+                "--cluster",
+                &env("LENDVM_VFIO_CLUSTER"),
+                "--cmdline",
+                &cmdline,
+            ])
+            .args(extra)
+            .env(
+                "RUST_LOG",
+                std::env::var("LENDVM_LINUX_RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = ProcessOutput::capture(&mut child);
+        Guest {
+            name,
+            child,
+            out,
+            status: None,
+        }
+    }
+
+    fn diag(&self) -> String {
+        let console: String = self
+            .out
+            .timed_lines()
+            .iter()
+            .map(|(t, l)| format!("{:7.2} {l}\n", t.as_secs_f64()))
+            .collect();
+        format!(
+            "--- console\n{console}--- lendvm stderr\n{}",
+            self.out.stderr()
+        )
+    }
+
+    fn expect_line(&self, needle: &str, deadline: Instant) -> String {
+        self.out
+            .wait_for(deadline, |lines| {
+                lines.iter().find(|(_, l)| l.contains(needle)).cloned()
+            })
+            .map(|(_, l)| l)
+            .unwrap_or_else(|| panic!("no console line with {needle:?}\n{}", self.diag()))
+    }
+
+    fn expect_exit_0(&mut self, deadline: Instant) {
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                self.status = Some(s);
+                self.out.drain(Duration::from_secs(5));
+                assert_eq!(s.code(), Some(0), "lendvm exit\n{}", self.diag());
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "lendvm still runs at the deadline\n{}",
+                self.diag()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let dir = std::env::current_exe()
+            .ok()
+            .and_then(|e| Some(e.parent()?.parent()?.join("vfio-tests")));
+        if let Some(dir) = dir {
+            let _ = std::fs::create_dir_all(&dir);
+            let path = dir.join(format!("{}.log", self.name));
+            if std::fs::write(&path, self.diag()).is_ok() {
+                println!("{}: console and lendvm log in {}", self.name, path.display());
+            }
+        }
+    }
+}
+
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    lendvm_tests::fio::field(line, key)
+}
+
+/// QEMU's NVMe in L1, owned by vfio-pci there, lent over the bar fabric: the guest's stock
+/// nvme driver binds it and fio's crc32c verify job passes; every block fio wrote is in the
+/// file behind QEMU's NVMe, with fio's header naming its own offset.
+#[test]
+#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
+fn vfio_nvme_in_l1_fio_verify() {
+    let lender = env("LENDVM_VFIO_LENDER");
+    let bdf = env("LENDVM_VFIO_NVME");
+    let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
+    let dev = format!("{lender}:{bdf},id=disk0");
+    let mut guest = Guest::start(
+        "vfio_nvme_in_l1_fio_verify",
+        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_fio=verify@nvme0n1",
+        &["--name", "vfio-fio", "--remote-device", &dev],
+    );
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    guest.expect_line("Linux version ", deadline);
+    // The stock driver bound QEMU's controller.
+    guest.expect_line("nvme nvme0: ", deadline);
+    let done = guest.expect_line("LENDVM-FIO done ", deadline);
+    assert_eq!(
+        (field(&done, "runs"), field(&done, "failed")),
+        (Some("1"), Some("0")),
+        "{done}\n{}",
+        guest.diag()
+    );
+    let lines = guest.out.lines();
+    let runs = lendvm_tests::fio::parse_runs(&lines)
+        .unwrap_or_else(|e| panic!("{e}\n{}", guest.diag()));
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0].rc, "0", "fio's exit code\n{}", guest.diag());
+    assert_eq!(runs[0].error().unwrap(), 0, "fio: {:#}", runs[0].json);
+    guest.expect_exit_0(deadline);
+    // The blocks went through L1's real IOMMU into QEMU's NVMe and its file here.
+    let data = std::fs::read(&disk).unwrap();
+    for b in 0..FIO_VERIFY_BYTES / FIO_VERIFY_BS {
+        let off = FIO_VERIFY_OFFSET + b * FIO_VERIFY_BS;
+        let h = &data[off as usize..off as usize + 24];
+        let magic = u16::from_le_bytes([h[0], h[1]]);
+        let at = u64::from_le_bytes(h[16..24].try_into().unwrap());
+        assert_eq!(
+            (magic, at),
+            (FIO_HDR_MAGIC, off),
+            "QEMU's NVMe file has no fio verify header for the block at {off:#x}"
+        );
+    }
+    let stderr = guest.out.stderr();
+    assert!(stderr.contains("on Bar"), "the device came over the bar fabric:\n{stderr}");
+}
