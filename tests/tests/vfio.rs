@@ -149,7 +149,11 @@ impl Drop for Guest {
             let _ = std::fs::create_dir_all(&dir);
             let path = dir.join(format!("{}.log", self.name));
             if std::fs::write(&path, self.diag()).is_ok() {
-                println!("{}: console and lendvm log in {}", self.name, path.display());
+                println!(
+                    "{}: console and lendvm log in {}",
+                    self.name,
+                    path.display()
+                );
             }
         }
     }
@@ -186,8 +190,8 @@ fn vfio_nvme_in_l1_fio_verify() {
         guest.diag()
     );
     let lines = guest.out.lines();
-    let runs = lendvm_tests::fio::parse_runs(&lines)
-        .unwrap_or_else(|e| panic!("{e}\n{}", guest.diag()));
+    let runs =
+        lendvm_tests::fio::parse_runs(&lines).unwrap_or_else(|e| panic!("{e}\n{}", guest.diag()));
     assert_eq!(runs.len(), 1, "{runs:?}");
     assert_eq!(runs[0].rc, "0", "fio's exit code\n{}", guest.diag());
     assert_eq!(runs[0].error().unwrap(), 0, "fio: {:#}", runs[0].json);
@@ -206,5 +210,8 @@ fn vfio_nvme_in_l1_fio_verify() {
         );
     }
     let stderr = guest.out.stderr();
-    assert!(stderr.contains("on Bar"), "the device came over the bar fabric:\n{stderr}");
+    assert!(
+        stderr.contains("on Bar"),
+        "the device came over the bar fabric:\n{stderr}"
+    );
 }
