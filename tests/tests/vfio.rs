@@ -215,3 +215,33 @@ fn vfio_nvme_in_l1_fio_verify() {
         "the device came over the bar fabric:\n{stderr}"
     );
 }
+
+/// QEMU's e1000e in L1, owned by vfio-pci there, lent over the bar fabric: the guest's stock
+/// e1000e driver binds it, gets carrier, and pings the second e1000e that stays in L1 (both on
+/// one QEMU hub; link-local addresses; nothing leaves QEMU). Its descriptor rings and packet
+/// buffers are in guest RAM, reached through L1's IOMMU and the BAR window; its interrupts
+/// are MSI-X vectors relayed to the guest.
+#[test]
+#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
+fn vfio_e1000e_in_l1_pings_through_the_window() {
+    let lender = env("LENDVM_VFIO_LENDER");
+    let bdf = env("LENDVM_VFIO_NIC");
+    let peer = env("LENDVM_VFIO_NIC_PEER");
+    let addr = env("LENDVM_VFIO_NIC_ADDR");
+    let dev = format!("{lender}:{bdf},id=nic0");
+    let mut guest = Guest::start(
+        "vfio_e1000e_in_l1_pings_through_the_window",
+        &format!(
+            "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_net={addr},{peer},3"
+        ),
+        &["--name", "vfio-nic", "--remote-device", &dev],
+    );
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    let net = guest.expect_line("LENDVM-NET ", deadline);
+    assert!(net.contains("LENDVM-NET ok "), "{net}\n{}", guest.diag());
+    assert_eq!(field(&net, "driver"), Some("e1000e"), "{net}");
+    assert_eq!(field(&net, "sent"), Some("3"), "{net}");
+    let received: u32 = field(&net, "received").unwrap().parse().unwrap();
+    assert!(received >= 1, "no echo reply from L1's NIC: {net}\n{}", guest.diag());
+    guest.expect_exit_0(deadline);
+}
