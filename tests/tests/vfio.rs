@@ -21,6 +21,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use api::client::ApiClient;
+use api::types::{VmAddRemoteDeviceData, VmRemoveDeviceData};
 use lendvm_tests::capture::ProcessOutput;
 
 /// Boot plus fio on a guest whose kernel runs in KVM's instruction emulator, with the lender's
@@ -163,38 +165,87 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     lendvm_tests::fio::field(line, key)
 }
 
-/// QEMU's NVMe in L1, owned by vfio-pci there, lent over the bar fabric: the guest's stock
-/// nvme driver binds it and fio's crc32c verify job passes; every block fio wrote is in the
-/// file behind QEMU's NVMe, with fio's header naming its own offset.
+/// QEMU's NVMe in L1, owned by vfio-pci there, lent over the bar fabric. The guest's stock
+/// nvme driver binds it and runs fio's crc32c verify job three times: after the first, the
+/// host hot-removes the disk and adds it again (a new lease, VFIO_DEVICE_RESET on the old
+/// one's return); after the second, the guest resets the function itself (sysfs `reset`:
+/// FLR, which the lender turns into VFIO_DEVICE_RESET). Every block fio wrote is in the file
+/// behind QEMU's NVMe, with fio's header naming its own offset.
 #[test]
 #[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
-fn vfio_nvme_in_l1_fio_verify() {
+fn vfio_nvme_in_l1_fio_verify_replug_and_flr() {
     let lender = env("LENDVM_VFIO_LENDER");
     let bdf = env("LENDVM_VFIO_NVME");
     let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
-    let dev = format!("{lender}:{bdf},id=disk0");
+    let spec = format!("{lender}:{bdf}");
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("api.sock");
     let mut guest = Guest::start(
-        "vfio_nvme_in_l1_fio_verify",
-        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_fio=verify@nvme0n1",
-        &["--name", "vfio-fio", "--remote-device", &dev],
+        "vfio_nvme_in_l1_fio_verify_replug_and_flr",
+        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
+         lendvm_fio=verify@nvme0n1,verify@nvme0n1,verify@nvme0n1 lendvm_fio_replug=1 \
+         lendvm_fio_flr=2",
+        &[
+            "--name",
+            "vfio-fio",
+            "--remote-device",
+            &format!("{spec},id=disk0"),
+            "--api-socket",
+            socket.to_str().unwrap(),
+        ],
     );
     let deadline = Instant::now() + RUN_TIMEOUT;
     guest.expect_line("Linux version ", deadline);
     // The stock driver bound QEMU's controller.
     guest.expect_line("nvme nvme0: ", deadline);
+    let api = ApiClient::new(&socket, Duration::from_secs(60));
+
+    // Run 1, then the host removes the disk and adds it back.
+    guest.expect_line("LENDVM-FIO replug-wait i=1", deadline);
+    api.remove_device(&VmRemoveDeviceData {
+        id: "disk0".into(),
+        force: false,
+    })
+    .unwrap_or_else(|e| panic!("remove: {e}\n{}", guest.diag()));
+    let gone = guest.expect_line("LENDVM-FIO replug-gone i=1", deadline);
+    assert!(gone.contains("rc=0"), "{gone}\n{}", guest.diag());
+    // The lender takes the old lease back (and resets the function) before the new borrow.
+    let t0 = Instant::now();
+    let added = loop {
+        match api.add_remote_device(&VmAddRemoteDeviceData {
+            device: spec.parse().unwrap(),
+            id: Some("disk1".into()),
+            mode: None,
+            replace_lost: false,
+        }) {
+            Ok(d) => break d,
+            Err(e) if t0.elapsed() < Duration::from_secs(120) => {
+                eprintln!("re-add: {e}; retrying");
+                std::thread::sleep(Duration::from_secs(2));
+            }
+            Err(e) => panic!("re-add: {e}\n{}", guest.diag()),
+        }
+    };
+    eprintln!("re-added: {added:?}");
+
+    // Run 2 on the re-added disk, then the guest's FLR, then run 3.
+    let flr = guest.expect_line("LENDVM-FIO flr-done i=2", deadline);
+    assert!(flr.contains("rc=0"), "{flr}\n{}", guest.diag());
     let done = guest.expect_line("LENDVM-FIO done ", deadline);
     assert_eq!(
         (field(&done, "runs"), field(&done, "failed")),
-        (Some("1"), Some("0")),
+        (Some("3"), Some("0")),
         "{done}\n{}",
         guest.diag()
     );
     let lines = guest.out.lines();
-    let runs =
-        lendvm_tests::fio::parse_runs(&lines).unwrap_or_else(|e| panic!("{e}\n{}", guest.diag()));
-    assert_eq!(runs.len(), 1, "{runs:?}");
-    assert_eq!(runs[0].rc, "0", "fio's exit code\n{}", guest.diag());
-    assert_eq!(runs[0].error().unwrap(), 0, "fio: {:#}", runs[0].json);
+    let runs = lendvm_tests::fio::parse_runs(&lines)
+        .unwrap_or_else(|e| panic!("{e}\n{}", guest.diag()));
+    assert_eq!(runs.len(), 3, "{runs:?}");
+    for r in &runs {
+        assert_eq!(r.rc, "0", "fio's exit code\n{}", guest.diag());
+        assert_eq!(r.error().unwrap(), 0, "fio: {:#}", r.json);
+    }
     guest.expect_exit_0(deadline);
     // The blocks went through L1's real IOMMU into QEMU's NVMe and its file here.
     let data = std::fs::read(&disk).unwrap();
@@ -210,10 +261,7 @@ fn vfio_nvme_in_l1_fio_verify() {
         );
     }
     let stderr = guest.out.stderr();
-    assert!(
-        stderr.contains("on Bar"),
-        "the device came over the bar fabric:\n{stderr}"
-    );
+    assert!(stderr.contains("on Bar"), "the device came over the bar fabric:\n{stderr}");
 }
 
 /// QEMU's e1000e in L1, owned by vfio-pci there, lent over the bar fabric: the guest's stock
