@@ -50,7 +50,6 @@ use api::client::ApiClient;
 use api::types::{LeaseState, VmCounters};
 use common::*;
 use lending::protocol::{DeviceState, DeviceStatus};
-use ntb::ClusterConfig;
 
 const SLBA: u64 = 16;
 const T: Duration = BOOT_TIMEOUT;
@@ -142,15 +141,7 @@ fn cluster() -> Cluster {
          connect_timeout_ms = 3000\n\
          [[node]]\nname = \"{LENDER}\"\nfabric = \"tcp\"\ncontrol = \"{LENDER_ADDR}:{PORT}\"\n"
     );
-    let path = dir.path().join("cluster.toml");
-    ntb::config::write_private_file(&path, &src).unwrap();
-    let cfg = ClusterConfig::load(&path).unwrap();
-    Cluster {
-        dir,
-        path,
-        cfg,
-        fabric: Fabric::Tcp,
-    }
+    Cluster::from_text(dir, &src, Fabric::Tcp)
 }
 
 const NETEM: &str = "netem loss 30% delay 200 ms";

@@ -35,18 +35,17 @@ fn nvme_spec(cluster: &Cluster) -> String {
     )
 }
 
-/// Boots the guest with the lender's NVMe as a boot-time device and checks the whole run.
-fn nvme_end_to_end(fabric: Fabric, mode: Option<&str>) {
-    let cluster = Cluster::new(fabric);
-    let _lender = cluster.start_lenderd(&[nvme_spec(&cluster)]);
+/// The test guest's PCI and NVMe tests on the lender's NVMe (boot-time device `nvme0`),
+/// with `memory` and the BAR access `mode`.
+fn start_nvme_guest(cluster: &Cluster, memory: &str, mode: Option<&str>) -> Vm {
     let mut dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
     if let Some(m) = mode {
         dev.push_str(&format!(",mode={m}"));
     }
     let cmdline = format!("tests=pci,nvme seed={SEED:#x} lba={SLBA}");
     let cluster_arg = cluster.path.display().to_string();
-    let mut vm = Vm::start_with_log(
-        &cluster.memory("64M"),
+    Vm::start_with_log(
+        memory,
         &[
             "--cluster",
             &cluster_arg,
@@ -56,7 +55,14 @@ fn nvme_end_to_end(fabric: Fabric, mode: Option<&str>) {
             &cmdline,
         ],
         "info",
-    );
+    )
+}
+
+/// Boots the guest with the lender's NVMe as a boot-time device and checks the whole run.
+fn nvme_end_to_end(fabric: Fabric, mode: Option<&str>) {
+    let cluster = Cluster::new(fabric);
+    let _lender = cluster.start_lenderd(&[nvme_spec(&cluster)]);
+    let mut vm = start_nvme_guest(&cluster, &cluster.memory("64M"), mode);
     vm.expect_exit(0, BOOT_TIMEOUT);
     let out = vm.stdout();
     eprintln!("{out}");
@@ -303,21 +309,7 @@ fn bad_remote_devices_fail_before_the_guest_starts() {
 fn bar_guest_ram_outside_the_shared_region_is_refused_by_name() {
     let cluster = Cluster::new(Fabric::Bar);
     let _lender = cluster.start_lenderd(&[nvme_spec(&cluster)]);
-    let dev = format!("{LENDER}:{NVME_BDF},id=nvme0,mode=trapped");
-    let cmdline = format!("tests=pci,nvme seed={SEED:#x} lba={SLBA}");
-    let cluster_arg = cluster.path.display().to_string();
-    let mut vm = Vm::start_with_log(
-        "64M",
-        &[
-            "--cluster",
-            &cluster_arg,
-            "--remote-device",
-            &dev,
-            "--cmdline",
-            &cmdline,
-        ],
-        "info",
-    );
+    let mut vm = start_nvme_guest(&cluster, "64M", Some("trapped"));
     let st = vm.wait_exit(BOOT_TIMEOUT);
     let err = vm.stderr();
     let out = vm.stdout();

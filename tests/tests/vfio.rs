@@ -239,8 +239,8 @@ fn vfio_nvme_in_l1_fio_verify_replug_and_flr() {
         guest.diag()
     );
     let lines = guest.out.lines();
-    let runs = lendvm_tests::fio::parse_runs(&lines)
-        .unwrap_or_else(|e| panic!("{e}\n{}", guest.diag()));
+    let runs =
+        lendvm_tests::fio::parse_runs(&lines).unwrap_or_else(|e| panic!("{e}\n{}", guest.diag()));
     assert_eq!(runs.len(), 3, "{runs:?}");
     for r in &runs {
         assert_eq!(r.rc, "0", "fio's exit code\n{}", guest.diag());
@@ -261,7 +261,10 @@ fn vfio_nvme_in_l1_fio_verify_replug_and_flr() {
         );
     }
     let stderr = guest.out.stderr();
-    assert!(stderr.contains("on Bar"), "the device came over the bar fabric:\n{stderr}");
+    assert!(
+        stderr.contains("on Bar"),
+        "the device came over the bar fabric:\n{stderr}"
+    );
 }
 
 /// QEMU's e1000e in L1, owned by vfio-pci there, lent over the bar fabric: the guest's stock
@@ -290,6 +293,10 @@ fn vfio_e1000e_in_l1_pings_through_the_window() {
     assert_eq!(field(&net, "driver"), Some("e1000e"), "{net}");
     assert_eq!(field(&net, "sent"), Some("3"), "{net}");
     let received: u32 = field(&net, "received").unwrap().parse().unwrap();
-    assert!(received >= 1, "no echo reply from L1's NIC: {net}\n{}", guest.diag());
+    assert!(
+        received >= 1,
+        "no echo reply from L1's NIC: {net}\n{}",
+        guest.diag()
+    );
     guest.expect_exit_0(deadline);
 }

@@ -130,8 +130,13 @@ impl Cluster {
              {node1}\
              [[node]]\nname = \"node9\"\nfabric = \"shm\"\ncontrol = \"{d}/node9.sock\"\n"
         );
+        Cluster::from_text(dir, &src, fabric)
+    }
+
+    /// A cluster whose `cluster.toml` (mode 0600: it holds the token) is `src`, in `dir`.
+    pub fn from_text(dir: tempfile::TempDir, src: &str, fabric: Fabric) -> Cluster {
         let path = dir.path().join("cluster.toml");
-        ntb::config::write_private_file(&path, &src).unwrap();
+        ntb::config::write_private_file(&path, src).unwrap();
         let cfg = ClusterConfig::load(&path).unwrap();
         Cluster {
             dir,
@@ -150,15 +155,7 @@ impl Cluster {
             node_entry(fabric, "node1", dir.path()),
             node_entry(fabric, "node2", dir.path())
         );
-        let path = dir.path().join("cluster.toml");
-        ntb::config::write_private_file(&path, &src).unwrap();
-        let cfg = ClusterConfig::load(&path).unwrap();
-        Cluster {
-            dir,
-            path,
-            cfg,
-            fabric,
-        }
+        Cluster::from_text(dir, &src, fabric)
     }
 
     pub fn file(&self, name: &str) -> PathBuf {
