@@ -48,6 +48,7 @@ mod irqs;
 pub mod ops;
 pub mod regions;
 mod reset;
+pub mod sysfs;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -55,6 +56,7 @@ use irqs::Wiring;
 pub use ops::{RegionInfo, VfioDeviceOps};
 pub use regions::BarAccess;
 pub use reset::{CAP_ID_PCIE, DEVSTA_TRANSACTIONS_PENDING, PCIE_DEVSTA};
+pub use sysfs::{check_lendable, BindingError};
 
 /// Where the kernel shows PCI functions (`<BDF>/resourceN`).
 pub const SYSFS_PCI_DEVICES: &str = "/sys/bus/pci/devices";
@@ -81,6 +83,21 @@ pub struct VfioBackend<D: VfioDeviceOps> {
 impl VfioBackend<vfio_ioctls::VfioDevice> {
     /// Opens `/sys/bus/pci/devices/<bdf>` (bound to vfio-pci) in a container of its own.
     pub fn open(bdf: &str) -> Result<Self, BackendError> {
+        Ok(Self::open_with_container(bdf)?.0)
+    }
+
+    /// [`Self::open`], also returning the container (tests read its IOVA ranges and try
+    /// raw maps). Refuses, naming the reason, a function that is not bound to vfio-pci or
+    /// that shares its IOMMU group with another endpoint ([`check_lendable`]).
+    pub fn open_with_container(
+        bdf: &str,
+    ) -> Result<(Self, Arc<vfio_ioctls::VfioContainer>), BackendError> {
+        if !plain_name(bdf) {
+            return Err(BackendError::Vfio(format!(
+                "{bdf:?} is not a pci address that names a sysfs directory"
+            )));
+        }
+        check_lendable(Path::new(SYSFS_PCI_DEVICES), bdf)?;
         let container = Arc::new(
             vfio_ioctls::VfioContainer::new(None).map_err(|e| BackendError::Vfio(e.to_string()))?,
         );
@@ -91,12 +108,13 @@ impl VfioBackend<vfio_ioctls::VfioDevice> {
             false,
         )
         .map_err(|e| BackendError::Vfio(format!("{}: {e}", path.display())))?;
-        let domain = Arc::new(VfioDomain::new(format!("vfio {bdf}"), container));
-        Ok(VfioBackend::with_parts(
-            bdf,
-            dev,
-            domain,
-            Path::new(SYSFS_PCI_DEVICES),
+        let domain = Arc::new(VfioDomain::new(
+            format!("vfio {bdf}"),
+            Arc::clone(&container),
+        ));
+        Ok((
+            VfioBackend::with_parts(bdf, dev, domain, Path::new(SYSFS_PCI_DEVICES)),
+            container,
         ))
     }
 }
