@@ -53,7 +53,7 @@ pub mod sysfs;
 pub(crate) mod tests;
 
 use irqs::Wiring;
-pub use ops::{RegionInfo, VfioDeviceOps};
+pub use ops::{MmapCaps, RegionInfo, VfioDeviceOps};
 pub use regions::BarAccess;
 pub use reset::{CAP_ID_PCIE, DEVSTA_TRANSACTIONS_PENDING, PCIE_DEVSTA};
 pub use sysfs::{check_lendable, BindingError};
@@ -161,6 +161,13 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
             }
         }
         b
+    }
+}
+
+impl<D: VfioDeviceOps> VfioBackend<D> {
+    /// The device operations (the kernel test inspects regions through them).
+    pub fn ops(&self) -> &D {
+        &self.dev
     }
 }
 

@@ -35,6 +35,24 @@ pub trait VfioDeviceOps: Send + Sync {
     /// The device fd. Never exported (see the module documentation); tests compare what is
     /// exported against it.
     fn device_fd(&self) -> BorrowedFd<'_>;
+    /// How region `index` may be mmap'ed through the device fd, from its capabilities.
+    fn mmap_caps(&self, index: u32) -> MmapCaps {
+        let _ = index;
+        MmapCaps::default()
+    }
+}
+
+/// The mmap capabilities of a region (`VFIO_REGION_INFO_CAP_SPARSE_MMAP`,
+/// `VFIO_REGION_INFO_CAP_MSIX_MAPPABLE`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MmapCaps {
+    /// The areas that may be mmap'ed, `(offset, size)`, when the region has a sparse-mmap
+    /// capability (vfio-pci carves the MSI-X table out of its BAR so); `None`: no such
+    /// capability (the whole region, if its MMAP flag is set).
+    pub sparse: Option<Vec<(u64, u64)>>,
+    /// The MSI-X table's BAR may be mmap'ed whole: the platform isolates MSI (interrupt
+    /// remapping), so vfio-pci does not carve the table out.
+    pub msix_mappable: bool,
 }
 
 impl VfioDeviceOps for vfio_ioctls::VfioDevice {
@@ -74,5 +92,19 @@ impl VfioDeviceOps for vfio_ioctls::VfioDevice {
     fn device_fd(&self) -> BorrowedFd<'_> {
         // SAFETY: the raw fd belongs to `self`, which outlives the returned borrow.
         unsafe { BorrowedFd::borrow_raw(std::os::fd::AsRawFd::as_raw_fd(self)) }
+    }
+
+    fn mmap_caps(&self, index: u32) -> MmapCaps {
+        let mut out = MmapCaps::default();
+        for cap in self.get_region_caps(index) {
+            match cap {
+                vfio_ioctls::VfioRegionInfoCap::SparseMmap(s) => {
+                    out.sparse = Some(s.areas.iter().map(|a| (a.offset, a.size)).collect());
+                }
+                vfio_ioctls::VfioRegionInfoCap::MsixMappable => out.msix_mappable = true,
+                _ => {}
+            }
+        }
+        out
     }
 }
