@@ -298,17 +298,24 @@ fn vfio_nvme_through_the_kernel() {
     assert_ne!(cfg16(&b, 4) & 4, 0, "bus master restored on resume");
     step("drain");
 
-    // VFIO_DEVICE_RESET: the controller comes back disabled.
+    // VFIO_DEVICE_RESET: the controller comes back disabled. First the bare ioctl, to see
+    // what the kernel does to the command register, then the backend's reset.
     let cmd_before = cfg16(&b, 4);
-    b.reset().unwrap();
+    b.ops().reset();
     let cc = rd32(&b, CC);
     let csts = rd32(&b, CSTS);
-    let cmd_after = cfg16(&b, 4);
+    let cmd_kernel = cfg16(&b, 4);
     println!(
-        "VFIO-OBS reset cc={cc:#x} csts={csts:#x} command {cmd_before:#06x} -> {cmd_after:#06x}"
+        "VFIO-OBS VFIO_DEVICE_RESET cc={cc:#x} csts={csts:#x} command {cmd_before:#06x} -> \
+         {cmd_kernel:#06x}"
     );
     assert_eq!(cc & 1, 0, "CC.EN clear after the reset");
     assert_eq!(csts & 1, 0, "CSTS.RDY clear after the reset");
+    b.set_bus_master(true).unwrap();
+    b.reset().unwrap();
+    let cmd_after = cfg16(&b, 4);
+    println!("VFIO-OBS backend reset: command {cmd_after:#06x}");
+    assert_eq!(cmd_after & 4, 0, "bus master off after the backend's reset");
     step("reset");
 
     // Lease end: interrupts off, window unmapped.

@@ -309,10 +309,15 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     }
 
     fn reset(&self) -> Result<(), BackendError> {
-        // A reset clears Bus Master Enable itself; whatever a hand-over saved is moot.
+        // Whatever a hand-over saved is moot after a reset.
         *self.handover_bme() = None;
         self.dev.reset();
-        log::info!("{}: VFIO_DEVICE_RESET", self.name);
+        // The device resets, but Linux saves the config header before and restores it after
+        // (pci_try_reset_function: pci_dev_save_and_disable .. pci_dev_restore), Bus Master
+        // Enable included: the function would come back able to DMA. It must come back
+        // quiescent; the lender sets the bit again once the lease has windows.
+        self.write_bme(false);
+        log::info!("{}: VFIO_DEVICE_RESET, bus master off", self.name);
         Ok(())
     }
 

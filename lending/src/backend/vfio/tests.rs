@@ -565,8 +565,15 @@ fn config_filter_bar_io_reset_and_dma() {
     assert_eq!(v, [1, 2, 3, 4]);
     assert!(b.bar_read(0, 0x3ffe, &mut v).is_err());
     assert!(b.bar_read(1, 0, &mut v).is_err());
+    b.set_bus_master(true).unwrap();
     b.reset().unwrap();
     assert_eq!(*b.dev.resets.lock().unwrap(), 1);
+    // As on Linux, the fake's reset leaves the command register as it was (the kernel
+    // restores the saved header); the backend clears Bus Master Enable itself.
+    assert_eq!(
+        b.dev.command_writes().last().map(|c| c & CMD_BUS_MASTER),
+        Some(0)
+    );
     let win = Arc::new(MmapBacking::anonymous(0x2000).unwrap());
     b.domain().map(0x10_0000, 0x2000, win).unwrap();
     assert_eq!(c.live(), vec![(0x10_0000, 0x2000)]);
