@@ -395,7 +395,7 @@ impl Lender {
         let me = Arc::clone(&self);
         let _counted = SessionCount::new(&me.stats.sessions);
         let source = ntb::source_key(&ep.peer_addr());
-        let share = ep.kind() == FabricKind::Tcp;
+        let share = ep.kind().is_networked();
         let slot = match PreAuthSlot::take(&self.preauth, &source, share) {
             Ok(slot) => slot,
             Err(why) => {
@@ -841,6 +841,17 @@ impl Session {
             .ep
             .map_peer_window(id)
             .map_err(|e| error(code::UNKNOWN_WINDOW, format!("borrower window {id}: {e}")))?;
+        let info = win.info();
+        log::info!(
+            "borrower window {id} ({:?}, {:#x} bytes) mapped {}",
+            info.label,
+            info.size,
+            if win.as_ptr().is_ok() {
+                "directly"
+            } else {
+                "by messages"
+            }
+        );
         let b = Arc::new(PeerWindowBacking { win });
         self.peer_windows.insert(id, Arc::downgrade(&b));
         Ok(b)
@@ -1423,7 +1434,7 @@ impl Session {
             Arc::clone(&backend),
             // tcp: the identity rule's origin is only an IP (docs/SECURITY.md), so a
             // version 6 lease needs its capability; shm's origin is the process.
-            self.version >= protocol::P2PX_VERSION && self.ep.kind() == FabricKind::Tcp,
+            self.version >= protocol::P2PX_VERSION && self.ep.kind().is_networked(),
         );
         self.leases.insert(
             id,

@@ -121,7 +121,7 @@ fn start_source(cluster: &Cluster) -> Vm {
     let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
     let line = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=20");
     Vm::start_with_log(
-        "64M",
+        &cluster.memory("64M"),
         &[
             "--cluster",
             &c,
@@ -151,7 +151,11 @@ fn source_running(src: &Vm) -> u64 {
 }
 
 fn setup() -> Setup {
-    let cluster = Cluster::new(Fabric::Shm);
+    setup_on(Fabric::Shm)
+}
+
+fn setup_on(fabric: Fabric) -> Setup {
+    let cluster = Cluster::new(fabric);
     let disk = cluster.file("disk.img");
     let lender =
         cluster.start_lenderd(&[format!("{NVME_BDF}=nvme:path={},size=4M", disk.display())]);
@@ -175,19 +179,26 @@ fn destination(cluster: &Cluster, name: &str) -> (Vm, String) {
         cluster.file(&format!("{name}-events.jsonl")).display()
     );
     let vm_name = format!("vm-{name}");
-    let vm = Vm::start_args(
-        &[
-            "--cluster",
-            &c,
-            "--name",
-            &vm_name,
-            "--api-socket",
-            &sock,
-            "--event-monitor",
-            &ev,
-        ],
-        "info",
+    let mut args = vec![
+        "--cluster",
+        &c,
+        "--name",
+        &vm_name,
+        "--api-socket",
+        &sock,
+        "--event-monitor",
+        &ev,
+    ];
+    // On bar the destination's RAM must be in the region too, beside the source's (which
+    // runs until the switch-over): the second 64 MiB.
+    let memory = format!(
+        "64M,shared={},offset=64M",
+        cluster.file(&format!("{LENDER}.region")).display()
     );
+    if cluster.fabric == Fabric::Bar {
+        args.extend(["--memory", &memory]);
+    }
+    let vm = Vm::start_args(&args, "info");
     vm.wait_api();
     let url = format!("unix:{}", cluster.file(&format!("{name}.mig")).display());
     vm.api()
@@ -345,7 +356,19 @@ fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
         n_before,
         rounds_of(&all()).last()
     );
-    dst.write_guest_u64(mailbox, 1);
+    if cluster.fabric == Fabric::Bar {
+        // The destination's RAM is the region's second 64 MiB.
+        use std::os::unix::fs::FileExt;
+        let region = std::fs::OpenOptions::new()
+            .write(true)
+            .open(cluster.file(&format!("{LENDER}.region")))
+            .unwrap();
+        region
+            .write_all_at(&1u64.to_le_bytes(), (64 << 20) + mailbox)
+            .unwrap();
+    } else {
+        dst.write_guest_u64(mailbox, 1);
+    }
     dst.expect_ok("nvme-loop", T);
     dst.expect_exit(0, T);
     cluster.wait_available(NVME_BDF);
@@ -357,6 +380,23 @@ fn migrate_and_check(s: Setup, name: &str, local: bool) -> (Cluster, Vm) {
 fn live_migration_hands_the_lent_nvme_over_without_reset() {
     let s = setup();
     migrate_and_check(s, "dst", false);
+}
+
+/// Over the bar fabric: both VMs' RAM in the lender's shared region, at different offsets; the
+/// lender maps the destination's window directly and moves the device's DMA onto it.
+#[test]
+fn live_migration_over_the_bar_fabric_moves_dma_to_the_destinations_region_range() {
+    let s = setup_on(Fabric::Bar);
+    let (cluster, _dst) = migrate_and_check(s, "dst", false);
+    let log = std::fs::read_to_string(cluster.file("lenderd.log")).unwrap();
+    let direct = log
+        .lines()
+        .filter(|l| l.contains("borrower window") && l.contains("mapped directly"))
+        .count();
+    assert!(
+        direct >= 2,
+        "the source's and the destination's RAM windows:\n{log}"
+    );
 }
 
 /// The same with the memfd fast path: guest RAM's memfd goes over SCM_RIGHTS, nothing is

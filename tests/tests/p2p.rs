@@ -59,7 +59,7 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer_tcp() {
 
 /// A on `node1`, B on `node2`: node1 reaches node2 over its own lender-to-lender link.
 fn two_lenders(fabric: Fabric) {
-    let cluster = two_lender_cluster(fabric);
+    let cluster = Cluster::two_lenders(fabric);
     let l1 = start_lender(&cluster, "node1", DMATEST_BDF);
     let l2 = start_lender(&cluster, "node2", DMATEST2_BDF);
     let a = format!("node1:{DMATEST_BDF},id=dta");
@@ -165,7 +165,7 @@ fn two_dmatests_of_two_lenders_copy_peer_to_peer_tcp() {
 /// afterwards node1's device is given back with nothing left mapped.
 #[test]
 fn killing_the_targets_lender_refuses_the_sources_dma() {
-    let cluster = two_lender_cluster(Fabric::Shm);
+    let cluster = Cluster::two_lenders(Fabric::Shm);
     let _l1 = start_lender(&cluster, "node1", DMATEST_BDF);
     let mut l2 = start_lender(&cluster, "node2", DMATEST2_BDF);
     let a = format!("node1:{DMATEST_BDF},id=dta");
@@ -261,44 +261,6 @@ fn run_guest(cluster_file: &std::path::Path, a: &str, b: &str) {
         vec![peer, peer + 0x10_0000],
         "mapped at B's address, then at the moved one:\n{err}"
     );
-}
-
-fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A cluster with two lender nodes, `node1` and `node2`, on `fabric`.
-fn two_lender_cluster(fabric: Fabric) -> Cluster {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let node = |name: &str| match fabric {
-        Fabric::Shm => format!(
-            "[[node]]\nname = \"{name}\"\nfabric = \"shm\"\ncontrol = \"{d}/{name}.sock\"\n"
-        ),
-        Fabric::Tcp => format!(
-            "[[node]]\nname = \"{name}\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{}\"\n",
-            free_tcp_port()
-        ),
-    };
-    let src = format!(
-        "version = 1\ntoken = \"{TOKEN}\"\n\
-         [link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n{}{}",
-        node("node1"),
-        node("node2")
-    );
-    let path = dir.path().join("cluster.toml");
-    ntb::config::write_private_file(&path, &src).unwrap();
-    let cfg = ntb::ClusterConfig::load(&path).unwrap();
-    Cluster {
-        dir,
-        path,
-        cfg,
-        fabric,
-    }
 }
 
 fn lender_device(cluster: &Cluster, node: &str, bdf: &str) -> lending::protocol::DeviceStatus {

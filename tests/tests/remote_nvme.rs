@@ -46,7 +46,7 @@ fn nvme_end_to_end(fabric: Fabric, mode: Option<&str>) {
     let cmdline = format!("tests=pci,nvme seed={SEED:#x} lba={SLBA}");
     let cluster_arg = cluster.path.display().to_string();
     let mut vm = Vm::start_with_log(
-        "64M",
+        &cluster.memory("64M"),
         &[
             "--cluster",
             &cluster_arg,
@@ -65,6 +65,7 @@ fn nvme_end_to_end(fabric: Fabric, mode: Option<&str>) {
     let (fabric_word, mode_word) = match fabric {
         Fabric::Shm => ("on Shm", "(direct)"),
         Fabric::Tcp => ("on Tcp", "(trapped)"),
+        Fabric::Bar => ("on Bar", "(trapped)"),
     };
     assert!(
         err.contains(fabric_word) && err.contains(mode_word),
@@ -110,6 +111,18 @@ fn nvme_end_to_end(fabric: Fabric, mode: Option<&str>) {
     assert_backing_has_pattern(&cluster.file("disk.img"), SLBA, LBAS, SEED);
     // The lease ended with the VM.
     cluster.wait_available(NVME_BDF);
+    // How the lender reached guest RAM for the device's DMA: shm and bar map it (on bar
+    // through the shared region), tcp goes by messages.
+    let log = std::fs::read_to_string(cluster.file("lenderd.log")).unwrap();
+    let how = match fabric {
+        Fabric::Shm | Fabric::Bar => "mapped directly",
+        Fabric::Tcp => "mapped by messages",
+    };
+    assert!(
+        log.lines()
+            .any(|l| l.contains("borrower window") && l.contains(how)),
+        "want a borrower window {how} in the lender's log:\n{log}"
+    );
 }
 
 #[test]
@@ -120,6 +133,13 @@ fn nvme_over_shm_direct() {
 #[test]
 fn nvme_over_tcp_trapped() {
     nvme_end_to_end(Fabric::Tcp, Some("trapped"));
+}
+
+/// The bar fabric: BARs trapped over tcp, guest RAM inside the shared region, which the lender
+/// maps directly (as it would through an NTB BAR) for the device's DMA.
+#[test]
+fn nvme_over_bar_dma_through_the_shared_region() {
+    nvme_end_to_end(Fabric::Bar, Some("trapped"));
 }
 
 #[test]
@@ -275,4 +295,40 @@ fn bad_remote_devices_fail_before_the_guest_starts() {
     );
     lease.return_device().unwrap();
     cluster.wait_available(DMATEST_BDF);
+}
+
+/// On bar, guest RAM outside the shared region cannot be reached by the lender's device:
+/// Bus Master Enable is refused with the reason and the remedy, and nothing is lent half-way.
+#[test]
+fn bar_guest_ram_outside_the_shared_region_is_refused_by_name() {
+    let cluster = Cluster::new(Fabric::Bar);
+    let _lender = cluster.start_lenderd(&[nvme_spec(&cluster)]);
+    let dev = format!("{LENDER}:{NVME_BDF},id=nvme0,mode=trapped");
+    let cmdline = format!("tests=pci,nvme seed={SEED:#x} lba={SLBA}");
+    let cluster_arg = cluster.path.display().to_string();
+    let mut vm = Vm::start_with_log(
+        "64M",
+        &[
+            "--cluster",
+            &cluster_arg,
+            "--remote-device",
+            &dev,
+            "--cmdline",
+            &cmdline,
+        ],
+        "info",
+    );
+    let st = vm.wait_exit(BOOT_TIMEOUT);
+    let err = vm.stderr();
+    let out = vm.stdout();
+    eprintln!("status {st:?}\n{out}\n{err}");
+    // The device's DMA is refused (master abort), so the guest's first DMA command fails; the
+    // VMM stays up and the guest ends its run normally, reporting the failure.
+    assert!(out.contains("TEST nvme-identify fail"), "{out}");
+    assert_eq!(st.and_then(|s| s.code()), Some(1), "{err}");
+    assert!(
+        err.contains("is not inside the shared region") && err.contains("--memory SIZE,shared="),
+        "{err}"
+    );
+    cluster.wait_available(NVME_BDF);
 }

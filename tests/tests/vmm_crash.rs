@@ -24,7 +24,6 @@ use api::client::ApiClient;
 use api::types::{LeaseState, VmAddRemoteDeviceData};
 use common::*;
 use lending::protocol::{DeviceState, DeviceStatus};
-use ntb::ClusterConfig;
 
 const T: Duration = BOOT_TIMEOUT;
 const SLBA: u64 = 16;
@@ -41,44 +40,6 @@ fn reliability_dir() -> PathBuf {
     let dir = target.join("reliability");
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A cluster with two lender nodes, `node1` and `node2`, on `fabric`.
-fn two_lender_cluster(fabric: Fabric) -> Cluster {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let node = |name: &str| match fabric {
-        Fabric::Shm => format!(
-            "[[node]]\nname = \"{name}\"\nfabric = \"shm\"\ncontrol = \"{d}/{name}.sock\"\n"
-        ),
-        Fabric::Tcp => format!(
-            "[[node]]\nname = \"{name}\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{}\"\n",
-            free_tcp_port()
-        ),
-    };
-    let src = format!(
-        "version = 1\ntoken = \"{TOKEN}\"\n\
-         [link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n{}{}",
-        node("node1"),
-        node("node2")
-    );
-    let path = dir.path().join("cluster.toml");
-    ntb::config::write_private_file(&path, &src).unwrap();
-    let cfg = ClusterConfig::load(&path).unwrap();
-    Cluster {
-        dir,
-        path,
-        cfg,
-        fabric,
-    }
 }
 
 /// One lender node of the cluster and the device it lends.
@@ -206,7 +167,7 @@ fn attach_both(vm: &Vm, api: &ApiClient, nodes: &[Node]) {
 }
 
 fn vmm_crash(fabric: Fabric, json: &str) {
-    let cluster = two_lender_cluster(fabric);
+    let cluster = Cluster::two_lenders(fabric);
     let disk = cluster.file("disk.img");
     let nodes = vec![
         start_lender(

@@ -60,6 +60,7 @@ fn ram(size: u64, thp: bool) -> GuestRam {
         RamBacking {
             hugepages: false,
             thp,
+            shared: None,
         },
     )
     .unwrap()

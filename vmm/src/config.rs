@@ -12,23 +12,37 @@ pub enum ConfigError {
     #[error("invalid CPU count {0}: must be between 1 and {max}", max = MAX_CPUS)]
     Cpus(u32),
     #[error(
-        "invalid memory option '{0}': expected SIZE[,hugepages=on|off][,thp=on|off] (e.g. 8G,hugepages=on)"
+        "invalid memory option '{0}': expected SIZE[,hugepages=on|off][,thp=on|off][,shared=PATH[,offset=N]] (e.g. 8G,hugepages=on)"
     )]
     MemoryOption(String),
+    #[error("invalid memory options '{0}': {1}")]
+    MemoryCombination(String, &'static str),
+}
+
+/// Guest RAM inside a shared region (`--memory SIZE,shared=PATH,offset=N`): the file behind a
+/// `bar` fabric's window (an ivshmem BAR's memory, an NTB window's), so that a lender reaches
+/// guest RAM at the same offsets through its BAR.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedRam {
+    pub path: PathBuf,
+    /// Where guest RAM starts in the file (4 KiB aligned).
+    pub offset: u64,
 }
 
 /// How guest RAM is backed (`--memory SIZE,hugepages=on,thp=on`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RamBacking {
     /// A hugetlbfs memfd (`MFD_HUGETLB`): needs huge pages reserved (`vm.nr_hugepages`).
     pub hugepages: bool,
     /// Transparent huge pages: `MADV_HUGEPAGE` on the mapping (effective only where
     /// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` allows `advise`).
     pub thp: bool,
+    /// Guest RAM in this file, not in a memfd of its own.
+    pub shared: Option<SharedRam>,
 }
 
 /// `--memory`: a size and backing options.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryConfig {
     pub size: u64,
     pub backing: RamBacking,
@@ -39,19 +53,43 @@ pub fn parse_memory(s: &str) -> Result<MemoryConfig, ConfigError> {
     let mut parts = s.split(',');
     let size = parse_size(parts.next().unwrap_or_default())?;
     let mut backing = RamBacking::default();
+    let mut offset = None;
     for opt in parts {
         let bad = || ConfigError::MemoryOption(opt.to_owned());
         let (key, value) = opt.split_once('=').ok_or_else(bad)?;
-        let on = match value {
-            "on" => true,
-            "off" => false,
-            _ => return Err(bad()),
+        let on = || match value {
+            "on" => Ok(true),
+            "off" => Ok(false),
+            _ => Err(bad()),
         };
         match key {
-            "hugepages" => backing.hugepages = on,
-            "thp" => backing.thp = on,
+            "hugepages" => backing.hugepages = on()?,
+            "thp" => backing.thp = on()?,
+            "shared" if value.starts_with('/') => {
+                backing.shared = Some(SharedRam {
+                    path: PathBuf::from(value),
+                    offset: 0,
+                })
+            }
+            "offset" => offset = Some(parse_size(value).map_err(|_| bad())?),
             _ => return Err(bad()),
         }
+    }
+    match (&mut backing.shared, offset) {
+        (Some(s), Some(o)) => s.offset = o,
+        (None, Some(_)) => {
+            return Err(ConfigError::MemoryCombination(
+                s.to_owned(),
+                "offset= needs shared=PATH",
+            ))
+        }
+        _ => {}
+    }
+    if backing.shared.is_some() && backing.hugepages {
+        return Err(ConfigError::MemoryCombination(
+            s.to_owned(),
+            "shared= and hugepages=on exclude each other (the shared file is the backing)",
+        ));
     }
     Ok(MemoryConfig { size, backing })
 }
@@ -199,7 +237,29 @@ mod tests {
         let m = parse_memory("1G,thp=on,hugepages=off").unwrap();
         assert!(!m.backing.hugepages && m.backing.thp);
         assert_eq!(parse_memory("x,thp=on"), Err(ConfigError::Size("x".into())));
-        for bad in ["1G,hugepages", "1G,hugepages=yes", "1G,numa=on", "1G,"] {
+        let m = parse_memory("128M,shared=/dev/shm/l1,offset=1M").unwrap();
+        assert_eq!(
+            m.backing.shared,
+            Some(SharedRam {
+                path: "/dev/shm/l1".into(),
+                offset: 1 << 20
+            })
+        );
+        for (bad, why) in [
+            ("1G,offset=1M", "needs shared"),
+            ("1G,shared=/x,hugepages=on", "exclude"),
+        ] {
+            let e = parse_memory(bad).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        for bad in [
+            "1G,hugepages",
+            "1G,hugepages=yes",
+            "1G,numa=on",
+            "1G,",
+            "1G,shared=relative",
+            "1G,shared=/x,offset=z",
+        ] {
             let e = parse_memory(bad).unwrap_err();
             assert!(matches!(e, ConfigError::MemoryOption(_)), "{bad}: {e}");
         }

@@ -60,10 +60,11 @@ struct Cli {
     #[arg(long, value_name = "PATH")]
     initramfs: Option<PathBuf>,
     /// Guest RAM size (K/M/G suffixes) and backing: `8G,hugepages=on` (hugetlbfs; needs
-    /// reserved huge pages), `8G,thp=on` (transparent huge pages).
+    /// reserved huge pages), `8G,thp=on` (transparent huge pages), `128M,shared=PATH,offset=N`
+    /// (inside the shared region of a `bar` fabric: the file behind the lender's BAR).
     #[arg(
         long,
-        value_name = "SIZE[,hugepages=on][,thp=on]",
+        value_name = "SIZE[,hugepages=on][,thp=on][,shared=PATH[,offset=N]]",
         default_value = "512M",
         value_parser = config::parse_memory
     )]
@@ -336,7 +337,7 @@ fn wait_for_migration(
                 .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
             let cfg = VmConfig {
                 memory_size: c.memory_size,
-                ram_backing: cli.memory.backing,
+                ram_backing: cli.memory.backing.clone(),
                 cpus,
                 kernel: PathBuf::from(&c.kernel),
                 cmdline: c.cmdline.clone(),
@@ -629,7 +630,7 @@ fn main() -> ExitCode {
     let cfg = match (&restored, &migrated) {
         (_, Some(m)) => VmConfig {
             memory_size: m.doc.config.memory_size,
-            ram_backing: cli.memory.backing,
+            ram_backing: cli.memory.backing.clone(),
             cpus: m.doc.config.cpus,
             kernel: PathBuf::from(&m.doc.config.kernel),
             cmdline: m.doc.config.cmdline.clone(),
@@ -646,7 +647,7 @@ fn main() -> ExitCode {
         },
         (Some(s), None) => VmConfig {
             memory_size: s.doc.config.memory_size,
-            ram_backing: cli.memory.backing,
+            ram_backing: cli.memory.backing.clone(),
             cpus: s.doc.config.cpus,
             kernel: PathBuf::from(&s.doc.config.kernel),
             cmdline: s.doc.config.cmdline.clone(),
@@ -656,7 +657,7 @@ fn main() -> ExitCode {
         },
         (None, None) => VmConfig {
             memory_size: cli.memory.size,
-            ram_backing: cli.memory.backing,
+            ram_backing: cli.memory.backing.clone(),
             cpus: cli.cpus,
             kernel: cli.kernel.clone().unwrap_or_default(),
             cmdline: cli.cmdline.clone(),

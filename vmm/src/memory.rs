@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap};
 
-use crate::config::RamBacking;
+use crate::config::{RamBacking, SharedRam};
 use crate::layout::{MEM_32BIT_GAP_START, RAM_64BIT_START};
 
 /// Guest memory type used across the VMM.
@@ -65,6 +65,29 @@ pub enum MemoryError {
     HugepageUnaligned { size: u64, page_size: u64 },
     #[error("hugepages=on: cannot read the huge page pool from /proc/meminfo")]
     HugepageInfo(#[source] std::io::Error),
+    #[error("shared={path}: cannot open it read-write (it must exist: the file behind the shared window)")]
+    SharedOpen {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "shared={path}: the region is {size:#x} bytes, not a power of two, so it cannot be the \
+         memory behind a PCI BAR"
+    )]
+    SharedNotPowerOfTwo { path: String, size: u64 },
+    #[error(
+        "shared={path}: guest RAM of {ram:#x} bytes at offset {offset:#x} does not fit in the \
+         {size:#x}-byte region (guest RAM must lie inside the shared region)"
+    )]
+    SharedTooSmall {
+        path: String,
+        ram: u64,
+        offset: u64,
+        size: u64,
+    },
+    #[error("shared=: offset {0:#x} is not a multiple of 4 KiB")]
+    SharedUnaligned(u64),
     #[error("thp=on: madvise(MADV_HUGEPAGE) of {addr:#x}+{len:#x} failed")]
     Thp {
         addr: u64,
@@ -106,6 +129,48 @@ fn check_hugepages(size: u64, meminfo: &str) -> Result<(), MemoryError> {
         });
     }
     Ok(())
+}
+
+/// Opens the shared region of `--memory ...,shared=PATH` and checks that `size` bytes of RAM
+/// fit in it at the offset. The region is not sealed (a file in `/dev/shm` behind a QEMU
+/// ivshmem device, or an NTB window, cannot be): it must not be truncated while the VM runs,
+/// like any memory-backend file.
+fn open_shared(shared: &SharedRam, size: u64) -> Result<File, MemoryError> {
+    let path = shared.path.display().to_string();
+    if !shared.offset.is_multiple_of(4096) {
+        return Err(MemoryError::SharedUnaligned(shared.offset));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&shared.path)
+        .map_err(|source| MemoryError::SharedOpen {
+            path: path.clone(),
+            source,
+        })?;
+    let region = file
+        .metadata()
+        .map_err(|source| MemoryError::SharedOpen {
+            path: path.clone(),
+            source,
+        })?
+        .len();
+    if region == 0 || !region.is_power_of_two() {
+        return Err(MemoryError::SharedNotPowerOfTwo { path, size: region });
+    }
+    if shared
+        .offset
+        .checked_add(size)
+        .is_none_or(|end| end > region)
+    {
+        return Err(MemoryError::SharedTooSmall {
+            path,
+            ram: size,
+            offset: shared.offset,
+            size: region,
+        });
+    }
+    Ok(file)
 }
 
 /// One contiguous piece of guest RAM and where it lives in the memfd.
@@ -171,6 +236,10 @@ impl GuestRam {
         if !size.is_multiple_of(4096) {
             return Err(MemoryError::Unaligned(size));
         }
+        if let Some(shared) = &backing.shared {
+            let file = open_shared(shared, size)?;
+            return Self::map_at(Arc::new(file), size, shared.offset, backing.thp);
+        }
         let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
         if backing.hugepages {
             let meminfo =
@@ -219,7 +288,15 @@ impl GuestRam {
     }
 
     fn map(memfd: Arc<File>, size: u64, thp: bool) -> Result<Self, MemoryError> {
-        let regions = ram_regions(size);
+        Self::map_at(memfd, size, 0, thp)
+    }
+
+    /// Maps guest RAM from `base` bytes into `memfd` on.
+    fn map_at(memfd: Arc<File>, size: u64, base: u64, thp: bool) -> Result<Self, MemoryError> {
+        let mut regions = ram_regions(size);
+        for r in &mut regions {
+            r.file_offset += base;
+        }
         let ranges = regions.iter().map(|r| {
             (
                 GuestAddress(r.gpa),
@@ -457,6 +534,7 @@ mod tests {
             RamBacking {
                 hugepages: true,
                 thp: false,
+                shared: None,
             },
         );
         if free * page < size {
@@ -484,6 +562,7 @@ mod tests {
             RamBacking {
                 hugepages: false,
                 thp: true,
+                shared: None,
             },
         )
         .unwrap();
@@ -522,5 +601,72 @@ mod tests {
             flags.split_whitespace().any(|f| f == "hg"),
             "VmFlags: {flags}"
         );
+    }
+}
+
+#[cfg(test)]
+mod shared_tests {
+    use std::os::unix::fs::FileExt;
+
+    use vm_memory::{Bytes, GuestAddress};
+
+    use super::*;
+    use crate::config::{RamBacking, SharedRam};
+
+    fn backing(path: &std::path::Path, offset: u64) -> RamBacking {
+        RamBacking {
+            shared: Some(SharedRam {
+                path: path.to_path_buf(),
+                offset,
+            }),
+            ..RamBacking::default()
+        }
+    }
+
+    #[test]
+    fn guest_ram_lives_in_the_shared_region_at_its_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ivshmem");
+        File::create(&path).unwrap().set_len(64 << 20).unwrap();
+        let ram = GuestRam::with_backing(16 << 20, backing(&path, 32 << 20)).unwrap();
+        assert_eq!(ram.regions()[0].file_offset, 32 << 20);
+        ram.memory()
+            .write_slice(b"dma", GuestAddress(0x1000))
+            .unwrap();
+        let mut b = [0u8; 3];
+        File::open(&path)
+            .unwrap()
+            .read_exact_at(&mut b, (32 << 20) + 0x1000)
+            .unwrap();
+        assert_eq!(&b, b"dma");
+    }
+
+    #[test]
+    fn a_region_that_cannot_hold_the_ram_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let odd = dir.path().join("odd");
+        File::create(&odd).unwrap().set_len(48 << 20).unwrap();
+        let e = GuestRam::with_backing(16 << 20, backing(&odd, 0))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("not a power of two"), "{e}");
+        let small = dir.path().join("small");
+        File::create(&small).unwrap().set_len(32 << 20).unwrap();
+        let e = GuestRam::with_backing(32 << 20, backing(&small, 4096))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("does not fit"), "{e}");
+        let e = GuestRam::with_backing(16 << 20, backing(&small, 100))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("4 KiB"), "{e}");
+        let e = GuestRam::with_backing(16 << 20, backing(&dir.path().join("none"), 0))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("cannot open"), "{e}");
     }
 }

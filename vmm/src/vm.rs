@@ -195,7 +195,7 @@ impl Vm {
 
         let ram = Arc::new(match memfd {
             Some(f) => GuestRam::from_memfd(f, cfg.memory_size)?,
-            None => GuestRam::with_backing(cfg.memory_size, cfg.ram_backing)?,
+            None => GuestRam::with_backing(cfg.memory_size, cfg.ram_backing.clone())?,
         });
         let mem = ram.memory();
         for (slot, region) in ram.regions().iter().enumerate() {

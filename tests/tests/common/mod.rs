@@ -69,6 +69,37 @@ pub fn poll<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T>
 pub enum Fabric {
     Shm,
     Tcp,
+    /// tcp with a shared region: `{dir}/{name}.region` ([`BAR_REGION_SIZE`] bytes, created
+    /// here), which the lender maps as it would an NTB BAR and the VM's RAM lives in.
+    Bar,
+}
+
+/// Size of a [`Fabric::Bar`] node's region file.
+pub const BAR_REGION_SIZE: u64 = 128 << 20;
+
+/// The `[[node]]` entry of lender `name` on `fabric`, its files in `dir`.
+pub fn node_entry(fabric: Fabric, name: &str, dir: &Path) -> String {
+    let d = dir.display();
+    let body = match fabric {
+        Fabric::Shm => format!("fabric = \"shm\"\ncontrol = \"{d}/{name}.sock\""),
+        Fabric::Tcp => format!(
+            "fabric = \"tcp\"\ncontrol = \"127.0.0.1:{}\"",
+            free_tcp_port()
+        ),
+        Fabric::Bar => {
+            let region = dir.join(format!("{name}.region"));
+            std::fs::File::create(&region)
+                .unwrap()
+                .set_len(BAR_REGION_SIZE)
+                .unwrap();
+            format!(
+                "fabric = \"bar\"\ncontrol = \"127.0.0.1:{}\"\nregion = \"{}\"",
+                free_tcp_port(),
+                region.display()
+            )
+        }
+    };
+    format!("[[node]]\nname = \"{name}\"\n{body}\n")
 }
 
 /// A temporary directory with `cluster.toml` (inline token) describing one lender node.
@@ -92,18 +123,32 @@ impl Cluster {
     pub fn new(fabric: Fabric) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display();
-        let node1 = match fabric {
-            Fabric::Shm => format!("fabric = \"shm\"\ncontrol = \"{d}/node1.sock\""),
-            Fabric::Tcp => format!(
-                "fabric = \"tcp\"\ncontrol = \"127.0.0.1:{}\"",
-                free_tcp_port()
-            ),
-        };
+        let node1 = node_entry(fabric, LENDER, dir.path());
         let src = format!(
             "version = 1\ntoken = \"{TOKEN}\"\n\
              [link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n\
-             [[node]]\nname = \"{LENDER}\"\n{node1}\n\
+             {node1}\
              [[node]]\nname = \"node9\"\nfabric = \"shm\"\ncontrol = \"{d}/node9.sock\"\n"
+        );
+        let path = dir.path().join("cluster.toml");
+        ntb::config::write_private_file(&path, &src).unwrap();
+        let cfg = ClusterConfig::load(&path).unwrap();
+        Cluster {
+            dir,
+            path,
+            cfg,
+            fabric,
+        }
+    }
+
+    /// Two lender nodes, `node1` and `node2`, on `fabric`.
+    pub fn two_lenders(fabric: Fabric) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let src = format!(
+            "version = 1\ntoken = \"{TOKEN}\"\n\
+             [link]\nheartbeat_ms = 100\npeer_timeout_ms = 1000\nconnect_timeout_ms = 2000\n{}{}",
+            node_entry(fabric, "node1", dir.path()),
+            node_entry(fabric, "node2", dir.path())
         );
         let path = dir.path().join("cluster.toml");
         ntb::config::write_private_file(&path, &src).unwrap();
@@ -118,6 +163,17 @@ impl Cluster {
 
     pub fn file(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
+    }
+
+    /// `--memory` for a VM of `size` on this cluster: inside the lender's region on bar.
+    pub fn memory(&self, size: &str) -> String {
+        match self.fabric {
+            Fabric::Bar => format!(
+                "{size},shared={}",
+                self.file(&format!("{LENDER}.region")).display()
+            ),
+            _ => size.to_string(),
+        }
     }
 
     /// `lenderd --node node1` lending `devices` (`BDF=KIND[:OPTIONS]`), once it answers a

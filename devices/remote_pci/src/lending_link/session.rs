@@ -342,6 +342,25 @@ impl LenderSession {
                     reason: format!("guest ram at {:#x} is not file backed", r.gpa),
                 });
             };
+            // A bar link reaches guest RAM only inside its shared region: anywhere else the
+            // lender could not map it for its device (a VFIO domain needs the memory itself).
+            if let Some(region) = self.client.endpoint().shared_region() {
+                let inside = region.holds(file.as_fd()).unwrap_or(false)
+                    && region.check_range(*offset, r.size).is_ok();
+                if !inside {
+                    return Err(LinkError::Unsupported {
+                        op: "dma map",
+                        reason: format!(
+                            "guest ram at {:#x} is not inside the shared region {} of the bar \
+                             link to {}: start lendvm with --memory SIZE,shared={}",
+                            r.gpa,
+                            region.path().display(),
+                            self.client.hello().node,
+                            region.path().display()
+                        ),
+                    });
+                }
+            }
             let memory = ntb::BackingId::of_file(file.as_fd(), *offset, r.size).map_err(|e| {
                 LinkError::Unsupported {
                     op: "dma map",
