@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # Build the lendvm guest kernel (x86_64) from Debian's linux-source-6.1.
 #
-#   scripts/build-guest-kernel.sh [--l1] [--print-key] [--force] [--no-install]
-#
-# --l1 builds the "L1" variant instead: a nested QEMU guest that plays a lender
-# host with real VFIO (scripts/test-vfio.sh, docs/VFIO.md). It merges
-# resources/linux-config-x86_64-l1 after the base fragment and keeps its own
-# build tree, output directories and symlink (tree-l1/, out-l1-<key>/, out-l1),
-# so that it never makes the base kernel rebuild.
+#   scripts/build-guest-kernel.sh [--print-key] [--force] [--no-install]
 #
 # Steps: install the build dependencies (apt, needs root when something is
 # missing), unpack /usr/src/linux-source-6.1.tar.xz into the cache, apply
@@ -18,7 +12,6 @@
 # Cache: ${LENDVM_CACHE:-$HOME/.cache/lendvm}/linux
 #   out-<key>/{vmlinux,bzImage,config,key}   one finished build per key
 #   out -> out-<key>                          stable symlink to the latest build
-#   (--l1: tree-l1/, out-l1-<key>/, out-l1 -> out-l1-<key>, build-l1.log)
 #   tree/                                     the build tree (reused: a change in
 #                                             the config fragment only rebuilds
 #                                             incrementally; new patches or a new
@@ -36,7 +29,6 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SCRIPT="$REPO/scripts/build-guest-kernel.sh"
 FRAGMENT="$REPO/resources/linux-config-x86_64"
-FRAGMENT_L1="$REPO/resources/linux-config-x86_64-l1"
 PATCHDIR="$REPO/resources/patches"
 CACHE="${LENDVM_CACHE:-$HOME/.cache/lendvm}/linux"
 SRC_PKG=linux-source-6.1
@@ -46,25 +38,18 @@ DEPS=(linux-source-6.1 build-essential flex bison bc libelf-dev libssl-dev cpio 
 log() { echo "build-guest-kernel: $*" >&2; }
 die() { echo "build-guest-kernel: error: $*" >&2; exit 1; }
 
-PRINT_KEY=0 FORCE=0 INSTALL=1 VARIANT=""
+PRINT_KEY=0 FORCE=0 INSTALL=1
 for arg in "$@"; do
 	case "$arg" in
-	--l1) VARIANT=l1 ;;
 	--print-key) PRINT_KEY=1 ;;
 	--force) FORCE=1 ;;
 	--no-install) INSTALL=0 ;;
-	-h|--help) sed -n '2,33p' "$SCRIPT"; exit 0 ;;
+	-h|--help) sed -n '2,26p' "$SCRIPT"; exit 0 ;;
 	*) die "unknown argument '$arg' (see --help)" ;;
 	esac
 done
 
-FRAGMENTS=("$FRAGMENT")
-[ "$VARIANT" = l1 ] && FRAGMENTS+=("$FRAGMENT_L1")
-for f in "${FRAGMENTS[@]}"; do
-	[ -f "$f" ] || die "config fragment $f is missing"
-done
-# Per-variant names: "" for the base kernel, "-l1" for the L1 kernel.
-SFX=${VARIANT:+-$VARIANT}
+[ -f "$FRAGMENT" ] || die "config fragment $FRAGMENT is missing"
 
 # --- 1. dependencies --------------------------------------------------------
 missing=()
@@ -92,17 +77,16 @@ PATCHES=("$PATCHDIR"/*.patch)
 shopt -u nullglob
 tree_key=$( { echo "src $SRC_VER"; for p in "${PATCHES[@]}"; do echo "patch $(basename "$p")"; cat "$p"; done; } \
 	| sha256sum | cut -c1-16)
-KEY=$( { echo "tree $tree_key"; for f in "${FRAGMENTS[@]}"; do echo "fragment"; cat "$f"; done
-	echo "script"; cat "$SCRIPT"; } \
+KEY=$( { echo "tree $tree_key"; echo "fragment"; cat "$FRAGMENT"; echo "script"; cat "$SCRIPT"; } \
 	| sha256sum | cut -c1-16)
 if [ "$PRINT_KEY" = 1 ]; then echo "$KEY"; exit 0; fi
 
-OUTDIR="$CACHE/out$SFX-$KEY"
+OUTDIR="$CACHE/out-$KEY"
 print_result() {
-	ln -sfn "out$SFX-$KEY" "$CACHE/out$SFX"
+	ln -sfn "out-$KEY" "$CACHE/out"
 	echo "VMLINUX=$OUTDIR/vmlinux"
 	echo "BZIMAGE=$OUTDIR/bzImage"
-	echo "OUT=$CACHE/out$SFX"
+	echo "OUT=$CACHE/out"
 }
 if [ "$FORCE" = 0 ] && [ -f "$OUTDIR/bzImage" ] && [ -f "$OUTDIR/vmlinux" ]; then
 	log "cached build $KEY ($SRC_PKG $SRC_VER)"
@@ -110,13 +94,13 @@ if [ "$FORCE" = 0 ] && [ -f "$OUTDIR/bzImage" ] && [ -f "$OUTDIR/vmlinux" ]; the
 	exit 0
 fi
 
-# Only one build at a time per cache and variant (each variant has its own tree).
+# Only one build at a time per cache.
 mkdir -p "$CACHE"
-exec 9>"$CACHE/.lock$SFX"
-flock 9 || die "cannot lock $CACHE/.lock$SFX"
+exec 9>"$CACHE/.lock"
+flock 9 || die "cannot lock $CACHE/.lock"
 
 # --- 3. source tree -----------------------------------------------------------
-TREE="$CACHE/tree$SFX"
+TREE="$CACHE/tree"
 KSRC="$TREE/linux-source-6.1"
 # Undo the patches the tree has (kept in $TREE/.applied) so that only changed
 # files get rebuilt; a tree that cannot be reverted cleanly is unpacked anew.
@@ -151,14 +135,14 @@ if [ "$(cat "$TREE/.tree-key" 2>/dev/null || true)" != "$tree_key" ]; then
 fi
 
 # --- 4. configuration -----------------------------------------------------------
-BUILDLOG="$CACHE/build$SFX.log"
+BUILDLOG="$CACHE/build.log"
 : >"$BUILDLOG"
 run() { "$@" >>"$BUILDLOG" 2>&1 || { tail -n 40 "$BUILDLOG" >&2; die "'$*' failed (log: $BUILDLOG)"; }; }
 MAKE=(nice -n "${LENDVM_NICE:-15}" make -C "$KSRC" ARCH=x86_64 -j"$(nproc)")
 
-log "configuring (tinyconfig + $(for f in "${FRAGMENTS[@]}"; do basename "$f"; done | paste -sd+))"
+log "configuring (tinyconfig + $(basename "$FRAGMENT"))"
 run "${MAKE[@]}" tinyconfig
-run env -C "$KSRC" ./scripts/kconfig/merge_config.sh -m .config "${FRAGMENTS[@]}"
+run env -C "$KSRC" ./scripts/kconfig/merge_config.sh -m .config "$FRAGMENT"
 run "${MAKE[@]}" olddefconfig
 
 # Every option the fragment sets (=y or a value) or unsets must have survived (a dependency that is
@@ -172,8 +156,8 @@ while IFS= read -r line; do
 		opt=${line#"# "}; opt=${opt%% *}
 		grep -q "^$opt=" "$KSRC/.config" && dropped+=("$opt(should be unset)") ;;
 	esac
-done < <(sed -e 's/[[:space:]]*$//' "${FRAGMENTS[@]}")
-[ ${#dropped[@]} -eq 0 ] || die "options from the config fragments not in the final .config: ${dropped[*]}"
+done < <(sed -e 's/[[:space:]]*$//' "$FRAGMENT")
+[ ${#dropped[@]} -eq 0 ] || die "options from $(basename "$FRAGMENT") not in the final .config: ${dropped[*]}"
 
 # --- 5. build -------------------------------------------------------------------
 log "building vmlinux + bzImage with -j$(nproc) (several minutes; log: $BUILDLOG)"
@@ -189,8 +173,6 @@ cp "$KSRC/System.map" "$OUTDIR.tmp/System.map"
 echo "$KEY" >"$OUTDIR.tmp/key"
 rm -rf "$OUTDIR"
 mv "$OUTDIR.tmp" "$OUTDIR"
-# Keep only the newest few finished builds of this variant (base keys are hex, so
-# out-[0-9a-f]* never matches the L1 variant's out-l1-*).
-if [ -n "$VARIANT" ]; then old=("$CACHE"/out"$SFX"-*); else old=("$CACHE"/out-[0-9a-f]*); fi
-ls -1dt "${old[@]}" 2>/dev/null | tail -n +4 | xargs -r rm -rf
+# Keep only the newest few finished builds.
+ls -1dt "$CACHE"/out-* 2>/dev/null | tail -n +4 | xargs -r rm -rf
 print_result

@@ -12,10 +12,16 @@
 #                and MSI-X through an admin Identify into the ivshmem BAR, drain, reset);
 #                then this script reads the Identify data the NVMe wrote by DMA from the
 #                ivshmem backing file, out here
-#   lenderd      L1's lenderd lends the vfio-pci functions over tcp+TLS (QEMU hostfwd on
-#                127.0.0.1 only); `lendctl list` from out here sees them
-# Builds (or takes from the content-hashed caches) the L1 kernel
-# (scripts/build-guest-kernel.sh --l1) and initramfs (tests/vfio/make-l1-initramfs.sh).
+#   lenderd      L1's lenderd lends the vfio-pci functions over the bar fabric (control on
+#                tcp+TLS through QEMU's hostfwd on 127.0.0.1 only, DMA windows in the ivshmem
+#                region); `lendctl list` from out here sees them
+#   tests/tests/vfio.rs (--ignored): a Linux guest of lendvm out here, its RAM inside the
+#                ivshmem file, uses what L1 lends with stock drivers (fio verify on the
+#                NVMe with a replug and an FLR; the e1000e pings the NIC that stays in L1)
+# Builds (or takes from the content-hashed caches) the guest kernel, which also serves as
+# L1's (scripts/build-guest-kernel.sh), the guest's initramfs (tests/linux/make-initramfs.sh)
+# and L1's (tests/vfio/make-l1-initramfs.sh). LENDVM_VFIO_ONLY_L1=1 stops after the
+# two L1 cases.
 # Everything it creates is in private temporary directories (mode 0700), removed at
 # exit; QEMU is killed at exit, on failure too. At most one VM runs.
 #
@@ -44,9 +50,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # --- the L1 kernel and initramfs ---------------------------------------------
-kout=$("$REPO/scripts/build-guest-kernel.sh" --l1) || die "L1 kernel build failed"
-BZIMAGE=$(sed -n 's/^BZIMAGE=//p' <<<"$kout")
-[ -f "$BZIMAGE" ] || die "build-guest-kernel.sh --l1 printed no bzImage"
+ensure_kernel # BZIMAGE (taken as is when set)
 INITRD=$("$REPO/tests/vfio/make-l1-initramfs.sh" | tail -n1)
 [ -f "$INITRD" ] || die "make-l1-initramfs.sh printed no archive"
 log "kernel $BZIMAGE, initramfs $INITRD"
@@ -82,7 +86,9 @@ truncate -s "${WINDOW_MIB}M" "$WINDOW"
 # A loopback port for the hostfwd to L1's lenderd.
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$RUN/token"
-# L1's view (it listens on its user-net address) and ours (the forwarded loopback port).
+# L1's view (it listens on its user-net address; the region is the ivshmem BAR) and ours
+# (the forwarded loopback port; the region is the file behind the BAR).
+SHM_BDF=0000:01:00.0
 cluster() {
 	cat <<-EOF
 	version = 1
@@ -90,30 +96,35 @@ cluster() {
 
 	[[node]]
 	name = "l1"
-	fabric = "tcp"
+	fabric = "bar"
 	control = "$1"
+	$2
 	EOF
 }
 mkdir -p "$RUN/l1/etc/lendvm"
-cluster "10.0.2.15:7700" >"$RUN/l1/etc/lendvm/cluster.toml"
+cluster "10.0.2.15:7700" "region_device = \"$SHM_BDF\"" >"$RUN/l1/etc/lendvm/cluster.toml"
 cp "$RUN/token" "$RUN/l1/etc/lendvm/token"
 chmod 700 "$RUN/l1/etc/lendvm"
 chmod 600 "$RUN/l1/etc/lendvm/"*
-cluster "127.0.0.1:$PORT" >"$RUN/cluster.toml"
+cluster "127.0.0.1:$PORT" "region = \"$WINDOW\"" >"$RUN/cluster.toml"
 # The initramfs plus a second archive with the cluster file and token (mode 0600 inside;
 # the concatenation is 0600 in the 0700 run directory).
 (cd "$RUN/l1" && find etc | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$RUN/secrets.cpio"
 cat "$INITRD" "$RUN/secrets.cpio" >"$RUN/initrd.cpio"
 rm -f "$RUN/secrets.cpio"
 
+GUEST_INITRAMFS=$("$REPO/tests/linux/make-initramfs.sh" | tail -n1)
+[ -f "$GUEST_INITRAMFS" ] || die "make-initramfs.sh printed no archive"
+
 # --- L1 -------------------------------------------------------------------------
 # Fixed slots make the bus numbers fixed: root ports 00:02.0-00:04.0 get buses 1-3.
-SHM_BDF=0000:01:00.0
 NVME_BDF=0000:02:00.0
 NIC_BDF=0000:03:00.0
 truncate -s 64M "$RUN/nvme.img"
 CMDLINE="$LENDVM_BASE_CMDLINE $QEMU_CPU_CMDLINE rdinit=/init lendvm_syscall_fixup intel_iommu=on iommu=pt"
-CMDLINE+=" ip=10.0.2.15::10.0.2.2:255.255.255.0::eth0:off"
+CTL_MAC=52:54:00:00:00:10 NIC_MAC=52:54:00:00:01:01 PEER_MAC=52:54:00:00:01:02
+NIC_ADDR=169.254.10.1/16 PEER_ADDR=169.254.10.2
+CMDLINE+=" lendvm_ctl=$CTL_MAC,10.0.2.15/24,10.0.2.2 lendvm_peer=$PEER_MAC,$PEER_ADDR/16"
 CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF lendvm_shm=$SHM_BDF lendvm_test=kernel lendvm_lenderd=1"
 nice -n "${LENDVM_NICE:-10}" "$QEMU" -nodefaults -display none -no-reboot \
 	-machine q35,accel=kvm,kernel-irqchip=split -cpu "$QEMU_CPU" -m 384M -smp 1 \
@@ -125,10 +136,10 @@ nice -n "${LENDVM_NICE:-10}" "$QEMU" -nodefaults -display none -no-reboot \
 	-drive "id=nvm,if=none,file=$RUN/nvme.img,format=raw" \
 	-device nvme,serial=deadbeef,drive=nvm,bus=rp2 \
 	-device pcie-root-port,id=rp3,chassis=3,slot=3,bus=pcie.0,addr=0x4 \
-	-netdev hubport,id=hp1,hubid=0 -device e1000e,netdev=hp1,bus=rp3,mac=52:54:00:00:01:01 \
-	-netdev hubport,id=hp2,hubid=0 -device e1000e,netdev=hp2,bus=pcie.0,addr=0x5,mac=52:54:00:00:01:02 \
+	-netdev hubport,id=hp1,hubid=0 -device "e1000e,netdev=hp1,bus=rp3,mac=$NIC_MAC" \
+	-netdev hubport,id=hp2,hubid=0 -device "e1000e,netdev=hp2,bus=pcie.0,addr=0x5,mac=$PEER_MAC" \
 	-netdev "user,id=n0,net=10.0.2.0/24,restrict=on,hostfwd=tcp:127.0.0.1:$PORT-10.0.2.15:7700" \
-	-device virtio-net-pci,netdev=n0,bus=pcie.0,addr=0x6 \
+	-device "virtio-net-pci,netdev=n0,bus=pcie.0,addr=0x6,mac=$CTL_MAC" \
 	-kernel "$BZIMAGE" -initrd "$RUN/initrd.cpio" -append "$CMDLINE" \
 	-serial "file:$RUN/serial.log" >"$RUN/qemu.log" 2>&1 &
 QPID=$!
@@ -174,4 +185,17 @@ for b in "$NVME_BDF" "$NIC_BDF"; do
 	grep -q "$b" <<<"$out" || die "lendctl list does not show $b lent by L1"
 done
 log "PASS lenderd (L1 lends $NVME_BDF and $NIC_BDF through vfio-pci)"
+if [ "${LENDVM_VFIO_ONLY_L1:-0}" = 1 ]; then
+	log "test-vfio: L1 cases passed (LENDVM_VFIO_ONLY_L1=1: the lendvm guest cases not run)"
+	exit 0
+fi
+
+# --- the lendvm guest's cases (tests/tests/vfio.rs) --------------------------------
+cargo build --locked -q -p vmm --bin lendvm >&2 || die "building lendvm failed"
+LENDVM_VFIO_CLUSTER=$RUN/cluster.toml LENDVM_VFIO_LENDER=l1 LENDVM_VFIO_REGION=$WINDOW \
+	LENDVM_VFIO_NVME=$NVME_BDF LENDVM_VFIO_DISK=$RUN/nvme.img \
+	LENDVM_VFIO_NIC=$NIC_BDF LENDVM_VFIO_NIC_PEER=$PEER_ADDR LENDVM_VFIO_NIC_ADDR=$NIC_ADDR \
+	LENDVM_LINUX_KERNEL=$BZIMAGE LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS LENDVM_TOKEN="$(cat "$RUN/token")" \
+	nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lendvm-tests --test vfio -- --ignored --test-threads=1 \
+	|| die "tests/tests/vfio.rs failed"
 log "test-vfio: all cases passed"
