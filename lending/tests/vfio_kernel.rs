@@ -13,6 +13,8 @@
 //! [`IDENTIFY_OFFSET`] of the window). `VFIO-OBS` lines record what the kernel did where the
 //! fakes (FakeVfioDevice, FakeVfioContainer) model it (docs/VFIO.md).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::fs::OpenOptions;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
