@@ -113,9 +113,6 @@ cluster "127.0.0.1:$PORT" "region = \"$WINDOW\"" >"$RUN/cluster.toml"
 cat "$INITRD" "$RUN/secrets.cpio" >"$RUN/initrd.cpio"
 rm -f "$RUN/secrets.cpio"
 
-GUEST_INITRAMFS=$("$REPO/tests/linux/make-initramfs.sh" | tail -n1)
-[ -f "$GUEST_INITRAMFS" ] || die "make-initramfs.sh printed no archive"
-
 # --- L1 -------------------------------------------------------------------------
 # Fixed slots make the bus numbers fixed: root ports 00:02.0-00:04.0 get buses 1-3.
 NVME_BDF=0000:02:00.0
@@ -192,6 +189,8 @@ fi
 
 # --- the lendvm guest's cases (tests/tests/vfio.rs) --------------------------------
 cargo build --locked -q -p vmm --bin lendvm >&2 || die "building lendvm failed"
+GUEST_INITRAMFS=$("$REPO/tests/linux/make-initramfs.sh" | tail -n1)
+[ -f "$GUEST_INITRAMFS" ] || die "make-initramfs.sh printed no archive"
 LENDVM_VFIO_CLUSTER=$RUN/cluster.toml LENDVM_VFIO_LENDER=l1 LENDVM_VFIO_REGION=$WINDOW \
 	LENDVM_VFIO_NVME=$NVME_BDF LENDVM_VFIO_DISK=$RUN/nvme.img \
 	LENDVM_VFIO_NIC=$NIC_BDF LENDVM_VFIO_NIC_PEER=$PEER_ADDR LENDVM_VFIO_NIC_ADDR=$NIC_ADDR \
