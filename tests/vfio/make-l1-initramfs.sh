@@ -51,8 +51,9 @@ mkdir -p "$STAGE"/{bin,dev,proc,sys,tmp,run,etc/lendvm}
 cp "$BUSYBOX" "$STAGE/bin/busybox"
 cp "$LENDERD" "$STAGE/bin/lenderd"
 cp "$TEST_BIN" "$STAGE/bin/vfio_kernel"
-# Debug info is most of a debug binary's size; L1 unpacks the archive in emulated code.
-strip --strip-debug "$STAGE/bin/lenderd" "$STAGE/bin/vfio_kernel" || die "strip failed"
+# Symbols and debug info are most of a debug binary's size (150 MB -> 25 MB for lenderd);
+# L1 unpacks the archive in emulated code.
+strip --strip-all "$STAGE/bin/lenderd" "$STAGE/bin/vfio_kernel" || die "strip failed"
 # The libraries and the loader, at the paths the binaries look for them.
 for lib in $(ldd "$LENDERD" "$TEST_BIN" | grep -o '/[^ ]*' | sort -u); do
 	mkdir -p "$STAGE$(dirname "$lib")"
