@@ -55,7 +55,7 @@ cp "$TEST_BIN" "$STAGE/bin/vfio_kernel"
 # L1 unpacks the archive in emulated code.
 strip --strip-all "$STAGE/bin/lenderd" "$STAGE/bin/vfio_kernel" || die "strip failed"
 # The libraries and the loader, at the paths the binaries look for them.
-for lib in $(ldd "$LENDERD" "$TEST_BIN" | grep -o '/[^ ]*' | sort -u); do
+for lib in $(for b in "$LENDERD" "$TEST_BIN"; do ldd "$b"; done | grep -o '/[^ ]*' | sort -u); do
 	mkdir -p "$STAGE$(dirname "$lib")"
 	cp -L "$lib" "$STAGE$lib"
 done
