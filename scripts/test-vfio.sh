@@ -27,13 +27,14 @@
 #
 # Under CI (CI set) a missing prerequisite (qemu-system-x86_64, /dev/kvm) fails; locally
 # the script says what is missing and exits 0 without running anything.
-# Timeouts (seconds, guest time is slow here): LENDVM_VFIO_BOOT_TIMEOUT (600),
+# Timeouts (seconds; L1 boots in ~60 s on an idle machine, 5+ min on a loaded one):
+# LENDVM_VFIO_BOOT_TIMEOUT (900),
 # LENDVM_VFIO_TEST_TIMEOUT (600).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$REPO/tests/linux/lib.sh"
 QEMU=${QEMU:-qemu-system-x86_64}
-BOOT_TIMEOUT=${LENDVM_VFIO_BOOT_TIMEOUT:-600}
+BOOT_TIMEOUT=${LENDVM_VFIO_BOOT_TIMEOUT:-900}
 TEST_TIMEOUT=${LENDVM_VFIO_TEST_TIMEOUT:-600}
 WINDOW_MIB=128 # a power of two (QEMU 7.2 asserts on others); mapped pages cost ~125 us in L1
 
