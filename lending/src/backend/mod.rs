@@ -73,6 +73,9 @@ pub enum BackendError {
     /// The config filter refused a write.
     #[error(transparent)]
     Forbidden(#[from] config::FilterError),
+    /// A function that cannot be lent through VFIO (driver, IOMMU group).
+    #[error(transparent)]
+    Binding(#[from] vfio::BindingError),
     /// Interrupt kind/count the device does not have.
     #[error("{kind:?}: {count} vectors requested, the device has {max}")]
     TooManyVectors {

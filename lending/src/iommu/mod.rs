@@ -106,6 +106,22 @@ pub enum IommuError {
     /// The backing cannot be handed to a hardware IOMMU (not mapped in this process).
     #[error("dma backing for iova {0:#x} has no host mapping; a hardware iommu needs one")]
     NotHostMapped(u64),
+    /// The mapping reaches into IOVAs the IOMMU reserves (read from the kernel).
+    #[error(
+        "dma mapping at iova {iova:#x} size {size:#x} reaches into {start:#x}-{end:#x}, which \
+         the iommu reserves (on x86 0xfee00000-0xfeefffff is the msi window): the borrower's \
+         dma-able memory must stay out of it"
+    )]
+    ReservedIova {
+        /// Start IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+        /// First reserved IOVA reached.
+        start: u64,
+        /// Last IOVA of that reserved range (inclusive).
+        end: u64,
+    },
     /// The VFIO layer refused the operation.
     #[error("vfio {op} of iova {iova:#x} size {size:#x} failed: {msg}")]
     Vfio {

@@ -3,12 +3,136 @@
 //!
 //! `vfio-ioctls` has no mockable constructor (it opens `/dev/vfio/vfio`), so the domain talks
 //! to [`VfioContainerOps`]; [`vfio_ioctls::VfioContainer`] implements it for real and
-//! [`fake::FakeVfioContainer`] records calls for tests. Untested on hardware here (no
-//! `/dev/vfio` on the development host).
+//! [`fake::FakeVfioContainer`] records calls for tests. The real container ran against
+//! Linux 6.1's type1 IOMMU with QEMU's intel-iommu (docs/VFIO.md, `tests/vfio_kernel.rs`).
+//!
+//! Every map is checked against the IOVA ranges the IOMMU can translate
+//! (`VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE`): the kernel refuses a map that reaches into a
+//! reserved range (on x86 the MSI window 0xfee00000-0xfeefffff) with a bare `EINVAL`; the
+//! domain refuses it first with an error that names the range.
 
 use std::sync::{Arc, Mutex};
 
 use super::{lock, DmaBacking, IommuDomain, IommuError, MapTable, MappingInfo};
+
+/// IOVAs the IOMMU can translate, `start..=end` (inclusive, as the kernel reports them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IovaRange {
+    /// First IOVA.
+    pub start: u64,
+    /// Last IOVA (inclusive).
+    pub end: u64,
+}
+
+/// The first reserved range (a gap between the usable `ranges`, or below or above them)
+/// that `[iova, iova + size)` reaches into, as `start..=end`.
+pub fn reserved_overlap(ranges: &[IovaRange], iova: u64, size: u64) -> Option<(u64, u64)> {
+    let last = iova.checked_add(size.checked_sub(1)?)?;
+    let mut sorted = ranges.to_vec();
+    sorted.sort_by_key(|r| r.start);
+    let mut gaps = Vec::new();
+    let mut next = 0u64; // first IOVA not yet covered
+    let mut covered_to_end = false;
+    for r in &sorted {
+        if r.start > next {
+            gaps.push((next, r.start - 1));
+        }
+        match r.end.checked_add(1) {
+            Some(n) => next = next.max(n),
+            None => covered_to_end = true,
+        }
+    }
+    if !covered_to_end {
+        gaps.push((next, u64::MAX));
+    }
+    gaps.into_iter().find(|&(s, e)| s <= last && iova <= e)
+}
+
+/// `VFIO_IOMMU_GET_INFO` (`_IO(VFIO_TYPE, VFIO_BASE + 12)`): vfio-ioctls does not expose it.
+mod get_info {
+    use vfio_bindings::bindings::vfio::{VFIO_BASE, VFIO_TYPE};
+    vmm_sys_util::ioctl_io_nr!(VFIO_IOMMU_GET_INFO, u32::from(VFIO_TYPE), VFIO_BASE + 12);
+}
+
+/// Reads the IOVA ranges of the container `fd` (its IOMMU set, i.e. a group attached)
+/// from `VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE`; `None` if the kernel reports none (before
+/// Linux 5.4).
+pub fn read_iova_ranges(
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> std::io::Result<Option<Vec<IovaRange>>> {
+    use std::os::fd::AsRawFd;
+    use vfio_bindings::bindings::vfio::{
+        vfio_info_cap_header, vfio_iommu_type1_info, VFIO_IOMMU_INFO_CAPS,
+        VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE,
+    };
+    const HDR: usize = std::mem::size_of::<vfio_iommu_type1_info>();
+    const CAP_HDR: usize = std::mem::size_of::<vfio_info_cap_header>();
+    let call = |buf: &mut Vec<u64>| -> std::io::Result<(u32, u32, u32)> {
+        let argsz = (buf.len() * 8) as u32;
+        buf[0] = u64::from(argsz); // argsz (low half), flags 0 (high half)
+                                   // SAFETY: VFIO_IOMMU_GET_INFO reads `argsz` and writes at most `argsz` bytes into
+                                   // the buffer, which is that long and 8-byte aligned (u64 elements), as the kernel's
+                                   // struct vfio_iommu_type1_info and its capability chain need.
+        let r = unsafe {
+            libc::ioctl(
+                fd.as_raw_fd(),
+                get_info::VFIO_IOMMU_GET_INFO() as _,
+                buf.as_mut_ptr(),
+            )
+        };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let argsz = (buf[0] & 0xffff_ffff) as u32;
+        let flags = (buf[0] >> 32) as u32;
+        let cap_offset = (buf[2] & 0xffff_ffff) as u32;
+        Ok((argsz, flags, cap_offset))
+    };
+    let mut buf = vec![0u64; HDR.div_ceil(8)];
+    let (need, flags, _) = call(&mut buf)?;
+    if flags & VFIO_IOMMU_INFO_CAPS == 0 || need as usize <= HDR {
+        return Ok(None);
+    }
+    buf = vec![0u64; (need as usize).div_ceil(8)];
+    let (_, _, mut off) = call(&mut buf)?;
+    let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let u32_at = |o: usize| {
+        bytes
+            .get(o..o + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let u64_at = |o: usize| {
+        bytes
+            .get(o..o + 8)
+            .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+    };
+    // Walk the capability chain (offsets from the start of the buffer; 0 ends it), at most
+    // as many steps as the buffer has headers.
+    for _ in 0..bytes.len() / CAP_HDR {
+        let o = off as usize;
+        if o == 0 || o + CAP_HDR > bytes.len() {
+            break;
+        }
+        let id = u32::from(u16::from_le_bytes([bytes[o], bytes[o + 1]]));
+        let next = u32_at(o + 4).unwrap_or(0);
+        if id == VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE {
+            // struct vfio_iommu_type1_info_cap_iova_range: header, nr_iovas, reserved,
+            // then nr_iovas × { start, end }.
+            let n = u32_at(o + CAP_HDR).unwrap_or(0) as usize;
+            let mut out = Vec::with_capacity(n.min(64));
+            for i in 0..n {
+                let at = o + CAP_HDR + 8 + 16 * i;
+                match (u64_at(at), u64_at(at + 8)) {
+                    (Some(start), Some(end)) => out.push(IovaRange { start, end }),
+                    _ => break,
+                }
+            }
+            return Ok(Some(out));
+        }
+        off = next;
+    }
+    Ok(None)
+}
 
 /// The container operations the domain needs.
 pub trait VfioContainerOps: Send + Sync {
@@ -23,6 +147,9 @@ pub trait VfioContainerOps: Send + Sync {
     unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String>;
     /// Removes a mapping made by [`Self::dma_map`].
     fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), String>;
+    /// The IOVA ranges the IOMMU can map (`VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE`); `None`
+    /// when the kernel does not say.
+    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, String>;
 }
 
 impl VfioContainerOps for vfio_ioctls::VfioContainer {
@@ -37,6 +164,13 @@ impl VfioContainerOps for vfio_ioctls::VfioContainer {
         let size = usize::try_from(size).map_err(|e| e.to_string())?;
         self.vfio_dma_unmap(iova, size).map_err(|e| e.to_string())
     }
+
+    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, String> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the container's fd is open for as long as `self`, which outlives the borrow.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.as_raw_fd()) };
+        read_iova_ranges(fd).map_err(|e| format!("VFIO_IOMMU_GET_INFO: {e}"))
+    }
 }
 
 impl<T: VfioContainerOps + ?Sized> VfioContainerOps for Arc<T> {
@@ -47,6 +181,10 @@ impl<T: VfioContainerOps + ?Sized> VfioContainerOps for Arc<T> {
 
     fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), String> {
         (**self).dma_unmap(iova, size)
+    }
+
+    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, String> {
+        (**self).iova_ranges()
     }
 }
 
@@ -78,6 +216,25 @@ impl<C: VfioContainerOps> IommuDomain for VfioDomain<C> {
         let mut t = lock(&self.table);
         t.check_new(iova, size, backing.size())?;
         let host = backing.host_addr().ok_or(IommuError::NotHostMapped(iova))?;
+        // The kernel refuses a map into a reserved range with a bare EINVAL: say which.
+        match self.ops.iova_ranges() {
+            Ok(Some(ranges)) => {
+                if let Some((start, end)) = reserved_overlap(&ranges, iova, size) {
+                    return Err(IommuError::ReservedIova {
+                        iova,
+                        size,
+                        start,
+                        end,
+                    });
+                }
+            }
+            Ok(None) => {}
+            Err(e) => log::warn!(
+                "{}: cannot read the iommu's iova ranges ({e}); mapping {iova:#x}+{size:#x} \
+                 unchecked",
+                self.name
+            ),
+        }
         // SAFETY: `backing` owns a live host mapping of at least `size` bytes (checked above);
         // the table entry keeps the Arc — and so the mapping — alive until the IOMMU mapping is
         // removed (unmap keeps the entry if VFIO refuses to unmap). Accesses to the memory go
@@ -212,7 +369,23 @@ pub mod fake {
         pub live: Mutex<BTreeMap<u64, (u64, usize)>>,
         /// Make the next call fail.
         pub fail_next: AtomicBool,
+        /// Usable IOVA ranges; `None` (the default): x86's with intel-iommu, as Linux 6.1
+        /// reports them ([`X86_IOVA_RANGES`]).
+        pub ranges: Mutex<Option<Vec<super::IovaRange>>>,
     }
+
+    /// What Linux 6.1's type1 reported under QEMU's intel-iommu (39-bit address width): all
+    /// but the MSI window 0xfee00000-0xfeefffff.
+    pub const X86_IOVA_RANGES: [super::IovaRange; 2] = [
+        super::IovaRange {
+            start: 0,
+            end: 0xfedf_ffff,
+        },
+        super::IovaRange {
+            start: 0xfef0_0000,
+            end: 0x7f_ffff_ffff,
+        },
+    ];
 
     impl FakeVfioContainer {
         fn record(&self, op: FakeOp) -> Result<(), String> {
@@ -242,8 +415,19 @@ pub mod fake {
     impl VfioContainerOps for FakeVfioContainer {
         unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String> {
             self.record(FakeOp::Map(iova, size))?;
+            // As the kernel: EINVAL for a range outside the usable IOVAs, EEXIST for any
+            // overlap with a live mapping (not only one that starts at the same IOVA).
+            let ranges = self.iova_ranges()?.unwrap_or_default();
+            if super::reserved_overlap(&ranges, iova, size).is_some() {
+                return Err(format!(
+                    "iova {iova:#x} size {size:#x} is reserved (EINVAL)"
+                ));
+            }
             let mut l = self.live.lock().map_err(|e| e.to_string())?;
-            if l.contains_key(&iova) {
+            let end = iova.saturating_add(size);
+            if l.iter()
+                .any(|(&i, &(s, _))| i < end && iova < i.saturating_add(s))
+            {
                 return Err(format!("iova {iova:#x} already mapped (EEXIST)"));
             }
             l.insert(iova, (size, host_addr as usize));
@@ -261,6 +445,11 @@ pub mod fake {
                 _ => Err(format!("iova {iova:#x} size {size:#x} not mapped (ENOENT)")),
             }
         }
+
+        fn iova_ranges(&self) -> Result<Option<Vec<super::IovaRange>>, String> {
+            let r = self.ranges.lock().map_err(|e| e.to_string())?;
+            Ok(Some(r.clone().unwrap_or_else(|| X86_IOVA_RANGES.to_vec())))
+        }
     }
 }
 
@@ -271,6 +460,90 @@ mod tests {
     use super::fake::{FakeOp, FakeVfioContainer};
     use super::*;
     use crate::iommu::{MmapBacking, VecBacking};
+
+    #[test]
+    fn maps_into_the_msi_window_are_refused_naming_the_range() {
+        let fake = Arc::new(FakeVfioContainer::default());
+        let dom = VfioDomain::new("vfio-test", Arc::clone(&fake));
+        let b = Arc::new(MmapBacking::anonymous(0x20_0000).unwrap());
+        // Below, straddling and inside the MSI window.
+        dom.map(0xfea0_0000, 0x20_0000, b.clone()).unwrap();
+        for iova in [0xfed0_0000u64, 0xfee0_0000] {
+            let e = dom.map(iova, 0x20_0000, b.clone()).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    IommuError::ReservedIova {
+                        start: 0xfee0_0000,
+                        end: 0xfeef_ffff,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains("0xfee00000-0xfeefffff"), "{e}");
+        }
+        // Refused before VFIO saw it; the kernel (and the fake) would say only EINVAL.
+        assert_eq!(fake.calls(), vec![FakeOp::Map(0xfea0_0000, 0x20_0000)]);
+        // SAFETY: the fake records the address only.
+        let raw = unsafe { fake.dma_map(0xfee0_0000, 0x1000, std::ptr::null_mut()) };
+        assert!(raw.unwrap_err().contains("EINVAL"));
+        // Above the IOMMU's address width.
+        let e = dom.map(0x80_0000_0000, 0x1000, b).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                IommuError::ReservedIova {
+                    start: 0x80_0000_0000,
+                    end: u64::MAX,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn reserved_overlap_finds_the_gaps() {
+        let r = fake::X86_IOVA_RANGES;
+        assert_eq!(reserved_overlap(&r, 0, 0x1000), None);
+        assert_eq!(reserved_overlap(&r, 0xfedf_f000, 0x1000), None);
+        assert_eq!(
+            reserved_overlap(&r, 0xfedf_f000, 0x2000),
+            Some((0xfee0_0000, 0xfeef_ffff))
+        );
+        assert_eq!(reserved_overlap(&r, 0xfef0_0000, 0x1000), None);
+        let all = [IovaRange {
+            start: 0,
+            end: u64::MAX,
+        }];
+        assert_eq!(reserved_overlap(&all, u64::MAX - 0xfff, 0x1000), None);
+        let hi = [IovaRange {
+            start: 0x1000,
+            end: u64::MAX,
+        }];
+        assert_eq!(reserved_overlap(&hi, 0, 0x2000), Some((0, 0xfff)));
+    }
+
+    #[test]
+    fn the_fake_refuses_any_overlap_as_the_kernel_does() {
+        let fake = FakeVfioContainer::default();
+        // SAFETY: the fake records the address only.
+        unsafe {
+            fake.dma_map(0x10_0000, 0x4000, std::ptr::null_mut())
+                .unwrap();
+            assert!(fake
+                .dma_map(0x10_2000, 0x4000, std::ptr::null_mut())
+                .unwrap_err()
+                .contains("EEXIST"));
+            assert!(fake
+                .dma_map(0x0f_f000, 0x2000, std::ptr::null_mut())
+                .unwrap_err()
+                .contains("EEXIST"));
+            fake.dma_map(0x10_4000, 0x1000, std::ptr::null_mut())
+                .unwrap();
+        }
+    }
 
     #[test]
     fn maps_host_address_of_backing_and_unmaps_on_drop() {

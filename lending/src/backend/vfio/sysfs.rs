@@ -1,0 +1,201 @@
+//! Whether a PCI function may be lent through VFIO, from sysfs: bound to vfio-pci, and
+//! alone in its IOMMU group (or with bridges only). The kernel's own answer
+//! (`VFIO_GROUP_GET_STATUS` not viable, or `EBUSY`) names neither the device nor the
+//! reason; this check does.
+
+use std::path::Path;
+
+use thiserror::Error;
+
+/// Why a function cannot be lent through VFIO.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum BindingError {
+    /// No such function in sysfs.
+    #[error("{bdf}: no such pci function ({path} does not exist)")]
+    NoDevice {
+        /// The function.
+        bdf: String,
+        /// The sysfs directory looked for.
+        path: String,
+    },
+    /// Bound to another driver, or to none.
+    #[error(
+        "{bdf} is bound to {driver}, not vfio-pci: unbind it and bind vfio-pci (echo vfio-pci > \
+         /sys/bus/pci/devices/{bdf}/driver_override; echo {bdf} > \
+         /sys/bus/pci/drivers/{driver}/unbind; echo {bdf} > /sys/bus/pci/drivers_probe)"
+    )]
+    NotVfioPci {
+        /// The function.
+        bdf: String,
+        /// Its driver (`no driver` when none).
+        driver: String,
+    },
+    /// No IOMMU group: no IOMMU, or it is off.
+    #[error("{bdf} has no iommu group (is the iommu on? intel_iommu=on / amd_iommu=on)")]
+    NoGroup {
+        /// The function.
+        bdf: String,
+    },
+    /// The group holds another endpoint: VFIO hands out groups whole, and this lender gives
+    /// each lent function a container of its own.
+    #[error(
+        "{bdf} shares iommu group {group} with {other} (driver {driver}), which is not lent: a \
+         group is isolated only as a whole; lend a function whose group holds nothing else \
+         (ACS on the path, or another slot)"
+    )]
+    SharedGroup {
+        /// The function.
+        bdf: String,
+        /// Its group number.
+        group: String,
+        /// The other function.
+        other: String,
+        /// The other function's driver.
+        driver: String,
+    },
+}
+
+fn driver_of(dev: &Path) -> String {
+    std::fs::read_link(dev.join("driver"))
+        .ok()
+        .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "no driver".into())
+}
+
+/// Whether the function at `dev` is a PCI bridge (class 0x0604): bridges may share a
+/// group (vfio allows them bound to pcieport or to no driver).
+fn is_bridge(dev: &Path) -> bool {
+    std::fs::read_to_string(dev.join("class"))
+        .ok()
+        .and_then(|c| u32::from_str_radix(c.trim().trim_start_matches("0x"), 16).ok())
+        .is_some_and(|c| c >> 8 == 0x0604)
+}
+
+/// Checks that `bdf` (under the sysfs root `sysfs`, normally `/sys/bus/pci/devices`) is
+/// bound to vfio-pci and that its IOMMU group holds no other endpoint.
+pub fn check_lendable(sysfs: &Path, bdf: &str) -> Result<(), BindingError> {
+    let dev = sysfs.join(bdf);
+    if !dev.exists() {
+        return Err(BindingError::NoDevice {
+            bdf: bdf.into(),
+            path: dev.display().to_string(),
+        });
+    }
+    let driver = driver_of(&dev);
+    if driver != "vfio-pci" {
+        return Err(BindingError::NotVfioPci {
+            bdf: bdf.into(),
+            driver,
+        });
+    }
+    let group = std::fs::read_link(dev.join("iommu_group"))
+        .ok()
+        .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
+        .ok_or_else(|| BindingError::NoGroup { bdf: bdf.into() })?;
+    let members = std::fs::read_dir(dev.join("iommu_group").join("devices"))
+        .map_err(|_| BindingError::NoGroup { bdf: bdf.into() })?;
+    let mut others: Vec<String> = members
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|m| m != bdf)
+        .collect();
+    others.sort();
+    for other in others {
+        let o = sysfs.join(&other);
+        if is_bridge(&o) {
+            continue;
+        }
+        return Err(BindingError::SharedGroup {
+            bdf: bdf.into(),
+            group,
+            driver: driver_of(&o),
+            other,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    /// A sysfs with drivers/, iommu_groups/ and devices/ like the kernel's.
+    struct Sys(tempfile::TempDir);
+
+    impl Sys {
+        fn new() -> Self {
+            Sys(tempfile::tempdir().unwrap())
+        }
+        fn devices(&self) -> std::path::PathBuf {
+            self.0.path().join("devices")
+        }
+        fn add(&self, bdf: &str, driver: Option<&str>, group: Option<u32>, class: u32) {
+            let d = self.devices().join(bdf);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("class"), format!("{class:#08x}\n")).unwrap();
+            if let Some(drv) = driver {
+                let p = self.0.path().join("drivers").join(drv);
+                std::fs::create_dir_all(&p).unwrap();
+                symlink(&p, d.join("driver")).unwrap();
+            }
+            if let Some(g) = group {
+                let p = self.0.path().join("iommu_groups").join(g.to_string());
+                std::fs::create_dir_all(p.join("devices")).unwrap();
+                symlink(&p, d.join("iommu_group")).unwrap();
+                symlink(&d, p.join("devices").join(bdf)).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn only_a_vfio_pci_function_alone_in_its_group_is_lendable() {
+        let s = Sys::new();
+        s.add("0000:01:00.0", Some("vfio-pci"), Some(3), 0x010802);
+        s.add("0000:02:00.0", Some("nvme"), Some(4), 0x010802);
+        s.add("0000:03:00.0", None, Some(5), 0x020000);
+        s.add("0000:04:00.0", Some("vfio-pci"), Some(6), 0x020000);
+        s.add("0000:04:00.1", Some("e1000e"), Some(6), 0x020000);
+        s.add("0000:05:00.0", Some("vfio-pci"), Some(7), 0x020000);
+        s.add("0000:00:1c.0", Some("pcieport"), Some(7), 0x060400);
+        s.add("0000:06:00.0", Some("vfio-pci"), None, 0x020000);
+        let d = s.devices();
+        assert_eq!(check_lendable(&d, "0000:01:00.0"), Ok(()));
+        assert_eq!(
+            check_lendable(&d, "0000:05:00.0"),
+            Ok(()),
+            "a bridge may share"
+        );
+        let e = check_lendable(&d, "0000:02:00.0").unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("0000:02:00.0 is bound to nvme, not vfio-pci"),
+            "{e}"
+        );
+        let e = check_lendable(&d, "0000:03:00.0").unwrap_err();
+        assert!(e.to_string().contains("bound to no driver"), "{e}");
+        let e = check_lendable(&d, "0000:04:00.0").unwrap_err();
+        assert_eq!(
+            e,
+            BindingError::SharedGroup {
+                bdf: "0000:04:00.0".into(),
+                group: "6".into(),
+                other: "0000:04:00.1".into(),
+                driver: "e1000e".into(),
+            }
+        );
+        assert!(
+            e.to_string()
+                .contains("shares iommu group 6 with 0000:04:00.1"),
+            "{e}"
+        );
+        assert!(matches!(
+            check_lendable(&d, "0000:06:00.0"),
+            Err(BindingError::NoGroup { .. })
+        ));
+        assert!(matches!(
+            check_lendable(&d, "0000:09:00.0"),
+            Err(BindingError::NoDevice { .. })
+        ));
+    }
+}

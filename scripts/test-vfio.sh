@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# Real VFIO in a nested QEMU guest ("L1", docs/VFIO.md): L1 runs Linux 6.1 with QEMU's
+# intel-iommu (interrupt remapping), vfio-pci owns QEMU's NVMe and an e1000e, and an
+# ivshmem-plain BAR backed by a file in a private directory under /dev/shm is the NTB
+# window between L1 and this machine.
+#
+#   scripts/test-vfio.sh
+#
+# One L1 boot serves the cases in a row:
+#   vfio_kernel  lending/tests/vfio_kernel.rs run inside L1 against the NVMe (container,
+#                group, regions, mmap, config gate, IOVA ranges + MSI window refused, DMA
+#                and MSI-X through an admin Identify into the ivshmem BAR, drain, reset);
+#                then this script reads the Identify data the NVMe wrote by DMA from the
+#                ivshmem backing file, out here
+#   lenderd      L1's lenderd lends the vfio-pci functions over the bar fabric (control on
+#                tcp+TLS through QEMU's hostfwd on 127.0.0.1 only, DMA windows in the ivshmem
+#                region); `lendctl list` from out here sees them
+#   tests/tests/vfio.rs (--ignored): a Linux guest of lendvm out here, its RAM inside the
+#                ivshmem file, uses what L1 lends with stock drivers (fio verify on the
+#                NVMe with a replug and an FLR; the e1000e pings the NIC that stays in L1)
+# Builds (or takes from the content-hashed caches) the guest kernel, which also serves as
+# L1's (scripts/build-guest-kernel.sh), the guest's initramfs (tests/linux/make-initramfs.sh)
+# and L1's (tests/vfio/make-l1-initramfs.sh). LENDVM_VFIO_ONLY_L1=1 stops after the
+# two L1 cases.
+# Everything it creates is in private temporary directories (mode 0700), removed at
+# exit; QEMU is killed at exit, on failure too. At most one VM runs.
+#
+# Under CI (CI set) a missing prerequisite (qemu-system-x86_64, /dev/kvm) fails; locally
+# the script says what is missing and exits 0 without running anything.
+# Timeouts (seconds; L1 boots in ~60 s on an idle machine, 5+ min on a loaded one):
+# LENDVM_VFIO_BOOT_TIMEOUT (900),
+# LENDVM_VFIO_TEST_TIMEOUT (600).
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$REPO/tests/linux/lib.sh"
+QEMU=${QEMU:-qemu-system-x86_64}
+BOOT_TIMEOUT=${LENDVM_VFIO_BOOT_TIMEOUT:-900}
+TEST_TIMEOUT=${LENDVM_VFIO_TEST_TIMEOUT:-600}
+WINDOW_MIB=128 # a power of two (QEMU 7.2 asserts on others); mapped pages cost ~125 us in L1
+
+missing=()
+command -v "$QEMU" >/dev/null || missing+=("$QEMU (apt-get install qemu-system-x86)")
+[ -c /dev/kvm ] && [ -w /dev/kvm ] || missing+=("/dev/kvm (read-write)")
+[ -d /dev/shm ] && [ -w /dev/shm ] || missing+=("/dev/shm (writable)")
+if [ ${#missing[@]} -gt 0 ]; then
+	if [ -n "${CI:-}" ]; then
+		die "test-vfio: missing under CI: ${missing[*]}"
+	fi
+	echo "test-vfio: not run, missing: ${missing[*]}" >&2
+	exit 0
+fi
+
+# --- the L1 kernel and initramfs ---------------------------------------------
+ensure_kernel # BZIMAGE (taken as is when set)
+INITRD=$("$REPO/tests/vfio/make-l1-initramfs.sh" | tail -n1)
+[ -f "$INITRD" ] || die "make-l1-initramfs.sh printed no archive"
+log "kernel $BZIMAGE, initramfs $INITRD"
+# lendctl, to ask L1's lenderd from out here.
+cargo build --locked -q -p api --bin lendctl >&2 || die "building lendctl failed"
+LENDCTL=${CARGO_TARGET_DIR:-$REPO/target}/debug/lendctl
+[ -x "$LENDCTL" ] || die "no lendctl at $LENDCTL"
+
+# --- private run directory, shared window, token ---------------------------------
+umask 077
+RUN=$(mktemp -d "${TMPDIR:-/tmp}/lendvm-vfio.XXXXXX")
+SHMDIR=$(mktemp -d /dev/shm/lendvm-vfio.XXXXXX)
+QPID=""
+cleanup() {
+	local rc=$?
+	if [ -n "$QPID" ] && kill -0 "$QPID" 2>/dev/null; then
+		kill "$QPID" 2>/dev/null || true
+		for _ in $(seq 50); do kill -0 "$QPID" 2>/dev/null || break; sleep 0.1; done
+		kill -9 "$QPID" 2>/dev/null || true
+	fi
+	if [ "$rc" != 0 ] && [ -f "$RUN/serial.log" ]; then
+		echo "test-vfio: last lines of L1's console:" >&2
+		tail -n 60 "$RUN/serial.log" >&2
+	fi
+	rm -rf "$RUN" "$SHMDIR"
+	exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+WINDOW=$SHMDIR/window
+truncate -s "${WINDOW_MIB}M" "$WINDOW"
+
+# A loopback port for the hostfwd to L1's lenderd.
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$RUN/token"
+# L1's view (it listens on its user-net address; the region is the ivshmem BAR) and ours
+# (the forwarded loopback port; the region is the file behind the BAR).
+SHM_BDF=0000:01:00.0
+cluster() {
+	cat <<-EOF
+	version = 1
+	token_file = "token"
+
+	[[node]]
+	name = "l1"
+	fabric = "bar"
+	control = "$1"
+	$2
+	EOF
+}
+mkdir -p "$RUN/l1/etc/lendvm"
+cluster "10.0.2.15:7700" "region_device = \"$SHM_BDF\"" >"$RUN/l1/etc/lendvm/cluster.toml"
+cp "$RUN/token" "$RUN/l1/etc/lendvm/token"
+chmod 700 "$RUN/l1/etc/lendvm"
+chmod 600 "$RUN/l1/etc/lendvm/"*
+cluster "127.0.0.1:$PORT" "region = \"$WINDOW\"" >"$RUN/cluster.toml"
+# The initramfs plus a second archive with the cluster file and token (mode 0600 inside;
+# the concatenation is 0600 in the 0700 run directory).
+(cd "$RUN/l1" && find etc | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$RUN/secrets.cpio"
+cat "$INITRD" "$RUN/secrets.cpio" >"$RUN/initrd.cpio"
+rm -f "$RUN/secrets.cpio"
+
+# --- L1 -------------------------------------------------------------------------
+# Fixed slots make the bus numbers fixed: root ports 00:02.0-00:04.0 get buses 1-3.
+NVME_BDF=0000:02:00.0
+NIC_BDF=0000:03:00.0
+truncate -s 64M "$RUN/nvme.img"
+CMDLINE="$LENDVM_BASE_CMDLINE $QEMU_CPU_CMDLINE rdinit=/init lendvm_syscall_fixup intel_iommu=on iommu=pt"
+CTL_MAC=52:54:00:00:00:10 NIC_MAC=52:54:00:00:01:01 PEER_MAC=52:54:00:00:01:02
+NIC_ADDR=169.254.10.1/16 PEER_ADDR=169.254.10.2
+CMDLINE+=" lendvm_ctl=$CTL_MAC,10.0.2.15/24,10.0.2.2 lendvm_peer=$PEER_MAC,$PEER_ADDR/16"
+CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF lendvm_shm=$SHM_BDF lendvm_test=kernel lendvm_lenderd=1"
+nice -n "${LENDVM_NICE:-10}" "$QEMU" -nodefaults -display none -no-reboot \
+	-machine q35,accel=kvm,kernel-irqchip=split -cpu "$QEMU_CPU" -m 384M -smp 1 \
+	-device intel-iommu,intremap=on \
+	-object "memory-backend-file,id=shm0,share=on,mem-path=$WINDOW,size=${WINDOW_MIB}M" \
+	-device pcie-root-port,id=rp1,chassis=1,slot=1,bus=pcie.0,addr=0x2 \
+	-device ivshmem-plain,memdev=shm0,bus=rp1 \
+	-device pcie-root-port,id=rp2,chassis=2,slot=2,bus=pcie.0,addr=0x3 \
+	-drive "id=nvm,if=none,file=$RUN/nvme.img,format=raw" \
+	-device nvme,serial=deadbeef,drive=nvm,bus=rp2 \
+	-device pcie-root-port,id=rp3,chassis=3,slot=3,bus=pcie.0,addr=0x4 \
+	-netdev hubport,id=hp1,hubid=0 -device "e1000e,netdev=hp1,bus=rp3,mac=$NIC_MAC" \
+	-netdev hubport,id=hp2,hubid=0 -device "e1000e,netdev=hp2,bus=pcie.0,addr=0x5,mac=$PEER_MAC" \
+	-netdev "user,id=n0,net=10.0.2.0/24,restrict=on,hostfwd=tcp:127.0.0.1:$PORT-10.0.2.15:7700" \
+	-device "virtio-net-pci,netdev=n0,bus=pcie.0,addr=0x6,mac=$CTL_MAC" \
+	-kernel "$BZIMAGE" -initrd "$RUN/initrd.cpio" -append "$CMDLINE" \
+	-serial "file:$RUN/serial.log" >"$RUN/qemu.log" 2>&1 &
+QPID=$!
+log "L1 started (qemu pid $QPID), window $WINDOW, lenderd at 127.0.0.1:$PORT"
+
+# wait_for PATTERN TIMEOUT WHAT: the console shows PATTERN within TIMEOUT seconds.
+wait_for() {
+	local pat=$1 timeout=$2 what=$3 t0=$SECONDS
+	while ! grep -q -- "$pat" "$RUN/serial.log" 2>/dev/null; do
+		kill -0 "$QPID" 2>/dev/null || { cat "$RUN/qemu.log" >&2; die "L1 exited before $what"; }
+		grep -q "L1-STEP .* fail\|Kernel panic" "$RUN/serial.log" 2>/dev/null \
+			&& die "L1 failed before $what: $(grep -m1 "L1-STEP .* fail\|Kernel panic" "$RUN/serial.log")"
+		[ $((SECONDS - t0)) -lt "$timeout" ] || die "no '$pat' ($what) within ${timeout}s"
+		sleep 1
+	done
+}
+
+wait_for "L1-STEP boot ok" "$BOOT_TIMEOUT" "boot"
+wait_for "L1-STEP bind ok $NIC_BDF" 120 "binding to vfio-pci"
+grep "L1-STEP\|L1-PCI" "$RUN/serial.log" >&2
+
+# --- case vfio_kernel -------------------------------------------------------------
+wait_for "L1-TEST rc=" "$TEST_TIMEOUT" "vfio_kernel"
+grep "VFIO-STEP\|VFIO-OBS\|L1-TEST" "$RUN/serial.log" >&2
+grep -q "L1-TEST rc=0 " "$RUN/serial.log" && grep -q "VFIO-KERNEL-TEST PASS" "$RUN/serial.log" \
+	|| die "vfio_kernel failed in L1"
+# The NVMe's DMA reached the file out here: Identify Controller's model name at byte 24
+# of the data (tests/vfio_kernel.rs IDENTIFY_OFFSET = 0x2000).
+model=$(dd if="$WINDOW" bs=1 skip=$((0x2000 + 24)) count=14 status=none)
+[ "$model" = "QEMU NVMe Ctrl" ] || die "the Identify data is not in the ivshmem file (read '$model')"
+log "PASS vfio_kernel (Identify data read from the window file: '$model')"
+
+# --- case lenderd -------------------------------------------------------------------
+wait_for "L1-LENDERD started" 60 "lenderd start"
+wait_for "lenderd l1 listening" 120 "lenderd listening"
+out=""
+for _ in $(seq 30); do
+	out=$("$LENDCTL" --cluster "$RUN/cluster.toml" --token-file "$RUN/token" list 2>&1) && break
+	sleep 2
+done
+echo "$out" >&2
+for b in "$NVME_BDF" "$NIC_BDF"; do
+	grep -q "$b" <<<"$out" || die "lendctl list does not show $b lent by L1"
+done
+log "PASS lenderd (L1 lends $NVME_BDF and $NIC_BDF through vfio-pci)"
+if [ "${LENDVM_VFIO_ONLY_L1:-0}" = 1 ]; then
+	log "test-vfio: L1 cases passed (LENDVM_VFIO_ONLY_L1=1: the lendvm guest cases not run)"
+	exit 0
+fi
+
+# --- the lendvm guest's cases (tests/tests/vfio.rs) --------------------------------
+cargo build --locked -q -p vmm --bin lendvm >&2 || die "building lendvm failed"
+GUEST_INITRAMFS=$("$REPO/tests/linux/make-initramfs.sh" | tail -n1)
+[ -f "$GUEST_INITRAMFS" ] || die "make-initramfs.sh printed no archive"
+LENDVM_VFIO_CLUSTER=$RUN/cluster.toml LENDVM_VFIO_LENDER=l1 LENDVM_VFIO_REGION=$WINDOW \
+	LENDVM_VFIO_NVME=$NVME_BDF LENDVM_VFIO_DISK=$RUN/nvme.img \
+	LENDVM_VFIO_NIC=$NIC_BDF LENDVM_VFIO_NIC_PEER=$PEER_ADDR LENDVM_VFIO_NIC_ADDR=$NIC_ADDR \
+	LENDVM_LINUX_KERNEL=$BZIMAGE LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS LENDVM_TOKEN="$(cat "$RUN/token")" \
+	nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lendvm-tests --test vfio -- --ignored --test-threads=1 \
+	|| die "tests/tests/vfio.rs failed"
+log "test-vfio: all cases passed"

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Build L1's initramfs (newc cpio, uncompressed) for scripts/test-vfio.sh:
+#   /init             tests/vfio/initramfs/init (binds devices to vfio-pci, runs the
+#                     kernel test, starts lenderd; markers on the console)
+#   /bin/busybox      from Debian's busybox-static
+#   /bin/lenderd      the workspace's lenderd (target/debug)
+#   /bin/vfio_kernel  the test binary of lending/tests/vfio_kernel.rs (target/debug)
+#   /lib*, /usr/lib*  the shared libraries both need (ldd), and the dynamic loader
+#   /dev/console
+#
+#   tests/vfio/make-l1-initramfs.sh
+# Prints the archive's path (last line). The binaries are the workspace's own debug build
+# (cargo, ${CARGO_TARGET_DIR:-target}), dynamically linked, with their libraries copied
+# from this machine: L1 runs this machine's glibc. (A static build, RUSTFLAGS=-C
+# target-feature=+crt-static, would be a second full build of lenderd's dependencies in
+# another target directory: ~30 min on a busy 2-core machine, for the same result.)
+# The archive is cached: ${LENDVM_CACHE:-$HOME/.cache/lendvm}/linux/l1-initramfs-<key>.cpio,
+# key = sha256 of (busybox-static version, this script, the init, both binaries).
+# It holds no secret: the cluster file and token come in a second cpio per run.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../linux/lib.sh"
+VFIO_DIR=$REPO/tests/vfio
+CACHE="${LENDVM_CACHE:-$HOME/.cache/lendvm}/linux"
+ensure_pkgs busybox-static cpio
+BUSYBOX=/bin/busybox
+file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
+file_is_static "$BUSYBOX" || die "$BUSYBOX is not static (is busybox-static installed?)"
+
+log "building lenderd and the vfio_kernel test (cargo, debug)"
+(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo build --locked -q -p lending --bin lenderd >&2) \
+	|| die "building lenderd failed"
+TEST_BIN=$(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lending --test vfio_kernel \
+	--no-run --message-format=json 2>/dev/null \
+	| sed -n 's/.*"executable":"\([^"]*vfio_kernel[^"]*\)".*/\1/p' | tail -n1)
+LENDERD=${CARGO_TARGET_DIR:-$REPO/target}/debug/lenderd
+[ -x "$LENDERD" ] || die "no lenderd at $LENDERD"
+[ -n "$TEST_BIN" ] && [ -x "$TEST_BIN" ] || die "the vfio_kernel test binary was not built"
+
+KEY=$( {
+	dpkg-query -W -f='busybox-static ${Version}\n' busybox-static
+	cat "${BASH_SOURCE[0]}" "$VFIO_DIR/initramfs/init"
+	sha256sum <"$LENDERD"
+	sha256sum <"$TEST_BIN"
+} | sha256sum | cut -c1-16)
+OUT=$CACHE/l1-initramfs-$KEY.cpio
+if [ -f "$OUT" ]; then echo "$OUT"; exit 0; fi
+
+STAGE=$(mktemp -d "${TMPDIR:-/tmp}/lendvm-l1-initramfs.XXXXXX")
+trap 'rm -rf "$STAGE"' EXIT
+mkdir -p "$STAGE"/{bin,dev,proc,sys,tmp,run,etc/lendvm}
+cp "$BUSYBOX" "$STAGE/bin/busybox"
+cp "$LENDERD" "$STAGE/bin/lenderd"
+cp "$TEST_BIN" "$STAGE/bin/vfio_kernel"
+# Symbols and debug info are most of a debug binary's size (150 MB -> 25 MB for lenderd);
+# L1 unpacks the archive in emulated code.
+strip --strip-all "$STAGE/bin/lenderd" "$STAGE/bin/vfio_kernel" || die "strip failed"
+# The libraries and the loader, at the paths the binaries look for them.
+for lib in $(for b in "$LENDERD" "$TEST_BIN"; do ldd "$b"; done | grep -o '/[^ ]*' | sort -u); do
+	mkdir -p "$STAGE$(dirname "$lib")"
+	cp -L "$lib" "$STAGE$lib"
+done
+install -m 0755 "$VFIO_DIR/initramfs/init" "$STAGE/init"
+chmod 0700 "$STAGE/etc/lendvm"
+mknod "$STAGE/dev/console" c 5 1 || die "mknod /dev/console failed (run as root)"
+mkdir -p "$CACHE"
+(cd "$STAGE" && find . -mindepth 1 | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$OUT.tmp"
+mv "$OUT.tmp" "$OUT"
+ls -1t "$CACHE"/l1-initramfs-*.cpio 2>/dev/null | tail -n +3 | xargs -r rm -f
+echo "$OUT"
