@@ -37,7 +37,7 @@ pub const BINDING_LEN: usize = 32;
 /// The exporter label of the channel binding.
 const BINDING_LABEL: &[u8] = b"EXPORTER-lendvm-fabric-channel-binding";
 /// The name both sides use in SNI and the certificate (no meaning: chains are not checked).
-const NAME: &str = "lendvm-fabric";
+pub const NAME: &str = "lendvm-fabric";
 /// How long a closing link waits for the peer to close its side.
 const LINGER: Duration = Duration::from_secs(1);
 /// Plaintext the pump holds for the link before it stops reading the socket.
@@ -99,7 +99,11 @@ impl ServerCertVerifier for BindingOnly {
     }
 }
 
-fn client_config() -> Result<Arc<ClientConfig>> {
+/// The client side of the fabric's one TLS set-up (TLS 1.3 only, ring provider, no chain
+/// check). Public so the fabric benchmark measures a plain rustls stream with exactly the
+/// link's configuration and cipher suite as the limit of an encrypted link; links use
+/// [`client`] and [`server`].
+pub fn client_config() -> Result<Arc<ClientConfig>> {
     static CFG: OnceLock<std::result::Result<Arc<ClientConfig>, String>> = OnceLock::new();
     CFG.get_or_init(|| {
         let p = provider();
@@ -118,7 +122,8 @@ fn client_config() -> Result<Arc<ClientConfig>> {
     .map_err(|e| tls_err("client config", e))
 }
 
-fn server_config() -> Result<Arc<ServerConfig>> {
+/// The server side of [`client_config`]: the process's self-signed certificate.
+pub fn server_config() -> Result<Arc<ServerConfig>> {
     static CFG: OnceLock<std::result::Result<Arc<ServerConfig>, String>> = OnceLock::new();
     CFG.get_or_init(|| {
         let ck = rcgen::generate_simple_self_signed(vec![NAME.to_string()])
