@@ -395,7 +395,7 @@ impl Lender {
         let me = Arc::clone(&self);
         let _counted = SessionCount::new(&me.stats.sessions);
         let source = ntb::source_key(&ep.peer_addr());
-        let share = ep.kind() == FabricKind::Tcp;
+        let share = ep.kind().is_networked();
         let slot = match PreAuthSlot::take(&self.preauth, &source, share) {
             Ok(slot) => slot,
             Err(why) => {
@@ -1423,7 +1423,7 @@ impl Session {
             Arc::clone(&backend),
             // tcp: the identity rule's origin is only an IP (docs/SECURITY.md), so a
             // version 6 lease needs its capability; shm's origin is the process.
-            self.version >= protocol::P2PX_VERSION && self.ep.kind() == FabricKind::Tcp,
+            self.version >= protocol::P2PX_VERSION && self.ep.kind().is_networked(),
         );
         self.leases.insert(
             id,

@@ -57,7 +57,7 @@ fn cluster_src(kind: ntb::FabricKind, dir: &std::path::Path) -> String {
     for n in nodes {
         let control = match kind {
             ntb::FabricKind::Shm => format!("{d}/{n}.sock"),
-            ntb::FabricKind::Tcp => {
+            ntb::FabricKind::Tcp | ntb::FabricKind::Bar => {
                 let port = std::net::TcpListener::bind("127.0.0.1:0")
                     .unwrap()
                     .local_addr()

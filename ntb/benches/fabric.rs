@@ -54,7 +54,7 @@ fn quick() -> bool {
 fn pair(kind: FabricKind, dir: &std::path::Path) -> (Box<dyn Endpoint>, Box<dyn Endpoint>) {
     let addr = match kind {
         FabricKind::Shm => ControlAddr::Unix(dir.join(format!("bench-{kind}.sock"))),
-        _ => ControlAddr::Tcp("127.0.0.1:0".parse().expect("addr")),
+        FabricKind::Tcp | FabricKind::Bar => ControlAddr::Tcp("127.0.0.1:0".parse().expect("addr")),
     };
     let cfg = LinkConfig::default();
     let l = listen_addr(&addr, &NodeId::new("a").expect("id"), &cfg).expect("listen");

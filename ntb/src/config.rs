@@ -14,6 +14,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::fabric::{FabricKind, LinkConfig, NodeId, WindowLimits};
+use crate::region::RegionSpec;
 
 /// Errors of the cluster description; they name the file, line and field.
 #[derive(Debug, thiserror::Error)]
@@ -217,10 +218,10 @@ impl ControlAddr {
                     Ok(ControlAddr::Unix(PathBuf::from(s)))
                 }
             }
-            FabricKind::Tcp => s
+            FabricKind::Tcp | FabricKind::Bar => s
                 .parse::<SocketAddr>()
                 .map(ControlAddr::Tcp)
-                .map_err(|_| format!("tcp control address {s:?} is not ip:port")),
+                .map_err(|_| format!("{kind} control address {s:?} is not ip:port")),
         }
     }
 }
@@ -524,6 +525,11 @@ struct RawNode {
     max_window_size: Option<Spanned<u64>>,
     doorbells: Option<Spanned<u32>>,
     scratchpads: Option<Spanned<u32>>,
+    /// `bar` nodes: this host's view of the shared region, a file ...
+    region: Option<Spanned<String>>,
+    /// ... or BAR `region_bar` (default 2, ivshmem's memory BAR) of a PCI function.
+    region_device: Option<Spanned<String>>,
+    region_bar: Option<Spanned<u8>>,
 }
 
 /// A field name, the span of its value if given, and the verdict.
@@ -741,14 +747,66 @@ impl ClusterConfig {
             let fabric = match n.fabric.get_ref().as_str() {
                 "shm" => FabricKind::Shm,
                 "tcp" => FabricKind::Tcp,
+                "bar" => FabricKind::Bar,
                 other => {
                     return cx.invalid(
                         "fabric",
                         n.fabric.span(),
-                        format!("unknown fabric {other:?}, expected \"shm\" or \"tcp\""),
+                        format!("unknown fabric {other:?}, expected \"shm\", \"tcp\" or \"bar\""),
                     )
                 }
             };
+            let region = match (&n.region, &n.region_device, fabric) {
+                (Some(r), Some(_), _) => {
+                    return cx.invalid(
+                        "region",
+                        r.span(),
+                        "give region or region_device, not both".into(),
+                    )
+                }
+                (Some(r), None, FabricKind::Bar) => Some(
+                    RegionSpec::file(r.get_ref()).or_else(|m| cx.invalid("region", r.span(), m))?,
+                ),
+                (None, Some(d), FabricKind::Bar) => {
+                    let bar = n.region_bar.as_ref().map_or(2, |b| *b.get_ref());
+                    Some(
+                        RegionSpec::pci_bar(d.get_ref(), bar)
+                            .or_else(|m| cx.invalid("region_device", d.span(), m))?,
+                    )
+                }
+                (None, None, FabricKind::Bar) => {
+                    return cx.invalid(
+                        "region",
+                        n.name.span(),
+                        "a bar node needs its shared region: region = PATH (the file behind \
+                         the window) or region_device = \"DDDD:BB:DD.F\" (the PCI function \
+                         whose BAR region_bar, default 2, is the window)"
+                            .into(),
+                    )
+                }
+                (Some(r), None, k) => {
+                    return cx.invalid(
+                        "region",
+                        r.span(),
+                        format!("a {k} node has no shared region (only fabric = \"bar\")"),
+                    )
+                }
+                (None, Some(d), k) => {
+                    return cx.invalid(
+                        "region_device",
+                        d.span(),
+                        format!("a {k} node has no shared region (only fabric = \"bar\")"),
+                    )
+                }
+                (None, None, _) => None,
+            };
+            if let (Some(b), None) = (&n.region_bar, &n.region_device) {
+                return cx.invalid(
+                    "region_bar",
+                    b.span(),
+                    "region_bar needs region_device".into(),
+                );
+            }
             let control = ControlAddr::parse(fabric, n.control.get_ref())
                 .or_else(|m| cx.invalid("control", n.control.span(), m))?;
             if let Some(prev) =
@@ -779,6 +837,7 @@ impl ClusterConfig {
                 link.scratchpads = *v.get_ref();
             }
             link.limits = limits;
+            link.region = region;
             // Name the first field that breaks a rule.
             let checks: [Check<'_>; 4] = [
                 (

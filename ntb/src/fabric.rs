@@ -66,6 +66,23 @@ pub enum FabricKind {
     Shm,
     /// Across hosts: everything as messages over TCP; no direct mappings.
     Tcp,
+    /// Across hosts with a shared region ([`crate::region`]): control, doorbells and
+    /// scratchpads as on tcp, but windows inside the region are mapped directly (the lender
+    /// through a PCI BAR, like an NTB memory window).
+    Bar,
+}
+
+impl FabricKind {
+    /// Whether links of this kind pass file descriptors (memfd windows, eventfd doorbells).
+    pub fn passes_fds(self) -> bool {
+        self == FabricKind::Shm
+    }
+
+    /// Whether links of this kind run over the network (tcp and TLS): per-source limits
+    /// apply, and nothing is shared by fd.
+    pub fn is_networked(self) -> bool {
+        self != FabricKind::Shm
+    }
 }
 
 impl fmt::Display for FabricKind {
@@ -73,6 +90,7 @@ impl fmt::Display for FabricKind {
         f.write_str(match self {
             FabricKind::Shm => "shm",
             FabricKind::Tcp => "tcp",
+            FabricKind::Bar => "bar",
         })
     }
 }
@@ -179,6 +197,9 @@ pub struct LinkConfig {
     /// every exporter in lendvm seals its memfds ([`crate::SharedMemory`], the VMM's guest
     /// RAM); turn it off only for a peer that cannot.
     pub require_sealed_windows: bool,
+    /// The shared region of a `bar` node: its links are `bar` links whose windows inside the
+    /// region are mapped directly ([`crate::region`]). `None` on shm and tcp nodes.
+    pub region: Option<crate::region::RegionSpec>,
 }
 
 impl Default for LinkConfig {
@@ -191,6 +212,7 @@ impl Default for LinkConfig {
             peer_timeout: Duration::from_millis(1500),
             connect_timeout: Duration::from_secs(5),
             require_sealed_windows: true,
+            region: None,
         }
     }
 }
@@ -328,6 +350,8 @@ pub enum FabricError {
     ZeroSizeWindow,
     #[error("memory region of {have:#x} bytes is smaller than window end {need:#x}")]
     RegionTooSmall { have: u64, need: u64 },
+    #[error("shared region {path}: {problem}")]
+    BadRegion { path: String, problem: String },
     #[error(
         "{what} from {peer} is {problem}; refusing to map it (the exporter must create it \
          with MFD_ALLOW_SEALING and add F_SEAL_SHRINK, see ntb::SharedMemory)"

@@ -4,7 +4,8 @@
 //! doorbells and writes their scratchpads, like the Linux NTB API ([`fabric`] explains the
 //! mapping). Two backends run without NTB hardware: [`shm`] (same host, memfd windows and
 //! eventfd doorbells passed over a Unix socket: the data path is plain loads/stores) and
-//! [`tcp`] (across hosts: windows and doorbells as messages). Both carry the control
+//! [`tcp`] (across hosts: windows and doorbells as messages); `bar` links are tcp links with a
+//! shared region ([`region`]) whose windows are mapped directly, as through an NTB BAR. All carry the control
 //! protocol of the lender and borrower ([`Endpoint::request`], [`Endpoint::recv`], with fds on
 //! shm) in the [`wire`] format. [`config`] loads the cluster description.
 
@@ -14,6 +15,7 @@ pub mod fabric;
 mod link;
 pub mod mem;
 pub mod node;
+pub mod region;
 pub mod shm;
 pub mod sock;
 pub mod tcp;
@@ -30,4 +32,5 @@ pub use fabric::{
 pub use link::{RateLimit, MAX_LABEL};
 pub use mem::{MemError, SharedMemory};
 pub use node::{connect_addr, listen_addr, SocketFabric};
+pub use region::{Region, RegionSpec};
 pub use wire::{ErrorReply, WireError};

@@ -3,7 +3,7 @@
 
 use crate::config::{ClusterConfig, ControlAddr, NodeConfig};
 use crate::fabric::{
-    Endpoint, Fabric, FabricError, LinkConfig, Listener, NodeId, PeerInfo, Result,
+    Endpoint, Fabric, FabricError, FabricKind, LinkConfig, Listener, NodeId, PeerInfo, Result,
 };
 use crate::{shm, tcp};
 
@@ -41,7 +41,14 @@ pub struct SocketFabric {
 impl SocketFabric {
     pub fn new(local: NodeConfig, others: Vec<NodeConfig>) -> Result<SocketFabric> {
         local.link.validate()?;
-        if local.control.kind() != local.fabric {
+        let kind_fits = match local.fabric {
+            // A bar node's links are tcp links with its region ([`LinkConfig::region`]).
+            FabricKind::Bar => {
+                local.control.kind() == FabricKind::Tcp && local.link.region.is_some()
+            }
+            k => local.control.kind() == k && local.link.region.is_none(),
+        };
+        if !kind_fits {
             return Err(FabricError::AddressKind(
                 local.fabric,
                 local.control.to_string(),

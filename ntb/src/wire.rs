@@ -295,6 +295,9 @@ pub mod op {
     pub const GOODBYE: u16 = 0x02;
     pub const HEARTBEAT: u16 = 0x03;
     pub const WINDOW_ADD: u16 = 0x10;
+    /// A window inside the link's shared region (`bar`): `fd_offset` is the offset in the
+    /// region, no fd is attached.
+    pub const WINDOW_ADD_SHARED: u16 = 0x14;
     pub const WINDOW_REMOVE: u16 = 0x11;
     pub const WINDOW_READ: u16 = 0x12;
     pub const WINDOW_WRITE: u16 = 0x13;

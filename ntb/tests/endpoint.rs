@@ -35,7 +35,7 @@ fn pair(kind: FabricKind) -> Pair {
     let dir = tempfile::tempdir().unwrap();
     let addr = match kind {
         FabricKind::Shm => ControlAddr::Unix(dir.path().join("a.sock")),
-        FabricKind::Tcp => ControlAddr::Tcp("127.0.0.1:0".parse().unwrap()),
+        FabricKind::Tcp | FabricKind::Bar => ControlAddr::Tcp("127.0.0.1:0".parse().unwrap()),
     };
     let l = listen_addr(&addr, &NodeId::new("a").unwrap(), &cfg()).unwrap();
     let addr = l.local_addr();
@@ -458,7 +458,7 @@ fn shm_windows_of_the_same_memory_share_a_backing_id() {
             p.a.map_peer_window(p.a.wait_peer_window("same", T).unwrap().id);
         let (one, same) = (one.unwrap(), same.unwrap());
         match kind {
-            FabricKind::Tcp => {
+            FabricKind::Tcp | FabricKind::Bar => {
                 assert_eq!(one.backing_id(), None);
                 assert_eq!(same.backing_id(), None);
                 return;

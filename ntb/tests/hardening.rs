@@ -225,7 +225,7 @@ fn silent_peer_does_not_delay(kind: FabricKind) {
     let cfg = victim_cfg(Duration::from_secs(60));
     let (l, addr) = match kind {
         FabricKind::Shm => shm_listener(&dir, "lender", &cfg),
-        FabricKind::Tcp => tcp_listener("lender", &cfg),
+        FabricKind::Tcp | FabricKind::Bar => tcp_listener("lender", &cfg),
     };
     let silent = match &addr {
         ControlAddr::Unix(p) => RawStream::Unix(UnixStream::connect(p).unwrap()),
@@ -265,7 +265,7 @@ fn trickled_handshake_is_cut_off(kind: FabricKind) {
     let cfg = victim_cfg(Duration::from_millis(500));
     let (l, addr) = match kind {
         FabricKind::Shm => shm_listener(&dir, "lender", &cfg),
-        FabricKind::Tcp => tcp_listener("lender", &cfg),
+        FabricKind::Tcp | FabricKind::Bar => tcp_listener("lender", &cfg),
     };
     let acceptor = std::thread::spawn(move || l.accept(Some(Duration::from_secs(8))).err());
     let bytes: Vec<u8> = match kind {
@@ -283,7 +283,7 @@ fn trickled_handshake_is_cut_off(kind: FabricKind) {
             wire::encode_frame(0, op::HELLO, 1, &wire::encode_payload(&hello).unwrap(), 0).unwrap()
         }
         // A TLS handshake record of 512 bytes, most of which never comes in time.
-        FabricKind::Tcp => {
+        FabricKind::Tcp | FabricKind::Bar => {
             let mut b = vec![0x16, 0x03, 0x01, 0x02, 0x00];
             b.resize(60, 0);
             b

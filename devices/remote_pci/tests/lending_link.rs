@@ -211,7 +211,7 @@ fn start_lender(
                 "[[node]]\nname = \"{name}\"\nfabric = \"shm\"\ncontrol = \"{d}/{name}.sock\"\n"
             )
         }
-        FabricKind::Tcp => {
+        FabricKind::Tcp | FabricKind::Bar => {
             let port = std::net::TcpListener::bind("127.0.0.1:0")
                 .unwrap()
                 .local_addr()

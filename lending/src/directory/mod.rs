@@ -174,6 +174,13 @@ impl NodeRecord {
         let fabric = match self.fabric.as_str() {
             "shm" => FabricKind::Shm,
             "tcp" => FabricKind::Tcp,
+            // Each host names its own view of a bar node's shared region (a file here, a BAR
+            // there), which a cluster-wide record cannot carry.
+            "bar" => {
+                return Err(bad(
+                    "a bar node's shared region is per host: describe it in a cluster file".into(),
+                ))
+            }
             other => return Err(bad(format!("unknown fabric {other:?}"))),
         };
         let control = ControlAddr::parse(fabric, &self.control).map_err(bad)?;
@@ -190,6 +197,7 @@ impl NodeRecord {
             peer_timeout: Duration::from_millis(self.peer_timeout_ms),
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             require_sealed_windows: self.require_sealed_windows,
+            region: None,
         };
         link.validate().map_err(|e| bad(e.to_string()))?;
         Ok(NodeConfig {

@@ -72,7 +72,7 @@ pub fn cluster_in(dir: tempfile::TempDir, kind: FabricKind) -> Cluster {
                 "[[node]]\nname = \"{name}\"\nfabric = \"shm\"\ncontrol = \"{d}/{name}.sock\"\n"
             )
         }
-        FabricKind::Tcp => format!(
+        FabricKind::Tcp | FabricKind::Bar => format!(
             "[[node]]\nname = \"{name}\"\nfabric = \"tcp\"\ncontrol = \"127.0.0.1:{}\"\n",
             free_tcp_port()
         ),

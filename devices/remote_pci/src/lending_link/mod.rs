@@ -292,7 +292,7 @@ impl LendingLink {
             Arc::new(LendingP2p {
                 lender: client.hello().node.clone(),
                 capability: client.protocol_version() >= protocol::P2PX_VERSION
-                    && kind == FabricKind::Tcp,
+                    && kind.is_networked(),
                 bars: pinfo
                     .bars
                     .iter()
@@ -565,7 +565,7 @@ impl RemoteDeviceLink for LendingLink {
     }
 
     fn irq_counts(&self) -> Option<Vec<u64>> {
-        (self.kind == FabricKind::Tcp).then(|| {
+        self.kind.is_networked().then(|| {
             self.sink
                 .counts
                 .lock()

@@ -1,0 +1,190 @@
+//! The connected stream under a link (Unix socket, or a TLS pump's plaintext end) and its
+//! framing: frames with fds, bounded reads.
+
+use super::*;
+
+/// A connected stream socket.
+#[derive(Debug)]
+pub(crate) enum Stream {
+    Unix(UnixStream),
+    /// A tcp link's plaintext, through the TLS pump ([`crate::tls`]).
+    Tls(UnixStream),
+}
+
+impl Stream {
+    pub(crate) fn kind(&self) -> FabricKind {
+        match self {
+            Stream::Unix(_) => FabricKind::Shm,
+            Stream::Tls(_) => FabricKind::Tcp,
+        }
+    }
+
+    /// The peer's address (see [`crate::Endpoint::peer_addr`]).
+    pub(crate) fn peer_desc(&self) -> String {
+        match self {
+            Stream::Tls(_) => String::new(),
+            Stream::Unix(s) => match crate::sock::peer_cred(s) {
+                Ok(cred) => format!("unix:uid={},pid={}", cred.uid, cred.pid),
+                Err(_) => "unix:unknown".into(),
+            },
+        }
+    }
+
+    pub(super) fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tls(s) => Stream::Tls(s.try_clone()?),
+        })
+    }
+
+    pub(super) fn shutdown(&self) {
+        let _ = match self {
+            Stream::Unix(s) | Stream::Tls(s) => s.shutdown(Shutdown::Both),
+        };
+    }
+
+    pub(super) fn set_timeouts(&self, t: Duration) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) | Stream::Tls(s) => {
+                s.set_read_timeout(Some(t))?;
+                s.set_write_timeout(Some(t))
+            }
+        }
+    }
+
+    pub(super) fn write_frame(&self, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => {
+                let mut off = 0;
+                if !fds.is_empty() {
+                    off = s
+                        .send_with_fds(&[bytes], fds)
+                        .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+                }
+                (&*s).write_all(bytes.get(off..).unwrap_or_default())
+            }
+            Stream::Tls(s) => (&*s).write_all(bytes),
+        }
+    }
+
+    pub(super) fn read_some(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+        match self {
+            Stream::Tls(s) => (&*s).read(buf),
+            Stream::Unix(s) => {
+                let mut raw = [-1 as RawFd; MAX_FDS];
+                let mut iov = [libc::iovec {
+                    iov_base: buf.as_mut_ptr().cast(),
+                    iov_len: buf.len(),
+                }];
+                // SAFETY: the iovec points at `buf`, which we borrow mutably for the call.
+                let (n, nfds) = unsafe { s.recv_with_fds(&mut iov, &mut raw) }
+                    .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+                for &fd in raw.iter().take(nfds) {
+                    // SAFETY: recvmsg gave us these new fds; we are their only owner.
+                    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+                    // SAFETY: fcntl on a valid fd we own.
+                    unsafe { libc::fcntl(owned.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+                    fds.push(owned);
+                }
+                Ok(n)
+            }
+        }
+    }
+
+    pub(super) fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) | Stream::Tls(s) => s.set_read_timeout(Some(t)),
+        }
+    }
+
+    /// Reads all of `buf`; with a `deadline`, the whole read ends by then however slowly the
+    /// peer trickles bytes (each read's timeout is the time left).
+    pub(super) fn read_exact(
+        &self,
+        mut buf: &mut [u8],
+        fds: &mut Vec<OwnedFd>,
+        deadline: Option<Instant>,
+    ) -> io::Result<()> {
+        while !buf.is_empty() {
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::from(io::ErrorKind::TimedOut));
+                }
+                self.set_read_timeout(left)?;
+            }
+            match self.read_some(buf, fds) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                Ok(n) => buf = &mut buf[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why reading a frame failed.
+pub(super) enum ReadError {
+    Closed,
+    TimedOut,
+    Io(io::Error),
+    Protocol(String),
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadError::Closed => write!(f, "connection closed"),
+            ReadError::TimedOut => write!(f, "no heartbeat within the peer timeout"),
+            ReadError::Io(e) => write!(f, "receive failed: {e}"),
+            ReadError::Protocol(m) => write!(f, "protocol error: {m}"),
+        }
+    }
+}
+
+pub(super) fn read_frame(
+    s: &Stream,
+) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
+    read_frame_until(s, None)
+}
+
+/// [`read_frame`] that fails once `deadline` passes (the handshake's bound).
+pub(super) fn read_frame_until(
+    s: &Stream,
+    deadline: Option<Instant>,
+) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
+    let conv = |e: io::Error| match e.kind() {
+        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => ReadError::Closed,
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ReadError::TimedOut,
+        _ => ReadError::Io(e),
+    };
+    let mut fds = Vec::new();
+    let mut hb = [0u8; HEADER_LEN];
+    s.read_exact(&mut hb, &mut fds, deadline).map_err(conv)?;
+    let h = Header::decode(&hb).map_err(|e| ReadError::Protocol(e.to_string()))?;
+    let mut payload = vec![0u8; h.len as usize];
+    s.read_exact(&mut payload, &mut fds, deadline)
+        .map_err(conv)?;
+    if fds.len() != h.fds as usize {
+        return Err(ReadError::Protocol(format!(
+            "frame announces {} fds but {} arrived",
+            h.fds,
+            fds.len()
+        )));
+    }
+    Ok((h, payload, fds))
+}
+
+pub(super) fn send_raw(
+    s: &Stream,
+    flags: u8,
+    opcode: u16,
+    id: u64,
+    payload: &[u8],
+    fds: &[RawFd],
+) -> Result<()> {
+    let bytes = wire::encode_frame(flags, opcode, id, payload, fds.len())?;
+    s.write_frame(&bytes, fds)
+        .map_err(FabricError::io("send frame"))
+}

@@ -1,0 +1,276 @@
+//! Windows: exporting local memory, and peer windows mapped directly (shm) or served by
+//! messages (tcp).
+
+use super::*;
+
+/// A peer window mapped with `mmap` (shm, and `bar` windows in the shared region).
+pub(super) struct DirectWindow {
+    pub(super) inner: Arc<Inner>,
+    pub(super) info: WindowInfo,
+    pub(super) map: Arc<Mapping>,
+    /// The exporter's file and range, taken when it was mapped.
+    pub(super) backing: BackingId,
+}
+
+impl DirectWindow {
+    pub(super) fn check(&self) -> Result<()> {
+        if self.map.is_severed() {
+            if self.inner.is_gone() {
+                return Err(self.inner.gone_err());
+            }
+            return Err(FabricError::WindowRevoked(self.info.id));
+        }
+        Ok(())
+    }
+}
+
+impl PeerWindow for DirectWindow {
+    fn info(&self) -> &WindowInfo {
+        &self.info
+    }
+    fn as_ptr(&self) -> Result<*mut u8> {
+        self.check()?;
+        Ok(self.map.as_ptr())
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check()?;
+        Ok(self.map.read_at(offset, buf)?)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check()?;
+        Ok(self.map.write_at(offset, data)?)
+    }
+    fn is_live(&self) -> bool {
+        !self.map.is_severed()
+    }
+    fn backing_id(&self) -> Option<BackingId> {
+        Some(self.backing)
+    }
+}
+
+/// A peer window reached by messages (tcp).
+pub(super) struct MessageWindow {
+    pub(super) inner: Arc<Inner>,
+    pub(super) info: WindowInfo,
+}
+
+pub(super) type ReplyRx = mpsc::Receiver<Result<Message>>;
+
+/// Requests kept in flight by batched window transfers.
+pub(super) const PIPELINE: usize = 4;
+
+impl MessageWindow {
+    pub(super) fn check(&self, offset: u64, len: usize) -> Result<()> {
+        self.inner.check_up()?;
+        if !lock(&self.inner.state)
+            .peer_windows
+            .contains_key(&self.info.id)
+        {
+            return Err(FabricError::WindowRevoked(self.info.id));
+        }
+        crate::mem::check_range(offset, len as u64, self.info.size).map_err(|_| {
+            FabricError::OutOfRange {
+                offset,
+                len: len as u64,
+                size: self.info.size,
+            }
+        })
+    }
+
+    pub(super) fn finish(&self, id: u64, rx: &mpsc::Receiver<Result<Message>>) -> Result<Message> {
+        self.inner
+            .wait_reply(id, rx, IO_TIMEOUT)
+            .map_err(|e| match e {
+                FabricError::Remote(r) if r.code == code::UNKNOWN_WINDOW => {
+                    FabricError::WindowRevoked(self.info.id)
+                }
+                e => e,
+            })
+    }
+}
+
+impl PeerWindow for MessageWindow {
+    fn info(&self) -> &WindowInfo {
+        &self.info
+    }
+    fn as_ptr(&self) -> Result<*mut u8> {
+        Err(FabricError::DirectMappingUnsupported {
+            kind: self.inner.kind,
+        })
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check(offset, buf.len())?;
+        let mut inflight: VecDeque<(u64, ReplyRx, &mut [u8])> = VecDeque::new();
+        let mut off = offset;
+        for chunk in buf.chunks_mut(wire::MAX_DATA_CHUNK) {
+            let req = msg::WindowRead {
+                id: self.info.id,
+                offset: off,
+                len: chunk.len() as u32,
+            };
+            off += chunk.len() as u64;
+            let (id, rx) =
+                self.inner
+                    .start_request(op::WINDOW_READ, &wire::encode_payload(&req)?, &[])?;
+            inflight.push_back((id, rx, chunk));
+            if inflight.len() >= PIPELINE {
+                if let Some((id, rx, dst)) = inflight.pop_front() {
+                    copy_reply(self.finish(id, &rx)?, dst)?;
+                }
+            }
+        }
+        while let Some((id, rx, dst)) = inflight.pop_front() {
+            copy_reply(self.finish(id, &rx)?, dst)?;
+        }
+        Ok(())
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        let mut inflight = VecDeque::new();
+        let mut off = offset;
+        for chunk in data.chunks(wire::MAX_DATA_CHUNK) {
+            let mut p = wire::encode_payload(&msg::WindowWrite {
+                id: self.info.id,
+                offset: off,
+            })?;
+            p.extend_from_slice(chunk);
+            off += chunk.len() as u64;
+            inflight.push_back(self.inner.start_request(op::WINDOW_WRITE, &p, &[])?);
+            if inflight.len() >= PIPELINE {
+                if let Some((id, rx)) = inflight.pop_front() {
+                    self.finish(id, &rx)?;
+                }
+            }
+        }
+        while let Some((id, rx)) = inflight.pop_front() {
+            self.finish(id, &rx)?;
+        }
+        Ok(())
+    }
+    fn is_live(&self) -> bool {
+        !self.inner.is_gone()
+            && lock(&self.inner.state)
+                .peer_windows
+                .contains_key(&self.info.id)
+    }
+}
+
+pub(super) fn copy_reply(m: Message, dst: &mut [u8]) -> Result<()> {
+    if m.payload.len() != dst.len() {
+        return Err(FabricError::Remote(ErrorReply::new(
+            code::INTERNAL,
+            format!(
+                "read reply has {} bytes, asked for {}",
+                m.payload.len(),
+                dst.len()
+            ),
+        )));
+    }
+    dst.copy_from_slice(&m.payload);
+    Ok(())
+}
+
+impl LinkEndpoint {
+    /// Exports a window as `how` says ([`Export`]).
+    pub(super) fn export(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        size: u64,
+        label: &str,
+        how: Export,
+    ) -> Result<ExportedWindow> {
+        let mediated = how == Export::Mediated;
+        let inner = &self.inner;
+        inner.check_up()?;
+        inner.cfg.limits.check_window(offset, size)?;
+        if label.len() > MAX_LABEL {
+            return Err(FabricError::BadLimits(format!(
+                "window label of {} bytes exceeds {MAX_LABEL}",
+                label.len()
+            )));
+        }
+        let need = offset.checked_add(size).ok_or(FabricError::Oversized {
+            size,
+            max: inner.cfg.limits.max_size,
+        })?;
+        let have = fd_size(fd)?;
+        if have < need {
+            return Err(FabricError::RegionTooSmall { have, need });
+        }
+        if let (Export::Shared, Some(r)) = (how, &inner.region) {
+            r.check_range(offset, size)
+                .map_err(|problem| FabricError::BadRegion {
+                    path: r.path().display().to_string(),
+                    problem,
+                })?;
+        }
+        // Served by this end (tcp, or mediated): map exactly the window's range.
+        let map = if mediated {
+            Some(Arc::new(Mapping::map_shared(fd, offset, size)?))
+        } else {
+            None
+        };
+        let id = {
+            let mut st = lock(&inner.state);
+            let max = inner.cfg.limits.max_windows;
+            if st.exported.len() >= max as usize {
+                return Err(FabricError::WindowLimit { max });
+            }
+            let id = st.next_window;
+            st.next_window = st.next_window.wrapping_add(1).max(1);
+            st.exported.insert(id, map);
+            id
+        };
+        let add = msg::WindowAdd {
+            id,
+            size,
+            fd_offset: offset,
+            label: label.to_string(),
+        };
+        let (opcode, fds): (u16, Vec<RawFd>) = match how {
+            Export::Fd => (op::WINDOW_ADD, vec![fd.as_raw_fd()]),
+            Export::Mediated => (op::WINDOW_ADD, Vec::new()),
+            // The peer maps the same offset of its own view of the region.
+            Export::Shared => (op::WINDOW_ADD_SHARED, Vec::new()),
+        };
+        if let Err(e) = wire::encode_payload(&add)
+            .map_err(FabricError::from)
+            .and_then(|p| inner.send_frame(0, opcode, 0, &p, &fds))
+        {
+            lock(&inner.state).exported.remove(&id);
+            return Err(e);
+        }
+        let weak = Arc::downgrade(inner);
+        let info = WindowInfo {
+            id,
+            size,
+            label: label.to_string(),
+        };
+        Ok(ExportedWindow::new(
+            info,
+            Box::new(move || {
+                let Some(inner) = weak.upgrade() else { return };
+                let was = lock(&inner.state).exported.remove(&id).is_some();
+                if was && !inner.is_gone() {
+                    if let Ok(p) = wire::encode_payload(&msg::WindowRemove { id }) {
+                        let _ = inner.send_frame(0, op::WINDOW_REMOVE, 0, &p, &[]);
+                    }
+                }
+            }),
+        ))
+    }
+}
+
+/// How a window reaches the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Export {
+    /// Its memfd is passed (shm).
+    Fd,
+    /// This end serves the peer's reads and writes from its own mapping of the range (tcp,
+    /// or on request).
+    Mediated,
+    /// It lies in the link's shared region: the peer maps the same offset of its own view
+    /// of the region (`bar`).
+    Shared,
+}

@@ -1,0 +1,210 @@
+//! The shared region of a `bar` link: memory that both ends of a link map, the lender through
+//! a PCI BAR and the borrower through the file behind it.
+//!
+//! On NTB hardware a lender reaches a borrower's memory through a BAR of its NTB function
+//! (Linux `ntb_hw_*` memory windows, a Switchtec or Dolphin adapter): the BAR is translated
+//! onto the borrower's RAM. Here an ivshmem-plain device of a QEMU guest ("L1") plays that BAR:
+//! its memory is a file in `/dev/shm` on the outer machine, which the borrower maps and puts
+//! its guest RAM into, and L1 maps the same memory from sysfs (`resource2`). A window on such a
+//! link is an offset and a size inside the region; no fd crosses the link.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::fabric::FabricError;
+
+/// Where a node's shared region is found (`region`, or `region_device` with `region_bar`, in
+/// the cluster file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionSpec {
+    path: PathBuf,
+}
+
+impl RegionSpec {
+    /// A file: the borrower's backing file (`/dev/shm/NAME`), or a sysfs `resourceN` path.
+    pub fn file(path: impl Into<PathBuf>) -> Result<RegionSpec, String> {
+        let path = path.into();
+        if !path.is_absolute() {
+            return Err(format!(
+                "shared region {} must be an absolute path",
+                path.display()
+            ));
+        }
+        Ok(RegionSpec { path })
+    }
+
+    /// BAR `bar` of the PCI function `bdf` (`0000:00:03.0`), mapped from sysfs.
+    pub fn pci_bar(bdf: &str, bar: u8) -> Result<RegionSpec, String> {
+        if !is_bdf(bdf) {
+            return Err(format!(
+                "region_device {bdf:?} is not a PCI address like 0000:00:03.0"
+            ));
+        }
+        if bar > 5 {
+            return Err(format!("region_bar {bar} is not a BAR index (0..=5)"));
+        }
+        Ok(RegionSpec {
+            path: Path::new("/sys/bus/pci/devices")
+                .join(bdf)
+                .join(format!("resource{bar}")),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// `DDDD:BB:DD.F` with hex digits.
+fn is_bdf(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 12
+        && b.iter().enumerate().all(|(i, &c)| match i {
+            4 | 7 => c == b':',
+            10 => c == b'.',
+            11 => (b'0'..=b'7').contains(&c),
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
+/// An opened shared region: its file, size and identity.
+#[derive(Debug)]
+pub struct Region {
+    fd: Arc<OwnedFd>,
+    size: u64,
+    dev: u64,
+    ino: u64,
+    path: PathBuf,
+}
+
+impl Region {
+    /// Opens the region read-write. Its size must be a power of two, as any PCI BAR's is
+    /// (QEMU refuses an ivshmem memory of another size): a file of another size cannot be
+    /// the memory behind a BAR.
+    pub fn open(spec: &RegionSpec) -> Result<Region, FabricError> {
+        let bad = |problem: String| FabricError::BadRegion {
+            path: spec.path.display().to_string(),
+            problem,
+        };
+        let file: File = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&spec.path)
+            .map_err(|e| bad(format!("cannot open it read-write: {e}")))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| bad(format!("cannot stat it: {e}")))?;
+        let size = meta.len();
+        if size == 0 || !size.is_power_of_two() {
+            return Err(bad(format!(
+                "its size {size:#x} is not a power of two (a PCI BAR's always is)"
+            )));
+        }
+        Ok(Region {
+            fd: Arc::new(OwnedFd::from(file)),
+            size,
+            dev: meta.dev(),
+            ino: meta.ino(),
+            path: spec.path.clone(),
+        })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn fd(&self) -> &Arc<OwnedFd> {
+        &self.fd
+    }
+
+    /// Whether `fd` is this region's file (same device and inode).
+    pub fn holds(&self, fd: BorrowedFd<'_>) -> Result<bool, FabricError> {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+        // SAFETY: fstat writes into the valid, properly sized stat buffer; the fd is borrowed
+        // live for the call.
+        if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } < 0 {
+            return Err(FabricError::Io {
+                op: "fstat a window's file",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: fstat succeeded, so the buffer is initialised.
+        let st = unsafe { st.assume_init() };
+        Ok(st.st_dev == self.dev && st.st_ino == self.ino)
+    }
+
+    /// Checks that `[offset, offset + size)` lies inside the region.
+    pub fn check_range(&self, offset: u64, size: u64) -> Result<(), String> {
+        match offset.checked_add(size) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(format!(
+                "range {offset:#x}+{size:#x} is outside the {:#x}-byte shared region {}",
+                self.size,
+                self.path.display()
+            )),
+        }
+    }
+}
+
+impl AsFd for Region {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_name_what_is_wrong() {
+        assert!(RegionSpec::file("rel/path")
+            .unwrap_err()
+            .contains("absolute"));
+        let s = RegionSpec::pci_bar("0000:00:03.0", 2).unwrap();
+        assert_eq!(
+            s.path(),
+            Path::new("/sys/bus/pci/devices/0000:00:03.0/resource2")
+        );
+        assert!(RegionSpec::pci_bar("00:03.0", 2)
+            .unwrap_err()
+            .contains("not a PCI address"));
+        assert!(RegionSpec::pci_bar("0000:00:03.0", 6)
+            .unwrap_err()
+            .contains("not a BAR index"));
+    }
+
+    #[test]
+    fn a_region_must_be_a_power_of_two_and_ranges_stay_inside() {
+        let dir = std::env::temp_dir().join(format!("ntb-region-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let odd = dir.join("odd");
+        std::fs::write(&odd, vec![0u8; 3 * 4096]).unwrap();
+        let e = Region::open(&RegionSpec::file(&odd).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("not a power of two"), "{e}");
+        let missing = Region::open(&RegionSpec::file(dir.join("missing")).unwrap()).unwrap_err();
+        assert!(missing.to_string().contains("cannot open"), "{missing}");
+        let ok = dir.join("ok");
+        let f = File::create(&ok).unwrap();
+        f.set_len(1 << 20).unwrap();
+        let r = Region::open(&RegionSpec::file(&ok).unwrap()).unwrap();
+        assert_eq!(r.size(), 1 << 20);
+        assert!(r.holds(File::open(&ok).unwrap().as_fd()).unwrap());
+        assert!(!r.holds(File::open(&odd).unwrap().as_fd()).unwrap());
+        r.check_range(0, 1 << 20).unwrap();
+        assert!(r
+            .check_range(4096, 1 << 20)
+            .unwrap_err()
+            .contains("outside"));
+        assert!(r.check_range(u64::MAX, 2).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
