@@ -88,7 +88,7 @@ loadavg() { cut -d' ' -f1-3 /proc/loadavg; }
 # Prerequisites, checked before anything is built so a missing one fails in seconds.
 needs() { [[ " ${sections[*]} " == *" $1 "* ]]; }
 if needs hotplug || needs migration; then
-	[ -r /dev/kvm ] && [ -w /dev/kvm ] ||
+	[ -c /dev/kvm ] && [ -r /dev/kvm ] && [ -w /dev/kvm ] ||
 		die "hotplug/migration need /dev/kvm (read-write) for lendvm's guests; not available here"
 fi
 if needs directory; then
