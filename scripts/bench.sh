@@ -100,7 +100,8 @@ if needs guest; then
 		die "guest needs QEMU (apt-get install qemu-system-x86; scripts/bench-guest.sh installs it as root)"
 fi
 
-# Builds once: every binary the benches start (lendvm, lenderd, lendctl) and the bench
+# Builds once (all benches are run with --workspace, so one feature set and no rebuild per
+# section): every binary the benches start (lendvm, lenderd, lendctl) and the bench
 # executables, in the profile they run in (they find the binaries beside themselves).
 log "building binaries and benches ($profile profile)"
 t0=$(date +%s)
@@ -116,14 +117,14 @@ log "built in $(($(date +%s) - t0)) s"
 
 bench_cmd() { # section -> the command that runs it
 	case $1 in
-	fabric) echo "cargo bench --profile $profile --locked -p ntb --bench fabric" ;;
-	emulated) echo "cargo bench --profile $profile --locked -p emulated --bench nvme" ;;
-	lent) echo "cargo bench --profile $profile --locked -p lending --bench nvme_lent" ;;
-	hotplug) echo "cargo bench --profile $profile --locked -p vmm --bench hotplug" ;;
-	p2p) echo "cargo bench --profile $profile --locked -p lending --bench p2p" ;;
-	pin) echo "cargo bench --profile $profile --locked -p vmm --bench pin" ;;
-	directory) echo "cargo bench --profile $profile --locked -p api --bench directory" ;;
-	migration) echo "cargo bench --profile $profile --locked -p lendvm-tests --bench migration" ;;
+	fabric) echo "cargo bench --profile $profile --locked --workspace --bench fabric" ;;
+	emulated) echo "cargo bench --profile $profile --locked --workspace --bench nvme" ;;
+	lent) echo "cargo bench --profile $profile --locked --workspace --bench nvme_lent" ;;
+	hotplug) echo "cargo bench --profile $profile --locked --workspace --bench hotplug" ;;
+	p2p) echo "cargo bench --profile $profile --locked --workspace --bench p2p" ;;
+	pin) echo "cargo bench --profile $profile --locked --workspace --bench pin" ;;
+	directory) echo "cargo bench --profile $profile --locked --workspace --bench directory" ;;
+	migration) echo "cargo bench --profile $profile --locked --workspace --bench migration" ;;
 	guest) if [ "$quick" = 1 ]; then
 		echo "scripts/bench-guest.sh --no-docs --configs lendvm-shm-irq-dbbuf-on,qemu-nvme"
 	elif [ "$docs" = 1 ]; then echo "scripts/bench-guest.sh"; else echo "scripts/bench-guest.sh --no-docs"; fi ;;
