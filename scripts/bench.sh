@@ -111,7 +111,7 @@ for b in lendvm lenderd lendctl; do
 	[ -x "$CARGO_TARGET_DIR/$pdir/$b" ] ||
 		die "$CARGO_TARGET_DIR/$pdir/$b missing after the build (no $profile build of $b)"
 done
-nice -n 10 cargo bench --profile "$profile" --workspace --locked --no-run >&2 ||
+nice -n 10 cargo bench --profile "$profile" --workspace --benches --locked --no-run >&2 ||
 	die "cargo bench --no-run failed"
 log "built in $(($(date +%s) - t0)) s"
 

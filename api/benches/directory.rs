@@ -188,6 +188,9 @@ impl FakeLenders {
 fn serve(ep: &dyn ntb::Endpoint, name: &str, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         match ep.recv(Duration::from_millis(200)) {
+            Ok(Incoming::Request { id, msg }) if msg.opcode == opcode::AUTH => {
+                let _ = ep.reply(id, Ok(Message::raw(msg.opcode, auth_reply(ep, name, &msg))));
+            }
             Ok(Incoming::Request { id, msg }) => {
                 let reply = match Request::decode(msg.opcode, &msg.payload) {
                     Ok(Request::Hello(_)) => protocol::encode_reply(
@@ -213,6 +216,34 @@ fn serve(ep: &dyn ntb::Endpoint, name: &str, stop: &AtomicBool) {
             Err(_) => return,
         }
     }
+}
+
+/// The lender's side of the AUTH challenge-response (as lenderd answers it), so `lendctl`
+/// accepts the fake lender: our nonce and our proof of the cluster token.
+fn auth_reply(ep: &dyn ntb::Endpoint, name: &str, msg: &Message) -> Vec<u8> {
+    use lending::auth::{self, Role, Transcript};
+    use lending::protocol::{AuthChallenge, AuthResponse};
+    let c: AuthChallenge = protocol::decode_reply(opcode::AUTH, &msg.payload).unwrap();
+    let nonce = auth::nonce().unwrap();
+    let borrower = ep.peer_node().to_string();
+    let binding = ep.channel_binding();
+    let t = Transcript {
+        borrower_nonce: &c.nonce,
+        lender_nonce: &nonce,
+        borrower: &borrower,
+        lender: name,
+        binding: &binding,
+    };
+    let proof = t.prove(TOKEN, Role::Lender).unwrap();
+    protocol::encode_reply(
+        opcode::AUTH,
+        &AuthResponse {
+            node: name.to_string(),
+            nonce: nonce.to_vec(),
+            proof: proof.to_vec(),
+        },
+    )
+    .unwrap()
 }
 
 impl Drop for FakeLenders {

@@ -359,7 +359,11 @@ fn main() {
             .unwrap_or(d)
     };
     let quick = std::env::var("LENDVM_BENCH_QUICK").is_ok_and(|v| v == "1");
-    let (reps0, per0, warm0) = if quick { (1.0, 0.05, 0.02) } else { (7.0, 0.3, 0.2) };
+    let (reps0, per0, warm0) = if quick {
+        (1.0, 0.05, 0.02)
+    } else {
+        (7.0, 0.3, 0.2)
+    };
     let reps = env_f("NVME_LENT_BENCH_REPS", reps0).max(1.0) as usize;
     let secs = env_f("NVME_LENT_BENCH_SECS", per0 * reps as f64);
     let warm = env_f("NVME_LENT_BENCH_WARMUP", warm0);
@@ -600,8 +604,11 @@ fn main() {
     }
     std::fs::write(&out, j).unwrap();
     std::fs::write(&svg_path, svg(&rows)).unwrap();
-    std::fs::write(out.with_file_name("lent.md"), markdown(&rows, &checks, reps, secs, warm, pin))
-        .unwrap();
+    std::fs::write(
+        out.with_file_name("lent.md"),
+        markdown(&rows, &checks, reps, secs, warm, pin),
+    )
+    .unwrap();
     println!(
         "wrote {} and {} in {:.0} s",
         out.display(),
@@ -611,7 +618,14 @@ fn main() {
 }
 
 /// The fragment for docs/BENCHMARKS.md: every figure from this run's rows and checks.
-fn markdown(rows: &[Row], checks: &[Check], reps: usize, secs: f64, warm: f64, pin: bool) -> String {
+fn markdown(
+    rows: &[Row],
+    checks: &[Check],
+    reps: usize,
+    secs: f64,
+    warm: f64,
+    pin: bool,
+) -> String {
     let mut md = format!(
         "{reps} repetition(s) of {:.2} s per case and side after {warm} s warm-up, local and lent interleaved; threads pinned: {pin}; backing files on tmpfs. Median [min–max] over repetitions; the ratio and the added p50 are paired per repetition. Unit: IOPS for 4k, MiB/s for 128k.\n\n",
         secs / reps as f64
@@ -651,7 +665,11 @@ fn markdown(rows: &[Row], checks: &[Check], reps: usize, secs: f64, warm: f64, p
     let _ = writeln!(
         md,
         "\nAll goals: {}.",
-        if checks.iter().all(|c| c.pass) { "**met**" } else { "**not all met** (see the rows marked missed)" }
+        if checks.iter().all(|c| c.pass) {
+            "**met**"
+        } else {
+            "**not all met** (see the rows marked missed)"
+        }
     );
     md
 }

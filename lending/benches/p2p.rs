@@ -440,7 +440,11 @@ fn main() {
     let _ = writeln!(
         md,
         "\nGoal p2p ≥ 1.8× through RAM for transfers ≥ 1 MiB: {} in {met} of {cells} cells.",
-        if met == cells { "**met**" } else { "**missed**" }
+        if met == cells {
+            "**met**"
+        } else {
+            "**missed**"
+        }
     );
     print!("{md}");
     std::fs::write(out.with_file_name("p2p.md"), md).unwrap();

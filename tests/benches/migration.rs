@@ -306,7 +306,7 @@ fn main() {
     std::fs::write(out.with_extension("svg"), svg(&rows)).unwrap();
     println!("wrote {} and its SVG", out.display());
     let mut md = format!(
-        "Median of {n} trial(s) per row, release build of the lendvm and lenderd under test; two lendvm processes on this host over a unix socket, lent NVMe on shm.\n\n| RAM | path | load | total ms | downtime ms | RAM sent MiB | quiesce ms | take-over ms | of which accept ms | of which replay ms |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "Median of {n} trial(s) per row, lendvm and lenderd of the same build profile as this bench; two lendvm processes on this host over a unix socket, lent NVMe on shm.\n\n| RAM | path | load | total ms | downtime ms | RAM sent MiB | quiesce ms | take-over ms | of which accept ms | of which replay ms |\n|---|---|---|---|---|---|---|---|---|---|\n"
     );
     let mut downtime = (f64::INFINITY, 0.0f64);
     for r in &rows {

@@ -275,7 +275,11 @@ fn markdown(rows: &[serde_json::Value], skipped: &[String], threads: usize, thp:
     let _ = writeln!(
         md,
         "\n- Goal `pin_nt` ≥ {TARGET_RATIO}× `memset_fresh`: {}.",
-        if all && !rows.is_empty() { "**met** at every size" } else { "**missed** at some size (see the table)" }
+        if all && !rows.is_empty() {
+            "**met** at every size"
+        } else {
+            "**missed** at some size (see the table)"
+        }
     );
     md
 }
