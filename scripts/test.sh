@@ -12,6 +12,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo build --workspace --bins --locked
 cargo test --workspace --locked
+# Every benchmark of docs/BENCHMARKS.md at a short budget (dev profile, ~3 min): checks that
+# each still runs and writes its section's fragment; no speeds are checked, docs/ is untouched.
+scripts/bench.sh --quick
 # The decoders' fuzz properties at CI depth (10^5 cases each crate); the default runs above
 # are shorter.
 PROPTEST_CASES=25000 cargo test -p ntb --locked --test wire_fuzz

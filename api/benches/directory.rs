@@ -13,6 +13,9 @@
 //! * `lendctl` is the real binary, timed from spawn to exit (process start included, the
 //!   same for both); `DIRECTORY_BENCH_REPS` repetitions (default 5), median with min/max.
 //! * Bounded for a 2-core machine: `DIRECTORY_BENCH_SIZES` (default `10,100,1000`).
+//! * Also writes the Markdown fragment `directory.md` (section `directory` of
+//!   `scripts/bench.sh`). `LENDVM_BENCH_QUICK=1`: 10 lenders, 1 repetition, 16 claims, one
+//!   lender death (checks that it runs).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -185,6 +188,9 @@ impl FakeLenders {
 fn serve(ep: &dyn ntb::Endpoint, name: &str, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         match ep.recv(Duration::from_millis(200)) {
+            Ok(Incoming::Request { id, msg }) if msg.opcode == opcode::AUTH => {
+                let _ = ep.reply(id, Ok(Message::raw(msg.opcode, auth_reply(ep, name, &msg))));
+            }
             Ok(Incoming::Request { id, msg }) => {
                 let reply = match Request::decode(msg.opcode, &msg.payload) {
                     Ok(Request::Hello(_)) => protocol::encode_reply(
@@ -210,6 +216,34 @@ fn serve(ep: &dyn ntb::Endpoint, name: &str, stop: &AtomicBool) {
             Err(_) => return,
         }
     }
+}
+
+/// The lender's side of the AUTH challenge-response (as lenderd answers it), so `lendctl`
+/// accepts the fake lender: our nonce and our proof of the cluster token.
+fn auth_reply(ep: &dyn ntb::Endpoint, name: &str, msg: &Message) -> Vec<u8> {
+    use lending::auth::{self, Role, Transcript};
+    use lending::protocol::{AuthChallenge, AuthResponse};
+    let c: AuthChallenge = protocol::decode_reply(opcode::AUTH, &msg.payload).unwrap();
+    let nonce = auth::nonce().unwrap();
+    let borrower = ep.peer_node().to_string();
+    let binding = ep.channel_binding();
+    let t = Transcript {
+        borrower_nonce: &c.nonce,
+        lender_nonce: &nonce,
+        borrower: &borrower,
+        lender: name,
+        binding: &binding,
+    };
+    let proof = t.prove(TOKEN, Role::Lender).unwrap();
+    protocol::encode_reply(
+        opcode::AUTH,
+        &AuthResponse {
+            node: name.to_string(),
+            nonce: nonce.to_vec(),
+            proof: proof.to_vec(),
+        },
+    )
+    .unwrap()
 }
 
 impl Drop for FakeLenders {
@@ -290,9 +324,10 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let reps = env_usize("DIRECTORY_BENCH_REPS", 5).max(1);
+    let quick = std::env::var("LENDVM_BENCH_QUICK").is_ok_and(|v| v == "1");
+    let reps = env_usize("DIRECTORY_BENCH_REPS", if quick { 1 } else { 5 }).max(1);
     let sizes: Vec<usize> = std::env::var("DIRECTORY_BENCH_SIZES")
-        .unwrap_or_else(|_| "10,100,1000".into())
+        .unwrap_or_else(|_| if quick { "10" } else { "10,100,1000" }.into())
         .split(',')
         .filter_map(|s| s.trim().parse().ok())
         .collect();
@@ -352,7 +387,7 @@ fn main() {
 
     // 2. Claim throughput: one lender's worth of device records per claim target.
     let etcd = EtcdCluster::single();
-    let claims_n = env_usize("DIRECTORY_BENCH_CLAIMS", 200);
+    let claims_n = env_usize("DIRECTORY_BENCH_CLAIMS", if quick { 16 } else { 200 });
     fill_etcd(&etcd, claims_n.div_ceil(DEVICES));
     let cfg = etcd.config(Duration::from_secs(5));
     let d = EtcdDirectory::connect(&cfg, Some(TOKEN)).unwrap();
@@ -424,7 +459,7 @@ fn main() {
     )
     .unwrap();
     let b = EtcdDirectory::connect(&cfg, Some(TOKEN)).unwrap();
-    for round in 0..env_usize("DIRECTORY_BENCH_DEATHS", 3) {
+    for round in 0..env_usize("DIRECTORY_BENCH_DEATHS", if quick { 1 } else { 3 }).max(1) {
         let sock = dir.path().join(format!("death{round}.sock"));
         let mut l = Lenderd::command(lenderd_binary(), "victim", &f)
             .log(dir.path().join(format!("death{round}.log")))
@@ -462,9 +497,65 @@ fn main() {
     });
     std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
     std::fs::write(out.with_extension("svg"), bar_svg(&chart, &claim, &death)).unwrap();
+    std::fs::write(out.with_file_name("directory.md"), markdown(&doc)).unwrap();
     eprintln!(
         "wrote {} and {}",
         out.display(),
         out.with_extension("svg").display()
     );
+}
+
+/// The fragment for docs/BENCHMARKS.md, from this run's JSON.
+fn markdown(doc: &serde_json::Value) -> String {
+    use std::fmt::Write as _;
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    let mut md = String::from(
+        "`lendctl list --json` (the real binary, spawn to exit) against one etcd member on loopback (one range read) and against the static file (one fabric link per lender, in parallel); median (min..max).\n\n| lenders × 8 devices | etcd directory | static-file fan-out | static / etcd |\n|---|---|---|---|\n",
+    );
+    for r in doc["list"].as_array().into_iter().flatten() {
+        let (e, s) = (&r["etcd_ms"], &r["static_ms"]);
+        let _ = writeln!(
+            md,
+            "| {} ({} devices) | {:.1} ms ({:.1}..{:.1}, n={}) | {:.1} ms ({:.1}..{:.1}, n={}) | {:.1}× |",
+            r["lenders"],
+            r["devices"],
+            f(&e["median"]),
+            f(&e["min"]),
+            f(&e["max"]),
+            e["reps"],
+            f(&s["median"]),
+            f(&s["min"]),
+            f(&s["max"]),
+            s["reps"],
+            f(&s["median"]) / f(&e["median"])
+        );
+    }
+    let c = &doc["claim_throughput"];
+    let _ = writeln!(
+        md,
+        "\n| claims (create-if-absent txn + lease grant + keep-alive + watches) | |\n|---|---|\n| {} sequential, one borrower | {:.2} s = **{} claims/s** |\n| {} by {} borrowers at once | {:.2} s = **{} claims/s** |",
+        c["claims"],
+        f(&c["sequential_s"]),
+        c["sequential_per_s"],
+        c["claims"],
+        c["parallel_threads"],
+        f(&c["parallel_s"]),
+        c["parallel_per_s"]
+    );
+    let d = &doc["lender_death_to_device_lost"];
+    let n = d["samples_ms"].as_array().map_or(0, Vec::len);
+    let _ = writeln!(
+        md,
+        "\n| lender SIGKILLed → `device-lost` at a borrower's claim watch (TTL {} s) | |\n|---|---|\n| median of {n} | **{} ms** ({}..{}) |",
+        d["ttl_s"], d["median_ms"], d["min_ms"], d["max_ms"]
+    );
+    let ttl_ms = f(&d["ttl_s"]) * 1e3;
+    let worst = f(&d["max_ms"]);
+    let _ = writeln!(
+        md,
+        "\n- Expected bound for device loss: between the TTL and TTL + ~0.7 s (etcd's 500 ms expiry check and the keep-alive phase): {} (max {worst:.0} ms, bound {:.0} ms).",
+        if worst <= ttl_ms + 700.0 { "**met**" } else { "**missed**" },
+        ttl_ms + 700.0
+    );
+    md
 }

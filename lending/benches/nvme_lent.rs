@@ -31,7 +31,9 @@
 //!
 //! `cargo bench -p lending` writes `target/bench/nvme-lent.json` and `nvme-lent.svg` at the
 //! workspace root (override the JSON path with `NVME_LENT_BENCH_OUT`; the SVG goes next to
-//! it; `NVME_LENT_BENCH_DIR` overrides where the backing files live).
+//! it; `NVME_LENT_BENCH_DIR` overrides where the backing files live), and the Markdown
+//! fragment `lent.md` beside them (section `lent` of `scripts/bench.sh`).
+//! `LENDVM_BENCH_QUICK=1`: 1 repetition of 0.05 s, 0.02 s warm-up (checks that it runs).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // bench code
 
@@ -356,9 +358,15 @@ fn main() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(d)
     };
-    let reps = env_f("NVME_LENT_BENCH_REPS", 7.0).max(1.0) as usize;
-    let secs = env_f("NVME_LENT_BENCH_SECS", 0.3 * reps as f64);
-    let warm = env_f("NVME_LENT_BENCH_WARMUP", 0.2);
+    let quick = std::env::var("LENDVM_BENCH_QUICK").is_ok_and(|v| v == "1");
+    let (reps0, per0, warm0) = if quick {
+        (1.0, 0.05, 0.02)
+    } else {
+        (7.0, 0.3, 0.2)
+    };
+    let reps = env_f("NVME_LENT_BENCH_REPS", reps0).max(1.0) as usize;
+    let secs = env_f("NVME_LENT_BENCH_SECS", per0 * reps as f64);
+    let warm = env_f("NVME_LENT_BENCH_WARMUP", warm0);
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Driver ("guest") on CPU 0, every device-side thread (local controller + engine threads,
     // the whole lenderd) on CPU 1, for both sides: the scheduler may not put the driver and
@@ -370,7 +378,12 @@ fn main() {
         .to_path_buf();
     let out = std::env::var("NVME_LENT_BENCH_OUT")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| root.join("target/bench/nvme-lent.json"));
+        .unwrap_or_else(|_| {
+            std::env::var("CARGO_TARGET_DIR")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|_| root.join("target"))
+                .join("bench/nvme-lent.json")
+        });
     let svg_path = out.with_extension("svg");
     // Backing files on tmpfs: the benchmark measures the lending path, not the disk (ext4
     // writeback and fdatasync would dominate and randomise the write cases).
@@ -591,10 +604,72 @@ fn main() {
     }
     std::fs::write(&out, j).unwrap();
     std::fs::write(&svg_path, svg(&rows)).unwrap();
+    std::fs::write(
+        out.with_file_name("lent.md"),
+        markdown(&rows, &checks, reps, secs, warm, pin),
+    )
+    .unwrap();
     println!(
         "wrote {} and {} in {:.0} s",
         out.display(),
         svg_path.display(),
         t_all.elapsed().as_secs_f64()
     );
+}
+
+/// The fragment for docs/BENCHMARKS.md: every figure from this run's rows and checks.
+fn markdown(
+    rows: &[Row],
+    checks: &[Check],
+    reps: usize,
+    secs: f64,
+    warm: f64,
+    pin: bool,
+) -> String {
+    let mut md = format!(
+        "{reps} repetition(s) of {:.2} s per case and side after {warm} s warm-up, local and lent interleaved; threads pinned: {pin}; backing files on tmpfs. Median [min–max] over repetitions; the ratio and the added p50 are paired per repetition. Unit: IOPS for 4k, MiB/s for 128k.\n\n",
+        secs / reps as f64
+    );
+    md += "| mode | case | local | lent | lent/local | p50 local / lent (µs) | added p50 (µs) |\n|---|---|---|---|---|---|---|\n";
+    for r in rows {
+        let (lv, rv) = if r.case.bs == 4096 {
+            (r.local.iops, r.lent.iops)
+        } else {
+            (r.local.mibps, r.lent.mibps)
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {:.1} / {:.1} | {} |",
+            r.mode,
+            r.case.name,
+            fmt_spread(lv, 0),
+            fmt_spread(rv, 0),
+            fmt_spread(r.ratio, 2),
+            r.local.p50.med,
+            r.lent.p50.med,
+            fmt_spread(r.added_p50, 1)
+        );
+    }
+    md += "\n| mode | goal | value | target | result |\n|---|---|---|---|---|\n";
+    for c in checks {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.3} | {} | {} |",
+            c.mode,
+            c.what,
+            c.value,
+            c.target,
+            if c.pass { "**met**" } else { "**missed**" }
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\nAll goals: {}.",
+        if checks.iter().all(|c| c.pass) {
+            "**met**"
+        } else {
+            "**not all met** (see the rows marked missed)"
+        }
+    );
+    md
 }

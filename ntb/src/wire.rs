@@ -173,12 +173,28 @@ pub fn encode_frame(
     payload: &[u8],
     fds: usize,
 ) -> Result<Vec<u8>, WireError> {
+    let header = encode_header(flags, opcode, id, payload.len(), fds)?;
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(payload);
+    Ok(out)
+}
+
+/// The header of a frame whose payload is `len` bytes, checked as [`encode_frame`] checks it:
+/// for a payload sent from several buffers without first copying them into one.
+pub fn encode_header(
+    flags: u8,
+    opcode: u16,
+    id: u64,
+    len: usize,
+    fds: usize,
+) -> Result<[u8; HEADER_LEN], WireError> {
     let header = Header {
         flags,
         opcode,
         id,
-        len: u32::try_from(payload.len()).map_err(|_| WireError::TooLarge {
-            len: payload.len(),
+        len: u32::try_from(len).map_err(|_| WireError::TooLarge {
+            len,
             max: MAX_PAYLOAD,
         })?,
         fds: u16::try_from(fds).map_err(|_| WireError::TooManyFds {
@@ -187,10 +203,7 @@ pub fn encode_frame(
         })?,
     };
     header.validate()?;
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
-    out.extend_from_slice(&header.encode());
-    out.extend_from_slice(payload);
-    Ok(out)
+    Ok(header.encode())
 }
 
 /// Decodes one frame from the front of `buf`.

@@ -15,7 +15,9 @@
 //! (`takeover_us`: lease accept, device plugged, PCI state replayed, resumed). Each trial
 //! checks the guest goes on verified on the destination.
 //!
-//! Writes `$MIG_BENCH_JSON`, else `docs/migration-bench.json`, and an SVG beside it.
+//! Writes `$MIG_BENCH_JSON`, else `$CARGO_TARGET_DIR/bench/migration-bench.json` (else
+//! `target/bench/`), and an SVG and the Markdown fragment `migration.md` (section `migration`
+//! of `scripts/bench.sh`) beside it. `LENDVM_BENCH_QUICK=1`: 256 MiB, one trial each.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -205,7 +207,10 @@ fn out_path() -> PathBuf {
     std::env::var("MIG_BENCH_JSON")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/migration-bench.json")
+            std::env::var("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
+                .join("bench/migration-bench.json")
         })
 }
 
@@ -253,11 +258,14 @@ fn svg(rows: &[serde_json::Value]) -> String {
 
 fn main() {
     // `cargo bench` passes `--bench`; nothing else is accepted.
+    let quick = std::env::var("LENDVM_BENCH_QUICK").is_ok_and(|v| v == "1");
     let n: usize = std::env::var("MIG_BENCH_N")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
-    let sizes = std::env::var("MIG_BENCH_SIZES").unwrap_or_else(|_| "256M,1G".into());
+        .unwrap_or(if quick { 1 } else { 3 })
+        .max(1);
+    let sizes = std::env::var("MIG_BENCH_SIZES")
+        .unwrap_or_else(|_| if quick { "256M" } else { "256M,1G" }.into());
     let mut trials = Vec::new();
     let mut rows = Vec::new();
     for memory in sizes.split(',') {
@@ -291,12 +299,21 @@ fn main() {
         "medians": rows,
         "trials": trials,
     });
+    if let Some(d) = out.parent() {
+        std::fs::create_dir_all(d).unwrap();
+    }
     std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
     std::fs::write(out.with_extension("svg"), svg(&rows)).unwrap();
     println!("wrote {} and its SVG", out.display());
+    let mut md = format!(
+        "Median of {n} trial(s) per row, lendvm and lenderd of the same build profile as this bench; two lendvm processes on this host over a unix socket, lent NVMe on shm.\n\n| RAM | path | load | total ms | downtime ms | RAM sent MiB | quiesce ms | take-over ms | of which accept ms | of which replay ms |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    );
+    let mut downtime = (f64::INFINITY, 0.0f64);
     for r in &rows {
-        println!(
-            "| {} | {} | {} | {:.0} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} |",
+        let d = r["downtime_ms"].as_f64().unwrap();
+        downtime = (downtime.0.min(d), downtime.1.max(d));
+        md += &format!(
+            "| {} | {} | {} | {:.0} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
             r["memory"].as_str().unwrap(),
             r["path"].as_str().unwrap(),
             r["load"].as_str().unwrap(),
@@ -309,4 +326,10 @@ fn main() {
             r["replay_ms"].as_f64().unwrap()
         );
     }
+    md += &format!(
+        "\n- Downtime {:.0}–{:.0} ms over these rows (no goal set; the device hand-over is quiesce + take-over).\n",
+        downtime.0, downtime.1
+    );
+    print!("{md}");
+    std::fs::write(out.with_file_name("migration.md"), md).unwrap();
 }

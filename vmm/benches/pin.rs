@@ -14,8 +14,9 @@
 //! Sizes 256 MiB and 1 GiB always; 4 and 8 GiB only when `PIN_BENCH_MAX` (GiB, default 1)
 //! allows and MemAvailable is at least twice the size (the host is shared: a skipped size is
 //! listed under `skipped`). Writes `$PIN_BENCH_JSON`, else `$CARGO_TARGET_DIR/bench/pin.json`,
-//! else `target/bench/pin.json`, and an SVG beside it. Target (reported, not asserted):
-//! `pin_nt` >= 0.5x `memset_fresh`.
+//! else `target/bench/pin.json`, and an SVG and the Markdown fragment `pin.md` (section `pin`
+//! of `scripts/bench.sh`) beside it. Target (reported, not asserted): `pin_nt` >= 0.5x
+//! `memset_fresh`. `LENDVM_BENCH_QUICK=1` measures 256 MiB only (checks that it runs).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -159,15 +160,17 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);
+    let quick = std::env::var("LENDVM_BENCH_QUICK").is_ok_and(|v| v == "1");
     let threads = ParallelPinner::available().threads();
     let mut rows = Vec::new();
     let mut skipped = Vec::new();
     for size in [256u64 << 20, 1 << 30, 4 << 30, 8 << 30] {
         let avail = mem_available();
-        if size > max_gib << 30 || avail < 2 * size {
+        if size > max_gib << 30 || avail < 2 * size || (quick && size > 256 << 20) {
             let why = format!(
-                "{} MiB skipped (PIN_BENCH_MAX={max_gib} GiB, MemAvailable {} MiB on a shared host)",
+                "{} MiB skipped (PIN_BENCH_MAX={max_gib} GiB{}, MemAvailable {} MiB on a shared host)",
                 size >> 20,
+                if quick { ", LENDVM_BENCH_QUICK=1" } else { "" },
                 avail >> 20
             );
             println!("{why}");
@@ -220,5 +223,64 @@ fn main() {
     let mut notes = vec![format!("shmem THP: {}", thp.trim())];
     notes.extend(skipped);
     std::fs::write(&svg_path, svg(&rows, threads, &notes)).unwrap();
+    std::fs::write(
+        path.with_file_name("pin.md"),
+        markdown(&rows, &skipped_of(&json), threads, thp.trim()),
+    )
+    .unwrap();
     println!("wrote {} and {}", path.display(), svg_path.display());
+}
+
+fn skipped_of(json: &serde_json::Value) -> Vec<String> {
+    json["skipped"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The fragment for docs/BENCHMARKS.md, from this run's rows.
+fn markdown(rows: &[serde_json::Value], skipped: &[String], threads: usize, thp: &str) -> String {
+    use std::fmt::Write as _;
+    let mut md = format!(
+        "GiB/s; `pin_nt` uses {threads} threads; shmem THP setting: `{thp}`.\n\n| size | memset_fresh | memset_warm | pin_1t | pin_nt | pin_nt_thp | pin_nt / memset_fresh | pin_nt / memset_warm |\n|---|---|---|---|---|---|---|---|\n"
+    );
+    let f = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    let mut all = true;
+    for r in rows {
+        all &= r["target_met"].as_bool().unwrap_or(false);
+        let size = r["size_mib"].as_u64().unwrap_or(0);
+        let label = if size >= 1024 {
+            format!("{} GiB", size / 1024)
+        } else {
+            format!("{size} MiB")
+        };
+        let _ = writeln!(
+            md,
+            "| {label} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            f(r, "memset_fresh"),
+            f(r, "memset_warm"),
+            f(r, "pin_1t"),
+            f(r, "pin_nt"),
+            f(r, "pin_nt_thp"),
+            f(r, "ratio_pin_nt_to_memset_fresh"),
+            f(r, "ratio_pin_nt_to_memset_warm"),
+        );
+    }
+    for s in skipped {
+        let _ = writeln!(md, "\n- {s}");
+    }
+    let _ = writeln!(
+        md,
+        "\n- Goal `pin_nt` ≥ {TARGET_RATIO}× `memset_fresh`: {}.",
+        if all && !rows.is_empty() {
+            "**met** at every size"
+        } else {
+            "**missed** at some size (see the table)"
+        }
+    );
+    md
 }

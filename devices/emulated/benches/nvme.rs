@@ -2,7 +2,9 @@
 //!
 //! `cargo bench -p emulated` writes `target/bench/nvme-local.json` at the workspace root
 //! (override with `EMULATED_BENCH_OUT`). `EMULATED_BENCH_SECS` sets seconds per case (1.0),
-//! `EMULATED_BENCH_DIR` where the backing file lives (a temp dir).
+//! `EMULATED_BENCH_DIR` where the backing file lives (a temp dir). Also writes the Markdown
+//! fragment `emulated.md` beside the JSON (section `emulated` of `scripts/bench.sh`);
+//! `LENDVM_BENCH_QUICK=1` runs 0.05 s per case (checks that it runs).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test/bench code
 
@@ -16,17 +18,21 @@ use emulated::NotifyMode;
 const NS_BYTES: u64 = 256 << 20;
 
 fn main() {
+    let quick = std::env::var("LENDVM_BENCH_QUICK").is_ok_and(|v| v == "1");
     let secs: f64 = std::env::var("EMULATED_BENCH_SECS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1.0);
+        .unwrap_or(if quick { 0.05 } else { 1.0 });
     let out_path = std::env::var("EMULATED_BENCH_OUT").unwrap_or_else(|_| {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .ancestors()
             .nth(2)
             .unwrap()
             .to_path_buf();
-        root.join("target/bench/nvme-local.json")
+        std::env::var("CARGO_TARGET_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|_| root.join("target"))
+            .join("bench/nvme-local.json")
             .display()
             .to_string()
     });
@@ -34,6 +40,9 @@ fn main() {
         Ok(d) => tempfile::tempdir_in(d).unwrap(),
         Err(_) => tempfile::tempdir().unwrap(),
     };
+    let mut md = format!(
+        "One run of {secs} s per case, in-process (driver and controller threads not pinned; backing file in a temp dir). Reference figures, no goal: compare local with lent only in the `lent` section.\n\n| mode | engine | case | IOPS | MiB/s | p50 µs | p99 µs |\n|---|---|---|---|---|---|---|\n"
+    );
     let mut json = String::from("{\n  \"bench\": \"nvme-local\",\n  \"runs\": [\n");
     for (mi, mode) in [NotifyMode::Interrupt, NotifyMode::Polling]
         .into_iter()
@@ -72,6 +81,15 @@ fn main() {
                 r.p50_us
             );
             let _ = writeln!(
+                md,
+                "| {mode_name} | {engine} | {} | {:.0} | {:.1} | {:.1} | {:.1} |",
+                c.name,
+                r.iops(),
+                r.mib_per_s(c.bs),
+                r.p50_us,
+                r.p99_us
+            );
+            let _ = writeln!(
                 json,
                 "      {{\"name\": \"{}\", \"iops\": {:.0}, \"mib_per_s\": {:.1}, \"avg_latency_us\": {:.2}, \"p50_us\": {:.2}, \"p99_us\": {:.2}}}{}",
                 c.name,
@@ -91,5 +109,7 @@ fn main() {
         std::fs::create_dir_all(p).unwrap();
     }
     std::fs::write(&out_path, json).unwrap();
+    let md_path = std::path::Path::new(&out_path).with_file_name("emulated.md");
+    std::fs::write(&md_path, md).unwrap();
     println!("wrote {out_path}");
 }

@@ -168,6 +168,31 @@ impl Inner {
         self.check_up()?;
         let bytes = wire::encode_frame(flags, opcode, id, payload, fds.len())?;
         let res = lock(&self.writer).write_frame(&bytes, fds);
+        self.sent(flags, opcode, res)
+    }
+
+    /// [`Self::send_frame`] of a payload made of a small `prefix` (an encoded message) and
+    /// `data` (window bytes), written from the caller's buffers: no copy of `data` into a
+    /// frame. No fds.
+    pub(super) fn send_frame_parts(
+        &self,
+        flags: u8,
+        opcode: u16,
+        id: u64,
+        prefix: &[u8],
+        data: &[u8],
+    ) -> Result<()> {
+        self.check_up()?;
+        let header = wire::encode_header(flags, opcode, id, prefix.len() + data.len(), 0)?;
+        let mut head = Vec::with_capacity(header.len() + prefix.len());
+        head.extend_from_slice(&header);
+        head.extend_from_slice(prefix);
+        let res = lock(&self.writer).write_parts(&head, data);
+        self.sent(flags, opcode, res)
+    }
+
+    /// Accounts a frame written (or marks the link gone if writing failed).
+    fn sent(&self, flags: u8, opcode: u16, res: std::io::Result<()>) -> Result<()> {
         if let Err(e) = res {
             self.mark_gone(&format!("send failed: {e}"));
             return Err(self.gone_err());
@@ -190,6 +215,24 @@ impl Inner {
         payload: &[u8],
         fds: &[RawFd],
     ) -> Result<(u64, mpsc::Receiver<Result<Message>>)> {
+        self.start_request_with(|id| self.send_frame(0, opcode, id, payload, fds))
+    }
+
+    /// [`Self::start_request`] whose payload is `prefix` followed by `data`, sent without
+    /// copying `data` (window writes).
+    pub(crate) fn start_request_parts(
+        &self,
+        opcode: u16,
+        prefix: &[u8],
+        data: &[u8],
+    ) -> Result<(u64, mpsc::Receiver<Result<Message>>)> {
+        self.start_request_with(|id| self.send_frame_parts(0, opcode, id, prefix, data))
+    }
+
+    fn start_request_with(
+        &self,
+        send: impl FnOnce(u64) -> Result<()>,
+    ) -> Result<(u64, mpsc::Receiver<Result<Message>>)> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
         {
@@ -200,7 +243,7 @@ impl Inner {
             }
             st.pending.insert(id, tx);
         }
-        if let Err(e) = self.send_frame(0, opcode, id, payload, fds) {
+        if let Err(e) = send(id) {
             lock(&self.state).pending.remove(&id);
             return Err(e);
         }
@@ -632,7 +675,11 @@ pub(super) fn service_loop(inner: Arc<Inner>, rx: mpsc::Receiver<Svc>) {
                 id,
                 payload,
             }) => {
-                if inner.send_frame(flags, opcode, id, &payload, &[]).is_err() {
+                // Replies (window reads: up to a chunk of data) go out without a copy.
+                if inner
+                    .send_frame_parts(flags, opcode, id, &[], &payload)
+                    .is_err()
+                {
                     break;
                 }
             }

@@ -67,6 +67,26 @@ impl Stream {
         }
     }
 
+    /// Writes a frame given as its head (header and any prefix) and its data, without
+    /// copying the data into one buffer first (window writes carry up to
+    /// `wire::MAX_DATA_CHUNK` bytes of it; no fds travel with them).
+    pub(super) fn write_parts(&self, head: &[u8], data: &[u8]) -> io::Result<()> {
+        let mut w = match self {
+            Stream::Unix(s) | Stream::Tls(s) => s,
+        };
+        let mut bufs = [io::IoSlice::new(head), io::IoSlice::new(data)];
+        let mut bufs = &mut bufs[..];
+        while !bufs.is_empty() {
+            match w.write_vectored(bufs) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     pub(super) fn read_some(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
         match self {
             Stream::Tls(s) => (&*s).read(buf),

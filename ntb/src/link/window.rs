@@ -129,13 +129,16 @@ impl PeerWindow for MessageWindow {
         let mut inflight = VecDeque::new();
         let mut off = offset;
         for chunk in data.chunks(wire::MAX_DATA_CHUNK) {
-            let mut p = wire::encode_payload(&msg::WindowWrite {
+            let p = wire::encode_payload(&msg::WindowWrite {
                 id: self.info.id,
                 offset: off,
             })?;
-            p.extend_from_slice(chunk);
             off += chunk.len() as u64;
-            inflight.push_back(self.inner.start_request(op::WINDOW_WRITE, &p, &[])?);
+            // The chunk goes out from the caller's buffer (no copy into a frame).
+            inflight.push_back(
+                self.inner
+                    .start_request_parts(op::WINDOW_WRITE, &p, chunk)?,
+            );
             if inflight.len() >= PIPELINE {
                 if let Some((id, rx)) = inflight.pop_front() {
                     self.finish(id, &rx)?;
