@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use api::types::{RemoteDeviceMode, RemoteDeviceSpec};
 use lending::client::{ClientError, LenderClient};
@@ -523,14 +523,14 @@ impl LenderSource {
     }
 
     /// The live session to `lender`, or a new one (connected under our node name, the
-    /// cluster token checked by its hello).
+    /// cluster token checked by its hello); true if new.
     fn session(
         &self,
         cluster: &ClusterConfig,
         lender: &NodeConfig,
         node: &str,
         local_err: &dyn Fn(String) -> AttachError,
-    ) -> Result<Arc<LenderSession>, AttachError> {
+    ) -> Result<(Arc<LenderSession>, bool), AttachError> {
         let key = (lender.name.to_string(), lender.control.to_string());
         let live = self
             .sessions
@@ -541,7 +541,7 @@ impl LenderSource {
         if let Some(s) = live {
             if s.is_usable() {
                 log::debug!("{node}: sharing the session of {} lease(s)", s.leases());
-                return Ok(s);
+                return Ok((s, false));
             }
             // Its link ended (the lender restarted or died): its leases are lost and go with
             // their devices; new ones need a new link.
@@ -572,6 +572,8 @@ impl LenderSource {
             },
             other => unreachable(other.to_string()),
         })?;
+        let setup = client.setup_timings();
+        let t = Instant::now();
         let session = LenderSession::new(
             client,
             SessionOptions {
@@ -580,10 +582,19 @@ impl LenderSource {
             },
         )
         .map_err(|e| local_err(e.to_string()))?;
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        log::info!(
+            "{node}: new lender session: link {:.3} ms, auth {:.3} ms, hello {:.3} ms, \
+             event pump {:.3} ms",
+            ms(setup.link.unwrap_or_default()),
+            ms(setup.auth),
+            ms(setup.hello),
+            ms(t.elapsed()),
+        );
         let mut map = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
         map.retain(|_, w| w.strong_count() > 0);
         map.insert(key, Arc::downgrade(&session));
-        Ok(session)
+        Ok((session, true))
     }
 
     /// Connects to `lender`, borrows the device (under `claim` if given) and maps it.
@@ -601,7 +612,10 @@ impl LenderSource {
             bdf: bdf.clone(),
             reason,
         };
-        let session = self.session(cluster, lender, node, &local_err)?;
+        // Phase timings for the hot-add profile (logged below, read by benches/hotplug.rs).
+        let t0 = Instant::now();
+        let (session, fresh) = self.session(cluster, lender, node, &local_err)?;
+        let t1 = Instant::now();
         let client = session.client();
         let lease = match take {
             Take::Borrow(Some(rev)) => client.borrow_claimed(&bdf, &self.id.vm_name, rev),
@@ -646,6 +660,7 @@ impl LenderSource {
             },
         })?;
         let lease_id = lease.id();
+        let t2 = Instant::now();
         let link = LendingLink::in_session(session, lease).map_err(|e| match e {
             LendingLinkError::BarWindow { ref source, .. } if !is_local(source) => {
                 AttachError::Link {
@@ -656,9 +671,16 @@ impl LenderSource {
             }
             _ => local_err(e.to_string()),
         })?;
+        let t3 = Instant::now();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         log::info!(
-            "borrowed {spec} (lease {lease_id}) for vm {}",
-            self.id.vm_name
+            "borrowed {spec} (lease {lease_id}) for vm {}: session {} {:.3} ms, borrow {:.3} ms, \
+             link {:.3} ms",
+            self.id.vm_name,
+            if fresh { "new" } else { "shared" },
+            ms(t1 - t0),
+            ms(t2 - t1),
+            ms(t3 - t2),
         );
         Ok(link)
     }
