@@ -4,12 +4,15 @@
 //! For each fabric, shm and tcp (TLS 1.3 on loopback), starts a `lenderd` lending two
 //! emulated `dmatest` devices and a `lendvm` whose guest idles (`cli; hlt` in a loop: the vCPU
 //! sleeps in KVM, no guest time and no busy core in the numbers, and no guest ejects, so
-//! removals use `force`). Then two cases of `HOTPLUG_N` (default 200; 20 with
+//! removals use `force`). Then three cases of `HOTPLUG_N` (default 200; 20 with
 //! `LENDVM_BENCH_QUICK=1`) `vm.add-remote-device` + `vm.remove-device {force}` each:
 //!
-//! * `new session`: the lender has no other device of this VM, so every add opens a fabric
-//!   link to it (tcp: TCP connect + TLS handshake), runs AUTH and HELLO and starts the
-//!   session's event pump, then borrows;
+//! * `new session`: lendvm runs with `--lender-idle-ms 0`, so the link to the lender closes
+//!   with its last device and every add opens one (tcp: TCP connect + TLS handshake), runs
+//!   AUTH and HELLO and starts the session's event pump, then borrows: what the first device
+//!   of a lender costs;
+//! * `re-add`: the default idle time, so each add reuses the session kept open since the
+//!   previous removal (`vmm::remote::SESSION_IDLE`);
 //! * `shared session`: a second device of the same lender stays attached throughout, so every
 //!   add borrows over its authenticated session (`LenderSource` shares one session per
 //!   lender among the devices borrowed there).
@@ -22,7 +25,7 @@
 //!
 //! Writes `target/bench/hotplug.json`, `.svg` (latency distribution per fabric and case) and
 //! `.md` (a Markdown fragment with the tables and one line per goal); `$HOTPLUG_BENCH_JSON`
-//! moves all three. Goals (the p99 of the API round trip, new-session case, n >= 200): <= 2 ms
+//! moves all three. Goals (the p99 of the API round trip, n >= 200, one line per case): <= 2 ms
 //! on shm, <= 5 ms on tcp+TLS.
 
 // A benchmark harness, like a test: panicking on setup failure is the right behaviour.
@@ -44,6 +47,11 @@ const TOKEN: &str = "hotplug-bench-token-8f3a61c2d4b7e9051a6c";
 const DEV: &str = "0000:81:00.0";
 /// The device kept attached in the shared-session case.
 const ANCHOR: &str = "0000:81:00.1";
+
+/// The cases (see the module docs).
+const NEW: &str = "new session";
+const READD: &str = "re-add";
+const SHARED: &str = "shared session";
 
 /// (fabric, goal for the p99 of the API round trip in ms).
 const GOALS: [(&str, f64); 2] = [("shm", 2.0), ("tcp", 5.0)];
@@ -360,7 +368,13 @@ impl CaseResult {
 }
 
 /// Starts lenderd and lendvm for `fabric`, runs both cases, stops them.
-fn run_fabric(fabric: &str, n: usize, warmup: usize) -> Vec<CaseResult> {
+fn run_fabric(
+    fabric: &str,
+    n: usize,
+    warmup: usize,
+    lender_idle_ms: Option<u64>,
+    cases: &[&'static str],
+) -> Vec<CaseResult> {
     let lendvm = PathBuf::from(env!("CARGO_BIN_EXE_lendvm"));
     let lenderd = lendvm.with_file_name("lenderd");
     assert!(
@@ -402,7 +416,11 @@ fn run_fabric(fabric: &str, n: usize, warmup: usize) -> Vec<CaseResult> {
         wait_port(port);
     }
     let sock = d.join("api.sock");
-    let mut vmm = Command::new(&lendvm)
+    let mut vmm = Command::new(&lendvm);
+    if let Some(ms) = lender_idle_ms {
+        vmm.args(["--lender-idle-ms", &ms.to_string()]);
+    }
+    let mut vmm = vmm
         .args(["--kernel"])
         .arg(d.join("idle.elf"))
         .args(["--serial", "off", "--memory", "256M", "--cluster"])
@@ -483,8 +501,8 @@ fn run_fabric(fabric: &str, n: usize, warmup: usize) -> Vec<CaseResult> {
     let mut results = Vec::new();
     let mut adds = 0usize;
     let mut serial = 0usize;
-    for case in ["new session", "shared session"] {
-        if case == "shared session" {
+    for &case in cases {
+        if case == SHARED {
             add(ANCHOR, "anchor".into());
             adds += 1;
         }
@@ -508,12 +526,14 @@ fn run_fabric(fabric: &str, n: usize, warmup: usize) -> Vec<CaseResult> {
         assert_eq!(all.len(), adds, "one hot-added line per add");
         let logged = all[adds - n..].to_vec();
         let fresh = logged.iter().filter(|l| l.new_session).count();
-        let want = if case == "new session" { n } else { 0 };
+        // New session: every add opens one; re-add: the session kept idle since the
+        // previous removal serves it; shared: the anchor's session does.
+        let want = if case == NEW { n } else { 0 };
         assert_eq!(
             fresh, want,
             "{fabric} {case}: {fresh} of {n} adds opened a lender session"
         );
-        if case == "shared session" {
+        if case == SHARED {
             remove("anchor".into());
         }
         results.push(CaseResult {
@@ -540,7 +560,7 @@ fn run_fabric(fabric: &str, n: usize, warmup: usize) -> Vec<CaseResult> {
 
 /// Latency distribution (the empirical CDF of the API round trip) per fabric and case.
 fn svg(runs: &[(&str, Vec<CaseResult>)], notes: &[String]) -> String {
-    let (w, h, l, r, t, b) = (820.0, 460.0, 60.0, 20.0, 40.0, 90.0);
+    let (w, h, l, r, t, b) = (820.0, 520.0, 60.0, 20.0, 40.0, 150.0);
     let mut xmax: f64 = GOALS.iter().map(|g| g.1).fold(0.0, f64::max);
     for (_, cases) in runs {
         for c in cases {
@@ -581,7 +601,9 @@ fn svg(runs: &[(&str, Vec<CaseResult>)], notes: &[String]) -> String {
             t + 12.0 + if fabric == "shm" { 0.0 } else { 14.0 }
         );
     }
-    let colors = ["#1f77b4", "#aec7e8", "#d62728", "#ff9896"];
+    let colors = [
+        "#1f77b4", "#6baed6", "#c6dbef", "#d62728", "#fc9272", "#fcbba1",
+    ];
     let mut idx = 0;
     for (fabric, cases) in runs {
         for c in cases {
@@ -598,8 +620,8 @@ fn svg(runs: &[(&str, Vec<CaseResult>)], notes: &[String]) -> String {
                 "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"/>\n\
                  <text x=\"{}\" y=\"{}\" fill=\"{color}\">{fabric}, {}</text>\n",
                 pts.join(" "),
-                l + 10.0 + 180.0 * idx as f64,
-                h - b + 35.0,
+                l + 10.0 + 240.0 * (idx % 3) as f64,
+                h - b + 30.0 + 14.0 * (idx / 3) as f64,
                 c.name
             );
             idx += 1;
@@ -607,8 +629,8 @@ fn svg(runs: &[(&str, Vec<CaseResult>)], notes: &[String]) -> String {
     }
     for (i, note) in notes.iter().enumerate() {
         s += &format!(
-            "<text x=\"{l}\" y=\"{}\">{note}</text>\n",
-            h - b + 55.0 + 15.0 * i as f64
+            "<text x=\"{l}\" y=\"{}\" font-size=\"11\">{note}</text>\n",
+            h - b + 62.0 + 13.0 * i as f64
         );
     }
     s + "</svg>\n"
@@ -635,7 +657,11 @@ fn main() {
     let only = std::env::var("HOTPLUG_FABRICS").unwrap_or_default();
     for (fabric, _) in GOALS {
         if only.is_empty() || only.split(',').any(|f| f == fabric) {
-            runs.push((fabric, run_fabric(fabric, n, warmup)));
+            // lendvm closes a lender's link with its last device (`--lender-idle-ms 0`), so
+            // every add sets one up; then with the default idle time.
+            let mut r = run_fabric(fabric, n, warmup, Some(0), &[NEW]);
+            r.extend(run_fabric(fabric, n, warmup, None, &[READD, SHARED]));
+            runs.push((fabric, r));
         }
     }
     let secs = started.elapsed().as_secs_f64();
@@ -651,10 +677,12 @@ fn main() {
          GED interrupt), the guest halted, n = {n} per case after {warmup} warm-up adds, \
          generated by `cargo bench -p vmm --bench hotplug` in {secs:.1} s{} on {cpus} CPUs with a \
          1-minute load average of {load_before} before and {load_after} after (other work on the \
-         host; every figure includes its competition for the CPUs). *New session*: the \
-         lender has no other device of this VM, so the add opens a link (tcp: TLS 1.3), runs \
-         AUTH and HELLO; *shared session*: another device of the same lender is attached and \
-         the add borrows over its session. Figures in ms.\n",
+         host; every figure includes its competition for the CPUs). *New session*: lendvm runs \
+         with `--lender-idle-ms 0`, so every add opens a link to the lender (tcp: TLS 1.3), \
+         runs AUTH and HELLO: the first device of a lender; *re-add*: the default idle time \
+         keeps the session of the removed device open, and the add reuses it; *shared \
+         session*: another device of the same lender is attached and the add borrows over its \
+         session. Figures in ms.\n",
         if quick { " (quick run)" } else { "" }
     );
     for (fabric, cases) in &runs {

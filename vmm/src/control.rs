@@ -584,6 +584,22 @@ impl Controller {
         restore_slot: Option<u8>,
         ticket: Option<&remote_pci::LeaseTicket>,
     ) -> Result<PciDeviceInfo, ApiError> {
+        let r = self.attach_once(data, boot, restore_slot, ticket);
+        if r.is_err() {
+            // A link borrowed for it may have been dropped: its session may be idle now.
+            self.source.released();
+        }
+        r
+    }
+
+    /// [`Controller::attach_taking`] without the clean-up hint.
+    fn attach_once(
+        &mut self,
+        data: VmAddRemoteDeviceData,
+        boot: bool,
+        restore_slot: Option<u8>,
+        ticket: Option<&remote_pci::LeaseTicket>,
+    ) -> Result<PciDeviceInfo, ApiError> {
         let start = Instant::now();
         let accepting = if boot {
             self.state == VmState::Created
@@ -823,6 +839,8 @@ impl Controller {
         } = d;
         let t = Instant::now();
         drop(device);
+        // Its lender's session may have no device left now: its idle time starts.
+        self.source.released();
         log::info!(
             "{id}: slot {slot} torn down in {:.3} ms{}",
             t.elapsed().as_secs_f64() * 1e3,
