@@ -118,13 +118,18 @@ fn hot_add_io_remove_and_re_add() {
     assert_backing_has_pattern(&disk, SLBA, 64, SEED);
 }
 
-/// Lines of the lender's log about this VMM's links (the test's own status requests come from
-/// other node names).
+/// Lines of the lender's log about a VMM's links: its node is `lendvm-<pid>` (the test's own
+/// status requests come as `lendvm-tests`).
 fn vmm_links(lender: &lending::testing::Lenderd, what: &str) -> usize {
+    let key = format!("{what} lendvm-");
     lender
         .log()
         .lines()
-        .filter(|l| l.contains(&format!("{what} lendvm-")))
+        .filter(|l| {
+            l.split(&key)
+                .nth(1)
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
         .count()
 }
 

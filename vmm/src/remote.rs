@@ -309,7 +309,10 @@ impl SessionKeeper {
             .count()
     }
 
+    /// Makes the reaper look at the sessions again. Taken under the lock, so the wake-up
+    /// cannot fall between a sweep that saw the old state and the reaper's wait.
     fn wake(&self) {
+        let _st = lock(&self.shared.state);
         self.shared.cond.notify_all();
     }
 }
