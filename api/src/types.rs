@@ -568,8 +568,9 @@ pub struct VmCounters {
     /// lender). Absent from older VMMs: 0.
     #[serde(default)]
     pub p2p_mappings: u64,
-    /// Connections to lenders held (one per lender, shared by its devices). Absent from
-    /// older VMMs: 0.
+    /// Connections to lenders held (one per lender, shared by its devices). A connection
+    /// kept open for reuse after the lender's last device went (`lendvm --lender-idle-ms`)
+    /// is not counted. Absent from older VMMs: 0.
     #[serde(default)]
     pub lender_sessions: u64,
     /// Exports of guest RAM as fabric windows (one per lender while any of its devices has

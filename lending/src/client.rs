@@ -521,10 +521,23 @@ pub fn authenticate(
     Ok(auth::encode_proof(&proof))
 }
 
+/// How long the set-up of a [`LenderClient`] took, step by step (the hot-add profile).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SetupTimings {
+    /// Opening the fabric link: connect, TLS on tcp, the fabric hello (`None`: the link was
+    /// given, [`LenderClient::from_endpoint`]).
+    pub link: Option<Duration>,
+    /// The AUTH challenge-response round trip.
+    pub auth: Duration,
+    /// The HELLO round trip.
+    pub hello: Duration,
+}
+
 /// A session with one lender.
 pub struct LenderClient {
     inner: Arc<Inner>,
     hello: HelloReply,
+    setup: SetupTimings,
 }
 
 impl LenderClient {
@@ -558,6 +571,7 @@ impl LenderClient {
             .node(local.as_str())
             .map_or_else(|| lender.link.clone(), |n| n.link.clone());
         cfg.connect_timeout = cfg.connect_timeout.min(connect_timeout);
+        let t = Instant::now();
         let ep =
             connect_addr(&lender.control, local, &cfg).map_err(|source| ClientError::Connect {
                 addr: lender.control.to_string(),
@@ -569,7 +583,10 @@ impl LenderClient {
                 node: ep.peer_node().to_string(),
             });
         }
-        Self::from_endpoint(ep, token, client)
+        let link = t.elapsed();
+        let mut c = Self::from_endpoint(ep, token, client)?;
+        c.setup.link = Some(link);
+        Ok(c)
     }
 
     /// Says hello over an existing link.
@@ -601,7 +618,9 @@ impl LenderClient {
             resamplers: Mutex::default(),
             pump: Mutex::new(None),
         });
+        let t = Instant::now();
         let proof = authenticate(&*inner.ep, token, inner.timeout)?;
+        let auth = t.elapsed();
         let req = Request::Hello(Hello {
             version: offer,
             token: proof,
@@ -616,7 +635,21 @@ impl LenderClient {
             )));
         }
         inner.version.store(hello.version, Ordering::Release);
-        Ok(LenderClient { inner, hello })
+        let setup = SetupTimings {
+            link: None,
+            auth,
+            hello: t.elapsed() - auth,
+        };
+        Ok(LenderClient {
+            inner,
+            hello,
+            setup,
+        })
+    }
+
+    /// How long this client's set-up took.
+    pub fn setup_timings(&self) -> SetupTimings {
+        self.setup
     }
 
     /// The protocol version agreed with the lender.

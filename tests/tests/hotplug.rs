@@ -10,6 +10,9 @@
 //!   DMA copy and an MSI-X interrupt in the guest) leave the VMM's fd count, locked memory
 //!   (VmLck) and `vm.info` counters (devices, leases, memslots, GSIs, irqfds, ioeventfds,
 //!   pinned bytes) where they were before the first add.
+//! * `a_lenders_idle_session_serves_re_adds_then_closes`: with `--lender-idle-ms`, the link
+//!   to a lender outlives its last device: re-adds reuse it (the lender sees one link for
+//!   several adds), `vm.info` does not count it, and it closes once idle for that long.
 //! * `api_abuse_gets_4xx_and_the_vm_keeps_running`: malformed JSON, unknown fields, unknown
 //!   node, bad BDF, missing device, duplicate id, busy device, remove of an unknown id, double
 //!   remove, wrong method, oversized body, add while shutting down → 4xx with a message that
@@ -113,6 +116,97 @@ fn hot_add_io_remove_and_re_add() {
     vm.expect_exit(0, T);
     cluster.wait_available(NVME_BDF);
     assert_backing_has_pattern(&disk, SLBA, 64, SEED);
+}
+
+/// Lines of the lender's log about a VMM's links: its node is `lendvm-<pid>` (the test's own
+/// status requests come as `lendvm-tests`).
+fn vmm_links(lender: &lending::testing::Lenderd, what: &str) -> usize {
+    let key = format!("{what} lendvm-");
+    lender
+        .log()
+        .lines()
+        .filter(|l| {
+            l.split(&key)
+                .nth(1)
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .count()
+}
+
+#[test]
+fn a_lenders_idle_session_serves_re_adds_then_closes() {
+    let cluster = Cluster::new(Fabric::Shm);
+    let lender = cluster.start_lenderd(&[format!("{DMATEST_BDF}=dmatest")]);
+
+    // An idle time no cycle comes near: every re-add reuses the link.
+    let mut vm = boot_with_api(
+        &cluster,
+        &format!("tests=hotplug rounds=3 seed={SEED:#x} wait_ms=120000"),
+        &["--lender-idle-ms", "600000"],
+    );
+    let api = vm.api();
+    vm.expect_line("HOTPLUG ready", T);
+    for round in 0..2 {
+        add(&api, DMATEST_BDF, "dma0");
+        let l = vm.expect_nth_line("TEST dmatest-copy ", round, T);
+        assert!(l.starts_with("TEST dmatest-copy ok"), "round {round}: {l}");
+        remove(&api, "dma0");
+        vm.expect_nth_line("HOTPLUG eject ", round, T);
+        wait_no_devices(&api);
+        cluster.wait_available(DMATEST_BDF);
+    }
+    assert_eq!(
+        vmm_links(&lender, "link up from"),
+        1,
+        "two adds, one link:\n{}",
+        lender.log()
+    );
+    assert_eq!(
+        vmm_links(&lender, "session with"),
+        0,
+        "the idle link was closed:\n{}",
+        lender.log()
+    );
+    // Idle, it is not a session in use.
+    assert_eq!(info(&api).counters.unwrap(), VmCounters::default());
+    add(&api, DMATEST_BDF, "dma0");
+    vm.expect_nth_line("TEST dmatest-copy ok", 2, T);
+    remove(&api, "dma0");
+    vm.expect_ok("hotplug", T);
+    vm.expect_exit(0, T);
+    assert_eq!(vmm_links(&lender, "link up from"), 1, "{}", lender.log());
+    cluster.wait_available(DMATEST_BDF);
+
+    // A short idle time: the link closes while the VM runs on (its guest waits for a second
+    // round), not only when it exits.
+    let mut vm = boot_with_api(
+        &cluster,
+        &format!("tests=hotplug rounds=2 seed={SEED:#x} wait_ms=120000"),
+        &["--lender-idle-ms", "200"],
+    );
+    let api = vm.api();
+    vm.expect_line("HOTPLUG ready", T);
+    add(&api, DMATEST_BDF, "dma0");
+    vm.expect_nth_line("TEST dmatest-copy ok", 0, T);
+    remove(&api, "dma0");
+    vm.expect_nth_line("HOTPLUG eject ", 0, T);
+    wait_no_devices(&api);
+    let closed = poll(Duration::from_secs(20), || {
+        (vmm_links(&lender, "session with") == 2).then_some(())
+    });
+    assert!(
+        closed.is_some(),
+        "the idle link stayed open:\n{}",
+        lender.log()
+    );
+    assert_eq!(vm.child.try_wait().unwrap(), None, "the VM exited meanwhile");
+    // A new link serves the next add.
+    add(&api, DMATEST_BDF, "dma0");
+    vm.expect_nth_line("TEST dmatest-copy ok", 1, T);
+    remove(&api, "dma0");
+    vm.expect_ok("hotplug", T);
+    vm.expect_exit(0, T);
+    assert_eq!(vmm_links(&lender, "link up from"), 3, "{}", lender.log());
 }
 
 #[test]

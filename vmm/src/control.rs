@@ -166,9 +166,16 @@ pub fn attach_api_error(e: &AttachError) -> ApiError {
 /// Timings of one hot-add, logged at `info` (the hot-add benchmark reads them).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AddTimings {
+    /// From the request to the borrow: state and id checks, the free slot.
+    pub checks: Duration,
+    /// The lender: session (new, or shared with the lender's other devices), borrow, link.
     pub borrow: Duration,
+    /// The device model (BARs, interrupts, memslots).
     pub device: Duration,
-    pub plug: Duration,
+    /// Onto the PCI bus.
+    pub bus: Duration,
+    /// The hotplug controller's slot bit and the GED interrupt.
+    pub ged: Duration,
 }
 
 /// The device table and API semantics.
@@ -577,6 +584,23 @@ impl Controller {
         restore_slot: Option<u8>,
         ticket: Option<&remote_pci::LeaseTicket>,
     ) -> Result<PciDeviceInfo, ApiError> {
+        let r = self.attach_once(data, boot, restore_slot, ticket);
+        if r.is_err() {
+            // A link borrowed for it may have been dropped: its session may be idle now.
+            self.source.released();
+        }
+        r
+    }
+
+    /// [`Controller::attach_taking`] without the clean-up hint.
+    fn attach_once(
+        &mut self,
+        data: VmAddRemoteDeviceData,
+        boot: bool,
+        restore_slot: Option<u8>,
+        ticket: Option<&remote_pci::LeaseTicket>,
+    ) -> Result<PciDeviceInfo, ApiError> {
+        let start = Instant::now();
         let accepting = if boot {
             self.state == VmState::Created
         } else {
@@ -693,6 +717,7 @@ impl Controller {
             .map_err(|e| {
                 ApiError::internal(format!("cannot plug device {id} into slot {slot}: {e}"))
             })?;
+        let t2b = Instant::now();
         let plugged = {
             let mut hp = lock(&self.h.hotplug);
             if restore_slot.is_some() {
@@ -711,18 +736,23 @@ impl Controller {
         }
         let t3 = Instant::now();
         let times = AddTimings {
+            checks: t0 - start,
             borrow: t1 - t0,
             device: t2 - t1,
-            plug: t3 - t2,
+            bus: t2b - t2,
+            ged: t3 - t2b,
         };
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         log::info!(
-            "{} {id}: {spec} at {bdf} ({mode}) in {:.3} ms (borrow {:.3} ms, device {:.3} ms, \
-             bus + GED {:.3} ms)",
+            "{} {id}: {spec} at {bdf} ({mode}) in {:.3} ms (checks {:.3} ms, borrow {:.3} ms, \
+             device {:.3} ms, bus {:.3} ms, GED {:.3} ms)",
             if boot { "cold-plugged" } else { "hot-added" },
-            (t3 - t0).as_secs_f64() * 1e3,
-            times.borrow.as_secs_f64() * 1e3,
-            times.device.as_secs_f64() * 1e3,
-            times.plug.as_secs_f64() * 1e3,
+            ms(t3 - start),
+            ms(times.checks),
+            ms(times.borrow),
+            ms(times.device),
+            ms(times.bus),
+            ms(times.ged),
         );
         self.emit(
             "device",
@@ -809,6 +839,8 @@ impl Controller {
         } = d;
         let t = Instant::now();
         drop(device);
+        // Its lender's session may have no device left now: its idle time starts.
+        self.source.released();
         log::info!(
             "{id}: slot {slot} torn down in {:.3} ms{}",
             t.elapsed().as_secs_f64() * 1e3,

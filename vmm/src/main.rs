@@ -94,6 +94,11 @@ struct Cli {
     /// VM name given to lenders (default vm-<pid>).
     #[arg(long, value_name = "NAME")]
     name: Option<String>,
+    /// How long the link to a lender stays open after its last device was removed, so that
+    /// the next device borrowed there (a re-add, a replacement) skips the link set-up (tcp:
+    /// TLS), AUTH and HELLO. 0: the link closes with the last device.
+    #[arg(long, value_name = "MS", default_value_t = vmm::remote::SESSION_IDLE_MS)]
+    lender_idle_ms: u64,
     /// Cluster auth token (visible in `ps`; prefer $LENDVM_TOKEN or the cluster file's token).
     /// It also authenticates live migrations (needed for tcp ones), with or without --cluster.
     #[arg(long, value_name = "TOKEN")]
@@ -558,7 +563,7 @@ fn main() -> ExitCode {
                 vm_name: cli.name.clone().unwrap_or_else(|| format!("vm-{pid}")),
                 token,
             };
-            let source = match directory {
+            let mut source = match directory {
                 None => LenderSource::new(cluster, id),
                 Some(d) => {
                     match lending::directory::etcd::EtcdDirectory::connect(
@@ -571,6 +576,7 @@ fn main() -> ExitCode {
                     }
                 }
             };
+            source.set_session_idle(std::time::Duration::from_millis(cli.lender_idle_ms));
             for d in &cli.remote_device {
                 if let Err(e) = source.check_node(&d.device.node) {
                     return usage_error(e);

@@ -8,8 +8,10 @@
 //!   hello with the cluster token, borrows the device for the VM (`--name`, default
 //!   `vm-<pid>`) and wraps the lease in a [`LendingLink`]. Every device borrowed from one
 //!   lender shares one [`LenderSession`] (one link, one event pump, one export of guest
-//!   RAM); the source keeps the sessions weakly, so the last device of a lender closes its
-//!   link, and a session whose link ended is never used again.
+//!   RAM); the source keeps the sessions weakly, and a session whose link ended is never used
+//!   again. A session whose last device went is kept idle for [`SESSION_IDLE`] by a reaper
+//!   thread ([`SessionKeeper`]), so the next device borrowed there (a re-add, a replacement)
+//!   reuses the authenticated link instead of setting up a new one; then its link closes.
 //! * [`VmmLink`] wraps any [`RemoteDeviceLink`]: `mode=trapped` turns every BAR into a
 //!   trapped one, and the wrapper counts live leases in [`ResourceCounters`] until it is
 //!   dropped (after the inner link has returned the lease).
@@ -22,8 +24,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use api::types::{RemoteDeviceMode, RemoteDeviceSpec};
 use lending::client::{ClientError, LenderClient};
@@ -44,6 +47,19 @@ pub const CLIENT_NAME: &str = "lendvm";
 
 /// Upper bound on connecting to a lender.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long, by default (`lendvm --lender-idle-ms`), a lender session whose last device went
+/// is kept for the next device borrowed there. A new session costs a link set-up (tcp: TCP and TLS handshakes), the AUTH and
+/// HELLO round trips and about five thread starts on each side; on a busy host that was
+/// where a hot-add's tail went (docs/BENCHMARKS.md, "Hot-add latency"). Short, so a lender
+/// whose devices were all returned sees the link end soon after, and the borrower holds
+/// no idle connection for long.
+pub const SESSION_IDLE: Duration = Duration::from_millis(SESSION_IDLE_MS);
+/// [`SESSION_IDLE`] in milliseconds.
+pub const SESSION_IDLE_MS: u64 = 1000;
+/// How soon the reaper looks again at a session that has no lease left but is still held
+/// (a device being dropped right now).
+const SESSION_RECHECK: Duration = Duration::from_millis(50);
 
 /// Why a remote device could not be borrowed. Each names the node and the cause in one line.
 #[derive(Debug, thiserror::Error)]
@@ -135,6 +151,10 @@ pub trait LinkSource: Send {
         FabricCounts::default()
     }
 
+    /// A link this source gave out was dropped (a device torn down, an add that failed):
+    /// sessions left without devices start their idle time now.
+    fn released(&self) {}
+
     /// Takes over the lease of `spec` that a migration source authorised with `ticket`
     /// (live migration: the device is not reset). The lease comes without DMA windows and
     /// interrupt targets; the device is still quiesced for the hand-over.
@@ -174,7 +194,8 @@ pub struct FabricIdentity {
 /// What [`LinkSource::fabric_counts`] reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FabricCounts {
-    /// Sessions (connections to a lender) alive.
+    /// Sessions (connections to a lender) that devices hold; one kept idle for reuse
+    /// ([`SESSION_IDLE`]) is not counted.
     pub sessions: u64,
     /// Exports of guest RAM as fabric windows alive (at most one per session).
     pub ram_exports: u64,
@@ -189,6 +210,174 @@ pub struct LenderSource {
     /// borrowed there, held by them (weak here).
     sessions: Mutex<HashMap<(String, String), Weak<LenderSession>>>,
     counters: Arc<SessionCounters>,
+    keeper: SessionKeeper,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A session the keeper holds, and since when nothing else does.
+struct Kept {
+    session: Arc<LenderSession>,
+    idle_since: Option<Instant>,
+}
+
+impl Kept {
+    /// Whether only the keeper holds it (no device, no borrow in flight).
+    fn idle(&self) -> bool {
+        Arc::strong_count(&self.session) == 1
+    }
+}
+
+#[derive(Default)]
+struct KeeperState {
+    /// At most one per (lender, address): bounded by the lenders this VMM borrowed from.
+    sessions: HashMap<(String, String), Kept>,
+    stop: bool,
+}
+
+#[derive(Default)]
+struct KeeperShared {
+    state: Mutex<KeeperState>,
+    cond: Condvar,
+}
+
+/// Holds every session this source opened, so that one whose devices are all gone stays
+/// open for the idle time ([`SESSION_IDLE`] by default); a reaper thread closes it then (or
+/// at once if its link ended). The thread sleeps until told a link was released or an idle
+/// time ends: no polling.
+pub struct SessionKeeper {
+    shared: Arc<KeeperShared>,
+    reaper: Mutex<Option<JoinHandle<()>>>,
+    idle: Duration,
+}
+
+impl Default for SessionKeeper {
+    fn default() -> Self {
+        Self {
+            shared: Arc::default(),
+            reaper: Mutex::default(),
+            idle: SESSION_IDLE,
+        }
+    }
+}
+
+impl SessionKeeper {
+    /// Keeps `session` under `key` (replacing a session whose link ended); false if idle
+    /// sessions are not kept (idle time 0) or the reaper cannot run: the session then closes
+    /// with its last device.
+    fn keep(&self, key: (String, String), session: &Arc<LenderSession>) -> bool {
+        if self.idle.is_zero() {
+            return false;
+        }
+        {
+            let mut r = lock(&self.reaper);
+            if r.is_none() {
+                let shared = Arc::clone(&self.shared);
+                let idle = self.idle;
+                match std::thread::Builder::new()
+                    .name("lender-sessions".into())
+                    .spawn(move || reap(&shared, idle))
+                {
+                    Ok(h) => *r = Some(h),
+                    Err(e) => {
+                        log::warn!("cannot start the idle lender session reaper: {e}");
+                        return false;
+                    }
+                }
+            }
+        }
+        let old = lock(&self.shared.state).sessions.insert(
+            key,
+            Kept {
+                session: Arc::clone(session),
+                idle_since: None,
+            },
+        );
+        // Dropped outside the lock: closing a link joins its threads.
+        drop(old);
+        true
+    }
+
+    /// Sessions kept that no device holds now.
+    fn idle(&self) -> usize {
+        lock(&self.shared.state)
+            .sessions
+            .values()
+            .filter(|k| k.idle())
+            .count()
+    }
+
+    /// Makes the reaper look at the sessions again. Taken under the lock, so the wake-up
+    /// cannot fall between a sweep that saw the old state and the reaper's wait.
+    fn wake(&self) {
+        let _st = lock(&self.shared.state);
+        self.shared.cond.notify_all();
+    }
+}
+
+impl Drop for SessionKeeper {
+    fn drop(&mut self) {
+        lock(&self.shared.state).stop = true;
+        self.shared.cond.notify_all();
+        if let Some(h) = lock(&self.reaper).take() {
+            if h.join().is_err() {
+                log::error!("the idle lender session reaper panicked");
+            }
+        }
+        // The sessions still kept close as `shared` drops (their devices are gone by now).
+    }
+}
+
+/// The reaper: closes sessions idle for `idle` or whose link ended.
+fn reap(shared: &KeeperShared, idle: Duration) {
+    let mut st = lock(&shared.state);
+    loop {
+        if st.stop {
+            return;
+        }
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        let mut closing = Vec::new();
+        st.sessions.retain(|(node, _), k| {
+            if !k.idle() {
+                k.idle_since = None;
+                if k.session.leases() == 0 {
+                    // Its last device is being dropped right now: look again soon.
+                    let t = now + SESSION_RECHECK;
+                    next = Some(next.map_or(t, |n| n.min(t)));
+                }
+                return true;
+            }
+            let since = *k.idle_since.get_or_insert(now);
+            if !k.session.is_usable() || now >= since + idle {
+                log::debug!("{node}: closing the idle lender session");
+                closing.push(Arc::clone(&k.session));
+                return false;
+            }
+            let t = since + idle;
+            next = Some(next.map_or(t, |n| n.min(t)));
+            true
+        });
+        if !closing.is_empty() {
+            // Closing joins the session's threads: not under the lock.
+            drop(st);
+            drop(closing);
+            st = lock(&shared.state);
+            continue;
+        }
+        st = match next {
+            Some(t) => {
+                shared
+                    .cond
+                    .wait_timeout(st, t.saturating_duration_since(now))
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+            None => shared.cond.wait(st).unwrap_or_else(PoisonError::into_inner),
+        };
+    }
 }
 
 impl LenderSource {
@@ -199,7 +388,15 @@ impl LenderSource {
             directory: None,
             sessions: Mutex::default(),
             counters: Arc::default(),
+            keeper: SessionKeeper::default(),
         }
+    }
+
+    /// How long a session whose last device went stays open for the next device borrowed
+    /// from its lender (default [`SESSION_IDLE`]; zero: it closes with its last device).
+    /// Set before the first borrow.
+    pub fn set_session_idle(&mut self, idle: Duration) {
+        self.keeper.idle = idle;
     }
 
     /// Lenders are found, and devices claimed, in `directory`; `cluster` (possibly without
@@ -215,6 +412,7 @@ impl LenderSource {
             directory: Some(directory),
             sessions: Mutex::default(),
             counters: Arc::default(),
+            keeper: SessionKeeper::default(),
         }
     }
 }
@@ -451,10 +649,19 @@ impl LinkSource for LenderSource {
     }
 
     fn fabric_counts(&self) -> FabricCounts {
+        let idle = self.keeper.idle();
         FabricCounts {
-            sessions: self.counters.sessions.load(Ordering::SeqCst) as u64,
+            sessions: self
+                .counters
+                .sessions
+                .load(Ordering::SeqCst)
+                .saturating_sub(idle) as u64,
             ram_exports: self.counters.ram_exports.load(Ordering::SeqCst) as u64,
         }
+    }
+
+    fn released(&self) {
+        self.keeper.wake();
     }
 
     fn accept(
@@ -523,14 +730,14 @@ impl LenderSource {
     }
 
     /// The live session to `lender`, or a new one (connected under our node name, the
-    /// cluster token checked by its hello).
+    /// cluster token checked by its hello); true if new.
     fn session(
         &self,
         cluster: &ClusterConfig,
         lender: &NodeConfig,
         node: &str,
         local_err: &dyn Fn(String) -> AttachError,
-    ) -> Result<Arc<LenderSession>, AttachError> {
+    ) -> Result<(Arc<LenderSession>, bool), AttachError> {
         let key = (lender.name.to_string(), lender.control.to_string());
         let live = self
             .sessions
@@ -541,7 +748,7 @@ impl LenderSource {
         if let Some(s) = live {
             if s.is_usable() {
                 log::debug!("{node}: sharing the session of {} lease(s)", s.leases());
-                return Ok(s);
+                return Ok((s, false));
             }
             // Its link ended (the lender restarted or died): its leases are lost and go with
             // their devices; new ones need a new link.
@@ -572,6 +779,8 @@ impl LenderSource {
             },
             other => unreachable(other.to_string()),
         })?;
+        let setup = client.setup_timings();
+        let t = Instant::now();
         let session = LenderSession::new(
             client,
             SessionOptions {
@@ -580,10 +789,22 @@ impl LenderSource {
             },
         )
         .map_err(|e| local_err(e.to_string()))?;
-        let mut map = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
-        map.retain(|_, w| w.strong_count() > 0);
-        map.insert(key, Arc::downgrade(&session));
-        Ok(session)
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        log::info!(
+            "{node}: new lender session: link {:.3} ms, auth {:.3} ms, hello {:.3} ms, \
+             event pump {:.3} ms",
+            ms(setup.link.unwrap_or_default()),
+            ms(setup.auth),
+            ms(setup.hello),
+            ms(t.elapsed()),
+        );
+        {
+            let mut map = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
+            map.retain(|_, w| w.strong_count() > 0);
+            map.insert(key.clone(), Arc::downgrade(&session));
+        }
+        self.keeper.keep(key, &session);
+        Ok((session, true))
     }
 
     /// Connects to `lender`, borrows the device (under `claim` if given) and maps it.
@@ -601,7 +822,10 @@ impl LenderSource {
             bdf: bdf.clone(),
             reason,
         };
-        let session = self.session(cluster, lender, node, &local_err)?;
+        // Phase timings for the hot-add profile (logged below, read by benches/hotplug.rs).
+        let t0 = Instant::now();
+        let (session, fresh) = self.session(cluster, lender, node, &local_err)?;
+        let t1 = Instant::now();
         let client = session.client();
         let lease = match take {
             Take::Borrow(Some(rev)) => client.borrow_claimed(&bdf, &self.id.vm_name, rev),
@@ -646,6 +870,7 @@ impl LenderSource {
             },
         })?;
         let lease_id = lease.id();
+        let t2 = Instant::now();
         let link = LendingLink::in_session(session, lease).map_err(|e| match e {
             LendingLinkError::BarWindow { ref source, .. } if !is_local(source) => {
                 AttachError::Link {
@@ -656,9 +881,16 @@ impl LenderSource {
             }
             _ => local_err(e.to_string()),
         })?;
+        let t3 = Instant::now();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         log::info!(
-            "borrowed {spec} (lease {lease_id}) for vm {}",
-            self.id.vm_name
+            "borrowed {spec} (lease {lease_id}) for vm {}: session {} {:.3} ms, borrow {:.3} ms, \
+             link {:.3} ms",
+            self.id.vm_name,
+            if fresh { "new" } else { "shared" },
+            ms(t1 - t0),
+            ms(t2 - t1),
+            ms(t3 - t2),
         );
         Ok(link)
     }
