@@ -76,7 +76,7 @@ QEMU_CMDLINE_HOST = ("noxsave clearcpuid=smap,smep,pcid,popcnt,rdrand,rdseed,fsg
                      "movdir64b,cldemote,serialize,bmi1,bmi2,adx,sha_ni,aes,pclmulqdq,sse4_2")
 USERSPACE_CMDLINE = "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4"
 DISK_SIZE = 64 << 20
-TOKEN = "lendvm-bench-guest-token"
+TOKEN = "lendvm-bench-guest-token-of-32-bytes-or-more"  # lenderd wants >= 32 bytes
 BDF = "0000:82:00.0"
 COUNTER_KEYS = ("exits", "mmio_exits", "io_exits", "halt_exits")
 # The vCPU threads' names (/proc/.../comm): lendvm's vcpu.rs, QEMU's "CPU n/KVM".
