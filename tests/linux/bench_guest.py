@@ -428,6 +428,7 @@ def run_config(name, args, workdir, rep=1):
             with open(cluster, "w") as f:
                 f.write(f'version = 1\ntoken = "{TOKEN}"\n[[node]]\nname = "node1"\n'
                         f'fabric = "{fabric}"\ncontrol = {control}\n')
+            os.chmod(cluster, 0o600)  # it holds the token inline: lenderd refuses it otherwise
             spec = f"{BDF}=nvme:path={disk},size={DISK_SIZE}" + (f",{devopts}" if devopts else "")
             lenderd = subprocess.Popen(
                 [args.lenderd, "--node", "node1", "--cluster", cluster, "--device", spec],

@@ -218,9 +218,24 @@ mod tests {
         // What this PVM host kept visible under --cpu-model qemu64 (the host model's list and
         // qemu64's own): everything a kernel path depends on fits in the 127 bytes.
         let visible = [
-            "smap", "smep", "popcnt", "rdrand", "rdseed", "fsgsbase", "movdiri", "movdir64b",
-            "cldemote", "serialize", "erms", "fsrm", "tsc_deadline_timer", "rdpid", "clflushopt",
-            "umip", "movbe", "xsave",
+            "smap",
+            "smep",
+            "popcnt",
+            "rdrand",
+            "rdseed",
+            "fsgsbase",
+            "movdiri",
+            "movdir64b",
+            "cldemote",
+            "serialize",
+            "erms",
+            "fsrm",
+            "tsc_deadline_timer",
+            "rdpid",
+            "clflushopt",
+            "umip",
+            "movbe",
+            "xsave",
         ];
         assert_eq!(
             augment("", &visible).unwrap(),

@@ -729,7 +729,10 @@ mod tests {
         l1.ecx = (1 << 30) | (1 << 31);
         let mut l7 = entry(7, 0, 0);
         l7.ebx = 1 << 20;
-        assert_eq!(overridden(&[l1, l7], CpuModel::Host), vec!["rdrand", "smap"]);
+        assert_eq!(
+            overridden(&[l1, l7], CpuModel::Host),
+            vec!["rdrand", "smap"]
+        );
         assert!(overridden(
             &filter_entries(&[entry(1, 0, u32::MAX)], CpuModel::Host, 0, 1),
             CpuModel::Host
@@ -798,7 +801,10 @@ mod tests {
         assert_eq!(l7.eax, u32::MAX, "highest subleaf stays");
         assert_eq!(find(&out, 7, 1).eax, 0);
         let e1 = find(&out, 0x8000_0001, 0);
-        assert_eq!(e1.ecx, 1, "lahf_lm only: no abm, 3dnowprefetch, topoext, ...");
+        assert_eq!(
+            e1.ecx, 1,
+            "lahf_lm only: no abm, 3dnowprefetch, topoext, ..."
+        );
         for bit in [11, 20, 29] {
             assert_ne!(e1.edx & (1 << bit), 0, "syscall nx lm: bit {bit}");
         }
@@ -811,7 +817,10 @@ mod tests {
             assert!(out.iter().all(|e| e.function != gone), "leaf {gone:#x}");
         }
         assert!(out.iter().any(|e| e.function == 0x8000_0008));
-        assert!(out.iter().all(|e| e.function != 0xd), "0xd: xsave is masked");
+        assert!(
+            out.iter().all(|e| e.function != 0xd),
+            "0xd: xsave is masked"
+        );
         // The emulator's masks apply to both models: the PV leaf loses its vmcall features.
         let pv = find(&out, KVM_CPUID_FEATURES, 0).eax;
         assert_eq!(pv & ((1 << 7) | (1 << 11) | (1 << 13) | (1 << 16)), 0);
@@ -838,7 +847,10 @@ mod tests {
             overridden(&[l1, l7], CpuModel::Qemu64),
             vec!["rdrand", "smap", "erms", "fsrm", "tsc_deadline_timer"]
         );
-        assert_eq!(overridden(&[l1, l7], CpuModel::Host), vec!["rdrand", "smap"]);
+        assert_eq!(
+            overridden(&[l1, l7], CpuModel::Host),
+            vec!["rdrand", "smap"]
+        );
         let clean = filter_entries(&full_table(), CpuModel::Qemu64, 0, 1);
         assert!(overridden(&clean, CpuModel::Qemu64).is_empty());
     }

@@ -167,7 +167,9 @@ fn metrics_render(
 fn doc_cpu_model(
     c: &vmm::snapshot::format::MachineConfig,
 ) -> Result<vmm::cpuid::CpuModel, vmm::cpuid::CpuidError> {
-    c.cpu_model.as_deref().map_or(Ok(Default::default()), str::parse)
+    c.cpu_model
+        .as_deref()
+        .map_or(Ok(Default::default()), str::parse)
 }
 
 fn parse_cpus(s: &str) -> Result<u8, String> {
