@@ -4,6 +4,13 @@
 #   scripts/bench-guest.sh [--configs a,b,...] [--repeat N] [--allow-missing-counters] [--no-docs]
 #                          [--perf | --perf-guest] [--name NAME]   (outputs target/bench/NAME.{json,svg}, NAME-logs/;
 #                                           implies --no-docs; default guest-fio)
+#                          [--cpus N] [--cpu-model host|qemu64] [--qemu-cpu CPU] [--qemu-append ARGS]
+#
+# Guest CPU: --cpus N vCPUs in every guest (default 1: lendvm --cpus, QEMU -smp); lendvm's
+# configurations boot with --cpu-model (default host); QEMU with -cpu CPU (default
+# qemu64,-popcnt; `-cpu host` does not boot here, use max minus features, see
+# docs/BENCHMARKS.md) and ARGS appended to its kernel command line (default: what QEMU needs
+# for the CPU given, see tests/linux/bench_guest.py).
 #
 # Configurations (one boot each, same kernel, same initramfs, same fio jobs):
 #   lendvm-shm-irq-dbbuf-off  NVMe lent over shm, interrupt mode, shadow doorbells off
@@ -46,9 +53,11 @@ while [ $# -gt 0 ]; do
 	--perf-guest) extra+=(--perf-guest); perf=1; shift ;;
 	--repeat=*) extra+=(--repeat "${1#--repeat=}"); shift ;;
 	--no-docs) docs=0; shift ;;
+	--cpus | --cpu-model | --qemu-cpu | --qemu-append) extra+=("$1" "$2"); shift 2 ;;
+	--cpus=* | --cpu-model=* | --qemu-cpu=* | --qemu-append=*) extra+=("$1"); shift ;;
 	--name) name=$2; docs=0; shift 2 ;;
 	--name=*) name=${1#--name=}; docs=0; shift ;;
-	-h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+	-h | --help) sed -n '2,38p' "$0"; exit 0 ;;
 	*) die "unknown argument $1 (see --help)" ;;
 	esac
 done

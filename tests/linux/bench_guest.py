@@ -69,14 +69,22 @@ BASE_CMDLINE = "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr l
 # itself): see tests/linux/lib.sh and docs/linux-guest-on-pvm.md.
 QEMU_CMDLINE = "noxsave clearcpuid=smap,smep,pcid,popcnt"
 QEMU_CPU = "qemu64,-popcnt"
+# QEMU with a host-like CPU (`--qemu-cpu host...`/`max...`): the guest sees what lendvm's
+# `--cpu-model host` shows it, so it gets what lendvm appends on this host (its log line
+# "command line is now ..."), as far as Linux's 127-byte clearcpuid= buffer goes.
+QEMU_CMDLINE_HOST = ("noxsave clearcpuid=smap,smep,pcid,popcnt,rdrand,rdseed,fsgsbase,movdiri,"
+                     "movdir64b,cldemote,serialize,bmi1,bmi2,adx,sha_ni,aes,pclmulqdq,sse4_2")
 USERSPACE_CMDLINE = "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4"
 DISK_SIZE = 64 << 20
-TOKEN = "lendvm-bench-guest-token"
+TOKEN = "lendvm-bench-guest-token-of-32-bytes-or-more"  # lenderd wants >= 32 bytes
 BDF = "0000:82:00.0"
 COUNTER_KEYS = ("exits", "mmio_exits", "io_exits", "halt_exits")
 # The vCPU threads' names (/proc/.../comm): lendvm's vcpu.rs, QEMU's "CPU n/KVM".
-VCPU_THREADS = {"lendvm": {"vcpu0"}, "qemu": {"CPU 0/KVM"}}
+def vcpu_threads(kind, cpus):
+    return ({f"vcpu{i}" for i in range(cpus)} if kind == "lendvm"
+            else {f"CPU {i}/KVM" for i in range(cpus)})
 
+CPUINFO = re.compile(r"LENDVM-CPUINFO ([a-z ]+?)\s*:\s*(.*)")
 MARK = re.compile(r"LENDVM-FIO (idle-begin|idle-end|run|ran|done)\b(.*)")
 
 
@@ -420,6 +428,7 @@ def run_config(name, args, workdir, rep=1):
             with open(cluster, "w") as f:
                 f.write(f'version = 1\ntoken = "{TOKEN}"\n[[node]]\nname = "node1"\n'
                         f'fabric = "{fabric}"\ncontrol = {control}\n')
+            os.chmod(cluster, 0o600)  # it holds the token inline: lenderd refuses it otherwise
             spec = f"{BDF}=nvme:path={disk},size={DISK_SIZE}" + (f",{devopts}" if devopts else "")
             lenderd = subprocess.Popen(
                 [args.lenderd, "--node", "node1", "--cluster", cluster, "--device", spec],
@@ -445,7 +454,8 @@ def run_config(name, args, workdir, rep=1):
             api = os.path.join(cdir, "api.sock")
             dev = f"node1:{BDF},id=disk0" + (f",mode={mode}" if mode else "")
             argv = [args.lendvm, "--kernel", args.vmlinux, "--initramfs", args.initramfs,
-                    "--memory", "128M", "--serial", "stdout", "--cmdline", cmdline,
+                    "--memory", "128M", "--cpus", str(args.cpus), "--cpu-model", args.cpu_model,
+                    "--serial", "stdout", "--cmdline", cmdline,
                     "--cluster", cluster, "--name", f"bench-{name}",
                     "--remote-device", dev, "--api-socket", api]
             vm = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(
@@ -454,19 +464,19 @@ def run_config(name, args, workdir, rep=1):
             procs.append(vm)
             counters["cpu"] = CpuProbe({"vm": vm.pid, "lender": lenderd.pid})
             if args.perf or args.perf_guest:
-                counters["perf"] = PerfProbe(vm.pid, VCPU_THREADS[kind], cdir, guest_map(args))
+                counters["perf"] = PerfProbe(vm.pid, vcpu_threads(kind, args.cpus), cdir, guest_map(args))
             counters["src"] = LendvmCounters(args.lendctl, api, not args.allow_missing_counters)
             ok_exit = 0
         else:
             qmp = os.path.join(cdir, "qmp.sock")
-            argv = ["qemu-system-x86_64", "-enable-kvm", "-cpu", QEMU_CPU, "-machine", "q35",
-                    "-m", "128M", "-smp", "1", "-display", "none", "-no-reboot",
+            argv = ["qemu-system-x86_64", "-enable-kvm", "-cpu", args.qemu_cpu, "-machine", "q35",
+                    "-m", "128M", "-smp", str(args.cpus), "-display", "none", "-no-reboot",
                     # Names the vCPU thread "CPU 0/KVM" for the CPU profile.
                     "-name", "bench,debug-threads=on",
                     "-monitor", "none", "-net", "none", "-serial", "stdio",
                     "-device", "isa-debug-exit,iobase=0xf4,iosize=0x04",
                     "-kernel", args.bzimage, "-initrd", args.initramfs,
-                    "-append", f"{cmdline} {QEMU_CMDLINE}",
+                    "-append", f"{cmdline} {args.qemu_append}",
                     "-drive", f"file={disk},if=none,id=nvm,format=raw",
                     # QEMU 7.2's NVMe has shadow doorbells (Doorbell Buffer Config) always;
                     # its doorbell ioeventfds are off unless asked for.
@@ -477,7 +487,7 @@ def run_config(name, args, workdir, rep=1):
             procs.append(vm)
             counters["cpu"] = CpuProbe({"vm": vm.pid})
             if args.perf or args.perf_guest:
-                counters["perf"] = PerfProbe(vm.pid, VCPU_THREADS[kind], cdir, guest_map(args))
+                counters["perf"] = PerfProbe(vm.pid, vcpu_threads(kind, args.cpus), cdir, guest_map(args))
             counters["src"] = QmpCounters(qmp)
             ok_exit = 1  # isa-debug-exit: (0 << 1) | 1
         log(f"{name}: booting ({desc}); console in {logpath}")
@@ -506,10 +516,21 @@ def run_config(name, args, workdir, rep=1):
         if f.get("failed") != "0" or f.get("runs") != str(len(JOBS)):
             raise ConfigFailed(f"guest runner: {done.strip()} (see {logpath})")
         missing = counters["src"].missing_reason if isinstance(counters["src"], LendvmCounters) else None
-        r = collect(name, desc, con.lines, snaps, missing, args, VCPU_THREADS[kind])
+        r = collect(name, desc, con.lines, snaps, missing, args, vcpu_threads(kind, args.cpus))
         for i, j in enumerate(r["jobs"], start=1):
             if str(i) in perf:
                 j["perf"] = perf[str(i)]
+        # The CPU the guest kernel used (the runner's LENDVM-CPUINFO lines, CPU 0).
+        info = {}
+        for l in con.lines:
+            m = CPUINFO.search(l)
+            if m:
+                info.setdefault(m.group(1), m.group(2).strip())
+        if info:
+            r["guest_cpu"] = info
+        cl = next((l for l in con.lines if "Command line:" in l), None)
+        if cl is not None:
+            r["guest_cmdline"] = cl.split("Command line:", 1)[1].strip()
         return r
     finally:
         for p in reversed(procs):
@@ -620,7 +641,18 @@ def fmt(v, spec):
 def markdown(results, meta):
     out = [f"Run {meta['date']} (`scripts/bench-guest.sh`, lendvm from `{meta['bin_dir']}`), {meta['host']}; kernel "
            f"`{meta['kernel']}`, initramfs `{meta['initramfs']}`; fio pause "
-           f"{meta['pause_s']} s around each job.", ""]
+           f"{meta['pause_s']} s around each job; {meta.get('cpus', 1)} vCPU(s) per guest; "
+           f"lendvm `--cpu-model {meta.get('cpu_model', 'host')}`, QEMU `-cpu {meta.get('qemu_cpu', QEMU_CPU)}`"
+           f" with `{meta.get('qemu_append', QEMU_CMDLINE)}`.", ""]
+    # The guest kernel's CPU flags where they differ between configurations (CPU 0,
+    # /proc/cpuinfo after clearcpuid=/noxsave).
+    flags = {label(c, 2): set(c["guest_cpu"].get("flags", "").split())
+             for c in results if "error" not in c and c.get("guest_cpu")}
+    if flags:
+        common = set.intersection(*flags.values())
+        out.append(f"Guest CPU flags common to every boot: {len(common)}; beyond them: " + "; ".join(
+            f"{k}: {' '.join(sorted(v - common)) or '—'}" for k, v in flags.items()) + ".")
+        out.append("")
     for c in results:
         if "error" in c:
             out.append(f"* **{c['name']}** ({c['description']}): **failed**: {c['error']}")
@@ -786,6 +818,13 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="boot every configuration this many times (rounds in turn), to see the spread")
     ap.add_argument("--timeout", type=int, default=1500, help="bound on one boot, seconds")
+    ap.add_argument("--cpus", type=int, default=1, help="vCPUs of every guest (lendvm --cpus, QEMU -smp)")
+    ap.add_argument("--cpu-model", default="host", choices=["host", "qemu64"],
+                    help="lendvm's --cpu-model for the lendvm configurations")
+    ap.add_argument("--qemu-cpu", default=QEMU_CPU, help="QEMU's -cpu")
+    ap.add_argument("--qemu-append", default=None,
+                    help="what QEMU's kernel command line gets for the emulator (default: "
+                    f"'{QEMU_CMDLINE}' for qemu64, else '{QEMU_CMDLINE_HOST}')")
     ap.add_argument("--allow-missing-counters", action="store_true",
                     help="report exits as n/a when lendvm has no vm.counters endpoint")
     ap.add_argument("--out", required=True, help="JSON output")
@@ -794,6 +833,10 @@ def main():
     ap.add_argument("--svg-rel", default="bench-guest.svg", help="the SVG's path relative to --markdown")
     ap.add_argument("--log-dir", required=True)
     args = ap.parse_args()
+    if args.qemu_append is None:
+        args.qemu_append = QEMU_CMDLINE if args.qemu_cpu.startswith("qemu64") else QEMU_CMDLINE_HOST
+    if args.cpus < 1:
+        ap.error("--cpus must be at least 1")
     names = [n for n in args.configs.split(",") if n]
     bad = [n for n in names if n not in CONFIGS]
     if bad:
@@ -829,7 +872,8 @@ def main():
             "host": f"{os.cpu_count()} CPUs, {uname.sysname} {uname.release}",
             "kernel": os.path.basename(os.path.dirname(args.vmlinux)),
             "initramfs": os.path.basename(args.initramfs), "pause_s": args.pause,
-            "bin_dir": args.bin_dir, "repeat": args.repeat,
+            "bin_dir": args.bin_dir, "repeat": args.repeat, "cpus": args.cpus,
+            "cpu_model": args.cpu_model, "qemu_cpu": args.qemu_cpu, "qemu_append": args.qemu_append,
             "jobs": [{"job": j, "direction": d, "bs": b} for j, d, b in JOBS]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

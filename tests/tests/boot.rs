@@ -121,6 +121,34 @@ fn guest_exception_is_reported_by_the_guest() {
     assert_eq!(run.code(), Some(3));
 }
 
+#[test]
+fn qemu64_cpu_model_boots() {
+    let run = boot(&["--cpu-model", "qemu64", "--cmdline", "console=ttyS0"]);
+    assert!(run.has_line("TEST cpuid ok hypervisor yes"));
+    assert!(run.has_line("TEST irq-lapic-timer ok vector 0x30"));
+    assert!(
+        !run.stdout.lines().any(|l| l.contains(" fail ")),
+        "a guest test failed"
+    );
+    assert_eq!(run.code(), Some(0));
+}
+
+#[test]
+fn unknown_cpu_model_is_refused_by_name() {
+    cli_error(
+        &["--kernel", TEST_GUEST, "--cpu-model", "pentium"],
+        "unknown CPU model 'pentium': expected host or qemu64",
+    );
+    // The same from a config file (its keys are the long options).
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("vm.toml");
+    std::fs::write(&cfg, "cpu_model = \"Qemu64\"\n").unwrap();
+    cli_error(
+        &["--kernel", TEST_GUEST, "--config", cfg.to_str().unwrap()],
+        "unknown CPU model 'Qemu64': expected host or qemu64",
+    );
+}
+
 fn cli_error(args: &[&str], needle: &str) {
     let run = run_lendvm(args, TIMEOUT);
     assert_eq!(run.code(), Some(2), "{args:?}: stderr {}", run.stderr);

@@ -21,7 +21,8 @@ use std::path::Path;
 /// Longest `clearcpuid=` value Linux reads (its buffer is 128 bytes with the NUL).
 pub const CLEARCPUID_MAX: usize = 127;
 
-/// (VMM name in `cpuid::MASKED`, Linux flag name), in priority order. Features that
+/// (VMM name in `cpuid::MASKED` or `cpuid::QEMU64_CLEARED`, Linux flag name), in priority
+/// order. Features that
 /// `noxsave` already removes (xsave, osxsave, avx*, fma, f16c, amx*) are not listed.
 const LINUX_FLAGS: &[(&str, &str)] = &[
     ("smap", "smap"),
@@ -40,6 +41,17 @@ const LINUX_FLAGS: &[(&str, &str)] = &[
     ("movdir64b", "movdir64b"),
     ("cldemote", "cldemote"),
     ("serialize", "serialize"),
+    // Cleared by `--cpu-model qemu64` only (`cpuid::QEMU64_CLEARED`): what changes the
+    // kernel's own code paths (string copies, the timer, getcpu) comes first.
+    ("erms", "erms"),
+    ("fsrm", "fsrm"),
+    // X86_FEATURE_TSC_DEADLINE_TIMER by number (word 4, bit 24): Linux 6.1 takes numbers
+    // too, and the name alone would use 18 of the 127 bytes.
+    ("tsc_deadline_timer", "152"),
+    ("rdpid", "rdpid"),
+    ("clflushopt", "clflushopt"),
+    ("umip", "umip"),
+    ("movbe", "movbe"),
     ("bmi1", "bmi1"),
     ("bmi2", "bmi2"),
     ("adx", "adx"),
@@ -192,6 +204,44 @@ mod tests {
         let v = opts[0].strip_prefix("clearcpuid=").unwrap();
         assert!(v.len() <= CLEARCPUID_MAX, "{} bytes", v.len());
         assert!(v.starts_with("smap,smep,pcid,invpcid,popcnt,rdrand,rdseed,fsgsbase"));
+    }
+
+    #[test]
+    fn qemu64_features_reach_clearcpuid() {
+        // Every feature the qemu64 model clears has a Linux name here.
+        for (_, _, _, _, name) in crate::cpuid::QEMU64_CLEARED {
+            assert!(
+                LINUX_FLAGS.iter().any(|(ours, _)| ours == name),
+                "{name} has no Linux flag"
+            );
+        }
+        // What this PVM host kept visible under --cpu-model qemu64 (the host model's list and
+        // qemu64's own): everything a kernel path depends on fits in the 127 bytes.
+        let visible = [
+            "smap",
+            "smep",
+            "popcnt",
+            "rdrand",
+            "rdseed",
+            "fsgsbase",
+            "movdiri",
+            "movdir64b",
+            "cldemote",
+            "serialize",
+            "erms",
+            "fsrm",
+            "tsc_deadline_timer",
+            "rdpid",
+            "clflushopt",
+            "umip",
+            "movbe",
+            "xsave",
+        ];
+        assert_eq!(
+            augment("", &visible).unwrap(),
+            "noxsave clearcpuid=smap,smep,popcnt,rdrand,rdseed,fsgsbase,movdiri,movdir64b,\
+             cldemote,serialize,erms,fsrm,152,rdpid,clflushopt,umip,movbe"
+        );
     }
 
     #[test]

@@ -189,6 +189,8 @@ pub struct VmConfig {
     /// Append `noxsave clearcpuid=...` to a Linux kernel's command line when KVM ignores the
     /// VMM's CPUID masks (see `cmdline`).
     pub cpuid_cmdline: bool,
+    /// The CPUID the guest sees (`--cpu-model`).
+    pub cpu_model: crate::cpuid::CpuModel,
 }
 
 /// Validates a CPU count.

@@ -363,6 +363,7 @@ fn rig() -> Option<Rig> {
         initramfs: None,
         serial: SerialConfig::Off,
         cpuid_cmdline: true,
+        cpu_model: Default::default(),
     })
     .unwrap();
     let ejects = vm.platform_mut().take_ejects().unwrap();
@@ -1207,6 +1208,7 @@ fn migratable(rig: &mut Rig) {
                 kernel: "spin.elf".into(),
                 cmdline: String::new(),
                 serial: None,
+                cpu_model: None,
             }),
     );
 }

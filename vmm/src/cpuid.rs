@@ -16,6 +16,114 @@
 
 use kvm_bindings::{kvm_cpuid_entry2, CpuId, KVM_CPUID_FLAG_SIGNIFCANT_INDEX};
 
+/// The CPU model a guest sees (`lendvm --cpu-model`). Both start from KVM's supported CPUID
+/// and both get [`MASKED`] and [`REMOVED_LEAVES`] (what this host's emulator cannot run).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpuModel {
+    /// The host's features as KVM offers them, minus [`MASKED`].
+    #[default]
+    Host,
+    /// Like QEMU's `qemu64` (what `scripts/bench-guest.sh` gives QEMU): the feature leaves 1,
+    /// 7 and 0x8000_0001 cut down to qemu64's set ([`QEMU64_KEEP`]; leaf 7 empty), the basic
+    /// leaves up to 0xD and the extended ones up to 0x8000_000A. The vendor, family and model
+    /// stay the host's (a guest must not take an Intel host for an AMD K8).
+    Qemu64,
+}
+
+impl CpuModel {
+    /// Every model, by name.
+    pub const ALL: &'static [CpuModel] = &[CpuModel::Host, CpuModel::Qemu64];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuModel::Host => "host",
+            CpuModel::Qemu64 => "qemu64",
+        }
+    }
+}
+
+impl std::fmt::Display for CpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CpuModel {
+    type Err = CpuidError;
+    fn from_str(s: &str) -> Result<Self, CpuidError> {
+        CpuModel::ALL
+            .iter()
+            .copied()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| CpuidError::UnknownModel(s.to_owned()))
+    }
+}
+
+/// The bits QEMU's `qemu64` model has (QEMU 7.2, `target/i386/cpu.c`, with KVM's defaults:
+/// x2apic and the hypervisor bit), per (leaf, register). A register not listed here is
+/// cleared whole in leaves 1, 7 and 0x8000_0001 by [`CpuModel::Qemu64`].
+pub const QEMU64_KEEP: &[(u32, Reg, u32)] = &[
+    // Leaf 1 EDX: fpu de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush
+    // mmx fxsr sse sse2 (QEMU's PPRO_FEATURES + mtrr clflush mca pse36); ht when SMP (set by
+    // the topology code below).
+    (
+        1,
+        Reg::Edx,
+        (1 << 0)
+            | (1 << 2)
+            | (1 << 3)
+            | (1 << 4)
+            | (1 << 5)
+            | (1 << 6)
+            | (1 << 7)
+            | (1 << 8)
+            | (1 << 9)
+            | (1 << 11)
+            | (1 << 12)
+            | (1 << 13)
+            | (1 << 14)
+            | (1 << 15)
+            | (1 << 16)
+            | (1 << 17)
+            | (1 << 19)
+            | (1 << 23)
+            | (1 << 24)
+            | (1 << 25)
+            | (1 << 26)
+            | (1 << 28),
+    ),
+    // Leaf 1 ECX: pni (sse3) cx16, x2apic (QEMU turns it on with KVM), hypervisor.
+    (1, Reg::Ecx, (1 << 0) | (1 << 13) | (1 << 21) | (1 << 31)),
+    // Leaf 0x8000_0001 EDX: syscall nx lm, and (AMD) the leaf 1 EDX aliases qemu64 has.
+    (
+        0x8000_0001,
+        Reg::Edx,
+        (1 << 11) | (1 << 20) | (1 << 29) | 0x0183_f3fd,
+    ),
+    // Leaf 0x8000_0001 ECX: lahf_lm (svm is off without nested virtualization).
+    (0x8000_0001, Reg::Ecx, 1 << 0),
+];
+
+/// Highest basic and extended leaf of QEMU's `qemu64`.
+const QEMU64_MAX_BASIC: u32 = 0xd;
+const QEMU64_MAX_EXTENDED: u32 = 0x8000_000a;
+
+/// Features of leaves 1 and 7 that [`CpuModel::Qemu64`] clears and that a Linux guest acts on,
+/// beyond [`MASKED`], by their `/proc/cpuinfo` names (which `clearcpuid=` takes). This PVM host
+/// puts its own leaves 1 and 7 back after `KVM_SET_CPUID2` ([`overridden`]), so for a Linux
+/// guest these reach it only as `clearcpuid=`; the order is the priority within its
+/// 127-byte value.
+pub const QEMU64_CLEARED: &[(u32, u32, Reg, u32, &str)] = &[
+    // (leaf, subleaf, register, bit, name)
+    (7, 0, Reg::Ebx, 9, "erms"),
+    (7, 0, Reg::Edx, 4, "fsrm"),
+    (1, 0, Reg::Ecx, 24, "tsc_deadline_timer"),
+    (7, 0, Reg::Ecx, 22, "rdpid"),
+    (7, 0, Reg::Ebx, 23, "clflushopt"),
+    (7, 0, Reg::Ecx, 2, "umip"),
+    (1, 0, Reg::Ecx, 22, "movbe"),
+];
+
 /// A CPUID register of a leaf.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reg {
@@ -361,19 +469,61 @@ fn reg_mut(e: &mut kvm_cpuid_entry2, reg: Reg) -> &mut u32 {
     }
 }
 
-/// Filters KVM's supported CPUID for vCPU `cpu_id` of `cpu_count` (pure; unit-tested).
+/// Cuts `e` down to QEMU's `qemu64` (see [`CpuModel::Qemu64`]).
+fn qemu64_entry(e: &mut kvm_cpuid_entry2) {
+    match e.function {
+        0 => e.eax = e.eax.min(QEMU64_MAX_BASIC),
+        0x8000_0000 => e.eax = e.eax.min(QEMU64_MAX_EXTENDED),
+        1 | 0x8000_0001 => {
+            for reg in [Reg::Ecx, Reg::Edx] {
+                let keep = QEMU64_KEEP
+                    .iter()
+                    .filter(|(l, r, _)| *l == e.function && *r == reg)
+                    .fold(0, |acc, (_, _, bits)| acc | bits);
+                *reg_mut(e, reg) &= keep;
+            }
+        }
+        // Structured extended features: none in qemu64 (EAX, the highest subleaf, stays).
+        7 => {
+            if e.index != 0 {
+                e.eax = 0;
+            }
+            e.ebx = 0;
+            e.ecx = 0;
+            e.edx = 0;
+        }
+        _ => {}
+    }
+}
+
+/// Filters KVM's supported CPUID for vCPU `cpu_id` of `cpu_count` with `model` (pure;
+/// unit-tested).
 pub fn filter_entries(
     entries: &[kvm_cpuid_entry2],
+    model: CpuModel,
     cpu_id: u8,
     cpu_count: u8,
 ) -> Vec<kvm_cpuid_entry2> {
+    let (max_basic_in, max_ext_in) = match model {
+        CpuModel::Host => (u32::MAX, u32::MAX),
+        CpuModel::Qemu64 => (QEMU64_MAX_BASIC, QEMU64_MAX_EXTENDED),
+    };
     let mut out: Vec<kvm_cpuid_entry2> = entries
         .iter()
         .filter(|e| !REMOVED_LEAVES.iter().any(|(l, _)| *l == e.function))
         // Topology is rebuilt below.
         .filter(|e| e.function != 0xb && e.function != 0x1f)
+        // Leaves above the model's highest (KVM's own 0x4000_xxxx range stays).
+        .filter(|e| match e.function {
+            f @ 0..=0x3fff_ffff => f <= max_basic_in,
+            f @ 0x8000_0000..=0x8fff_ffff => f <= max_ext_in,
+            _ => true,
+        })
         .copied()
         .collect();
+    if model == CpuModel::Qemu64 {
+        out.iter_mut().for_each(qemu64_entry);
+    }
     let cpus = u32::from(cpu_count.max(1));
     let core_bits = 32 - (cpus - 1).leading_zeros(); // ceil(log2(cpus))
     for e in out.iter_mut() {
@@ -437,10 +587,37 @@ pub fn filter_entries(
     out
 }
 
-/// Names of [`MASKED`] bits that are set in `got` (the table KVM reports back after
-/// `KVM_SET_CPUID2`). On this PVM host KVM replaces leaf 1 ECX/EDX and leaf 7 with its own
-/// values and re-adds leaf 0xD, so most masks do not reach the guest; the VMM logs the result.
-pub fn overridden(got: &[kvm_cpuid_entry2]) -> Vec<&'static str> {
+/// Names of bits `model` clears that are set in `got` (the table KVM reports back after
+/// `KVM_SET_CPUID2`): [`MASKED`] ones and, for qemu64, [`QEMU64_CLEARED`] ones. On this PVM
+/// host KVM replaces leaf 1 ECX/EDX and leaf 7 with its own values and re-adds leaf 0xD, so
+/// most masks do not reach the guest; the VMM logs the result and tells a Linux guest.
+pub fn overridden(got: &[kvm_cpuid_entry2], model: CpuModel) -> Vec<&'static str> {
+    let set = |leaf: u32, subleaf: Option<u32>, reg: Reg, bit: u32| {
+        got.iter().any(|e| {
+            e.function == leaf
+                && subleaf.is_none_or(|s| s == e.index)
+                && (match reg {
+                    Reg::Eax => e.eax,
+                    Reg::Ebx => e.ebx,
+                    Reg::Ecx => e.ecx,
+                    Reg::Edx => e.edx,
+                }) & (1 << bit)
+                    != 0
+        })
+    };
+    let mut out = masked_but_set(got);
+    if model == CpuModel::Qemu64 {
+        out.extend(
+            QEMU64_CLEARED
+                .iter()
+                .filter(|(leaf, sub, reg, bit, _)| set(*leaf, Some(*sub), *reg, *bit))
+                .map(|b| b.4),
+        );
+    }
+    out
+}
+
+fn masked_but_set(got: &[kvm_cpuid_entry2]) -> Vec<&'static str> {
     MASKED
         .iter()
         .filter(|b| {
@@ -465,11 +642,18 @@ pub fn overridden(got: &[kvm_cpuid_entry2]) -> Vec<&'static str> {
 pub enum CpuidError {
     #[error("cannot build a CPUID table of {0} entries")]
     Fam(usize),
+    #[error("unknown CPU model '{0}': expected host or qemu64")]
+    UnknownModel(String),
 }
 
 /// Filters a `CpuId` from `KVM_GET_SUPPORTED_CPUID` for one vCPU.
-pub fn filter(supported: &CpuId, cpu_id: u8, cpu_count: u8) -> Result<CpuId, CpuidError> {
-    let entries = filter_entries(supported.as_slice(), cpu_id, cpu_count);
+pub fn filter(
+    supported: &CpuId,
+    model: CpuModel,
+    cpu_id: u8,
+    cpu_count: u8,
+) -> Result<CpuId, CpuidError> {
+    let entries = filter_entries(supported.as_slice(), model, cpu_id, cpu_count);
     CpuId::from_entries(&entries).map_err(|_| CpuidError::Fam(entries.len()))
 }
 
@@ -506,7 +690,7 @@ mod tests {
             entry(0x8000_0001, 0, all),
             entry(KVM_CPUID_FEATURES, 0, all),
         ];
-        let out = filter_entries(&input, 1, 2);
+        let out = filter_entries(&input, CpuModel::Host, 1, 2);
         let l1 = find(&out, 1, 0);
         for bit in [30, 26, 27, 28, 23, 17] {
             assert_eq!(l1.ecx & (1 << bit), 0, "leaf 1 ecx bit {bit}");
@@ -545,13 +729,20 @@ mod tests {
         l1.ecx = (1 << 30) | (1 << 31);
         let mut l7 = entry(7, 0, 0);
         l7.ebx = 1 << 20;
-        assert_eq!(overridden(&[l1, l7]), vec!["rdrand", "smap"]);
-        assert!(overridden(&filter_entries(&[entry(1, 0, u32::MAX)], 0, 1)).is_empty());
+        assert_eq!(
+            overridden(&[l1, l7], CpuModel::Host),
+            vec!["rdrand", "smap"]
+        );
+        assert!(overridden(
+            &filter_entries(&[entry(1, 0, u32::MAX)], CpuModel::Host, 0, 1),
+            CpuModel::Host
+        )
+        .is_empty());
     }
 
     #[test]
     fn builds_topology_leaf() {
-        let out = filter_entries(&[entry(0, 0, 0xd)], 3, 4);
+        let out = filter_entries(&[entry(0, 0, 0xd)], CpuModel::Host, 3, 4);
         let s0 = find(&out, 0xb, 0);
         let s1 = find(&out, 0xb, 1);
         let s2 = find(&out, 0xb, 2);
@@ -560,9 +751,132 @@ mod tests {
         assert_eq!((s2.ebx, s2.ecx >> 8), (0, 0));
     }
 
+    /// Every feature bit set, in the leaves a model touches.
+    fn full_table() -> Vec<kvm_cpuid_entry2> {
+        let all = u32::MAX;
+        let mut l0 = entry(0, 0, all);
+        l0.eax = 0x20;
+        let mut e0 = entry(0x8000_0000, 0, all);
+        e0.eax = 0x8000_0021;
+        vec![
+            l0,
+            entry(1, 0, all),
+            entry(4, 0, 0x63),
+            entry(7, 0, all),
+            entry(7, 1, all),
+            entry(0xd, 0, all),
+            entry(0x10, 0, all),
+            entry(0x1f, 0, all),
+            e0,
+            entry(0x8000_0001, 0, all),
+            entry(0x8000_0008, 0, all),
+            entry(0x8000_001f, 0, all),
+            entry(KVM_CPUID_FEATURES, 0, all),
+        ]
+    }
+
+    #[test]
+    fn qemu64_model_has_qemu64s_features_only() {
+        let out = filter_entries(&full_table(), CpuModel::Qemu64, 0, 1);
+        let l1 = find(&out, 1, 0);
+        // What a 64-bit Linux needs stays: fpu tsc msr pae cx8 apic sep pge cmov pat clflush
+        // fxsr sse sse2 (EDX), cx16 and x2apic (ECX); syscall nx lm (0x8000_0001 EDX).
+        for bit in [0, 4, 5, 6, 8, 9, 11, 13, 15, 16, 19, 24, 25, 26] {
+            assert_ne!(l1.edx & (1 << bit), 0, "leaf 1 edx bit {bit} stays");
+        }
+        for bit in [13, 21, HYPERVISOR_BIT] {
+            assert_ne!(l1.ecx & (1 << bit), 0, "leaf 1 ecx bit {bit} stays");
+        }
+        // Gone: tsc-deadline, movbe, pcid, popcnt, xsave, avx, rdrand, sse4.x, ... and vme.
+        assert_eq!(
+            l1.ecx,
+            (1 << 13) | (1 << 21) | (1 << HYPERVISOR_BIT),
+            "leaf 1 ecx: cx16 x2apic hypervisor (sse3 is masked for the emulator)"
+        );
+        assert_eq!(l1.edx & (1 << 1), 0, "vme");
+        assert_eq!(l1.edx & (1 << 28), 0, "ht: one vCPU");
+        // Leaf 7: no structured extended features at all (ERMS, FSRM, AVX2, SMAP, RDPID, ...).
+        let l7 = find(&out, 7, 0);
+        assert_eq!((l7.ebx, l7.ecx, l7.edx), (0, 0, 0));
+        assert_eq!(l7.eax, u32::MAX, "highest subleaf stays");
+        assert_eq!(find(&out, 7, 1).eax, 0);
+        let e1 = find(&out, 0x8000_0001, 0);
+        assert_eq!(
+            e1.ecx, 1,
+            "lahf_lm only: no abm, 3dnowprefetch, topoext, ..."
+        );
+        for bit in [11, 20, 29] {
+            assert_ne!(e1.edx & (1 << bit), 0, "syscall nx lm: bit {bit}");
+        }
+        assert_eq!(e1.edx & (1 << 27), 0, "rdtscp");
+        assert_eq!(e1.edx & (1 << 26), 0, "pdpe1gb");
+        // Highest leaves as qemu64's; the leaves above them are gone, KVM's own stay.
+        assert_eq!(find(&out, 0, 0).eax, 0xd);
+        assert_eq!(find(&out, 0x8000_0000, 0).eax, 0x8000_000a);
+        for gone in [0x10, 0x1f, 0x8000_001f] {
+            assert!(out.iter().all(|e| e.function != gone), "leaf {gone:#x}");
+        }
+        assert!(out.iter().any(|e| e.function == 0x8000_0008));
+        assert!(
+            out.iter().all(|e| e.function != 0xd),
+            "0xd: xsave is masked"
+        );
+        // The emulator's masks apply to both models: the PV leaf loses its vmcall features.
+        let pv = find(&out, KVM_CPUID_FEATURES, 0).eax;
+        assert_eq!(pv & ((1 << 7) | (1 << 11) | (1 << 13) | (1 << 16)), 0);
+        assert_ne!(pv & (1 << 3), 0, "kvmclock2 stays");
+        // The host model keeps what qemu64 drops (and the emulator can run).
+        let host = filter_entries(&full_table(), CpuModel::Host, 0, 1);
+        let h7 = find(&host, 7, 0);
+        assert_ne!(h7.ebx & (1 << 9), 0, "erms");
+        assert_ne!(h7.edx & (1 << 4), 0, "fsrm");
+        assert_ne!(find(&host, 1, 0).ecx & (1 << 24), 0, "tsc-deadline");
+        assert_eq!(find(&host, 0, 0).eax, 0x20);
+    }
+
+    #[test]
+    fn qemu64_reports_what_kvm_put_back() {
+        // PVM puts its own leaves 1 and 7 back: the qemu64 bits it restored are reported
+        // (for clearcpuid=), besides the emulator's masks.
+        let mut l1 = entry(1, 0, 0);
+        l1.ecx = (1 << 24) | (1 << 30);
+        let mut l7 = entry(7, 0, 0);
+        l7.ebx = (1 << 9) | (1 << 20);
+        l7.edx = 1 << 4;
+        assert_eq!(
+            overridden(&[l1, l7], CpuModel::Qemu64),
+            vec!["rdrand", "smap", "erms", "fsrm", "tsc_deadline_timer"]
+        );
+        assert_eq!(
+            overridden(&[l1, l7], CpuModel::Host),
+            vec!["rdrand", "smap"]
+        );
+        let clean = filter_entries(&full_table(), CpuModel::Qemu64, 0, 1);
+        assert!(overridden(&clean, CpuModel::Qemu64).is_empty());
+    }
+
+    #[test]
+    fn model_names() {
+        for m in CpuModel::ALL {
+            assert_eq!(m.name().parse::<CpuModel>().unwrap(), *m);
+        }
+        assert_eq!(CpuModel::default(), CpuModel::Host);
+        let e = "pentium".parse::<CpuModel>().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unknown CPU model 'pentium': expected host or qemu64"
+        );
+        assert!("Host".parse::<CpuModel>().is_err(), "names are exact");
+    }
+
     #[test]
     fn single_cpu_has_no_htt() {
-        let out = filter_entries(&[entry(0, 0, 1), entry(1, 0, u32::MAX)], 0, 1);
+        let out = filter_entries(
+            &[entry(0, 0, 1), entry(1, 0, u32::MAX)],
+            CpuModel::Host,
+            0,
+            1,
+        );
         assert_eq!(find(&out, 1, 0).edx & (1 << 28), 0);
         assert!(out.iter().all(|e| e.function != 0xb), "max leaf 1: no 0xb");
     }
@@ -579,7 +893,7 @@ mod kvm_tests {
         let supported = kvm
             .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
             .unwrap();
-        let out = filter(&supported, 0, 1).unwrap();
+        let out = filter(&supported, CpuModel::Host, 0, 1).unwrap();
         let l1 = out.as_slice().iter().find(|e| e.function == 1).unwrap();
         eprintln!("leaf1 ecx {:#x}", l1.ecx);
         assert_eq!(l1.ecx & (1 << 30), 0, "rdrand");

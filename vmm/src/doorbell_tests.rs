@@ -179,6 +179,7 @@ fn guest_doorbell_store(mode: NotifyMode) {
         initramfs: None,
         serial: SerialConfig::Off,
         cpuid_cmdline: true,
+        cpu_model: Default::default(),
     })
     .unwrap();
     let ops = vm.vm_ops();

@@ -107,6 +107,11 @@ struct Cli {
     /// ignores the VMM's CPUID masks.
     #[arg(long)]
     no_cpuid_cmdline: bool,
+    /// The CPU model the guest sees: `host` (the host's CPUID minus what this host's KVM
+    /// cannot run) or `qemu64` (QEMU's qemu64 feature set, minus the same). A restored or
+    /// migrated VM keeps its own.
+    #[arg(long, value_name = "host|qemu64", default_value = "host")]
+    cpu_model: vmm::cpuid::CpuModel,
     /// Write the VMM's events as JSON lines to FILE (appended) or an inherited fd (also
     /// readable as GET /api/v1/vm.events).
     #[arg(long, value_name = "path=FILE|fd=N")]
@@ -161,6 +166,16 @@ fn metrics_render(
             }
         }
     })
+}
+
+/// The CPU model a snapshot or migration document names (`host` when it names none: the
+/// only model of the lendvms that wrote no name).
+fn doc_cpu_model(
+    c: &vmm::snapshot::format::MachineConfig,
+) -> Result<vmm::cpuid::CpuModel, vmm::cpuid::CpuidError> {
+    c.cpu_model
+        .as_deref()
+        .map_or(Ok(Default::default()), str::parse)
 }
 
 fn parse_cpus(s: &str) -> Result<u8, String> {
@@ -349,6 +364,7 @@ fn wait_for_migration(
                 initramfs: None,
                 serial: migrated_serial(cli, c)?,
                 cpuid_cmdline: false,
+                cpu_model: doc_cpu_model(c).map_err(|e| MigrationError::Mismatch(e.to_string()))?,
             };
             match memfd {
                 Some(f) => Vm::for_migration_on(&cfg, f),
@@ -650,6 +666,13 @@ fn main() -> ExitCode {
                 }
             },
             cpuid_cmdline: false,
+            cpu_model: match doc_cpu_model(&m.doc.config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("lendvm: incoming migration: {e}");
+                    return ExitCode::from(1);
+                }
+            },
         },
         (Some(s), None) => VmConfig {
             memory_size: s.doc.config.memory_size,
@@ -660,6 +683,15 @@ fn main() -> ExitCode {
             initramfs: None,
             serial: cli.serial.clone().unwrap_or(SerialConfig::Stdout),
             cpuid_cmdline: false,
+            cpu_model: match doc_cpu_model(&s.doc.config) {
+                Ok(c) => c,
+                Err(e) => {
+                    return usage_error(format!(
+                        "--restore {}: {e}",
+                        cli.restore.as_deref().unwrap_or_default()
+                    ))
+                }
+            },
         },
         (None, None) => VmConfig {
             memory_size: cli.memory.size,
@@ -670,6 +702,7 @@ fn main() -> ExitCode {
             initramfs: cli.initramfs.clone(),
             serial: cli.serial.clone().unwrap_or(SerialConfig::Stdout),
             cpuid_cmdline: !cli.no_cpuid_cmdline,
+            cpu_model: cli.cpu_model,
         },
     };
     let migrated_from = migrated.as_ref().map(|m| (m.bytes, m.paused));
@@ -731,6 +764,7 @@ fn main() -> ExitCode {
         cmdline: vm.cmdline().to_string(),
         // Moves with the VM on a migration (the destination's --serial may override it).
         serial: Some(cfg.serial.to_string()),
+        cpu_model: Some(cfg.cpu_model.name().to_owned()),
     };
     let migration_node = source.identity().map(|(node, _)| node);
     let mut ctl = Controller::new(handles, source, info);

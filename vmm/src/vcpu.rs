@@ -89,24 +89,25 @@ fn install_kick_handler() -> Result<(), VcpuError> {
 pub fn create_vcpu(
     vm: &VmFd,
     supported: &CpuId,
+    model: cpuid::CpuModel,
     id: u8,
     count: u8,
 ) -> Result<(VcpuFd, Vec<&'static str>), VcpuError> {
     let fd = vm
         .create_vcpu(u64::from(id))
         .map_err(|source| VcpuError::Create { id, source })?;
-    let cpuid =
-        cpuid::filter(supported, id, count).map_err(|source| VcpuError::Cpuid { id, source })?;
+    let cpuid = cpuid::filter(supported, model, id, count)
+        .map_err(|source| VcpuError::Cpuid { id, source })?;
     fd.set_cpuid2(&cpuid)
         .map_err(|source| VcpuError::SetCpuid { id, source })?;
     let mut visible = Vec::new();
     if id == 0 {
         if let Ok(back) = fd.get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES) {
-            visible = cpuid::overridden(back.as_slice());
+            visible = cpuid::overridden(back.as_slice(), model);
             if !visible.is_empty() {
                 log::info!(
-                    "KVM kept these CPUID features visible despite the VMM's mask \
-                     (PVM overrides leaves 1, 7 and 0xD): {}",
+                    "KVM kept these CPUID features visible despite the VMM's mask for CPU \
+                     model {model} (PVM overrides leaves 1, 7 and 0xD): {}",
                     visible.join(" ")
                 );
             }

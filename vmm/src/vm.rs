@@ -234,7 +234,7 @@ impl Vm {
         let mut vcpus = Vec::new();
         let mut visible = Vec::new();
         for id in 0..cfg.cpus {
-            let (fd, v) = vcpu::create_vcpu(&vm, &supported, id, cfg.cpus)?;
+            let (fd, v) = vcpu::create_vcpu(&vm, &supported, cfg.cpu_model, id, cfg.cpus)?;
             if id == 0 {
                 visible = v;
             }

@@ -195,6 +195,10 @@ pub struct MachineConfig {
     /// Absent in documents of older lendvms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial: Option<String>,
+    /// The guest's CPU model (`--cpu-model`'s name): a restored or migrated VM keeps the
+    /// CPUID it booted with. Absent in documents of older lendvms (they had `host`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_model: Option<String>,
 }
 
 /// One guest RAM region and its file.
@@ -502,6 +506,7 @@ mod tests {
                 kernel: "/k".into(),
                 cmdline: "tests=none".into(),
                 serial: Some("file=/tmp/console.log".into()),
+                cpu_model: Some("qemu64".into()),
             },
             memory: vec![RamFile {
                 gpa: 0,
