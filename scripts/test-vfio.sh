@@ -36,7 +36,8 @@ source "$REPO/tests/linux/lib.sh"
 QEMU=${QEMU:-qemu-system-x86_64}
 BOOT_TIMEOUT=${LENDVM_VFIO_BOOT_TIMEOUT:-900}
 TEST_TIMEOUT=${LENDVM_VFIO_TEST_TIMEOUT:-600}
-WINDOW_MIB=128 # a power of two (QEMU 7.2 asserts on others); mapped pages cost ~125 us in L1
+WINDOW_MIB=256 # two 128 MiB guests (a migration's source and destination); a power of two (QEMU 7.2
+# asserts on others); L1 maps only what a lease uses (~125 us per 4 KiB page)
 
 missing=()
 command -v "$QEMU" >/dev/null || missing+=("$QEMU (apt-get install qemu-system-x86)")

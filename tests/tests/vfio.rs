@@ -22,13 +22,17 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use api::client::ApiClient;
-use api::types::{VmAddRemoteDeviceData, VmRemoveDeviceData};
+use api::types::{
+    VmAddRemoteDeviceData, VmReceiveMigrationData, VmRemoveDeviceData, VmSendMigrationData,
+};
 use lendvm_tests::capture::ProcessOutput;
 
 /// Boot plus fio on a guest whose kernel runs in KVM's instruction emulator, with the lender's
 /// device two levels down (L1 is emulated too): generous.
 const RUN_TIMEOUT: Duration = Duration::from_secs(12 * 60);
 const FIO_VERIFY_OFFSET: u64 = 8 << 20;
+/// Guest RAM (the ivshmem region holds two such guests: a migration's source and destination).
+const GUEST_RAM_MIB: u64 = 128;
 const FIO_VERIFY_BYTES: u64 = 512 << 10;
 const FIO_VERIFY_BS: u64 = 4096;
 const FIO_HDR_MAGIC: u16 = 0xacca;
@@ -56,30 +60,44 @@ struct Guest {
 }
 
 impl Guest {
+    /// lendvm booting the Linux guest, its 128 MiB of RAM at offset 0 of the region.
     fn start(name: &'static str, cmdline_extra: &str, extra: &[&str]) -> Guest {
-        let memory = format!("128M,shared={}", env("LENDVM_VFIO_REGION"));
         let cmdline = format!(
             "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000 \
              {cmdline_extra}"
         );
+        let (kernel, initramfs) = (env("LENDVM_LINUX_KERNEL"), env("LENDVM_LINUX_INITRAMFS"));
+        let mut args = vec![
+            "--kernel",
+            &kernel,
+            "--initramfs",
+            &initramfs,
+            "--cpus",
+            "2",
+            "--serial",
+            "stdout",
+            "--cmdline",
+            &cmdline,
+        ];
+        args.extend_from_slice(extra);
+        Self::spawn(name, 0, &args)
+    }
+
+    /// lendvm with `args`, its RAM at `offset` MiB of the region (a migration destination
+    /// sits beside its source, which runs until the switch-over).
+    fn spawn(name: &'static str, offset_mib: u64, args: &[&str]) -> Guest {
+        let memory = format!(
+            "{GUEST_RAM_MIB}M,shared={},offset={offset_mib}M",
+            env("LENDVM_VFIO_REGION")
+        );
         let mut child = Command::new(binary("lendvm"))
             .args([
-                "--kernel",
-                &env("LENDVM_LINUX_KERNEL"),
-                "--initramfs",
-                &env("LENDVM_LINUX_INITRAMFS"),
                 "--memory",
                 &memory,
-                "--cpus",
-                "2",
-                "--serial",
-                "stdout",
                 "--cluster",
                 &env("LENDVM_VFIO_CLUSTER"),
-                "--cmdline",
-                &cmdline,
             ])
-            .args(extra)
+            .args(args)
             .env(
                 "RUST_LOG",
                 std::env::var("LENDVM_LINUX_RUST_LOG").unwrap_or_else(|_| "info".into()),
@@ -247,19 +265,7 @@ fn vfio_nvme_in_l1_fio_verify_replug_and_flr() {
         assert_eq!(r.error().unwrap(), 0, "fio: {:#}", r.json);
     }
     guest.expect_exit_0(deadline);
-    // The blocks went through L1's real IOMMU into QEMU's NVMe and its file here.
-    let data = std::fs::read(&disk).unwrap();
-    for b in 0..FIO_VERIFY_BYTES / FIO_VERIFY_BS {
-        let off = FIO_VERIFY_OFFSET + b * FIO_VERIFY_BS;
-        let h = &data[off as usize..off as usize + 24];
-        let magic = u16::from_le_bytes([h[0], h[1]]);
-        let at = u64::from_le_bytes(h[16..24].try_into().unwrap());
-        assert_eq!(
-            (magic, at),
-            (FIO_HDR_MAGIC, off),
-            "QEMU's NVMe file has no fio verify header for the block at {off:#x}"
-        );
-    }
+    assert_fio_blocks_in(&disk);
     let stderr = guest.out.stderr();
     assert!(
         stderr.contains("on Bar"),
@@ -299,4 +305,108 @@ fn vfio_e1000e_in_l1_pings_through_the_window() {
         guest.diag()
     );
     guest.expect_exit_0(deadline);
+}
+
+/// Every block of the verify job is in `disk` (the file behind QEMU's NVMe, out here), with
+/// fio's verify header naming its own offset: the data went through L1's IOMMU and device.
+fn assert_fio_blocks_in(disk: &std::path::Path) {
+    let data = std::fs::read(disk).unwrap();
+    for b in 0..FIO_VERIFY_BYTES / FIO_VERIFY_BS {
+        let off = FIO_VERIFY_OFFSET + b * FIO_VERIFY_BS;
+        let h = &data[off as usize..off as usize + 24];
+        let magic = u16::from_le_bytes([h[0], h[1]]);
+        let at = u64::from_le_bytes(h[16..24].try_into().unwrap());
+        assert_eq!(
+            (magic, at),
+            (FIO_HDR_MAGIC, off),
+            "QEMU's NVMe file has no fio verify header for the block at {off:#x}"
+        );
+    }
+}
+
+/// Live migration with the NVMe in L1 under fio verify: the destination lendvm, out here too,
+/// has its RAM in the region's second half; the lender drains the device (Bus Master off,
+/// Transactions Pending clear) and hands the lease over without a reset, and moves the
+/// device's DMA onto the destination's window. The VFIO device has no dirty log, so its
+/// whole window counts as dirty and is sent at the final pass after the drain. fio,
+/// started on the source, verifies every block on the destination.
+#[test]
+#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
+fn vfio_nvme_in_l1_survives_a_live_migration_under_fio_verify() {
+    let lender = env("LENDVM_VFIO_LENDER");
+    let bdf = env("LENDVM_VFIO_NVME");
+    let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
+    let dir = tempfile::tempdir().unwrap();
+    let (src_sock, dst_sock) = (dir.path().join("src.sock"), dir.path().join("dst.sock"));
+    let mig = format!("unix:{}", dir.path().join("mig.sock").display());
+    let mut src = Guest::start(
+        "vfio_nvme_in_l1_migration-source",
+        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_fio=verify@nvme0n1",
+        &[
+            "--name",
+            "vfio-mig-src",
+            "--remote-device",
+            &format!("{lender}:{bdf},id=disk0"),
+            "--api-socket",
+            src_sock.to_str().unwrap(),
+        ],
+    );
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    src.expect_line("LENDVM-FIO run i=1 ", deadline);
+    let mut dst = Guest::spawn(
+        "vfio_nvme_in_l1_migration-destination",
+        GUEST_RAM_MIB,
+        &[
+            "--name",
+            "vfio-mig-dst",
+            "--api-socket",
+            dst_sock.to_str().unwrap(),
+        ],
+    );
+    let dst_api = ApiClient::new(&dst_sock, Duration::from_secs(60));
+    let t0 = Instant::now();
+    while dst_api.ping().is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "destination API\n{}",
+            dst.diag()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    dst_api
+        .receive_migration(&VmReceiveMigrationData {
+            receiver_url: mig.clone(),
+        })
+        .unwrap_or_else(|e| panic!("receive: {e}\n{}", dst.diag()));
+    ApiClient::new(&src_sock, Duration::from_secs(600))
+        .send_migration(&VmSendMigrationData {
+            destination_url: mig,
+            local: false,
+        })
+        .unwrap_or_else(|e| {
+            panic!(
+                "send: {e}\n--- source\n{}--- destination\n{}",
+                src.diag(),
+                dst.diag()
+            )
+        });
+    src.expect_exit_0(deadline);
+    let done = dst.expect_line("LENDVM-FIO done ", deadline);
+    assert_eq!(
+        (field(&done, "runs"), field(&done, "failed")),
+        (Some("1"), Some("0")),
+        "{done}\n--- source\n{}--- destination\n{}",
+        src.diag(),
+        dst.diag()
+    );
+    dst.expect_exit_0(deadline);
+    let mut lines = src.out.lines();
+    lines.extend(dst.out.lines());
+    let runs = lendvm_tests::fio::parse_runs(&lines).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0].error().unwrap(), 0, "fio: {:#}", runs[0].json);
+    // Handed over, not reset: the destination took the lease as it was.
+    let err = dst.out.stderr();
+    assert!(err.contains("device not reset"), "{err}");
+    assert_fio_blocks_in(&disk);
 }
