@@ -199,7 +199,11 @@ fn a_lenders_idle_session_serves_re_adds_then_closes() {
         "the idle link stayed open:\n{}",
         lender.log()
     );
-    assert_eq!(vm.child.try_wait().unwrap(), None, "the VM exited meanwhile");
+    assert_eq!(
+        vm.child.try_wait().unwrap(),
+        None,
+        "the VM exited meanwhile"
+    );
     // A new link serves the next add.
     add(&api, DMATEST_BDF, "dma0");
     vm.expect_nth_line("TEST dmatest-copy ok", 1, T);
