@@ -7,10 +7,10 @@
 #                          [--cpus N] [--cpu-model host|qemu64] [--qemu-cpu CPU] [--qemu-append ARGS]
 #
 # Guest CPU: --cpus N vCPUs in every guest (default 1: lendvm --cpus, QEMU -smp); lendvm's
-# configurations boot with --cpu-model (default host); QEMU with -cpu CPU (default
-# qemu64,-popcnt; `-cpu host` does not boot here, use max minus features, see
-# docs/BENCHMARKS.md) and ARGS appended to its kernel command line (default: what QEMU needs
-# for the CPU given, see tests/linux/bench_guest.py).
+# configurations boot with --cpu-model (default qemu64, QEMU's model: see docs/BENCHMARKS.md,
+# "The CPU-model experiment"); QEMU with -cpu CPU (default qemu64,-popcnt; `host` runs here
+# too, 1 vCPU) and ARGS appended to its kernel command line (default: what QEMU needs for the
+# CPU given, see tests/linux/bench_guest.py).
 #
 # Configurations (one boot each, same kernel, same initramfs, same fio jobs):
 #   lendvm-shm-irq-dbbuf-off  NVMe lent over shm, interrupt mode, shadow doorbells off

@@ -819,7 +819,7 @@ def main():
                     help="boot every configuration this many times (rounds in turn), to see the spread")
     ap.add_argument("--timeout", type=int, default=1500, help="bound on one boot, seconds")
     ap.add_argument("--cpus", type=int, default=1, help="vCPUs of every guest (lendvm --cpus, QEMU -smp)")
-    ap.add_argument("--cpu-model", default="host", choices=["host", "qemu64"],
+    ap.add_argument("--cpu-model", default="qemu64", choices=["host", "qemu64"],
                     help="lendvm's --cpu-model for the lendvm configurations")
     ap.add_argument("--qemu-cpu", default=QEMU_CPU, help="QEMU's -cpu")
     ap.add_argument("--qemu-append", default=None,
