@@ -439,7 +439,7 @@ fn main() {
     }
     let _ = writeln!(
         md,
-        "\nGoal p2p ≥ 1.8× through RAM for transfers ≥ 1 MiB: {} in {met} of {cells} cells.",
+        "\nGoal p2p ≥ 1.8× through RAM for transfers ≥ 1 MiB: {} (met in {met} of {cells} cells).",
         if met == cells {
             "**met**"
         } else {
