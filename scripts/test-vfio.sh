@@ -36,6 +36,8 @@ source "$REPO/tests/linux/lib.sh"
 QEMU=${QEMU:-qemu-system-x86_64}
 BOOT_TIMEOUT=${LENDVM_VFIO_BOOT_TIMEOUT:-900}
 TEST_TIMEOUT=${LENDVM_VFIO_TEST_TIMEOUT:-600}
+# Each later step of L1 (binding, lenderd start): every fork costs ~0.4 s in its emulated kernel.
+STEP_TIMEOUT=${LENDVM_VFIO_STEP_TIMEOUT:-600}
 WINDOW_MIB=256 # two 128 MiB guests (a migration's source and destination); a power of two (QEMU 7.2
 # asserts on others); L1 maps only what a lease uses (~125 us per 4 KiB page)
 
@@ -157,7 +159,7 @@ wait_for() {
 }
 
 wait_for "L1-STEP boot ok" "$BOOT_TIMEOUT" "boot"
-wait_for "L1-STEP bind ok $NIC_BDF" 120 "binding to vfio-pci"
+wait_for "L1-STEP bind ok $NIC_BDF" "$STEP_TIMEOUT" "binding to vfio-pci"
 grep "L1-STEP\|L1-PCI" "$RUN/serial.log" >&2
 
 # --- case vfio_kernel -------------------------------------------------------------
@@ -172,8 +174,8 @@ model=$(dd if="$WINDOW" bs=1 skip=$((0x2000 + 24)) count=14 status=none)
 log "PASS vfio_kernel (Identify data read from the window file: '$model')"
 
 # --- case lenderd -------------------------------------------------------------------
-wait_for "L1-LENDERD started" 60 "lenderd start"
-wait_for "lenderd l1 listening" 120 "lenderd listening"
+wait_for "L1-LENDERD started" "$STEP_TIMEOUT" "lenderd start"
+wait_for "lenderd l1 listening" "$STEP_TIMEOUT" "lenderd listening"
 out=""
 for _ in $(seq 30); do
 	out=$("$LENDCTL" --cluster "$RUN/cluster.toml" --token-file "$RUN/token" list 2>&1) && break

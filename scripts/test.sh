@@ -44,7 +44,10 @@ if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
   echo "test: LENDVM_SKIP_LINUX=1: Linux end-to-end tests skipped"
 else
   scripts/test-linux.sh
-  # Real VFIO in a nested QEMU guest (scripts/test-vfio.sh, docs/VFIO.md) is not run here yet:
-  # its L1 has not reached /init on this machine (docs/VFIO.md, "Status"); a step that has
-  # never passed would only make every run fail.
+  # Real VFIO in a nested QEMU guest (docs/VFIO.md): one L1 boot with intel-iommu, the VFIO
+  # backend against the real kernel inside it (tests/vfio_kernel.rs), the NVMe's DMA read
+  # from the ivshmem file out here, and L1's lenderd lending its vfio-pci functions over the
+  # bar fabric. The lendvm guest's cases (tests/tests/vfio.rs) have not passed here yet and
+  # are not run in CI (LENDVM_VFIO_ONLY_L1=1).
+  LENDVM_VFIO_ONLY_L1=1 scripts/test-vfio.sh
 fi

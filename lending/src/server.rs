@@ -1239,18 +1239,22 @@ impl Session {
             }
             Request::DmaUnmap(u) => {
                 let sl = self.lease(u.lease)?;
+                let last = sl.maps.iter().all(|e| e.iova == u.iova && e.size == u.size);
+                if last {
+                    // Bus Master off first: the model finishes the pass it is in and stops
+                    // (doorbells written before this request wait), so nothing it does
+                    // reaches for the window once it is gone.
+                    sl.lease
+                        .backend()
+                        .set_bus_master(false)
+                        .map_err(backend_err)?;
+                }
                 sl.lease
                     .backend()
                     .domain()
                     .unmap(u.iova, u.size)
                     .map_err(iommu_err)?;
                 sl.maps.retain(|e| !(e.iova == u.iova && e.size == u.size));
-                if sl.maps.is_empty() {
-                    sl.lease
-                        .backend()
-                        .set_bus_master(false)
-                        .map_err(backend_err)?;
-                }
                 ok(op, &())
             }
             Request::SetIrqs(s) => self.set_irqs(op, s, fds),

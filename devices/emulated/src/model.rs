@@ -194,6 +194,11 @@ pub trait DeviceModel: Send + Sync {
     /// parked between passes); a host that resets to end a pause resumes after the reset.
     /// Default: nothing.
     fn quiesce(&self, _stop: bool) {}
+    /// Bus Master Enable of the function, as the host sets it around its DMA windows:
+    /// `false` before the last window is unmapped (returns once the model issues no more
+    /// DMA), `true` after a window is mapped again. Default: nothing (a model without a
+    /// background worker does DMA only in calls the host makes).
+    fn set_bus_master(&self, _enable: bool) {}
     /// For a hand-over of the device to another borrower: on a quiesced model, completes the
     /// work already fetched (its DMA done, its completions posted, their interrupts raised
     /// as the model raises them) and returns `true` once no DMA is in flight, `false` when

@@ -20,6 +20,9 @@ const PARK_TIMEOUT: Duration = Duration::from_secs(2);
 struct Gate {
     /// The model asked the worker to stop before its next pass.
     quiesced: bool,
+    /// Bus Master Enable is off (its last DMA window went): the worker fetches nothing, as
+    /// a function without BME issues no DMA, until it is set again.
+    no_bus_master: bool,
     /// The worker is stopped at the gate.
     parked: bool,
 }
@@ -100,6 +103,41 @@ impl WaitState {
         log::info!("{name}: quiesced");
     }
 
+    /// Bus Master Enable: `false` stops the worker before its next pass, like a quiesce but
+    /// independent of one (a hand-over quiesce and a cleared BME each hold it), and returns
+    /// once it is stopped (bounded, logged): the host unmaps the device's DMA windows only
+    /// then, so no doorbell that arrived before can make the model touch memory that is
+    /// gone. `true`: the worker goes on unless quiesced.
+    pub(crate) fn bus_master(&self, name: &str, enable: bool) {
+        let mut g = self.lock();
+        if g.no_bus_master == !enable {
+            return;
+        }
+        g.no_bus_master = !enable;
+        self.cond.notify_all();
+        if enable {
+            return;
+        }
+        drop(g);
+        self.wake();
+        let deadline = Instant::now() + PARK_TIMEOUT;
+        let mut g = self.lock();
+        while g.no_bus_master && !g.parked {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                log::warn!(
+                    "{name}: worker not stopped {PARK_TIMEOUT:?} after Bus Master Enable \
+                     went off; it stops before its next pass"
+                );
+                return;
+            }
+            g = match self.cond.wait_timeout(g, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+
     /// Waits until the worker is parked at the gate of a quiesce, at most until `deadline`;
     /// `false` when not quiesced or the deadline passed (a worker still in a long pass).
     /// A worker that is not running counts as parked (`running` false).
@@ -123,15 +161,15 @@ impl WaitState {
         }
     }
 
-    /// Worker side: blocks while quiesced.
+    /// Worker side: blocks while quiesced or without Bus Master Enable.
     fn gate(&self) {
         let mut g = self.lock();
-        if !g.quiesced {
+        if !g.quiesced && !g.no_bus_master {
             return;
         }
         g.parked = true;
         self.cond.notify_all();
-        while g.quiesced {
+        while g.quiesced || g.no_bus_master {
             g = self.cond.wait(g).unwrap_or_else(|p| p.into_inner());
         }
         g.parked = false;

@@ -443,6 +443,8 @@ impl DeviceBackend for EmulatedBackend {
             cmd &= !CMD_BUS_MASTER;
         }
         c[4..6].copy_from_slice(&cmd.to_le_bytes());
+        drop(c);
+        self.model.set_bus_master(enable);
         Ok(())
     }
 

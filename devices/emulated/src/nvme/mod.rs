@@ -604,6 +604,10 @@ impl DeviceModel for NvmeController {
         self.inner.wait.quiesce("nvme", stop);
     }
 
+    fn set_bus_master(&self, enable: bool) {
+        self.inner.wait.bus_master("nvme", enable);
+    }
+
     /// With the worker parked between passes (it fetches no SQE), completes the commands
     /// already fetched on this thread: their data DMA, their completions, their interrupts.
     fn drain(&self, timeout: std::time::Duration) -> bool {
