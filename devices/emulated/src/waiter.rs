@@ -110,7 +110,7 @@ impl WaitState {
     /// gone. `true`: the worker goes on unless quiesced.
     pub(crate) fn bus_master(&self, name: &str, enable: bool) {
         let mut g = self.lock();
-        if g.no_bus_master == !enable {
+        if g.no_bus_master != enable {
             return;
         }
         g.no_bus_master = !enable;
