@@ -392,7 +392,9 @@ impl NvmeController {
         let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
             self.inner.stop.store(true, Ordering::Release);
+            // Open both gates, or a worker parked there never sees `stop`.
             self.inner.wait.quiesce("nvme", false);
+            self.inner.wait.bus_master("nvme", true);
             self.inner.wait.wake();
             if h.join().is_err() {
                 log::error!("nvme controller thread panicked");
