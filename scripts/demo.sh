@@ -3,6 +3,11 @@
 #
 #   scripts/demo.sh            a real Linux guest runs fio on two lent NVMe disks
 #   scripts/demo.sh --quick    the bare-metal test guest instead (a few seconds once built)
+#   scripts/demo.sh --vfio     a real device through the real kernel: a QEMU guest ("L1")
+#                              with an emulated intel-iommu lends QEMU's NVMe, owned by
+#                              vfio-pci there, over the bar fabric; a Linux guest of lendvm
+#                              runs fio's verify job on it (scripts/test-vfio.sh --demo,
+#                              docs/VFIO.md; ~10 minutes here, most of it L1's emulated boot)
 #
 # Two lenders (node1, node2) on the shm fabric each lend an emulated NVMe disk backed by a
 # small sparse image file. A VM boots with node1's disk attached at launch; node2's disk is
@@ -29,8 +34,9 @@ root=$(pwd)
 quick=0
 case "${1:-}" in
   --quick) quick=1 ;;
+  --vfio) scripts/setup.sh && exec scripts/test-vfio.sh --demo ;;
   "") ;;
-  *) echo "usage: scripts/demo.sh [--quick]" >&2; exit 2 ;;
+  *) echo "usage: scripts/demo.sh [--quick | --vfio]" >&2; exit 2 ;;
 esac
 
 scripts/setup.sh

@@ -23,6 +23,11 @@ command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 # reads the packaged man pages with `man -l`.
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 command -v man >/dev/null 2>&1 || need_apt+=(man-db)
+# scripts/test-vfio.sh (and `scripts/demo.sh --vfio`) boot the lender host "L1" in QEMU with
+# an emulated intel-iommu (docs/VFIO.md).
+command -v qemu-system-x86_64 >/dev/null 2>&1 || need_apt+=(qemu-system-x86)
+# scripts/bench.sh writes its docs/BENCHMARKS.md sections with python3.
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -4,7 +4,11 @@
 # ivshmem-plain BAR backed by a file in a private directory under /dev/shm is the NTB
 # window between L1 and this machine.
 #
-#   scripts/test-vfio.sh
+#   scripts/test-vfio.sh          the cases below (CI)
+#   scripts/test-vfio.sh --demo   the README's `scripts/demo.sh --vfio`: L1 lends its NVMe,
+#                                 a Linux guest of lendvm runs fio's verify job on it; shows
+#                                 the lender's view (vfio-pci, the IOMMU group, the lease)
+#                                 beside fio's figures
 #
 # One L1 boot serves the cases in a row:
 #   vfio_kernel  lending/tests/vfio_kernel.rs run inside L1 against the NVMe (container,
@@ -38,8 +42,15 @@ BOOT_TIMEOUT=${LENDVM_VFIO_BOOT_TIMEOUT:-900}
 TEST_TIMEOUT=${LENDVM_VFIO_TEST_TIMEOUT:-600}
 # Each later step of L1 (binding, lenderd start): every fork costs ~0.4 s in its emulated kernel.
 STEP_TIMEOUT=${LENDVM_VFIO_STEP_TIMEOUT:-600}
-WINDOW_MIB=256 # two 128 MiB guests (a migration's source and destination); a power of two (QEMU 7.2
-# asserts on others); L1 maps only what a lease uses (~125 us per 4 KiB page)
+WINDOW_MIB=128 # two 64 MiB guests (a migration's source and destination); a power of two (QEMU 7.2
+# asserts on others); L1 maps only what a lease uses (~4 ms per 4 KiB page there)
+
+demo=0
+case "${1:-}" in
+--demo) demo=1 ;;
+"") ;;
+*) echo "usage: scripts/test-vfio.sh [--demo]" >&2; exit 2 ;;
+esac
 
 missing=()
 command -v "$QEMU" >/dev/null || missing+=("$QEMU (apt-get install qemu-system-x86)")
@@ -88,7 +99,9 @@ WINDOW=$SHMDIR/window
 truncate -s "${WINDOW_MIB}M" "$WINDOW"
 
 # A loopback port for the hostfwd to L1's lenderd.
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+# (bash's /dev/tcp: the first port from a random start that nothing answers on).
+PORT=$((20000 + RANDOM % 20000))
+while (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; do PORT=$((PORT + 1)); done
 od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$RUN/token"
 # L1's view (it listens on its user-net address; the region is the ivshmem BAR) and ours
 # (the forwarded loopback port; the region is the file behind the BAR).
@@ -97,6 +110,14 @@ cluster() {
 	cat <<-EOF
 	version = 1
 	token_file = "token"
+
+	# L1 has one emulated vCPU, and a lease's MAP_DMA of the guest's window holds it for
+	# about a minute (type1 walks the BAR's VM_PFNMAP mapping page by page: ~4 ms a page
+	# there): lenderd answers nothing else meanwhile, and its heartbeats come late.
+	[link]
+	heartbeat_ms = 1000
+	peer_timeout_ms = 30000
+	request_timeout_ms = 600000
 
 	[[node]]
 	name = "l1"
@@ -121,12 +142,20 @@ rm -f "$RUN/secrets.cpio"
 # Fixed slots make the bus numbers fixed: root ports 00:02.0-00:04.0 get buses 1-3.
 NVME_BDF=0000:02:00.0
 NIC_BDF=0000:03:00.0
+# A second ivshmem-plain function, lent like the others: its BAR 2 (1 MiB of a file out
+# here) is memory a peer-to-peer DMA of the NVMe lands in.
+PEER_BDF=0000:04:00.0
+PEER=$SHMDIR/peer
+truncate -s 1M "$PEER"
 truncate -s 64M "$RUN/nvme.img"
 CMDLINE="$LENDVM_BASE_CMDLINE $QEMU_CPU_CMDLINE rdinit=/init lendvm_syscall_fixup intel_iommu=on iommu=pt"
+# ttyS1 is L1's command port (kill-lenderd, start-lenderd: tests/vfio/initramfs/init).
+CMDLINE+=" 8250.nr_uarts=2"
 CTL_MAC=52:54:00:00:00:10 NIC_MAC=52:54:00:00:01:01 PEER_MAC=52:54:00:00:01:02
 NIC_ADDR=169.254.10.1/16 PEER_ADDR=169.254.10.2
 CMDLINE+=" lendvm_ctl=$CTL_MAC,10.0.2.15/24,10.0.2.2 lendvm_peer=$PEER_MAC,$PEER_ADDR/16"
-CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF lendvm_shm=$SHM_BDF lendvm_test=kernel lendvm_lenderd=1"
+CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF,$PEER_BDF lendvm_shm=$SHM_BDF lendvm_lenderd=1"
+[ "$demo" = 1 ] || CMDLINE+=" lendvm_test=kernel"
 nice -n "${LENDVM_NICE:-10}" "$QEMU" -nodefaults -display none -no-reboot \
 	-machine q35,accel=kvm,kernel-irqchip=split -cpu "$QEMU_CPU" -m 384M -smp 1 \
 	-device intel-iommu,intremap=on \
@@ -137,12 +166,17 @@ nice -n "${LENDVM_NICE:-10}" "$QEMU" -nodefaults -display none -no-reboot \
 	-drive "id=nvm,if=none,file=$RUN/nvme.img,format=raw" \
 	-device nvme,serial=deadbeef,drive=nvm,bus=rp2 \
 	-device pcie-root-port,id=rp3,chassis=3,slot=3,bus=pcie.0,addr=0x4 \
+	-object "memory-backend-file,id=peer0,share=on,mem-path=$PEER,size=1M" \
+	-device pcie-root-port,id=rp4,chassis=4,slot=4,bus=pcie.0,addr=0x7 \
+	-device ivshmem-plain,memdev=peer0,bus=rp4 \
 	-netdev hubport,id=hp1,hubid=0 -device "e1000e,netdev=hp1,bus=rp3,mac=$NIC_MAC" \
 	-netdev hubport,id=hp2,hubid=0 -device "e1000e,netdev=hp2,bus=pcie.0,addr=0x5,mac=$PEER_MAC" \
 	-netdev "user,id=n0,net=10.0.2.0/24,restrict=on,hostfwd=tcp:127.0.0.1:$PORT-10.0.2.15:7700" \
 	-device "virtio-net-pci,netdev=n0,bus=pcie.0,addr=0x6,mac=$CTL_MAC" \
 	-kernel "$BZIMAGE" -initrd "$RUN/initrd.cpio" -append "$CMDLINE" \
-	-serial "file:$RUN/serial.log" >"$RUN/qemu.log" 2>&1 &
+	-serial "file:$RUN/serial.log" \
+	-chardev "socket,id=l1cmd,path=$RUN/l1-cmd.sock,server=on,wait=off" -serial chardev:l1cmd \
+	>"$RUN/qemu.log" 2>&1 &
 QPID=$!
 log "L1 started (qemu pid $QPID), window $WINDOW, lenderd at 127.0.0.1:$PORT"
 
@@ -159,10 +193,11 @@ wait_for() {
 }
 
 wait_for "L1-STEP boot ok" "$BOOT_TIMEOUT" "boot"
-wait_for "L1-STEP bind ok $NIC_BDF" "$STEP_TIMEOUT" "binding to vfio-pci"
+wait_for "L1-STEP bind ok $PEER_BDF" "$STEP_TIMEOUT" "binding to vfio-pci"
 grep "L1-STEP\|L1-PCI" "$RUN/serial.log" >&2
 
 # --- case vfio_kernel -------------------------------------------------------------
+if [ "$demo" = 0 ]; then
 wait_for "L1-TEST rc=" "$TEST_TIMEOUT" "vfio_kernel"
 grep "VFIO-STEP\|VFIO-OBS\|L1-TEST" "$RUN/serial.log" >&2
 grep -q "L1-TEST rc=0 " "$RUN/serial.log" && grep -q "VFIO-KERNEL-TEST PASS" "$RUN/serial.log" \
@@ -172,6 +207,7 @@ grep -q "L1-TEST rc=0 " "$RUN/serial.log" && grep -q "VFIO-KERNEL-TEST PASS" "$R
 model=$(dd if="$WINDOW" bs=1 skip=$((0x2000 + 24)) count=14 status=none)
 [ "$model" = "QEMU NVMe Ctrl" ] || die "the Identify data is not in the ivshmem file (read '$model')"
 log "PASS vfio_kernel (Identify data read from the window file: '$model')"
+fi
 
 # --- case lenderd -------------------------------------------------------------------
 wait_for "L1-LENDERD started" "$STEP_TIMEOUT" "lenderd start"
@@ -182,23 +218,68 @@ for _ in $(seq 30); do
 	sleep 2
 done
 echo "$out" >&2
-for b in "$NVME_BDF" "$NIC_BDF"; do
+for b in "$NVME_BDF" "$NIC_BDF" "$PEER_BDF"; do
 	grep -q "$b" <<<"$out" || die "lendctl list does not show $b lent by L1"
 done
-log "PASS lenderd (L1 lends $NVME_BDF and $NIC_BDF through vfio-pci)"
+log "PASS lenderd (L1 lends $NVME_BDF, $NIC_BDF and $PEER_BDF through vfio-pci)"
 if [ "${LENDVM_VFIO_ONLY_L1:-0}" = 1 ]; then
 	log "test-vfio: L1 cases passed (LENDVM_VFIO_ONLY_L1=1: the lendvm guest cases not run)"
 	exit 0
 fi
 
 # --- the lendvm guest's cases (tests/tests/vfio.rs) --------------------------------
-cargo build --locked -q -p vmm --bin lendvm >&2 || die "building lendvm failed"
+cargo build --locked -q -p vmm --bin lendvm -p lendvm-tests --bin lendvm-fio-summary >&2 || die "building lendvm failed"
 GUEST_INITRAMFS=$("$REPO/tests/linux/make-initramfs.sh" | tail -n1)
 [ -f "$GUEST_INITRAMFS" ] || die "make-initramfs.sh printed no archive"
-LENDVM_VFIO_CLUSTER=$RUN/cluster.toml LENDVM_VFIO_LENDER=l1 LENDVM_VFIO_REGION=$WINDOW \
-	LENDVM_VFIO_NVME=$NVME_BDF LENDVM_VFIO_DISK=$RUN/nvme.img \
-	LENDVM_VFIO_NIC=$NIC_BDF LENDVM_VFIO_NIC_PEER=$PEER_ADDR LENDVM_VFIO_NIC_ADDR=$NIC_ADDR \
-	LENDVM_LINUX_KERNEL=$BZIMAGE LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS LENDVM_TOKEN="$(cat "$RUN/token")" \
-	nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lendvm-tests --test vfio -- --ignored --test-threads=1 \
-	|| die "tests/tests/vfio.rs failed"
+
+if [ "$demo" = 1 ]; then
+	BIN=${CARGO_TARGET_DIR:-$REPO/target}/debug
+	echo "== the lender: L1 (QEMU 7.2, intel-iommu with interrupt remapping, Linux $(sed -n 's/.*L1-STEP boot ok kernel=\([^ ]*\).*/\1/p' "$RUN/serial.log"))"
+	grep "L1-STEP bind ok\|L1-STEP iommu" "$RUN/serial.log" | sed 's/ uptime=.*//; s/^/  L1: /'
+	echo "== booting Linux under lendvm out here, its 64 MiB of RAM in the window file, with l1:$NVME_BDF"
+	serial=$RUN/guest.log
+	cmdline="$LENDVM_BASE_CMDLINE rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4"
+	cmdline+=" lendvm_fio=verify@nvme0n1"
+	RUST_LOG=info "$BIN/lendvm" --kernel "$BZIMAGE" --initramfs "$GUEST_INITRAMFS" \
+		--memory "64M,shared=$WINDOW,offset=0" --cpus 2 --cmdline "$cmdline" \
+		--serial "file=$serial" --cluster "$RUN/cluster.toml" --name demo-vfio \
+		--remote-device "l1:$NVME_BDF,id=nvme0" --api-socket "$RUN/api.sock" 2>"$RUN/lendvm.log" &
+	vmm=$!
+	t0=$SECONDS
+	until grep -q "LENDVM-FIO run i=1" "$serial" 2>/dev/null; do
+		kill -0 "$vmm" 2>/dev/null || { tail -n 30 "$RUN/lendvm.log" >&2; die "lendvm exited"; }
+		[ $((SECONDS - t0)) -lt "$TEST_TIMEOUT" ] || die "fio did not start in the guest within ${TEST_TIMEOUT}s"
+		sleep 1
+	done
+	grep -E "nvme nvme0:|nvme0n1:" "$serial" | sed 's/^/  guest: /' || true
+	echo "== the lease, as L1's lenderd and lendvm see it"
+	"$LENDCTL" --cluster "$RUN/cluster.toml" --token-file "$RUN/token" list | sed 's/^/  lenderd: /'
+	"$LENDCTL" --api-socket "$RUN/api.sock" info | sed 's/^/  lendvm: /'
+	grep "window .* mapped" "$RUN/serial.log" | sed 's/^/  L1: /' || true
+	rc=0
+	wait "$vmm" || rc=$?
+	echo "== fio's verify job in the guest, on QEMU's NVMe in L1 (fio's JSON, parsed by lendvm-fio-summary)"
+	"$BIN/lendvm-fio-summary" "$serial" | sed 's/^/  /' || rc=1
+	grep -q "LENDVM-FIO done runs=1 failed=0" "$serial" || rc=1
+	[ "$rc" = 0 ] || die "the demo guest failed (lendvm exit $rc; see its log above)"
+	log "demo: done"
+	exit 0
+fi
+# run_vfio_tests ARGS...: tests/tests/vfio.rs with what this script set up (its header lists
+# the variables).
+run_vfio_tests() {
+	LENDVM_VFIO_CLUSTER=$RUN/cluster.toml LENDVM_VFIO_LENDER=l1 LENDVM_VFIO_REGION=$WINDOW \
+		LENDVM_VFIO_NVME=$NVME_BDF LENDVM_VFIO_DISK=$RUN/nvme.img \
+		LENDVM_VFIO_NIC=$NIC_BDF LENDVM_VFIO_NIC_PEER=$PEER_ADDR LENDVM_VFIO_NIC_ADDR=$NIC_ADDR \
+		LENDVM_VFIO_L1_CMD=$RUN/l1-cmd.sock LENDVM_VFIO_L1_CONSOLE=$RUN/serial.log \
+		LENDVM_VFIO_L1_PID=$QPID LENDVM_VFIO_PEER=$PEER_BDF LENDVM_VFIO_PEER_FILE=$PEER \
+		LENDVM_LINUX_KERNEL=$BZIMAGE LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS LENDVM_TOKEN="$(cat "$RUN/token")" \
+		nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lendvm-tests --test vfio -- \
+		--ignored --test-threads=1 "$@"
+}
+L1_DEATH_CASE=vfio_l1_dying_mid_lease_leaves_the_vm_running
+run_vfio_tests --skip "$L1_DEATH_CASE" || die "tests/tests/vfio.rs failed"
+# Last, as it ends L1: QEMU is killed under a lease.
+run_vfio_tests --exact "$L1_DEATH_CASE" || die "tests/tests/vfio.rs $L1_DEATH_CASE failed"
+QPID=""
 log "test-vfio: all cases passed"

@@ -584,7 +584,7 @@ impl LenderClient {
             });
         }
         let link = t.elapsed();
-        let mut c = Self::from_endpoint(ep, token, client)?;
+        let mut c = Self::auth_and_hello(ep, token, client, PROTOCOL_VERSION, cfg.request_timeout)?;
         c.setup.link = Some(link);
         Ok(c)
     }
@@ -607,12 +607,24 @@ impl LenderClient {
         client: &str,
         version: u32,
     ) -> Result<Self, ClientError> {
+        Self::auth_and_hello(ep, token, client, version, DEFAULT_TIMEOUT)
+    }
+
+    /// AUTH and HELLO over `ep`; every later request waits at most `timeout` for its answer
+    /// (the link's `request_timeout`).
+    fn auth_and_hello(
+        ep: Box<dyn Endpoint>,
+        token: &str,
+        client: &str,
+        version: u32,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
         let offer = version.clamp(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION);
         let ep: Arc<dyn Endpoint> = Arc::from(ep);
         let inner = Arc::new(Inner {
             lender: ep.peer_node().to_string(),
             ep,
-            timeout: DEFAULT_TIMEOUT,
+            timeout,
             version: AtomicU32::new(offer),
             routes: Arc::default(),
             resamplers: Mutex::default(),

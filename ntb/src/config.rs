@@ -511,6 +511,7 @@ struct RawLink {
     heartbeat_ms: Option<Spanned<u64>>,
     peer_timeout_ms: Option<Spanned<u64>>,
     connect_timeout_ms: Option<Spanned<u64>>,
+    request_timeout_ms: Option<Spanned<u64>>,
     require_sealed_windows: Option<bool>,
 }
 
@@ -667,6 +668,16 @@ impl ClusterConfig {
                     return cx.invalid("link.connect_timeout_ms", v.span(), "must not be 0".into());
                 }
                 base.connect_timeout = ms(v);
+            }
+            if let Some(v) = &l.request_timeout_ms {
+                if !(100..=3_600_000).contains(v.get_ref()) {
+                    return cx.invalid(
+                        "link.request_timeout_ms",
+                        v.span(),
+                        format!("{} is not in 100..=3600000", v.get_ref()),
+                    );
+                }
+                base.request_timeout = ms(v);
             }
             if base.peer_timeout <= base.heartbeat * 2 {
                 return Err(ConfigError::Cluster {
@@ -948,6 +959,10 @@ doorbells = 32
         assert_eq!(n3.link.doorbells, 32);
         assert_eq!(n3.link.heartbeat, Duration::from_millis(100));
         assert_eq!(
+            n3.link.request_timeout,
+            crate::fabric::DEFAULT_REQUEST_TIMEOUT
+        );
+        assert_eq!(
             c.node("node1").unwrap().control,
             ControlAddr::Unix("/run/lendvm/node1.sock".into())
         );
@@ -982,6 +997,30 @@ doorbells = 32
         );
         let e = err("version = 1\n");
         assert!(e.contains("no [[node]]"), "{e}");
+        let e = err(&GOOD.replace(
+            "peer_timeout_ms = 1000",
+            "peer_timeout_ms = 1000\nrequest_timeout_ms = 10",
+        ));
+        assert!(
+            e.starts_with("c.toml:6: field `link.request_timeout_ms`")
+                && e.contains("10 is not in 100..=3600000"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn request_timeout_is_the_links_for_every_node() {
+        let src = GOOD.replace(
+            "peer_timeout_ms = 1000",
+            "peer_timeout_ms = 1000\nrequest_timeout_ms = 600000",
+        );
+        let c = ClusterConfig::parse(&src, "t.toml").unwrap();
+        for n in ["node1", "node3"] {
+            assert_eq!(
+                c.node(n).unwrap().link.request_timeout,
+                Duration::from_secs(600)
+            );
+        }
     }
 
     #[test]

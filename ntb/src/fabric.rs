@@ -190,6 +190,12 @@ pub struct LinkConfig {
     pub peer_timeout: Duration,
     /// Bound on connecting and on the handshake.
     pub connect_timeout: Duration,
+    /// Bound on one request's answer (a lender's reply to a borrower). Most answers take
+    /// microseconds, but a DMA map is the lender's IOMMU mapping a whole guest window: on
+    /// `VM_PFNMAP` memory (an NTB's or the bar fabric's BAR) Linux 6.1's type1 walks it page
+    /// by page, ~1 us a page on hardware (seconds for a large guest), far more under
+    /// emulation (docs/VFIO.md).
+    pub request_timeout: Duration,
     /// Refuse to map a peer's window (or scratchpad) memfd that is not sealed against
     /// shrinking (`F_SEAL_SHRINK`); when false such a mapping is only logged as a warning.
     /// An unsealed memfd can be truncated by its exporter after the size check, and a later
@@ -202,6 +208,10 @@ pub struct LinkConfig {
     pub region: Option<crate::region::RegionSpec>,
 }
 
+/// [`LinkConfig::request_timeout`] unless the cluster file's `link.request_timeout_ms` says
+/// otherwise.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Default for LinkConfig {
     fn default() -> Self {
         LinkConfig {
@@ -211,6 +221,7 @@ impl Default for LinkConfig {
             heartbeat: Duration::from_millis(250),
             peer_timeout: Duration::from_millis(1500),
             connect_timeout: Duration::from_secs(5),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             require_sealed_windows: true,
             region: None,
         }

@@ -4,9 +4,10 @@
 //! * `device_lost_is_an_event_within_a_bound_of_the_lenders_death`: SIGKILL lenderd while
 //!   its device is attached; `device-lost` (with the cause) reaches a `vm.events` follower
 //!   and the `--event-monitor` file. The time from the kill to the event is measured and
-//!   printed; the assertion is a generous 1 s (the target is 100 ms) so load cannot make it
-//!   flaky. The event loop has no timer, so this is the link's event thread → eventfd →
-//!   event-manager path.
+//!   printed. The assertions: the cause is the link's end, not the heartbeat timeout it
+//!   would otherwise fall back to, and a gross 5 s bound (1 s was seen missed with both
+//!   cores busy; the 100 ms target is a benchmark's). The event loop has no timer, so this is
+//!   the link's event thread → eventfd → event-manager path.
 //! * `pause_mid_io_then_resume_loses_no_interrupt`: a hot-added NVMe makes the guest run its
 //!   driver (verified writes and reads, MSI-X completions); the VM is paused right after the
 //!   add, while that I/O is in flight. While paused the guest prints nothing; after
@@ -88,16 +89,19 @@ fn device_lost_is_an_event_within_a_bound_of_the_lenders_death() {
         "device-lost {:.1} ms after SIGKILL of lenderd",
         took.as_secs_f64() * 1e3
     );
-    assert!(
-        took < Duration::from_secs(1),
-        "device-lost {took:?} after the lender died"
-    );
     assert_eq!(lost.properties["id"], "d0");
+    // Event-driven: the link's end (the lender's socket closed with it) is the cause, not the
+    // heartbeat timeout (1.5 s) that a missed end would fall back to. The time bound is a
+    // gross one (milliseconds when idle; seconds with both cores busy): the speed is
+    // measured in docs/BENCHMARKS.md, not here.
+    let cause = lost.properties["cause"].as_str().unwrap_or_default();
     assert!(
-        lost.properties["cause"]
-            .as_str()
-            .is_some_and(|c| !c.is_empty()),
-        "{lost:?}"
+        !cause.is_empty() && !cause.contains("heartbeat"),
+        "device-lost should come from the link's end: {lost:?}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "device-lost {took:?} after the lender died"
     );
     // The guest ejects the slot; the lost entry goes with it.
     vm.expect_line("HOTPLUG eject ", T);

@@ -84,6 +84,7 @@ use api::types::{VmAddRemoteDeviceData, VmReceiveMigrationData, VmSendMigrationD
 use lending::protocol::DeviceState;
 use lending::testing::Lenderd;
 use lendvm_tests::capture::ProcessOutput;
+use lendvm_tests::crash;
 use ntb::ClusterConfig;
 
 /// Bound on one whole boot (kernel start to lendvm's exit). A boot takes 45–60 s of wall
@@ -1505,11 +1506,8 @@ fn check_fio_verify_run(
     (w, r)
 }
 
-/// The lender-crash writer of `tests/linux/initramfs/init` (`lendvm_crash=`): 4 KiB blocks,
-/// pass 1 from 8 MiB, pass 2 (after the re-add) from 32 MiB.
-const CRASH_BLOCK: u64 = 4096;
-const CRASH_BASE1: u64 = 8 << 20;
-const CRASH_BASE2: u64 = 32 << 20;
+// The lender-crash writer of `tests/linux/initramfs/init` (`lendvm_crash=`): its block
+// layout is `lendvm_tests::crash`.
 /// Acknowledged blocks the test waits for before it kills lenderd.
 const CRASH_ACKS_BEFORE_KILL: u64 = 8;
 const CRASH_PASS2_BLOCKS: u64 = 8;
@@ -1523,13 +1521,6 @@ const CRASH_ERROR_BOUND: Duration = Duration::from_secs(CRASH_NVME_IO_TIMEOUT_S 
 /// Bound on lendvm reporting the device lost after the lender's death (its shm link sees the
 /// socket close at once; the heartbeat timeout is the backstop).
 const CRASH_LOST_BOUND: Duration = Duration::from_secs(10);
-
-/// Block `n` of pass `pass` as the crash writer writes it.
-fn crash_block(pass: u32, n: u64) -> Vec<u8> {
-    let mut b = format!("LENDVM-CRASH pass={pass} block={n}\n").into_bytes();
-    b.resize(CRASH_BLOCK as usize, 0);
-    b
-}
 
 /// `target/reliability` (next to the profile directory of this test executable).
 fn reliability_dir() -> PathBuf {
@@ -1599,13 +1590,17 @@ fn linux_lender_crash_mid_write_loses_no_acknowledged_block() {
     // while the guest's write completion and flush for it are still on their way (its ack is
     // not printed yet).
     let next = CRASH_ACKS_BEFORE_KILL;
-    let want = crash_block(1, next);
+    let want = crash::block(1, next);
     let f = std::fs::File::open(&lender.disk).unwrap();
     let mut head = vec![0u8; 48];
     let t_wait = Instant::now();
     loop {
-        std::os::unix::fs::FileExt::read_exact_at(&f, &mut head, CRASH_BASE1 + next * CRASH_BLOCK)
-            .unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(
+            &f,
+            &mut head,
+            crash::BASE1 + next * crash::BLOCK,
+        )
+        .unwrap();
         if head == want[..48] {
             break;
         }
@@ -1677,18 +1672,7 @@ fn linux_lender_crash_mid_write_loses_no_acknowledged_block() {
     );
     assert_eq!(api.info().unwrap().state, api::types::VmState::Running);
     // Every block the guest saw acknowledged is intact in the backing file.
-    let acked: Vec<u64> = guest
-        .out
-        .lines()
-        .iter()
-        .filter_map(|l| {
-            l.split("LENDVM-CRASH ack block=")
-                .nth(1)?
-                .trim()
-                .parse()
-                .ok()
-        })
-        .collect();
+    let acked = crash::acked(&guest.out.lines());
     assert_eq!(
         acked,
         (0..acked.len() as u64).collect::<Vec<_>>(),
@@ -1698,10 +1682,10 @@ fn linux_lender_crash_mid_write_loses_no_acknowledged_block() {
     let data = std::fs::read(&lender.disk).unwrap();
     let mut verified = 0u64;
     for &n in &acked {
-        let off = (CRASH_BASE1 + n * CRASH_BLOCK) as usize;
-        let got = &data[off..off + CRASH_BLOCK as usize];
+        let off = (crash::BASE1 + n * crash::BLOCK) as usize;
+        let got = &data[off..off + crash::BLOCK as usize];
         assert!(
-            got == crash_block(1, n).as_slice(),
+            got == crash::block(1, n).as_slice(),
             "acknowledged block {n} is not intact in the backing file: starts {:?}",
             String::from_utf8_lossy(&got[..48])
         );
@@ -1767,16 +1751,16 @@ fn linux_lender_crash_mid_write_loses_no_acknowledged_block() {
     check_cpus_online(&guest, &lender);
     let data = std::fs::read(&lender.disk).unwrap();
     for n in 0..CRASH_PASS2_BLOCKS {
-        let off = (CRASH_BASE2 + n * CRASH_BLOCK) as usize;
+        let off = (crash::BASE2 + n * crash::BLOCK) as usize;
         assert!(
-            &data[off..off + CRASH_BLOCK as usize] == crash_block(2, n).as_slice(),
+            &data[off..off + crash::BLOCK as usize] == crash::block(2, n).as_slice(),
             "pass-2 block {n} not in the backing file"
         );
     }
     // Pass 1 is still intact after the second lease.
     for &n in &acked {
-        let off = (CRASH_BASE1 + n * CRASH_BLOCK) as usize;
-        assert!(&data[off..off + CRASH_BLOCK as usize] == crash_block(1, n).as_slice());
+        let off = (crash::BASE1 + n * crash::BLOCK) as usize;
+        assert!(&data[off..off + crash::BLOCK as usize] == crash::block(1, n).as_slice());
     }
     assert_mbr_intact(&lender.disk, &parts);
     lender.expect_available();
@@ -1784,7 +1768,7 @@ fn linux_lender_crash_mid_write_loses_no_acknowledged_block() {
     let json = serde_json::json!({
         "test": name,
         "fabric": "shm",
-        "block_bytes": CRASH_BLOCK,
+        "block_bytes": crash::BLOCK,
         "lender_kills": 1,
         "blocks_acknowledged": acked.len(),
         "blocks_verified": verified,

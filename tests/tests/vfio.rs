@@ -11,12 +11,18 @@
 //! | `LENDVM_VFIO_REGION` | the ivshmem file (guest RAM goes inside it) |
 //! | `LENDVM_VFIO_NVME` | the NVMe's BDF in L1 |
 //! | `LENDVM_VFIO_DISK` | the file behind QEMU's NVMe, on this machine |
+//! | `LENDVM_VFIO_NIC`, `LENDVM_VFIO_NIC_ADDR`, `LENDVM_VFIO_NIC_PEER` | the e1000e's BDF in L1, the guest's address for it, and the address of the NIC that stays in L1 |
+//! | `LENDVM_VFIO_L1_CMD`, `LENDVM_VFIO_L1_CONSOLE` | L1's command port (a unix socket: QEMU's second serial port, read by L1's init) and L1's console log |
+//! | `LENDVM_VFIO_L1_PID` | QEMU's pid (the L1-death case kills it; the script runs that case last) |
 //! | `LENDVM_LINUX_KERNEL`, `LENDVM_LINUX_INITRAMFS` | the guest kernel and initramfs of the Linux tests |
 //!
 //! A missing variable fails the test with its name (they only run from the script).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -26,16 +32,30 @@ use api::types::{
     VmAddRemoteDeviceData, VmReceiveMigrationData, VmRemoveDeviceData, VmSendMigrationData,
 };
 use lendvm_tests::capture::ProcessOutput;
+use lendvm_tests::crash;
 
 /// Boot plus fio on a guest whose kernel runs in KVM's instruction emulator, with the lender's
 /// device two levels down (L1 is emulated too): generous.
-const RUN_TIMEOUT: Duration = Duration::from_secs(12 * 60);
+const RUN_TIMEOUT: Duration = Duration::from_secs(20 * 60);
 const FIO_VERIFY_OFFSET: u64 = 8 << 20;
-/// Guest RAM (the ivshmem region holds two such guests: a migration's source and destination).
-const GUEST_RAM_MIB: u64 = 128;
+/// Linux guests' RAM (the ivshmem region holds two such guests: a migration's source and
+/// destination). Small, because every lease's DMA map makes L1 walk the window page by page
+/// (about a minute for 64 MiB there: docs/VFIO.md).
+const GUEST_RAM_MIB: u64 = 64;
 const FIO_VERIFY_BYTES: u64 = 512 << 10;
 const FIO_VERIFY_BS: u64 = 4096;
 const FIO_HDR_MAGIC: u16 = 0xacca;
+/// Blocks acknowledged before the kill is sent (each is one synced write through L1).
+const CRASH_ACKS_BEFORE_KILL: u64 = 4;
+const CRASH_PASS2_BLOCKS: u64 = 4;
+/// The guest's NVMe I/O timeout: a write whose completion never comes fails after it.
+const CRASH_NVME_IO_TIMEOUT_S: u64 = 15;
+/// From the kill to lendvm's `device-lost`: the end of the control connection reaches lendvm
+/// through QEMU's user network (L1's TCP stack, then slirp's socket out here).
+const LOST_BOUND: Duration = Duration::from_secs(60);
+/// From the kill to the guest writer's error: the NVMe driver's timeout and abort, or the
+/// surprise removal, whichever comes first.
+const CRASH_ERROR_BOUND: Duration = Duration::from_secs(CRASH_NVME_IO_TIMEOUT_S * 6);
 
 fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| {
@@ -80,14 +100,14 @@ impl Guest {
             &cmdline,
         ];
         args.extend_from_slice(extra);
-        Self::spawn(name, 0, &args)
+        Self::spawn(name, 0, GUEST_RAM_MIB, &args)
     }
 
-    /// lendvm with `args`, its RAM at `offset` MiB of the region (a migration destination
-    /// sits beside its source, which runs until the switch-over).
-    fn spawn(name: &'static str, offset_mib: u64, args: &[&str]) -> Guest {
+    /// lendvm with `args`, `ram_mib` of RAM at `offset` MiB of the region (a migration
+    /// destination sits beside its source, which runs until the switch-over).
+    fn spawn(name: &'static str, offset_mib: u64, ram_mib: u64, args: &[&str]) -> Guest {
         let memory = format!(
-            "{GUEST_RAM_MIB}M,shared={},offset={offset_mib}M",
+            "{ram_mib}M,shared={},offset={offset_mib}M",
             env("LENDVM_VFIO_REGION")
         );
         let mut child = Command::new(binary("lendvm"))
@@ -183,37 +203,64 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     lendvm_tests::fio::field(line, key)
 }
 
-/// QEMU's NVMe in L1, owned by vfio-pci there, lent over the bar fabric. The guest's stock
-/// nvme driver binds it and runs fio's crc32c verify job three times: after the first, the
-/// host hot-removes the disk and adds it again (a new lease, VFIO_DEVICE_RESET on the old
-/// one's return); after the second, the guest resets the function itself (sysfs `reset`:
-/// FLR, which the lender turns into VFIO_DEVICE_RESET). Every block fio wrote is in the file
-/// behind QEMU's NVMe, with fio's header naming its own offset.
+/// QEMU's NVMe and e1000e in L1, owned by vfio-pci there, lent over the bar fabric to one
+/// guest (one boot for both device classes).
+///
+/// The e1000e: the guest's stock e1000e driver binds it, gets carrier, and pings the second
+/// e1000e that stays in L1 (both on one QEMU hub; link-local addresses; nothing leaves
+/// QEMU). Its descriptor rings and packet buffers are in guest RAM, reached through L1's
+/// IOMMU and the BAR window; its interrupts are MSI-X vectors relayed to the guest.
+///
+/// The NVMe: the guest's stock nvme driver binds it and runs fio's crc32c verify job three
+/// times: after the first, the host hot-removes the disk and adds it again (a new lease,
+/// VFIO_DEVICE_RESET on the old one's return); after the second, the guest resets the
+/// function itself (sysfs `reset`: FLR, which the lender turns into VFIO_DEVICE_RESET).
+/// Every block fio wrote is in the file behind QEMU's NVMe, with fio's header naming its
+/// own offset.
 #[test]
 #[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
-fn vfio_nvme_in_l1_fio_verify_replug_and_flr() {
+fn vfio_nvme_and_e1000e_in_l1_with_stock_drivers() {
     let lender = env("LENDVM_VFIO_LENDER");
     let bdf = env("LENDVM_VFIO_NVME");
     let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
     let spec = format!("{lender}:{bdf}");
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("api.sock");
+    let nic = env("LENDVM_VFIO_NIC");
+    let peer = env("LENDVM_VFIO_NIC_PEER");
+    let addr = env("LENDVM_VFIO_NIC_ADDR");
     let mut guest = Guest::start(
-        "vfio_nvme_in_l1_fio_verify_replug_and_flr",
-        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
-         lendvm_fio=verify@nvme0n1,verify@nvme0n1,verify@nvme0n1 lendvm_fio_replug=1 \
-         lendvm_fio_flr=2",
+        "vfio_nvme_and_e1000e_in_l1_with_stock_drivers",
+        &format!(
+            "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
+             lendvm_net={addr},{peer},3 \
+             lendvm_fio=verify@nvme0n1,verify@nvme0n1,verify@nvme0n1 lendvm_fio_replug=1 \
+             lendvm_fio_flr=2"
+        ),
         &[
             "--name",
             "vfio-fio",
             "--remote-device",
             &format!("{spec},id=disk0"),
+            "--remote-device",
+            &format!("{lender}:{nic},id=nic0"),
             "--api-socket",
             socket.to_str().unwrap(),
         ],
     );
     let deadline = Instant::now() + RUN_TIMEOUT;
     guest.expect_line("Linux version ", deadline);
+    // The NIC first (the guest's init pings, then runs fio).
+    let net = guest.expect_line("LENDVM-NET ", deadline);
+    assert!(net.contains("LENDVM-NET ok "), "{net}\n{}", guest.diag());
+    assert_eq!(field(&net, "driver"), Some("e1000e"), "{net}");
+    assert_eq!(field(&net, "sent"), Some("3"), "{net}");
+    let received: u32 = field(&net, "received").unwrap().parse().unwrap();
+    assert!(
+        received >= 1,
+        "no echo reply from L1's NIC: {net}\n{}",
+        guest.diag()
+    );
     // The stock driver bound QEMU's controller.
     guest.expect_line("nvme nvme0: ", deadline);
     let api = ApiClient::new(&socket, Duration::from_secs(60));
@@ -273,40 +320,6 @@ fn vfio_nvme_in_l1_fio_verify_replug_and_flr() {
     );
 }
 
-/// QEMU's e1000e in L1, owned by vfio-pci there, lent over the bar fabric: the guest's stock
-/// e1000e driver binds it, gets carrier, and pings the second e1000e that stays in L1 (both on
-/// one QEMU hub; link-local addresses; nothing leaves QEMU). Its descriptor rings and packet
-/// buffers are in guest RAM, reached through L1's IOMMU and the BAR window; its interrupts
-/// are MSI-X vectors relayed to the guest.
-#[test]
-#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
-fn vfio_e1000e_in_l1_pings_through_the_window() {
-    let lender = env("LENDVM_VFIO_LENDER");
-    let bdf = env("LENDVM_VFIO_NIC");
-    let peer = env("LENDVM_VFIO_NIC_PEER");
-    let addr = env("LENDVM_VFIO_NIC_ADDR");
-    let dev = format!("{lender}:{bdf},id=nic0");
-    let mut guest = Guest::start(
-        "vfio_e1000e_in_l1_pings_through_the_window",
-        &format!(
-            "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_net={addr},{peer},3"
-        ),
-        &["--name", "vfio-nic", "--remote-device", &dev],
-    );
-    let deadline = Instant::now() + RUN_TIMEOUT;
-    let net = guest.expect_line("LENDVM-NET ", deadline);
-    assert!(net.contains("LENDVM-NET ok "), "{net}\n{}", guest.diag());
-    assert_eq!(field(&net, "driver"), Some("e1000e"), "{net}");
-    assert_eq!(field(&net, "sent"), Some("3"), "{net}");
-    let received: u32 = field(&net, "received").unwrap().parse().unwrap();
-    assert!(
-        received >= 1,
-        "no echo reply from L1's NIC: {net}\n{}",
-        guest.diag()
-    );
-    guest.expect_exit_0(deadline);
-}
-
 /// Every block of the verify job is in `disk` (the file behind QEMU's NVMe, out here), with
 /// fio's verify header naming its own offset: the data went through L1's IOMMU and device.
 fn assert_fio_blocks_in(disk: &std::path::Path) {
@@ -355,6 +368,7 @@ fn vfio_nvme_in_l1_survives_a_live_migration_under_fio_verify() {
     src.expect_line("LENDVM-FIO run i=1 ", deadline);
     let mut dst = Guest::spawn(
         "vfio_nvme_in_l1_migration-destination",
+        GUEST_RAM_MIB,
         GUEST_RAM_MIB,
         &[
             "--name",
@@ -409,4 +423,380 @@ fn vfio_nvme_in_l1_survives_a_live_migration_under_fio_verify() {
     let err = dst.out.stderr();
     assert!(err.contains("device not reset"), "{err}");
     assert_fio_blocks_in(&disk);
+}
+
+/// L1 as the tests reach it: its command port and its console.
+struct L1 {
+    cmd: PathBuf,
+    console: PathBuf,
+}
+
+impl L1 {
+    fn from_env() -> L1 {
+        L1 {
+            cmd: env("LENDVM_VFIO_L1_CMD").into(),
+            console: env("LENDVM_VFIO_L1_CONSOLE").into(),
+        }
+    }
+
+    fn console_lines(&self, prefix: &str) -> Vec<String> {
+        let text = std::fs::read(&self.console).unwrap();
+        String::from_utf8_lossy(&text)
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Sends `cmd` on L1's command port and returns L1's answer (`L1-CMD <cmd> ok ...`).
+    fn command(&self, cmd: &str) -> String {
+        let prefix = format!("L1-CMD {cmd} ");
+        let before = self.console_lines(&prefix).len();
+        let mut port = UnixStream::connect(&self.cmd)
+            .unwrap_or_else(|e| panic!("L1's command port {}: {e}", self.cmd.display()));
+        port.write_all(format!("{cmd}\n").as_bytes()).unwrap();
+        let t0 = Instant::now();
+        loop {
+            if let Some(l) = self.console_lines(&prefix).into_iter().nth(before) {
+                assert!(l.starts_with(&format!("{prefix}ok")), "L1: {l}");
+                return l;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "L1 did not answer {cmd:?} within 120 s; its console ends:\n{}",
+                self.console_lines("")
+                    .iter()
+                    .rev()
+                    .take(30)
+                    .rev()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+/// Waits until the block the crash writer writes next has reached `disk` (QEMU's file): the
+/// kill then lands while the guest's write is in flight or just completed, not between runs.
+fn wait_block_in(disk: &std::path::Path, pass: u32, n: u64, guest: &Guest) {
+    let want = crash::block(pass, n);
+    let f = std::fs::File::open(disk).unwrap();
+    let mut head = vec![0u8; 48];
+    let t0 = Instant::now();
+    loop {
+        f.read_exact_at(&mut head, crash::BASE1 + n * crash::BLOCK)
+            .unwrap();
+        if head == want[..48] {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "block {n} never reached QEMU's file\n{}",
+            guest.diag()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// After the lender side died under a lease: lendvm reports the device lost (in `vm.info`
+/// and as a `device-lost` event), the guest's writer gets an error and the disk goes away,
+/// every block the guest saw acknowledged is intact in QEMU's file, and once the guest
+/// ejected the disk lendvm holds nothing of it. Returns the acknowledged blocks.
+fn after_a_lender_death(
+    guest: &Guest,
+    api: &ApiClient,
+    disk: &std::path::Path,
+    t_kill: Instant,
+    deadline: Instant,
+) -> Vec<u64> {
+    let mut lost_info = false;
+    let mut lost_event = false;
+    while t_kill.elapsed() < LOST_BOUND && !(lost_info && lost_event) {
+        let info = api
+            .info()
+            .unwrap_or_else(|e| panic!("vm.info after the kill: {e}\n{}", guest.diag()));
+        lost_info |= info
+            .remote_devices
+            .iter()
+            .any(|d| d.id == "disk0" && d.lease_state == api::types::LeaseState::Lost)
+            // The guest may have ejected it already.
+            || (lost_event && info.remote_devices.is_empty());
+        lost_event |= api.events(0).unwrap().iter().any(|e| {
+            e.event == "device-lost"
+                && e.properties.get("id").and_then(|v| v.as_str()) == Some("disk0")
+        });
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        lost_event && lost_info,
+        "lendvm did not report disk0 lost within {LOST_BOUND:?} (event {lost_event}, \
+         vm.info {lost_info})\n{}",
+        guest.diag()
+    );
+    let err = guest
+        .out
+        .wait_for(t_kill + CRASH_ERROR_BOUND, |lines| {
+            lines
+                .iter()
+                .find(|(_, l)| l.contains("LENDVM-CRASH error "))
+                .cloned()
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "the guest's writer saw no error within {CRASH_ERROR_BOUND:?} of the kill\n{}",
+                guest.diag()
+            )
+        });
+    eprintln!("the guest's writer: {}", err.1);
+    guest.expect_line("LENDVM-CRASH gone disk=", deadline);
+    assert_eq!(api.info().unwrap().state, api::types::VmState::Running);
+
+    let acked = crash::acked(&guest.out.lines());
+    assert_eq!(acked, (0..acked.len() as u64).collect::<Vec<_>>());
+    assert!(acked.len() as u64 >= CRASH_ACKS_BEFORE_KILL, "{acked:?}");
+    let data = std::fs::read(disk).unwrap();
+    if let Some((n, starts)) = crash::first_lost(&data, &acked) {
+        panic!("acknowledged block {n} is not intact in QEMU's file: starts {starts:?}");
+    }
+
+    let t0 = Instant::now();
+    while !api.info().unwrap().remote_devices.is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the lost disk is still listed: {:?}\n{}",
+            api.info(),
+            guest.diag()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        api.info().unwrap().counters.unwrap(),
+        api::types::VmCounters::default(),
+        "resources left after the lost disk was ejected"
+    );
+    acked
+}
+
+/// A guest writing synced blocks to QEMU's NVMe (the crash writer of the guest's init),
+/// borrowed from L1 as `disk0`, with its API socket in `dir`.
+fn crash_writer(name: &'static str, dir: &tempfile::TempDir) -> (Guest, ApiClient) {
+    let lender = env("LENDVM_VFIO_LENDER");
+    let bdf = env("LENDVM_VFIO_NVME");
+    let socket = dir.path().join("api.sock");
+    let guest = Guest::start(
+        name,
+        &format!(
+            "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
+             nvme_core.io_timeout={CRASH_NVME_IO_TIMEOUT_S} \
+             lendvm_crash=nvme0n1,4096,{CRASH_PASS2_BLOCKS}"
+        ),
+        &[
+            "--name",
+            name,
+            "--remote-device",
+            &format!("{lender}:{bdf},id=disk0"),
+            "--api-socket",
+            socket.to_str().unwrap(),
+        ],
+    );
+    let api = ApiClient::new(&socket, Duration::from_secs(60));
+    (guest, api)
+}
+
+/// SIGKILL of L1's lenderd while the guest streams synced writes to QEMU's NVMe: the kernel's
+/// vfio-pci release (not lenderd) resets the function and drops its DMA mappings. lendvm
+/// stays up and reports the disk lost; the guest's writer gets an error, not a hang; every
+/// acknowledged block is in QEMU's file. lenderd starts again in L1, the disk is hot-added
+/// again, and a second pass of writes is read back in the guest and found in the file.
+#[test]
+#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
+fn vfio_nvme_in_l1_lenderd_killed_mid_write_loses_no_acknowledged_block() {
+    let l1 = L1::from_env();
+    let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
+    let dir = tempfile::tempdir().unwrap();
+    let (mut guest, api) = crash_writer("vfio-lenderd-kill", &dir);
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    guest.expect_line("LENDVM-CRASH start disk=nvme0n1", deadline);
+    guest.expect_line(
+        &format!("LENDVM-CRASH ack block={}", CRASH_ACKS_BEFORE_KILL - 1),
+        deadline,
+    );
+    wait_block_in(&disk, 1, CRASH_ACKS_BEFORE_KILL, &guest);
+    let t_kill = Instant::now();
+    let answer = l1.command("kill-lenderd");
+    eprintln!(
+        "L1: {answer} ({:?} after the block reached the file)",
+        t_kill.elapsed()
+    );
+    after_a_lender_death(&guest, &api, &disk, t_kill, deadline);
+
+    // lenderd again in L1; the disk is added again (retried while lenderd starts).
+    l1.command("start-lenderd");
+    let t0 = Instant::now();
+    loop {
+        match api.add_remote_device(&VmAddRemoteDeviceData {
+            device: format!("{}:{}", env("LENDVM_VFIO_LENDER"), env("LENDVM_VFIO_NVME"))
+                .parse()
+                .unwrap(),
+            id: Some("disk1".into()),
+            mode: None,
+            replace_lost: false,
+        }) {
+            Ok(_) => break,
+            Err(e) if t0.elapsed() < Duration::from_secs(180) => {
+                eprintln!("re-add after the restart: {e}; retrying");
+                std::thread::sleep(Duration::from_secs(3));
+            }
+            Err(e) => panic!("re-add after the restart: {e}\n{}", guest.diag()),
+        }
+    }
+    guest.expect_line("LENDVM-CRASH back disk=", deadline);
+    let ok = guest.expect_line("LENDVM-CRASH pass2 ", deadline);
+    assert!(
+        ok.contains(&format!(
+            "LENDVM-CRASH pass2 ok blocks={CRASH_PASS2_BLOCKS}"
+        )),
+        "{ok}\n{}",
+        guest.diag()
+    );
+    guest.expect_exit_0(deadline);
+    let data = std::fs::read(&disk).unwrap();
+    for n in 0..CRASH_PASS2_BLOCKS {
+        let off = (crash::BASE2 + n * crash::BLOCK) as usize;
+        assert!(
+            data[off..off + crash::BLOCK as usize] == crash::block(2, n)[..],
+            "pass-2 block {n} is not in QEMU's file"
+        );
+    }
+}
+
+/// L1 itself dies (QEMU SIGKILLed) while the guest streams synced writes to QEMU's NVMe:
+/// the lender host is gone with its IOMMU and device. lendvm stays up and reports the disk
+/// lost, the guest's writer gets an error and the disk goes away, every acknowledged block
+/// is in QEMU's file (each was flushed before its acknowledgement), and lendvm holds nothing
+/// of the device afterwards. The guest RAM in the region's file is unaffected: the guest
+/// runs on. `scripts/test-vfio.sh` runs this case last.
+#[test]
+#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh, last"]
+fn vfio_l1_dying_mid_lease_leaves_the_vm_running() {
+    let qemu: i32 = env("LENDVM_VFIO_L1_PID").parse().unwrap();
+    let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
+    let dir = tempfile::tempdir().unwrap();
+    let (mut guest, api) = crash_writer("vfio-l1-death", &dir);
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    guest.expect_line("LENDVM-CRASH start disk=nvme0n1", deadline);
+    guest.expect_line(
+        &format!("LENDVM-CRASH ack block={}", CRASH_ACKS_BEFORE_KILL - 1),
+        deadline,
+    );
+    wait_block_in(&disk, 1, CRASH_ACKS_BEFORE_KILL, &guest);
+    let t_kill = Instant::now();
+    // SAFETY: kill(2) on a pid; no memory is involved.
+    let rc = unsafe { libc::kill(qemu, libc::SIGKILL) };
+    assert_eq!(
+        rc,
+        0,
+        "kill QEMU {qemu}: {}",
+        std::io::Error::last_os_error()
+    );
+    after_a_lender_death(&guest, &api, &disk, t_kill, deadline);
+    // The guest runs on: its writer waits for a disk to come back (none will).
+    assert!(
+        guest.child.try_wait().unwrap().is_none(),
+        "lendvm exited\n{}",
+        guest.diag()
+    );
+    assert!(
+        !guest.out.lines().iter().any(|l| l.contains("Kernel panic")),
+        "{}",
+        guest.diag()
+    );
+    guest.child.kill().unwrap();
+    guest.status = Some(guest.child.wait().unwrap());
+}
+
+/// Byte `i` of the block the bare-metal guest's `p2p-nvme` writes (tests/guest/src/p2p.rs).
+fn nvme_p2p_byte(seed: u32, i: u64) -> u8 {
+    (seed as u64)
+        .wrapping_mul(31)
+        .wrapping_add(i.wrapping_mul(7)) as u8
+        ^ (i >> 8) as u8
+}
+
+/// Peer-to-peer between two of L1's functions lent to one VM: QEMU's NVMe reads a block
+/// straight into the BAR of a second ivshmem-plain function (plain memory, backed by a file
+/// out here). The bare-metal test guest (`tests=p2p-nvme`) writes the block from guest RAM,
+/// clears that buffer, and gives the NVMe a read whose only PRP is the peer's BAR address;
+/// lendvm's P2P router asks L1's lenderd to map the peer's BAR (its vfio-pci region mmap)
+/// into the NVMe's VFIO container at that address, and L1's IOMMU translates the NVMe's
+/// writes onto the peer's BAR. The block is then in the peer's file out here and not in
+/// guest RAM.
+#[test]
+#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
+fn vfio_p2p_nvme_reads_into_a_peer_bar_in_l1() {
+    const SEED: u32 = 0x5032_504e;
+    let lender = env("LENDVM_VFIO_LENDER");
+    let nvme = env("LENDVM_VFIO_NVME");
+    let peer = env("LENDVM_VFIO_PEER");
+    let peer_file = PathBuf::from(env("LENDVM_VFIO_PEER_FILE"));
+    let l1 = L1::from_env();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&peer_file)
+        .unwrap()
+        .write_all_at(&[0u8; 4096], 0)
+        .unwrap();
+    let logged = l1.console_lines("").len();
+    let mut guest = Guest::spawn(
+        "vfio_p2p_nvme_reads_into_a_peer_bar_in_l1",
+        0,
+        16,
+        &[
+            "--kernel",
+            env!("LENDVM_TEST_GUEST"),
+            "--cpus",
+            "1",
+            "--serial",
+            "stdout",
+            "--cmdline",
+            &format!("tests=p2p-nvme seed={SEED:#x} lba=4096"),
+            "--name",
+            "vfio-p2p",
+            "--remote-device",
+            &format!("{lender}:{nvme},id=disk0"),
+            "--remote-device",
+            &format!("{lender}:{peer},id=peer0"),
+        ],
+    );
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    let probe = guest.expect_line("TEST p2p-nvme-probe ", deadline);
+    assert!(probe.contains(" ok "), "{probe}\n{}", guest.diag());
+    let line = guest.expect_line("TEST p2p-nvme ", deadline);
+    assert!(
+        line.contains("TEST p2p-nvme ok "),
+        "{line}\n{}",
+        guest.diag()
+    );
+    guest.expect_exit_0(deadline);
+    // The block reached the peer's memory: the file behind its BAR, out here.
+    let data = std::fs::read(&peer_file).unwrap();
+    for i in 0..4096u64 {
+        assert_eq!(
+            data[i as usize],
+            nvme_p2p_byte(SEED, i),
+            "the peer's file differs at byte {i}"
+        );
+    }
+    // L1's lenderd mapped the peer's BAR 2 into the NVMe's container (lending::iommu::p2p).
+    let lender_lines = l1.console_lines("");
+    let map = lender_lines[logged..]
+        .iter()
+        .find(|l| l.contains("bar 2 of lease") && l.contains("(peer-to-peer)"));
+    assert!(
+        map.is_some(),
+        "L1's lenderd logged no peer-to-peer map of BAR 2:\n{}",
+        lender_lines[logged..].join("\n")
+    );
 }

@@ -679,10 +679,10 @@ mod tests {
         filtered_config_write(&b, 4, &[0x06, 0x00]).unwrap();
         let mut cmd = [0u8; 2];
         b.config_read(4, &mut cmd).unwrap();
-        assert_eq!(cmd, [0x02, 0x00], "bme stays with the lender");
+        assert_eq!(cmd, [0x00, 0x00], "decode and bme stay with the lender");
         b.set_bus_master(true).unwrap();
         b.config_read(4, &mut cmd).unwrap();
-        assert_eq!(cmd, [0x06, 0x00]);
+        assert_eq!(cmd, [0x04, 0x00]);
         b.reset().unwrap();
         b.config_read(4, &mut cmd).unwrap();
         assert_eq!(cmd, [0, 0]);

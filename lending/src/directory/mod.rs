@@ -196,6 +196,8 @@ impl NodeRecord {
             heartbeat: Duration::from_millis(self.heartbeat_ms),
             peer_timeout: Duration::from_millis(self.peer_timeout_ms),
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            // Not in a directory record: a borrower's own bound on its requests.
+            request_timeout: LinkConfig::default().request_timeout,
             require_sealed_windows: self.require_sealed_windows,
             region: None,
         };

@@ -25,6 +25,7 @@ pub(super) fn check_hello(
         heartbeat: Duration::from_millis(u64::from(h.heartbeat_ms)),
         peer_timeout: Duration::from_millis(u64::from(h.heartbeat_ms) * 2 + 1),
         connect_timeout: cfg.connect_timeout,
+        request_timeout: cfg.request_timeout,
         require_sealed_windows: cfg.require_sealed_windows,
         region: None,
     };

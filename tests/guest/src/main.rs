@@ -13,6 +13,7 @@
 //! | `nvme` | NVMe driver test on the first class 01:08:02 function | `seed=` (pattern, default 0x4c454e44), `lba=` (first LBA, 0), `hold=1` (after set-up print `MAILBOX`, `STEP 1 nvme-ready` and wait for the host before any I/O), `wait_ms=` (30000), `cmb=1` (I/O SQ in the controller memory buffer) |
 //! | `dmatest` | one-page copy through the first 1b36:1105 function | `seed=` |
 //! | `p2p` | peer-to-peer DMA between the first two 1b36:1105 functions (one lender or two): RAM → peer BAR, peer BAR → RAM, a hole refused, peer BAR0 moved | `seed=` |
+//! | `p2p-nvme` | a real NVMe (the first class 01:08:02 function) reads a block it was given from RAM straight into an ivshmem-plain function's BAR 2; the peer's BAR and the cleared RAM buffer are checked | `seed=`, `lba=` |
 //! | `p2p-loss` | RAM → peer BAR once (verified), then the same copy every tick until one ends with STATUS.error (the host kills the peer's lender) | `seed=`, `wait_ms=` (30000) |
 //! | `bme-steps` | Memory → Bus Master on → off, each step acknowledged by the host through a mailbox | `wait_ms=` |
 //! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0) |
@@ -128,6 +129,9 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
     }
     if info.wants_explicitly("p2p") {
         p2p::run(&mut r, params.seed);
+    }
+    if info.wants_explicitly("p2p-nvme") {
+        p2p::run_nvme(&mut r, params);
     }
     if info.wants_explicitly("p2p-loss") {
         p2p::run_loss(&mut r, params.seed, params.wait_ms);

@@ -195,3 +195,93 @@ fn report_copy(r: &mut Results, name: &str, c: (bool, u32), bad: Option<u64>, at
         Some(off) => o.s(" mismatch at byte ").dec(off).nl(),
     }
 }
+
+/// ivshmem-plain (QEMU): BAR 2 is plain memory, the peer a real NVMe can write into.
+pub const IVSHMEM_ID: u32 = 0x1110 << 16 | 0x1af4;
+/// Bytes the NVMe reads into the peer's BAR.
+const NVME_P2P_BYTES: u64 = 4096;
+
+/// Byte `i` of the block `p2p-nvme` writes (the host checks it in the peer's file).
+fn nvme_p2p_byte(seed: u32, i: u64) -> u8 {
+    (seed as u64).wrapping_mul(31).wrapping_add(i.wrapping_mul(7)) as u8 ^ (i >> 8) as u8
+}
+
+/// `p2p-nvme`: a real NVMe (the first class 01:08:02 function) reads a block straight into
+/// the memory BAR of a peer function (the first ivshmem-plain, BAR 2), by bus address.
+/// The block is first written from guest RAM; the RAM buffer is then cleared, the read's
+/// only PRP is the peer's BAR address, and the peer's BAR (read through its BAR) and the RAM
+/// buffer (still clear) are checked. Prints `TEST p2p-nvme-probe`, then `TEST p2p-nvme ok
+/// lba=<n> peer=<bar2> bytes=4096` (or fail with what differed).
+pub fn run_nvme(r: &mut Results, p: crate::nvme::Params) {
+    use crate::nvme;
+    let (Some(nf), Some(peer)) = (
+        pci::find(|f| f.class() == nvme::CLASS),
+        pci::find(|f| f.id() == IVSHMEM_ID),
+    ) else {
+        r.report("p2p-nvme-probe", false)
+            .s("need an NVMe and an ivshmem-plain function")
+            .nl();
+        return;
+    };
+    // The peer decodes its BAR before the NVMe masters the bus, so the VMM has published it
+    // when the NVMe's Bus Master Enable maps the peers.
+    peer.set_command(CMD_MEM);
+    let bar2 = peer.bar(2);
+    r.report("p2p-nvme-probe", bar2 != 0)
+        .s("peer bar2 ")
+        .hex(bar2)
+        .nl();
+    if bar2 == 0 {
+        return;
+    }
+    let Some(mut s) = nvme::setup(nf, r, p) else {
+        return;
+    };
+    let nlb = (NVME_P2P_BYTES >> s.lbads) - 1;
+    let slba = p.slba;
+    let buf = dma::data_a();
+    for i in 0..NVME_P2P_BYTES {
+        // SAFETY: arena memory (the first data buffer).
+        unsafe { core::ptr::write_volatile((buf + i) as *mut u8, nvme_p2p_byte(p.seed, i)) };
+    }
+    let wrote = s.n.ok(true, nvme::rw(nvme::OP_WRITE, buf, 0, slba, nlb)).is_some();
+    dma::zero(buf, NVME_P2P_BYTES);
+    let read = wrote
+        && s
+            .n
+            .ok(true, nvme::rw(nvme::OP_READ, bar2, 0, slba, nlb))
+            .is_some();
+    let mut bad_peer = None;
+    let mut bad_ram = None;
+    for w in 0..NVME_P2P_BYTES / 4 {
+        let want = u32::from_le_bytes(core::array::from_fn(|k| {
+            nvme_p2p_byte(p.seed, w * 4 + k as u64)
+        }));
+        if bad_peer.is_none() && read && mmio::read32(bar2 + w * 4) != want {
+            bad_peer = Some(w * 4);
+        }
+        if bad_ram.is_none() && dma::read32(buf + w * 4) != 0 {
+            bad_ram = Some(w * 4);
+        }
+    }
+    let ok = wrote && read && bad_peer.is_none() && bad_ram.is_none();
+    let o = r.report("p2p-nvme", ok);
+    let o = if !wrote {
+        o.s("the write from RAM failed")
+    } else if !read {
+        o.s("the read into the peer's BAR failed")
+    } else if let Some(off) = bad_peer {
+        o.s("the peer's BAR differs at +").hex(off)
+    } else if let Some(off) = bad_ram {
+        o.s("guest RAM changed at +").hex(off)
+    } else {
+        o.s("lba ")
+            .dec(slba)
+            .s(" peer ")
+            .hex(bar2)
+            .s(" bytes ")
+            .dec(NVME_P2P_BYTES)
+    };
+    o.nl();
+    nvme::quiesce(nf);
+}

@@ -31,8 +31,17 @@ use super::capabilities;
 
 pub use gate::{virtualized_info, ConfigGate, GateCounts, WriteOutcome};
 
+/// Command register bit: I/O Space.
+pub const CMD_IO: u16 = 1 << 0;
+/// Command register bit: Memory Space.
+pub const CMD_MEMORY: u16 = 1 << 1;
 /// Command register bit: Bus Master Enable.
 pub const CMD_BUS_MASTER: u16 = 1 << 2;
+/// Command bits the lender owns on the real device: the borrower's own decode and bus
+/// mastering are its VMM's business (it decodes the guest's BAR addresses and maps DMA on
+/// Bus Master Enable), and the lender's BAR accesses need decoding on: vfio-pci refuses a
+/// BAR read or write with EIO while the function's Memory Space bit is clear.
+pub const CMD_LENDER_OWNED: u16 = CMD_IO | CMD_MEMORY | CMD_BUS_MASTER;
 /// Status register (low byte) bit: Capabilities List.
 pub const STATUS_CAP_LIST: u8 = 1 << 4;
 
@@ -195,11 +204,11 @@ impl ConfigFilter {
             }
         }
         let mut out = data.to_vec();
-        // Command register low byte holds BME (bit 2).
+        // Command register low byte holds I/O Space, Memory Space and BME: the lender's.
         if (start..end).contains(&4) {
             let i = 4 - start;
-            out[i] =
-                (out[i] & !(CMD_BUS_MASTER as u8)) | (current_cmd as u8 & CMD_BUS_MASTER as u8);
+            let owned = CMD_LENDER_OWNED as u8;
+            out[i] = (out[i] & !owned) | (current_cmd as u8 & owned);
         }
         // Status low byte: Capabilities List stays the device's.
         if (start..end).contains(&6) {
@@ -256,15 +265,21 @@ mod tests {
     }
 
     #[test]
-    fn bus_master_stays_with_the_lender() {
+    fn decode_and_bus_master_stay_with_the_lender() {
         let f = ConfigFilter::from_config(&config());
-        // Borrower sets MEM|BME; lender has BME clear.
+        // Borrower sets MEM|BME; lender has both clear.
         assert_eq!(
             f.filter_write(4, &[0x06, 0x00], 0).unwrap(),
-            vec![0x02, 0x00]
+            vec![0x00, 0x00]
+        );
+        // Borrower clears MEM and BME, sets INTx Disable; lender has IO|MEM|BME set: they
+        // stay (vfio-pci refuses BAR accesses with Memory Space clear), INTx Disable passes.
+        assert_eq!(
+            f.filter_write(4, &[0x00, 0x04], 0x0007).unwrap(),
+            vec![0x07, 0x04]
         );
         // Borrower clears BME; lender has it set.
-        assert_eq!(f.filter_write(4, &[0x02], 0x0004).unwrap(), vec![0x06]);
+        assert_eq!(f.filter_write(4, &[0x02], 0x0004).unwrap(), vec![0x04]);
         // Status writes go through, except that Capabilities List stays the device's.
         assert_eq!(
             f.filter_write(6, &[0xff, 0xff], 0).unwrap(),

@@ -61,6 +61,19 @@ impl FakeVfioDevice {
         })
     }
 
+    /// Whether a BAR region may be accessed: vfio-pci refuses BAR reads and writes (EIO)
+    /// while the function's Memory Space bit is clear (`__vfio_pci_memory_enabled`; found
+    /// in L1, docs/VFIO.md). Config and other regions always may.
+    fn decodes(regions: &HashMap<u32, (RegionInfo, Vec<u8>)>, index: u32) -> bool {
+        if index > vfio_bindings::bindings::vfio::VFIO_PCI_BAR5_REGION_INDEX {
+            return true;
+        }
+        regions
+            .get(&VFIO_PCI_CONFIG_REGION_INDEX)
+            .and_then(|(_, c)| c.get(4))
+            .is_none_or(|cmd| cmd & crate::backend::config::CMD_MEMORY as u8 != 0)
+    }
+
     /// Holds Transactions Pending as `p` says from now on.
     pub fn hold_pending(&self, p: TransactionsPending) {
         if let Ok(mut g) = self.pending.lock() {
@@ -173,6 +186,10 @@ impl VfioDeviceOps for FakeVfioDevice {
 
     fn region_read(&self, index: u32, offset: u64, buf: &mut [u8]) {
         if let Ok(r) = self.regions.lock() {
+            if !Self::decodes(&r, index) {
+                // vfio-pci: EIO; vfio-ioctls logs it and leaves `buf` as it was.
+                return;
+            }
             if let Some((_, b)) = r.get(&index) {
                 let o = offset as usize;
                 if let Some(src) = b.get(o..o + buf.len()) {
@@ -192,6 +209,9 @@ impl VfioDeviceOps for FakeVfioDevice {
             }
         }
         if let Ok(mut r) = self.regions.lock() {
+            if !Self::decodes(&r, index) {
+                return; // vfio-pci: EIO, logged by vfio-ioctls; nothing written
+            }
             if let Some((_, b)) = r.get_mut(&index) {
                 let o = offset as usize;
                 if let Some(dst) = b.get_mut(o..o + data.len()) {

@@ -148,6 +148,7 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
         }
         b.bars = b.decide_bars(sysfs);
         b.devsta = b.devsta_offset();
+        b.enable_decode();
         for (i, a) in &b.bars {
             match a {
                 BarAccess::Direct { path, size, .. } => log::info!(
@@ -317,6 +318,9 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
         // Enable included: the function would come back able to DMA. It must come back
         // quiescent; the lender sets the bit again once the lease has windows.
         self.write_bme(false);
+        // Decoding the lender's own: on (the kernel restores it too, but a reset of a
+        // function whose saved state had it off must not leave BAR accesses failing).
+        self.enable_decode();
         log::info!("{}: VFIO_DEVICE_RESET, bus master off", self.name);
         Ok(())
     }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
 
 use super::{VfioBackend, VfioDeviceOps};
-use crate::backend::config::CMD_BUS_MASTER;
+use crate::backend::config::{CMD_BUS_MASTER, CMD_IO, CMD_MEMORY};
 
 /// Capability ID of the PCI Express capability.
 pub const CAP_ID_PCIE: u8 = 0x10;
@@ -34,6 +34,31 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
                 .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &new.to_le_bytes());
         }
         cmd & CMD_BUS_MASTER != 0
+    }
+
+    /// Turns the function's decoding on: Memory Space, and I/O Space if it has an I/O BAR.
+    /// The lender owns these bits (the borrower's VMM decodes the guest's BAR addresses
+    /// itself and never forwards them), and vfio-pci refuses the lender's BAR reads and
+    /// writes with EIO while Memory Space is clear; a borrower's Command writes keep them
+    /// ([`crate::backend::config::CMD_LENDER_OWNED`]).
+    pub(super) fn enable_decode(&self) {
+        let mut cfg = [0u8; 0x28];
+        self.dev
+            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut cfg);
+        let mut io = false;
+        let mut at = 0x10;
+        while at < 0x28 {
+            let bar = u32::from_le_bytes([cfg[at], cfg[at + 1], cfg[at + 2], cfg[at + 3]]);
+            io |= bar & 1 != 0;
+            // A 64-bit memory BAR's upper half is not a BAR of its own.
+            at += if bar & 0b111 == 0b100 { 8 } else { 4 };
+        }
+        let cmd = self.config_u16(4);
+        let new = cmd | CMD_MEMORY | if io { CMD_IO } else { 0 };
+        if new != cmd {
+            self.dev
+                .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &new.to_le_bytes());
+        }
     }
 
     pub(super) fn handover_bme(&self) -> std::sync::MutexGuard<'_, Option<bool>> {

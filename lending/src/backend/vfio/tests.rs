@@ -269,6 +269,8 @@ fn handover_drain_waits_for_transactions_pending_to_clear() {
 #[test]
 fn handover_drain_is_not_confirmed_while_transactions_stay_pending() {
     let (b, _, _sysfs) = backend();
+    // The backend turned decoding on when it opened the function.
+    let w0 = b.dev.command_writes().len();
     b.set_bus_master(true).unwrap();
     b.dev.hold_pending(fake::TransactionsPending::Forever);
     let n0 = b.dev.devsta_reads().len();
@@ -289,7 +291,7 @@ fn handover_drain_is_not_confirmed_while_transactions_stay_pending() {
     assert!(!q.drained);
     b.quiesce(false).unwrap();
     assert_ne!(command(&b) & CMD_BUS_MASTER, 0, "restored");
-    let writes = b.dev.command_writes();
+    let writes = b.dev.command_writes()[w0..].to_vec();
     assert_eq!(
         writes
             .iter()
@@ -300,7 +302,7 @@ fn handover_drain_is_not_confirmed_while_transactions_stay_pending() {
     );
     // Resumed again without a hand-over: nothing written.
     b.quiesce(false).unwrap();
-    assert_eq!(b.dev.command_writes().len(), 3);
+    assert_eq!(b.dev.command_writes().len(), w0 + 3);
 }
 
 /// Bus master stays as the lender last set it: off before the hand-over stays off after
@@ -309,11 +311,12 @@ fn handover_drain_is_not_confirmed_while_transactions_stay_pending() {
 #[test]
 fn handover_resume_restores_only_what_the_handover_changed() {
     let (b, _, _sysfs) = backend();
+    let w0 = b.dev.command_writes().len();
     assert_eq!(command(&b) & CMD_BUS_MASTER, 0);
     assert!(b.quiesce_handover(Duration::from_secs(1)).unwrap().drained);
     b.quiesce(false).unwrap();
     assert_eq!(command(&b) & CMD_BUS_MASTER, 0, "was off, stays off");
-    assert!(b.dev.command_writes().is_empty(), "nothing to write");
+    assert_eq!(b.dev.command_writes().len(), w0, "nothing to write");
 
     b.set_bus_master(true).unwrap();
     assert!(b.quiesce_handover(Duration::from_secs(1)).unwrap().drained);
@@ -555,14 +558,26 @@ fn config_filter_bar_io_reset_and_dma() {
     let (b, c, _sysfs) = backend();
     assert!(filtered_config_write(&b, 0x10, &[0; 4]).is_err());
     assert!(filtered_config_write(&b, 0x42, &[0; 2]).is_err());
-    filtered_config_write(&b, 4, &[0x06, 0]).unwrap();
+    // The backend turned Memory Space on when it opened the function; a borrower's Command
+    // write (lendvm forwards INTx Disable, never the decode bits) cannot turn it off.
+    filtered_config_write(&b, 4, &[0x00, 0x04]).unwrap();
     let mut cmd = [0u8; 2];
+    b.config_read(4, &mut cmd).unwrap();
+    assert_eq!(cmd, [0x02, 0x04]);
+    filtered_config_write(&b, 4, &[0x06, 0]).unwrap();
     b.config_read(4, &mut cmd).unwrap();
     assert_eq!(cmd, [0x02, 0]);
     b.bar_write(0, 0x10, &[1, 2, 3, 4]).unwrap();
     let mut v = [0u8; 4];
     b.bar_read(0, 0x10, &mut v).unwrap();
     assert_eq!(v, [1, 2, 3, 4]);
+    // Like vfio-pci, the fake refuses BAR accesses while Memory Space is clear (found in
+    // L1: the lender's BAR reads failed with EIO after a borrower cleared the bit).
+    b.dev.region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &[0, 0]);
+    let mut off = [0xeeu8; 4];
+    b.bar_read(0, 0x10, &mut off).unwrap();
+    assert_eq!(off, [0xee; 4], "a BAR read with Memory Space off reaches nothing");
+    b.dev.region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &[0x02, 0]);
     assert!(b.bar_read(0, 0x3ffe, &mut v).is_err());
     assert!(b.bar_read(1, 0, &mut v).is_err());
     b.set_bus_master(true).unwrap();
