@@ -111,12 +111,14 @@ cluster() {
 	version = 1
 	token_file = "token"
 
-	# L1 has one emulated vCPU, and a lease's MAP_DMA of the guest's window holds it for
-	# about a minute (type1 walks the BAR's VM_PFNMAP mapping page by page: ~4 ms a page
-	# there): lenderd answers nothing else meanwhile, and its heartbeats come late.
+	# L1 has one emulated vCPU, and a lease's MAP_DMA or UNMAP_DMA of the guest's window
+	# holds it for up to a minute (type1 walks the BAR's VM_PFNMAP mapping page by page):
+	# lenderd answers nothing else meanwhile (a new borrower's handshake waits behind the
+	# last one's teardown), and its heartbeats come late.
 	[link]
 	heartbeat_ms = 1000
 	peer_timeout_ms = 30000
+	connect_timeout_ms = 300000
 	request_timeout_ms = 600000
 
 	[[node]]

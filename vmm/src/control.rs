@@ -1501,6 +1501,10 @@ impl crate::migration::orchestrate::MigrationHost for Controller {
     fn progress(&self) -> &crate::metrics::MigrationProgress {
         &self.migration
     }
+
+    fn lender_request_timeout(&self) -> std::time::Duration {
+        self.source.request_timeout()
+    }
 }
 
 #[cfg(test)]

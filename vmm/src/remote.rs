@@ -151,6 +151,14 @@ pub trait LinkSource: Send {
         FabricCounts::default()
     }
 
+    /// The longest a lender of this cluster may take to answer one request (the links'
+    /// `request_timeout`): a migration source waits that long per lent device, on top of
+    /// its stream timeout, for the destination to take the leases over and map their
+    /// windows.
+    fn request_timeout(&self) -> Duration {
+        ntb::fabric::DEFAULT_REQUEST_TIMEOUT
+    }
+
     /// A link this source gave out was dropped (a device torn down, an add that failed):
     /// sessions left without devices start their idle time now.
     fn released(&self) {}
@@ -623,6 +631,15 @@ impl LinkSource for LenderSource {
             .node(node)
             .map(|_| ())
             .ok_or_else(|| unknown_node(&self.cluster, node))
+    }
+
+    fn request_timeout(&self) -> Duration {
+        self.cluster
+            .nodes
+            .iter()
+            .map(|n| n.link.request_timeout)
+            .max()
+            .unwrap_or(ntb::fabric::DEFAULT_REQUEST_TIMEOUT)
     }
 
     fn borrow(&self, spec: &RemoteDeviceSpec) -> Result<Box<dyn RemoteDeviceLink>, AttachError> {

@@ -170,8 +170,16 @@ pub(crate) fn establish(
         .unwrap_or_else(|| Instant::now() + cfg.connect_timeout);
     let hs_err = |m: String| FabricError::Handshake(m);
     let read = |what: &str| {
-        read_frame_until(&stream, Some(deadline))
-            .map_err(|e| hs_err(format!("waiting for {what}: {e}")))
+        read_frame_until(&stream, Some(deadline)).map_err(|e| match e {
+            // The stream's own wording is the running link's (a missed heartbeat); here
+            // the bound is the handshake's.
+            ReadError::TimedOut => hs_err(format!(
+                "waiting for {what}: no answer within the connect timeout ({:?}, cluster \
+                 file [link] connect_timeout_ms)",
+                cfg.connect_timeout
+            )),
+            e => hs_err(format!("waiting for {what}: {e}")),
+        })
     };
     let (peer_hello, peer_fds) = if initiator {
         send_raw(&stream, 0, op::HELLO, 1, &hello_bytes, &my_fds)?;

@@ -59,6 +59,12 @@ pub trait MigrationHost {
     fn replay_lent(&self, d: &LentDevice) -> Result<(), ApiError>;
     /// The outgoing migration's progress, which metrics scrapes read while it runs.
     fn progress(&self) -> &crate::metrics::MigrationProgress;
+
+    /// The longest one lender request may take (the links' `request_timeout`): the wait
+    /// for the destination's restore grows by it per lent device.
+    fn lender_request_timeout(&self) -> std::time::Duration {
+        ntb::fabric::DEFAULT_REQUEST_TIMEOUT
+    }
 }
 
 /// One lent device's hand-over in an outgoing migration: what has been done (undone on
@@ -512,11 +518,21 @@ fn migrate(
             claim: t.claim.or_else(|| lock(&d.dev).claim_revision()),
         });
     }
-    sender.send_state(super::protocol::VmState {
-        doc,
-        paused: !was_running,
-        handover,
-    })?;
+    // The destination answers once it restored the VM and took every lease over: a borrow
+    // and a DMA map per lent device, each a lender request (seconds, or minutes where the
+    // lender's IOMMU walks a large window page by page).
+    let restore_wait = super::send::IO_TIMEOUT
+        + host
+            .lender_request_timeout()
+            .saturating_mul(2 * devs.len() as u32);
+    sender.send_state(
+        super::protocol::VmState {
+            doc,
+            paused: !was_running,
+            handover,
+        },
+        restore_wait,
+    )?;
     for d in devs.iter() {
         d.mig.mark_moved();
         emit_handover(

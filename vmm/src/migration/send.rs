@@ -301,11 +301,14 @@ impl Sender {
     ) -> Result<u64, MigrationError> {
         let doc = self.save_state(lent)?;
         let pages = self.send_dirty(&log.take()?)?;
-        self.send_state(protocol::VmState {
-            doc,
-            paused,
-            handover: Vec::new(),
-        })?;
+        self.send_state(
+            protocol::VmState {
+                doc,
+                paused,
+                handover: Vec::new(),
+            },
+            IO_TIMEOUT,
+        )?;
         Ok(pages)
     }
 
@@ -317,13 +320,26 @@ impl Sender {
         Ok(self.src.save_state(lent)?)
     }
 
-    /// Sends the state document and waits for the destination to acknowledge that it
-    /// restored the VM (and took its lent devices over).
-    pub fn send_state(&mut self, doc: protocol::VmState) -> Result<(), MigrationError> {
+    /// Sends the state document and waits, at most `restore_wait`, for the destination to
+    /// acknowledge that it restored the VM (and took its lent devices over).
+    pub fn send_state(
+        &mut self,
+        doc: protocol::VmState,
+        restore_wait: Duration,
+    ) -> Result<(), MigrationError> {
         if let Err(e) = protocol::write_json(&mut self.stream, kind::STATE, "state", &doc) {
             return Err(self.explain(e));
         }
-        protocol::read_answer(&mut self.stream, "waiting for the destination to restore")
+        self.stream
+            .set_timeout(Some(restore_wait.max(IO_TIMEOUT)))
+            .map_err(|source| MigrationError::Io {
+                step: "setting the stream timeout",
+                source,
+            })?;
+        let r = protocol::read_answer(&mut self.stream, "waiting for the destination to restore");
+        // Best effort: the stream's later steps are bounded as before.
+        let _ = self.stream.set_timeout(Some(IO_TIMEOUT));
+        r
     }
 
     /// Guest RAM (for merging a device's dirty pages).

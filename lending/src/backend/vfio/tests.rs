@@ -576,8 +576,12 @@ fn config_filter_bar_io_reset_and_dma() {
     b.dev.region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &[0, 0]);
     let mut off = [0xeeu8; 4];
     b.bar_read(0, 0x10, &mut off).unwrap();
-    assert_eq!(off, [0xee; 4], "a BAR read with Memory Space off reaches nothing");
-    b.dev.region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &[0x02, 0]);
+    assert_eq!(
+        off, [0xee; 4],
+        "a BAR read with Memory Space off reaches nothing"
+    );
+    b.dev
+        .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &[0x02, 0]);
     assert!(b.bar_read(0, 0x3ffe, &mut v).is_err());
     assert!(b.bar_read(1, 0, &mut v).is_err());
     b.set_bus_master(true).unwrap();
