@@ -46,8 +46,8 @@ else
   scripts/test-linux.sh
   # Real VFIO in a nested QEMU guest (docs/VFIO.md): one L1 boot with intel-iommu, the VFIO
   # backend against the real kernel inside it (tests/vfio_kernel.rs), the NVMe's DMA read
-  # from the ivshmem file out here, and L1's lenderd lending its vfio-pci functions over the
-  # bar fabric. The lendvm guest's cases (tests/tests/vfio.rs) have not passed here yet and
-  # are not run in CI (LENDVM_VFIO_ONLY_L1=1).
-  LENDVM_VFIO_ONLY_L1=1 scripts/test-vfio.sh
+  # from the ivshmem file out here, L1's lenderd lending its vfio-pci functions over the bar
+  # fabric, then the lendvm guests' cases (tests/tests/vfio.rs: stock nvme and e1000e
+  # drivers, replug, FLR, migration, lenderd killed mid-write, P2P, L1's death).
+  scripts/test-vfio.sh
 fi

@@ -193,8 +193,8 @@ pub struct LinkConfig {
     /// Bound on one request's answer (a lender's reply to a borrower). Most answers take
     /// microseconds, but a DMA map is the lender's IOMMU mapping a whole guest window: on
     /// `VM_PFNMAP` memory (an NTB's or the bar fabric's BAR) Linux 6.1's type1 walks it page
-    /// by page, ~1 us a page on hardware (seconds for a large guest), far more under
-    /// emulation (docs/VFIO.md).
+    /// by page, linear in the window on hardware too (seconds for a large guest), minutes
+    /// under emulation (docs/VFIO.md).
     pub request_timeout: Duration,
     /// Refuse to map a peer's window (or scratchpad) memfd that is not sealed against
     /// shrinking (`F_SEAL_SHRINK`); when false such a mapping is only logged as a warning.

@@ -45,9 +45,6 @@ use remote_pci::{
 /// Client name given in the lender hello (lenderd logs it).
 pub const CLIENT_NAME: &str = "lendvm";
 
-/// Upper bound on connecting to a lender.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// How long, by default (`lendvm --lender-idle-ms`), a lender session whose last device went
 /// is kept for the next device borrowed there. A new session costs a link set-up (tcp: TCP and TLS handshakes), the AUTH and
 /// HELLO round trips and about five thread starts on each side; on a busy host that was
@@ -781,7 +778,9 @@ impl LenderSource {
             cluster,
             lender,
             &local,
-            CONNECT_TIMEOUT,
+            // The cluster file's bound (`[link] connect_timeout_ms`, 5 s by default): a
+            // lender busy with another borrower's teardown may answer late.
+            lender.link.connect_timeout,
             &self.id.token,
             CLIENT_NAME,
         )

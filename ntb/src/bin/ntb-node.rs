@@ -37,10 +37,17 @@ fn checksum(mem: &SharedMemory) -> Result<u64, String> {
     }))
 }
 
+/// 100 ms heartbeats, a 1 s peer timeout unless `NTB_NODE_PEER_TIMEOUT_MS` says otherwise
+/// (a test of a killed peer gives it longer, so that the link's end, not a starved heartbeat
+/// check, is what a busy machine reports first).
 fn link_config() -> LinkConfig {
+    let peer_timeout = std::env::var("NTB_NODE_PEER_TIMEOUT_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::from_millis(1000), Duration::from_millis);
     LinkConfig {
         heartbeat: Duration::from_millis(100),
-        peer_timeout: Duration::from_millis(1000),
+        peer_timeout,
         ..LinkConfig::default()
     }
 }

@@ -18,7 +18,21 @@ pub struct Node {
 
 impl Node {
     /// Starts `prefix... ntb-node args...` (prefix: e.g. `ip netns exec NS`).
+    /// [`Node::spawn`] without a prefix, with `env` set.
+    pub fn spawn_env(name: &'static str, env: &[(&str, &str)], args: &[&str]) -> Node {
+        Self::spawn_with(name, &[], env, args)
+    }
+
     pub fn spawn(name: &'static str, prefix: &[&str], args: &[&str]) -> Node {
+        Self::spawn_with(name, prefix, &[], args)
+    }
+
+    fn spawn_with(
+        name: &'static str,
+        prefix: &[&str],
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> Node {
         let mut cmd = match prefix.split_first() {
             Some((p0, rest)) => {
                 let mut c = Command::new(p0);
@@ -29,6 +43,7 @@ impl Node {
         };
         let mut child = cmd
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -145,7 +160,19 @@ pub fn run_basic(kind: &str, addr: &str, serve_prefix: &[&str], client_prefix: &
 pub fn run_die(kind: &str, addr: &str, sig: i32) -> String {
     let mut a = Node::spawn("node A", &[], &["serve", kind, addr, "die"]);
     let listen = a.expect("LISTEN", T);
-    let mut b = Node::spawn("node B", &[], &["client", kind, &listen, "die"]);
+    // A killed peer's link ends at once; with both cores busy the survivor's heartbeat
+    // check could still run before its reader sees the end, so it gets 10 s there. A
+    // stopped peer keeps its socket: only the 1 s timeout can tell.
+    let b_env = if sig == libc::SIGSTOP {
+        "1000"
+    } else {
+        "10000"
+    };
+    let mut b = Node::spawn_env(
+        "node B",
+        &[("NTB_NODE_PEER_TIMEOUT_MS", b_env)],
+        &["client", kind, &listen, "die"],
+    );
     b.expect("MAPPED", T);
     a.signal(sig);
     let gone = b.expect("GONE", T);
