@@ -31,6 +31,7 @@
 #
 # Under CI (CI set) a missing prerequisite (qemu-system-x86_64, /dev/kvm) fails; locally
 # the script says what is missing and exits 0 without running anything.
+# LENDVM_VFIO_ONLY="<test> ..." runs just those of tests/tests/vfio.rs after the L1 cases.
 # Timeouts (seconds; L1 boots in ~60 s on an idle machine, 5+ min on a loaded one):
 # LENDVM_VFIO_BOOT_TIMEOUT (900),
 # LENDVM_VFIO_TEST_TIMEOUT (600).
@@ -280,17 +281,21 @@ run_vfio_tests() {
 		--ignored --test-threads=1 "$@"
 }
 L1_DEATH_CASE=vfio_l1_dying_mid_lease_leaves_the_vm_running
-# Not passed yet (docs/VFIO.md, Status): the P2P case (the block arrived in the peer's BAR
-# short of its last 512-byte sector in its one run) and the L1-death case (not reached in
-# that run). LENDVM_VFIO_ALL=1 runs them too.
-P2P_CASE=vfio_p2p_nvme_reads_into_a_peer_bar_in_l1
-if [ "${LENDVM_VFIO_ALL:-0}" = 1 ]; then
-	run_vfio_tests --skip "$L1_DEATH_CASE" || die "tests/tests/vfio.rs failed"
-	# Last, as it ends L1: QEMU is killed under a lease.
-	run_vfio_tests --exact "$L1_DEATH_CASE" || die "tests/tests/vfio.rs $L1_DEATH_CASE failed"
-	QPID=""
-	log "test-vfio: all cases passed"
-else
-	run_vfio_tests --skip "$L1_DEATH_CASE" --skip "$P2P_CASE" || die "tests/tests/vfio.rs failed"
-	log "test-vfio: all cases passed but $P2P_CASE and $L1_DEATH_CASE (LENDVM_VFIO_ALL=1 runs them)"
+if [ -n "${LENDVM_VFIO_ONLY:-}" ]; then
+	# Just these cases (space-separated test names; the L1-death case, if named, last).
+	for c in $LENDVM_VFIO_ONLY; do
+		[ "$c" = "$L1_DEATH_CASE" ] && continue
+		run_vfio_tests --exact "$c" || die "tests/tests/vfio.rs $c failed"
+	done
+	if [[ " $LENDVM_VFIO_ONLY " == *" $L1_DEATH_CASE "* ]]; then
+		run_vfio_tests --exact "$L1_DEATH_CASE" || die "tests/tests/vfio.rs $L1_DEATH_CASE failed"
+		QPID=""
+	fi
+	log "test-vfio: $LENDVM_VFIO_ONLY passed"
+	exit 0
 fi
+run_vfio_tests --skip "$L1_DEATH_CASE" || die "tests/tests/vfio.rs failed"
+# Last, as it ends L1: QEMU is killed under a lease.
+run_vfio_tests --exact "$L1_DEATH_CASE" || die "tests/tests/vfio.rs $L1_DEATH_CASE failed"
+QPID=""
+log "test-vfio: all cases passed"

@@ -48,7 +48,6 @@ else
   # backend against the real kernel inside it (tests/vfio_kernel.rs), the NVMe's DMA read
   # from the ivshmem file out here, L1's lenderd lending its vfio-pci functions over the bar
   # fabric, then the lendvm guests' cases (tests/tests/vfio.rs: stock nvme and e1000e
-  # drivers, replug, FLR, migration, lenderd killed mid-write; P2P and L1's death only with
-  # LENDVM_VFIO_ALL=1 until they pass, docs/VFIO.md).
+  # drivers, replug, FLR, migration, lenderd killed mid-write, P2P, L1's death).
   scripts/test-vfio.sh
 fi

@@ -780,21 +780,37 @@ fn vfio_p2p_nvme_reads_into_a_peer_bar_in_l1() {
     let probe = guest.expect_line("TEST p2p-nvme-probe ", deadline);
     assert!(probe.contains(" ok "), "{probe}\n{}", guest.diag());
     let line = guest.expect_line("TEST p2p-nvme ", deadline);
+    // The peer's memory as the file behind its BAR holds it, out here: where it first
+    // differs from the block (if it does) tells a DMA that fell short from a read-back
+    // through the trapped BAR that went wrong.
+    let data = std::fs::read(&peer_file).unwrap();
+    let first_diff = (0..4096u64).find(|&i| data[i as usize] != nvme_p2p_byte(SEED, i));
+    let at = |i: u64| {
+        let i = i as usize;
+        format!("{:02x?}", &data[i..(i + 16).min(data.len())])
+    };
     assert!(
         line.contains("TEST p2p-nvme ok "),
-        "{line}\n{}",
+        "{line}; the peer's file out here {}\n{}",
+        match first_diff {
+            None => "holds the whole block".to_string(),
+            Some(i) => format!(
+                "differs first at +{i:#x}: {} (want {:02x?})",
+                at(i),
+                (i..i + 16)
+                    .map(|j| nvme_p2p_byte(SEED, j))
+                    .collect::<Vec<_>>()
+            ),
+        },
         guest.diag()
     );
     guest.expect_exit_0(deadline);
-    // The block reached the peer's memory: the file behind its BAR, out here.
-    let data = std::fs::read(&peer_file).unwrap();
-    for i in 0..4096u64 {
-        assert_eq!(
-            data[i as usize],
-            nvme_p2p_byte(SEED, i),
-            "the peer's file differs at byte {i}"
-        );
-    }
+    assert_eq!(
+        first_diff,
+        None,
+        "the peer's file differs from the block at that offset: {}",
+        first_diff.map(at).unwrap_or_default()
+    );
     // L1's lenderd mapped the peer's BAR 2 into the NVMe's container (lending::iommu::p2p).
     let lender_lines = l1.console_lines("");
     let map = lender_lines[logged..]

@@ -237,7 +237,8 @@ pub fn run_nvme(r: &mut Results, p: crate::nvme::Params) {
     let Some(mut s) = nvme::setup(nf, r, p) else {
         return;
     };
-    let nlb = (NVME_P2P_BYTES >> s.lbads) - 1;
+    // A count of LBAs: `nvme::rw` writes the 0-based field itself.
+    let nlb = NVME_P2P_BYTES >> s.lbads;
     let slba = p.slba;
     let buf = dma::data_a();
     for i in 0..NVME_P2P_BYTES {
