@@ -82,25 +82,33 @@ impl WaitState {
             return;
         }
         drop(g);
-        // A worker asleep on its eventfds must come to the gate to park.
+        if self.park(|g| g.quiesced) {
+            log::info!("{name}: quiesced");
+        } else {
+            log::warn!(
+                "{name}: worker not parked after {PARK_TIMEOUT:?}; it stops before its next pass"
+            );
+        }
+    }
+
+    /// Wakes the worker (one asleep on its eventfds must come to the gate) and waits, at
+    /// most [`PARK_TIMEOUT`], until it is parked or `holding` no longer holds it; false on
+    /// the timeout.
+    fn park(&self, holding: impl Fn(&Gate) -> bool) -> bool {
         self.wake();
         let deadline = Instant::now() + PARK_TIMEOUT;
         let mut g = self.lock();
-        while g.quiesced && !g.parked {
+        while holding(&g) && !g.parked {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                log::warn!(
-                    "{name}: worker not parked after {PARK_TIMEOUT:?}; it stops before its \
-                     next pass"
-                );
-                return;
+                return false;
             }
             g = match self.cond.wait_timeout(g, left) {
                 Ok((g, _)) => g,
                 Err(p) => p.into_inner().0,
             };
         }
-        log::info!("{name}: quiesced");
+        true
     }
 
     /// Bus Master Enable: `false` stops the worker before its next pass, like a quiesce but
@@ -119,22 +127,11 @@ impl WaitState {
             return;
         }
         drop(g);
-        self.wake();
-        let deadline = Instant::now() + PARK_TIMEOUT;
-        let mut g = self.lock();
-        while g.no_bus_master && !g.parked {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                log::warn!(
-                    "{name}: worker not stopped {PARK_TIMEOUT:?} after Bus Master Enable \
-                     went off; it stops before its next pass"
-                );
-                return;
-            }
-            g = match self.cond.wait_timeout(g, left) {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
+        if !self.park(|g| g.no_bus_master) {
+            log::warn!(
+                "{name}: worker not stopped {PARK_TIMEOUT:?} after Bus Master Enable went off; \
+                 it stops before its next pass"
+            );
         }
     }
 
