@@ -151,13 +151,21 @@ PEER_BDF=0000:04:00.0
 PEER=$SHMDIR/peer
 truncate -s 1M "$PEER"
 truncate -s 64M "$RUN/nvme.img"
+# QEMU's NVMe with SR-IOV (an nvme-subsys, one VF): L1's nvme driver keeps the PF and gives
+# the VF its queues (lendvm-nvme-sriov, as nvme-cli's virt-mgmt); the VF is lent. The
+# namespace (shared in the subsystem) is the VF's disk too.
+NVME_SERIAL=deadbeef SRIOV_SERIAL=5r10v # the VF has its PF's serial
+SRIOV_PF=0000:05:00.0
+SRIOV_VF=0000:05:00.1
+truncate -s 64M "$RUN/nvme-sriov.img"
 CMDLINE="$LENDVM_BASE_CMDLINE $QEMU_CPU_CMDLINE rdinit=/init lendvm_syscall_fixup intel_iommu=on iommu=pt"
 # ttyS1 is L1's command port (kill-lenderd, start-lenderd: tests/vfio/initramfs/init).
 CMDLINE+=" 8250.nr_uarts=2"
 CTL_MAC=52:54:00:00:00:10 NIC_MAC=52:54:00:00:01:01 PEER_MAC=52:54:00:00:01:02
 NIC_ADDR=169.254.10.1/16 PEER_ADDR=169.254.10.2
 CMDLINE+=" lendvm_ctl=$CTL_MAC,10.0.2.15/24,10.0.2.2 lendvm_peer=$PEER_MAC,$PEER_ADDR/16"
-CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF,$PEER_BDF lendvm_shm=$SHM_BDF lendvm_lenderd=1"
+CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF,$PEER_BDF,$SRIOV_VF lendvm_shm=$SHM_BDF lendvm_lenderd=1"
+CMDLINE+=" lendvm_sriov=$SRIOV_PF,$SRIOV_VF"
 [ "$demo" = 1 ] || CMDLINE+=" lendvm_test=kernel"
 nice -n "${LENDVM_NICE:-10}" "$QEMU" -nodefaults -display none -no-reboot \
 	-machine q35,accel=kvm,kernel-irqchip=split -cpu "$QEMU_CPU" -m 384M -smp 1 \
@@ -167,11 +175,16 @@ nice -n "${LENDVM_NICE:-10}" "$QEMU" -nodefaults -display none -no-reboot \
 	-device ivshmem-plain,memdev=shm0,bus=rp1 \
 	-device pcie-root-port,id=rp2,chassis=2,slot=2,bus=pcie.0,addr=0x3 \
 	-drive "id=nvm,if=none,file=$RUN/nvme.img,format=raw" \
-	-device nvme,serial=deadbeef,drive=nvm,bus=rp2 \
+	-device nvme,serial=$NVME_SERIAL,drive=nvm,bus=rp2 \
 	-device pcie-root-port,id=rp3,chassis=3,slot=3,bus=pcie.0,addr=0x4 \
 	-object "memory-backend-file,id=peer0,share=on,mem-path=$PEER,size=1M" \
 	-device pcie-root-port,id=rp4,chassis=4,slot=4,bus=pcie.0,addr=0x7 \
 	-device ivshmem-plain,memdev=peer0,bus=rp4 \
+	-device pcie-root-port,id=rp5,chassis=5,slot=5,bus=pcie.0,addr=0x8 \
+	-device nvme-subsys,id=nvs0,nqn=lendvm-sriov \
+	-drive "id=nvm2,if=none,file=$RUN/nvme-sriov.img,format=raw" \
+	-device nvme,id=nvme-sriov,serial=$SRIOV_SERIAL,subsys=nvs0,bus=rp5,sriov_max_vfs=1,sriov_vq_flexible=2,sriov_vi_flexible=1 \
+	-device nvme-ns,drive=nvm2,bus=nvme-sriov,nsid=1 \
 	-netdev hubport,id=hp1,hubid=0 -device "e1000e,netdev=hp1,bus=rp3,mac=$NIC_MAC" \
 	-netdev hubport,id=hp2,hubid=0 -device "e1000e,netdev=hp2,bus=pcie.0,addr=0x5,mac=$PEER_MAC" \
 	-netdev "user,id=n0,net=10.0.2.0/24,restrict=on,hostfwd=tcp:127.0.0.1:$PORT-10.0.2.15:7700" \
@@ -196,15 +209,15 @@ wait_for() {
 }
 
 wait_for "L1-STEP boot ok" "$BOOT_TIMEOUT" "boot"
-wait_for "L1-STEP bind ok $PEER_BDF" "$STEP_TIMEOUT" "binding to vfio-pci"
-grep "L1-STEP\|L1-PCI" "$RUN/serial.log" >&2
+wait_for "L1-STEP bind ok $SRIOV_VF" "$STEP_TIMEOUT" "binding to vfio-pci"
+grep "L1-STEP\|L1-PCI\|LENDVM-SRIOV" "$RUN/serial.log" >&2
 
 # --- case vfio_kernel -------------------------------------------------------------
 if [ "$demo" = 0 ]; then
 wait_for "L1-TEST rc=" "$TEST_TIMEOUT" "vfio_kernel"
 grep "VFIO-STEP\|VFIO-OBS\|L1-TEST" "$RUN/serial.log" >&2
 grep -q "L1-TEST rc=0 " "$RUN/serial.log" && grep -q "VFIO-KERNEL-TEST PASS" "$RUN/serial.log" \
-	|| die "vfio_kernel failed in L1"
+	&& grep -q "VFIO-KERNEL-TEST SRIOV PASS" "$RUN/serial.log" || die "vfio_kernel failed in L1"
 # The NVMe's DMA reached the file out here: Identify Controller's model name at byte 24
 # of the data (tests/vfio_kernel.rs IDENTIFY_OFFSET = 0x2000).
 model=$(dd if="$WINDOW" bs=1 skip=$((0x2000 + 24)) count=14 status=none)
@@ -221,10 +234,10 @@ for _ in $(seq 30); do
 	sleep 2
 done
 echo "$out" >&2
-for b in "$NVME_BDF" "$NIC_BDF" "$PEER_BDF"; do
+for b in "$NVME_BDF" "$NIC_BDF" "$PEER_BDF" "$SRIOV_VF"; do
 	grep -q "$b" <<<"$out" || die "lendctl list does not show $b lent by L1"
 done
-log "PASS lenderd (L1 lends $NVME_BDF, $NIC_BDF and $PEER_BDF through vfio-pci)"
+log "PASS lenderd (L1 lends $NVME_BDF, $NIC_BDF, $PEER_BDF and the VF $SRIOV_VF through vfio-pci)"
 if [ "${LENDVM_VFIO_ONLY_L1:-0}" = 1 ]; then
 	log "test-vfio: L1 cases passed (LENDVM_VFIO_ONLY_L1=1: the lendvm guest cases not run)"
 	exit 0
@@ -273,6 +286,8 @@ fi
 run_vfio_tests() {
 	LENDVM_VFIO_CLUSTER=$RUN/cluster.toml LENDVM_VFIO_LENDER=l1 LENDVM_VFIO_REGION=$WINDOW \
 		LENDVM_VFIO_NVME=$NVME_BDF LENDVM_VFIO_DISK=$RUN/nvme.img \
+		LENDVM_VFIO_VF=$SRIOV_VF LENDVM_VFIO_VF_DISK=$RUN/nvme-sriov.img \
+		LENDVM_VFIO_NVME_SERIAL=$NVME_SERIAL LENDVM_VFIO_VF_SERIAL=$SRIOV_SERIAL \
 		LENDVM_VFIO_NIC=$NIC_BDF LENDVM_VFIO_NIC_PEER=$PEER_ADDR LENDVM_VFIO_NIC_ADDR=$NIC_ADDR \
 		LENDVM_VFIO_L1_CMD=$RUN/l1-cmd.sock LENDVM_VFIO_L1_CONSOLE=$RUN/serial.log \
 		LENDVM_VFIO_L1_PID=$QPID LENDVM_VFIO_PEER=$PEER_BDF LENDVM_VFIO_PEER_FILE=$PEER \

@@ -57,6 +57,19 @@ pub enum InventoryError {
         /// The relative's state (e.g. `lent to node/vm`).
         state: String,
     },
+    /// A hardware PF whose VFs are enabled (they were enabled after the lender opened it:
+    /// the open refuses such a PF too, `vfio::PfWithVfs`).
+    #[error(
+        "{id} cannot be lent now: it is an SR-IOV physical function with {vfs} virtual \
+         function(s) enabled, and its reset (every lease ends with one) would take them away; \
+         lend the VFs instead, or disable them first (sriov_numvfs 0)"
+    )]
+    PfWithVfs {
+        /// The device asked for.
+        id: String,
+        /// Its enabled VFs.
+        vfs: u32,
+    },
 }
 
 /// One device of the inventory.
@@ -247,6 +260,15 @@ impl Inventory {
                 }
             }
             self.check_family(dev)?;
+            match dev.backend.vfs_sharing_reset() {
+                0 => {}
+                vfs => {
+                    return Err(InventoryError::PfWithVfs {
+                        id: id.to_string(),
+                        vfs,
+                    })
+                }
+            }
             *st = DeviceState::Lent {
                 node: node.to_string(),
                 vm: vm.to_string(),

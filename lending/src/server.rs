@@ -642,7 +642,9 @@ fn iommu_err(e: IommuError) -> ErrorReply {
 fn inv_err(e: InventoryError) -> ErrorReply {
     let c = match &e {
         InventoryError::UnknownDevice(_) => code::UNKNOWN_DEVICE,
-        InventoryError::Busy { .. } | InventoryError::Family { .. } => code::DEVICE_BUSY,
+        InventoryError::Busy { .. }
+        | InventoryError::Family { .. }
+        | InventoryError::PfWithVfs { .. } => code::DEVICE_BUSY,
         _ => code::DEVICE_UNAVAILABLE,
     };
     error(c, e.to_string())

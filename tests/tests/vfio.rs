@@ -11,6 +11,8 @@
 //! | `LENDVM_VFIO_REGION` | the ivshmem file (guest RAM goes inside it) |
 //! | `LENDVM_VFIO_NVME` | the NVMe's BDF in L1 |
 //! | `LENDVM_VFIO_DISK` | the file behind QEMU's NVMe, on this machine |
+//! | `LENDVM_VFIO_VF`, `LENDVM_VFIO_VF_DISK` | the SR-IOV NVMe's VF in L1 (its PF kept by L1's nvme driver), and the file behind its namespace |
+//! | `LENDVM_VFIO_NVME_SERIAL`, `LENDVM_VFIO_VF_SERIAL` | their serial numbers (the guest finds its disks by serial: the nvme driver probes in parallel) |
 //! | `LENDVM_VFIO_NIC`, `LENDVM_VFIO_NIC_ADDR`, `LENDVM_VFIO_NIC_PEER` | the e1000e's BDF in L1, the guest's address for it, and the address of the NIC that stays in L1 |
 //! | `LENDVM_VFIO_L1_CMD`, `LENDVM_VFIO_L1_CONSOLE` | L1's command port (a unix socket: QEMU's second serial port, read by L1's init) and L1's console log |
 //! | `LENDVM_VFIO_L1_PID` | QEMU's pid (the L1-death case kills it; the script runs that case last) |
@@ -220,12 +222,21 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 /// function itself (sysfs `reset`: FLR, which the lender turns into VFIO_DEVICE_RESET).
 /// Every block fio wrote is in the file behind QEMU's NVMe, with fio's header naming its
 /// own offset.
+///
+/// The SR-IOV VF: QEMU's NVMe with one VF, whose PF L1's own nvme driver keeps (it gave
+/// the VF its queues and vector); the VF is bound to vfio-pci and lent. The guest's stock
+/// nvme driver binds it like any NVMe, and a fourth verify run goes to it; its blocks are
+/// in the file behind the subsystem's namespace. (L1's vfio_kernel shows the PF refused.)
 #[test]
 #[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
-fn vfio_nvme_and_e1000e_in_l1_with_stock_drivers() {
+fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
     let lender = env("LENDVM_VFIO_LENDER");
     let bdf = env("LENDVM_VFIO_NVME");
     let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
+    let vf = env("LENDVM_VFIO_VF");
+    let vf_disk = PathBuf::from(env("LENDVM_VFIO_VF_DISK"));
+    let serial = env("LENDVM_VFIO_NVME_SERIAL");
+    let vf_serial = env("LENDVM_VFIO_VF_SERIAL");
     let spec = format!("{lender}:{bdf}");
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("api.sock");
@@ -233,12 +244,12 @@ fn vfio_nvme_and_e1000e_in_l1_with_stock_drivers() {
     let peer = env("LENDVM_VFIO_NIC_PEER");
     let addr = env("LENDVM_VFIO_NIC_ADDR");
     let mut guest = Guest::start(
-        "vfio_nvme_and_e1000e_in_l1_with_stock_drivers",
+        "vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers",
         &format!(
             "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
              lendvm_net={addr},{peer},{PINGS} \
-             lendvm_fio=verify@nvme0n1,verify@nvme0n1,verify@nvme0n1 lendvm_fio_replug=1 \
-             lendvm_fio_flr=2"
+             lendvm_fio=verify@serial:{serial},verify@serial:{serial},verify@serial:{serial},\
+             verify@serial:{vf_serial} lendvm_fio_replug=1 lendvm_fio_flr=2"
         ),
         &[
             "--name",
@@ -247,6 +258,8 @@ fn vfio_nvme_and_e1000e_in_l1_with_stock_drivers() {
             &format!("{spec},id=disk0"),
             "--remote-device",
             &format!("{lender}:{nic},id=nic0"),
+            "--remote-device",
+            &format!("{lender}:{vf},id=vf0"),
             "--api-socket",
             socket.to_str().unwrap(),
         ],
@@ -300,26 +313,29 @@ fn vfio_nvme_and_e1000e_in_l1_with_stock_drivers() {
     };
     eprintln!("re-added: {added:?}");
 
-    // Run 2 on the re-added disk, then the guest's FLR, then run 3.
+    // Run 2 on the re-added disk, then the guest's FLR, then run 3; run 4 on the VF.
     let flr = guest.expect_line("LENDVM-FIO flr-done i=2", deadline);
     assert!(flr.contains("rc=0"), "{flr}\n{}", guest.diag());
     let done = guest.expect_line("LENDVM-FIO done ", deadline);
     assert_eq!(
         (field(&done, "runs"), field(&done, "failed")),
-        (Some("3"), Some("0")),
+        (Some("4"), Some("0")),
         "{done}\n{}",
         guest.diag()
     );
     let lines = guest.out.lines();
     let runs =
         lendvm_tests::fio::parse_runs(&lines).unwrap_or_else(|e| panic!("{e}\n{}", guest.diag()));
-    assert_eq!(runs.len(), 3, "{runs:?}");
+    assert_eq!(runs.len(), 4, "{runs:?}");
     for r in &runs {
         assert_eq!(r.rc, "0", "fio's exit code\n{}", guest.diag());
         assert_eq!(r.error().unwrap(), 0, "fio: {:#}", r.json);
     }
     guest.expect_exit_0(deadline);
+    // Each disk's blocks are in its own file: runs 1-3 went through the plain NVMe, run 4
+    // through the VF (whose PF nobody lent) into the subsystem's namespace.
     assert_fio_blocks_in(&disk);
+    assert_fio_blocks_in(&vf_disk);
     let stderr = guest.out.stderr();
     assert!(
         stderr.contains("on Bar"),

@@ -5,6 +5,7 @@
 #   /bin/busybox      from Debian's busybox-static
 #   /bin/lenderd      the workspace's lenderd (target/debug)
 #   /bin/vfio_kernel  the test binary of lending/tests/vfio_kernel.rs (target/debug)
+#   /bin/lendvm-nvme-sriov  the SR-IOV PF driver's half (tests/src/bin, target/debug)
 #   /lib*, /usr/lib*  the shared libraries both need (ldd), and the dynamic loader
 #   /dev/console
 #
@@ -27,13 +28,15 @@ file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
 file_is_static "$BUSYBOX" || die "$BUSYBOX is not static (is busybox-static installed?)"
 
 log "building lenderd and the vfio_kernel test (cargo, debug)"
-(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo build --locked -q -p lending --bin lenderd >&2) \
-	|| die "building lenderd failed"
+(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo build --locked -q -p lending --bin lenderd \
+	-p lendvm-tests --bin lendvm-nvme-sriov >&2) || die "building lenderd and lendvm-nvme-sriov failed"
 TEST_BIN=$(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lending --test vfio_kernel \
 	--no-run --message-format=json 2>/dev/null \
 	| sed -n 's/.*"executable":"\([^"]*vfio_kernel[^"]*\)".*/\1/p' | tail -n1)
 LENDERD=${CARGO_TARGET_DIR:-$REPO/target}/debug/lenderd
+SRIOV=${CARGO_TARGET_DIR:-$REPO/target}/debug/lendvm-nvme-sriov
 [ -x "$LENDERD" ] || die "no lenderd at $LENDERD"
+[ -x "$SRIOV" ] || die "no lendvm-nvme-sriov at $SRIOV"
 [ -n "$TEST_BIN" ] && [ -x "$TEST_BIN" ] || die "the vfio_kernel test binary was not built"
 
 KEY=$( {
@@ -41,6 +44,7 @@ KEY=$( {
 	cat "${BASH_SOURCE[0]}" "$VFIO_DIR/initramfs/init"
 	sha256sum <"$LENDERD"
 	sha256sum <"$TEST_BIN"
+	sha256sum <"$SRIOV"
 } | sha256sum | cut -c1-16)
 OUT=$CACHE/l1-initramfs-$KEY.cpio
 if [ -f "$OUT" ]; then echo "$OUT"; exit 0; fi
@@ -51,11 +55,13 @@ mkdir -p "$STAGE"/{bin,dev,proc,sys,tmp,run,etc/lendvm}
 cp "$BUSYBOX" "$STAGE/bin/busybox"
 cp "$LENDERD" "$STAGE/bin/lenderd"
 cp "$TEST_BIN" "$STAGE/bin/vfio_kernel"
+cp "$SRIOV" "$STAGE/bin/lendvm-nvme-sriov"
 # Symbols and debug info are most of a debug binary's size (150 MB -> 25 MB for lenderd);
 # L1 unpacks the archive in emulated code.
-strip --strip-all "$STAGE/bin/lenderd" "$STAGE/bin/vfio_kernel" || die "strip failed"
+strip --strip-all "$STAGE/bin/lenderd" "$STAGE/bin/vfio_kernel" "$STAGE/bin/lendvm-nvme-sriov" \
+	|| die "strip failed"
 # The libraries and the loader, at the paths the binaries look for them.
-for lib in $(for b in "$LENDERD" "$TEST_BIN"; do ldd "$b"; done | grep -o '/[^ ]*' | sort -u); do
+for lib in $(for b in "$LENDERD" "$TEST_BIN" "$SRIOV"; do ldd "$b"; done | grep -o '/[^ ]*' | sort -u); do
 	mkdir -p "$STAGE$(dirname "$lib")"
 	cp -L "$lib" "$STAGE$lib"
 done

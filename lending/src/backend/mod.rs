@@ -246,6 +246,14 @@ pub trait DeviceBackend: Send + Sync {
     fn physical_function(&self) -> Option<String> {
         None
     }
+    /// How many virtual functions a reset of this function would take away: a hardware PF's
+    /// enabled VFs (sysfs `sriov_numvfs`), read live at every acquire, since the PF's driver
+    /// may enable VFs after the lender opened it. The inventory never lends a PF while this
+    /// is non-zero ([`crate::inventory::InventoryError::PfWithVfs`]). Default: 0 (the
+    /// emulated PF's VFs are independent functions that its reset leaves alone).
+    fn vfs_sharing_reset(&self) -> u32 {
+        0
+    }
 }
 
 /// Applies the lender's filter to a borrower's config write, then performs it (a one-off

@@ -56,7 +56,7 @@ use irqs::Wiring;
 pub use ops::{MmapCaps, RegionInfo, VfioDeviceOps};
 pub use regions::BarAccess;
 pub use reset::{CAP_ID_PCIE, DEVSTA_TRANSACTIONS_PENDING, PCIE_DEVSTA};
-pub use sysfs::{check_lendable, BindingError};
+pub use sysfs::{check_lendable, BindingError, PfWithVfs};
 
 /// Where the kernel shows PCI functions (`<BDF>/resourceN`).
 pub const SYSFS_PCI_DEVICES: &str = "/sys/bus/pci/devices";
@@ -78,6 +78,8 @@ pub struct VfioBackend<D: VfioDeviceOps> {
     devsta: Option<u64>,
     /// For an SR-IOV virtual function: its PF's BDF (sysfs `physfn`).
     physfn: Option<String>,
+    /// The sysfs directory of PCI functions it was assembled from (the live SR-IOV check).
+    sysfs: std::path::PathBuf,
 }
 
 impl VfioBackend<vfio_ioctls::VfioDevice> {
@@ -139,6 +141,7 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
             handover_bme: Mutex::new(None),
             devsta: None,
             physfn: None,
+            sysfs: sysfs.to_path_buf(),
         };
         // A VF's `physfn` link names its PF (the link's last component is the PF's BDF).
         if plain_name(name) {
@@ -179,6 +182,14 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
 
     fn physical_function(&self) -> Option<String> {
         self.physfn.clone()
+    }
+
+    fn vfs_sharing_reset(&self) -> u32 {
+        // A PF bound to vfio-pci with `enable_sriov=1` can get VFs after it was opened.
+        if !plain_name(&self.name) {
+            return 0;
+        }
+        sysfs::enabled_vfs(&self.sysfs.join(&self.name))
     }
 
     fn config_size(&self) -> u16 {

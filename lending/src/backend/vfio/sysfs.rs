@@ -1,5 +1,6 @@
-//! Whether a PCI function may be lent through VFIO, from sysfs: bound to vfio-pci, and
-//! alone in its IOMMU group (or with bridges only). The kernel's own answer
+//! Whether a PCI function may be lent through VFIO, from sysfs: bound to vfio-pci, alone in
+//! its IOMMU group (or with bridges only), and not an SR-IOV physical function with virtual
+//! functions enabled. The kernel's own answer
 //! (`VFIO_GROUP_GET_STATUS` not viable, or `EBUSY`) names neither the device nor the
 //! reason; this check does.
 
@@ -18,6 +19,9 @@ pub enum BindingError {
         /// The sysfs directory looked for.
         path: String,
     },
+    /// An SR-IOV PF with VFs enabled.
+    #[error(transparent)]
+    PfWithVfs(#[from] PfWithVfs),
     /// Bound to another driver, or to none.
     #[error(
         "{bdf} is bound to {driver}, not vfio-pci: unbind it and bind vfio-pci (echo vfio-pci > \
@@ -55,6 +59,42 @@ pub enum BindingError {
     },
 }
 
+/// A physical function with VFs enabled (checked before the driver: it is the reason even
+/// when the PF is bound to its own driver, as it must be to manage its VFs).
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error(
+    "{bdf} is an SR-IOV physical function with {vfs} virtual function(s) enabled: a PF's \
+     reset (every lease ends with one) takes its VFs away from whoever uses them, so a PF is \
+     never lent while its VFs exist; lend the VFs instead, or disable them first (echo 0 > \
+     /sys/bus/pci/devices/{bdf}/sriov_numvfs)"
+)]
+pub struct PfWithVfs {
+    /// The PF.
+    pub bdf: String,
+    /// Its `sriov_numvfs`.
+    pub vfs: u32,
+}
+
+/// The VFs enabled on the function at `dev` (its `sriov_numvfs`; 0 for a function without
+/// SR-IOV). Read live: the PF's driver may enable VFs at any time.
+pub fn enabled_vfs(dev: &Path) -> u32 {
+    std::fs::read_to_string(dev.join("sriov_numvfs"))
+        .ok()
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// [`PfWithVfs`] when the function `bdf` under `sysfs` has VFs enabled.
+pub fn check_no_vfs(sysfs: &Path, bdf: &str) -> Result<(), PfWithVfs> {
+    match enabled_vfs(&sysfs.join(bdf)) {
+        0 => Ok(()),
+        vfs => Err(PfWithVfs {
+            bdf: bdf.into(),
+            vfs,
+        }),
+    }
+}
+
 fn driver_of(dev: &Path) -> String {
     std::fs::read_link(dev.join("driver"))
         .ok()
@@ -72,7 +112,8 @@ fn is_bridge(dev: &Path) -> bool {
 }
 
 /// Checks that `bdf` (under the sysfs root `sysfs`, normally `/sys/bus/pci/devices`) is
-/// bound to vfio-pci and that its IOMMU group holds no other endpoint.
+/// not an SR-IOV PF with VFs enabled, bound to vfio-pci, and that its IOMMU group holds no
+/// other endpoint.
 pub fn check_lendable(sysfs: &Path, bdf: &str) -> Result<(), BindingError> {
     let dev = sysfs.join(bdf);
     if !dev.exists() {
@@ -81,6 +122,7 @@ pub fn check_lendable(sysfs: &Path, bdf: &str) -> Result<(), BindingError> {
             path: dev.display().to_string(),
         });
     }
+    check_no_vfs(sysfs, bdf)?;
     let driver = driver_of(&dev);
     if driver != "vfio-pci" {
         return Err(BindingError::NotVfioPci {
@@ -197,5 +239,42 @@ mod tests {
             check_lendable(&d, "0000:09:00.0"),
             Err(BindingError::NoDevice { .. })
         ));
+    }
+
+    #[test]
+    fn a_pf_with_vfs_enabled_is_refused_whatever_its_driver() {
+        let s = Sys::new();
+        s.add("0000:05:00.0", Some("nvme"), Some(8), 0x010802);
+        s.add("0000:05:00.1", Some("vfio-pci"), Some(9), 0x010802);
+        s.add("0000:06:00.0", Some("vfio-pci"), Some(10), 0x010802);
+        let d = s.devices();
+        std::fs::write(d.join("0000:05:00.0/sriov_numvfs"), "1\n").unwrap();
+        // A PF whose VFs are all disabled is an ordinary function.
+        std::fs::write(d.join("0000:06:00.0/sriov_numvfs"), "0\n").unwrap();
+        let e = check_lendable(&d, "0000:05:00.0").unwrap_err();
+        assert_eq!(
+            e,
+            BindingError::PfWithVfs(PfWithVfs {
+                bdf: "0000:05:00.0".into(),
+                vfs: 1
+            })
+        );
+        assert!(
+            e.to_string().starts_with(
+                "0000:05:00.0 is an SR-IOV physical function with 1 virtual function(s) enabled"
+            ),
+            "{e}"
+        );
+        assert_eq!(check_lendable(&d, "0000:05:00.1"), Ok(()));
+        assert_eq!(check_lendable(&d, "0000:06:00.0"), Ok(()));
+        // Enabled after the check (vfio-pci's enable_sriov): the live re-check sees it.
+        std::fs::write(d.join("0000:06:00.0/sriov_numvfs"), "2\n").unwrap();
+        assert_eq!(
+            check_no_vfs(&d, "0000:06:00.0"),
+            Err(PfWithVfs {
+                bdf: "0000:06:00.0".into(),
+                vfs: 2
+            })
+        );
     }
 }

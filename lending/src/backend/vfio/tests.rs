@@ -741,3 +741,45 @@ fn virtual_functions_are_plain_bdfs_in_sysfs_and_the_inventory() {
     assert_eq!(*pf_b.dev.resets.lock().unwrap(), 1);
     inv.acquire(&vfs[1], "node2", "vm-b").unwrap();
 }
+
+/// A hardware PF is refused while its VFs are enabled, lent or not (its reset, which ends
+/// every lease, would take them from whoever uses them), and `sriov_numvfs` is read at each
+/// acquire: VFs enabled after the lender opened the PF (vfio-pci's `enable_sriov`) count.
+#[test]
+fn a_pf_is_refused_while_its_vfs_are_enabled_even_if_none_is_lent() {
+    use crate::inventory::{Inventory, InventoryError};
+
+    let sysfs = FakeSysfs::new().unwrap();
+    sysfs.add_resource(BDF, 0, 0x4000).unwrap();
+    let (pf_b, _) = backend_with(nic_with(nic_config(true), false), &sysfs);
+    let pf_b = Arc::new(pf_b);
+    let inv = Inventory::new(vec![(
+        BDF.to_string(),
+        pf_b.clone() as Arc<dyn DeviceBackend>,
+    )])
+    .unwrap();
+    assert_eq!(pf_b.vfs_sharing_reset(), 0, "no sriov_numvfs: no SR-IOV");
+    drop(inv.acquire(BDF, "node1", "vm-a").unwrap());
+    let numvfs = sysfs.root().join(BDF).join("sriov_numvfs");
+    std::fs::write(&numvfs, "2\n").unwrap();
+    let e = inv.acquire(BDF, "node1", "vm-a").err().unwrap();
+    assert_eq!(
+        e,
+        InventoryError::PfWithVfs {
+            id: BDF.into(),
+            vfs: 2
+        }
+    );
+    assert!(
+        e.to_string()
+            .contains("SR-IOV physical function with 2 virtual function(s)"),
+        "{e}"
+    );
+    assert_eq!(
+        inv.get(BDF).unwrap().state(),
+        crate::protocol::DeviceState::Available,
+        "a refusal changes nothing"
+    );
+    std::fs::write(&numvfs, "0\n").unwrap();
+    drop(inv.acquire(BDF, "node1", "vm-a").unwrap());
+}
