@@ -314,7 +314,7 @@ fn vfio_nvme_through_the_kernel() {
     // VFIO_DEVICE_RESET: the controller comes back disabled. First the bare ioctl, to see
     // what the kernel does to the command register, then the backend's reset.
     let cmd_before = cfg16(&b, 4);
-    b.ops().reset();
+    VfioDeviceOps::reset(b.ops()).unwrap();
     let cc = rd32(&b, CC);
     let csts = rd32(&b, CSTS);
     let cmd_kernel = cfg16(&b, 4);

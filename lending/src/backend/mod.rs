@@ -92,6 +92,9 @@ pub enum BackendError {
     /// The VFIO layer failed.
     #[error("vfio: {0}")]
     Vfio(String),
+    /// A VFIO device operation failed (region access, interrupts, reset).
+    #[error(transparent)]
+    VfioOp(#[from] vfio::VfioOpError),
     /// An OS resource failed.
     #[error("{what}: {source}")]
     Os {

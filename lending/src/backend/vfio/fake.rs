@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{RegionInfo, VfioDeviceOps};
+use super::{RegionInfo, VfioDeviceOps, VfioOpError};
 use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
 
 /// How long the fake holds Device Status "Transactions Pending" set.
@@ -179,76 +179,120 @@ impl FakeSysfs {
     }
 }
 
+/// vfio-pci's answer to a BAR access while Memory Space is off.
+fn eio(op: &'static str, index: u32, offset: u64, len: usize) -> VfioOpError {
+    VfioOpError::Region {
+        op,
+        index,
+        offset,
+        len,
+        source: std::io::Error::from_raw_os_error(libc::EIO),
+    }
+}
+
+fn poisoned(op: &'static str, index: u32, offset: u64, len: usize) -> VfioOpError {
+    VfioOpError::Region {
+        op,
+        index,
+        offset,
+        len,
+        source: std::io::Error::other("the fake's region lock is poisoned"),
+    }
+}
+
 impl VfioDeviceOps for FakeVfioDevice {
     fn region(&self, index: u32) -> Option<RegionInfo> {
         self.regions.lock().ok()?.get(&index).map(|(r, _)| *r)
     }
 
-    fn region_read(&self, index: u32, offset: u64, buf: &mut [u8]) {
-        if let Ok(r) = self.regions.lock() {
-            if !Self::decodes(&r, index) {
-                // vfio-pci: EIO; vfio-ioctls logs it and leaves `buf` as it was.
-                return;
-            }
-            if let Some((_, b)) = r.get(&index) {
-                let o = offset as usize;
-                if let Some(src) = b.get(o..o + buf.len()) {
-                    buf.copy_from_slice(src);
-                    if index == VFIO_PCI_CONFIG_REGION_INDEX {
-                        self.on_config_read(b, offset, buf);
-                    }
-                }
-            }
+    fn region_read(&self, index: u32, offset: u64, buf: &mut [u8]) -> Result<(), VfioOpError> {
+        let r = self
+            .regions
+            .lock()
+            .map_err(|_| poisoned("read", index, offset, buf.len()))?;
+        if !Self::decodes(&r, index) {
+            // vfio-pci refuses a BAR access while Memory Space is off.
+            return Err(eio("read", index, offset, buf.len()));
         }
+        let (_, b) = r.get(&index).ok_or(VfioOpError::NoRegion { index })?;
+        let o = offset as usize;
+        let src = b.get(o..o + buf.len()).ok_or(VfioOpError::OutOfRegion {
+            index,
+            offset,
+            len: buf.len(),
+            size: b.len() as u64,
+        })?;
+        buf.copy_from_slice(src);
+        if index == VFIO_PCI_CONFIG_REGION_INDEX {
+            self.on_config_read(b, offset, buf);
+        }
+        Ok(())
     }
 
-    fn region_write(&self, index: u32, offset: u64, data: &[u8]) {
+    fn region_write(&self, index: u32, offset: u64, data: &[u8]) -> Result<(), VfioOpError> {
         if index == VFIO_PCI_CONFIG_REGION_INDEX {
             if let Ok(mut w) = self.config_writes.lock() {
                 w.push((offset, data.to_vec()));
             }
         }
-        if let Ok(mut r) = self.regions.lock() {
-            if !Self::decodes(&r, index) {
-                return; // vfio-pci: EIO, logged by vfio-ioctls; nothing written
-            }
-            if let Some((_, b)) = r.get_mut(&index) {
-                let o = offset as usize;
-                if let Some(dst) = b.get_mut(o..o + data.len()) {
-                    dst.copy_from_slice(data);
-                }
-            }
+        let mut r = self
+            .regions
+            .lock()
+            .map_err(|_| poisoned("write", index, offset, data.len()))?;
+        if !Self::decodes(&r, index) {
+            return Err(eio("write", index, offset, data.len()));
         }
+        let (_, b) = r.get_mut(&index).ok_or(VfioOpError::NoRegion { index })?;
+        let size = b.len() as u64;
+        let o = offset as usize;
+        let dst = b
+            .get_mut(o..o + data.len())
+            .ok_or(VfioOpError::OutOfRegion {
+                index,
+                offset,
+                len: data.len(),
+                size,
+            })?;
+        dst.copy_from_slice(data);
+        Ok(())
     }
 
     fn irq_count(&self, index: u32) -> u32 {
         self.irq_counts.get(&index).copied().unwrap_or(0)
     }
 
-    fn enable_irq(&self, index: u32, fds: &[&EventFd]) -> Result<(), String> {
+    fn enable_irq(&self, index: u32, fds: &[&EventFd]) -> Result<(), VfioOpError> {
+        let irq_err = || VfioOpError::Irqs {
+            index,
+            source: vfio_ioctls::VfioError::VfioDeviceEnableIrq,
+        };
         let dups = fds
             .iter()
-            .map(|f| f.try_clone().map_err(|e| e.to_string()))
+            .map(|f| f.try_clone().map_err(|_| irq_err()))
             .collect::<Result<Vec<_>, _>>()?;
         self.enabled
             .lock()
-            .map_err(|e| e.to_string())?
+            .map_err(|_| irq_err())?
             .insert(index, dups);
         Ok(())
     }
 
-    fn disable_irq(&self, index: u32) -> Result<(), String> {
+    fn disable_irq(&self, index: u32) -> Result<(), VfioOpError> {
         self.enabled
             .lock()
-            .map_err(|e| e.to_string())?
+            .map_err(|_| VfioOpError::Irqs {
+                index,
+                source: vfio_ioctls::VfioError::VfioDeviceDisableIrq,
+            })?
             .remove(&index);
         Ok(())
     }
 
-    fn reset(&self) {
+    fn reset(&self) -> Result<(), VfioOpError> {
         if let Ok(mut r) = self.resets.lock() {
             *r += 1;
         }
+        Ok(())
     }
 
     fn device_fd(&self) -> BorrowedFd<'_> {

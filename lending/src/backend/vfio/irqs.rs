@@ -54,7 +54,7 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
         let mut wiring = self.wiring();
         wiring.retain(|(k, _)| *k != kind);
         if targets.is_empty() {
-            self.dev.disable_irq(index).map_err(BackendError::Vfio)?;
+            self.dev.disable_irq(index)?;
             return Ok(());
         }
         // Borrower eventfds go to VFIO directly; anything else gets a local eventfd that a
@@ -97,9 +97,7 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
                 (None, None) => &sink,
             })
             .collect();
-        self.dev
-            .enable_irq(index, &fds)
-            .map_err(BackendError::Vfio)?;
+        self.dev.enable_irq(index, &fds)?;
         drop(fds);
         let relay = if relay_src.is_empty() {
             None

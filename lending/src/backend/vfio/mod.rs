@@ -53,7 +53,7 @@ pub mod sysfs;
 pub(crate) mod tests;
 
 use irqs::Wiring;
-pub use ops::{MmapCaps, RegionInfo, VfioDeviceOps};
+pub use ops::{MmapCaps, RegionInfo, VfioDeviceOps, VfioOpError};
 pub use regions::BarAccess;
 pub use reset::{CAP_ID_PCIE, DEVSTA_TRANSACTIONS_PENDING, PCIE_DEVSTA};
 pub use sysfs::{check_lendable, BindingError, PfWithVfs};
@@ -151,7 +151,10 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
         }
         b.bars = b.decide_bars(sysfs);
         b.devsta = b.devsta_offset();
-        b.enable_decode();
+        if let Err(e) = b.enable_decode() {
+            // Every BAR access will fail with it, and say why.
+            log::warn!("{name}: turning decoding on: {e}");
+        }
         for (i, a) in &b.bars {
             match a {
                 BarAccess::Direct { path, size, .. } => log::info!(
@@ -211,7 +214,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
             });
         }
         self.dev
-            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, u64::from(offset), buf);
+            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, u64::from(offset), buf)?;
         Ok(())
     }
 
@@ -226,7 +229,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
             });
         }
         self.dev
-            .region_write(VFIO_PCI_CONFIG_REGION_INDEX, u64::from(offset), data);
+            .region_write(VFIO_PCI_CONFIG_REGION_INDEX, u64::from(offset), data)?;
         Ok(())
     }
 
@@ -256,7 +259,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     fn bar_read(&self, bar: u8, offset: u64, buf: &mut [u8]) -> Result<(), BackendError> {
         let r = self.bar_region(bar)?;
         Self::check(&r, bar, offset, buf.len())?;
-        self.dev.region_read(u32::from(bar), offset, buf);
+        self.dev.region_read(u32::from(bar), offset, buf)?;
         Ok(())
     }
 
@@ -266,7 +269,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
         if r.flags & VFIO_REGION_INFO_FLAG_WRITE == 0 {
             return Err(BackendError::Vfio(format!("bar {bar} is read-only")));
         }
-        self.dev.region_write(u32::from(bar), offset, data);
+        self.dev.region_write(u32::from(bar), offset, data)?;
         Ok(())
     }
 
@@ -290,7 +293,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
         // The lender decides now (a destination took the lease over, windows came or
         // went): a hand-over's saved bit is stale.
         *self.handover_bme() = None;
-        self.write_bme(enable);
+        self.write_bme(enable)?;
         Ok(())
     }
 
@@ -299,7 +302,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
         // after a hand-over quiesce that stayed here: Bus Master Enable as it was.
         if !stop {
             if let Some(was) = self.handover_bme().take() {
-                self.write_bme(was);
+                self.write_bme(was)?;
                 log::info!(
                     "{}: hand-over quiesce ended here, bus master {}",
                     self.name,
@@ -323,15 +326,15 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     fn reset(&self) -> Result<(), BackendError> {
         // Whatever a hand-over saved is moot after a reset.
         *self.handover_bme() = None;
-        self.dev.reset();
+        self.dev.reset()?;
         // The device resets, but Linux saves the config header before and restores it after
         // (pci_try_reset_function: pci_dev_save_and_disable .. pci_dev_restore), Bus Master
         // Enable included: the function would come back able to DMA. It must come back
         // quiescent; the lender sets the bit again once the lease has windows.
-        self.write_bme(false);
+        self.write_bme(false)?;
         // Decoding the lender's own: on (the kernel restores it too, but a reset of a
         // function whose saved state had it off must not leave BAR accesses failing).
-        self.enable_decode();
+        self.enable_decode()?;
         log::info!("{}: VFIO_DEVICE_RESET, bus master off", self.name);
         Ok(())
     }

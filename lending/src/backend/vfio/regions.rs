@@ -12,7 +12,7 @@ use vfio_bindings::bindings::vfio::{
     VFIO_PCI_MSI_IRQ_INDEX, VFIO_REGION_INFO_FLAG_MMAP,
 };
 
-use super::{plain_name, RegionInfo, VfioBackend, VfioDeviceOps};
+use super::{plain_name, RegionInfo, VfioBackend, VfioDeviceOps, VfioOpError};
 use crate::backend::BackendError;
 use crate::protocol::{BarDesc, DeviceInfo, IrqCounts, MsixDesc, NotifyWrites};
 
@@ -40,16 +40,15 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
 
     pub(super) fn decide_bars(&self, sysfs: &Path) -> Vec<(u8, BarAccess)> {
         let mut cfg = [0u8; 256];
-        self.dev
-            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut cfg);
+        self.config_logged(0, &mut cfg);
         let msix = crate::backend::capabilities(&cfg)
             .into_iter()
             .find(|c| c.id == 0x11 && !c.extended)
             .map(|c| {
                 let o = u64::from(c.offset);
                 (
-                    (self.config_u32(o + 4) & 7) as u8,
-                    (self.config_u32(o + 8) & 7) as u8,
+                    (self.config_u32_logged(o + 4) & 7) as u8,
+                    (self.config_u32_logged(o + 8) & 7) as u8,
                 )
             });
         (0..6u8)
@@ -173,25 +172,33 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
         Ok(())
     }
 
-    pub(super) fn config_u32(&self, off: u64) -> u32 {
-        let mut b = [0u8; 4];
-        self.dev
-            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, off, &mut b);
-        u32::from_le_bytes(b)
-    }
-
-    pub(super) fn config_u16(&self, off: u64) -> u16 {
+    pub(super) fn config_u16(&self, off: u64) -> Result<u16, VfioOpError> {
         let mut b = [0u8; 2];
         self.dev
-            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, off, &mut b);
-        u16::from_le_bytes(b)
+            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, off, &mut b)?;
+        Ok(u16::from_le_bytes(b))
+    }
+
+    /// Reads config space where a failure cannot go up (assembling the backend, describing
+    /// the device): logged, and `buf` left zeroed. The borrower's own accesses and the
+    /// lender's writes return their errors.
+    pub(super) fn config_logged(&self, off: u64, buf: &mut [u8]) {
+        if let Err(e) = self.dev.region_read(VFIO_PCI_CONFIG_REGION_INDEX, off, buf) {
+            buf.fill(0);
+            log::warn!("{}: config space: {e}", self.name);
+        }
+    }
+
+    fn config_u32_logged(&self, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        self.config_logged(off, &mut b);
+        u32::from_le_bytes(b)
     }
 
     /// The device as the borrower is told about it ([`crate::backend::DeviceBackend::describe`]).
     pub(super) fn describe_device(&self, id: &str) -> DeviceInfo {
         let mut config = vec![0u8; self.config_len() as usize];
-        self.dev
-            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut config);
+        self.config_logged(0, &mut config);
         let mut bars = Vec::new();
         let mut i = 0u8;
         while i < 6 {
@@ -221,9 +228,9 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
         let caps = crate::backend::capabilities(&config);
         let msix = caps.iter().find(|c| c.id == 0x11 && !c.extended).map(|c| {
             let o = u64::from(c.offset);
-            let ctrl = self.config_u32(o) >> 16;
-            let table = self.config_u32(o + 4);
-            let pba = self.config_u32(o + 8);
+            let ctrl = self.config_u32_logged(o) >> 16;
+            let table = self.config_u32_logged(o + 4);
+            let pba = self.config_u32_logged(o + 8);
             MsixDesc {
                 vectors: ((ctrl & 0x7ff) + 1) as u16,
                 table_bar: (table & 7) as u8,

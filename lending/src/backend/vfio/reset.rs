@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
 
-use super::{VfioBackend, VfioDeviceOps};
+use super::{VfioBackend, VfioDeviceOps, VfioOpError};
 use crate::backend::config::{CMD_BUS_MASTER, CMD_IO, CMD_MEMORY};
 
 /// Capability ID of the PCI Express capability.
@@ -22,8 +22,8 @@ const DRAIN_POLL_MAX: Duration = Duration::from_millis(1);
 impl<D: VfioDeviceOps> VfioBackend<D> {
     /// Sets or clears Bus Master Enable in the physical command register; returns whether
     /// it was set.
-    pub(super) fn write_bme(&self, enable: bool) -> bool {
-        let cmd = self.config_u16(4);
+    pub(super) fn write_bme(&self, enable: bool) -> Result<bool, VfioOpError> {
+        let cmd = self.config_u16(4)?;
         let new = if enable {
             cmd | CMD_BUS_MASTER
         } else {
@@ -31,9 +31,9 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
         };
         if new != cmd {
             self.dev
-                .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &new.to_le_bytes());
+                .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &new.to_le_bytes())?;
         }
-        cmd & CMD_BUS_MASTER != 0
+        Ok(cmd & CMD_BUS_MASTER != 0)
     }
 
     /// Turns the function's decoding on: Memory Space, and I/O Space if it has an I/O BAR.
@@ -41,10 +41,10 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
     /// itself and never forwards them), and vfio-pci refuses the lender's BAR reads and
     /// writes with EIO while Memory Space is clear; a borrower's Command writes keep them
     /// ([`crate::backend::config::CMD_LENDER_OWNED`]).
-    pub(super) fn enable_decode(&self) {
+    pub(super) fn enable_decode(&self) -> Result<(), VfioOpError> {
         let mut cfg = [0u8; 0x28];
         self.dev
-            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut cfg);
+            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut cfg)?;
         let mut io = false;
         let mut at = 0x10;
         while at < 0x28 {
@@ -53,12 +53,13 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
             // A 64-bit memory BAR's upper half is not a BAR of its own.
             at += if bar & 0b111 == 0b100 { 8 } else { 4 };
         }
-        let cmd = self.config_u16(4);
+        let cmd = self.config_u16(4)?;
         let new = cmd | CMD_MEMORY | if io { CMD_IO } else { 0 };
         if new != cmd {
             self.dev
-                .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &new.to_le_bytes());
+                .region_write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &new.to_le_bytes())?;
         }
+        Ok(())
     }
 
     pub(super) fn handover_bme(&self) -> std::sync::MutexGuard<'_, Option<bool>> {
@@ -72,8 +73,7 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
     /// the capability.
     pub(super) fn devsta_offset(&self) -> Option<u64> {
         let mut cfg = [0u8; 256];
-        self.dev
-            .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut cfg);
+        self.config_logged(0, &mut cfg);
         crate::backend::capabilities(&cfg)
             .into_iter()
             .find(|c| !c.extended && c.id == u16::from(CAP_ID_PCIE))
@@ -97,10 +97,25 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
     /// the cleared bit plus one config read is the drain.
     pub(super) fn drain(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        let was = self.write_bme(false);
+        let was = match self.write_bme(false) {
+            Ok(was) => was,
+            Err(e) => {
+                log::warn!(
+                    "{}: clearing bus master: {e}: drain not confirmed",
+                    self.name
+                );
+                return false;
+            }
+        };
         self.handover_bme().get_or_insert(was);
         let Some(devsta) = self.devsta else {
-            let _ = self.config_u16(4);
+            if let Err(e) = self.config_u16(4) {
+                log::warn!(
+                    "{}: the draining config read: {e}: drain not confirmed",
+                    self.name
+                );
+                return false;
+            }
             log::info!(
                 "{}: bus master off; no pci express capability, drained by a config read",
                 self.name
@@ -111,7 +126,17 @@ impl<D: VfioDeviceOps> VfioBackend<D> {
         let mut polls = 0u32;
         loop {
             polls += 1;
-            if self.config_u16(devsta) & DEVSTA_TRANSACTIONS_PENDING == 0 {
+            let sta = match self.config_u16(devsta) {
+                Ok(v) => v,
+                Err(e) => {
+                    log::warn!(
+                        "{}: reading device status: {e}: drain not confirmed",
+                        self.name
+                    );
+                    return false;
+                }
+            };
+            if sta & DEVSTA_TRANSACTIONS_PENDING == 0 {
                 log::info!(
                     "{}: bus master off, no transaction pending ({polls} polls)",
                     self.name
