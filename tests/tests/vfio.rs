@@ -44,7 +44,10 @@ const FIO_VERIFY_OFFSET: u64 = 8 << 20;
 /// destination). Small, because every lease's DMA map makes L1 walk the window page by page
 /// (about a minute for 64 MiB there: docs/VFIO.md).
 const GUEST_RAM_MIB: u64 = 64;
+/// What `verify.fio` covers (two jobs of 256 KiB), and `verify-short.fio` (two of 64 KiB: the
+/// runs of the NVMe, e1000e and VF case, where every I/O is a round trip to emulated L1).
 const FIO_VERIFY_BYTES: u64 = 512 << 10;
+const FIO_VERIFY_SHORT_BYTES: u64 = 128 << 10;
 const FIO_VERIFY_BS: u64 = 4096;
 const FIO_HDR_MAGIC: u16 = 0xacca;
 /// Pings of the lent e1000e to the NIC in L1 (at least one must be answered: L1's one
@@ -248,8 +251,9 @@ fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
         &format!(
             "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
              lendvm_net={addr},{peer},{PINGS} \
-             lendvm_fio=verify@serial:{serial},verify@serial:{serial},verify@serial:{serial},\
-             verify@serial:{vf_serial} lendvm_fio_replug=1 lendvm_fio_flr=2"
+             lendvm_fio=verify-short@serial:{serial},verify-short@serial:{serial},\
+             verify-short@serial:{serial},verify-short@serial:{vf_serial} \
+             lendvm_fio_replug=1 lendvm_fio_flr=2"
         ),
         &[
             "--name",
@@ -334,8 +338,8 @@ fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
     guest.expect_exit_0(deadline);
     // Each disk's blocks are in its own file: runs 1-3 went through the plain NVMe, run 4
     // through the VF (whose PF nobody lent) into the subsystem's namespace.
-    assert_fio_blocks_in(&disk);
-    assert_fio_blocks_in(&vf_disk);
+    assert_fio_blocks_in(&disk, FIO_VERIFY_SHORT_BYTES);
+    assert_fio_blocks_in(&vf_disk, FIO_VERIFY_SHORT_BYTES);
     let stderr = guest.out.stderr();
     assert!(
         stderr.contains("on Bar"),
@@ -343,11 +347,12 @@ fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
     );
 }
 
-/// Every block of the verify job is in `disk` (the file behind QEMU's NVMe, out here), with
-/// fio's verify header naming its own offset: the data went through L1's IOMMU and device.
-fn assert_fio_blocks_in(disk: &std::path::Path) {
+/// Every block of a verify job over `bytes` from [`FIO_VERIFY_OFFSET`] is in `disk` (the
+/// file behind QEMU's NVMe, out here), with fio's verify header naming its own offset: the
+/// data went through L1's IOMMU and device.
+fn assert_fio_blocks_in(disk: &std::path::Path, bytes: u64) {
     let data = std::fs::read(disk).unwrap();
-    for b in 0..FIO_VERIFY_BYTES / FIO_VERIFY_BS {
+    for b in 0..bytes / FIO_VERIFY_BS {
         let off = FIO_VERIFY_OFFSET + b * FIO_VERIFY_BS;
         let h = &data[off as usize..off as usize + 24];
         let magic = u16::from_le_bytes([h[0], h[1]]);
@@ -445,7 +450,7 @@ fn vfio_nvme_in_l1_survives_a_live_migration_under_fio_verify() {
     // Handed over, not reset: the destination took the lease as it was.
     let err = dst.out.stderr();
     assert!(err.contains("device not reset"), "{err}");
-    assert_fio_blocks_in(&disk);
+    assert_fio_blocks_in(&disk, FIO_VERIFY_BYTES);
 }
 
 /// L1 as the tests reach it: its command port and its console.
