@@ -127,29 +127,27 @@ impl Ctrl {
         Err(format!("{}: admin opcode {opcode:#x}: {last}", self.name))
     }
 
-    fn cntlid(&self) -> Result<u16, String> {
+    /// Identify with CNS `cns`: its 4 KiB of data.
+    fn identify(&self, cns: u32) -> Result<[u8; 4096], String> {
         let mut d = [0u8; 4096];
         self.admin(
             PassthruCmd {
                 opcode: OPC_IDENTIFY,
-                cdw10: CNS_CTRL,
+                cdw10: cns,
                 ..Default::default()
             },
             Some(&mut d),
         )?;
+        Ok(d)
+    }
+
+    fn cntlid(&self) -> Result<u16, String> {
+        let d = self.identify(CNS_CTRL)?;
         Ok(u16::from_le_bytes([d[78], d[79]]))
     }
 
     fn secondaries(&self) -> Result<Vec<Secondary>, String> {
-        let mut d = [0u8; 4096];
-        self.admin(
-            PassthruCmd {
-                opcode: OPC_IDENTIFY,
-                cdw10: CNS_SECONDARY_LIST,
-                ..Default::default()
-            },
-            Some(&mut d),
-        )?;
+        let d = self.identify(CNS_SECONDARY_LIST)?;
         let n = usize::from(d[0]).min(127);
         Ok((0..n)
             .map(|i| {

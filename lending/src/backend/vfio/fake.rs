@@ -200,33 +200,52 @@ fn poisoned(op: &'static str, index: u32, offset: u64, len: usize) -> VfioOpErro
     }
 }
 
+impl FakeVfioDevice {
+    /// Runs `f(region bytes, offset)` for an access of `len` bytes at `offset` of region
+    /// `index` that vfio-pci would carry out; otherwise its error (`EIO` while Memory Space
+    /// is off, as vfio-pci).
+    fn with_bytes(
+        &self,
+        op: &'static str,
+        index: u32,
+        offset: u64,
+        len: usize,
+        f: impl FnOnce(&mut Vec<u8>, usize),
+    ) -> Result<(), VfioOpError> {
+        let mut r = self
+            .regions
+            .lock()
+            .map_err(|_| poisoned(op, index, offset, len))?;
+        if !Self::decodes(&r, index) {
+            return Err(eio(op, index, offset, len));
+        }
+        let (_, bytes) = r.get_mut(&index).ok_or(VfioOpError::NoRegion { index })?;
+        let at = offset as usize;
+        if at.checked_add(len).is_none_or(|end| end > bytes.len()) {
+            return Err(VfioOpError::OutOfRegion {
+                index,
+                offset,
+                len,
+                size: bytes.len() as u64,
+            });
+        }
+        f(bytes, at);
+        Ok(())
+    }
+}
+
 impl VfioDeviceOps for FakeVfioDevice {
     fn region(&self, index: u32) -> Option<RegionInfo> {
         self.regions.lock().ok()?.get(&index).map(|(r, _)| *r)
     }
 
     fn region_read(&self, index: u32, offset: u64, buf: &mut [u8]) -> Result<(), VfioOpError> {
-        let r = self
-            .regions
-            .lock()
-            .map_err(|_| poisoned("read", index, offset, buf.len()))?;
-        if !Self::decodes(&r, index) {
-            // vfio-pci refuses a BAR access while Memory Space is off.
-            return Err(eio("read", index, offset, buf.len()));
-        }
-        let (_, b) = r.get(&index).ok_or(VfioOpError::NoRegion { index })?;
-        let o = offset as usize;
-        let src = b.get(o..o + buf.len()).ok_or(VfioOpError::OutOfRegion {
-            index,
-            offset,
-            len: buf.len(),
-            size: b.len() as u64,
-        })?;
-        buf.copy_from_slice(src);
-        if index == VFIO_PCI_CONFIG_REGION_INDEX {
-            self.on_config_read(b, offset, buf);
-        }
-        Ok(())
+        self.with_bytes("read", index, offset, buf.len(), |bytes, at| {
+            buf.copy_from_slice(&bytes[at..at + buf.len()]);
+            if index == VFIO_PCI_CONFIG_REGION_INDEX {
+                self.on_config_read(bytes, offset, buf);
+            }
+        })
     }
 
     fn region_write(&self, index: u32, offset: u64, data: &[u8]) -> Result<(), VfioOpError> {
@@ -235,26 +254,9 @@ impl VfioDeviceOps for FakeVfioDevice {
                 w.push((offset, data.to_vec()));
             }
         }
-        let mut r = self
-            .regions
-            .lock()
-            .map_err(|_| poisoned("write", index, offset, data.len()))?;
-        if !Self::decodes(&r, index) {
-            return Err(eio("write", index, offset, data.len()));
-        }
-        let (_, b) = r.get_mut(&index).ok_or(VfioOpError::NoRegion { index })?;
-        let size = b.len() as u64;
-        let o = offset as usize;
-        let dst = b
-            .get_mut(o..o + data.len())
-            .ok_or(VfioOpError::OutOfRegion {
-                index,
-                offset,
-                len: data.len(),
-                size,
-            })?;
-        dst.copy_from_slice(data);
-        Ok(())
+        self.with_bytes("write", index, offset, data.len(), |bytes, at| {
+            bytes[at..at + data.len()].copy_from_slice(data);
+        })
     }
 
     fn irq_count(&self, index: u32) -> u32 {

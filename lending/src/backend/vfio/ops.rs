@@ -141,8 +141,28 @@ fn region_err(
     }
 }
 
-fn short() -> io::Error {
-    io::Error::new(io::ErrorKind::UnexpectedEof, "the device returned no bytes")
+/// Runs `step(done)` (one `pread`/`pwrite` of what is left, from `done`; its return value)
+/// until `len` bytes are done: `EINTR` is retried, and a call that moves no byte is an error.
+fn all_bytes(len: usize, mut step: impl FnMut(usize) -> isize) -> io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        match step(done) {
+            n if n > 0 => done += n as usize,
+            0 => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the device moved no bytes",
+                ))
+            }
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The mmap capabilities of a region (`VFIO_REGION_INFO_CAP_SPARSE_MMAP`,
@@ -170,60 +190,39 @@ impl VfioDeviceOps for vfio_ioctls::VfioDevice {
 
     fn region_read(&self, index: u32, offset: u64, buf: &mut [u8]) -> Result<(), VfioOpError> {
         let at = region_offset(self, index, offset, buf.len())?;
-        let mut done = 0;
-        while done < buf.len() {
+        let len = buf.len();
+        all_bytes(len, |done| {
             let rest = &mut buf[done..];
             // SAFETY: `rest` is a live, writable buffer of `rest.len()` bytes, and the fd
             // is the device's, open for the call.
-            let n = unsafe {
+            unsafe {
                 libc::pread(
                     self.as_raw_fd(),
                     rest.as_mut_ptr().cast(),
                     rest.len(),
                     (at + done as u64) as libc::off_t,
                 )
-            };
-            match n {
-                n if n > 0 => done += n as usize,
-                0 => return Err(region_err("read", index, offset, buf.len(), short())),
-                _ => {
-                    let e = io::Error::last_os_error();
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        return Err(region_err("read", index, offset, buf.len(), e));
-                    }
-                }
             }
-        }
-        Ok(())
+        })
+        .map_err(|e| region_err("read", index, offset, len, e))
     }
 
     fn region_write(&self, index: u32, offset: u64, data: &[u8]) -> Result<(), VfioOpError> {
         let at = region_offset(self, index, offset, data.len())?;
-        let mut done = 0;
-        while done < data.len() {
+        all_bytes(data.len(), |done| {
             let rest = &data[done..];
             // SAFETY: `rest` is a live buffer of `rest.len()` bytes, and the fd is the
             // device's, open for the call.
-            let n = unsafe {
+            unsafe {
                 libc::pwrite(
                     self.as_raw_fd(),
                     rest.as_ptr().cast(),
                     rest.len(),
                     (at + done as u64) as libc::off_t,
                 )
-            };
-            match n {
-                n if n > 0 => done += n as usize,
-                0 => return Err(region_err("write", index, offset, data.len(), short())),
-                _ => {
-                    let e = io::Error::last_os_error();
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        return Err(region_err("write", index, offset, data.len(), e));
-                    }
-                }
             }
-        }
-        Ok(())
+        })
+        .map_err(|e| region_err("write", index, offset, data.len(), e))
     }
 
     fn irq_count(&self, index: u32) -> u32 {
