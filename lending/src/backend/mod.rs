@@ -89,9 +89,21 @@ pub enum BackendError {
     /// The device model failed.
     #[error("device model: {0}")]
     Model(String),
-    /// The VFIO layer failed.
-    #[error("vfio: {0}")]
-    Vfio(String),
+    /// `/dev/vfio/vfio` could not be opened or set up as a container.
+    #[error("opening a vfio container: {0}")]
+    VfioContainer(#[source] vfio_ioctls::VfioError),
+    /// The function's VFIO group or device could not be opened.
+    #[error("opening the vfio device {path}: {source}")]
+    VfioDevice {
+        /// Its sysfs directory.
+        path: String,
+        /// vfio-ioctls' error.
+        #[source]
+        source: vfio_ioctls::VfioError,
+    },
+    /// A write to a BAR whose VFIO region is read-only.
+    #[error("bar {0} is read-only")]
+    ReadOnlyBar(u8),
     /// A VFIO device operation failed (region access, interrupts, reset).
     #[error(transparent)]
     VfioOp(#[from] vfio::VfioOpError),

@@ -95,21 +95,21 @@ impl VfioBackend<vfio_ioctls::VfioDevice> {
         bdf: &str,
     ) -> Result<(Self, Arc<vfio_ioctls::VfioContainer>), BackendError> {
         if !plain_name(bdf) {
-            return Err(BackendError::Vfio(format!(
-                "{bdf:?} is not a pci address that names a sysfs directory"
-            )));
+            return Err(BindingError::BadName { bdf: bdf.into() }.into());
         }
         check_lendable(Path::new(SYSFS_PCI_DEVICES), bdf)?;
-        let container = Arc::new(
-            vfio_ioctls::VfioContainer::new(None).map_err(|e| BackendError::Vfio(e.to_string()))?,
-        );
+        let container =
+            Arc::new(vfio_ioctls::VfioContainer::new(None).map_err(BackendError::VfioContainer)?);
         let path = Path::new(SYSFS_PCI_DEVICES).join(bdf);
         let dev = vfio_ioctls::VfioDevice::new(
             &path,
             Arc::clone(&container) as Arc<dyn vfio_ioctls::VfioOps>,
             false,
         )
-        .map_err(|e| BackendError::Vfio(format!("{}: {e}", path.display())))?;
+        .map_err(|source| BackendError::VfioDevice {
+            path: path.display().to_string(),
+            source,
+        })?;
         let domain = Arc::new(VfioDomain::new(
             format!("vfio {bdf}"),
             Arc::clone(&container),
@@ -267,7 +267,7 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
         let r = self.bar_region(bar)?;
         Self::check(&r, bar, offset, data.len())?;
         if r.flags & VFIO_REGION_INFO_FLAG_WRITE == 0 {
-            return Err(BackendError::Vfio(format!("bar {bar} is read-only")));
+            return Err(BackendError::ReadOnlyBar(bar));
         }
         self.dev.region_write(u32::from(bar), offset, data)?;
         Ok(())

@@ -19,6 +19,12 @@ pub enum BindingError {
         /// The sysfs directory looked for.
         path: String,
     },
+    /// Not a name a sysfs directory can have (empty, `.`, `..`, a `/` or a NUL in it).
+    #[error("{bdf:?} is not a pci address that names a sysfs directory (like 0000:81:00.0)")]
+    BadName {
+        /// What was given.
+        bdf: String,
+    },
     /// An SR-IOV PF with VFs enabled.
     #[error(transparent)]
     PfWithVfs(#[from] PfWithVfs),

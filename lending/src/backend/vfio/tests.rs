@@ -802,3 +802,25 @@ fn a_pf_is_refused_while_its_vfs_are_enabled_even_if_none_is_lent() {
     std::fs::write(&numvfs, "0\n").unwrap();
     drop(inv.acquire(BDF, "node1", "vm-a").unwrap());
 }
+
+/// Opening refuses a name that is no sysfs directory before any VFIO call, and a write to a
+/// read-only BAR region is refused by name, the region untouched.
+#[test]
+fn bad_names_and_read_only_bars_are_refused_by_name() {
+    for bad in ["", ".", "..", "../0000:81:00.0", "0000:81:00.0\0"] {
+        match VfioBackend::open(bad) {
+            Err(BackendError::Binding(BindingError::BadName { bdf })) => assert_eq!(bdf, bad),
+            Err(e) => panic!("{bad:?}: {e}"),
+            Ok(_) => panic!("{bad:?} was opened"),
+        }
+    }
+    let sysfs = FakeSysfs::new().unwrap();
+    let (b, _) = backend_with(nic_like(), &sysfs);
+    b.dev.regions.lock().unwrap().get_mut(&0).unwrap().0.flags = VFIO_REGION_INFO_FLAG_READ;
+    let e = b.bar_write(0, 0x10, &[1, 2, 3, 4]).unwrap_err();
+    assert!(matches!(e, BackendError::ReadOnlyBar(0)), "{e:?}");
+    assert_eq!(e.to_string(), "bar 0 is read-only");
+    let mut v = [0xffu8; 4];
+    b.bar_read(0, 0x10, &mut v).unwrap();
+    assert_eq!(v, [0; 4]);
+}
