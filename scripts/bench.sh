@@ -3,7 +3,7 @@
 #
 #   scripts/bench.sh [--quick] [--guest] [--no-docs] [--release] [SECTION ...]
 #
-# Sections (default: all but guest; `--guest` adds it):
+# Sections (default: all but guest and l1; `--guest` adds guest, l1 runs when named):
 #   fabric     cargo bench -p ntb --bench fabric              shm/tcp windows vs memcpy and a plain TLS stream; doorbells
 #   emulated   cargo bench -p emulated --bench nvme           the emulated NVMe controller in-process
 #   lent       cargo bench -p lending --bench nvme_lent       the same controller local vs lent by lenderd
@@ -13,6 +13,7 @@
 #   directory  cargo bench -p api --bench directory           etcd directory vs static fan-out; claims; device loss (needs etcd)
 #   migration  cargo bench -p lendvm-tests --bench migration  live migration with a lent NVMe
 #   guest      scripts/bench-guest.sh                         fio in the Linux guest (QEMU, guest kernel; ~20 min)
+#   l1         scripts/bench-l1.sh                            the bar fabric's control paths in L1 (two L1 boots; ~25 min)
 #
 # Each bench writes target/bench/<section>.md (its tables and goal lines, generated from the
 # measured data), besides its JSON and SVG. This script puts the fragment between
@@ -48,9 +49,9 @@ while [ $# -gt 0 ]; do
 	-h | --help) sed -n '2,34p' "$0"; exit 0 ;;
 	-*) die "unknown option $1 (see --help)" ;;
 	*)
-		case " ${ALL[*]} guest " in
+		case " ${ALL[*]} guest l1 " in
 		*" $1 "*) sections+=("$1") ;;
-		*) die "unknown section '$1' (known: ${ALL[*]} guest)" ;;
+		*) die "unknown section '$1' (known: ${ALL[*]} guest l1)" ;;
 		esac
 		shift
 		;;
@@ -95,6 +96,10 @@ if needs directory; then
 	command -v etcd >/dev/null ||
 		die "directory needs etcd on PATH (scripts/setup.sh installs it: apt-get install etcd-server)"
 fi
+if needs l1; then
+	command -v qemu-system-x86_64 >/dev/null ||
+		die "l1 needs QEMU (apt-get install qemu-system-x86; scripts/setup.sh installs it)"
+fi
 if needs guest; then
 	command -v qemu-system-x86_64 >/dev/null || [ "$(id -u)" = 0 ] ||
 		die "guest needs QEMU (apt-get install qemu-system-x86; scripts/bench-guest.sh installs it as root)"
@@ -128,6 +133,7 @@ bench_cmd() { # section -> the command that runs it
 	guest) if [ "$quick" = 1 ]; then
 		echo "scripts/bench-guest.sh --no-docs --configs lendvm-shm-irq-dbbuf-on,qemu-nvme"
 	elif [ "$docs" = 1 ]; then echo "scripts/bench-guest.sh"; else echo "scripts/bench-guest.sh --no-docs"; fi ;;
+	l1) echo "scripts/bench-l1.sh $OUT" ;;
 	esac
 }
 svg_of() { # section -> the SVG its bench writes (relative to $OUT)
@@ -135,6 +141,7 @@ svg_of() { # section -> the SVG its bench writes (relative to $OUT)
 	fabric) echo ntb.svg ;; lent) echo nvme-lent.svg ;; hotplug) echo hotplug.svg ;;
 	p2p) echo p2p-bench.svg ;; pin) echo pin.svg ;; directory) echo directory.svg ;;
 	migration) echo migration-bench.svg ;; guest) echo guest-fio.svg ;; emulated) echo nvme-local.svg ;;
+	l1) echo l1-control.svg ;;
 	esac
 }
 

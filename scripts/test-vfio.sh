@@ -5,6 +5,9 @@
 # window between L1 and this machine.
 #
 #   scripts/test-vfio.sh          the cases below (CI)
+#   scripts/test-vfio.sh --bench OUTDIR   the benchmark of L1's control paths
+#                                 (scripts/bench-l1.sh): tests/tests/vfio.rs
+#                                 bench_l1_control_paths, JSON into OUTDIR
 #   scripts/test-vfio.sh --demo   the README's `scripts/demo.sh --vfio`: L1 lends its NVMe,
 #                                 a Linux guest of lendvm runs fio's verify job on it; shows
 #                                 the lender's view (vfio-pci, the IOMMU group, the lease)
@@ -43,15 +46,30 @@ BOOT_TIMEOUT=${LENDVM_VFIO_BOOT_TIMEOUT:-900}
 TEST_TIMEOUT=${LENDVM_VFIO_TEST_TIMEOUT:-600}
 # Each later step of L1 (binding, lenderd start): every fork costs ~0.4 s in its emulated kernel.
 STEP_TIMEOUT=${LENDVM_VFIO_STEP_TIMEOUT:-600}
-WINDOW_MIB=128 # two 64 MiB guests (a migration's source and destination); a power of two (QEMU 7.2
-# asserts on others); L1 maps only what a lease uses (~4 ms per 4 KiB page there)
+WINDOW_MIB=256 # two 64 MiB guests (a migration's source and destination) and the links' control
+# rings at its end (ntb::ring); a power of two (QEMU 7.2 asserts on others); L1 maps only what
+# a lease uses (~4 ms per 4 KiB page there)
+# Where the borrowers' control messages go: "ring" (default: rings in the window, TCP only
+# for wake-ups) or "tcp" (all through QEMU's user network into L1's TCP stack), to compare.
+CONTROL_PATH=${LENDVM_VFIO_CONTROL_PATH:-ring}
+# L1's speed: its boot's wall time against this reference (an idle machine of this kind,
+# 170-210 s measured,
+# docs/VFIO.md). The cases' deadlines scale with the ratio, within [1, SLOW_MAX].
+REF_BOOT_S=200
+SLOW_MAX=4
 
-demo=0
+demo=0 bench=""
 case "${1:-}" in
 --demo) demo=1 ;;
+--bench)
+	bench=${2:?usage: scripts/test-vfio.sh --bench OUTDIR}
+	mkdir -p "$bench"
+	bench=$(cd "$bench" && pwd) ;;
 "") ;;
-*) echo "usage: scripts/test-vfio.sh [--demo]" >&2; exit 2 ;;
+*) echo "usage: scripts/test-vfio.sh [--demo | --bench OUTDIR]" >&2; exit 2 ;;
 esac
+# Which build of lenderd L1 runs (release; debug only to measure what release saves).
+export LENDVM_L1_LENDERD_PROFILE=${LENDVM_L1_LENDERD_PROFILE:-release}
 
 missing=()
 command -v "$QEMU" >/dev/null || missing+=("$QEMU (apt-get install qemu-system-x86)")
@@ -134,7 +152,8 @@ cluster "10.0.2.15:7700" "region_device = \"$SHM_BDF\"" >"$RUN/l1/etc/lendvm/clu
 cp "$RUN/token" "$RUN/l1/etc/lendvm/token"
 chmod 700 "$RUN/l1/etc/lendvm"
 chmod 600 "$RUN/l1/etc/lendvm/"*
-cluster "127.0.0.1:$PORT" "region = \"$WINDOW\"" >"$RUN/cluster.toml"
+cluster "127.0.0.1:$PORT" "region = \"$WINDOW\"
+	control_path = \"$CONTROL_PATH\"" >"$RUN/cluster.toml"
 # The initramfs plus a second archive with the cluster file and token (mode 0600 inside;
 # the concatenation is 0600 in the 0700 run directory).
 (cd "$RUN/l1" && find etc | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$RUN/secrets.cpio"
@@ -208,7 +227,14 @@ wait_for() {
 	done
 }
 
+T_L1=$SECONDS
 wait_for "L1-STEP boot ok" "$BOOT_TIMEOUT" "boot"
+BOOT_S=$((SECONDS - T_L1))
+# Deadlines of the cases scale with L1's measured speed (hundredths: bash has no floats).
+SLOW=$((BOOT_S * 100 / REF_BOOT_S))
+[ "$SLOW" -ge 100 ] || SLOW=100
+[ "$SLOW" -le $((SLOW_MAX * 100)) ] || SLOW=$((SLOW_MAX * 100))
+log "L1 booted in ${BOOT_S}s (reference ${REF_BOOT_S}s): deadlines x$((SLOW / 100)).$(printf %02d $((SLOW % 100)))"
 wait_for "L1-STEP bind ok $SRIOV_VF" "$STEP_TIMEOUT" "binding to vfio-pci"
 grep "L1-STEP\|L1-PCI\|LENDVM-SRIOV" "$RUN/serial.log" >&2
 
@@ -237,7 +263,7 @@ echo "$out" >&2
 for b in "$NVME_BDF" "$NIC_BDF" "$PEER_BDF" "$SRIOV_VF"; do
 	grep -q "$b" <<<"$out" || die "lendctl list does not show $b lent by L1"
 done
-log "PASS lenderd (L1 lends $NVME_BDF, $NIC_BDF, $PEER_BDF and the VF $SRIOV_VF through vfio-pci)"
+log "PASS lenderd (L1 lends $NVME_BDF, $NIC_BDF, $PEER_BDF and the VF $SRIOV_VF through vfio-pci; $((SECONDS - T_L1))s since L1's start)"
 if [ "${LENDVM_VFIO_ONLY_L1:-0}" = 1 ]; then
 	log "test-vfio: L1 cases passed (LENDVM_VFIO_ONLY_L1=1: the lendvm guest cases not run)"
 	exit 0
@@ -292,10 +318,18 @@ run_vfio_tests() {
 		LENDVM_VFIO_L1_CMD=$RUN/l1-cmd.sock LENDVM_VFIO_L1_CONSOLE=$RUN/serial.log \
 		LENDVM_VFIO_L1_PID=$QPID LENDVM_VFIO_PEER=$PEER_BDF LENDVM_VFIO_PEER_FILE=$PEER \
 		LENDVM_LINUX_KERNEL=$BZIMAGE LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS LENDVM_TOKEN="$(cat "$RUN/token")" \
+		LENDVM_VFIO_SLOWNESS=$SLOW LENDVM_VFIO_CONTROL_PATH=$CONTROL_PATH \
+		LENDVM_VFIO_ALL_DEVICES="$NVME_BDF $NIC_BDF $PEER_BDF $SRIOV_VF" \
 		nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lendvm-tests --test vfio -- \
 		--ignored --test-threads=1 "$@"
 }
 L1_DEATH_CASE=vfio_l1_dying_mid_lease_leaves_the_vm_running
+if [ -n "$bench" ]; then
+	LENDVM_VFIO_BENCH_OUT=$bench run_vfio_tests --exact bench_l1_control_paths --nocapture \
+		|| die "bench_l1_control_paths failed"
+	log "test-vfio: bench done (lenderd $LENDVM_L1_LENDERD_PROFILE), JSON in $bench"
+	exit 0
+fi
 if [ -n "${LENDVM_VFIO_ONLY:-}" ]; then
 	# Just these cases (space-separated test names; the L1-death case, if named, last).
 	for c in $LENDVM_VFIO_ONLY; do
@@ -309,8 +343,29 @@ if [ -n "${LENDVM_VFIO_ONLY:-}" ]; then
 	log "test-vfio: $LENDVM_VFIO_ONLY passed"
 	exit 0
 fi
-run_vfio_tests --skip "$L1_DEATH_CASE" || die "tests/tests/vfio.rs failed"
+# One cargo invocation per case, timed: a failed case is reported and the next still runs
+# (each case waits until L1's lenderd shows its devices free before it borrows, so a
+# failure does not leave the next one a busy device).
+CASES=$(run_vfio_tests --list 2>/dev/null | sed -n 's/: test$//p')
+[ -n "$CASES" ] || die "tests/tests/vfio.rs lists no cases"
+failed=() times=()
+run_case() {
+	local c=$1 t0=$SECONDS rc=0
+	log "case $c"
+	run_vfio_tests --exact "$c" || rc=$?
+	times+=("$(printf '%5ss  %s  %s' $((SECONDS - t0)) "$([ $rc = 0 ] && echo pass || echo FAIL)" "$c")")
+	[ $rc = 0 ] || failed+=("$c")
+}
+for c in $CASES; do
+	case $c in
+	"$L1_DEATH_CASE" | bench_*) ;; # the L1 death last; benchmarks only with --bench
+	*) run_case "$c" ;;
+	esac
+done
 # Last, as it ends L1: QEMU is killed under a lease.
-run_vfio_tests --exact "$L1_DEATH_CASE" || die "tests/tests/vfio.rs $L1_DEATH_CASE failed"
+run_case "$L1_DEATH_CASE"
 QPID=""
-log "test-vfio: all cases passed"
+log "test-vfio: the cases' times (L1 booted in ${BOOT_S}s, deadlines x$((SLOW / 100)).$(printf %02d $((SLOW % 100))), control path $CONTROL_PATH):"
+printf '  %s\n' "${times[@]}" >&2
+[ ${#failed[@]} = 0 ] || die "tests/tests/vfio.rs: ${#failed[@]} cases failed: ${failed[*]}"
+log "test-vfio: all cases passed in $((SECONDS - T_L1))s since L1's start"

@@ -11,6 +11,7 @@
 //! | add: node has no such device | 400 `node node3 has no device 0000:99:00.0 to lend` |
 //! | add: id already in use | 409 `device id nvme1 is already in use` |
 //! | add: same lender device attached twice | 409 `node3:0000:81:00.0 is already attached as nvme1` |
+//! | add: the device was removed and the guest has not ejected it yet | 409 `node3:0000:81:00.0 (removed as nvme1) is still being released: the guest has not ejected it yet ...` |
 //! | add: no free slot | 409 `no free pci slot on bus 0` |
 //! | remove: unknown id, or already removed | 404 `no device with id nvme1` |
 //! | remove: removal pending, no force | 409 `removal of nvme1 is already pending ...` |
@@ -30,7 +31,9 @@ use std::thread::JoinHandle;
 
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::request::{already_attached, id_in_use, pause_refusal};
+use crate::request::{
+    already_attached, id_in_use, pause_refusal, still_being_released, ReleaseWait,
+};
 use crate::request::{
     serve_pending, ApiError, ApiHandler, ApiMessage, ApiReply, ApiRequest, ApiResponse,
 };
@@ -225,6 +228,16 @@ impl FakeVmm {
                     data.id.as_ref() == Some(id) || (d.node == *node && d.lender_bdf == *bdf);
                 !(same && d.lease_state == LeaseState::Lost)
             });
+        }
+        // As the VMM: a device whose removal waits for the guest is still being released.
+        if let Some(other) = self.devices.values().find(|d| {
+            d.node == *node && d.lender_bdf == *bdf && d.lease_state == LeaseState::Removing
+        }) {
+            return Err(ApiError::conflict(still_being_released(
+                &data.device,
+                &other.id,
+                ReleaseWait::GuestEject,
+            )));
         }
         if let Some(id) = &data.id {
             if let Some(d) = self.devices.get(id) {

@@ -200,10 +200,13 @@ pub struct DeviceRow {
     pub device_id: u16,
     /// 0xBBSSPP.
     pub class: u32,
-    /// `available`, `lent`, `resetting`, `failed`.
+    /// `available`, `lent`, `releasing`, `resetting`, `failed`.
     pub state: &'static str,
     /// The borrower, when lent.
     pub lent_to: Option<Borrower>,
+    /// The borrower whose lease is being taken back, when releasing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released_from: Option<Borrower>,
     /// Why the device failed.
     pub reason: Option<String>,
     /// The directory claim on the device (etcd directory only).
@@ -221,18 +224,18 @@ pub struct ClaimView {
 
 impl DeviceRow {
     pub fn new(node: &str, d: &DeviceSummary) -> Self {
-        let (state, lent_to, reason) = match &d.state {
-            DeviceState::Available => ("available", None, None),
-            DeviceState::Lent { node, vm } => (
-                "lent",
-                Some(Borrower {
-                    node: node.clone(),
-                    vm: vm.clone(),
-                }),
-                None,
-            ),
-            DeviceState::Resetting => ("resetting", None, None),
-            DeviceState::Failed { reason } => ("failed", None, Some(reason.clone())),
+        let borrower = |node: &String, vm: &String| {
+            Some(Borrower {
+                node: node.clone(),
+                vm: vm.clone(),
+            })
+        };
+        let (state, lent_to, released_from, reason) = match &d.state {
+            DeviceState::Available => ("available", None, None, None),
+            DeviceState::Lent { node, vm } => ("lent", borrower(node, vm), None, None),
+            DeviceState::Releasing { node, vm } => ("releasing", None, borrower(node, vm), None),
+            DeviceState::Resetting => ("resetting", None, None, None),
+            DeviceState::Failed { reason } => ("failed", None, None, Some(reason.clone())),
         };
         DeviceRow {
             node: node.to_string(),
@@ -243,16 +246,21 @@ impl DeviceRow {
             class: d.class,
             state,
             lent_to,
+            released_from,
             reason,
             claim: None,
         }
     }
 
-    /// `available`, `lent to node1/vm0`, `resetting`, `failed: why`; a claim not yet (or
-    /// no longer) matched by a lease shows as `claimed by node1/vm0`.
+    /// `available`, `lent to node1/vm0`, `releasing (was lent to node1/vm0)`, `resetting`,
+    /// `failed: why`; a claim not yet (or no longer) matched by a lease shows as
+    /// `claimed by node1/vm0`.
     pub fn state_text(&self) -> String {
         if let (None, Some(c)) = (&self.lent_to, &self.claim) {
             return format!("{} (claimed by {}/{})", self.state, c.node, c.vm);
+        }
+        if let Some(b) = &self.released_from {
+            return format!("{} (was lent to {}/{})", self.state, b.node, b.vm);
         }
         match (&self.lent_to, &self.reason) {
             (Some(b), _) => format!("lent to {}/{}", b.node, b.vm),
@@ -599,6 +607,21 @@ mod tests {
             }),
         );
         assert_eq!(failed.state_text(), "failed: reset timed out");
+        // A lease being taken back is not lent any more, and says whose it was.
+        let releasing = DeviceRow::new(
+            "node3",
+            &summary(DeviceState::Releasing {
+                node: "node1".into(),
+                vm: "vm0".into(),
+            }),
+        );
+        assert_eq!(releasing.state, "releasing");
+        assert_eq!(releasing.lent_to, None);
+        assert_eq!(releasing.state_text(), "releasing (was lent to node1/vm0)");
+        let j = serde_json::to_value(&releasing).unwrap();
+        assert_eq!(j["state"], "releasing");
+        assert_eq!(j["released_from"]["node"], "node1");
+        assert!(j["lent_to"].is_null());
         let t = render_devices(&[DeviceRow::new("node3", &summary(DeviceState::Available))]);
         assert_eq!(
             t,

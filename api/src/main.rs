@@ -380,7 +380,10 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
             } else if *force {
                 println!("removed {id}");
             } else {
-                println!("removal of {id} requested; the guest ejects it");
+                println!(
+                    "removal of {id} requested; the guest ejects it, then its lease goes back \
+                     to the lender (`lendctl events` shows device-released)"
+                );
             }
         }
         Command::Shutdown => {

@@ -117,8 +117,8 @@ pub enum ApiErrorKind {
     BadRequest,
     /// 404: the device id does not exist (or was already removed).
     NotFound,
-    /// 409: conflicts with the current state (duplicate id, device already attached, VM
-    /// shutting down, removal already pending).
+    /// 409: conflicts with the current state (duplicate id, device already attached or
+    /// still being released, VM shutting down, removal already pending).
     Conflict,
     /// 503: the VMM cannot serve requests right now.
     ServiceUnavailable,
@@ -191,6 +191,40 @@ pub fn already_attached(spec: &impl fmt::Display, id: &str, lost: bool) -> Strin
     } else {
         format!("{spec} is already attached as {id}")
     }
+}
+
+/// What the release of a removed lender device still waits for (the 409 of a re-add,
+/// [`still_being_released`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseWait {
+    /// `vm.remove-device` asked the guest to eject the device; it has not yet.
+    GuestEject,
+    /// Torn down, but a vCPU is still inside an access to it; then its lease goes back.
+    VcpuAccess,
+}
+
+impl fmt::Display for ReleaseWait {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReleaseWait::GuestEject => {
+                "the guest has not ejected it yet (vm.remove-device with \"force\": true \
+                 tears it down now)"
+            }
+            ReleaseWait::VcpuAccess => {
+                "a vCPU is finishing an access to it, then its lease goes back to the lender"
+            }
+        })
+    }
+}
+
+/// The 409 message for a lender device that was removed as `id` and is not released yet
+/// (shared by the VMM and [`crate::fake::FakeVmm`]): the `device-released` event of `id`
+/// says when a re-add can succeed.
+pub fn still_being_released(spec: &impl fmt::Display, id: &str, wait: ReleaseWait) -> String {
+    format!(
+        "{spec} (removed as {id}) is still being released: {wait}; add it again after the \
+         device-released event of {id} (lendctl events)"
+    )
 }
 
 /// The 409 message for a device id that is taken (see [`already_attached`]).

@@ -22,7 +22,7 @@
 //! | unknown path | 404 | text |
 //! | VMM said not found (unknown id, double remove) | 404 | text |
 //! | wrong method on a known path | 405 | text, `Allow` header |
-//! | VMM said conflict (duplicate id, device already attached, VM shutting down) | 409 | text |
+//! | VMM said conflict (duplicate id, device already attached or still being released, VM shutting down) | 409 | text |
 //! | body not delivered within `body_timeout` (10 s) | 408 | text |
 //! | body larger than the limit (64 KiB by default), declared or actual | 413 | text |
 //! | VMM internal error, or a response that does not fit the request | 500 | text |

@@ -106,6 +106,16 @@ fn cooperative_removal_waits_for_eject_and_force_removes() {
     assert_eq!(h.info()["remote_devices"][0]["lease_state"], "removing");
     // A second plain remove while the eject is pending is a conflict that says what to do.
     h.expect_error("PUT", REMOVE, Some(r#"{"id":"a"}"#), 409, "use force");
+    // A re-add of the lender device meanwhile hears that it is still being released (not
+    // that it is attached), and what to wait for.
+    h.expect_error(
+        "PUT",
+        ADD,
+        Some(r#"{"device":"node3:0000:81:00.0","id":"a2"}"#),
+        409,
+        "node3:0000:81:00.0 (removed as a) is still being released: the guest has not \
+         ejected it yet",
+    );
     // The guest ejects: gone.
     assert!(h.vmm.with_vmm(|v| v.guest_eject("a")));
     h.expect_error(

@@ -5,9 +5,17 @@
 //! window, drops the interrupt wiring, clears Bus Master Enable, resets the device, revokes
 //! the BAR windows and puts the device back to `available` (or `failed` if the reset fails).
 //! Leases live only in memory, so a restarted lenderd starts with every device available.
+//!
+//! From the moment a lease is being taken back until the device is available again, the
+//! device is `releasing (was lent to node/vm)` ([`DeviceState::Releasing`]) and a borrow is
+//! refused with [`InventoryError::Releasing`]: the session marks a lease so the moment it
+//! decides to end it ([`Lease::begin_release`]), and [`Inventory::release_unreachable`]
+//! marks a lease whose holder's link is down while the session is still busy with a request
+//! (a long DMA map). So once the link's end is known, `lendctl list` shows a dead borrower's
+//! device as lent for at most one more poll period of the lender.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
 use thiserror::Error;
@@ -27,6 +35,20 @@ pub enum InventoryError {
         /// Holder node.
         node: String,
         /// Holder VM.
+        vm: String,
+    },
+    /// A lease on it is being taken back (unmaps, reset): it is available again shortly.
+    #[error(
+        "device {id} is being released (was lent to {node}/{vm}): the lender is taking the \
+         lease back (unmapping its DMA, resetting the device); borrow it again once it is \
+         available"
+    )]
+    Releasing {
+        /// Device.
+        id: String,
+        /// The borrower node that held it.
+        node: String,
+        /// The borrower VM that held it.
         vm: String,
     },
     /// Resetting or failed.
@@ -80,6 +102,9 @@ pub struct DeviceEntry {
     leases_granted: AtomicU64,
     /// The lease in force, for the metrics (one per device at most: bounded).
     current: Mutex<Option<LeaseView>>,
+    /// The link of the lease's holder, while one holds it: [`Inventory::release_unreachable`]
+    /// looks at it. Weak: the session owns its link.
+    holder_link: Mutex<Option<Weak<dyn ntb::Endpoint>>>,
 }
 
 /// What the metrics show of the lease in force on a device.
@@ -126,6 +151,24 @@ impl DeviceEntry {
         self.current.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn holder_link(&self) -> MutexGuard<'_, Option<Weak<dyn ntb::Endpoint>>> {
+        self.holder_link.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `Lent` becomes `Releasing` (the lease is being taken back); returns whether it was
+    /// lent. Any other state is left alone: `Releasing` already, or the end of the release.
+    fn mark_releasing(&self) -> bool {
+        let mut st = self.lock();
+        let DeviceState::Lent { node, vm } = &*st else {
+            return false;
+        };
+        *st = DeviceState::Releasing {
+            node: node.clone(),
+            vm: vm.clone(),
+        };
+        true
+    }
+
     /// The lease in force, if any.
     pub fn lease_view(&self) -> Option<LeaseView> {
         self.current().clone()
@@ -169,6 +212,7 @@ impl Inventory {
                 state: Mutex::new(DeviceState::Available),
                 leases_granted: AtomicU64::new(0),
                 current: Mutex::new(None),
+                holder_link: Mutex::new(None),
             }));
         }
         Ok(Inventory {
@@ -210,8 +254,35 @@ impl Inventory {
         self.started.elapsed().as_secs()
     }
 
-    /// Refuses `dev` while its PF, or one of its VFs, is lent or resetting (a failed or
-    /// available relative does not hold it back). Called with the family lock held.
+    /// Marks `releasing` every lent device whose holder's link is down
+    /// ([`Lease::watch_holder`]); returns how many it marked. The session of that link ends
+    /// the lease as soon as it sees the link's end, but it serves one request at a time: while
+    /// it is inside a long one (a DMA map of a large window takes seconds on hardware,
+    /// minutes under emulation) the device would otherwise show as lent to a borrower that
+    /// is gone. Called by [`crate::server::Lender::serve`] every poll period.
+    pub fn release_unreachable(&self) -> usize {
+        let mut marked = 0;
+        for dev in &self.devices {
+            let down = dev
+                .holder_link()
+                .as_ref()
+                .and_then(Weak::upgrade)
+                .is_some_and(|ep| !ep.is_up());
+            if down && dev.mark_releasing() {
+                // Once per lease: the state is no longer `Lent` after this.
+                log::info!(
+                    "{}: the holder's link is down; releasing (the session ends the lease \
+                     after the request it is serving)",
+                    dev.id
+                );
+                marked += 1;
+            }
+        }
+        marked
+    }
+
+    /// Refuses `dev` while its PF, or one of its VFs, is lent, releasing or resetting (a
+    /// failed or available relative does not hold it back). Called with the family lock held.
     fn check_family(&self, dev: &DeviceEntry) -> Result<(), InventoryError> {
         let physfn = dev.backend.physical_function();
         for other in self.devices.iter().filter(|d| d.id != dev.id) {
@@ -223,7 +294,10 @@ impl Inventory {
                 continue;
             };
             let state = other.state();
-            if matches!(state, DeviceState::Lent { .. } | DeviceState::Resetting) {
+            if matches!(
+                state,
+                DeviceState::Lent { .. } | DeviceState::Releasing { .. } | DeviceState::Resetting
+            ) {
                 return Err(InventoryError::Family {
                     id: dev.id.clone(),
                     relation,
@@ -248,6 +322,13 @@ impl Inventory {
                 DeviceState::Available => {}
                 DeviceState::Lent { node, vm } => {
                     return Err(InventoryError::Busy {
+                        node: node.clone(),
+                        vm: vm.clone(),
+                    })
+                }
+                DeviceState::Releasing { node, vm } => {
+                    return Err(InventoryError::Releasing {
+                        id: id.to_string(),
                         node: node.clone(),
                         vm: vm.clone(),
                     })
@@ -327,6 +408,19 @@ impl Lease {
         &self.holder
     }
 
+    /// Watches `link`, the holder's link to this lender: once it is down the device shows
+    /// `releasing` even before the session ends the lease ([`Inventory::release_unreachable`]).
+    /// Set again by a transfer to the new holder's link.
+    pub fn watch_holder(&self, link: &Arc<dyn ntb::Endpoint>) {
+        *self.device.holder_link() = Some(Arc::downgrade(link));
+    }
+
+    /// The lease is being taken back (its session is about to end it, or its holder's link
+    /// is down): the device shows `releasing` from now until the drop has reset it.
+    pub fn begin_release(&self) {
+        self.device.mark_releasing();
+    }
+
     /// Keeps a BAR fabric window until the lease ends.
     pub fn add_bar_window(&mut self, w: ntb::ExportedWindow) {
         self.bar_windows.push(w);
@@ -379,7 +473,10 @@ impl Drop for Lease {
     fn drop(&mut self) {
         let dev = &self.device;
         *dev.current() = None;
-        *dev.lock() = DeviceState::Resetting;
+        *dev.holder_link() = None;
+        // Usually marked already by the session; a lease dropped another way (a transfer
+        // that failed half-way, the lender stopping) is marked here.
+        dev.mark_releasing();
         let b = &dev.backend;
         let unmapped = b.domain().unmap_all();
         b.clear_irqs();
@@ -496,6 +593,45 @@ mod tests {
         assert_eq!(u64::from_le_bytes(v), 0x7777_0003);
         fresh.write_at(128, &0x3c3c_0004u64.to_le_bytes()).unwrap();
         assert_eq!(device(128), 0x3c3c_0004);
+    }
+
+    /// A lease being taken back shows `releasing` with its holder until its drop has reset
+    /// the device; a borrow meanwhile is refused as being released (not "busy, lent to"),
+    /// and so is a VF of a releasing PF.
+    #[test]
+    fn a_lease_being_taken_back_is_releasing_and_refuses_borrows_as_such() {
+        let inv =
+            Inventory::new(vec![function("rel", None), function("relvf", Some("rel"))]).unwrap();
+        let lease = inv.acquire("rel", "n1", "vm-a").unwrap();
+        lease.begin_release();
+        let st = inv.get("rel").unwrap().state();
+        assert_eq!(
+            st,
+            DeviceState::Releasing {
+                node: "n1".into(),
+                vm: "vm-a".into()
+            }
+        );
+        assert_eq!(st.to_string(), "releasing (was lent to n1/vm-a)");
+        let e = inv.acquire("rel", "n2", "vm-b").err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            "device rel is being released (was lent to n1/vm-a): the lender is taking the \
+             lease back (unmapping its DMA, resetting the device); borrow it again once it is \
+             available"
+        );
+        let e = inv
+            .acquire("relvf", "n2", "vm-b")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("its physical function rel is releasing (was lent to n1/vm-a)"),
+            "{e}"
+        );
+        drop(lease);
+        assert_eq!(inv.get("rel").unwrap().state(), DeviceState::Available);
+        let _again = inv.acquire("rel", "n2", "vm-b").unwrap();
     }
 
     /// A PF is refused while one of its VFs is lent, a VF while its PF is; unrelated

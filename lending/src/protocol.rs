@@ -61,6 +61,7 @@
 //! | 5 | P2P_MAP and P2P_UNMAP requests (peer-to-peer DMA between two leases of one borrower on this lender) |
 //! | 6 | peer-to-peer DMA across lenders ([`p2px`]): P2P_GRANT/REVOKE, P2P_MAP_REMOTE/UNMAP_REMOTE, lender-to-lender P2P_ATTACH/DETACH (0x113..=0x118) |
 //! | 7 | [`LeaseCounters`] carries the device model's `commands`, `invalid_doorbells` and `bad_prps` (older sessions get the version 3 layout, [`encode_lease_counters`]) |
+//! | 8 | [`DeviceState::Releasing`] in LIST and STATUS replies (a new enum variant, which an older decoder refuses: older sessions get `Resetting` instead, [`devices_for_version`], [`status_for_version`]) |
 //!
 //! New requests of a version are unknown opcodes in a session of an older version (both
 //! ways: the lender answers `UNKNOWN_OPCODE`, and [`Request::encode_versioned`] refuses to
@@ -85,7 +86,9 @@ pub use p2px::{
 };
 
 /// Version of this protocol (independent of the wire version).
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
+/// The version whose LIST and STATUS replies may carry [`DeviceState::Releasing`].
+pub const RELEASING_STATE_VERSION: u32 = 8;
 /// The version whose [`LeaseCounters`] carries the device model's command counters.
 pub const MODEL_COUNTERS_VERSION: u32 = 7;
 /// The version that introduced P2P_MAP/P2P_UNMAP.
@@ -261,13 +264,40 @@ pub enum DeviceState {
         /// Borrower VM.
         vm: String,
     },
-    /// Being reset after a lease ended.
+    /// Being reset after a lease ended. A lender of version 8 or later says
+    /// [`DeviceState::Releasing`] instead; older lenders, and newer ones to older sessions,
+    /// say this.
     Resetting,
     /// Unusable.
     Failed {
         /// Why.
         reason: String,
     },
+    /// The lease of `node/vm` is being taken back: from the moment the lender ends it
+    /// (RETURN, the borrower's link found down, its claim gone) until the device is
+    /// unmapped, reset and available again (version 8; last, so that the older variants keep
+    /// their positions on the wire).
+    Releasing {
+        /// The borrower node that held it.
+        node: String,
+        /// The borrower VM that held it.
+        vm: String,
+    },
+}
+
+impl DeviceState {
+    /// The state as a session of protocol `version` may carry it: before
+    /// [`RELEASING_STATE_VERSION`] a releasing device is `Resetting` (not available, as
+    /// there), since an older decoder refuses the unknown variant and with it the whole
+    /// reply.
+    pub fn for_version(self, version: u32) -> DeviceState {
+        match self {
+            DeviceState::Releasing { .. } if version < RELEASING_STATE_VERSION => {
+                DeviceState::Resetting
+            }
+            other => other,
+        }
+    }
 }
 
 impl std::fmt::Display for DeviceState {
@@ -277,6 +307,9 @@ impl std::fmt::Display for DeviceState {
             DeviceState::Lent { node, vm } => write!(f, "lent to {node}/{vm}"),
             DeviceState::Resetting => f.write_str("resetting"),
             DeviceState::Failed { reason } => write!(f, "failed: {reason}"),
+            DeviceState::Releasing { node, vm } => {
+                write!(f, "releasing (was lent to {node}/{vm})")
+            }
         }
     }
 }
@@ -1477,6 +1510,37 @@ pub fn decode_reply<T: serde::de::DeserializeOwned>(
     dec(op, payload)
 }
 
+/// A LIST reply's devices as a session of protocol `version` may carry them
+/// ([`DeviceState::for_version`]).
+pub fn devices_for_version(devices: Vec<DeviceSummary>, version: u32) -> Vec<DeviceSummary> {
+    devices
+        .into_iter()
+        .map(|d| DeviceSummary {
+            state: d.state.for_version(version),
+            ..d
+        })
+        .collect()
+}
+
+/// A STATUS reply as a session of protocol `version` may carry it
+/// ([`DeviceState::for_version`]).
+pub fn status_for_version(status: LenderStatus, version: u32) -> LenderStatus {
+    LenderStatus {
+        devices: status
+            .devices
+            .into_iter()
+            .map(|d| DeviceStatus {
+                summary: DeviceSummary {
+                    state: d.summary.state.for_version(version),
+                    ..d.summary
+                },
+                ..d
+            })
+            .collect(),
+        ..status
+    }
+}
+
 /// The version a lender serving `ours` speaks with a borrower asking for `theirs`, or `None`
 /// when the borrower is too old.
 pub fn negotiate(theirs: u32, ours: u32) -> Option<u32> {
@@ -1944,7 +2008,11 @@ mod tests {
     #[test]
     fn version_1_layouts_keep_their_meaning() {
         assert_eq!(negotiate(1, PROTOCOL_VERSION), Some(1));
-        assert_eq!(negotiate(7, PROTOCOL_VERSION), Some(PROTOCOL_VERSION));
+        assert_eq!(negotiate(7, PROTOCOL_VERSION), Some(7));
+        assert_eq!(
+            negotiate(PROTOCOL_VERSION, PROTOCOL_VERSION),
+            Some(PROTOCOL_VERSION)
+        );
         assert_eq!(negotiate(0, PROTOCOL_VERSION), None);
         // A version 1 borrower reads the borrow reply without notify modes; decoded back, a
         // window of a lease with a notify fd is write-notified as a whole, as in version 1.
@@ -2015,6 +2083,91 @@ mod tests {
         );
         // The new layout is not the old one: read as version 6 it is refused, not misread.
         assert!(decode_lease_counters(&p7, 6).is_err());
+    }
+
+    /// A releasing device reaches a version 8 session as `Releasing`; a version 7 session,
+    /// whose decoder does not know that variant (frozen copy below) and would refuse the
+    /// whole LIST or STATUS reply, gets `Resetting`. The older variants keep their positions.
+    #[test]
+    fn a_releasing_device_is_resetting_to_sessions_before_version_8() {
+        #[derive(Debug, PartialEq, Deserialize)]
+        enum DeviceStateV7 {
+            Available,
+            Lent { node: String, vm: String },
+            Resetting,
+            Failed { reason: String },
+        }
+        #[derive(Debug, Deserialize)]
+        struct DeviceSummaryV7 {
+            id: String,
+            _kind: String,
+            _vendor_id: u16,
+            _device_id: u16,
+            _class: u32,
+            state: DeviceStateV7,
+        }
+        let dev = |state| DeviceSummary {
+            id: "0000:81:00.0".into(),
+            kind: "nvme".into(),
+            vendor_id: 0x1b36,
+            device_id: 0x0010,
+            class: 0x010802,
+            state,
+        };
+        let releasing = DeviceState::Releasing {
+            node: "node1".into(),
+            vm: "vm0".into(),
+        };
+        assert_eq!(releasing.to_string(), "releasing (was lent to node1/vm0)");
+        let op = opcode::LIST;
+        let list = vec![dev(releasing.clone()), dev(DeviceState::Available)];
+        let p8 = enc(op, &devices_for_version(list.clone(), 8)).unwrap();
+        assert_eq!(dec::<Vec<DeviceSummary>>(op, &p8).unwrap(), list);
+        assert!(
+            dec::<Vec<DeviceSummaryV7>>(op, &p8).is_err(),
+            "a version 7 decoder reads Releasing"
+        );
+        let p7 = enc(op, &devices_for_version(list.clone(), 7)).unwrap();
+        let old: Vec<DeviceSummaryV7> = dec(op, &p7).unwrap();
+        assert_eq!(old[0].id, "0000:81:00.0");
+        assert_eq!(old[0].state, DeviceStateV7::Resetting);
+        assert_eq!(old[1].state, DeviceStateV7::Available);
+        // The older variants are where version 7 has them.
+        for (new, v7) in [
+            (
+                DeviceState::Lent {
+                    node: "n".into(),
+                    vm: "v".into(),
+                },
+                DeviceStateV7::Lent {
+                    node: "n".into(),
+                    vm: "v".into(),
+                },
+            ),
+            (DeviceState::Resetting, DeviceStateV7::Resetting),
+            (
+                DeviceState::Failed { reason: "r".into() },
+                DeviceStateV7::Failed { reason: "r".into() },
+            ),
+        ] {
+            let p = enc(op, &devices_for_version(vec![dev(new)], 8)).unwrap();
+            assert_eq!(dec::<Vec<DeviceSummaryV7>>(op, &p).unwrap()[0].state, v7);
+        }
+        // STATUS the same way.
+        let st = LenderStatus {
+            node: "node3".into(),
+            uptime_secs: 1,
+            devices: vec![DeviceStatus {
+                summary: dev(releasing.clone()),
+                dma_maps: vec![(0x1000, 0x1000)],
+                iommu_faults: 0,
+                leases_granted: 1,
+            }],
+        };
+        let s7 = status_for_version(st.clone(), 7);
+        assert_eq!(s7.devices[0].summary.state, DeviceState::Resetting);
+        assert_eq!(s7.devices[0].dma_maps, st.devices[0].dma_maps);
+        assert_eq!(status_for_version(st.clone(), 8), st);
     }
 
     #[test]

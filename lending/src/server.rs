@@ -8,6 +8,14 @@
 //! the fabric within its peer timeout) the session ends and its leases are dropped, which
 //! gives the devices back (see [`crate::inventory::Lease`]).
 //!
+//! How long a dead borrower's lease lasts: the link's end is seen at once on an orderly close
+//! or a killed process (the socket closes), else within the link's `peer_timeout` of its last
+//! heartbeat; the session then ends its leases after the request it is serving, if any (one
+//! at a time per session; the long one is a DMA map of a large window), and each lease's
+//! release (unmap, clear interrupts, reset) follows. From the moment the link is known down
+//! until the device is available again it shows as `releasing` and a borrow is refused as
+//! such ([`Inventory::release_unreachable`] covers the request still being served).
+//!
 //! With a cluster directory ([`Lender::with_claims`]) a device is lent only under a current
 //! directory claim (`BORROW_CLAIMED` with the claim's revision as fencing token; a plain
 //! `BORROW` is refused), and a lease whose claim this lender sees end (expired, released,
@@ -381,6 +389,8 @@ impl Lender {
                 }
             }
             sessions.retain(|h| !h.is_finished());
+            // A session inside a long request has not seen its link's end yet.
+            self.inventory.release_unreachable();
         }
         log::info!("stopping: ending {} sessions", sessions.len());
         self.peers.close_all();
@@ -642,7 +652,10 @@ fn iommu_err(e: IommuError) -> ErrorReply {
 fn inv_err(e: InventoryError) -> ErrorReply {
     let c = match &e {
         InventoryError::UnknownDevice(_) => code::UNKNOWN_DEVICE,
+        // Releasing is busy for now, not unavailable: a borrower may retry it shortly (its
+        // message says so, and older borrowers show the message as it is).
         InventoryError::Busy { .. }
+        | InventoryError::Releasing { .. }
         | InventoryError::Family { .. }
         | InventoryError::PfWithVfs { .. } => code::DEVICE_BUSY,
         _ => code::DEVICE_UNAVAILABLE,
@@ -1112,14 +1125,20 @@ impl Session {
         }
         match req {
             Request::Hello(_) => Err(error(code::INVALID, "hello already done")),
-            Request::List => ok(op, &self.lender.inventory.list()),
+            Request::List => ok(
+                op,
+                &protocol::devices_for_version(self.lender.inventory.list(), self.version),
+            ),
             Request::Status => ok(
                 op,
-                &LenderStatus {
-                    node: self.lender.node.clone(),
-                    uptime_secs: self.lender.inventory.uptime_secs(),
-                    devices: self.lender.inventory.status(),
-                },
+                &protocol::status_for_version(
+                    LenderStatus {
+                        node: self.lender.node.clone(),
+                        uptime_secs: self.lender.inventory.uptime_secs(),
+                        devices: self.lender.inventory.status(),
+                    },
+                    self.version,
+                ),
             ),
             Request::Borrow(b) => {
                 if self.lender.claims.is_some() {
@@ -1313,6 +1332,7 @@ impl Session {
                     error(code::UNKNOWN_LEASE, format!("unknown lease {}", l.lease))
                 })?;
                 sl.lease.set_end_reason("returned by the borrower");
+                sl.lease.begin_release();
                 drop(sl);
                 self.lender.transfers.forget(
                     self.id,
@@ -1374,6 +1394,7 @@ impl Session {
                 inv_err(e)
             })?;
         let id = lease.id();
+        lease.watch_holder(&self.ep);
         let backend = Arc::clone(lease.backend());
         // The filter is built from the device as the lease begins (see ConfigGate).
         let config = ConfigGate::new(
@@ -1601,6 +1622,7 @@ impl Session {
                     sl.lease.device().id()
                 );
                 log::warn!("lease {id} of {}: {reason}", self.peer());
+                sl.lease.begin_release();
                 self.lender.transfers.forget(self.id, Some(id), &reason);
                 self.send_gone(id, &reason);
                 sl.lease.set_end_reason(&reason);
@@ -1620,8 +1642,12 @@ impl Session {
         }
     }
 
-    /// Ends every lease; optionally tells the borrower first.
+    /// Ends every lease; optionally tells the borrower first. Every lease shows `releasing`
+    /// before the first one's release starts (they are released one after the other).
     fn end_all(&mut self, reason: &str, notify: bool) {
+        for sl in self.leases.values() {
+            sl.lease.begin_release();
+        }
         for (id, mut sl) in self.leases.drain() {
             if notify {
                 let ev = Event::DeviceGone(DeviceGone {

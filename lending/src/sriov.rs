@@ -20,10 +20,10 @@
 //!   sees the SR-IOV capability and its writes to extended config space are dropped).
 //! * **Exclusion.** Still, a PF and its VFs are never lent at the same time, as for a real
 //!   device, where resetting the PF (`VFIO_DEVICE_RESET`, FLR) takes every VF away from its
-//!   borrower: the inventory refuses the PF while any of its VFs is lent or resetting, and a
-//!   VF while its PF is ([`crate::inventory::InventoryError::Family`]). So whenever the
-//!   lender resets a PF (its borrower's RESET, the end of its lease) none of its VFs has a
-//!   borrower to lose it. Vfio VFs name their PF through sysfs (`physfn`).
+//!   borrower: the inventory refuses the PF while any of its VFs is lent, releasing or
+//!   resetting, and a VF while its PF is ([`crate::inventory::InventoryError::Family`]). So
+//!   whenever the lender resets a PF (its borrower's RESET, the end of its lease) none of its
+//!   VFs has a borrower to lose it. Vfio VFs name their PF through sysfs (`physfn`).
 //!
 //! A real SR-IOV device (vfio) needs none of this: the operator enables its VFs on the lender
 //! host (`sriov_numvfs`), binds each to vfio-pci and lends each by its BDF; see docs/SRIOV.md.

@@ -172,7 +172,7 @@ impl Handshakes {
                             ..LinkOpts::default()
                         },
                     ),
-                    Accepted::Tls(t) => LinkOpts::tls(t, false, deadline)
+                    Accepted::Tls(t) => LinkOpts::tls(t, false, deadline, &cfg)
                         .and_then(|(s, o)| establish(s, &local, &cfg, false, o)),
                 };
                 if let Err(e) = &r {

@@ -531,6 +531,12 @@ struct RawNode {
     /// ... or BAR `region_bar` (default 2, ivshmem's memory BAR) of a PCI function.
     region_device: Option<Spanned<String>>,
     region_bar: Option<Spanned<u8>>,
+    /// `bar` nodes: where the links' control messages go once TLS has authenticated the
+    /// peer: `"ring"` (default: rings in the region, [`crate::ring`]) or `"tcp"`.
+    control_path: Option<Spanned<String>>,
+    /// `bar` nodes: ring slots at the region's end (default
+    /// [`crate::region::DEFAULT_RING_SLOTS`]).
+    control_rings: Option<Spanned<u32>>,
 }
 
 /// A field name, the span of its value if given, and the verdict.
@@ -810,6 +816,67 @@ impl ClusterConfig {
                     )
                 }
                 (None, None, _) => None,
+            };
+            let region = match region {
+                Some(spec) => {
+                    let ring = match n.control_path.as_ref().map(|p| (p.get_ref().as_str(), p)) {
+                        None | Some(("ring", _)) => true,
+                        Some(("tcp", _)) => false,
+                        Some((other, p)) => {
+                            return cx.invalid(
+                                "control_path",
+                                p.span(),
+                                format!(
+                                    "unknown control_path {other:?}, expected \"ring\" or \"tcp\""
+                                ),
+                            )
+                        }
+                    };
+                    let slots = match (&n.control_rings, ring) {
+                        (Some(r), false) => {
+                            return cx.invalid(
+                                "control_rings",
+                                r.span(),
+                                "control_rings needs control_path = \"ring\"".into(),
+                            )
+                        }
+                        (Some(r), true) if *r.get_ref() == 0 => {
+                            return cx.invalid(
+                                "control_rings",
+                                r.span(),
+                                "control_rings must be at least 1 (control_path = \"tcp\" \
+                                 keeps control off the region)"
+                                    .into(),
+                            )
+                        }
+                        (Some(r), true) => *r.get_ref(),
+                        (None, true) => crate::region::DEFAULT_RING_SLOTS,
+                        (None, false) => 0,
+                    };
+                    let span = n
+                        .control_rings
+                        .as_ref()
+                        .map_or_else(|| n.name.span(), |r| r.span());
+                    Some(
+                        spec.with_rings(slots)
+                            .or_else(|m| cx.invalid("control_rings", span, m))?,
+                    )
+                }
+                None => {
+                    for (field, v) in [
+                        ("control_path", n.control_path.as_ref().map(|v| v.span())),
+                        ("control_rings", n.control_rings.as_ref().map(|v| v.span())),
+                    ] {
+                        if let Some(span) = v {
+                            return cx.invalid(
+                                field,
+                                span,
+                                format!("a {fabric} node has no shared region to put control rings in (only fabric = \"bar\")"),
+                            );
+                        }
+                    }
+                    None
+                }
             };
             if let (Some(b), None) = (&n.region_bar, &n.region_device) {
                 return cx.invalid(

@@ -95,6 +95,31 @@ impl fmt::Display for FabricKind {
     }
 }
 
+/// Which path a link's control messages (requests, replies, doorbells, interrupts,
+/// heartbeats) take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlPath {
+    /// A Unix socket (shm).
+    Socket,
+    /// TLS over TCP (tcp, and bar links whose control stays on tcp).
+    Tls,
+    /// Rings in the bar fabric's shared region ([`crate::ring`]): ring slot `slot` at
+    /// `offset`; TCP carries only wake-up kicks.
+    Ring { slot: u32, offset: u64 },
+}
+
+impl fmt::Display for ControlPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ControlPath::Socket => f.write_str("unix socket"),
+            ControlPath::Tls => f.write_str("tls"),
+            ControlPath::Ring { slot, offset } => {
+                write!(f, "ring (slot {slot} at {offset:#x} of the region)")
+            }
+        }
+    }
+}
+
 /// Hardware-like limits of a node's inbound memory windows (`ntb_mw_count`/`ntb_mw_get_align`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WindowLimits {
@@ -559,6 +584,14 @@ pub trait Endpoint: Send + Sync {
     /// The shared region of a `bar` link (`None` on shm and tcp).
     fn shared_region(&self) -> Option<std::sync::Arc<crate::region::Region>> {
         None
+    }
+
+    /// Which path this link's control messages take.
+    fn control_path(&self) -> ControlPath {
+        match self.kind() {
+            FabricKind::Shm => ControlPath::Socket,
+            FabricKind::Tcp | FabricKind::Bar => ControlPath::Tls,
+        }
     }
 
     /// Bytes unique to this link's secure channel that both ends see alike (the TLS exporter

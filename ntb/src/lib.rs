@@ -5,7 +5,8 @@
 //! mapping). Two backends run without NTB hardware: [`shm`] (same host, memfd windows and
 //! eventfd doorbells passed over a Unix socket: the data path is plain loads/stores) and
 //! [`tcp`] (across hosts: windows and doorbells as messages); `bar` links are tcp links with a
-//! shared region ([`region`]) whose windows are mapped directly, as through an NTB BAR. All carry the control
+//! shared region ([`region`]) whose windows are mapped directly, as through an NTB BAR, and
+//! whose control messages go through rings in that region ([`ring`]). All carry the control
 //! protocol of the lender and borrower ([`Endpoint::request`], [`Endpoint::recv`], with fds on
 //! shm) in the [`wire`] format. [`config`] loads the cluster description.
 
@@ -16,6 +17,7 @@ mod link;
 pub mod mem;
 pub mod node;
 pub mod region;
+pub mod ring;
 pub mod shm;
 pub mod sock;
 pub mod tcp;
@@ -25,9 +27,9 @@ pub mod wire;
 pub use accept::{source_key, MAX_PENDING_PER_SOURCE};
 pub use config::{ClusterConfig, ConfigError, ControlAddr, DirectoryConfig, NodeConfig};
 pub use fabric::{
-    BackingId, Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming, LinkConfig,
-    LinkStats, Listener, Message, NodeId, PeerInfo, PeerWindow, RequestId, WindowId, WindowInfo,
-    WindowLimits,
+    BackingId, ControlPath, Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming,
+    LinkConfig, LinkStats, Listener, Message, NodeId, PeerInfo, PeerWindow, RequestId, WindowId,
+    WindowInfo, WindowLimits,
 };
 pub use link::{RateLimit, MAX_LABEL};
 pub use mem::{MemError, SharedMemory};

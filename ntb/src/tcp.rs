@@ -27,7 +27,7 @@ pub fn connect(addr: SocketAddr, local: &NodeId, cfg: &LinkConfig) -> Result<Box
         .map_err(FabricError::io("set TCP_NODELAY"))?;
     // TLS first, then the fabric handshake, both within connect_timeout.
     let deadline = std::time::Instant::now() + cfg.connect_timeout;
-    let (stream, opts) = LinkOpts::tls(s, true, deadline)?;
+    let (stream, opts) = LinkOpts::tls(s, true, deadline, cfg)?;
     Ok(Box::new(establish(stream, local, cfg, true, opts)?))
 }
 

@@ -152,9 +152,29 @@ pub(crate) struct TlsLink {
     pub(crate) pump: JoinHandle<()>,
 }
 
+/// Fills `buf` from the TLS provider's secure random source (the control rings' nonces).
+pub(crate) fn random(buf: &mut [u8]) -> Result<()> {
+    provider()
+        .secure_random
+        .fill(buf)
+        .map_err(|e| tls_err("random", format!("{e:?}")))
+}
+
 /// Runs the TLS handshake on `tcp` (as the client when `initiator`), done by `deadline`
 /// however slowly the peer sends, and starts the pump.
 pub(crate) fn wrap(tcp: TcpStream, initiator: bool, deadline: Instant) -> Result<TlsLink> {
+    let (conn, binding) = handshake(&tcp, initiator, deadline)?;
+    start_pump(conn, tcp, binding)
+}
+
+/// Runs the TLS handshake on `tcp` (as the client when `initiator`), done by `deadline`
+/// however slowly the peer sends; returns the connection and its channel binding. The socket
+/// is left blocking, with the handshake's timeouts.
+pub(crate) fn handshake(
+    tcp: &TcpStream,
+    initiator: bool,
+    deadline: Instant,
+) -> Result<(Connection, Vec<u8>)> {
     let mut conn: Connection = if initiator {
         let name = ServerName::try_from(NAME).map_err(|e| tls_err("server name", e))?;
         ClientConnection::new(client_config()?, name)
@@ -165,7 +185,7 @@ pub(crate) fn wrap(tcp: TcpStream, initiator: bool, deadline: Instant) -> Result
             .map_err(|e| tls_err("server", e))?
             .into()
     };
-    let mut sock = &tcp;
+    let mut sock = tcp;
     while conn.is_handshaking() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -212,6 +232,11 @@ pub(crate) fn wrap(tcp: TcpStream, initiator: bool, deadline: Instant) -> Result
         .map_err(|e| tls_err("exporter", e))?
         .to_vec();
     conn.set_buffer_limit(None);
+    Ok((conn, binding))
+}
+
+/// Starts the pump of a connection that finished its handshake ([`handshake`]).
+pub(crate) fn start_pump(conn: Connection, tcp: TcpStream, binding: Vec<u8>) -> Result<TlsLink> {
     let (plain, inner) = UnixStream::pair().map_err(FabricError::io("socketpair"))?;
     let peer = tcp.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let pump = std::thread::Builder::new()

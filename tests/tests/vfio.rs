@@ -17,8 +17,15 @@
 //! | `LENDVM_VFIO_L1_CMD`, `LENDVM_VFIO_L1_CONSOLE` | L1's command port (a unix socket: QEMU's second serial port, read by L1's init) and L1's console log |
 //! | `LENDVM_VFIO_L1_PID` | QEMU's pid (the L1-death case kills it; the script runs that case last) |
 //! | `LENDVM_LINUX_KERNEL`, `LENDVM_LINUX_INITRAMFS` | the guest kernel and initramfs of the Linux tests |
+//! | `LENDVM_VFIO_SLOWNESS` | L1's measured slowness in hundredths (its boot's wall time against the reference, at least 100): every deadline below is scaled by it ([`budget`]) |
+//! | `LENDVM_VFIO_CONTROL_PATH` | where the borrowers' control messages go: `ring` (rings in the window) or `tcp` |
+//! | `LENDVM_VFIO_ALL_DEVICES` | every function L1's lenderd lends: each case waits until they are all free before it borrows ([`wait_l1_devices_free`]) |
 //!
 //! A missing variable fails the test with its name (they only run from the script).
+//!
+//! Deadlines are budgets for a machine of this kind at its reference speed, scaled by L1's
+//! measured slowness and never beyond [`SLOWNESS_CEILING`] times the budget: a slow machine
+//! gets more time, a hung case still fails.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -36,9 +43,16 @@ use api::types::{
 use lendvm_tests::capture::ProcessOutput;
 use lendvm_tests::crash;
 
-/// Boot plus fio on a guest whose kernel runs in KVM's instruction emulator, with the lender's
-/// device two levels down (L1 is emulated too): generous.
-const RUN_TIMEOUT: Duration = Duration::from_secs(20 * 60);
+/// Boot plus the case's I/O on a guest whose kernel runs in KVM's instruction emulator, with
+/// the lender's device two levels down (L1 is emulated too), at the reference speed.
+const RUN_BUDGET: Duration = Duration::from_secs(8 * 60);
+/// The most a deadline is scaled by L1's slowness.
+const SLOWNESS_CEILING: f64 = 4.0;
+/// From a VM's end (exit or SIGKILL) until L1's lenderd shows its devices available again:
+/// the link's end reaches L1 (TCP through QEMU's user network), lenderd returns the lease:
+/// VFIO_DEVICE_RESET and the IOMMU unmap of the VM's window (type1 walks it page by page in
+/// L1's emulated kernel, docs/VFIO.md), at the reference speed.
+const RELEASE_BUDGET: Duration = Duration::from_secs(90);
 const FIO_VERIFY_OFFSET: u64 = 8 << 20;
 /// Linux guests' RAM (the ivshmem region holds two such guests: a migration's source and
 /// destination). Small, because every lease's DMA map makes L1 walk the window page by page
@@ -65,6 +79,92 @@ const LOST_BOUND: Duration = Duration::from_secs(60);
 /// surprise removal, whichever comes first.
 const CRASH_ERROR_BOUND: Duration = Duration::from_secs(CRASH_NVME_IO_TIMEOUT_S * 6);
 
+/// `base` scaled by L1's measured slowness (`LENDVM_VFIO_SLOWNESS`, hundredths), within
+/// [`SLOWNESS_CEILING`].
+fn budget(base: Duration) -> Duration {
+    let slow: f64 = env("LENDVM_VFIO_SLOWNESS")
+        .parse::<f64>()
+        .expect("LENDVM_VFIO_SLOWNESS is hundredths")
+        / 100.0;
+    base.mul_f64(slow.clamp(1.0, SLOWNESS_CEILING))
+}
+
+/// The deadline of a case that starts now.
+fn run_deadline() -> Instant {
+    Instant::now() + budget(RUN_BUDGET)
+}
+
+/// L1's lenderd, asked from out here.
+fn l1_lender() -> lending::client::LenderClient {
+    let cluster =
+        ntb::ClusterConfig::load(std::path::Path::new(&env("LENDVM_VFIO_CLUSTER"))).unwrap();
+    let node = cluster.node(&env("LENDVM_VFIO_LENDER")).unwrap().clone();
+    lending::client::LenderClient::connect_node(
+        &cluster,
+        &node,
+        &ntb::NodeId::new("vfio-tests").unwrap(),
+        Duration::from_secs(30),
+        &env("LENDVM_TOKEN"),
+        "vfio-tests",
+    )
+    .unwrap_or_else(|e| panic!("L1's lenderd: {e}"))
+}
+
+/// Waits until L1's lenderd lists every function it lends as available, within `bound`
+/// (scaled); fails naming the devices still held and their state. A lenderd that does not
+/// answer (killed by a case that failed before restarting it) is started again first.
+fn wait_l1_devices_free(bound: Duration, why: &str) -> Duration {
+    let bound = budget(bound);
+    let t0 = Instant::now();
+    let devices = env("LENDVM_VFIO_ALL_DEVICES");
+    let mut restarted = false;
+    loop {
+        let held: Vec<String> = match std::panic::catch_unwind(l1_lender) {
+            Ok(c) => c
+                .list()
+                .unwrap_or_else(|e| panic!("lendctl list on L1: {e}"))
+                .into_iter()
+                .filter(|d| devices.split(' ').any(|b| b == d.id))
+                .filter(|d| d.state != lending::protocol::DeviceState::Available)
+                .map(|d| format!("{} {}", d.id, d.state))
+                .collect(),
+            Err(_) if !restarted => {
+                eprintln!("L1's lenderd does not answer: starting it again");
+                L1::from_env().command("start-lenderd");
+                restarted = true;
+                continue;
+            }
+            Err(_) => vec!["lenderd does not answer".into()],
+        };
+        if held.is_empty() {
+            return t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < bound,
+            "{why}: L1's lenderd still holds {held:?} after {:?} (bound {bound:?})",
+            t0.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// At a case's start: every device of L1 is free (a case before may have failed).
+fn l1_ready() {
+    let waited = wait_l1_devices_free(RELEASE_BUDGET, "before the case");
+    eprintln!("L1's devices free ({waited:?} waited)");
+}
+
+/// After `guest` ended (exited or killed): L1 takes its leases back within the bound.
+fn released_after(mut guest: Guest) {
+    if guest.status.is_none() {
+        let _ = guest.child.kill();
+        guest.status = guest.child.wait().ok();
+    }
+    drop(guest);
+    let took = wait_l1_devices_free(RELEASE_BUDGET, "after the VM ended");
+    eprintln!("L1 took the leases back {took:?} after the VM ended");
+}
+
 fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| {
         panic!("{name} is not set: run this test through scripts/test-vfio.sh, which boots L1")
@@ -88,8 +188,13 @@ struct Guest {
 }
 
 impl Guest {
-    /// lendvm booting the Linux guest, its 128 MiB of RAM at offset 0 of the region.
+    /// lendvm booting the Linux guest, its 64 MiB of RAM at offset 0 of the region.
     fn start(name: &'static str, cmdline_extra: &str, extra: &[&str]) -> Guest {
+        Self::start_in(&env("LENDVM_VFIO_CLUSTER"), name, cmdline_extra, extra)
+    }
+
+    /// [`Guest::start`] with the cluster file `cluster`.
+    fn start_in(cluster: &str, name: &'static str, cmdline_extra: &str, extra: &[&str]) -> Guest {
         let cmdline = format!(
             "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000 \
              {cmdline_extra}"
@@ -108,23 +213,29 @@ impl Guest {
             &cmdline,
         ];
         args.extend_from_slice(extra);
-        Self::spawn(name, 0, GUEST_RAM_MIB, &args)
+        Self::spawn_in(cluster, name, 0, GUEST_RAM_MIB, &args)
     }
 
     /// lendvm with `args`, `ram_mib` of RAM at `offset` MiB of the region (a migration
     /// destination sits beside its source, which runs until the switch-over).
     fn spawn(name: &'static str, offset_mib: u64, ram_mib: u64, args: &[&str]) -> Guest {
+        Self::spawn_in(&env("LENDVM_VFIO_CLUSTER"), name, offset_mib, ram_mib, args)
+    }
+
+    /// [`Guest::spawn`] with the cluster file `cluster`.
+    fn spawn_in(
+        cluster: &str,
+        name: &'static str,
+        offset_mib: u64,
+        ram_mib: u64,
+        args: &[&str],
+    ) -> Guest {
         let memory = format!(
             "{ram_mib}M,shared={},offset={offset_mib}M",
             env("LENDVM_VFIO_REGION")
         );
         let mut child = Command::new(binary("lendvm"))
-            .args([
-                "--memory",
-                &memory,
-                "--cluster",
-                &env("LENDVM_VFIO_CLUSTER"),
-            ])
+            .args(["--memory", &memory, "--cluster", cluster])
             .args(args)
             .env(
                 "RUST_LOG",
@@ -211,28 +322,26 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     lendvm_tests::fio::field(line, key)
 }
 
-/// QEMU's NVMe and e1000e in L1, owned by vfio-pci there, lent over the bar fabric to one
-/// guest (one boot for both device classes).
-///
-/// The e1000e: the guest's stock e1000e driver binds it, gets carrier, and pings the second
-/// e1000e that stays in L1 (both on one QEMU hub; link-local addresses; nothing leaves
-/// QEMU). Its descriptor rings and packet buffers are in guest RAM, reached through L1's
-/// IOMMU and the BAR window; its interrupts are MSI-X vectors relayed to the guest.
+/// QEMU's NVMe in L1, owned by vfio-pci there, lent over the bar fabric with the SR-IOV VF
+/// of a second NVMe (one boot for both).
 ///
 /// The NVMe: the guest's stock nvme driver binds it and runs fio's crc32c verify job three
-/// times: after the first, the host hot-removes the disk and adds it again (a new lease,
-/// VFIO_DEVICE_RESET on the old one's return); after the second, the guest resets the
-/// function itself (sysfs `reset`: FLR, which the lender turns into VFIO_DEVICE_RESET).
-/// Every block fio wrote is in the file behind QEMU's NVMe, with fio's header naming its
-/// own offset.
+/// times: after the first, the host hot-removes the disk, waits for lendvm's
+/// `device-released` event (the lease is back at L1, the function reset) and adds it again
+/// once, without retrying; after the second, the guest resets the function itself (sysfs
+/// `reset`: FLR, which the lender turns into VFIO_DEVICE_RESET). Every block fio wrote is in
+/// the file behind QEMU's NVMe, with fio's header naming its own offset.
 ///
 /// The SR-IOV VF: QEMU's NVMe with one VF, whose PF L1's own nvme driver keeps (it gave
 /// the VF its queues and vector); the VF is bound to vfio-pci and lent. The guest's stock
 /// nvme driver binds it like any NVMe, and a fourth verify run goes to it; its blocks are
 /// in the file behind the subsystem's namespace. (L1's vfio_kernel shows the PF refused.)
+///
+/// The control messages took the path the script chose (rings in the window by default).
 #[test]
 #[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
-fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
+fn vfio_nvme_and_an_sriov_vf_in_l1_replug_flr_and_fio_verify() {
+    l1_ready();
     let lender = env("LENDVM_VFIO_LENDER");
     let bdf = env("LENDVM_VFIO_NVME");
     let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
@@ -243,14 +352,10 @@ fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
     let spec = format!("{lender}:{bdf}");
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("api.sock");
-    let nic = env("LENDVM_VFIO_NIC");
-    let peer = env("LENDVM_VFIO_NIC_PEER");
-    let addr = env("LENDVM_VFIO_NIC_ADDR");
     let mut guest = Guest::start(
-        "vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers",
+        "vfio_nvme_and_an_sriov_vf_in_l1_replug_flr_and_fio_verify",
         &format!(
             "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
-             lendvm_net={addr},{peer},{PINGS} \
              lendvm_fio=verify-short@serial:{serial},verify-short@serial:{serial},\
              verify-short@serial:{serial},verify-short@serial:{vf_serial} \
              lendvm_fio_replug=1 lendvm_fio_flr=2"
@@ -261,36 +366,20 @@ fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
             "--remote-device",
             &format!("{spec},id=disk0"),
             "--remote-device",
-            &format!("{lender}:{nic},id=nic0"),
-            "--remote-device",
             &format!("{lender}:{vf},id=vf0"),
             "--api-socket",
             socket.to_str().unwrap(),
         ],
     );
-    let deadline = Instant::now() + RUN_TIMEOUT;
+    let deadline = run_deadline();
     guest.expect_line("Linux version ", deadline);
-    // The NIC first (the guest's init pings, then runs fio).
-    let net = guest.expect_line("LENDVM-NET ", deadline);
-    assert!(net.contains("LENDVM-NET ok "), "{net}\n{}", guest.diag());
-    assert_eq!(field(&net, "driver"), Some("e1000e"), "{net}");
-    assert_eq!(
-        field(&net, "sent"),
-        Some(PINGS.to_string().as_str()),
-        "{net}"
-    );
-    let received: u32 = field(&net, "received").unwrap().parse().unwrap();
-    assert!(
-        received >= 1,
-        "no echo reply from L1's NIC: {net}\n{}",
-        guest.diag()
-    );
     // The stock driver bound QEMU's controller.
     guest.expect_line("nvme nvme0: ", deadline);
     let api = ApiClient::new(&socket, Duration::from_secs(60));
 
-    // Run 1, then the host removes the disk and adds it back.
+    // Run 1, then the host removes the disk and adds it back once it is released.
     guest.expect_line("LENDVM-FIO replug-wait i=1", deadline);
+    let seen = api.events(0).unwrap().len();
     api.remove_device(&VmRemoveDeviceData {
         id: "disk0".into(),
         force: false,
@@ -298,23 +387,32 @@ fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
     .unwrap_or_else(|e| panic!("remove: {e}\n{}", guest.diag()));
     let gone = guest.expect_line("LENDVM-FIO replug-gone i=1", deadline);
     assert!(gone.contains("rc=0"), "{gone}\n{}", guest.diag());
-    // The lender takes the old lease back (and resets the function) before the new borrow.
     let t0 = Instant::now();
-    let added = loop {
-        match api.add_remote_device(&VmAddRemoteDeviceData {
+    let bound = budget(RELEASE_BUDGET);
+    loop {
+        let released = api.events(0).unwrap().into_iter().skip(seen).any(|e| {
+            e.event == "device-released"
+                && e.properties.get("id").and_then(|v| v.as_str()) == Some("disk0")
+        });
+        if released {
+            break;
+        }
+        assert!(
+            t0.elapsed() < bound,
+            "no device-released event for disk0 within {bound:?}\n{}",
+            guest.diag()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("disk0 released {:?} after the remove", t0.elapsed());
+    let added = api
+        .add_remote_device(&VmAddRemoteDeviceData {
             device: spec.parse().unwrap(),
             id: Some("disk1".into()),
             mode: None,
             replace_lost: false,
-        }) {
-            Ok(d) => break d,
-            Err(e) if t0.elapsed() < Duration::from_secs(120) => {
-                eprintln!("re-add: {e}; retrying");
-                std::thread::sleep(Duration::from_secs(2));
-            }
-            Err(e) => panic!("re-add: {e}\n{}", guest.diag()),
-        }
-    };
+        })
+        .unwrap_or_else(|e| panic!("re-add after device-released: {e}\n{}", guest.diag()));
     eprintln!("re-added: {added:?}");
 
     // Run 2 on the re-added disk, then the guest's FLR, then run 3; run 4 on the VF.
@@ -345,6 +443,65 @@ fn vfio_nvme_e1000e_and_an_sriov_vf_in_l1_with_stock_drivers() {
         stderr.contains("on Bar"),
         "the device came over the bar fabric:\n{stderr}"
     );
+    let path = env("LENDVM_VFIO_CONTROL_PATH");
+    let want = if path == "ring" {
+        "control through ring (slot"
+    } else {
+        "control through tls"
+    };
+    assert!(
+        stderr.contains(want),
+        "control path {path}: no {want:?} in lendvm's log:\n{stderr}"
+    );
+    released_after(guest);
+}
+
+/// QEMU's e1000e in L1, owned by vfio-pci there, lent over the bar fabric: the guest's stock
+/// e1000e driver binds it, gets carrier, and pings the second e1000e that stays in L1 (both
+/// on one QEMU hub; link-local addresses; nothing leaves QEMU). Its descriptor rings and
+/// packet buffers are in guest RAM, reached through L1's IOMMU and the BAR window; its
+/// interrupts are MSI-X vectors relayed to the guest. A case of its own: its probe and
+/// `ip link set up` are hundreds of trapped register accesses, each a round trip to L1.
+#[test]
+#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
+fn vfio_e1000e_in_l1_pings_the_nic_that_stays_there() {
+    l1_ready();
+    let lender = env("LENDVM_VFIO_LENDER");
+    let nic = env("LENDVM_VFIO_NIC");
+    let peer = env("LENDVM_VFIO_NIC_PEER");
+    let addr = env("LENDVM_VFIO_NIC_ADDR");
+    let guest = Guest::start(
+        "vfio_e1000e_in_l1_pings_the_nic_that_stays_there",
+        &format!(
+            "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
+             lendvm_net={addr},{peer},{PINGS}"
+        ),
+        &[
+            "--name",
+            "vfio-nic",
+            "--remote-device",
+            &format!("{lender}:{nic},id=nic0"),
+        ],
+    );
+    let deadline = run_deadline();
+    guest.expect_line("Linux version ", deadline);
+    let net = guest.expect_line("LENDVM-NET ", deadline);
+    assert!(net.contains("LENDVM-NET ok "), "{net}\n{}", guest.diag());
+    assert_eq!(field(&net, "driver"), Some("e1000e"), "{net}");
+    assert_eq!(
+        field(&net, "sent"),
+        Some(PINGS.to_string().as_str()),
+        "{net}"
+    );
+    let received: u32 = field(&net, "received").unwrap().parse().unwrap();
+    assert!(
+        received >= 1,
+        "no echo reply from L1's NIC: {net}\n{}",
+        guest.diag()
+    );
+    // The VM is SIGKILLed under its lease (no return of it): L1's lenderd sees the link end
+    // and takes the NIC back within the bound, not "lent" to a VM that is gone.
+    released_after(guest);
 }
 
 /// Every block of a verify job over `bytes` from [`FIO_VERIFY_OFFSET`] is in `disk` (the
@@ -374,6 +531,7 @@ fn assert_fio_blocks_in(disk: &std::path::Path, bytes: u64) {
 #[test]
 #[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
 fn vfio_nvme_in_l1_survives_a_live_migration_under_fio_verify() {
+    l1_ready();
     let lender = env("LENDVM_VFIO_LENDER");
     let bdf = env("LENDVM_VFIO_NVME");
     let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
@@ -392,7 +550,7 @@ fn vfio_nvme_in_l1_survives_a_live_migration_under_fio_verify() {
             src_sock.to_str().unwrap(),
         ],
     );
-    let deadline = Instant::now() + RUN_TIMEOUT;
+    let deadline = run_deadline();
     src.expect_line("LENDVM-FIO run i=1 ", deadline);
     let mut dst = Guest::spawn(
         "vfio_nvme_in_l1_migration-destination",
@@ -451,6 +609,8 @@ fn vfio_nvme_in_l1_survives_a_live_migration_under_fio_verify() {
     let err = dst.out.stderr();
     assert!(err.contains("device not reset"), "{err}");
     assert_fio_blocks_in(&disk, FIO_VERIFY_BYTES);
+    drop(src);
+    released_after(dst);
 }
 
 /// L1 as the tests reach it: its command port and its console.
@@ -636,7 +796,7 @@ fn crash_writer(
         ],
     );
     let api = ApiClient::new(&socket, Duration::from_secs(60));
-    let deadline = Instant::now() + RUN_TIMEOUT;
+    let deadline = run_deadline();
     guest.expect_line("LENDVM-CRASH start disk=nvme0n1", deadline);
     guest.expect_line(
         &format!("LENDVM-CRASH ack block={}", CRASH_ACKS_BEFORE_KILL - 1),
@@ -654,6 +814,7 @@ fn crash_writer(
 #[test]
 #[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
 fn vfio_nvme_in_l1_lenderd_killed_mid_write_loses_no_acknowledged_block() {
+    l1_ready();
     let l1 = L1::from_env();
     let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
     let dir = tempfile::tempdir().unwrap();
@@ -666,26 +827,19 @@ fn vfio_nvme_in_l1_lenderd_killed_mid_write_loses_no_acknowledged_block() {
     );
     after_a_lender_death(&guest, &api, &disk, t_kill, deadline);
 
-    // lenderd again in L1; the disk is added again (retried while lenderd starts).
+    // lenderd again in L1; once it lists its devices free, the disk is added again, once.
     l1.command("start-lenderd");
-    let t0 = Instant::now();
-    loop {
-        match api.add_remote_device(&VmAddRemoteDeviceData {
-            device: format!("{}:{}", env("LENDVM_VFIO_LENDER"), env("LENDVM_VFIO_NVME"))
-                .parse()
-                .unwrap(),
-            id: Some("disk1".into()),
-            mode: None,
-            replace_lost: false,
-        }) {
-            Ok(_) => break,
-            Err(e) if t0.elapsed() < Duration::from_secs(180) => {
-                eprintln!("re-add after the restart: {e}; retrying");
-                std::thread::sleep(Duration::from_secs(3));
-            }
-            Err(e) => panic!("re-add after the restart: {e}\n{}", guest.diag()),
-        }
-    }
+    let waited = wait_l1_devices_free(Duration::from_secs(120), "lenderd's restart");
+    eprintln!("L1's lenderd lends again {waited:?} after its restart");
+    api.add_remote_device(&VmAddRemoteDeviceData {
+        device: format!("{}:{}", env("LENDVM_VFIO_LENDER"), env("LENDVM_VFIO_NVME"))
+            .parse()
+            .unwrap(),
+        id: Some("disk1".into()),
+        mode: None,
+        replace_lost: false,
+    })
+    .unwrap_or_else(|e| panic!("re-add after the restart: {e}\n{}", guest.diag()));
     guest.expect_line("LENDVM-CRASH back disk=", deadline);
     let ok = guest.expect_line("LENDVM-CRASH pass2 ", deadline);
     assert!(
@@ -704,6 +858,7 @@ fn vfio_nvme_in_l1_lenderd_killed_mid_write_loses_no_acknowledged_block() {
             "pass-2 block {n} is not in QEMU's file"
         );
     }
+    released_after(guest);
 }
 
 /// L1 itself dies (QEMU SIGKILLed) while the guest streams synced writes to QEMU's NVMe:
@@ -715,6 +870,7 @@ fn vfio_nvme_in_l1_lenderd_killed_mid_write_loses_no_acknowledged_block() {
 #[test]
 #[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh, last"]
 fn vfio_l1_dying_mid_lease_leaves_the_vm_running() {
+    l1_ready();
     let qemu: i32 = env("LENDVM_VFIO_L1_PID").parse().unwrap();
     let disk = PathBuf::from(env("LENDVM_VFIO_DISK"));
     let dir = tempfile::tempdir().unwrap();
@@ -763,6 +919,7 @@ fn nvme_p2p_byte(seed: u32, i: u64) -> u8 {
 #[test]
 #[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
 fn vfio_p2p_nvme_reads_into_a_peer_bar_in_l1() {
+    l1_ready();
     const SEED: u32 = 0x5032_504e;
     let lender = env("LENDVM_VFIO_LENDER");
     let nvme = env("LENDVM_VFIO_NVME");
@@ -797,7 +954,7 @@ fn vfio_p2p_nvme_reads_into_a_peer_bar_in_l1() {
             &format!("{lender}:{peer},id=peer0"),
         ],
     );
-    let deadline = Instant::now() + RUN_TIMEOUT;
+    let deadline = run_deadline();
     let probe = guest.expect_line("TEST p2p-nvme-probe ", deadline);
     assert!(probe.contains(" ok "), "{probe}\n{}", guest.diag());
     let line = guest.expect_line("TEST p2p-nvme ", deadline);
@@ -842,4 +999,162 @@ fn vfio_p2p_nvme_reads_into_a_peer_bar_in_l1() {
         "L1's lenderd logged no peer-to-peer map of BAR 2:\n{}",
         lender_lines[logged..].join("\n")
     );
+    released_after(guest);
+}
+
+/// Percentile `p` (0..=100) of sorted `v`.
+fn pct(v: &[f64], p: usize) -> f64 {
+    v[(v.len() - 1) * p / 100]
+}
+
+/// The benchmark of L1's control paths (`scripts/bench-l1.sh`, not CI): for each path
+/// (`control_path = "tcp"`, then `"ring"`), the round trip of a status request from out here
+/// to L1's lenderd and back, then one `verify-short` fio job in a guest on QEMU's NVMe in L1:
+/// its seconds, its I/Os and the trapped accesses of the lent NVMe per I/O. Writes
+/// `$LENDVM_VFIO_BENCH_OUT/l1-control-$LENDVM_L1_LENDERD_PROFILE.json`.
+#[test]
+#[ignore = "benchmark: scripts/bench-l1.sh"]
+fn bench_l1_control_paths() {
+    let out = PathBuf::from(env("LENDVM_VFIO_BENCH_OUT"));
+    let profile = env("LENDVM_L1_LENDERD_PROFILE");
+    let rounds: usize =
+        std::env::var("LENDVM_BENCH_QUICK").map_or(200, |q| if q == "1" { 20 } else { 200 });
+    let text = std::fs::read_to_string(env("LENDVM_VFIO_CLUSTER")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let serial = env("LENDVM_VFIO_NVME_SERIAL");
+    let mut results = Vec::new();
+    for path in ["tcp", "ring"] {
+        let cluster = dir.path().join(format!("cluster-{path}.toml"));
+        let body: String = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("control_path"))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>()
+            + &format!("control_path = \"{path}\"\n");
+        ntb::config::write_private_file(&cluster, &body).unwrap();
+        let token_src = std::path::Path::new(&env("LENDVM_VFIO_CLUSTER"))
+            .parent()
+            .unwrap()
+            .join("token");
+        std::fs::copy(&token_src, dir.path().join("token")).unwrap();
+
+        // Round trips of a status request (lendctl status's), after a warm-up.
+        l1_ready();
+        let cfg = ntb::ClusterConfig::load(&cluster).unwrap();
+        let node = cfg.node(&env("LENDVM_VFIO_LENDER")).unwrap().clone();
+        let c = lending::client::LenderClient::connect_node(
+            &cfg,
+            &node,
+            &ntb::NodeId::new("vfio-bench").unwrap(),
+            Duration::from_secs(60),
+            &env("LENDVM_TOKEN"),
+            "vfio-bench",
+        )
+        .unwrap();
+        let control = c.endpoint().control_path().to_string();
+        assert_eq!(
+            control.starts_with("ring"),
+            path == "ring",
+            "asked for {path}, got {control}"
+        );
+        for _ in 0..5 {
+            c.status().unwrap();
+        }
+        let mut rtt: Vec<f64> = (0..rounds)
+            .map(|_| {
+                let t = Instant::now();
+                c.status().unwrap();
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        drop(c);
+        rtt.sort_by(f64::total_cmp);
+        let mean = rtt.iter().sum::<f64>() / rtt.len() as f64;
+
+        // One fio job on the NVMe.
+        l1_ready();
+        let name: &'static str = if path == "ring" {
+            "bench_l1_fio-ring"
+        } else {
+            "bench_l1_fio-tcp"
+        };
+        let mut guest = Guest::start_in(
+            cluster.to_str().unwrap(),
+            name,
+            &format!(
+                "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
+                 lendvm_fio=verify-short@serial:{serial}"
+            ),
+            &[
+                "--name",
+                name,
+                "--remote-device",
+                &format!(
+                    "{}:{},id=disk0",
+                    env("LENDVM_VFIO_LENDER"),
+                    env("LENDVM_VFIO_NVME")
+                ),
+            ],
+        );
+        let deadline = run_deadline();
+        guest.expect_line("LENDVM-FIO done ", deadline);
+        guest.expect_exit_0(deadline);
+        let timed = guest.out.timed_lines();
+        let at = |needle: &str| {
+            timed
+                .iter()
+                .find(|(_, l)| l.contains(needle))
+                .map(|(t, _)| t.as_secs_f64())
+                .unwrap_or_else(|| panic!("no {needle:?} on the console"))
+        };
+        let (boot, t_run, t_done) = (
+            at("Linux version "),
+            at("LENDVM-FIO run i=1"),
+            at("LENDVM-FIO done "),
+        );
+        let runs = lendvm_tests::fio::parse_runs(&guest.out.lines()).unwrap();
+        assert_eq!(runs.len(), 1);
+        assert_eq!(runs[0].error().unwrap(), 0, "fio: {:#}", runs[0].json);
+        let job = runs[0].job_json().unwrap();
+        let ios: u64 = ["read", "write"]
+            .iter()
+            .map(|d| job[d]["total_ios"].as_u64().unwrap_or(0))
+            .sum();
+        let stderr = guest.out.stderr();
+        let trapped: u64 = stderr
+            .lines()
+            .find_map(|l| {
+                let r = l.split("(trapped reads ").nth(1)?;
+                let reads: u64 = r.split(',').next()?.parse().ok()?;
+                let w = l.split("trapped writes ").nth(1)?;
+                let writes: u64 = w.split([',', ')']).next()?.parse().ok()?;
+                Some(reads + writes)
+            })
+            .unwrap_or_else(|| panic!("lendvm logged no trapped-access counts:\n{stderr}"));
+        released_after(guest);
+        let r = serde_json::json!({
+            "path": path,
+            "rtt_ms": { "p50": pct(&rtt, 50), "p99": pct(&rtt, 99), "mean": mean, "n": rtt.len() },
+            "guest_boot_to_fio_s": t_run - boot,
+            "fio_job_s": t_done - t_run,
+            "fio_ios": ios,
+            "trapped_accesses": trapped,
+            "trapped_per_io": trapped as f64 / ios.max(1) as f64,
+        });
+        eprintln!("bench {profile} {path}: {r}");
+        results.push(r);
+    }
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join(format!("l1-control-{profile}.json"));
+    std::fs::write(
+        &file,
+        serde_json::to_string_pretty(&serde_json::json!({
+            "lenderd_profile": profile,
+            "slowness": env("LENDVM_VFIO_SLOWNESS"),
+            "results": results,
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    eprintln!("wrote {}", file.display());
 }

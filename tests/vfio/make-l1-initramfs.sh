@@ -3,15 +3,16 @@
 #   /init             tests/vfio/initramfs/init (binds devices to vfio-pci, runs the
 #                     kernel test, starts lenderd; markers on the console)
 #   /bin/busybox      from Debian's busybox-static
-#   /bin/lenderd      the workspace's lenderd (target/debug)
+#   /bin/lenderd      the workspace's lenderd (target/release: L1 runs it emulated)
 #   /bin/vfio_kernel  the test binary of lending/tests/vfio_kernel.rs (target/debug)
 #   /bin/lendvm-nvme-sriov  the SR-IOV PF driver's half (tests/src/bin, target/debug)
 #   /lib*, /usr/lib*  the shared libraries both need (ldd), and the dynamic loader
 #   /dev/console
 #
 #   tests/vfio/make-l1-initramfs.sh
-# Prints the archive's path (last line). The binaries are the workspace's own debug build
-# (cargo, ${CARGO_TARGET_DIR:-target}), dynamically linked, with their libraries copied
+# Prints the archive's path (last line). The binaries are the workspace's own builds
+# (cargo, ${CARGO_TARGET_DIR:-target}; lenderd release, the others debug), dynamically
+# linked, with their libraries copied
 # from this machine: L1 runs this machine's glibc. (A static build, RUSTFLAGS=-C
 # target-feature=+crt-static, would be a second full build of lenderd's dependencies in
 # another target directory: ~30 min on a busy 2-core machine, for the same result.)
@@ -27,13 +28,24 @@ BUSYBOX=/bin/busybox
 file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
 file_is_static "$BUSYBOX" || die "$BUSYBOX is not static (is busybox-static installed?)"
 
-log "building lenderd and the vfio_kernel test (cargo, debug)"
-(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo build --locked -q -p lending --bin lenderd \
-	-p lendvm-tests --bin lendvm-nvme-sriov >&2) || die "building lenderd and lendvm-nvme-sriov failed"
+# lenderd is L1's hot path (every trapped access of a lent device is served by it, in
+# emulated code): a release build. The one-shot helpers stay debug builds of the workspace.
+# (LENDVM_L1_LENDERD_PROFILE=debug: the debug build, for scripts/bench-l1.sh's comparison.)
+PROFILE=${LENDVM_L1_LENDERD_PROFILE:-release}
+case $PROFILE in
+release) PFLAG=--release PDIR=release ;;
+debug) PFLAG="" PDIR=debug ;;
+*) die "LENDVM_L1_LENDERD_PROFILE is '$PROFILE', not release or debug" ;;
+esac
+log "building lenderd (cargo, $PROFILE), lendvm-nvme-sriov and the vfio_kernel test (debug)"
+(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo build --locked -q $PFLAG -p lending \
+	--bin lenderd >&2) || die "building lenderd ($PROFILE) failed"
+(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo build --locked -q \
+	-p lendvm-tests --bin lendvm-nvme-sriov >&2) || die "building lendvm-nvme-sriov failed"
 TEST_BIN=$(cd "$REPO" && nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lending --test vfio_kernel \
 	--no-run --message-format=json 2>/dev/null \
 	| sed -n 's/.*"executable":"\([^"]*vfio_kernel[^"]*\)".*/\1/p' | tail -n1)
-LENDERD=${CARGO_TARGET_DIR:-$REPO/target}/debug/lenderd
+LENDERD=${CARGO_TARGET_DIR:-$REPO/target}/$PDIR/lenderd
 SRIOV=${CARGO_TARGET_DIR:-$REPO/target}/debug/lendvm-nvme-sriov
 [ -x "$LENDERD" ] || die "no lenderd at $LENDERD"
 [ -x "$SRIOV" ] || die "no lendvm-nvme-sriov at $SRIOV"

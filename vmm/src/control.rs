@@ -32,6 +32,20 @@
 //! A slot whose device was torn down before the guest ejected it stays "present" in the
 //! hotplug controller, so new devices go to other slots; only when no other slot is free is
 //! such a slot reclaimed (the VMM completes the eject itself).
+//!
+//! # Release
+//!
+//! A removed device's lender device is released once nothing of it is left here: the guest
+//! ejected it (or `force`), its drop ran (DMA unmapped, lease returned; the lender answers
+//! RETURN after it has unmapped and reset the device) and its table entry is gone. Then the
+//! `device-released` event (`id`, `device`) goes out. Until then a re-add of the same lender
+//! device is refused with 409 saying that it is still being released and what it waits for
+//! ([`api::request::still_being_released`]), not that it is attached. `vm.remove-device`
+//! does not wait for the release: the guest's eject may take any time (or never come), and
+//! the API answers on the control thread, which serves every other request too. With
+//! `force` the release is done when the answer comes, unless a vCPU is inside an access to
+//! the device (then milliseconds later, from the release timer). A lost device is released
+//! when its entry is cleared.
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -41,7 +55,9 @@ use std::time::{Duration, Instant};
 
 use acpi::{PciHotplugController, RemovalRequest, PCI_HOTPLUG_START};
 use api::events::EventBus;
-use api::request::{already_attached, id_in_use, pause_refusal, ApiResponse};
+use api::request::{
+    already_attached, id_in_use, pause_refusal, still_being_released, ApiResponse, ReleaseWait,
+};
 use api::request::{ApiError, ApiHandler, ApiReply, ApiRequest};
 use api::types::{
     DeviceAccessCounts, DmaWindowInfo, InterruptCounts, KvmExitCounts, LeaseState as ApiLeaseState,
@@ -110,6 +126,9 @@ struct Deferred {
     device: Arc<Mutex<RemotePciDevice>>,
     /// What to announce once it is gone.
     returned: Option<LeaseReturned>,
+    /// The lender device, while a re-add of it must wait for this drop (`None`: a device
+    /// that was never in the table, whose add failed).
+    spec: Option<RemoteDeviceSpec>,
 }
 
 /// The `lease-returned` event of a device being dropped.
@@ -637,6 +656,10 @@ impl Controller {
                 self.forget(&id);
             }
         }
+        // Before the id check: a re-add under the old id should hear why it must wait too.
+        if let Some((old, wait)) = self.release_pending(&spec) {
+            return Err(ApiError::conflict(still_being_released(&spec, &old, wait)));
+        }
         if let Some(id) = &data.id {
             if let Some(e) = self.entries.get(id) {
                 return Err(ApiError::conflict(id_in_use(
@@ -729,7 +752,7 @@ impl Controller {
             }
         };
         if let Err(e) = plugged {
-            self.unplug(&id, slot, device, None);
+            self.unplug(&id, slot, device, None, None);
             return Err(ApiError::internal(format!(
                 "cannot announce device {id} in slot {slot}: {e}"
             )));
@@ -801,6 +824,7 @@ impl Controller {
         slot: u8,
         device: Arc<Mutex<RemotePciDevice>>,
         returned: Option<LeaseReturned>,
+        spec: Option<RemoteDeviceSpec>,
     ) {
         crate::vcpu::assert_not_on_vcpu("device teardown");
         if let Err(e) = self.h.devices.remove_pci_device(slot) {
@@ -818,6 +842,7 @@ impl Controller {
             warned: false,
             device,
             returned,
+            spec,
         };
         if Arc::strong_count(&d.device) > 1 {
             log::info!("{id}: a vCPU still holds the device; its drop is deferred");
@@ -863,6 +888,64 @@ impl Controller {
         }
     }
 
+    /// Drops a deferred device; its lender device may be released now.
+    fn finish_deferred(&mut self, d: Deferred) {
+        let id = d.id.clone();
+        let spec = d.spec.clone();
+        self.finish_drop(d);
+        if let Some(spec) = spec {
+            self.released_if_free(&id, &spec);
+        }
+    }
+
+    /// `device-released` for `spec` (removed as `id`) once nothing of it is left here: no
+    /// table entry (removing, lost) and no deferred drop. What a client waits for before it
+    /// adds the device again.
+    fn released_if_free(&self, id: &str, spec: &RemoteDeviceSpec) {
+        if self.entries.values().any(|e| e.spec == *spec)
+            || self.deferred.iter().any(|d| d.spec.as_ref() == Some(spec))
+        {
+            return;
+        }
+        log::info!("{id}: {spec} released");
+        self.emit(
+            "device",
+            "device-released",
+            [
+                ("id", Value::from(id)),
+                ("device", Value::from(spec.to_string())),
+            ],
+        );
+    }
+
+    /// Takes `id` out of the table (after its teardown and its `device-removed`);
+    /// `device-released` follows unless a vCPU still holds the device.
+    fn remove_entry(&mut self, id: &str) {
+        if let Some(e) = self.entries.remove(id) {
+            self.released_if_free(id, &e.spec);
+        }
+    }
+
+    /// Why a re-add of `spec` must wait, and the id it was removed as: its entry awaits the
+    /// guest's eject, or its drop awaits a vCPU. `None` when it is free, attached (active)
+    /// or lost (those have their own answers).
+    fn release_pending(&self, spec: &RemoteDeviceSpec) -> Option<(String, ReleaseWait)> {
+        if let Some((id, _)) = self
+            .entries
+            .iter()
+            .find(|(_, e)| e.spec == *spec && e.state == ApiLeaseState::Removing)
+        {
+            return Some((id.clone(), ReleaseWait::GuestEject));
+        }
+        if self.entries.values().any(|e| e.spec == *spec) {
+            return None;
+        }
+        self.deferred
+            .iter()
+            .find(|d| d.spec.as_ref() == Some(spec))
+            .map(|d| (d.id.clone(), ReleaseWait::VcpuAccess))
+    }
+
     fn arm_release_timer(&mut self) {
         if let Some(t) = &mut self.release_timer {
             if let Err(e) = t.reset(RELEASE_RETRY, Some(RELEASE_RETRY)) {
@@ -876,12 +959,10 @@ impl Controller {
         if let Some(t) = &mut self.release_timer {
             let _ = t.wait();
         }
-        let pending = std::mem::take(&mut self.deferred);
-        for mut d in pending {
-            if Arc::strong_count(&d.device) == 1 {
-                self.finish_drop(d);
-                continue;
-            }
+        let (ready, held): (Vec<Deferred>, Vec<Deferred>) = std::mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|d| Arc::strong_count(&d.device) == 1);
+        for mut d in held {
             if !d.warned && d.since.elapsed() > RELEASE_WARN {
                 log::warn!(
                     "{}: a vCPU has held the torn-down device for {:?}",
@@ -891,6 +972,9 @@ impl Controller {
                 d.warned = true;
             }
             self.deferred.push(d);
+        }
+        for d in ready {
+            self.finish_deferred(d);
         }
         if self.deferred.is_empty() {
             if let Some(t) = &mut self.release_timer {
@@ -914,22 +998,17 @@ impl Controller {
                 device: e.spec.bdf.to_string(),
             });
             let key = e.key;
+            let spec = e.spec.clone();
             self.subscriber_changes
                 .push(SubscriberChange::Remove { key });
-            self.unplug(id, slot, dev, returned);
+            self.unplug(id, slot, dev, returned, Some(spec));
         }
     }
 
-    /// Drops the table entry of `id` (after its teardown).
+    /// Drops the table entry of `id` (torn down first if it is not yet, lease returned).
     fn forget(&mut self, id: &str) {
-        if let Some(e) = self.entries.remove(id) {
-            if e.device.is_some() {
-                // Not torn down yet: do it now, lease returned.
-                self.entries.insert(id.to_string(), e);
-                self.teardown(id, true);
-                self.entries.remove(id);
-            }
-        }
+        self.teardown(id, true);
+        self.remove_entry(id);
     }
 
     fn removed_event(&self, id: &str, slot: u8, how: &str) {
@@ -965,9 +1044,9 @@ impl Controller {
             ApiLeaseState::Lost => {
                 // Already torn down when the lease was lost; the guest was told then.
                 let slot = e.slot;
-                self.entries.remove(&id);
                 log::info!("{id}: lost device removed from the table");
                 self.removed_event(&id, slot, "lost-cleared");
+                self.remove_entry(&id);
                 return Ok(());
             }
             ApiLeaseState::Removing if !data.force => {
@@ -989,9 +1068,9 @@ impl Controller {
         if data.force {
             let slot = self.entries.get(&id).map_or(0, |e| e.slot);
             self.teardown(&id, true);
-            self.entries.remove(&id);
             log::info!("{id}: force-removed");
             self.removed_event(&id, slot, "forced");
+            self.remove_entry(&id);
         } else {
             log::info!("{id}: removal requested; waiting for the guest to eject it");
         }
@@ -1018,8 +1097,8 @@ impl Controller {
                 Some(id) => {
                     log::info!("{id}: guest ejected slot {slot}");
                     self.teardown(&id, true);
-                    self.entries.remove(&id);
                     self.removed_event(&id, slot as u8, "ejected");
+                    self.remove_entry(&id);
                 }
                 None => log::debug!("guest ejected slot {slot}, already torn down"),
             }
@@ -1076,10 +1155,10 @@ impl Controller {
         let ids: Vec<String> = self.entries.keys().cloned().collect();
         for id in ids {
             self.teardown(&id, true);
+            self.remove_entry(&id);
         }
-        self.entries.clear();
         for d in std::mem::take(&mut self.deferred) {
-            self.finish_drop(d);
+            self.finish_deferred(d);
         }
         if self.state != VmState::Created {
             self.state = VmState::Shutdown;

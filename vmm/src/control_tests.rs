@@ -813,12 +813,113 @@ fn device_removed_is_emitted_on_the_eject_not_the_api_call() {
     guest_eject(&mut rig, 1);
     assert_eq!(
         events(&rig.ctl),
-        ["device-added", "lease-returned", "device-removed"]
+        [
+            "device-added",
+            "lease-returned",
+            "device-removed",
+            "device-released"
+        ]
     );
     let ev = rig.ctl.events().recent();
     assert_eq!(ev[2].properties["id"], "d");
     assert_eq!(ev[2].properties["bdf"], "0000:00:01.0");
     assert_eq!(ev[2].properties["how"], "ejected");
+    assert_eq!(ev[3].properties["id"], "d");
+    assert_eq!(ev[3].properties["device"], "node3:0000:81:00.0");
+}
+
+const RELEASING_EJECT: &str = "node3:0000:81:00.0 (removed as disk0) is still being released: \
+     the guest has not ejected it yet (vm.remove-device with \"force\": true tears it down \
+     now); add it again after the device-released event of disk0 (lendctl events)";
+const RELEASING_VCPU: &str = "node3:0000:81:00.0 (removed as disk0) is still being released: \
+     a vCPU is finishing an access to it, then its lease goes back to the lender; add it \
+     again after the device-released event of disk0 (lendctl events)";
+
+/// A re-add of a removed device before its release is over is refused as still being
+/// released, saying what the release waits for (the guest's eject, then a vCPU's access),
+/// not as "already attached"; `device-released` (after `device-removed` and the lease's
+/// return) says when it may come back, and then it does.
+#[test]
+fn a_re_add_before_the_release_is_over_is_refused_as_releasing_until_device_released() {
+    let Some(mut rig) = rig() else { return };
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("disk0")).unwrap();
+    assert_eq!(remove(&mut rig.ctl, "disk0", false), Ok(ApiResponse::Empty));
+    // Under a new id or the old one: the same answer.
+    for id in ["disk1", "disk0"] {
+        let e = add(&mut rig.ctl, "node3:0000:81:00.0", Some(id)).unwrap_err();
+        assert_eq!(
+            (e.kind, e.message.as_str()),
+            (ApiErrorKind::Conflict, RELEASING_EJECT)
+        );
+    }
+    // The guest ejects while a vCPU is inside an access to the device.
+    let held = rig.vm.devices().pci_bus().device(1).unwrap();
+    guest_eject(&mut rig, 1);
+    assert_eq!(rig.ctl.deferred_drops(), 1);
+    let e = add(&mut rig.ctl, "node3:0000:81:00.0", Some("disk1")).unwrap_err();
+    assert_eq!(
+        (e.kind, e.message.as_str()),
+        (ApiErrorKind::Conflict, RELEASING_VCPU)
+    );
+    assert_eq!(events(&rig.ctl), ["device-added", "device-removed"]);
+    assert_eq!(rig.ctl.counters().leases, 1, "the lease is still held");
+    drop(held);
+    rig.ctl.on_release_timer();
+    assert_eq!(
+        events(&rig.ctl),
+        [
+            "device-added",
+            "device-removed",
+            "lease-returned",
+            "device-released"
+        ]
+    );
+    let ev = rig.ctl.events().recent();
+    assert_eq!(ev[3].properties["id"], "disk0");
+    assert_eq!(ev[3].properties["device"], "node3:0000:81:00.0");
+    assert_eq!(rig.ctl.counters().leases, 0);
+    // Released: it comes back.
+    let Ok(ApiResponse::DeviceAdded(d)) = add(&mut rig.ctl, "node3:0000:81:00.0", Some("disk1"))
+    else {
+        panic!("re-add after device-released failed");
+    };
+    assert_eq!(d.id, "disk1");
+}
+
+/// A forced removal is released when it answers (no vCPU holds the device): the re-add
+/// right after succeeds. A lost device is released when its entry is cleared.
+#[test]
+fn forced_and_lost_devices_are_released_when_their_entry_goes() {
+    let Some(mut rig) = rig() else { return };
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("disk0")).unwrap();
+    assert_eq!(remove(&mut rig.ctl, "disk0", true), Ok(ApiResponse::Empty));
+    assert_eq!(
+        events(&rig.ctl),
+        [
+            "device-added",
+            "lease-returned",
+            "device-removed",
+            "device-released"
+        ]
+    );
+    add(&mut rig.ctl, "node3:0000:81:00.0", Some("disk1")).unwrap();
+    rig.source.lose_last("lender died");
+    rig.ctl.check_leases();
+    let released = |ctl: &Controller| {
+        events(ctl)
+            .iter()
+            .filter(|e| *e == "device-released")
+            .count()
+    };
+    assert_eq!(released(&rig.ctl), 1, "a lost device is still in the table");
+    assert_eq!(remove(&mut rig.ctl, "disk1", false), Ok(ApiResponse::Empty));
+    assert_eq!(released(&rig.ctl), 2);
+    let ev = rig.ctl.events().recent();
+    let last = ev.last().unwrap();
+    assert_eq!(
+        (last.event.as_str(), &last.properties["id"]),
+        ("device-released", &Value::from("disk1"))
+    );
 }
 
 #[test]

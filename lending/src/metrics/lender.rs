@@ -75,8 +75,9 @@ impl LenderMetrics {
             n(),
             l.inventory().uptime_secs() as f64,
         );
-        let mut by_state = [0u64; 4];
-        const STATES: [&str; 4] = ["available", "lent", "resetting", "failed"];
+        // Every state, so that `lenderd_devices` has a sample for each (0 included).
+        const STATES: [&str; 5] = ["available", "lent", "releasing", "resetting", "failed"];
+        let mut by_state = [0u64; STATES.len()];
         let inv = l.inventory();
         let mut leases = 0u64;
         f.declare(
@@ -88,8 +89,9 @@ impl LenderMetrics {
             let st = match &d.state {
                 DeviceState::Available => 0,
                 DeviceState::Lent { .. } => 1,
-                DeviceState::Resetting => 2,
-                DeviceState::Failed { .. } => 3,
+                DeviceState::Releasing { .. } => 2,
+                DeviceState::Resetting => 3,
+                DeviceState::Failed { .. } => 4,
             };
             by_state[st] += 1;
             f.gauge(

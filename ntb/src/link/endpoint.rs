@@ -66,6 +66,10 @@ impl Endpoint for LinkEndpoint {
         self.inner.region.clone()
     }
 
+    fn control_path(&self) -> ControlPath {
+        self.inner.control
+    }
+
     fn kind(&self) -> FabricKind {
         self.inner.kind
     }

@@ -89,25 +89,57 @@ pub(crate) struct LinkOpts {
     pub(crate) pump: Option<JoinHandle<()>>,
     /// When the handshake must be done (default: `connect_timeout` from now).
     pub(crate) deadline: Option<Instant>,
+    /// A `bar` link's region, opened before the fabric hello (its control rings are there).
+    pub(crate) region: Option<Arc<Region>>,
+    /// Where the link's control messages go (default: by the stream's kind).
+    pub(crate) control: Option<ControlPath>,
 }
 
 impl LinkOpts {
-    /// A tcp connection: runs the TLS handshake by `deadline` and returns the plaintext
+    /// A tcp connection: runs the TLS handshake by `deadline`, then on a `bar` node (`cfg`
+    /// has a region) agrees on the control path ([`crate::ring`]), and returns the plaintext
     /// stream with its options.
     pub(crate) fn tls(
         tcp: TcpStream,
         initiator: bool,
         deadline: Instant,
+        cfg: &LinkConfig,
     ) -> Result<(Stream, LinkOpts)> {
         let peer_addr = tcp.peer_addr().map(|a| a.to_string()).ok();
-        let t = crate::tls::wrap(tcp, initiator, deadline)?;
+        let (mut conn, binding) = crate::tls::handshake(&tcp, initiator, deadline)?;
+        // The region is opened per link (an open and an fstat), so a region that went away
+        // fails the link, not the node.
+        let region = cfg
+            .region
+            .as_ref()
+            .map(Region::open)
+            .transpose()?
+            .map(Arc::new);
+        let ring = match &region {
+            Some(r) => crate::ring::negotiate(&mut conn, &tcp, initiator, r, deadline)?,
+            None => None,
+        };
+        let (plain, pump, control) = match ring {
+            Some(ring) => {
+                let path = ring.path();
+                let who = peer_addr.clone().unwrap_or_default();
+                let (plain, pump) = ring.spawn(conn, tcp, who)?;
+                (plain, pump, path)
+            }
+            None => {
+                let t = crate::tls::start_pump(conn, tcp, binding.clone())?;
+                (t.plain, t.pump, ControlPath::Tls)
+            }
+        };
         Ok((
-            Stream::Tls(t.plain),
+            Stream::Tls(plain),
             LinkOpts {
                 peer_addr,
-                binding: t.binding,
-                pump: Some(t.pump),
+                binding,
+                pump: Some(pump),
                 deadline: Some(deadline),
+                region,
+                control: Some(control),
             },
         ))
     }
@@ -126,6 +158,7 @@ pub(crate) fn establish(
     // link (an open and an fstat), so a region that went away fails the link, not the node.
     let region = match (&cfg.region, stream.kind()) {
         (None, _) => None,
+        (Some(_), FabricKind::Tcp) if opts.region.is_some() => opts.region.clone(),
         (Some(spec), FabricKind::Tcp) => Some(Arc::new(Region::open(spec)?)),
         (Some(spec), k) => {
             return Err(FabricError::BadRegion {
@@ -259,6 +292,10 @@ pub(crate) fn establish(
         .try_clone()
         .map_err(FabricError::io("clone socket"))?;
     let (svc_tx, svc_rx) = mpsc::channel();
+    let control = opts.control.unwrap_or(match kind {
+        FabricKind::Shm => ControlPath::Socket,
+        FabricKind::Tcp | FabricKind::Bar => ControlPath::Tls,
+    });
     let inner = Arc::new(Inner {
         kind,
         local: local.clone(),
@@ -285,6 +322,7 @@ pub(crate) fn establish(
         svc_tx: Mutex::new(Some(svc_tx)),
         abuse_log: RateLimit::new(Duration::from_secs(1)),
         region,
+        control,
     });
     let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
         std::thread::Builder::new()
@@ -302,7 +340,7 @@ pub(crate) fn establish(
         format!("ntb-svc-{peer}"),
         Box::new(move || service_loop(i2, svc_rx)),
     )?;
-    log::info!("ntb {kind} link {local} <-> {peer} up");
+    log::info!("ntb {kind} link {local} <-> {peer} up, control through {control}");
     let mut threads = vec![t1, t2];
     threads.extend(opts.pump);
     Ok(LinkEndpoint {

@@ -24,8 +24,9 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::fabric::{
-    BackingId, Endpoint, ExportedWindow, FabricError, FabricKind, Incoming, LinkConfig, LinkStats,
-    Message, NodeId, PeerWindow, RequestId, Result, WindowId, WindowInfo, WindowLimits,
+    BackingId, ControlPath, Endpoint, ExportedWindow, FabricError, FabricKind, Incoming,
+    LinkConfig, LinkStats, Message, NodeId, PeerWindow, RequestId, Result, WindowId, WindowInfo,
+    WindowLimits,
 };
 use crate::mem::{fd_has_fixed_extent, fd_seals, fd_size, Mapping, SharedMemory};
 use crate::region::Region;

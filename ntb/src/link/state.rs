@@ -70,6 +70,8 @@ pub(crate) struct Inner {
     pub(super) abuse_log: RateLimit,
     /// The shared region of a `bar` link.
     pub(super) region: Option<Arc<Region>>,
+    /// Where the link's control messages go.
+    pub(super) control: ControlPath,
 }
 
 pub(super) fn spad_bytes(n: u32) -> u64 {

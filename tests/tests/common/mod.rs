@@ -74,8 +74,9 @@ pub enum Fabric {
     Bar,
 }
 
-/// Size of a [`Fabric::Bar`] node's region file.
-pub const BAR_REGION_SIZE: u64 = 128 << 20;
+/// Size of a [`Fabric::Bar`] node's region file: two 64 MiB VMs (a migration's source and
+/// destination) and the control rings at its end.
+pub const BAR_REGION_SIZE: u64 = 256 << 20;
 
 /// The `[[node]]` entry of lender `name` on `fabric`, its files in `dir`.
 pub fn node_entry(fabric: Fabric, name: &str, dir: &Path) -> String {
