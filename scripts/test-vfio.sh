@@ -39,6 +39,9 @@
 # LENDVM_VFIO_BOOT_TIMEOUT (900),
 # LENDVM_VFIO_TEST_TIMEOUT (600).
 set -euo pipefail
+# Niceness of the long runs: none under CI, where a stand-in CPU load at nice 0 must not
+# starve them; 10 on a developer's machine. LENDVM_NICE overrides.
+NICE=${LENDVM_NICE:-$([ -n "${CI:-}" ] && echo 0 || echo 10)}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$REPO/tests/linux/lib.sh"
 QEMU=${QEMU:-qemu-system-x86_64}
@@ -53,8 +56,8 @@ WINDOW_MIB=256 # two 64 MiB guests (a migration's source and destination) and th
 # for wake-ups) or "tcp" (all through QEMU's user network into L1's TCP stack), to compare.
 CONTROL_PATH=${LENDVM_VFIO_CONTROL_PATH:-ring}
 # L1's speed: its boot's wall time against this reference (an idle machine of this kind,
-# 170-210 s measured,
-# docs/VFIO.md). The cases' deadlines scale with the ratio, within [1, SLOW_MAX].
+# 170-210 s measured here: docs/VFIO.md). The cases' deadlines scale with the ratio, within
+# [1, SLOW_MAX].
 REF_BOOT_S=200
 SLOW_MAX=4
 
@@ -186,7 +189,7 @@ CMDLINE+=" lendvm_ctl=$CTL_MAC,10.0.2.15/24,10.0.2.2 lendvm_peer=$PEER_MAC,$PEER
 CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF,$PEER_BDF,$SRIOV_VF lendvm_shm=$SHM_BDF lendvm_lenderd=1"
 CMDLINE+=" lendvm_sriov=$SRIOV_PF,$SRIOV_VF"
 [ "$demo" = 1 ] || CMDLINE+=" lendvm_test=kernel"
-nice -n "${LENDVM_NICE:-10}" "$QEMU" -nodefaults -display none -no-reboot \
+nice -n "$NICE" "$QEMU" -nodefaults -display none -no-reboot \
 	-machine q35,accel=kvm,kernel-irqchip=split -cpu "$QEMU_CPU" -m 384M -smp 1 \
 	-device intel-iommu,intremap=on \
 	-object "memory-backend-file,id=shm0,share=on,mem-path=$WINDOW,size=${WINDOW_MIB}M" \
@@ -320,7 +323,7 @@ run_vfio_tests() {
 		LENDVM_LINUX_KERNEL=$BZIMAGE LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS LENDVM_TOKEN="$(cat "$RUN/token")" \
 		LENDVM_VFIO_SLOWNESS=$SLOW LENDVM_VFIO_CONTROL_PATH=$CONTROL_PATH \
 		LENDVM_VFIO_ALL_DEVICES="$NVME_BDF $NIC_BDF $PEER_BDF $SRIOV_VF" \
-		nice -n "${LENDVM_NICE:-10}" cargo test --locked -p lendvm-tests --test vfio -- \
+		nice -n "$NICE" cargo test --locked -p lendvm-tests --test vfio -- \
 		--ignored --test-threads=1 "$@"
 }
 L1_DEATH_CASE=vfio_l1_dying_mid_lease_leaves_the_vm_running
