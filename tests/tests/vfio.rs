@@ -96,16 +96,28 @@ fn run_deadline() -> Instant {
 
 /// L1's lenderd, asked from out here.
 fn l1_lender() -> lending::client::LenderClient {
-    let cluster =
-        ntb::ClusterConfig::load(std::path::Path::new(&env("LENDVM_VFIO_CLUSTER"))).unwrap();
+    l1_lender_as(
+        std::path::Path::new(&env("LENDVM_VFIO_CLUSTER")),
+        "vfio-tests",
+        Duration::from_secs(30),
+    )
+}
+
+/// L1's lenderd through the cluster file `cluster`, as the client `name`.
+fn l1_lender_as(
+    cluster: &std::path::Path,
+    name: &str,
+    timeout: Duration,
+) -> lending::client::LenderClient {
+    let cluster = ntb::ClusterConfig::load(cluster).unwrap();
     let node = cluster.node(&env("LENDVM_VFIO_LENDER")).unwrap().clone();
     lending::client::LenderClient::connect_node(
         &cluster,
         &node,
-        &ntb::NodeId::new("vfio-tests").unwrap(),
-        Duration::from_secs(30),
+        &ntb::NodeId::new(name).unwrap(),
+        timeout,
         &env("LENDVM_TOKEN"),
-        "vfio-tests",
+        name,
     )
     .unwrap_or_else(|e| panic!("L1's lenderd: {e}"))
 }
@@ -1040,17 +1052,7 @@ fn bench_l1_control_paths() {
 
         // Round trips of a status request (lendctl status's), after a warm-up.
         l1_ready();
-        let cfg = ntb::ClusterConfig::load(&cluster).unwrap();
-        let node = cfg.node(&env("LENDVM_VFIO_LENDER")).unwrap().clone();
-        let c = lending::client::LenderClient::connect_node(
-            &cfg,
-            &node,
-            &ntb::NodeId::new("vfio-bench").unwrap(),
-            Duration::from_secs(60),
-            &env("LENDVM_TOKEN"),
-            "vfio-bench",
-        )
-        .unwrap();
+        let c = l1_lender_as(&cluster, "vfio-bench", Duration::from_secs(60));
         let control = c.endpoint().control_path().to_string();
         assert_eq!(
             control.starts_with("ring"),
@@ -1115,11 +1117,14 @@ fn bench_l1_control_paths() {
         let runs = lendvm_tests::fio::parse_runs(&guest.out.lines()).unwrap();
         assert_eq!(runs.len(), 1);
         assert_eq!(runs[0].error().unwrap(), 0, "fio: {:#}", runs[0].json);
-        let job = runs[0].job_json().unwrap();
-        let ios: u64 = ["read", "write"]
+        // Every job of the run (verify-short has two, one per CPU).
+        let ios: u64 = runs[0].json["jobs"]
+            .as_array()
+            .expect("fio's JSON has jobs")
             .iter()
-            .map(|d| job[d]["total_ios"].as_u64().unwrap_or(0))
+            .flat_map(|job| ["read", "write"].map(|d| job[d]["total_ios"].as_u64().unwrap_or(0)))
             .sum();
+        assert!(ios > 0, "fio did no I/O: {:#}", runs[0].json);
         let stderr = guest.out.stderr();
         let trapped: u64 = stderr
             .lines()

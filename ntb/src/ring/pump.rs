@@ -55,6 +55,8 @@ impl Tuning {
     /// a lender waits for the next request (a DMA map, a reset, an emulated lender's every
     /// answer), and a kick back would cost a TCP round trip: hot for 250 ms, naps of 20 µs
     /// growing to 1 ms (about a thousand cheap wake-ups a second while busy, on a host core).
+    /// Heartbeats count as traffic: with the default 250 ms heartbeat a borrower's pump
+    /// stays hot for as long as its link is up.
     pub(crate) const BORROWER: Tuning = Tuning {
         hot: Duration::from_millis(250),
         nap_min: Duration::from_micros(20),
