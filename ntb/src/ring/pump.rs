@@ -42,13 +42,14 @@ pub(crate) struct Tuning {
 
 impl Tuning {
     /// The lender's side: hot for 20 ms after traffic (the borrower's next trapped access
-    /// usually follows a reply within that), naps of 50 µs growing to 2 ms. On an emulated
-    /// lender (L1 here) each wake-up costs milliseconds of its one vCPU, so the naps stay
-    /// long enough to leave it to lenderd's own threads; a quiet link costs one wake-up per
-    /// [`IDLE_WAIT`].
+    /// usually follows a reply within that), naps of 200 µs growing to 2 ms. On an emulated
+    /// lender (L1 here) each wake-up costs milliseconds of its one vCPU: with naps from
+    /// 50 µs and three system calls per nap the pump took 40% of L1 while a lent e1000e
+    /// was probed (`L1-CPU` samples, docs/VFIO.md), more than the thread doing the device's
+    /// accesses. A quiet link costs one wake-up per [`IDLE_WAIT`].
     pub(crate) const LENDER: Tuning = Tuning {
         hot: Duration::from_millis(20),
-        nap_min: Duration::from_micros(50),
+        nap_min: Duration::from_micros(200),
         nap_max: Duration::from_millis(2),
     };
     /// The borrower's side: a reply comes after the lender's work, which takes longer than
@@ -89,8 +90,23 @@ fn corrupt(e: RingError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
-/// `poll` on the socket and the link's end, for up to `timeout` (µs precision).
-fn wait(tcp: &TcpStream, local: &UnixStream, local_ev: i16, timeout: Duration) -> io::Result<()> {
+/// What a [`wait`] found ready.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ready {
+    tcp: bool,
+    local: bool,
+}
+
+/// `poll` on the socket and the link's end, for up to `timeout` (µs precision). Says which
+/// of them has something (or an error or hang-up) to take, so that a nap that ends with
+/// nothing costs no further system calls: on an emulated lender every call costs its one
+/// vCPU a great deal, and most naps end with nothing but the ring to look at.
+fn wait(
+    tcp: &TcpStream,
+    local: &UnixStream,
+    local_ev: i16,
+    timeout: Duration,
+) -> io::Result<Ready> {
     let mut p = [
         libc::pollfd {
             fd: tcp.as_raw_fd(),
@@ -114,8 +130,16 @@ fn wait(tcp: &TcpStream, local: &UnixStream, local_ev: i16, timeout: Duration) -
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
         }
+        // Interrupted: look at everything, as before this optimisation.
+        return Ok(Ready {
+            tcp: true,
+            local: true,
+        });
     }
-    Ok(())
+    Ok(Ready {
+        tcp: p[0].revents != 0,
+        local: p[1].revents != 0,
+    })
 }
 
 impl Pump {
@@ -196,16 +220,19 @@ impl Pump {
         let mut inb = vec![0u8; CAP];
         let (mut in_start, mut in_end) = (0usize, 0usize);
         let mut local_eof = false;
+        // Whether the link's end may have bytes for us: a read is tried only then (it is
+        // cleared by a read that would block, set by poll).
+        let mut local_readable = true;
         let mut tcp_open = true;
         let mut last = Instant::now();
         let mut nap = self.tuning.nap_min;
         loop {
             let mut moved = false;
-            if out_start == out_end && !local_eof {
+            if out_start == out_end && !local_eof && local_readable {
                 match (&self.local).read(&mut out) {
                     Ok(0) => local_eof = true,
                     Ok(n) => (out_start, out_end) = (0, n),
-                    Err(e) if would_block(&e) => {}
+                    Err(e) if would_block(&e) => local_readable = false,
                     Err(_) => local_eof = true,
                 }
             }
@@ -260,13 +287,18 @@ impl Pump {
                 local_ev |= libc::POLLOUT;
             }
             let timeout = if asleep { IDLE_WAIT } else { nap };
-            wait(&self.tcp, &self.local, local_ev, timeout)?;
+            let ready = wait(&self.tcp, &self.local, local_ev, timeout)?;
             if asleep {
                 self.rings.set_sleeping(false);
             } else {
                 nap = (nap * 2).min(self.tuning.nap_max);
             }
-            tcp_open = self.read_tcp()?;
+            if ready.local {
+                local_readable = true;
+            }
+            if ready.tcp {
+                tcp_open = self.read_tcp()?;
+            }
             self.flush_tls()?;
         }
     }
