@@ -11,8 +11,10 @@
 //!   with its last device and every add opens one (tcp: TCP connect + TLS handshake), runs
 //!   AUTH and HELLO and starts the session's event pump, then borrows: what the first device
 //!   of a lender costs;
-//! * `re-add`: the default idle time, so each add reuses the session kept open since the
-//!   previous removal (`vmm::remote::SESSION_IDLE`);
+//! * `re-add`: lendvm runs with `--lender-idle-ms 60000`, so each add reuses the session kept
+//!   open since the previous removal (the default `vmm::remote::SESSION_IDLE`, 1 s, is shorter
+//!   than a removal and the next add take on a loaded 2-core machine: one of 20 re-adds in a
+//!   CI run beside a CPU load found its session closed);
 //! * `shared session`: a second device of the same lender stays attached throughout, so every
 //!   add borrows over its authenticated session (`LenderSource` shares one session per
 //!   lender among the devices borrowed there).
@@ -658,9 +660,16 @@ fn main() {
     for (fabric, _) in GOALS {
         if only.is_empty() || only.split(',').any(|f| f == fabric) {
             // lendvm closes a lender's link with its last device (`--lender-idle-ms 0`), so
-            // every add sets one up; then with the default idle time.
+            // every add sets one up; then with a minute's idle time, so that the removed
+            // device's session is always still there for the re-add.
             let mut r = run_fabric(fabric, n, warmup, Some(0), &[NEW]);
-            r.extend(run_fabric(fabric, n, warmup, None, &[READD, SHARED]));
+            r.extend(run_fabric(
+                fabric,
+                n,
+                warmup,
+                Some(60_000),
+                &[READD, SHARED],
+            ));
             runs.push((fabric, r));
         }
     }
@@ -679,7 +688,7 @@ fn main() {
          1-minute load average of {load_before} before and {load_after} after (other work on the \
          host; every figure includes its competition for the CPUs). *New session*: lendvm runs \
          with `--lender-idle-ms 0`, so every add opens a link to the lender (tcp: TLS 1.3), \
-         runs AUTH and HELLO: the first device of a lender; *re-add*: the default idle time \
+         runs AUTH and HELLO: the first device of a lender; *re-add*: `--lender-idle-ms 60000` \
          keeps the session of the removed device open, and the add reuses it; *shared \
          session*: another device of the same lender is attached and the add borrows over its \
          session. Figures in ms.\n",
