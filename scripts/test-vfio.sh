@@ -323,7 +323,7 @@ if [ "$demo" = 1 ]; then
 	cmdline="$LENDVM_BASE_CMDLINE rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4"
 	cmdline+=" lendvm_fio=verify@nvme0n1"
 	RUST_LOG=info "$BIN/lendvm" --kernel "$GUEST_KERNEL" --initramfs "$GUEST_INITRAMFS" \
-		--memory "64M,shared=$WINDOW,offset=0" --cpus 1 --cmdline "$cmdline" \
+		--memory "64M,shared=$WINDOW,offset=0" --cpus 2 --cmdline "$cmdline" \
 		--serial "file=$serial" --cluster "$RUN/cluster.toml" --name demo-vfio \
 		--remote-device "l1:$NVME_BDF,id=nvme0" --api-socket "$RUN/api.sock" 2>"$RUN/lendvm.log" &
 	vmm=$!
