@@ -91,7 +91,7 @@ fn corrupt(e: RingError) -> io::Error {
 }
 
 /// What a [`wait`] found ready.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Ready {
     tcp: bool,
     local: bool,
@@ -265,6 +265,9 @@ impl Pump {
                 return self.finish(local_eof, &out[out_start..out_end], &inb[in_start..in_end]);
             }
             if moved {
+                // Busy: look at the link's end again too, or its bytes would wait behind a
+                // stream of the peer's until a nap.
+                local_readable = true;
                 last = Instant::now();
                 nap = self.tuning.nap_min;
                 continue;
