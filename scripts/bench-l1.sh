@@ -11,7 +11,8 @@
 # verify-short fio job on QEMU's NVMe in L1 (its seconds, its I/Os, the lent NVMe's
 # trapped accesses per I/O). "Before" is debug + tcp (what L1 ran until now), "after" is
 # release + ring. Writes OUTDIR/l1-control-{debug,release}.json, OUTDIR/l1.md (the
-# section's tables) and OUTDIR/l1-control.svg. ~25 min on the 2-core host.
+# section's tables) and OUTDIR/l1-control.svg. ~6 min on the 2-core host with L1 under TCG
+# (the default), ~25 min under KVM (LENDVM_VFIO_L1_ACCEL=kvm: this host's instruction emulator).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${CARGO_TARGET_DIR:-$PWD/target}/bench}
@@ -23,8 +24,9 @@ for p in debug release; do
 	[ -s "$OUT/l1-control-$p.json" ] || { echo "bench-l1: no $OUT/l1-control-$p.json" >&2; exit 1; }
 done
 python3 - "$OUT" <<'EOF'
-import json, sys
+import json, os, sys
 out = sys.argv[1]
+accel = os.environ.get("LENDVM_VFIO_L1_ACCEL", "tcg")
 runs = {p: json.load(open(f"{out}/l1-control-{p}.json")) for p in ("debug", "release")}
 rows = []
 for p in ("debug", "release"):
@@ -46,7 +48,8 @@ md.append(f"Before (debug lenderd, control on tcp) → after (release lenderd, c
           f"({before['rtt_ms']['p50'] / max(after['rtt_ms']['p50'], 1e-9):.1f}× faster), the fio job "
           f"{before['fio_job_s']:.1f} → {after['fio_job_s']:.1f} s "
           f"({before['fio_job_s'] / max(after['fio_job_s'], 1e-9):.1f}×). "
-          f"L1's slowness (boot time against the reference, hundredths): "
+          f"L1 under {accel} (scripts/test-vfio.sh's LENDVM_VFIO_L1_ACCEL); its slowness "
+          f"(boot time against the reference, hundredths): "
           f"{runs['debug']['slowness']} and {runs['release']['slowness']}.")
 open(f"{out}/l1.md", "w").write("\n".join(md) + "\n")
 # Two groups of bars: the round trip (ms) and the fio job (s), one bar per configuration.

@@ -13,7 +13,7 @@
 #   directory  cargo bench -p api --bench directory           etcd directory vs static fan-out; claims; device loss (needs etcd)
 #   migration  cargo bench -p lendvm-tests --bench migration  live migration with a lent NVMe
 #   guest      scripts/bench-guest.sh                         fio in the Linux guest (QEMU, guest kernel; ~20 min)
-#   l1         scripts/bench-l1.sh                            the bar fabric's control paths in L1 (two L1 boots; ~25 min)
+#   l1         scripts/bench-l1.sh                            the bar fabric's control paths in L1 (two L1 boots; ~6 min)
 #
 # Each bench writes target/bench/<section>.md (its tables and goal lines, generated from the
 # measured data), besides its JSON and SVG. This script puts the fragment between

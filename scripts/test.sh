@@ -23,17 +23,7 @@ report() {
 	printf '  %5d  total%s\n' $((SECONDS - T_ALL)) "$([ "$rc" = 0 ] || echo " (failed, rc=$rc)")"
 	return "$rc"
 }
-# The background vfio run (below) ends with us: its own trap stops L1.
-stop_vfio() {
-	local rc=$?
-	if [ -n "$VFIO_PID" ] && kill -0 "$VFIO_PID" 2>/dev/null; then
-		kill "$VFIO_PID" 2>/dev/null || true
-		wait "$VFIO_PID" 2>/dev/null || true
-	fi
-	exit "$rc"
-}
-VFIO_PID=""
-trap 'report; stop_vfio' EXIT
+trap report EXIT
 # stage NAME CMD...: runs CMD, records how long it took.
 stage() {
 	local name=$1 t0=$SECONDS rc=0
@@ -58,25 +48,17 @@ if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
   LINUX=0
 fi
 if [ "$LINUX" = 1 ]; then
-  # Real VFIO in a nested QEMU guest (docs/VFIO.md). Everything it needs is built here: the
-  # guest kernel (also the Linux stage's), L1's initramfs with a release lenderd, the guests'
-  # initramfs, lendvm and the cases. Then L1 boots in the background (about 6 minutes of one
-  # emulated vCPU: its kernel, the vfio_kernel cases inside it, SR-IOV, lenderd) while the
-  # stages below run, and waits there, lending, until the `vfio` stage opens the gate.
+  # Real VFIO in a nested QEMU guest (docs/VFIO.md). Everything it needs is built here,
+  # while cargo is at hand: the guest kernel (also the Linux stage's), L1's initramfs with a
+  # release lenderd, the guests' initramfs, lendvm and the cases; the `vfio` stage below
+  # builds nothing.
   VFIO_ENV=$(mktemp)
-  VFIO_GATE=$(mktemp -u)
-  VFIO_LOG=${CARGO_TARGET_DIR:-target}/vfio-stage.log
   stage build-vfio scripts/test-vfio.sh --prepare "$VFIO_ENV"
   set -a
   # shellcheck disable=SC1090
   source "$VFIO_ENV"
   set +a
   rm -f "$VFIO_ENV"
-  LENDVM_VFIO_PREBUILT=1 LENDVM_VFIO_GATE=$VFIO_GATE LENDVM_VFIO_GATE_PID=$$ \
-    scripts/test-vfio.sh >"$VFIO_LOG" 2>&1 &
-  VFIO_PID=$!
-  T_VFIO=$SECONDS
-  echo "test: L1 boots in the background (pid $VFIO_PID, log $VFIO_LOG)"
 fi
 # Every benchmark of docs/BENCHMARKS.md at a short budget (dev profile, ~3 min): checks that
 # each still runs and writes its section's fragment; no speeds are checked, docs/ is untouched.
@@ -105,18 +87,9 @@ stage soak env LENDVM_SOAK_CYCLES="${LENDVM_SOAK_CYCLES:-500}" \
 stage packages scripts/test-packages.sh
 if [ "$LINUX" = 1 ]; then
   stage linux scripts/test-linux.sh
-  # The lendvm guests' cases against L1 (tests/tests/vfio.rs: stock nvme and e1000e drivers,
-  # replug, FLR, migration, lenderd killed mid-write, P2P, L1's death), one VM at a time now
-  # that nothing else runs. The stage's time is from the gate; L1's boot ran beside the others.
-  vfio_cases() {
-    touch "$VFIO_GATE"
-    tail -n +1 -f --pid="$VFIO_PID" "$VFIO_LOG"
-    local rc=0
-    wait "$VFIO_PID" || rc=$?
-    VFIO_PID=""
-    rm -f "$VFIO_GATE"
-    echo "test: the vfio run took $((SECONDS - T_VFIO))s since L1's start"
-    return "$rc"
-  }
-  stage vfio vfio_cases
+  # L1 (QEMU under TCG: its kernel boots in seconds), the vfio_kernel cases inside it, then
+  # the lendvm guests' cases against its lenderd (tests/tests/vfio.rs: stock nvme and e1000e
+  # drivers, replug, FLR, migration, lenderd killed mid-write, P2P, L1's death), one VM at a
+  # time.
+  stage vfio env LENDVM_VFIO_PREBUILT=1 scripts/test-vfio.sh
 fi
