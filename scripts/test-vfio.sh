@@ -365,7 +365,7 @@ run_vfio_tests() {
 }
 L1_DEATH_CASE=vfio_l1_dying_mid_lease_leaves_the_vm_running
 if [ -n "$bench" ]; then
-	LENDVM_VFIO_BENCH_OUT=$bench run_vfio_tests --exact bench_l1_control_paths --nocapture \
+	LENDVM_VFIO_BENCH_OUT=$bench run_vfio_tests --exact bench_l1_control_paths \
 		|| die "bench_l1_control_paths failed"
 	log "test-vfio: bench done (lenderd $LENDVM_L1_LENDERD_PROFILE), JSON in $bench"
 	exit 0

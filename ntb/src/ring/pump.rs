@@ -65,6 +65,35 @@ impl Tuning {
     };
 }
 
+/// Tests: every pump started while this is set behaves as on a kernel with coarse timers.
+#[cfg(test)]
+pub(crate) static FORCE_COARSE: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+/// Tests: kicks taken by pumps in this process.
+#[cfg(test)]
+pub(crate) static KICKS_TAKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Whether this kernel's timers are coarser than a pump's naps: `clock_getres` of
+/// `CLOCK_MONOTONIC` says the tick (10 ms at HZ=100) where high-resolution timers are off,
+/// and a 200 µs `ppoll` then sleeps until the next tick. L1's kernel here is such a kernel:
+/// under TCG a status request's round trip through the rings took 10 ms against 2-4 ms on
+/// TCP (docs/BENCHMARKS.md, section l1), every message waiting for the lender's next tick.
+/// A pump on such a kernel does not nap: whenever it has nothing to move it marks itself
+/// asleep, so that the peer kicks it, and blocks until the kick, its link or the end.
+fn coarse_timers() -> bool {
+    #[cfg(test)]
+    if FORCE_COARSE.load(Ordering::Relaxed) {
+        return true;
+    }
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid, writable timespec that lives for the call.
+    let r = unsafe { libc::clock_getres(libc::CLOCK_MONOTONIC, &mut ts) };
+    r == 0 && (ts.tv_sec > 0 || ts.tv_nsec >= 1_000_000)
+}
+
 /// What the pump owns.
 pub(crate) struct Pump {
     pub(crate) conn: Connection,
@@ -179,6 +208,8 @@ impl Pump {
             match self.conn.reader().read(&mut b) {
                 Ok(0) => return Ok(false),
                 Ok(n) => {
+                    #[cfg(test)]
+                    KICKS_TAKEN.fetch_add(n as u64, Ordering::Relaxed);
                     if let Some(x) = b[..n].iter().find(|&&x| x != KICK) {
                         return Err(corrupt(RingError::Corrupt(format!(
                             "byte {x:#04x} on the TLS connection, where only kicks may come"
@@ -226,6 +257,14 @@ impl Pump {
         let mut tcp_open = true;
         let mut last = Instant::now();
         let mut nap = self.tuning.nap_min;
+        let coarse = coarse_timers();
+        if coarse {
+            log::info!(
+                "control ring with {}: this kernel's timers are coarse (no high-resolution \
+                 timers): the pump waits for kicks instead of napping",
+                self.peer
+            );
+        }
         loop {
             let mut moved = false;
             if out_start == out_end && !local_eof && local_readable {
@@ -274,7 +313,7 @@ impl Pump {
             }
             // Nothing moved: wait for the link, the peer's bytes, a kick or the end.
             let quiet = out_start == out_end && in_start == in_end;
-            let asleep = quiet && last.elapsed() >= self.tuning.hot;
+            let asleep = quiet && (coarse || last.elapsed() >= self.tuning.hot);
             if asleep {
                 self.rings.set_sleeping(true);
                 if self.rings.rx_pending().map_err(corrupt)? > 0 {

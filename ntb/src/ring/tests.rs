@@ -134,3 +134,71 @@ fn a_peer_that_stops_reading_costs_its_link_within_the_peer_timeout() {
     );
     assert!(!lender.is_up());
 }
+
+/// On a kernel whose timers are coarser than the pumps' naps (L1's, HZ=100 without
+/// high-resolution timers), a pump does not nap: it marks itself asleep whenever it has
+/// nothing to move and the peer kicks it for every message. Requests and replies still all
+/// arrive, and the pumps took kicks for them.
+#[test]
+fn on_coarse_timers_the_pump_waits_for_kicks_and_nothing_is_lost() {
+    use crate::{connect_addr, listen_addr, ControlAddr, ControlPath, Incoming};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("region");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(4 << 20)
+        .unwrap();
+    let cfg = || LinkConfig {
+        heartbeat: Duration::from_millis(50),
+        peer_timeout: Duration::from_millis(2000),
+        region: Some(RegionSpec::file(&path).unwrap()),
+        ..LinkConfig::default()
+    };
+    pump::FORCE_COARSE.store(true, Ordering::Relaxed);
+    let kicks_before = pump::KICKS_TAKEN.load(Ordering::Relaxed);
+    let l = listen_addr(
+        &ControlAddr::Tcp("127.0.0.1:0".parse().unwrap()),
+        &NodeId::new("a").unwrap(),
+        &cfg(),
+    )
+    .unwrap();
+    let addr = l.local_addr();
+    let bcfg = cfg();
+    let t = std::thread::spawn(move || connect_addr(&addr, &NodeId::new("b").unwrap(), &bcfg));
+    let lender = l.accept(Some(Duration::from_secs(5))).unwrap();
+    let borrower = t.join().unwrap().unwrap();
+    assert!(matches!(borrower.control_path(), ControlPath::Ring { .. }));
+    let t5 = Duration::from_secs(5);
+    let server = std::thread::spawn(move || {
+        for _ in 0..30 {
+            match lender.recv(t5).unwrap() {
+                Incoming::Request { id, msg } => {
+                    let mut p = msg.payload;
+                    p.reverse();
+                    lender.reply(id, Ok(Message::raw(0x101, p))).unwrap();
+                }
+                other => panic!("{other:?}"),
+            }
+            // Quiet between requests: the lender's pump goes back to waiting for a kick.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        lender
+    });
+    for i in 0..30usize {
+        let p: Vec<u8> = (0..i * 700).map(|b| (b * 3 + i) as u8).collect();
+        let r = borrower
+            .request(Message::raw(0x100, p.clone()), t5)
+            .unwrap();
+        let mut want = p;
+        want.reverse();
+        assert_eq!(r.payload, want, "reply {i}");
+    }
+    let lender = server.join().unwrap();
+    pump::FORCE_COARSE.store(false, Ordering::Relaxed);
+    let kicks = pump::KICKS_TAKEN.load(Ordering::Relaxed) - kicks_before;
+    assert!(
+        kicks >= 30,
+        "30 requests to a pump that waits for kicks took {kicks} kicks"
+    );
+    assert!(lender.is_up() && borrower.is_up());
+}
