@@ -7,7 +7,7 @@
 #                              with an emulated intel-iommu lends QEMU's NVMe, owned by
 #                              vfio-pci there, over the bar fabric; a Linux guest of lendvm
 #                              runs fio's verify job on it (scripts/test-vfio.sh --demo,
-#                              docs/VFIO.md; a few minutes here, most of it the Linux
+#                              docs/VFIO.md; about 90 s here, most of it the Linux
 #                              guest's boot; L1 runs under QEMU's TCG)
 #
 # Two lenders (node1, node2) on the shm fabric each lend an emulated NVMe disk backed by a
