@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// How long a write that found the peer's end closed waits for the reader to take the
+/// peer's last frames (its GOODBYE) before the write's error names the end.
+const PEER_CLOSE_GRACE: Duration = Duration::from_millis(200);
+
 pub(super) struct PeerWin {
     pub(super) info: WindowInfo,
     pub(super) fd: Option<Arc<OwnedFd>>,
@@ -196,6 +200,15 @@ impl Inner {
     /// Accounts a frame written (or marks the link gone if writing failed).
     fn sent(&self, flags: u8, opcode: u16, res: std::io::Result<()>) -> Result<()> {
         if let Err(e) = res {
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            ) {
+                // The peer closed its end. What it sent last (its GOODBYE, naming why) may
+                // still be in our socket: the reader names the end if it gets there within
+                // the bound, rather than this write's broken pipe.
+                let _ = self.wait_for(PEER_CLOSE_GRACE, |_| None::<()>);
+            }
             self.mark_gone(&format!("send failed: {e}"));
             return Err(self.gone_err());
         }

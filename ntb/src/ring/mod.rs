@@ -154,6 +154,7 @@ impl RingLink {
             _slot: self.slot,
             tuning,
             peer,
+            coarse: false,
         };
         let t = std::thread::Builder::new()
             .name("ntb-ring".into())

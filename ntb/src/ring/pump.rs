@@ -65,13 +65,15 @@ impl Tuning {
     };
 }
 
-/// Tests: every pump started while this is set behaves as on a kernel with coarse timers.
+/// Tests: pumps whose TCP connection's local address is this one (a test's listener: its
+/// lender side) behave as on a kernel with coarse timers; tests running beside keep theirs.
 #[cfg(test)]
-pub(crate) static FORCE_COARSE: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-/// Tests: kicks taken by pumps in this process.
+pub(crate) static COARSE_LOCAL: std::sync::Mutex<Option<std::net::SocketAddr>> =
+    std::sync::Mutex::new(None);
+/// Tests: kicks taken by pumps that waited for kicks because their timers are coarse.
 #[cfg(test)]
-pub(crate) static KICKS_TAKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+pub(crate) static COARSE_KICKS_TAKEN: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
 
 /// Whether this kernel's timers are coarser than a pump's naps: `clock_getres` of
 /// `CLOCK_MONOTONIC` says the tick (10 ms at HZ=100) where high-resolution timers are off,
@@ -80,10 +82,12 @@ pub(crate) static KICKS_TAKEN: std::sync::atomic::AtomicU64 = std::sync::atomic:
 /// TCP (docs/BENCHMARKS.md, section l1), every message waiting for the lender's next tick.
 /// A pump on such a kernel does not nap: whenever it has nothing to move it marks itself
 /// asleep, so that the peer kicks it, and blocks until the kick, its link or the end.
-fn coarse_timers() -> bool {
+fn coarse_timers(_tcp: &TcpStream) -> bool {
     #[cfg(test)]
-    if FORCE_COARSE.load(Ordering::Relaxed) {
-        return true;
+    if let (Ok(forced), Ok(local)) = (COARSE_LOCAL.lock(), _tcp.local_addr()) {
+        if *forced == Some(local) {
+            return true;
+        }
     }
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -105,6 +109,8 @@ pub(crate) struct Pump {
     pub(crate) _slot: Option<SlotLease>,
     pub(crate) tuning: Tuning,
     pub(crate) peer: String,
+    /// Whether this kernel's timers are coarse ([`coarse_timers`]): set when the pump starts.
+    pub(crate) coarse: bool,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -209,7 +215,9 @@ impl Pump {
                 Ok(0) => return Ok(false),
                 Ok(n) => {
                     #[cfg(test)]
-                    KICKS_TAKEN.fetch_add(n as u64, Ordering::Relaxed);
+                    if self.coarse {
+                        COARSE_KICKS_TAKEN.fetch_add(n as u64, Ordering::Relaxed);
+                    }
                     if let Some(x) = b[..n].iter().find(|&&x| x != KICK) {
                         return Err(corrupt(RingError::Corrupt(format!(
                             "byte {x:#04x} on the TLS connection, where only kicks may come"
@@ -257,7 +265,8 @@ impl Pump {
         let mut tcp_open = true;
         let mut last = Instant::now();
         let mut nap = self.tuning.nap_min;
-        let coarse = coarse_timers();
+        let coarse = coarse_timers(&self.tcp);
+        self.coarse = coarse;
         if coarse {
             log::info!(
                 "control ring with {}: this kernel's timers are coarse (no high-resolution \

@@ -154,17 +154,23 @@ fn on_coarse_timers_the_pump_waits_for_kicks_and_nothing_is_lost() {
         region: Some(RegionSpec::file(&path).unwrap()),
         ..LinkConfig::default()
     };
-    pump::FORCE_COARSE.store(true, Ordering::Relaxed);
-    let kicks_before = pump::KICKS_TAKEN.load(Ordering::Relaxed);
+    let kicks_before = pump::COARSE_KICKS_TAKEN.load(Ordering::Relaxed);
     let l = listen_addr(
         &ControlAddr::Tcp("127.0.0.1:0".parse().unwrap()),
-        &NodeId::new("a").unwrap(),
+        &NodeId::new("coarse-a").unwrap(),
         &cfg(),
     )
     .unwrap();
     let addr = l.local_addr();
+    // The lender's pump (its connection's local end is the listener) has coarse timers; no
+    // other pump does.
+    let ControlAddr::Tcp(local) = addr.clone() else {
+        panic!("{addr:?}")
+    };
+    *pump::COARSE_LOCAL.lock().unwrap() = Some(local);
     let bcfg = cfg();
-    let t = std::thread::spawn(move || connect_addr(&addr, &NodeId::new("b").unwrap(), &bcfg));
+    let t =
+        std::thread::spawn(move || connect_addr(&addr, &NodeId::new("coarse-b").unwrap(), &bcfg));
     let lender = l.accept(Some(Duration::from_secs(5))).unwrap();
     let borrower = t.join().unwrap().unwrap();
     assert!(matches!(borrower.control_path(), ControlPath::Ring { .. }));
@@ -194,8 +200,8 @@ fn on_coarse_timers_the_pump_waits_for_kicks_and_nothing_is_lost() {
         assert_eq!(r.payload, want, "reply {i}");
     }
     let lender = server.join().unwrap();
-    pump::FORCE_COARSE.store(false, Ordering::Relaxed);
-    let kicks = pump::KICKS_TAKEN.load(Ordering::Relaxed) - kicks_before;
+    *pump::COARSE_LOCAL.lock().unwrap() = None;
+    let kicks = pump::COARSE_KICKS_TAKEN.load(Ordering::Relaxed) - kicks_before;
     assert!(
         kicks >= 30,
         "30 requests to a pump that waits for kicks took {kicks} kicks"
