@@ -31,8 +31,31 @@
 # kernel image (bzImage or vmlinux) and skip the kernel build; LENDVM_LINUX_INITRAMFS likewise
 # for the initramfs.
 # With a cached kernel and initramfs the script takes about 2-4 min, depending on the load.
+#
+#   scripts/test-linux.sh --prepare ENVFILE
+#
+# builds everything above and writes ENVFILE (shell assignments); a later run with those
+# variables exported and LENDVM_LINUX_PREBUILT=1 runs the tests without cargo. The binaries
+# it runs (lendvm, lenderd, the test executable) are copies in target/linux-run/ (the
+# consoles: target/linux-run/linux-tests/), so cargo
+# may build anything meanwhile (CI runs its other stages beside this one: scripts/test.sh)
+# without replacing a binary under a running test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+prepare=""
+if [ "${1:-}" = --prepare ]; then
+	prepare=${2:?usage: scripts/test-linux.sh --prepare ENVFILE}
+	shift 2
+fi
+if [ "${LENDVM_LINUX_PREBUILT:-0}" = 1 ]; then
+	exe=${LENDVM_LINUX_TEST_EXE:?LENDVM_LINUX_PREBUILT=1 needs LENDVM_LINUX_TEST_EXE (from --prepare)}
+	: "${LENDVM_LINUX_KERNEL:?LENDVM_LINUX_PREBUILT=1 needs LENDVM_LINUX_KERNEL}"
+	: "${LENDVM_LINUX_INITRAMFS:?LENDVM_LINUX_PREBUILT=1 needs LENDVM_LINUX_INITRAMFS}"
+	[ -x "$exe" ] || { echo "test-linux: $exe is not an executable" >&2; exit 1; }
+	echo "test-linux: guest kernel $LENDVM_LINUX_KERNEL, initramfs $LENDVM_LINUX_INITRAMFS (prebuilt: $exe)" >&2
+	exec "$exe" --ignored --test-threads=1 --nocapture "$@"
+fi
 
 if [ -z "${LENDVM_LINUX_KERNEL:-}" ]; then
 	out=$(scripts/build-guest-kernel.sh)
@@ -52,8 +75,38 @@ if [ -z "${LENDVM_LINUX_INITRAMFS:-}" ]; then
 	}
 	export LENDVM_LINUX_INITRAMFS
 fi
-echo "test-linux: guest kernel $LENDVM_LINUX_KERNEL, initramfs $LENDVM_LINUX_INITRAMFS" >&2
+# The same without fio, for the guests that run no fio job (they reach /init sooner).
+if [ -z "${LENDVM_LINUX_INITRAMFS_SMALL:-}" ]; then
+	LENDVM_LINUX_INITRAMFS_SMALL=$(tests/linux/make-initramfs.sh --small | tail -n 1)
+	[ -f "$LENDVM_LINUX_INITRAMFS_SMALL" ] || {
+		echo "test-linux: tests/linux/make-initramfs.sh --small printed no archive" >&2
+		exit 1
+	}
+	export LENDVM_LINUX_INITRAMFS_SMALL
+fi
+echo "test-linux: guest kernel $LENDVM_LINUX_KERNEL, initramfs $LENDVM_LINUX_INITRAMFS (without fio: $LENDVM_LINUX_INITRAMFS_SMALL)" >&2
 
 cargo build --workspace --bins --locked
+if [ -n "$prepare" ]; then
+	# Copies of the test executable and of the binaries it spawns (it looks for them one
+	# directory up from its own: target/linux-run/{lendvm,lenderd}; its consoles go to
+	# target/linux-run/linux-tests/, its figures to target/reliability/).
+	built=$(cargo test -p lendvm-tests --locked --test linux --no-run --message-format=json \
+		| grep -F '"kind":["test"]' | grep -F '"name":"linux"' \
+		| sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+	[ -x "$built" ] || { echo "test-linux: cargo printed no test executable for tests/linux.rs" >&2; exit 1; }
+	target=$(dirname "$(dirname "$(dirname "$built")")")
+	run="$target/linux-run"
+	rm -rf "$run"
+	mkdir -p "$run/deps"
+	cp "$built" "$run/deps/linux"
+	cp "$target/debug/lendvm" "$target/debug/lenderd" "$run/"
+	printf '%s=%q\n' LENDVM_LINUX_KERNEL "$LENDVM_LINUX_KERNEL" \
+		LENDVM_LINUX_INITRAMFS "$LENDVM_LINUX_INITRAMFS" \
+		LENDVM_LINUX_INITRAMFS_SMALL "${LENDVM_LINUX_INITRAMFS_SMALL:-}" \
+		LENDVM_LINUX_TEST_EXE "$run/deps/linux" >"$prepare"
+	echo "test-linux: prepared: $run (kernel, initramfs, lendvm, lenderd, the tests)" >&2
+	exit 0
+fi
 # --nocapture: each test prints one line with its boot times.
 cargo test -p lendvm-tests --locked --test linux -- --ignored --test-threads=1 --nocapture "$@"

@@ -107,9 +107,12 @@ ensure_kernel # BZIMAGE (taken as is when set)
 if [ "${LENDVM_VFIO_PREBUILT:-0}" = 1 ]; then
 	INITRD=${LENDVM_VFIO_L1_INITRD:?LENDVM_VFIO_PREBUILT=1 needs LENDVM_VFIO_L1_INITRD}
 	GUEST_INITRAMFS=${LENDVM_VFIO_GUEST_INITRAMFS:?LENDVM_VFIO_PREBUILT=1 needs LENDVM_VFIO_GUEST_INITRAMFS}
+	GUEST_INITRAMFS_SMALL=${LENDVM_VFIO_GUEST_INITRAMFS_SMALL:?LENDVM_VFIO_PREBUILT=1 needs LENDVM_VFIO_GUEST_INITRAMFS_SMALL}
 else
 	INITRD=$("$REPO/tests/vfio/make-l1-initramfs.sh" | tail -n1)
 	GUEST_INITRAMFS=$("$REPO/tests/linux/make-initramfs.sh" | tail -n1)
+	# Without fio, for the cases' guests that run no fio job.
+	GUEST_INITRAMFS_SMALL=$("$REPO/tests/linux/make-initramfs.sh" --small | tail -n1)
 	# lendctl, to ask L1's lenderd from out here; lendvm and the cases.
 	cargo build --locked -q -p api --bin lendctl -p vmm --bin lendvm \
 		-p lendvm-tests --bin lendvm-fio-summary >&2 || die "building lendctl and lendvm failed"
@@ -118,9 +121,11 @@ else
 fi
 [ -f "$INITRD" ] || die "make-l1-initramfs.sh printed no archive"
 [ -f "$GUEST_INITRAMFS" ] || die "make-initramfs.sh printed no archive"
+[ -f "$GUEST_INITRAMFS_SMALL" ] || die "make-initramfs.sh --small printed no archive"
 if [ -n "$prepare" ]; then
 	printf '%s=%q\n' BZIMAGE "$BZIMAGE" VMLINUX "${VMLINUX:-}" \
-		LENDVM_VFIO_L1_INITRD "$INITRD" LENDVM_VFIO_GUEST_INITRAMFS "$GUEST_INITRAMFS" >"$prepare"
+		LENDVM_VFIO_L1_INITRD "$INITRD" LENDVM_VFIO_GUEST_INITRAMFS "$GUEST_INITRAMFS" \
+		LENDVM_VFIO_GUEST_INITRAMFS_SMALL "$GUEST_INITRAMFS_SMALL" >"$prepare"
 	log "test-vfio: prepared (kernel, L1's and the guests' initramfs, binaries): $prepare"
 	exit 0
 fi
@@ -357,7 +362,8 @@ run_vfio_tests() {
 		LENDVM_VFIO_NIC=$NIC_BDF LENDVM_VFIO_NIC_PEER=$PEER_ADDR LENDVM_VFIO_NIC_ADDR=$NIC_ADDR \
 		LENDVM_VFIO_L1_CMD=$RUN/l1-cmd.sock LENDVM_VFIO_L1_CONSOLE=$RUN/serial.log \
 		LENDVM_VFIO_L1_PID=$QPID LENDVM_VFIO_PEER=$PEER_BDF LENDVM_VFIO_PEER_FILE=$PEER \
-		LENDVM_LINUX_KERNEL=$GUEST_KERNEL LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS LENDVM_TOKEN="$(cat "$RUN/token")" \
+		LENDVM_LINUX_KERNEL=$GUEST_KERNEL LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS \
+		LENDVM_LINUX_INITRAMFS_SMALL=$GUEST_INITRAMFS_SMALL LENDVM_TOKEN="$(cat "$RUN/token")" \
 		LENDVM_VFIO_SLOWNESS=$SLOW LENDVM_VFIO_CONTROL_PATH=$CONTROL_PATH \
 		LENDVM_VFIO_ALL_DEVICES="$NVME_BDF $NIC_BDF $PEER_BDF $SRIOV_VF" \
 		nice -n "$NICE" cargo test --locked -p lendvm-tests --test vfio -- \
