@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use subtle::ConstantTimeEq;
 use thiserror::Error;
 
 /// Length of each side's nonce.
@@ -146,6 +147,12 @@ impl Transcript<'_> {
     pub fn verify(&self, token: &str, role: Role, proof: &[u8]) -> Result<bool, AuthError> {
         Ok(self.mac(token, role)?.verify_slice(proof).is_ok())
     }
+}
+
+/// Whether two secrets (migration tickets, P2P grants) are equal, in time that does not depend
+/// on where they differ (`subtle`, as hmac's own `verify_slice`). Lengths are not secret.
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.ct_eq(b).into()
 }
 
 /// A fresh random nonce.
@@ -443,5 +450,36 @@ mod tests {
         let e = l.check("a").unwrap_err();
         assert!(e.retry_in <= LOCKOUT && e.retry_in > Duration::ZERO);
         assert!(l.check("b").is_ok(), "other addresses are not affected");
+    }
+
+    #[test]
+    fn secrets_are_compared_by_same_secret_only() {
+        assert!(same_secret(b"ticket-0123", b"ticket-0123"));
+        assert!(!same_secret(b"ticket-0123", b"ticket-0124"));
+        assert!(!same_secret(b"ticket", b"ticket-0123"));
+        assert!(same_secret(b"", b""));
+        // The hand-written XOR fold that tickets and grants were compared with (a loop whose
+        // time the compiler may make depend on the data) is gone from the crate: every secret
+        // comparison goes through `same_secret` (issue 32).
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut stack = vec![src];
+        let mut offenders = Vec::new();
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let text = std::fs::read_to_string(&p).unwrap();
+                    if text.contains(&["acc | (x ", "^ y)"].concat()) {
+                        offenders.push(p.display().to_string());
+                    }
+                }
+            }
+        }
+        assert!(
+            offenders.is_empty(),
+            "XOR-fold comparisons in {offenders:?}"
+        );
     }
 }

@@ -8,8 +8,8 @@
 //! devices are lent and where secrets are read from).
 
 use std::ffi::OsString;
-use std::io;
-use std::os::unix::fs::PermissionsExt;
+use std::io::{self, Read};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use clap::ArgAction;
@@ -37,6 +37,39 @@ pub enum ConfigFileError {
         path: PathBuf,
         /// Its permission bits.
         mode: u32,
+    },
+    /// A symbolic link (not followed: the file itself must be given).
+    #[error(
+        "config file {path} is a symbolic link; refusing to follow it (give the file it points \
+         to)"
+    )]
+    Symlink {
+        /// The file.
+        path: PathBuf,
+    },
+    /// Holds the cluster token and is readable by group or others.
+    #[error(
+        "config file {path} holds the cluster token and is readable by group or others (mode \
+         {mode:o}); refusing it (chmod 600 {path})"
+    )]
+    SecretReadable {
+        /// The file.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// Holds the cluster token and belongs to another user than the daemon's (or root).
+    #[error(
+        "config file {path} holds the cluster token and belongs to uid {uid}, not to this \
+         daemon's user (uid {euid}) or root; refusing it"
+    )]
+    SecretOwner {
+        /// The file.
+        path: PathBuf,
+        /// Its owner.
+        uid: u32,
+        /// The daemon's effective user.
+        euid: u32,
     },
     /// Not TOML.
     #[error("config file {path}: {source}")]
@@ -74,10 +107,23 @@ pub enum ConfigFileError {
 
 /// The options `path` stands for, for `cmd`.
 pub fn config_args(cmd: &clap::Command, path: &Path) -> Result<Vec<OsString>, ConfigFileError> {
-    let meta = std::fs::metadata(path).map_err(|source| ConfigFileError::Read {
+    let read_error = |source| ConfigFileError::Read {
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    // Opened once, not followed if it is a symbolic link, and checked on the opened file:
+    // what is checked is what is read (a path checked, then re-opened, may be swapped).
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|source| match source.raw_os_error() {
+            Some(libc::ELOOP) => ConfigFileError::Symlink {
+                path: path.to_path_buf(),
+            },
+            _ => read_error(source),
+        })?;
+    let meta = file.metadata().map_err(read_error)?;
     let mode = meta.permissions().mode() & 0o7777;
     if mode & 0o022 != 0 {
         return Err(ConfigFileError::Writable {
@@ -85,14 +131,31 @@ pub fn config_args(cmd: &clap::Command, path: &Path) -> Result<Vec<OsString>, Co
             mode,
         });
     }
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigFileError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let mut text = String::new();
+    file.read_to_string(&mut text).map_err(read_error)?;
     let table: toml::Table = text.parse().map_err(|source| ConfigFileError::Parse {
         path: path.to_path_buf(),
         source,
     })?;
+    // A file that holds the cluster token is a secret: nobody but its owner may read it, and
+    // its owner is the daemon's user or root.
+    if table.contains_key("token") {
+        if mode & 0o044 != 0 {
+            return Err(ConfigFileError::SecretReadable {
+                path: path.to_path_buf(),
+                mode,
+            });
+        }
+        // SAFETY: geteuid takes no arguments and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        if meta.uid() != euid && meta.uid() != 0 {
+            return Err(ConfigFileError::SecretOwner {
+                path: path.to_path_buf(),
+                uid: meta.uid(),
+                euid,
+            });
+        }
+    }
     let args: Vec<&clap::Arg> = cmd
         .get_arguments()
         .filter(|a| {
@@ -247,6 +310,7 @@ mod tests {
             .arg(Arg::new("cluster").long("cluster").alias("directory"))
             .arg(Arg::new("devices").long("device").action(ArgAction::Append))
             .arg(Arg::new("metrics").long("metrics"))
+            .arg(Arg::new("token").long("token"))
             .arg(Arg::new("flag").long("no-thing").action(ArgAction::SetTrue))
             .arg(Arg::new("config").long("config"))
             .args_override_self(true)
@@ -307,6 +371,62 @@ mod tests {
         assert!(e.contains(&f.path().display().to_string()), "{e}");
         let e = config_args(&cmd(), Path::new("/nonexistent/x.toml")).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/x.toml"), "{e}");
+    }
+
+    /// A file with the token must be private and the daemon's (or root's); no config file is
+    /// followed through a symbolic link; the checks are made on the opened file.
+    #[test]
+    fn a_config_file_with_the_token_must_be_private_and_ours_and_no_symlink() {
+        let secret = "node = \"n\"\ntoken = \"0123456789abcdef0123456789abcdef\"\n";
+        let f = file(secret, 0o640);
+        let e = config_args(&cmd(), f.path()).unwrap_err();
+        assert!(
+            matches!(e, ConfigFileError::SecretReadable { mode: 0o640, .. }),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains("readable by group or others (mode 640)"),
+            "{e}"
+        );
+        let f = file(secret, 0o604);
+        assert!(matches!(
+            config_args(&cmd(), f.path()).unwrap_err(),
+            ConfigFileError::SecretReadable { .. }
+        ));
+        let f = file(secret, 0o600);
+        let args = config_args(&cmd(), f.path()).unwrap();
+        assert!(args.iter().any(|a| a == "--token"), "{args:?}");
+        // Without the token, group and others may read it.
+        let f = file("node = \"n\"\n", 0o644);
+        config_args(&cmd(), f.path()).unwrap();
+        // Another user's file (the tests run as root, which may chown): refused.
+        // SAFETY: geteuid takes no arguments and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            let f = file(secret, 0o600);
+            std::os::unix::fs::chown(f.path(), Some(4242), None).unwrap();
+            let e = config_args(&cmd(), f.path()).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    ConfigFileError::SecretOwner {
+                        uid: 4242,
+                        euid: 0,
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains("belongs to uid 4242"), "{e}");
+        }
+        // A symbolic link, to a file that would pass: refused by name.
+        let d = tempfile::tempdir().unwrap();
+        let f = file(secret, 0o600);
+        let link = d.path().join("lenderd.toml");
+        std::os::unix::fs::symlink(f.path(), &link).unwrap();
+        let e = config_args(&cmd(), &link).unwrap_err();
+        assert!(matches!(e, ConfigFileError::Symlink { .. }), "{e:?}");
+        assert!(e.to_string().contains("is a symbolic link"), "{e}");
     }
 
     #[test]

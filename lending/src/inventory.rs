@@ -92,6 +92,15 @@ pub enum InventoryError {
         /// Its enabled VFs.
         vfs: u32,
     },
+    /// Whether the device's VFs are enabled cannot be read: refused (fails closed).
+    #[error("{id} cannot be lent now: {source}")]
+    SriovUnreadable {
+        /// The device asked for.
+        id: String,
+        /// What could not be read.
+        #[source]
+        source: crate::backend::SriovUnreadable,
+    },
 }
 
 /// One device of the inventory.
@@ -341,7 +350,13 @@ impl Inventory {
                 }
             }
             self.check_family(dev)?;
-            match dev.backend.vfs_sharing_reset() {
+            let sharing = dev.backend.vfs_sharing_reset().map_err(|source| {
+                InventoryError::SriovUnreadable {
+                    id: id.to_string(),
+                    source,
+                }
+            })?;
+            match sharing {
                 0 => {}
                 vfs => {
                     return Err(InventoryError::PfWithVfs {

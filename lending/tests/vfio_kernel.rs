@@ -365,7 +365,7 @@ fn vfio_sriov_vf_through_the_kernel() {
 
     let b = VfioBackend::open(&vf).unwrap();
     assert_eq!(b.physical_function().as_deref(), Some(pf.as_str()));
-    assert_eq!(b.vfs_sharing_reset(), 0, "a VF has no VFs");
+    assert_eq!(b.vfs_sharing_reset(), Ok(0), "a VF has no VFs");
     let info = b.describe("vf");
     let msix = info.msix.expect("QEMU's NVMe VF has MSI-X");
     println!(

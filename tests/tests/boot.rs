@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use lendvm_tests::{run_lendvm, Run, TEST_GUEST};
+use lendvm_tests::{lendvm_binary, run_lendvm, Run, TEST_GUEST};
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -146,6 +146,28 @@ fn unknown_cpu_model_is_refused_by_name() {
     cli_error(
         &["--kernel", TEST_GUEST, "--config", cfg.to_str().unwrap()],
         "unknown CPU model 'Qemu64': expected host or qemu64",
+    );
+}
+
+/// Without `--cluster` the token is the migration stream's secret only, and gets the same
+/// strength check as with a cluster file: a weak `--token` or `$LENDVM_TOKEN` is refused by
+/// name before anything starts (issue 32: it was taken unchecked).
+#[test]
+fn a_weak_token_without_a_cluster_file_is_refused() {
+    cli_error(
+        &["--kernel", TEST_GUEST, "--token", "s3cret"],
+        "the cluster token from --token is too weak: it is 6 bytes long, the minimum is 32",
+    );
+    let run = std::process::Command::new(lendvm_binary().unwrap())
+        .args(["--kernel", TEST_GUEST])
+        .env("LENDVM_TOKEN", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "stderr {err}");
+    assert!(
+        err.contains("the cluster token from $LENDVM_TOKEN is too weak: it has 1 distinct"),
+        "{err}"
     );
 }
 

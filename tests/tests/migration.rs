@@ -285,7 +285,7 @@ fn lendctl(socket: &Path, args: &[&str]) -> std::process::Output {
 #[test]
 fn live_migration_over_tcp_with_lendctl() {
     let dir = tempfile::tempdir().unwrap();
-    let src = source_with_token(dir.path(), "migration-test-secret");
+    let src = source_with_token(dir.path(), "migration-test-secret-0123456789abcdef");
     let mailbox = mailbox_of(&src);
     wait_ticks(&src, 3);
     let dsock = dir.path().join("dst.sock");
@@ -311,7 +311,7 @@ fn live_migration_over_tcp_with_lendctl() {
             "--api-socket",
             dsock.to_str().unwrap(),
             "--token",
-            "migration-test-secret",
+            "migration-test-secret-0123456789abcdef",
         ],
         "warn",
     );
@@ -623,8 +623,11 @@ fn a_paused_vm_arrives_paused() {
 #[test]
 fn a_wrong_secret_source_is_refused_and_the_destination_goes_on_listening() {
     let dir = tempfile::tempdir().unwrap();
-    let (dst, url) = tcp_destination(dir.path(), "the-cluster-secret");
-    let wrong = source_with_token(&dir.path().join("wrong"), "a-guessed-secret");
+    let (dst, url) = tcp_destination(dir.path(), "the-cluster-secret-0123456789abcdef");
+    let wrong = source_with_token(
+        &dir.path().join("wrong"),
+        "a-guessed-secret-fedcba9876543210",
+    );
     wait_ticks(&wrong, 2);
     let (st, msg) = status_of(send(&wrong.api(), &url));
     assert_eq!(st, 500, "{msg}");
@@ -633,7 +636,10 @@ fn a_wrong_secret_source_is_refused_and_the_destination_goes_on_listening() {
     // The destination still has no VM and still listens.
     let (st, msg) = status_of(dst.api().info().map(|_| ()));
     assert_eq!(st, 409, "{msg}");
-    let src = source_with_token(&dir.path().join("right"), "the-cluster-secret");
+    let src = source_with_token(
+        &dir.path().join("right"),
+        "the-cluster-secret-0123456789abcdef",
+    );
     let mailbox = mailbox_of(&src);
     wait_ticks(&src, 3);
     send(&src.api(), &url).unwrap_or_else(|e| panic!("{e}\n--- destination\n{}", dst.stderr()));
@@ -673,7 +679,7 @@ fn relay_half(
 #[test]
 fn a_relay_in_the_middle_sees_no_guest_ram() {
     let dir = tempfile::tempdir().unwrap();
-    let (dst, url) = tcp_destination(dir.path(), "the-cluster-secret");
+    let (dst, url) = tcp_destination(dir.path(), "the-cluster-secret-0123456789abcdef");
     let target = url.trim_start_matches("tcp:").to_string();
     let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let relay_url = format!("tcp:{}", relay.local_addr().unwrap());
@@ -690,7 +696,10 @@ fn a_relay_in_the_middle_sees_no_guest_ram() {
             back.join().unwrap();
         })
     };
-    let src = source_with_token(&dir.path().join("src"), "the-cluster-secret");
+    let src = source_with_token(
+        &dir.path().join("src"),
+        "the-cluster-secret-0123456789abcdef",
+    );
     let mailbox = mailbox_of(&src);
     wait_ticks(&src, 3);
     send(&src.api(), &relay_url)

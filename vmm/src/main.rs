@@ -519,11 +519,17 @@ fn main() -> ExitCode {
     let mut secret = None;
     let source: Box<dyn LinkSource> = match &cli.cluster {
         None => {
-            secret = cli
-                .token
-                .clone()
-                .or_else(|| std::env::var("LENDVM_TOKEN").ok())
-                .filter(|t| !t.trim().is_empty());
+            // Without a cluster file the token is only the migration stream's secret: it
+            // gets the same strength check (a weak one is refused by name, not used).
+            let no_file = ClusterConfig {
+                nodes: Vec::new(),
+                token: None,
+                directory: None,
+            };
+            secret = match token(&cli, &no_file) {
+                Ok(t) => t,
+                Err(e) => return usage_error(e),
+            };
             if let Some(d) = cli.remote_device.first() {
                 return usage_error(format!(
                     "--remote-device {} needs --cluster FILE to find node {}",

@@ -152,6 +152,22 @@ pub struct Drained {
     pub pending_intx: bool,
 }
 
+/// A function's SR-IOV VF count (`sriov_numvfs`) exists but cannot be read or parsed, so
+/// whether a reset would take VFs away cannot be told: the lease is refused (fails closed).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error(
+    "{path}: cannot tell whether SR-IOV virtual functions are enabled ({detail}); a physical \
+     function with VFs is never lent, so the lease is refused"
+)]
+pub struct SriovUnreadable {
+    /// The `sriov_numvfs` file.
+    pub path: String,
+    /// What went wrong (`InvalidData`: not a count).
+    pub kind: std::io::ErrorKind,
+    /// The error or the content, for the operator.
+    pub detail: String,
+}
+
 /// One lendable PCI function.
 pub trait DeviceBackend: Send + Sync {
     /// `vfio`, `nvme`, `dmatest`.
@@ -264,10 +280,11 @@ pub trait DeviceBackend: Send + Sync {
     /// How many virtual functions a reset of this function would take away: a hardware PF's
     /// enabled VFs (sysfs `sriov_numvfs`), read live at every acquire, since the PF's driver
     /// may enable VFs after the lender opened it. The inventory never lends a PF while this
-    /// is non-zero ([`crate::inventory::InventoryError::PfWithVfs`]). Default: 0 (the
-    /// emulated PF's VFs are independent functions that its reset leaves alone).
-    fn vfs_sharing_reset(&self) -> u32 {
-        0
+    /// is non-zero ([`crate::inventory::InventoryError::PfWithVfs`]), nor while it cannot be
+    /// read ([`SriovUnreadable`]: fails closed). Default: 0 (the emulated PF's VFs are
+    /// independent functions that its reset leaves alone).
+    fn vfs_sharing_reset(&self) -> Result<u32, SriovUnreadable> {
+        Ok(0)
     }
 }
 

@@ -165,10 +165,6 @@ pub fn log_refusal(counter: &AtomicU64, what: std::fmt::Arguments<'_>) {
     }
 }
 
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 // ---------------------------------------------------------------------------------------
 // Target side (lender B)
 // ---------------------------------------------------------------------------------------
@@ -334,7 +330,9 @@ impl GrantTable {
     ) -> Result<P2pAttached, RemoteP2pError> {
         let peer = ep.peer_node().to_string();
         let g = lock(&self.grants).get(&a.grant).and_then(Weak::upgrade);
-        let Some(g) = g.filter(|g| g.grantee == peer && same_secret(&g.secret, &a.secret)) else {
+        let Some(g) =
+            g.filter(|g| g.grantee == peer && crate::auth::same_secret(&g.secret, &a.secret))
+        else {
             // Anyone authenticated can knock with made-up grants: count, log rate-limited.
             let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
             if n <= 16 || n.is_multiple_of(1024) {
@@ -388,7 +386,7 @@ impl GrantTable {
             g.target == target
                 && g.bar == bar
                 && g.grantee == grantee
-                && same_secret(&g.secret, secret)
+                && crate::auth::same_secret(&g.secret, secret)
         });
         if !ok {
             let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;

@@ -167,11 +167,6 @@ impl Transfers {
     }
 }
 
-/// Constant-time comparison of two tickets.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 impl SessionLease {
     /// Stops the dirty log if this lease started it (the lease ends or moves).
     pub(super) fn stop_dirty_log(&mut self) {
@@ -405,7 +400,7 @@ impl Session {
                 "no transfer ticket for it (never created, cancelled, used or expired)",
             ));
         };
-        if !same_secret(&t.secret, &a.ticket) {
+        if !crate::auth::same_secret(&t.secret, &a.ticket) {
             return Err(tr.refuse(&peer, a.lease, "the ticket does not match"));
         }
         if t.expires <= Instant::now() {

@@ -60,8 +60,14 @@ fn unexpected(step: &'static str, f: &Frame) -> MigrationError {
     }
 }
 
-/// The source's side: proves the secret and checks the destination's proof. Returns the
+/// The source's side: proves the secret, then checks the destination's proof. Returns the
 /// destination's proven identity (its lenders' tickets go to that name only).
+///
+/// The source proves first: the destination answers whoever connects to its port, and a
+/// proof it sent before the peer proved anything would give any network peer an HMAC to test
+/// token guesses against offline. The source only talks to the address its operator gave.
+/// A destination from before this order sends its proof in its reply; the source checks it
+/// first and then proves, as such a destination expects.
 pub fn prove_source(
     stream: &mut Stream,
     auth: &StreamAuth,
@@ -79,7 +85,7 @@ pub fn prove_source(
             nonce: ours.to_vec(),
         },
     )?;
-    let step = "waiting for the destination's proof";
+    let step = "waiting for the destination's challenge";
     let reply = match protocol::read_frame(stream, step)? {
         Frame::AuthReply(r) => r,
         Frame::Refused(why) => return Err(MigrationError::Refused(why.reason)),
@@ -95,11 +101,22 @@ pub fn prove_source(
         lender: &destination,
         binding: &binding,
     };
-    if !t
-        .verify(secret, Role::MigrationDestination, &reply.proof)
-        .map_err(MigrationError::Auth)?
-    {
-        return Err(MigrationError::Unproven { who: "destination" });
+    let check_destination = |proof: &[u8]| -> Result<(), MigrationError> {
+        if t.verify(secret, Role::MigrationDestination, proof)
+            .map_err(MigrationError::Auth)?
+        {
+            Ok(())
+        } else {
+            Err(MigrationError::Unproven { who: "destination" })
+        }
+    };
+    let identity = Identity {
+        node: reply.node.clone(),
+        vm: reply.vm.clone(),
+    };
+    let legacy = !reply.proof.is_empty();
+    if legacy {
+        check_destination(&reply.proof)?;
     }
     let proof = t
         .prove(secret, Role::MigrationSource)
@@ -112,16 +129,25 @@ pub fn prove_source(
             proof: proof.to_vec(),
         },
     )?;
-    protocol::read_answer(stream, "waiting for the destination to accept our proof")?;
-    Ok(Some(Identity {
-        node: reply.node,
-        vm: reply.vm,
-    }))
+    if legacy {
+        protocol::read_answer(stream, "waiting for the destination to accept our proof")?;
+        return Ok(Some(identity));
+    }
+    let step = "waiting for the destination's proof";
+    let theirs = match protocol::read_frame(stream, step)? {
+        Frame::AuthProof(p) => p,
+        Frame::Refused(why) => return Err(MigrationError::Refused(why.reason)),
+        f => return Err(unexpected(step, &f)),
+    };
+    check_destination(&theirs.proof)?;
+    Ok(Some(identity))
 }
 
 /// The destination's side: the source must open with the authentication and prove the
 /// secret (with `auth` holding one; without, only a source without one is taken, on a unix
-/// socket). `identity` is this VMM's, proven to the source.
+/// socket). `identity` is this VMM's, proven to the source once the source has proven the
+/// secret: before that the destination sends only its name and a nonce (its challenge), so
+/// a peer that merely connects learns nothing to test token guesses against.
 pub fn verify_source(
     stream: &mut Stream,
     auth: &StreamAuth,
@@ -147,18 +173,16 @@ pub fn verify_source(
         lender: &destination,
         binding: &binding,
     };
-    let proof = t
-        .prove(secret, Role::MigrationDestination)
-        .map_err(MigrationError::Auth)?;
     protocol::write_json(
         stream,
         kind::AUTH_REPLY,
-        "authentication reply",
+        "authentication challenge",
         &AuthReply {
             node: identity.node.clone(),
             vm: identity.vm.clone(),
             nonce: ours.to_vec(),
-            proof: proof.to_vec(),
+            // No proof yet: the source proves first.
+            proof: Vec::new(),
         },
     )?;
     let step = "waiting for the source's proof";
@@ -172,7 +196,17 @@ pub fn verify_source(
     {
         return Err(MigrationError::Unproven { who: "source" });
     }
-    protocol::write_empty(stream, kind::ACK, "accepting the source's proof")?;
+    let proof = t
+        .prove(secret, Role::MigrationDestination)
+        .map_err(MigrationError::Auth)?;
+    protocol::write_json(
+        stream,
+        kind::AUTH_PROOF,
+        "authentication proof",
+        &AuthProof {
+            proof: proof.to_vec(),
+        },
+    )?;
     log::info!("migration source {source:?} proved the cluster secret");
     Ok(())
 }
@@ -250,18 +284,21 @@ mod tests {
 
     #[test]
     fn a_wrong_secret_a_relay_or_no_proof_is_refused() {
-        // The source holds another secret: the destination's proof does not verify there,
-        // and the source never proves anything.
+        // The source holds another secret: its proof (it proves first) does not verify at
+        // the destination, which refuses it and never proves anything.
         let (s, d) = run(
             auth(Some("guess"), "node1"),
             auth(Some("s3cret"), "node9"),
             (b"tls", b"tls"),
         );
         assert!(
-            matches!(s, Err(MigrationError::Unproven { who: "destination" })),
+            matches!(&s, Err(MigrationError::Refused(why)) if why.contains("source")),
             "{s:?}"
         );
-        assert!(d.is_err(), "the destination took an unproven source");
+        assert!(
+            matches!(d, Err(MigrationError::Unproven { who: "source" })),
+            "the destination took an unproven source: {d:?}"
+        );
         // A relay that terminates TLS on both sides: two bindings, no proof verifies.
         let (s, d) = run(
             auth(Some("s3cret"), "node1"),
@@ -278,6 +315,61 @@ mod tests {
         let e = verify_source(&mut b, &auth(Some("s3cret"), "node9"), &dst_identity()).unwrap_err();
         assert!(matches!(e, MigrationError::Unauthenticated), "{e}");
         assert!(e.to_string().contains("proves the cluster secret"), "{e}");
+    }
+
+    /// A peer that connects to a destination and opens the authentication gets a nonce and a
+    /// name, no proof: nothing to test token guesses against offline (issue 32: the
+    /// destination used to prove first, to anyone). Only after the peer's own proof fails is
+    /// it dropped, still without one.
+    #[test]
+    fn a_peer_that_connects_gets_no_proof_before_it_proves() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let t = std::time::Duration::from_secs(5);
+        let mut a = Stream::Tls {
+            plain: a,
+            binding: b"tls".to_vec(),
+        };
+        let mut b = Stream::Tls {
+            plain: b,
+            binding: b"tls".to_vec(),
+        };
+        a.set_timeout(Some(t)).unwrap();
+        b.set_timeout(Some(t)).unwrap();
+        let d = std::thread::spawn(move || {
+            verify_source(&mut b, &auth(Some("s3cret"), "node9"), &dst_identity())
+        });
+        protocol::write_json(
+            &mut a,
+            kind::AUTH,
+            "authentication",
+            &AuthHello {
+                node: Some("harvester".into()),
+                nonce: vec![7; 32],
+            },
+        )
+        .unwrap();
+        let reply = match protocol::read_frame(&mut a, "challenge").unwrap() {
+            Frame::AuthReply(r) => r,
+            f => panic!("{:?}", protocol::kind_of(&f)),
+        };
+        assert!(reply.proof.is_empty(), "the destination proved first");
+        assert_eq!(reply.nonce.len(), 32);
+        protocol::write_json(
+            &mut a,
+            kind::AUTH_PROOF,
+            "authentication proof",
+            &AuthProof { proof: vec![0; 32] },
+        )
+        .unwrap();
+        let e = d.join().unwrap().unwrap_err();
+        assert!(
+            matches!(e, MigrationError::Unproven { who: "source" }),
+            "{e}"
+        );
+        // Nothing follows: the destination sent no proof after the failed one.
+        let mut rest = Vec::new();
+        drop(std::io::Read::read_to_end(&mut a, &mut rest));
+        assert!(rest.is_empty(), "{} more bytes", rest.len());
     }
 
     #[test]

@@ -12,9 +12,9 @@
 //! ```text
 //! source                                   destination
 //!   Auth {node, nonce}                    ->
-//!                                         <- AuthReply {node, vm, nonce, proof}
-//!   AuthProof {proof}                     ->
-//!                                         <- Ack | Refused {reason}   (the source proved it)
+//!                                         <- AuthReply {node, vm, nonce, proof: []}
+//!   AuthProof {proof}                     ->  (the source proves first)
+//!                                         <- AuthProof {proof} | Refused {reason}
 //!   Hello {magic, version, lendvm_version} ->
 //!                                         <- Ack | Refused {reason}   (version checked)
 //!                                         <- Identity {node, vm}      (names for tickets)
@@ -30,6 +30,10 @@
 //! Version 2 added `Identity`, `Memfd` and the hand-over of lent devices in `State`. With
 //! `Memfd` no `Memory` frame follows: both processes map the same RAM. Version 3 added TLS on
 //! tcp and the `Auth` exchange; `Identity` must name the destination that proved the secret.
+//! Since issue 32 the source proves first (a destination's proof sent to any peer that
+//! connects was an HMAC to attack offline); a source still takes a destination that proves
+//! first in its `AuthReply` (checked, then `AuthProof`, then `Ack`), an older source refuses a
+//! destination that does not.
 //!
 //! A peer that sends anything else, an oversized frame or a run outside guest RAM gets an
 //! error naming it; the receiver drops the connection, the sender resumes its VM.

@@ -37,7 +37,7 @@ use std::time::Duration;
 use vfio_bindings::bindings::vfio::{VFIO_PCI_CONFIG_REGION_INDEX, VFIO_REGION_INFO_FLAG_WRITE};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{BackendError, BarExport, DeviceBackend, Drained, IrqTrigger};
+use super::{BackendError, BarExport, DeviceBackend, Drained, IrqTrigger, SriovUnreadable};
 use crate::iommu::vfio::VfioDomain;
 use crate::iommu::IommuDomain;
 use crate::protocol::{DeviceInfo, IrqKind};
@@ -187,10 +187,10 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
         self.physfn.clone()
     }
 
-    fn vfs_sharing_reset(&self) -> u32 {
+    fn vfs_sharing_reset(&self) -> Result<u32, SriovUnreadable> {
         // A PF bound to vfio-pci with `enable_sriov=1` can get VFs after it was opened.
         if !plain_name(&self.name) {
-            return 0;
+            return Ok(0);
         }
         sysfs::enabled_vfs(&self.sysfs.join(&self.name))
     }

@@ -8,6 +8,8 @@ use std::path::Path;
 
 use thiserror::Error;
 
+pub use crate::backend::SriovUnreadable;
+
 /// Why a function cannot be lent through VFIO.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum BindingError {
@@ -28,6 +30,9 @@ pub enum BindingError {
     /// An SR-IOV PF with VFs enabled.
     #[error(transparent)]
     PfWithVfs(#[from] PfWithVfs),
+    /// Its `sriov_numvfs` exists but cannot be read: refused (fails closed).
+    #[error(transparent)]
+    SriovUnreadable(#[from] SriovUnreadable),
     /// Bound to another driver, or to none.
     #[error(
         "{bdf} is bound to {driver}, not vfio-pci: unbind it and bind vfio-pci (echo vfio-pci > \
@@ -82,22 +87,38 @@ pub struct PfWithVfs {
 }
 
 /// The VFs enabled on the function at `dev` (its `sriov_numvfs`; 0 for a function without
-/// SR-IOV). Read live: the PF's driver may enable VFs at any time.
-pub fn enabled_vfs(dev: &Path) -> u32 {
-    std::fs::read_to_string(dev.join("sriov_numvfs"))
-        .ok()
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0)
+/// SR-IOV, which has no such file). Read live: the PF's driver may enable VFs at any time.
+/// Fails closed: a file that exists but cannot be read or holds no count is an error, not
+/// 0, since a PF with VFs must never be lent (its reset takes them away from their users).
+pub fn enabled_vfs(dev: &Path) -> Result<u32, SriovUnreadable> {
+    let path = dev.join("sriov_numvfs");
+    let unreadable = |kind, detail| SriovUnreadable {
+        path: path.display().to_string(),
+        kind,
+        detail,
+    };
+    match std::fs::read_to_string(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(unreadable(e.kind(), e.to_string())),
+        Ok(n) => n.trim().parse().map_err(|e| {
+            unreadable(
+                std::io::ErrorKind::InvalidData,
+                format!("{:?} is not a count: {e}", n.trim()),
+            )
+        }),
+    }
 }
 
-/// [`PfWithVfs`] when the function `bdf` under `sysfs` has VFs enabled.
-pub fn check_no_vfs(sysfs: &Path, bdf: &str) -> Result<(), PfWithVfs> {
-    match enabled_vfs(&sysfs.join(bdf)) {
+/// [`PfWithVfs`] when the function `bdf` under `sysfs` has VFs enabled,
+/// [`SriovUnreadable`] when that cannot be told.
+pub fn check_no_vfs(sysfs: &Path, bdf: &str) -> Result<(), BindingError> {
+    match enabled_vfs(&sysfs.join(bdf))? {
         0 => Ok(()),
         vfs => Err(PfWithVfs {
             bdf: bdf.into(),
             vfs,
-        }),
+        }
+        .into()),
     }
 }
 
@@ -277,10 +298,41 @@ mod tests {
         std::fs::write(d.join("0000:06:00.0/sriov_numvfs"), "2\n").unwrap();
         assert_eq!(
             check_no_vfs(&d, "0000:06:00.0"),
-            Err(PfWithVfs {
+            Err(BindingError::PfWithVfs(PfWithVfs {
                 bdf: "0000:06:00.0".into(),
                 vfs: 2
-            })
+            }))
         );
+    }
+
+    /// A `sriov_numvfs` that exists but cannot be read, or holds no count, refuses the
+    /// function (fails closed) and names the file; only a missing file means "no SR-IOV".
+    #[test]
+    fn an_unreadable_vf_count_refuses_the_function() {
+        let s = Sys::new();
+        s.add("0000:07:00.0", Some("vfio-pci"), Some(11), 0x010802);
+        s.add("0000:08:00.0", Some("vfio-pci"), Some(12), 0x010802);
+        let d = s.devices();
+        std::fs::write(d.join("0000:07:00.0/sriov_numvfs"), "lots\n").unwrap();
+        // Reading a directory fails with EISDIR even for root (a mode would not).
+        std::fs::create_dir(d.join("0000:08:00.0/sriov_numvfs")).unwrap();
+        for bdf in ["0000:07:00.0", "0000:08:00.0"] {
+            let e = check_lendable(&d, bdf).unwrap_err();
+            let BindingError::SriovUnreadable(u) = &e else {
+                panic!("{bdf}: {e:?}");
+            };
+            assert!(u.path.ends_with(&format!("{bdf}/sriov_numvfs")), "{u:?}");
+            assert!(
+                e.to_string()
+                    .contains("cannot tell whether SR-IOV virtual functions are enabled"),
+                "{e}"
+            );
+        }
+        let e = enabled_vfs(&d.join("0000:07:00.0")).unwrap_err();
+        assert_eq!(e.kind, std::io::ErrorKind::InvalidData);
+        assert!(e.detail.contains("\"lots\" is not a count"), "{e:?}");
+        // No file at all: a function without SR-IOV.
+        s.add("0000:09:00.0", Some("vfio-pci"), Some(13), 0x010802);
+        assert_eq!(enabled_vfs(&d.join("0000:09:00.0")), Ok(0));
     }
 }

@@ -777,7 +777,11 @@ fn a_pf_is_refused_while_its_vfs_are_enabled_even_if_none_is_lent() {
         pf_b.clone() as Arc<dyn DeviceBackend>,
     )])
     .unwrap();
-    assert_eq!(pf_b.vfs_sharing_reset(), 0, "no sriov_numvfs: no SR-IOV");
+    assert_eq!(
+        pf_b.vfs_sharing_reset(),
+        Ok(0),
+        "no sriov_numvfs: no SR-IOV"
+    );
     drop(inv.acquire(BDF, "node1", "vm-a").unwrap());
     let numvfs = sysfs.root().join(BDF).join("sriov_numvfs");
     std::fs::write(&numvfs, "2\n").unwrap();
@@ -798,6 +802,18 @@ fn a_pf_is_refused_while_its_vfs_are_enabled_even_if_none_is_lent() {
         inv.get(BDF).unwrap().state(),
         crate::protocol::DeviceState::Available,
         "a refusal changes nothing"
+    );
+    // A count that cannot be read refuses the lease too (fails closed), naming the file.
+    std::fs::write(&numvfs, "?\n").unwrap();
+    let e = inv.acquire(BDF, "node1", "vm-a").err().unwrap();
+    assert!(
+        matches!(&e, InventoryError::SriovUnreadable { id, .. } if id == BDF),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("sriov_numvfs"), "{e}");
+    assert_eq!(
+        inv.get(BDF).unwrap().state(),
+        crate::protocol::DeviceState::Available
     );
     std::fs::write(&numvfs, "0\n").unwrap();
     drop(inv.acquire(BDF, "node1", "vm-a").unwrap());
