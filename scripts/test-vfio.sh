@@ -101,8 +101,8 @@ fi
 
 # --- builds: the kernel, both initramfs archives, the binaries --------------------
 # All of them before L1 starts: `--prepare ENVFILE` does just this and writes the paths to
-# ENVFILE; a run with LENDVM_VFIO_PREBUILT=1 and those variables set builds nothing (CI
-# boots L1 in the background while other stages hold cargo: scripts/test.sh).
+# ENVFILE; a run with LENDVM_VFIO_PREBUILT=1 and those variables set builds nothing and runs
+# no cargo (CI runs it beside stages that build: scripts/test.sh).
 ensure_kernel # BZIMAGE (taken as is when set)
 if [ "${LENDVM_VFIO_PREBUILT:-0}" = 1 ]; then
 	INITRD=${LENDVM_VFIO_L1_INITRD:?LENDVM_VFIO_PREBUILT=1 needs LENDVM_VFIO_L1_INITRD}
@@ -123,19 +123,36 @@ fi
 [ -f "$GUEST_INITRAMFS" ] || die "make-initramfs.sh printed no archive"
 [ -f "$GUEST_INITRAMFS_SMALL" ] || die "make-initramfs.sh --small printed no archive"
 if [ -n "$prepare" ]; then
+	# Copies of what the run uses from out here (the cases' executable, lendvm, lendctl,
+	# lendvm-fio-summary) in target/vfio-run/: the run needs no cargo, and cargo may build
+	# meanwhile (CI runs other stages beside it) without replacing a binary under a case.
+	# The cases look for lendvm one directory up from their own executable.
+	target=${CARGO_TARGET_DIR:-$REPO/target}
+	exe=$(cd "$REPO" && cargo test --locked -p lendvm-tests --test vfio --no-run \
+		--message-format=json 2>/dev/null | grep -F '"kind":["test"]' | grep -F '"name":"vfio"' \
+		| sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+	[ -n "$exe" ] && [ -x "$exe" ] || die "cargo printed no test executable for tests/tests/vfio.rs"
+	snap=$target/vfio-run
+	rm -rf "$snap"
+	mkdir -p "$snap/deps"
+	cp "$exe" "$snap/deps/vfio"
+	cp "$target/debug/lendvm" "$target/debug/lendctl" "$target/debug/lendvm-fio-summary" "$snap/"
 	printf '%s=%q\n' BZIMAGE "$BZIMAGE" VMLINUX "${VMLINUX:-}" \
 		LENDVM_VFIO_L1_INITRD "$INITRD" LENDVM_VFIO_GUEST_INITRAMFS "$GUEST_INITRAMFS" \
-		LENDVM_VFIO_GUEST_INITRAMFS_SMALL "$GUEST_INITRAMFS_SMALL" >"$prepare"
-	log "test-vfio: prepared (kernel, L1's and the guests' initramfs, binaries): $prepare"
+		LENDVM_VFIO_GUEST_INITRAMFS_SMALL "$GUEST_INITRAMFS_SMALL" \
+		LENDVM_VFIO_TEST_EXE "$snap/deps/vfio" LENDVM_VFIO_BIN "$snap" >"$prepare"
+	log "test-vfio: prepared (kernel, L1's and the guests' initramfs, binaries in $snap): $prepare"
 	exit 0
 fi
+# Where lendctl, lendvm and lendvm-fio-summary are: the prepared copies, or cargo's.
+BIN=${LENDVM_VFIO_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/debug}
 # The lendvm guests boot the uncompressed vmlinux beside it (lendvm loads the ELF: no
 # decompressor, about 20 s less emulated time per boot); L1 (QEMU, no PVH entry in this
 # kernel) boots the bzImage.
 GUEST_KERNEL=${VMLINUX:-$(dirname "$BZIMAGE")/vmlinux}
 [ -f "$GUEST_KERNEL" ] || GUEST_KERNEL=$BZIMAGE
 log "kernel $BZIMAGE (lendvm guests: $GUEST_KERNEL), initramfs $INITRD"
-LENDCTL=${CARGO_TARGET_DIR:-$REPO/target}/debug/lendctl
+LENDCTL=$BIN/lendctl
 [ -x "$LENDCTL" ] || die "no lendctl at $LENDCTL"
 
 # --- private run directory, shared window, token ---------------------------------
@@ -320,7 +337,6 @@ fi
 # --- the lendvm guest's cases (tests/tests/vfio.rs) --------------------------------
 
 if [ "$demo" = 1 ]; then
-	BIN=${CARGO_TARGET_DIR:-$REPO/target}/debug
 	echo "== the lender: L1 (QEMU 7.2, intel-iommu with interrupt remapping, Linux $(sed -n 's/.*L1-STEP boot ok kernel=\([^ ]*\).*/\1/p' "$RUN/serial.log"))"
 	grep "L1-STEP bind ok\|L1-STEP iommu" "$RUN/serial.log" | sed 's/ uptime=.*//; s/^/  L1: /'
 	echo "== booting Linux under lendvm out here, its 64 MiB of RAM in the window file, with l1:$NVME_BDF"
@@ -366,9 +382,15 @@ run_vfio_tests() {
 		LENDVM_LINUX_INITRAMFS_SMALL=$GUEST_INITRAMFS_SMALL LENDVM_TOKEN="$(cat "$RUN/token")" \
 		LENDVM_VFIO_SLOWNESS=$SLOW LENDVM_VFIO_CONTROL_PATH=$CONTROL_PATH \
 		LENDVM_VFIO_ALL_DEVICES="$NVME_BDF $NIC_BDF $PEER_BDF $SRIOV_VF" \
-		nice -n "$NICE" cargo test --locked -p lendvm-tests --test vfio -- \
-		--ignored --test-threads=1 --nocapture "$@"
+		nice -n "$NICE" "${VFIO_TESTS[@]}" --ignored --test-threads=1 --nocapture "$@"
 }
+# The cases: the prepared executable (no cargo), or through cargo.
+if [ -n "${LENDVM_VFIO_TEST_EXE:-}" ]; then
+	[ -x "$LENDVM_VFIO_TEST_EXE" ] || die "LENDVM_VFIO_TEST_EXE=$LENDVM_VFIO_TEST_EXE is not an executable"
+	VFIO_TESTS=("$LENDVM_VFIO_TEST_EXE")
+else
+	VFIO_TESTS=(cargo test --locked -p lendvm-tests --test vfio --)
+fi
 L1_DEATH_CASE=vfio_l1_dying_mid_lease_leaves_the_vm_running
 if [ -n "$bench" ]; then
 	LENDVM_VFIO_BENCH_OUT=$bench run_vfio_tests --exact bench_l1_control_paths \
@@ -389,7 +411,8 @@ if [ -n "${LENDVM_VFIO_ONLY:-}" ]; then
 	log "test-vfio: $LENDVM_VFIO_ONLY passed"
 	exit 0
 fi
-# One cargo invocation per case, timed: a failed case is reported and the next still runs
+# One process per case (the prepared executable, or cargo), timed: a failed case is
+# reported and the next still runs
 # (each case waits until L1's lenderd shows its devices free before it borrows, so a
 # failure does not leave the next one a busy device).
 CASES=$(run_vfio_tests --list 2>/dev/null | sed -n 's/: test$//p')

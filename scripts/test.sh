@@ -24,7 +24,7 @@ STAGES_FILE=$WORK/stages
 T_ALL=$SECONDS
 report() {
 	local rc=$?
-	echo "test: stage durations (seconds; [beside linux]: ran at the same time as the Linux stage):"
+	echo "test: stage durations (seconds; [beside X]: ran in the background during stage X):"
 	sed 's/^/  /' "$STAGES_FILE"
 	printf '  %5d  total%s\n' $((SECONDS - T_ALL)) "$([ "$rc" = 0 ] || echo " (failed, rc=$rc)")"
 	rm -rf "$WORK"
@@ -55,21 +55,24 @@ if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
   LINUX=0
 fi
 
-# The stages that boot no guest, one after another. With the Linux tests they run in the
-# background beside the Linux stage: a Linux guest keeps about one core and a half busy
-# (its vCPUs run in KVM's instruction emulator), the rest of the machine would idle, and
-# these stages would otherwise add ~15 min (on a slow machine) after it. The Linux stage
-# runs copies of its binaries (scripts/test-linux.sh --prepare), so cargo may build
+# The stages that boot no guest, one after another, in two parts. With the Linux tests they
+# run in the background: the first part beside the Linux stage, the second beside the VFIO
+# stage. A Linux guest keeps about one core and a half busy (its vCPUs run in KVM's
+# instruction emulator), the rest of the machine would idle, and these stages would
+# otherwise add ~15 min (on a slow machine) after the guests. The guest stages run copies
+# of their binaries (`--prepare` of test-linux.sh and test-vfio.sh), so cargo may build
 # meanwhile.
-others() {
+others_a() {
 	stage unit+integration cargo test --workspace --locked
 	if [ "$LINUX" = 1 ]; then
 		# Real VFIO in a nested QEMU guest (docs/VFIO.md): everything the `vfio` stage needs
-		# is built here, while cargo is at hand (the guest kernel, L1's initramfs with a
-		# release lenderd, the guests' initramfs, lendvm and the cases); that stage builds
+		# is built here, while cargo is at hand (L1's initramfs with a release lenderd, the
+		# guests' initramfs, copies of lendvm, lendctl and the cases); that stage builds
 		# nothing.
 		stage build-vfio scripts/test-vfio.sh --prepare "$WORK/vfio.env"
 	fi
+}
+others_b() {
 	# Every benchmark of docs/BENCHMARKS.md at a short budget (dev profile): checks that each
 	# still runs and writes its section's fragment; no speeds are checked, docs/ is untouched.
 	stage bench-quick scripts/bench.sh --quick
@@ -92,15 +95,44 @@ others() {
 		LENDVM_SOAK_RESTARTS="${LENDVM_SOAK_RESTARTS:-10}" \
 		cargo test -p lendvm-tests --locked --test soak -- --ignored --nocapture
 	# The Debian packages: built with cargo-deb from the binaries above, installed into a
-	# throwaway root, their lendctl/lenderd/man pages run from the installed paths (~20 s,
+	# throwaway root, their lendctl/lendvm/man pages run from the installed paths (~20 s,
 	# plus `cargo install cargo-deb` once).
 	stage packages scripts/test-packages.sh
 }
 
 if [ "$LINUX" = 0 ]; then
-	others
+	others_a
+	others_b
 	exit 0
 fi
+
+# beside GUEST_STAGE NAME CMD... -- FUNCTION: runs the guest stage NAME (CMD) in the
+# foreground and FUNCTION's stages in the background (their output after the stage's);
+# fails if either failed.
+beside() {
+	local name=$1 t0=$SECONDS
+	shift
+	local cmd=()
+	while [ "$1" != -- ]; do
+		cmd+=("$1")
+		shift
+	done
+	local fn=$2 log=$WORK/beside-$name.log
+	echo "test: the $fn stages run in the background beside the $name stage; their output follows it"
+	(STAGE_NOTE="  [beside $name]" "$fn") >"$log" 2>&1 &
+	local pid=$! rc_fg=0 rc_bg=0
+	stage "$name" "${cmd[@]}" || rc_fg=$?
+	wait "$pid" || rc_bg=$?
+	printf '%5d  %s\n' $((SECONDS - t0)) "$name and the stages beside it, wall time" >>"$STAGES_FILE"
+	echo "test: ---- output of the stages that ran beside the $name stage ----"
+	cat "$log"
+	echo "test: ---- end of their output ----"
+	if [ "$rc_bg" != 0 ]; then
+		echo "test: a stage beside the $name stage failed (rc=$rc_bg): its output is above" >&2
+		return "$rc_bg"
+	fi
+	return "$rc_fg"
+}
 
 # The guest kernel (built once, cached by content hash), the initramfs archives, lendvm,
 # lenderd and tests/tests/linux.rs, copied where the Linux stage runs them.
@@ -109,24 +141,7 @@ set -a
 # shellcheck disable=SC1091
 source "$WORK/linux.env"
 set +a
-
-echo "test: the stages without a guest run in the background beside the Linux stage; their output follows it"
-T_GROUP=$SECONDS
-(STAGE_NOTE="  [beside linux]" others) >"$WORK/others.log" 2>&1 &
-others_pid=$!
-rc_linux=0
-stage linux env LENDVM_LINUX_PREBUILT=1 scripts/test-linux.sh || rc_linux=$?
-rc_others=0
-wait "$others_pid" || rc_others=$?
-printf '%5d  %s\n' $((SECONDS - T_GROUP)) "linux and the stages beside it, wall time" >>"$STAGES_FILE"
-echo "test: ---- output of the stages that ran beside the Linux stage ----"
-cat "$WORK/others.log"
-echo "test: ---- end of their output ----"
-if [ "$rc_others" != 0 ]; then
-	echo "test: a stage beside the Linux stage failed (rc=$rc_others): its output is above" >&2
-	exit "$rc_others"
-fi
-[ "$rc_linux" = 0 ] || exit "$rc_linux"
+beside linux env LENDVM_LINUX_PREBUILT=1 scripts/test-linux.sh -- others_a
 
 set -a
 # shellcheck disable=SC1091
@@ -135,5 +150,5 @@ set +a
 # L1 (QEMU under TCG: its kernel boots in seconds), the vfio_kernel cases inside it, then
 # the lendvm guests' cases against its lenderd (tests/tests/vfio.rs: stock nvme and e1000e
 # drivers, replug, FLR, migration, lenderd killed mid-write, P2P, L1's death), one VM at a
-# time, alone on the machine.
-stage vfio env LENDVM_VFIO_PREBUILT=1 scripts/test-vfio.sh
+# time. Its deadlines are scaled by L1's boot, measured with the stages beside it running.
+beside vfio env LENDVM_VFIO_PREBUILT=1 scripts/test-vfio.sh -- others_b

@@ -59,7 +59,7 @@
 //! own `/proc/interrupts` that the vector of queue n fired on CPU n-1 only, and (through
 //! `vm.counters`, per vCPU) that the doorbells of both queues cost ≤ 0.05 MMIO exits to user
 //! space per I/O. The busybox test's disk has one shared MSI-X vector (`msix=1`, so Linux
-//! does not manage its affinity), which /init moves CPU0 → CPU1 → CPU0 → CPU1 by writing
+//! does not manage its affinity), which /init moves to the other CPU and back by writing
 //! `/proc/irq/N/smp_affinity` while a writer runs: each step's interrupts land on the chosen
 //! CPU, and no write stalls or is lost. The migration test checks that both vCPUs run on
 //! the destination and that the guest still has both CPUs online there.
@@ -1040,7 +1040,8 @@ fn cpu_counts(line: &str, key: &str) -> Vec<u64> {
 }
 
 /// /init's affinity moves (`lendvm_irqmove=`): while a writer runs without pause, the
-/// disk's vector was moved CPU0 → CPU1 → CPU0 → CPU1. In each step, once the guest reports
+/// disk's vector was moved to the CPU it was not on, then back (two real moves; four until
+/// CI's time budget asked for every second of emulated `dd`). In each step, once the guest reports
 /// the vector on its new CPU (x86 applies the move at the vector's next interrupt, so the
 /// old CPU may take a few more before), the guest's own /proc/interrupts shows the step's
 /// interrupts on that CPU (at least one per acknowledged write) and at most one on the other
@@ -1062,9 +1063,25 @@ fn check_irq_moves(guest: &Guest, lender: &Lender) {
         .into_iter()
         .filter(|l| l.contains("LENDVM-IRQMOVE step "))
         .collect();
-    assert_eq!(steps.len(), 4, "{steps:?}\n{}", diag());
+    assert_eq!(steps.len(), 2, "{steps:?}\n{}", diag());
+    assert_ne!(
+        field(&steps[0], "mask"),
+        field(&steps[1], "mask"),
+        "the vector did not move back: {steps:?}"
+    );
     let start_counts = cpu_counts(&start, "counts");
     assert_eq!(start_counts.len(), VCPUS as usize, "{start}");
+    // The first step takes the vector off the CPU it started on (a real move).
+    let first_cpu = match field(&steps[0], "mask") {
+        Some("1") => "0",
+        _ => "1",
+    };
+    assert_ne!(
+        field(&start, "effective"),
+        Some(first_cpu),
+        "the first step did not move the vector: {start} / {}",
+        steps[0]
+    );
     for step in &steps {
         let cpu = match field(step, "mask") {
             Some("1") => 0,
@@ -1101,7 +1118,7 @@ fn check_irq_moves(guest: &Guest, lender: &Lender) {
     let blocks: u64 = field(&ok, "blocks")
         .and_then(|b| b.parse().ok())
         .unwrap_or(0);
-    assert!(blocks >= 4 * IRQMOVE_BLOCKS, "{ok}");
+    assert!(blocks >= 2 * IRQMOVE_BLOCKS, "{ok}");
     // The guest's nvme driver never had to time out a command.
     assert!(
         guest.line("timeout, aborting").is_none() && guest.line("I/O timeout").is_none(),
@@ -1109,7 +1126,7 @@ fn check_irq_moves(guest: &Guest, lender: &Lender) {
         diag()
     );
     println!(
-        "linux_busybox_user_space_on_a_lent_disk: vector moved 4 times while {blocks} blocks \
+        "linux_busybox_user_space_on_a_lent_disk: vector moved twice while {blocks} blocks \
          were written: {}",
         steps
             .iter()
