@@ -33,16 +33,61 @@ pub fn acked(lines: &[String]) -> Vec<u64> {
 }
 
 /// The first acknowledged block (of `acked`) that is not intact in `disk` (the backing file's
-/// contents), with how it starts.
+/// contents), with how it starts, where it first differs and how many of its bytes differ
+/// (a torn or stale block, which sectors: what a failure needs to be told apart).
 pub fn first_lost(disk: &[u8], acked: &[u64]) -> Option<(u64, String)> {
     acked.iter().find_map(|&n| {
         let off = (BASE1 + n * BLOCK) as usize;
         let got = disk.get(off..off + BLOCK as usize).unwrap_or(&[]);
-        (got != block(1, n).as_slice()).then(|| {
+        let want = block(1, n);
+        (got != want.as_slice()).then(|| {
+            let first = got
+                .iter()
+                .zip(&want)
+                .position(|(a, b)| a != b)
+                .unwrap_or(got.len().min(want.len()));
+            let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            let sectors: Vec<usize> = (0..got.len() / 512)
+                .filter(|s| got[s * 512..(s + 1) * 512] != want[s * 512..(s + 1) * 512])
+                .collect();
+            let end = got.len().min(first + 32);
             (
                 n,
-                String::from_utf8_lossy(&got[..got.len().min(48)]).into_owned(),
+                format!(
+                    "{:?}; {} bytes long, first difference at byte {first} (file offset {}): \
+                     {:02x?}; {differ} bytes differ, in 512-byte sectors {sectors:?}",
+                    String::from_utf8_lossy(&got[..got.len().min(48)]),
+                    got.len(),
+                    off + first,
+                    &got[first.min(end)..end],
+                ),
             )
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_block_is_described_by_where_it_differs() {
+        let mut disk = vec![0u8; (BASE1 + 4 * BLOCK) as usize];
+        for n in 0..3 {
+            let off = (BASE1 + n * BLOCK) as usize;
+            disk[off..off + BLOCK as usize].copy_from_slice(&block(1, n));
+        }
+        assert_eq!(first_lost(&disk, &[0, 1, 2]), None);
+        // Block 1's third sector holds stale data.
+        let off = (BASE1 + BLOCK) as usize + 1024 + 7;
+        disk[off] = 0xab;
+        let (n, what) = first_lost(&disk, &[0, 1, 2]).unwrap();
+        assert_eq!(n, 1);
+        assert!(what.contains("first difference at byte 1031"), "{what}");
+        assert!(
+            what.contains("1 bytes differ, in 512-byte sectors [2]"),
+            "{what}"
+        );
+        assert!(what.contains("[ab, 00"), "{what}");
+    }
 }

@@ -778,8 +778,11 @@ fn after_a_lender_death(
     assert_eq!(acked, (0..acked.len() as u64).collect::<Vec<_>>());
     assert!(acked.len() as u64 >= CRASH_ACKS_BEFORE_KILL, "{acked:?}");
     let data = std::fs::read(disk).unwrap();
-    if let Some((n, starts)) = crash::first_lost(&data, &acked) {
-        panic!("acknowledged block {n} is not intact in QEMU's file: starts {starts:?}");
+    if let Some((n, what)) = crash::first_lost(&data, &acked) {
+        panic!(
+            "acknowledged block {n} is not intact in QEMU's file: starts {what}\n{}",
+            guest.diag()
+        );
     }
 
     let t0 = Instant::now();
