@@ -60,6 +60,24 @@ fn unexpected(step: &'static str, f: &Frame) -> MigrationError {
     }
 }
 
+/// Sends this side's proof of the secret over `t` (`AUTH_PROOF`), under `role`.
+fn send_proof(
+    stream: &mut Stream,
+    t: &Transcript<'_>,
+    secret: &str,
+    role: Role,
+) -> Result<(), MigrationError> {
+    let proof = t.prove(secret, role).map_err(MigrationError::Auth)?;
+    protocol::write_json(
+        stream,
+        kind::AUTH_PROOF,
+        "authentication proof",
+        &AuthProof {
+            proof: proof.to_vec(),
+        },
+    )
+}
+
 /// The source's side: proves the secret, then checks the destination's proof. Returns the
 /// destination's proven identity (its lenders' tickets go to that name only).
 ///
@@ -118,17 +136,7 @@ pub fn prove_source(
     if legacy {
         check_destination(&reply.proof)?;
     }
-    let proof = t
-        .prove(secret, Role::MigrationSource)
-        .map_err(MigrationError::Auth)?;
-    protocol::write_json(
-        stream,
-        kind::AUTH_PROOF,
-        "authentication proof",
-        &AuthProof {
-            proof: proof.to_vec(),
-        },
-    )?;
+    send_proof(stream, &t, secret, Role::MigrationSource)?;
     if legacy {
         protocol::read_answer(stream, "waiting for the destination to accept our proof")?;
         return Ok(Some(identity));
@@ -196,17 +204,7 @@ pub fn verify_source(
     {
         return Err(MigrationError::Unproven { who: "source" });
     }
-    let proof = t
-        .prove(secret, Role::MigrationDestination)
-        .map_err(MigrationError::Auth)?;
-    protocol::write_json(
-        stream,
-        kind::AUTH_PROOF,
-        "authentication proof",
-        &AuthProof {
-            proof: proof.to_vec(),
-        },
-    )?;
+    send_proof(stream, &t, secret, Role::MigrationDestination)?;
     log::info!("migration source {source:?} proved the cluster secret");
     Ok(())
 }
