@@ -91,10 +91,7 @@ if [ -n "$prepare" ]; then
 	# Copies of the test executable and of the binaries it spawns (it looks for them one
 	# directory up from its own: target/linux-run/{lendvm,lenderd}; its consoles go to
 	# target/linux-run/linux-tests/, its figures to target/reliability/).
-	built=$(cargo test -p lendvm-tests --locked --test linux --no-run --message-format=json \
-		| grep -F '"kind":["test"]' | grep -F '"name":"linux"' \
-		| sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
-	[ -x "$built" ] || { echo "test-linux: cargo printed no test executable for tests/linux.rs" >&2; exit 1; }
+	built=$(scripts/test-exe.sh linux)
 	target=$(dirname "$(dirname "$(dirname "$built")")")
 	run="$target/linux-run"
 	rm -rf "$run"

@@ -128,10 +128,7 @@ if [ -n "$prepare" ]; then
 	# meanwhile (CI runs other stages beside it) without replacing a binary under a case.
 	# The cases look for lendvm one directory up from their own executable.
 	target=${CARGO_TARGET_DIR:-$REPO/target}
-	exe=$(cd "$REPO" && cargo test --locked -p lendvm-tests --test vfio --no-run \
-		--message-format=json 2>/dev/null | grep -F '"kind":["test"]' | grep -F '"name":"vfio"' \
-		| sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
-	[ -n "$exe" ] && [ -x "$exe" ] || die "cargo printed no test executable for tests/tests/vfio.rs"
+	exe=$("$REPO/scripts/test-exe.sh" vfio) || die "building tests/tests/vfio.rs failed"
 	snap=$target/vfio-run
 	rm -rf "$snap"
 	mkdir -p "$snap/deps"
