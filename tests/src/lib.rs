@@ -5,6 +5,7 @@
 pub mod capture;
 pub mod crash;
 pub mod fio;
+pub mod flake;
 
 use std::io::Read;
 use std::path::PathBuf;

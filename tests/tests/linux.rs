@@ -506,7 +506,21 @@ impl Guest {
             "lendvm did not exit 0 (status {st:?}; None = killed after the boot bound)\n{}",
             self.diag(lender)
         );
+        self.check_flakes(lender);
         t
+    }
+
+    /// Every process the guest ran again (`LENDVM-FLAKE`) was killed by the emulator's
+    /// TLS fault, as the kernel reported it (tests/src/flake.rs); says how many there were.
+    fn check_flakes(&self, lender: &Lender) {
+        match lendvm_tests::flake::check(&self.out.lines()) {
+            Ok(0) => {}
+            Ok(n) => println!(
+                "{}: {n} process(es) rerun after the emulator's TLS fault",
+                self.name
+            ),
+            Err(e) => panic!("{e}\n{}", self.diag(lender)),
+        }
     }
 }
 

@@ -316,6 +316,16 @@ impl Guest {
                 self.status = Some(s);
                 self.out.drain(Duration::from_secs(5));
                 assert_eq!(s.code(), Some(0), "lendvm exit\n{}", self.diag());
+                // Every process the guest ran again (`LENDVM-FLAKE`) was killed by the
+                // emulator's TLS fault, as the kernel reported it (tests/src/flake.rs).
+                match lendvm_tests::flake::check(&self.out.lines()) {
+                    Ok(0) => {}
+                    Ok(n) => println!(
+                        "{}: {n} process(es) rerun after the emulator's TLS fault",
+                        self.name
+                    ),
+                    Err(e) => panic!("{e}\n{}", self.diag()),
+                }
                 return;
             }
             assert!(
