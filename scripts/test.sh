@@ -43,7 +43,6 @@ stage() {
 
 stage setup scripts/setup.sh
 stage fmt cargo fmt --all -- --check
-stage clippy cargo clippy --workspace --all-targets --locked -- -D warnings
 stage build cargo build --workspace --bins --locked
 LINUX=1
 if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
@@ -55,14 +54,21 @@ if [ "${LENDVM_SKIP_LINUX:-0}" = 1 ]; then
   LINUX=0
 fi
 
-# The stages that boot no guest, one after another, in two parts. With the Linux tests they
-# run in the background: the first part beside the Linux stage, the second beside the VFIO
-# stage. A Linux guest keeps about one core and a half busy (its vCPUs run in KVM's
-# instruction emulator), the rest of the machine would idle, and these stages would
-# otherwise add ~15 min (on a slow machine) after the guests. The guest stages run copies
-# of their binaries (`--prepare` of test-linux.sh and test-vfio.sh), so cargo may build
-# meanwhile.
-others_a() {
+# The stages that boot no guest, one after another. With the Linux tests they run in the
+# background beside the Linux stage: a Linux guest keeps about one core and a half busy (its
+# vCPUs run in KVM's instruction emulator), the rest of the machine would idle, and these
+# stages would otherwise add ~15 min (on a slow machine) after the guests. The VFIO stage
+# runs alone: L1 (QEMU under TCG) slows with every other busy thread, and with these beside
+# it on a loaded machine its longest case took twice as long (docs/DEVELOPING.md). The guest
+# stages run copies of their binaries (`--prepare` of test-linux.sh and test-vfio.sh), so
+# cargo may build meanwhile.
+#
+# Every cargo command here selects the whole workspace (`--workspace` plus a target or a
+# test-name filter) rather than one package: with one package cargo resolves features for
+# it alone and rebuilds the crates it shares with the others (about 100 s of compiling for
+# the fuzz stages on a loaded machine); with the workspace they reuse the unit stage's
+# artifacts.
+others() {
 	stage unit+integration cargo test --workspace --locked
 	if [ "$LINUX" = 1 ]; then
 		# Real VFIO in a nested QEMU guest (docs/VFIO.md): everything the `vfio` stage needs
@@ -71,29 +77,30 @@ others_a() {
 		# nothing.
 		stage build-vfio scripts/test-vfio.sh --prepare "$WORK/vfio.env"
 	fi
-}
-others_b() {
+	stage clippy cargo clippy --workspace --all-targets --locked -- -D warnings
 	# Every benchmark of docs/BENCHMARKS.md at a short budget (dev profile): checks that each
 	# still runs and writes its section's fragment; no speeds are checked, docs/ is untouched.
 	stage bench-quick scripts/bench.sh --quick
 	# The decoders' fuzz properties at CI depth (10^5 cases each crate); the default runs
 	# above are shorter.
-	stage fuzz-wire env PROPTEST_CASES=25000 cargo test -p ntb --locked --test wire_fuzz
-	stage fuzz-protocol env PROPTEST_CASES=100000 cargo test -p lending --locked --lib protocol
+	stage fuzz-wire env PROPTEST_CASES=25000 cargo test --workspace --locked --test wire_fuzz
+	# (lending's protocol decoders; the filter also runs vmm's few migration::protocol unit
+	# tests, which take no cases)
+	stage fuzz-protocol env PROPTEST_CASES=100000 cargo test --workspace --locked --lib -- protocol::
 	# Config-space requests through the lender's gate (conventional filter + extended space).
-	stage fuzz-config env PROPTEST_CASES=20000 cargo test -p lending --locked --lib backend::config::fuzz
+	stage fuzz-config env PROPTEST_CASES=20000 cargo test --workspace --locked --lib -- backend::config::fuzz
 	# NVMe submission entries and PRP lists against the emulated controller (each case is
 	# real I/O through the controller thread and its file: ~30 s at this budget on 2 cores).
-	stage fuzz-nvme env PROPTEST_CASES=96 cargo test -p emulated --locked --test fuzz
+	stage fuzz-nvme env PROPTEST_CASES=96 cargo test --workspace --locked --test fuzz
 	# REST request bodies: random and mutated bodies against the real server in front of
 	# the fake VMM (api/tests/rest_fuzz.rs), at a fixed budget.
-	stage fuzz-rest env PROPTEST_CASES=2000 cargo test -p api --locked --test rest_fuzz
+	stage fuzz-rest env PROPTEST_CASES=2000 cargo test --workspace --locked --test rest_fuzz
 	# Soak (tests/tests/soak.rs, #[ignore]d in the plain run above): hot-add/remove cycles
 	# of real devices with lender restarts, then zero leaks. Longer or shorter locally with
 	# LENDVM_SOAK_CYCLES / LENDVM_SOAK_RESTARTS.
 	stage soak env LENDVM_SOAK_CYCLES="${LENDVM_SOAK_CYCLES:-500}" \
 		LENDVM_SOAK_RESTARTS="${LENDVM_SOAK_RESTARTS:-10}" \
-		cargo test -p lendvm-tests --locked --test soak -- --ignored --nocapture
+		cargo test --workspace --locked --test soak -- --ignored --nocapture
 	# The Debian packages: built with cargo-deb from the binaries above, installed into a
 	# throwaway root, their lendctl/lendvm/man pages run from the installed paths (~20 s,
 	# plus `cargo install cargo-deb` once).
@@ -101,8 +108,7 @@ others_b() {
 }
 
 if [ "$LINUX" = 0 ]; then
-	others_a
-	others_b
+	others
 	exit 0
 fi
 
@@ -141,7 +147,7 @@ set -a
 # shellcheck disable=SC1091
 source "$WORK/linux.env"
 set +a
-beside linux env LENDVM_LINUX_PREBUILT=1 scripts/test-linux.sh -- others_a
+beside linux env LENDVM_LINUX_PREBUILT=1 scripts/test-linux.sh -- others
 
 set -a
 # shellcheck disable=SC1091
@@ -150,5 +156,5 @@ set +a
 # L1 (QEMU under TCG: its kernel boots in seconds), the vfio_kernel cases inside it, then
 # the lendvm guests' cases against its lenderd (tests/tests/vfio.rs: stock nvme and e1000e
 # drivers, replug, FLR, migration, lenderd killed mid-write, P2P, L1's death), one VM at a
-# time. Its deadlines are scaled by L1's boot, measured with the stages beside it running.
-beside vfio env LENDVM_VFIO_PREBUILT=1 scripts/test-vfio.sh -- others_b
+# time, with nothing else of CI beside it. Its deadlines are scaled by L1's boot.
+stage vfio env LENDVM_VFIO_PREBUILT=1 scripts/test-vfio.sh

@@ -926,6 +926,77 @@ fn a_forged_claim_record_written_into_etcd_is_ignored_by_the_lender() {
     drop(claim);
 }
 
+/// Issue 32, claim replay: someone with read and write access to etcd, but not the cluster
+/// secret, keeps a signed claim record of A's and puts it back after A let the claim go.
+/// The MAC still checks, but the record is bound to the etcd lease it was written under,
+/// which is gone: the lender refuses it, so A cannot borrow without a real claim (which
+/// would take the device past the directory's exclusivity), and the device stays free
+/// for a real claim once the replayed key is gone.
+#[test]
+fn a_replayed_claim_record_is_refused_by_the_lender() {
+    let etcd = EtcdCluster::single();
+    let s = site(&etcd);
+    let d = lenderd(&s, "node3", 1);
+    let a = Borrower::new(&s, "vmm-a");
+    let ca = a.connect("node3");
+    let ckey = format!("{}/claims/node3/{}", s.cfg.prefix, dev(0));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let claim = a.dir.claim("node3", &dev(0), "vmm-a", "vm0").unwrap();
+    let lease = ca
+        .borrow_claimed(&dev(0), "vm0", claim.revision().unwrap())
+        .unwrap();
+    let old = rt.block_on(async {
+        let mut c = etcd.raw_client().await;
+        let r = c.get(ckey.clone(), None).await.unwrap();
+        r.kvs()[0].value().to_vec()
+    });
+    assert!(String::from_utf8_lossy(&old).contains("\"lease\""));
+    drop(lease);
+    drop(claim);
+    wait_for("claim released", Duration::from_secs(10), || {
+        a.dir.snapshot().unwrap().claims.is_empty()
+    });
+    // The replay: the same bytes, without a lease (the old one is revoked: etcd would not
+    // take a put under it) and under a lease of the writer's own.
+    for with_lease in [false, true] {
+        let rev = rt.block_on(async {
+            let mut c = etcd.raw_client().await;
+            let opts = if with_lease {
+                let l = c.lease_grant(30, None).await.unwrap().id();
+                Some(etcd_client::PutOptions::new().with_lease(l))
+            } else {
+                None
+            };
+            c.put(ckey.clone(), old.clone(), opts).await.unwrap();
+            let r = c.get(ckey.clone(), None).await.unwrap();
+            r.kvs()[0].create_revision()
+        });
+        let e = ca
+            .borrow_claimed(&dev(0), "vm0", rev)
+            .err()
+            .unwrap_or_else(|| {
+                panic!("a replayed claim (with a lease of its own: {with_lease}) lent the device")
+            });
+        assert_eq!(remote_code(&e), Some(code::STALE_CLAIM), "{e}");
+        assert!(e.to_string().contains("replayed or moved claim"), "{e}");
+        rt.block_on(async {
+            let mut c = etcd.raw_client().await;
+            c.delete(ckey.clone(), None).await.unwrap();
+        });
+    }
+    wait_for("replay logged", Duration::from_secs(5), || {
+        d.log().contains("replayed or moved claim")
+    });
+    // The device is free for a real claim.
+    let claim = a.dir.claim("node3", &dev(0), "vmm-a", "vm0").unwrap();
+    let _lease = ca
+        .borrow_claimed(&dev(0), "vm0", claim.revision().unwrap())
+        .unwrap();
+}
+
 #[test]
 fn a_lender_address_from_the_directory_still_has_to_pass_the_fabrics_mutual_auth() {
     let etcd = EtcdCluster::single();

@@ -131,6 +131,9 @@ pub struct LeaseView {
     pub baseline: LeaseCounters,
     /// DIRTY_LOG_FETCH requests answered for it.
     pub dirty_log_fetches: u64,
+    /// LEASE_COUNTERS requests answered for it (a borrower's scrapes reach the lender as
+    /// these: the operator sees what a scrape flood costs, and the tests that it is bounded).
+    pub counters_requests: u64,
 }
 
 impl DeviceEntry {
@@ -379,6 +382,7 @@ impl Inventory {
             granted: Instant::now(),
             baseline: dev.backend.counters(),
             dirty_log_fetches: 0,
+            counters_requests: 0,
         });
         log::info!("lease {lease}: {id} lent to {node}/{vm}");
         Ok(Lease {
@@ -475,6 +479,13 @@ impl Lease {
     pub fn count_dirty_log_fetch(&self) {
         if let Some(v) = self.device.current().as_mut() {
             v.dirty_log_fetches += 1;
+        }
+    }
+
+    /// Counts a LEASE_COUNTERS request answered for the lease (metrics).
+    pub fn count_counters_request(&self) {
+        if let Some(v) = self.device.current().as_mut() {
+            v.counters_requests += 1;
         }
     }
 

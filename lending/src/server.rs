@@ -1281,6 +1281,7 @@ impl Session {
             Request::SetIrqs(s) => self.set_irqs(op, s, fds),
             Request::LeaseCounters(l) => {
                 let sl = self.lease(l.lease)?;
+                sl.lease.count_counters_request();
                 let c = sl.lease.backend().counters().since(&sl.baseline);
                 protocol::encode_lease_counters(&c, self.version)
                     .map(|p| Message::raw(op, p))

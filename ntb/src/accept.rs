@@ -3,11 +3,13 @@
 //! silent or slow peer never delays the others; `accept` hands out whichever link is ready
 //! first.
 //!
-//! Pre-authentication limits: at most [`MAX_PENDING_HANDSHAKES`] handshakes at once, of which
-//! one source ([`source_key`]: an IPv4 address, an IPv6 /64) holds at most
-//! [`MAX_PENDING_PER_SOURCE`] on tcp, so silent connections from one place cannot take every
-//! slot. Shm listeners have no per-source share: their socket is 0600, so every peer is the
-//! listener's own uid, one source.
+//! Pre-authentication limits ([`PreauthLimits`], the cluster file's `[link]
+//! max_pending_handshakes` and `max_pending_per_source`): at most that many handshakes at
+//! once (default [`MAX_PENDING_HANDSHAKES`]), of which one source ([`source_key`]: an IPv4
+//! address, an IPv6 /64) holds at most its share on tcp (default [`MAX_PENDING_PER_SOURCE`]),
+//! so silent connections from one place cannot take every slot. Shm listeners have no
+//! per-source share: their socket is 0600, so every peer is the listener's own uid, one
+//! source.
 
 use std::collections::HashMap;
 use std::io;
@@ -31,11 +33,53 @@ pub(crate) enum Accepted {
     Tls(TcpStream),
 }
 
-/// Most handshakes a listener runs at once; connections beyond are closed at once.
-pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
-/// Most of those one source ([`source_key`]) may hold: an eighth, so a source that keeps
-/// opening silent connections leaves the other 56 slots to everyone else.
+/// Most handshakes a listener runs at once by default; connections beyond are closed at once.
+pub const MAX_PENDING_HANDSHAKES: usize = 64;
+/// Most of those one source ([`source_key`]) may hold by default: an eighth, so a source that
+/// keeps opening silent connections leaves the other 56 slots to everyone else.
 pub const MAX_PENDING_PER_SOURCE: usize = 8;
+/// The largest `max_pending_handshakes` a cluster file may set: each pending handshake is a
+/// thread and a descriptor.
+pub const MAX_PENDING_HANDSHAKES_LIMIT: usize = 4096;
+
+/// How many fabric handshakes a listener runs at once, in all and per source (tcp). Borrowers
+/// behind one NAT (or one IPv6 /64) are one source: an operator who has more of them than
+/// `per_source` connecting at once (a boot storm) raises `per_source` towards `handshakes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreauthLimits {
+    /// Handshakes at once (1..=[`MAX_PENDING_HANDSHAKES_LIMIT`]).
+    pub handshakes: usize,
+    /// Of those, from one source (1..=`handshakes`).
+    pub per_source: usize,
+}
+
+impl Default for PreauthLimits {
+    fn default() -> Self {
+        PreauthLimits {
+            handshakes: MAX_PENDING_HANDSHAKES,
+            per_source: MAX_PENDING_PER_SOURCE,
+        }
+    }
+}
+
+impl PreauthLimits {
+    /// Why these limits are not usable, if they are not.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if !(1..=MAX_PENDING_HANDSHAKES_LIMIT).contains(&self.handshakes) {
+            return Err(format!(
+                "max_pending_handshakes {} is not in 1..={MAX_PENDING_HANDSHAKES_LIMIT}",
+                self.handshakes
+            ));
+        }
+        if !(1..=self.handshakes).contains(&self.per_source) {
+            return Err(format!(
+                "max_pending_per_source {} is not in 1..={} (max_pending_handshakes)",
+                self.per_source, self.handshakes
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// The unit pre-authentication limits count per: the IPv4 address, the /64 of an IPv6
 /// address (one host usually holds a whole /64, and rotates through it at will), `uid=N` of
@@ -64,26 +108,36 @@ pub fn source_key(peer_addr: &str) -> String {
 }
 
 /// Handshakes in flight, in total and per source.
-#[derive(Default)]
 struct Pending {
+    limits: PreauthLimits,
     total: usize,
-    /// Bounded by [`MAX_PENDING_HANDSHAKES`] entries (an entry exists only while its source
-    /// has a handshake in flight).
+    /// Bounded by `limits.handshakes` entries (an entry exists only while its source has a
+    /// handshake in flight).
     per_source: HashMap<String, usize>,
 }
 
 impl Pending {
+    fn new(limits: PreauthLimits) -> Pending {
+        Pending {
+            limits,
+            total: 0,
+            per_source: HashMap::new(),
+        }
+    }
+
     /// Takes a slot for `source` (`share`: the per-source share applies), or says why not.
     fn take(&mut self, source: &str, share: bool) -> std::result::Result<(), String> {
-        if self.total >= MAX_PENDING_HANDSHAKES {
-            return Err(format!(
-                "{MAX_PENDING_HANDSHAKES} handshakes already pending"
-            ));
+        let PreauthLimits {
+            handshakes,
+            per_source,
+        } = self.limits;
+        if self.total >= handshakes {
+            return Err(format!("{handshakes} handshakes already pending"));
         }
         let n = self.per_source.entry(source.to_string()).or_insert(0);
-        if share && *n >= MAX_PENDING_PER_SOURCE {
+        if share && *n >= per_source {
             return Err(format!(
-                "{MAX_PENDING_PER_SOURCE} handshakes from {source} already pending"
+                "{per_source} handshakes from {source} already pending"
             ));
         }
         *n += 1;
@@ -127,7 +181,13 @@ impl Handshakes {
             .unwrap_or_else(|e| e.into_inner().total)
     }
 
-    /// `per_source`: each source holds at most [`MAX_PENDING_PER_SOURCE`] slots.
+    /// Handshakes that may be in progress at once.
+    pub(crate) fn slots(&self) -> usize {
+        self.cfg.preauth.handshakes
+    }
+
+    /// `per_source`: each source holds at most its share (`cfg.preauth.per_source`) of the
+    /// slots.
     pub(crate) fn new(local: &NodeId, cfg: &LinkConfig, per_source: bool) -> Result<Handshakes> {
         let (tx, rx) = mpsc::channel();
         Ok(Handshakes {
@@ -136,7 +196,7 @@ impl Handshakes {
             tx,
             rx: Mutex::new(rx),
             done: Arc::new(new_eventfd()?),
-            pending: Arc::default(),
+            pending: Arc::new(Mutex::new(Pending::new(cfg.preauth))),
             per_source,
             log: Arc::new(RateLimit::new(Duration::from_secs(1))),
         })
@@ -266,7 +326,7 @@ mod tests {
 
     #[test]
     fn one_source_holds_at_most_its_share_of_the_handshake_slots() {
-        let mut p = Pending::default();
+        let mut p = Pending::new(PreauthLimits::default());
         for _ in 0..MAX_PENDING_PER_SOURCE {
             p.take("10.0.0.9", true).unwrap();
         }
@@ -286,10 +346,52 @@ mod tests {
         p.take("10.2.0.1", true).unwrap();
         assert_eq!(p.total, MAX_PENDING_HANDSHAKES);
         // Without shares (shm: one uid) one source may take every slot.
-        let mut p = Pending::default();
+        let mut p = Pending::new(PreauthLimits::default());
         for _ in 0..MAX_PENDING_HANDSHAKES {
             p.take("uid=0", false).unwrap();
         }
         assert!(p.take("uid=0", false).is_err());
+    }
+
+    #[test]
+    fn configured_limits_apply_and_bad_ones_are_named() {
+        // Borrowers behind one NAT: a larger share for the one source.
+        let limits = PreauthLimits {
+            handshakes: 32,
+            per_source: 24,
+        };
+        limits.check().unwrap();
+        let mut p = Pending::new(limits);
+        for _ in 0..24 {
+            p.take("192.0.2.1", true).unwrap();
+        }
+        assert!(p
+            .take("192.0.2.1", true)
+            .unwrap_err()
+            .contains("24 handshakes from"));
+        for _ in 0..8 {
+            p.take("192.0.2.2", true).unwrap();
+        }
+        assert!(p
+            .take("192.0.2.3", true)
+            .unwrap_err()
+            .contains("32 handshakes already"));
+        let e = PreauthLimits {
+            handshakes: 0,
+            per_source: 1,
+        }
+        .check()
+        .unwrap_err();
+        assert!(e.contains("max_pending_handshakes 0"), "{e}");
+        let e = PreauthLimits {
+            handshakes: 8,
+            per_source: 9,
+        }
+        .check()
+        .unwrap_err();
+        assert!(
+            e.contains("max_pending_per_source 9 is not in 1..=8"),
+            "{e}"
+        );
     }
 }

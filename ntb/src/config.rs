@@ -513,6 +513,8 @@ struct RawLink {
     connect_timeout_ms: Option<Spanned<u64>>,
     request_timeout_ms: Option<Spanned<u64>>,
     require_sealed_windows: Option<bool>,
+    max_pending_handshakes: Option<Spanned<u64>>,
+    max_pending_per_source: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -684,6 +686,28 @@ impl ClusterConfig {
                     );
                 }
                 base.request_timeout = ms(v);
+            }
+            if let Some(v) = &l.max_pending_handshakes {
+                base.preauth.handshakes = usize::try_from(*v.get_ref()).unwrap_or(usize::MAX);
+                if base.preauth.per_source > base.preauth.handshakes
+                    && l.max_pending_per_source.is_none()
+                {
+                    base.preauth.per_source = base.preauth.handshakes;
+                }
+            }
+            if let Some(v) = &l.max_pending_per_source {
+                base.preauth.per_source = usize::try_from(*v.get_ref()).unwrap_or(usize::MAX);
+            }
+            if let Err(m) = base.preauth.check() {
+                let (field, span) = match (&l.max_pending_per_source, &l.max_pending_handshakes) {
+                    (Some(v), _) if m.starts_with("max_pending_per_source") => {
+                        ("link.max_pending_per_source", v.span())
+                    }
+                    (_, Some(v)) => ("link.max_pending_handshakes", v.span()),
+                    (Some(v), None) => ("link.max_pending_per_source", v.span()),
+                    (None, None) => ("link", 0..0),
+                };
+                return cx.invalid(field, span, m);
             }
             if base.peer_timeout <= base.heartbeat * 2 {
                 return Err(ConfigError::Cluster {
@@ -1037,6 +1061,48 @@ doorbells = 32
 
     fn err(src: &str) -> String {
         ClusterConfig::parse(src, "c.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn preauth_limits_from_the_link_table() {
+        let c = ClusterConfig::parse(GOOD, "t.toml").unwrap();
+        assert_eq!(
+            c.node("node3").unwrap().link.preauth,
+            crate::PreauthLimits::default()
+        );
+        let nat = GOOD.replace(
+            "peer_timeout_ms = 1000",
+            "peer_timeout_ms = 1000\nmax_pending_handshakes = 128\nmax_pending_per_source = 96",
+        );
+        let c = ClusterConfig::parse(&nat, "t.toml").unwrap();
+        let p = c.node("node3").unwrap().link.preauth;
+        assert_eq!((p.handshakes, p.per_source), (128, 96));
+        // A total below the default share takes the share down with it.
+        let small = GOOD.replace(
+            "peer_timeout_ms = 1000",
+            "peer_timeout_ms = 1000\nmax_pending_handshakes = 4",
+        );
+        let c = ClusterConfig::parse(&small, "t.toml").unwrap();
+        let p = c.node("node1").unwrap().link.preauth;
+        assert_eq!((p.handshakes, p.per_source), (4, 4));
+        let e = err(&GOOD.replace(
+            "peer_timeout_ms = 1000",
+            "peer_timeout_ms = 1000\nmax_pending_handshakes = 0",
+        ));
+        assert!(
+            e.starts_with("c.toml:6: field `link.max_pending_handshakes`")
+                && e.contains("0 is not in 1..=4096"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace(
+            "peer_timeout_ms = 1000",
+            "peer_timeout_ms = 1000\nmax_pending_handshakes = 16\nmax_pending_per_source = 17",
+        ));
+        assert!(
+            e.starts_with("c.toml:7: field `link.max_pending_per_source`")
+                && e.contains("17 is not in 1..=16"),
+            "{e}"
+        );
     }
 
     #[test]

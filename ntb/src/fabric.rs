@@ -231,6 +231,9 @@ pub struct LinkConfig {
     /// The shared region of a `bar` node: its links are `bar` links whose windows inside the
     /// region are mapped directly ([`crate::region`]). `None` on shm and tcp nodes.
     pub region: Option<crate::region::RegionSpec>,
+    /// Pre-authentication limits of a listener: handshakes at once, in all and per source
+    /// (`[link] max_pending_handshakes`, `max_pending_per_source`).
+    pub preauth: crate::accept::PreauthLimits,
 }
 
 /// [`LinkConfig::request_timeout`] unless the cluster file's `link.request_timeout_ms` says
@@ -249,6 +252,7 @@ impl Default for LinkConfig {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             require_sealed_windows: true,
             region: None,
+            preauth: crate::accept::PreauthLimits::default(),
         }
     }
 }
@@ -268,6 +272,7 @@ impl LinkConfig {
                 self.scratchpads
             )));
         }
+        self.preauth.check().map_err(FabricError::BadLimits)?;
         if self.heartbeat.is_zero() || self.peer_timeout <= self.heartbeat * 2 {
             return Err(FabricError::BadLimits(format!(
                 "peer timeout {:?} must exceed twice the heartbeat {:?}",

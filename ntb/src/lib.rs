@@ -24,7 +24,10 @@ pub mod tcp;
 pub mod tls;
 pub mod wire;
 
-pub use accept::{source_key, MAX_PENDING_PER_SOURCE};
+pub use accept::{
+    source_key, PreauthLimits, MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_LIMIT,
+    MAX_PENDING_PER_SOURCE,
+};
 pub use config::{ClusterConfig, ConfigError, ControlAddr, DirectoryConfig, NodeConfig};
 pub use fabric::{
     BackingId, ControlPath, Endpoint, ExportedWindow, Fabric, FabricError, FabricKind, Incoming,

@@ -71,6 +71,10 @@ impl Listener for ShmListener {
         Some(self.handshakes.pending())
     }
 
+    fn handshake_slots(&self) -> usize {
+        self.handshakes.slots()
+    }
+
     fn local_addr(&self) -> ControlAddr {
         ControlAddr::Unix(self.path.clone())
     }

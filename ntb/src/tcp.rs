@@ -59,6 +59,10 @@ impl Listener for TcpFabricListener {
         Some(self.handshakes.pending())
     }
 
+    fn handshake_slots(&self) -> usize {
+        self.handshakes.slots()
+    }
+
     fn local_addr(&self) -> ControlAddr {
         match self.listener.local_addr() {
             Ok(a) => ControlAddr::Tcp(a),

@@ -440,3 +440,249 @@ fn a_metrics_address_in_use_does_not_stop_lending() {
         "{err}"
     );
 }
+
+/// Sets the soft RLIMIT_NOFILE of process `pid` (0: this one) to `soft`, keeping its hard
+/// limit.
+fn set_nofile(pid: u32, soft: u64) {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: prlimit with a null new limit only writes the current one into `old`, a valid
+    // rlimit this frame owns.
+    let rc = unsafe { libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) };
+    assert_eq!(rc, 0, "prlimit({pid}): {}", std::io::Error::last_os_error());
+    let new = libc::rlimit {
+        rlim_cur: soft.min(old.rlim_max),
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: `new` is a valid rlimit read by the call; no old limit is asked for.
+    let rc = unsafe { libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "prlimit({pid}): {}", std::io::Error::last_os_error());
+}
+
+/// A lender's `lenderd_lease_counters_requests_total` for `device`, from its metrics.
+fn counters_requests(port: u16, device: &str) -> u64 {
+    let (status, text) = http_get(port, "/metrics", None).unwrap();
+    assert_eq!(status, 200, "{text}");
+    text.lines()
+        .find(|l| {
+            l.starts_with("lenderd_lease_counters_requests_total{")
+                && l.contains(&format!("device=\"{device}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or_else(|| panic!("no counters requests of {device} in\n{text}"))
+}
+
+/// Issue 32: a local user holds 1100 idle connections on lenderd's metrics port while
+/// lenderd runs with the 1024 descriptors a systemd service gets. Without a bound each
+/// would hold a descriptor until lenderd had none left for a lease (memfds, eventfds,
+/// fabric accepts). With the bound (`lending::metrics::MAX_CONNECTIONS`) lenderd's
+/// descriptors stay few, a VM still borrows a device and does DMA with it, the lender's
+/// API answers, and once the flood ends, and its idle connections are closed, metrics
+/// answer again.
+#[test]
+fn a_flood_of_idle_metrics_connections_leaves_lending_alone() {
+    // This process holds the 1100 connections: its own soft limit up to the hard one.
+    set_nofile(0, 4096);
+    let cluster = Cluster::new(Fabric::Shm);
+    let port = free_port();
+    let _ = std::fs::remove_file(cluster.file("node1.sock"));
+    let lender = Lenderd::command(binary("lenderd"), LENDER, &cluster.path)
+        .log(cluster.file("lenderd.log"))
+        .token(TOKEN)
+        .device(format!("{DMATEST_BDF}=dmatest"))
+        .arg("--metrics")
+        .arg(format!("127.0.0.1:{port}"))
+        .spawn_until("answering status requests", |_| cluster.status().is_ok());
+    let pid = lender.child.id();
+    set_nofile(pid, 1024);
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let before = fds();
+    let flood: Vec<TcpStream> = (0..1100)
+        .map(|i| {
+            TcpStream::connect(("127.0.0.1", port))
+                .unwrap_or_else(|e| panic!("connection {i} to lenderd's metrics: {e}"))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let during = fds();
+    println!("lenderd's descriptors: {before} before the flood, {during} during it");
+    assert!(
+        during <= before + lending::metrics::MAX_CONNECTIONS + 8,
+        "lenderd holds {during} descriptors during the flood ({before} before)"
+    );
+    // The lender's API answers and a VM borrows the device and uses it.
+    assert!(cluster.status().is_ok());
+    let cluster_arg = cluster.path.display().to_string();
+    let dma = format!("{LENDER}:{DMATEST_BDF},id=dma0");
+    let cmdline = format!("tests=dmatest seed={SEED:#x}");
+    let vm = Vm::start(
+        "64M",
+        &[
+            "--cluster",
+            &cluster_arg,
+            "--remote-device",
+            &dma,
+            "--cmdline",
+            &cmdline,
+        ],
+    );
+    vm.expect_ok("dmatest-copy", BOOT_TIMEOUT);
+    assert!(cluster.status().is_ok());
+    println!(
+        "descriptors with 1 lease (dmatest) on shm, flood held: lenderd {}, lendvm {}",
+        fds(),
+        vm.fd_count()
+    );
+    drop(flood);
+    // Metrics answer again (the flood's connections closed; bounded wait).
+    let back = poll(Duration::from_secs(30), || {
+        http_get(port, "/metrics", None)
+            .ok()
+            .filter(|(s, _)| *s == 200)
+    });
+    let (_, text) = back.expect("lenderd's metrics never answered after the flood");
+    assert!(text.contains("lenderd_leases"), "{text}");
+    let log = lender.log();
+    assert!(
+        log.contains("connections at 127.0.0.1:"),
+        "no refusal logged:\n{log}"
+    );
+}
+
+/// Issue 32: 64 clients scrape lendvm's `--metrics` in a loop for 30 s. Each render asks
+/// the VMM thread, which asks the lender for each lent device's counters: without
+/// coalescing every scrape would be one more request queued for the VMM and one more
+/// LEASE_COUNTERS round trip per device. With it, `vm.info` and `vm.pause` answer within
+/// their usual bound meanwhile, and the lender sees at most about one counters request
+/// per device per second (the coalescing age).
+#[test]
+fn a_scrape_flood_costs_the_vmm_one_report_per_second() {
+    let cluster = Cluster::new(Fabric::Shm);
+    let lender_port = free_port();
+    let vm_port = free_port();
+    let _ = std::fs::remove_file(cluster.file("node1.sock"));
+    let lender = Lenderd::command(binary("lenderd"), LENDER, &cluster.path)
+        .log(cluster.file("lenderd.log"))
+        .token(TOKEN)
+        .device(format!(
+            "{NVME_BDF}=nvme:path={},size=4M",
+            cluster.file("disk.img").display()
+        ))
+        .device(format!("{DMATEST_BDF}=dmatest"))
+        .arg("--metrics")
+        .arg(format!("127.0.0.1:{lender_port}"))
+        .spawn_until("answering status requests", |_| cluster.status().is_ok());
+    let cluster_arg = cluster.path.display().to_string();
+    let sock = cluster.file("api.sock").display().to_string();
+    let nvme = format!("{LENDER}:{NVME_BDF},id=nvme0");
+    let dma = format!("{LENDER}:{DMATEST_BDF},id=dma0");
+    let metrics = format!("127.0.0.1:{vm_port}");
+    let cmdline = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=20 total_ms=600000");
+    let vm = Vm::start(
+        "64M",
+        &[
+            "--cluster",
+            &cluster_arg,
+            "--name",
+            "vm-flood",
+            "--remote-device",
+            &nvme,
+            "--remote-device",
+            &dma,
+            "--api-socket",
+            &sock,
+            "--metrics",
+            &metrics,
+            "--cmdline",
+            &cmdline,
+        ],
+    );
+    vm.wait_api();
+    vm.expect_line("IO ", BOOT_TIMEOUT);
+    // The descriptor budget of docs/SCALING.md: one VM with two lent devices.
+    let lender_fds = std::fs::read_dir(format!("/proc/{}/fd", lender.child.id()))
+        .unwrap()
+        .count();
+    println!(
+        "descriptors with 2 leases (NVMe, dmatest) on shm: lenderd {lender_fds}, lendvm {}",
+        vm.fd_count()
+    );
+    let base: Vec<u64> = [NVME_BDF, DMATEST_BDF]
+        .iter()
+        .map(|d| counters_requests(lender_port, d))
+        .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let flood: Vec<_> = (0..64)
+        .map(|_| {
+            let (stop, served) = (stop.clone(), served.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if matches!(http_get(vm_port, "/metrics", None), Ok((200, _))) {
+                        served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    // First half: scrapes alone, counting what reaches the lender (vm.pause and vm.info ask
+    // it for counters themselves, so they wait for the second half).
+    let t0 = std::time::Instant::now();
+    std::thread::sleep(Duration::from_secs(15));
+    let secs = t0.elapsed().as_secs_f64();
+    let mid: Vec<u64> = [NVME_BDF, DMATEST_BDF]
+        .iter()
+        .map(|d| counters_requests(lender_port, d))
+        .collect();
+    // Second half: the API meanwhile.
+    let t1 = std::time::Instant::now();
+    let api = vm.api();
+    let (mut worst_info, mut worst_pause) = (Duration::ZERO, Duration::ZERO);
+    while t1.elapsed() < Duration::from_secs(15) {
+        let t = std::time::Instant::now();
+        api.info().expect("vm.info during the scrape flood");
+        worst_info = worst_info.max(t.elapsed());
+        let t = std::time::Instant::now();
+        api.pause().expect("vm.pause during the scrape flood");
+        worst_pause = worst_pause.max(t.elapsed());
+        api.resume().expect("vm.resume during the scrape flood");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in flood {
+        t.join().unwrap();
+    }
+    let served = served.load(std::sync::atomic::Ordering::Relaxed);
+    let per_device: Vec<u64> = mid.iter().zip(&base).map(|(a, b)| a - b).collect();
+    println!(
+        "{served} scrapes served in {:.0} s; counters requests per device in the first \
+         {secs:.1} s: {per_device:?}; worst vm.info {worst_info:?}, vm.pause {worst_pause:?}",
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(served > 0, "no scrape was served during the flood");
+    // Usual bounds, generous for two busy cores: an unbounded queue of renders in front of
+    // the VMM thread would put seconds behind each call.
+    assert!(
+        worst_info < Duration::from_secs(3),
+        "vm.info took {worst_info:?}"
+    );
+    assert!(
+        worst_pause < Duration::from_secs(3),
+        "vm.pause took {worst_pause:?}"
+    );
+    for (d, n) in [NVME_BDF, DMATEST_BDF].iter().zip(&per_device) {
+        // One per second and format (the scrapers ask for one format), plus this test's own
+        // read of the lender's metrics.
+        assert!(
+            (*n as f64) <= secs + 3.0,
+            "{d}: {n} counters requests in {secs:.1} s of scrapes"
+        );
+    }
+}

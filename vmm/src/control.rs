@@ -197,6 +197,12 @@ pub struct AddTimings {
     pub ged: Duration,
 }
 
+/// Each lent device's lender-side counts, by device id ([`Controller::lender_counts`]).
+type LenderCounts = std::collections::HashMap<
+    String,
+    Result<Option<remote_pci::link::LenderCounters>, remote_pci::link::LinkError>,
+>;
+
 /// The device table and API semantics.
 pub struct Controller {
     h: VmHandles,
@@ -1165,18 +1171,25 @@ impl Controller {
         }
     }
 
-    fn device_info(id: &str, e: &Entry) -> RemoteDeviceInfo {
-        // Lender-side counts (one round trip; vm.info runs on the control thread).
-        let lender = e
-            .device
-            .as_ref()
-            .and_then(|d| match lock(d).lender_counters() {
-                Ok(c) => c,
-                Err(err) => {
-                    log::debug!("{id}: lender counters: {err}");
-                    None
-                }
-            });
+    /// Each device's lender-side counts: one LEASE_COUNTERS round trip per lent device (on
+    /// the control thread). Gathered once per report, so that a metrics render, which needs
+    /// them for both `vm.counters` and `vm.info`, costs each lender one request.
+    fn lender_counts(&self) -> LenderCounts {
+        self.entries
+            .iter()
+            .filter_map(|(id, e)| Some((id.clone(), lock(e.device.as_ref()?).lender_counters())))
+            .collect()
+    }
+
+    fn device_info(id: &str, e: &Entry, counts: &LenderCounts) -> RemoteDeviceInfo {
+        let lender = match counts.get(id) {
+            Some(Ok(c)) => c.clone(),
+            Some(Err(err)) => {
+                log::debug!("{id}: lender counters: {err}");
+                None
+            }
+            None => None,
+        };
         let access = e.device.as_ref().map(|d| {
             let c = lock(d).counters();
             DeviceAccessCounts {
@@ -1245,11 +1258,12 @@ impl Controller {
 
     /// `GET /api/v1/metrics`: what `vm.counters` and `vm.info` compute, as metrics text.
     pub fn metrics_text(&self, format: lending::metrics::Format) -> String {
+        let counts = self.lender_counts();
         crate::metrics::families(
             &self.vm_name(),
-            &self.counters_report(),
+            &self.counters_report_with(&counts),
             &self.counters(),
-            &self.info(),
+            &self.info_with(&counts),
             &self.migration,
         )
         .encode_as(format)
@@ -1325,6 +1339,10 @@ impl Controller {
     /// `vm.counters`: KVM's statistics (group `vm`) and, per device, what the VMM counted
     /// and what the lender reports (fetched now over the control protocol).
     pub fn counters_report(&self) -> VmCountersReport {
+        self.counters_report_with(&self.lender_counts())
+    }
+
+    fn counters_report_with(&self, counts: &LenderCounts) -> VmCountersReport {
         let mut report = VmCountersReport::new();
         match self.h.vcpus.kvm_stats() {
             Ok(stats) if self.h.vcpus.has_stats() => {
@@ -1373,8 +1391,7 @@ impl Controller {
                     }
                 }
             }
-            let lender = e.device.as_ref().map(|d| lock(d).lender_counters());
-            match lender {
+            match counts.get(id) {
                 Some(Ok(Some(l))) => {
                     c.insert("dma_bytes_read".into(), l.dma_bytes_read);
                     c.insert("dma_bytes_written".into(), l.dma_bytes_written);
@@ -1426,13 +1443,17 @@ impl Controller {
 
     /// `vm.info`.
     pub fn info(&self) -> VmInfo {
+        self.info_with(&self.lender_counts())
+    }
+
+    fn info_with(&self, counts: &LenderCounts) -> VmInfo {
         VmInfo {
             config: self.config.clone(),
             state: self.state,
             remote_devices: self
                 .entries
                 .iter()
-                .map(|(id, e)| Self::device_info(id, e))
+                .map(|(id, e)| Self::device_info(id, e, counts))
                 .collect(),
             counters: Some(self.counters()),
             kvm: self.kvm_exits(),

@@ -131,21 +131,34 @@ struct Cli {
 
 /// The `--metrics` renderer: asks the VMM thread for the text like the API server does;
 /// while that thread is busy (sending a live migration) the scrape gets the migration's
-/// progress alone after a few seconds. Each such scrape leaves one request queued for the
-/// VMM (answered into the void once it is back): one per scrape interval at most.
+/// progress alone after a few seconds. The listener coalesces scrapes
+/// (`lending::metrics::coalesced`: one render per second and format, one at a time), and a
+/// request the VMM has not answered yet is waited on again by the next scrape rather than
+/// queued a second time: at most one metrics request per format waits in the VMM's channel,
+/// however many scrapes arrive.
 fn metrics_render(
     tx: std::sync::mpsc::Sender<api::request::ApiMessage>,
     evt: EventFd,
     progress: Arc<vmm::metrics::MigrationProgress>,
     vm: String,
 ) -> lending::metrics::Render {
+    type Reply = tokio::sync::oneshot::Receiver<api::request::ApiReply>;
+    let pending: std::sync::Mutex<Vec<(lending::metrics::Format, Reply)>> =
+        std::sync::Mutex::new(Vec::new());
     Arc::new(move |format| {
-        let (msg, mut reply) = api::request::ApiMessage::new(ApiRequest::VmMetrics(format));
-        if tx.send(msg).is_err() {
-            return Err("the vmm is not accepting requests".into());
-        }
-        evt.write(1)
-            .map_err(|e| format!("cannot signal the vmm: {e}"))?;
+        let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut reply = match pending.iter().position(|(f, _)| *f == format) {
+            Some(i) => pending.swap_remove(i).1,
+            None => {
+                let (msg, reply) = api::request::ApiMessage::new(ApiRequest::VmMetrics(format));
+                if tx.send(msg).is_err() {
+                    return Err("the vmm is not accepting requests".into());
+                }
+                evt.write(1)
+                    .map_err(|e| format!("cannot signal the vmm: {e}"))?;
+                reply
+            }
+        };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         loop {
             match reply.try_recv() {
@@ -158,7 +171,9 @@ fn metrics_render(
                     std::thread::sleep(std::time::Duration::from_millis(10));
                 }
                 Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
-                    return Ok(vmm::metrics::migration_only(&vm, &progress).encode_as(format))
+                    // Still queued: the next scrape waits on this one.
+                    pending.push((format, reply));
+                    return Ok(vmm::metrics::migration_only(&vm, &progress).encode_as(format));
                 }
                 Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
                     return Err("the vmm dropped the request".into())

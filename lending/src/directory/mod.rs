@@ -200,6 +200,8 @@ impl NodeRecord {
             request_timeout: LinkConfig::default().request_timeout,
             require_sealed_windows: self.require_sealed_windows,
             region: None,
+            // A lender's own listener limits, from its own cluster file: not a record's.
+            preauth: ntb::PreauthLimits::default(),
         };
         link.validate().map_err(|e| bad(e.to_string()))?;
         Ok(NodeConfig {
@@ -229,6 +231,14 @@ pub struct ClaimRecord {
     pub holder: String,
     /// Borrowing VM.
     pub vm: String,
+    /// The etcd lease the record was written under (its id). The MAC covers it, and a lender
+    /// takes the record only from a key that this very lease holds: a signed record put
+    /// again later (replayed, or moved onto another borrower's key) is under another lease
+    /// or none and is refused. The lease's TTL is so the record's expiry as well: once the
+    /// lease is gone no put can attach the record to it again. 0 in records of lendvms from
+    /// before the binding, which lenders refuse.
+    #[serde(default)]
+    pub lease: i64,
     /// HMAC-SHA256 (hex) over the fields above with a key derived from the cluster secret
     /// (`etcd::secure`): lenders ignore a claim whose MAC does not check.
     #[serde(default, skip_serializing_if = "Option::is_none")]

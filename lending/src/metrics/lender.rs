@@ -33,6 +33,7 @@ pub const NAMES: &[&str] = &[
     "lenderd_lease_interrupts_total",
     "lenderd_lease_p2p_mappings",
     "lenderd_lease_dirty_log_fetches_total",
+    "lenderd_lease_counters_requests_total",
     "lenderd_directory_registered",
     "lenderd_directory_keepalive_latency_seconds",
 ];
@@ -194,6 +195,12 @@ impl LenderMetrics {
                 "Dirty-log fetches of the lease (live migration).",
                 ll(),
                 v.dirty_log_fetches,
+            );
+            f.counter(
+                "lenderd_lease_counters_requests",
+                "LEASE_COUNTERS requests of the lease's borrower (its VM's metrics scrapes).",
+                ll(),
+                v.counters_requests,
             );
         }
         for (i, s) in STATES.iter().enumerate() {

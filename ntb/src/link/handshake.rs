@@ -28,6 +28,7 @@ pub(super) fn check_hello(
         request_timeout: cfg.request_timeout,
         require_sealed_windows: cfg.require_sealed_windows,
         region: None,
+        preauth: cfg.preauth,
     };
     peer_cfg.validate().map_err(|e| e.to_string())?;
     if peer_cfg.heartbeat * 2 >= cfg.peer_timeout {

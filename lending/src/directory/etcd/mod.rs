@@ -236,13 +236,15 @@ impl EtcdDirectory {
         &self.shared.cfg
     }
 
-    /// The claim record of `holder`/`vm` on `node`'s `bdf`, signed with the claim key.
+    /// The claim record of `holder`/`vm` on `node`'s `bdf` under etcd lease `lease`, signed
+    /// with the claim key.
     fn signed(
         &self,
         node: &str,
         bdf: &str,
         holder: &str,
         vm: &str,
+        lease: i64,
     ) -> Result<ClaimRecord, DirectoryError> {
         let key = self
             .shared
@@ -257,6 +259,7 @@ impl EtcdDirectory {
             bdf: bdf.to_string(),
             holder: holder.to_string(),
             vm: vm.to_string(),
+            lease,
             mac: None,
         }))
     }
@@ -402,8 +405,10 @@ impl Directory for EtcdDirectory {
             keys.node(node),
             keys.device(node, bdf),
         );
-        let rec = self.signed(node, bdf, holder, vm)?;
+        // Checked before a lease is granted: no secret, no lease to revoke.
+        self.signed(node, bdf, holder, vm, 0)?;
         let lease = grant(shared)?;
+        let rec = self.signed(node, bdf, holder, vm, lease)?;
         // Create-if-absent, and only for a device its lender has registered.
         let txn = Txn::new()
             .when([
@@ -484,8 +489,10 @@ impl Directory for EtcdDirectory {
     ) -> Result<Box<dyn ClaimHandle>, DirectoryError> {
         let shared = &self.shared;
         let ckey = shared.keys.claim(node, bdf);
-        let rec = self.signed(node, bdf, holder, vm)?;
+        // Checked before a lease is granted: no secret, no lease to revoke.
+        self.signed(node, bdf, holder, vm, 0)?;
         let lease = grant(shared)?;
+        let rec = self.signed(node, bdf, holder, vm, lease)?;
         // Same claim (same create revision), new owner and etcd lease: a put keeps the create
         // revision, so it stays the lender's fencing token; the old owner's lease no longer
         // holds the key, so its release leaves the claim in place.

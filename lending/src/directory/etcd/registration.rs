@@ -235,6 +235,7 @@ impl EtcdClaims {
             return Err("this lender has no cluster secret to check claims with".into());
         };
         key.check(&rec).map_err(|e| e.to_string())?;
+        bound_to_its_lease(&rec, kv.lease())?;
         if rec.node != self.node {
             return Err(format!(
                 "the record names lender {}, not {}",
@@ -283,6 +284,27 @@ impl EtcdClaims {
             }
         }
     }
+}
+
+/// A signed claim record counts only on a key held by the etcd lease it names: a record
+/// written again under another lease (or none) is a replay, or a claim moved onto another
+/// borrower's key, and refused.
+pub(super) fn bound_to_its_lease(rec: &ClaimRecord, key_lease: i64) -> Result<(), String> {
+    if rec.lease == 0 {
+        return Err(
+            "the record names no etcd lease (written by a lendvm from before claims \
+                    were bound to their lease: upgrade the borrower)"
+                .into(),
+        );
+    }
+    if rec.lease != key_lease {
+        return Err(format!(
+            "the record is bound to etcd lease {:x} but the key is held by lease {:x}: a \
+             replayed or moved claim",
+            rec.lease, key_lease
+        ));
+    }
+    Ok(())
 }
 
 impl ClaimAuthority for EtcdClaims {

@@ -129,12 +129,14 @@ impl ClaimKey {
     fn mac(&self, rec: &ClaimRecord) -> HmacSha256 {
         let mut m = <HmacSha256 as Mac>::new_from_slice(&self.0)
             .unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
-        m.update(b"lendvm-claim-v1");
+        // v2: the etcd lease is covered too (v1 records, without it, no longer check).
+        m.update(b"lendvm-claim-v2");
         // Length-prefixed fields: no two different records hash the same bytes.
         for f in [&rec.node, &rec.bdf, &rec.holder, &rec.vm] {
             m.update(&(f.len() as u64).to_le_bytes());
             m.update(f.as_bytes());
         }
+        m.update(&rec.lease.to_le_bytes());
         m
     }
 
@@ -175,6 +177,7 @@ mod tests {
             bdf: "0000:00:04.0".into(),
             holder: "vmm-a".into(),
             vm: "vm0".into(),
+            lease: 0x6d2f_8e41_a3b5_0c17,
             mac: None,
         }
     }
@@ -194,6 +197,10 @@ mod tests {
         let mut r = signed.clone();
         r.holder = "vmm-av".into();
         r.vm = "m0".into();
+        assert_eq!(k.check(&r), Err(ClaimMacError::Mismatch));
+        // The record moved to another etcd lease (a replay under a lease of the writer's).
+        let mut r = signed.clone();
+        r.lease += 1;
         assert_eq!(k.check(&r), Err(ClaimMacError::Mismatch));
         let mut r = signed;
         r.mac = Some("zz".repeat(32));

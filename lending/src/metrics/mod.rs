@@ -24,13 +24,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::Arc;
-use std::thread::JoinHandle;
 
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::Router;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -38,16 +32,18 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 use thiserror::Error;
-use tokio::sync::oneshot;
 
 pub mod lender;
+mod server;
+
+pub use server::{coalesced, MetricsServer, Render, MAX_CONNECTIONS};
 
 /// The content type of the OpenMetrics text format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Which text a scraper gets: OpenMetrics when its `Accept` names it (Prometheus does), else
 /// the classic Prometheus text format 0.0.4 (curl, `promtool check metrics`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Format {
     /// `application/openmetrics-text; version=1.0.0`.
     OpenMetrics,
@@ -312,161 +308,6 @@ impl Collector for Snapshot {
     }
 }
 
-/// Renders the text for one scrape in a format (called on a blocking thread of the
-/// listener).
-pub type Render = Arc<dyn Fn(Format) -> Result<String, String> + Send + Sync>;
-
-/// A running `GET /metrics` listener. Dropping it stops it (and removes its Unix socket).
-#[derive(Debug)]
-pub struct MetricsServer {
-    addr: String,
-    stop: Option<oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
-    unix: Option<(PathBuf, ntb::sock::SocketFile)>,
-}
-
-enum Bound {
-    Tcp(std::net::TcpListener),
-    Unix(std::os::unix::net::UnixListener),
-}
-
-impl MetricsServer {
-    /// Binds `addr` (errors name it) and serves `GET /metrics` from `render` on a thread of
-    /// its own.
-    pub fn start(addr: &MetricsAddr, render: Render) -> Result<MetricsServer, MetricsError> {
-        let (bound, unix, shown) = match addr {
-            MetricsAddr::Tcp(a) => {
-                let l = std::net::TcpListener::bind(a).map_err(|source| MetricsError::Bind {
-                    addr: a.to_string(),
-                    source,
-                })?;
-                let shown = l
-                    .local_addr()
-                    .map_or_else(|_| a.to_string(), |a| a.to_string());
-                (Bound::Tcp(l), None, shown)
-            }
-            MetricsAddr::Unix(p) => {
-                let (l, file) = ntb::sock::bind_private(p).map_err(MetricsError::BindUnix)?;
-                (Bound::Unix(l), Some((p.clone(), file)), addr.to_string())
-            }
-        };
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_io()
-            .enable_time()
-            .build()
-            .map_err(MetricsError::Start)?;
-        let app = Router::new().route(
-            "/metrics",
-            get(move |headers: axum::http::HeaderMap| {
-                let render = Arc::clone(&render);
-                let format =
-                    Format::from_accept(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
-                async move { scrape(render, format).await }
-            }),
-        );
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let name = shown.clone();
-        let thread = std::thread::Builder::new()
-            .name("metrics-http".into())
-            .spawn(move || {
-                runtime.block_on(serve(bound, app, stop_rx, name));
-                // A render still running (lendvm's waits for its VMM thread) is left to
-                // finish on its own rather than hold up the stop.
-                runtime.shutdown_timeout(DRAIN);
-            })
-            .map_err(MetricsError::Start)?;
-        log::info!("metrics: serving GET /metrics at {shown}");
-        Ok(MetricsServer {
-            addr: shown,
-            stop: Some(stop_tx),
-            thread: Some(thread),
-            unix,
-        })
-    }
-
-    /// The address it listens at (the bound port for `:0`).
-    pub fn addr(&self) -> &str {
-        &self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        if let Some((p, f)) = &self.unix {
-            f.remove_if_ours(p);
-        }
-    }
-}
-
-async fn scrape(render: Render, format: Format) -> Response {
-    match tokio::task::spawn_blocking(move || render(format)).await {
-        Ok(Ok(text)) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, format.content_type())],
-            text,
-        )
-            .into_response(),
-        Ok(Err(e)) => (StatusCode::SERVICE_UNAVAILABLE, e).into_response(),
-        Err(e) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("metrics: rendering failed: {e}"),
-        )
-            .into_response(),
-    }
-}
-
-/// How long a stop waits for scrapes in flight. Prometheus keeps its connection open between
-/// scrapes, so a graceful shutdown alone could wait for ever.
-const DRAIN: std::time::Duration = std::time::Duration::from_secs(1);
-
-async fn serve(bound: Bound, app: Router, stop: oneshot::Receiver<()>, name: String) {
-    let (stopping_tx, stopping_rx) = oneshot::channel::<()>();
-    let signal = async move {
-        // Also fires when the MetricsServer is dropped (sender gone).
-        let _ = stop.await;
-        let _ = stopping_tx.send(());
-    };
-    let deadline = async move {
-        if stopping_rx.await.is_ok() {
-            tokio::time::sleep(DRAIN).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
-    let server = async move {
-        match bound {
-            Bound::Tcp(l) => match l
-                .set_nonblocking(true)
-                .and_then(|()| tokio::net::TcpListener::from_std(l))
-            {
-                Ok(l) => axum::serve(l, app).with_graceful_shutdown(signal).await,
-                Err(e) => Err(e),
-            },
-            Bound::Unix(l) => match l
-                .set_nonblocking(true)
-                .and_then(|()| tokio::net::UnixListener::from_std(l))
-            {
-                Ok(l) => axum::serve(l, app).with_graceful_shutdown(signal).await,
-                Err(e) => Err(e),
-            },
-        }
-    };
-    tokio::select! {
-        r = server => {
-            if let Err(e) = r {
-                log::error!("metrics: the listener at {name} failed: {e}");
-            }
-        }
-        _ = deadline => log::debug!("metrics: open connections at {name} dropped at stop"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -515,58 +356,5 @@ mod tests {
         assert!(t.contains("# UNIT x_age_seconds seconds"), "{t}");
         assert!(t.contains("x_age_seconds{lease=\"1\"} 1.5"), "{t}");
         assert!(t.ends_with("# EOF\n"), "{t}");
-    }
-
-    #[test]
-    fn a_slow_scrape_in_flight_does_not_hold_up_the_stop() {
-        use std::io::{Read, Write};
-        use std::time::{Duration, Instant};
-        let a = MetricsAddr::Tcp("127.0.0.1:0".parse().unwrap());
-        let s = MetricsServer::start(&a, Arc::new(|f| Ok(format!("{f:?}\n")))).unwrap();
-        let mut c = std::net::TcpStream::connect(s.addr()).unwrap();
-        c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut reply = String::new();
-        c.read_to_string(&mut reply).unwrap();
-        assert!(
-            reply.starts_with("HTTP/1.0 200") && reply.contains("Text"),
-            "{reply}"
-        );
-        drop(s);
-        // A render that takes far longer than the stop may wait (lendvm's waits for its
-        // VMM thread): the stop is bounded all the same.
-        let slow = MetricsServer::start(
-            &a,
-            Arc::new(|_| {
-                std::thread::sleep(Duration::from_secs(20));
-                Ok(String::new())
-            }),
-        )
-        .unwrap();
-        let addr = slow.addr().to_string();
-        let client = std::thread::spawn(move || {
-            let mut c = std::net::TcpStream::connect(addr).unwrap();
-            c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-            let mut b = Vec::new();
-            let _ = c.read_to_end(&mut b);
-        });
-        std::thread::sleep(Duration::from_millis(300));
-        let t0 = Instant::now();
-        drop(slow);
-        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
-        client.join().unwrap();
-    }
-
-    #[test]
-    fn a_taken_address_is_a_clear_error() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let a = MetricsAddr::Tcp(l.local_addr().unwrap());
-        let e = MetricsServer::start(&a, Arc::new(|_| Ok(String::new()))).unwrap_err();
-        assert!(
-            e.to_string().contains(&format!(
-                "cannot listen for metrics at {}",
-                l.local_addr().unwrap()
-            )),
-            "{e}"
-        );
     }
 }
