@@ -9,7 +9,9 @@
 set -euo pipefail
 name=${1:?usage: scripts/test-exe.sh NAME}
 cd "$(dirname "$0")/.."
-exe=$(cargo test -p lendvm-tests --locked --test "$name" --no-run --message-format=json 2>/dev/null \
+# --workspace (not -p lendvm-tests): the features the unit stage's `cargo test --workspace`
+# resolves, so its artifacts serve both and nothing is compiled twice.
+exe=$(cargo test --workspace --locked --test "$name" --no-run --message-format=json 2>/dev/null \
 	| grep -F '"kind":["test"]' | grep -F "\"name\":\"$name\"" \
 	| sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
 [ -n "$exe" ] && [ -x "$exe" ] || {

@@ -106,4 +106,4 @@ if [ -n "$prepare" ]; then
 	exit 0
 fi
 # --nocapture: each test prints one line with its boot times.
-cargo test -p lendvm-tests --locked --test linux -- --ignored --test-threads=1 --nocapture "$@"
+cargo test --workspace --locked --test linux -- --ignored --test-threads=1 --nocapture "$@"

@@ -24,8 +24,11 @@ command -v cargo-deb >/dev/null 2>&1 || cargo install cargo-deb --locked
 command -v dpkg >/dev/null 2>&1 || fail "dpkg is missing"
 command -v man >/dev/null 2>&1 || fail "man is missing (Debian's man-db; scripts/setup.sh)"
 
-cargo build --locked --profile "$cargo_profile" -p lending --bin lenderd -p vmm --bin lendvm \
-  -p api --bin lendctl
+# --workspace, not -p: the same feature resolution as the build stage's, so nothing is built
+# again (with -p cargo resolves features for those packages alone and rebuilds what they
+# share).
+cargo build --locked --profile "$cargo_profile" --workspace --bin lenderd --bin lendvm \
+  --bin lendctl
 bin="$target/$profile"
 # Man pages and completions, generated from the clap definitions.
 for b in lenderd lendvm lendctl; do

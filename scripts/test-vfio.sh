@@ -114,9 +114,11 @@ else
 	# Without fio, for the cases' guests that run no fio job.
 	GUEST_INITRAMFS_SMALL=$("$REPO/tests/linux/make-initramfs.sh" --small | tail -n1)
 	# lendctl, to ask L1's lenderd from out here; lendvm and the cases.
-	cargo build --locked -q -p api --bin lendctl -p vmm --bin lendvm \
-		-p lendvm-tests --bin lendvm-fio-summary >&2 || die "building lendctl and lendvm failed"
-	cargo test --locked -q -p lendvm-tests --test vfio --no-run >&2 \
+	# (--workspace, not -p: the workspace's feature resolution, so nothing the other stages
+	# built is compiled again)
+	cargo build --locked -q --workspace --bin lendctl --bin lendvm \
+		--bin lendvm-fio-summary >&2 || die "building lendctl and lendvm failed"
+	cargo test --locked -q --workspace --test vfio --no-run >&2 \
 		|| die "building tests/tests/vfio.rs failed"
 fi
 [ -f "$INITRD" ] || die "make-l1-initramfs.sh printed no archive"

@@ -43,9 +43,11 @@ esac
 log "building lenderd (cargo, $PROFILE), lendvm-nvme-sriov and the vfio_kernel test (debug)"
 (cd "$REPO" && nice -n "$NICE" cargo build --locked -q $PFLAG -p lending \
 	--bin lenderd >&2) || die "building lenderd ($PROFILE) failed"
+# The debug helpers with --workspace, not -p: the workspace's feature resolution, so the
+# crates the other stages built are not compiled again.
 (cd "$REPO" && nice -n "$NICE" cargo build --locked -q \
-	-p lendvm-tests --bin lendvm-nvme-sriov >&2) || die "building lendvm-nvme-sriov failed"
-TEST_BIN=$(cd "$REPO" && nice -n "$NICE" cargo test --locked -p lending --test vfio_kernel \
+	--workspace --bin lendvm-nvme-sriov >&2) || die "building lendvm-nvme-sriov failed"
+TEST_BIN=$(cd "$REPO" && nice -n "$NICE" cargo test --locked --workspace --test vfio_kernel \
 	--no-run --message-format=json 2>/dev/null \
 	| sed -n 's/.*"executable":"\([^"]*vfio_kernel[^"]*\)".*/\1/p' | tail -n1)
 LENDERD=${CARGO_TARGET_DIR:-$REPO/target}/$PDIR/lenderd
