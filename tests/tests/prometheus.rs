@@ -183,13 +183,15 @@ fn promtool_check(text: &str, what: &str) {
     );
 }
 
-#[test]
-fn scraped_by_prometheus() {
+/// A lenderd (`--metrics`) lending an emulated NVMe and a dmatest engine, and a lendvm
+/// (`--metrics`, API socket) named `name` booting the test guest with both, doing NVMe I/O
+/// in a loop: (cluster, lender, its metrics port, vm, its metrics port).
+fn lender_and_vm_with_metrics(name: &str) -> (Cluster, Lenderd, u16, Vm, u16) {
     let cluster = Cluster::new(Fabric::Shm);
     let lender_port = free_port();
     let vm_port = free_port();
     let _ = std::fs::remove_file(cluster.file("node1.sock"));
-    let _lender = Lenderd::command(binary("lenderd"), LENDER, &cluster.path)
+    let lender = Lenderd::command(binary("lenderd"), LENDER, &cluster.path)
         .log(cluster.file("lenderd.log"))
         .token(TOKEN)
         .device(format!(
@@ -212,7 +214,7 @@ fn scraped_by_prometheus() {
             "--cluster",
             &cluster_arg,
             "--name",
-            "vm-prom",
+            name,
             "--remote-device",
             &nvme,
             "--remote-device",
@@ -225,6 +227,12 @@ fn scraped_by_prometheus() {
             &cmdline,
         ],
     );
+    (cluster, lender, lender_port, vm, vm_port)
+}
+
+#[test]
+fn scraped_by_prometheus() {
+    let (cluster, _lender, lender_port, vm, vm_port) = lender_and_vm_with_metrics("vm-prom");
     vm.wait_api();
     vm.expect_line("IO ", BOOT_TIMEOUT);
     let prom = Prometheus::start(&[("lenderd", lender_port), ("lendvm", vm_port)]);
@@ -564,46 +572,7 @@ fn a_flood_of_idle_metrics_connections_leaves_lending_alone() {
 /// per device per second (the coalescing age).
 #[test]
 fn a_scrape_flood_costs_the_vmm_one_report_per_second() {
-    let cluster = Cluster::new(Fabric::Shm);
-    let lender_port = free_port();
-    let vm_port = free_port();
-    let _ = std::fs::remove_file(cluster.file("node1.sock"));
-    let lender = Lenderd::command(binary("lenderd"), LENDER, &cluster.path)
-        .log(cluster.file("lenderd.log"))
-        .token(TOKEN)
-        .device(format!(
-            "{NVME_BDF}=nvme:path={},size=4M",
-            cluster.file("disk.img").display()
-        ))
-        .device(format!("{DMATEST_BDF}=dmatest"))
-        .arg("--metrics")
-        .arg(format!("127.0.0.1:{lender_port}"))
-        .spawn_until("answering status requests", |_| cluster.status().is_ok());
-    let cluster_arg = cluster.path.display().to_string();
-    let sock = cluster.file("api.sock").display().to_string();
-    let nvme = format!("{LENDER}:{NVME_BDF},id=nvme0");
-    let dma = format!("{LENDER}:{DMATEST_BDF},id=dma0");
-    let metrics = format!("127.0.0.1:{vm_port}");
-    let cmdline = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=20 total_ms=600000");
-    let vm = Vm::start(
-        "64M",
-        &[
-            "--cluster",
-            &cluster_arg,
-            "--name",
-            "vm-flood",
-            "--remote-device",
-            &nvme,
-            "--remote-device",
-            &dma,
-            "--api-socket",
-            &sock,
-            "--metrics",
-            &metrics,
-            "--cmdline",
-            &cmdline,
-        ],
-    );
+    let (_cluster, lender, lender_port, vm, vm_port) = lender_and_vm_with_metrics("vm-flood");
     vm.wait_api();
     vm.expect_line("IO ", BOOT_TIMEOUT);
     // The descriptor budget of docs/SCALING.md: one VM with two lent devices.
