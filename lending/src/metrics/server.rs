@@ -172,8 +172,6 @@ async fn serve(bound: Bound, app: Router, stop: oneshot::Receiver<()>, name: Str
             std::future::pending::<()>().await;
         }
     };
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let refused = Arc::new(ntb::RateLimit::new(Duration::from_secs(10)));
     let shown = name.clone();
     let server = async move {
         match bound {
@@ -182,8 +180,9 @@ async fn serve(bound: Bound, app: Router, stop: oneshot::Receiver<()>, name: Str
                 .and_then(|()| tokio::net::TcpListener::from_std(l))
             {
                 Ok(l) => {
-                    let l = Bounded::new(l, slots, refused, shown);
-                    axum::serve(l, app).with_graceful_shutdown(signal).await
+                    axum::serve(Bounded::new(l, shown), app)
+                        .with_graceful_shutdown(signal)
+                        .await
                 }
                 Err(e) => Err(e),
             },
@@ -192,8 +191,9 @@ async fn serve(bound: Bound, app: Router, stop: oneshot::Receiver<()>, name: Str
                 .and_then(|()| tokio::net::UnixListener::from_std(l))
             {
                 Ok(l) => {
-                    let l = Bounded::new(l, slots, refused, shown);
-                    axum::serve(l, app).with_graceful_shutdown(signal).await
+                    axum::serve(Bounded::new(l, shown), app)
+                        .with_graceful_shutdown(signal)
+                        .await
                 }
                 Err(e) => Err(e),
             },
@@ -240,16 +240,17 @@ pub fn coalesced(render: Render, max_age: Duration) -> Render {
 struct Bounded<L> {
     inner: L,
     slots: Arc<Semaphore>,
-    refused: Arc<ntb::RateLimit>,
+    refused: ntb::RateLimit,
     name: String,
 }
 
 impl<L> Bounded<L> {
-    fn new(inner: L, slots: Arc<Semaphore>, refused: Arc<ntb::RateLimit>, name: String) -> Self {
+    /// `inner` with [`MAX_CONNECTIONS`] slots; `name` is its address in the log.
+    fn new(inner: L, name: String) -> Self {
         Bounded {
             inner,
-            slots,
-            refused,
+            slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
+            refused: ntb::RateLimit::new(Duration::from_secs(10)),
             name,
         }
     }
