@@ -174,6 +174,41 @@ struct PumpRx {
     down: Mutex<Option<String>>,
 }
 
+impl PumpRx {
+    /// The next event (`Ok(None)`: woken, or `timeout` passed); `Err(reason)` once the link
+    /// is down. Events the relay queued before the link went down come first: a lender's
+    /// DeviceGone is followed at once by its goodbye, and the reason the borrower reports
+    /// must be the lender's, not "peer closed the link". Only an empty queue reports the end
+    /// (the one `Down` message may have gone to an earlier caller).
+    fn next(&self, timeout: Option<Duration>) -> Result<Option<Event>, String> {
+        let rx = lock(&self.events);
+        let m = match rx.try_recv() {
+            Ok(m) => m,
+            Err(mpsc::TryRecvError::Disconnected) => return Err("link down".into()),
+            Err(mpsc::TryRecvError::Empty) => {
+                if let Some(r) = lock(&self.down).clone() {
+                    return Err(r);
+                }
+                match timeout {
+                    Some(t) => match rx.recv_timeout(t) {
+                        Ok(m) => m,
+                        Err(mpsc::RecvTimeoutError::Timeout) => return Ok(None),
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return Err("link down".into()),
+                    },
+                    None => rx
+                        .recv()
+                        .map_err(|mpsc::RecvError| "link down".to_string())?,
+                }
+            }
+        };
+        match m {
+            PumpMsg::Event(e) => Ok(Some(e)),
+            PumpMsg::Wake => Ok(None),
+            PumpMsg::Down(r) => Err(r),
+        }
+    }
+}
+
 /// The relay thread of a session: the only reader of the link's incoming queue once started.
 struct EventPump {
     stop: Arc<AtomicBool>,
@@ -408,28 +443,7 @@ impl Inner {
         p: &PumpRx,
         timeout: Option<Duration>,
     ) -> Result<Option<Event>, ClientError> {
-        if let Some(r) = lock(&p.down).clone() {
-            return Err(self.gone(r));
-        }
-        let rx = lock(&p.events);
-        let m = match timeout {
-            Some(t) => match rx.recv_timeout(t) {
-                Ok(m) => m,
-                Err(mpsc::RecvTimeoutError::Timeout) => return Ok(None),
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(self.gone("link down".into()))
-                }
-            },
-            None => match rx.recv() {
-                Ok(m) => m,
-                Err(mpsc::RecvError) => return Err(self.gone("link down".into())),
-            },
-        };
-        match m {
-            PumpMsg::Event(e) => Ok(Some(e)),
-            PumpMsg::Wake => Ok(None),
-            PumpMsg::Down(r) => Err(self.gone(r)),
-        }
+        p.next(timeout).map_err(|r| self.gone(r))
     }
 
     fn call<T: DeserializeOwned>(
@@ -1257,6 +1271,32 @@ mod relay_tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// The relay saw a DeviceGone and then the goodbye (down is set, both are queued): the
+    /// reader gets the DeviceGone first, then the end, and the end again on every later call.
+    #[test]
+    fn events_queued_before_the_link_went_down_come_first() {
+        let (tx, rx) = mpsc::sync_channel(EVENT_QUEUE);
+        let p = PumpRx {
+            events: Mutex::new(rx),
+            down: Mutex::new(None),
+        };
+        let gone = Event::DeviceGone(protocol::DeviceGone {
+            lease: 7,
+            reason: "lender shutting down".into(),
+        });
+        tx.send(PumpMsg::Event(gone.clone())).unwrap();
+        *lock(&p.down) = Some("peer closed the link".into());
+        tx.send(PumpMsg::Down("peer closed the link".into()))
+            .unwrap();
+        assert_eq!(p.next(None), Ok(Some(gone)));
+        assert_eq!(p.next(None), Err("peer closed the link".to_string()));
+        assert_eq!(
+            p.next(Some(Duration::from_millis(1))),
+            Err("peer closed the link".to_string())
+        );
+        assert_eq!(p.next(None), Err("peer closed the link".to_string()));
+    }
 
     /// The event relay holds at most EVENT_QUEUE undelivered messages: a full queue makes
     /// the relay wait (backpressure on the link) instead of growing, a stop ends the wait,

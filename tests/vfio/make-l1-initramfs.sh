@@ -3,7 +3,7 @@
 #   /init             tests/vfio/initramfs/init (binds devices to vfio-pci, runs the
 #                     kernel test, starts lenderd; markers on the console)
 #   /bin/busybox      from Debian's busybox-static
-#   /bin/lenderd      the workspace's lenderd (target/release: L1 runs it emulated)
+#   /bin/lenderd      the workspace's lenderd (the `l1` profile, release without debug info: L1 runs it emulated)
 #   /bin/vfio_kernel  the test binary of lending/tests/vfio_kernel.rs (target/debug)
 #   /bin/lendvm-nvme-sriov  the SR-IOV PF driver's half (tests/src/bin, target/debug)
 #   /lib*, /usr/lib*  the shared libraries both need (ldd), and the dynamic loader
@@ -32,11 +32,12 @@ file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
 file_is_static "$BUSYBOX" || die "$BUSYBOX is not static (is busybox-static installed?)"
 
 # lenderd is L1's hot path (every trapped access of a lent device is served by it, in
-# emulated code): a release build. The one-shot helpers stay debug builds of the workspace.
+# emulated code): a release build (the workspace's `l1` profile: release without debug
+# info). The one-shot helpers stay debug builds of the workspace.
 # (LENDVM_L1_LENDERD_PROFILE=debug: the debug build, for scripts/bench-l1.sh's comparison.)
 PROFILE=${LENDVM_L1_LENDERD_PROFILE:-release}
 case $PROFILE in
-release) PFLAG=--release PDIR=release ;;
+release) PFLAG='--profile l1' PDIR=l1 ;;
 debug) PFLAG="" PDIR=debug ;;
 *) die "LENDVM_L1_LENDERD_PROFILE is '$PROFILE', not release or debug" ;;
 esac

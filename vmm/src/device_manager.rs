@@ -12,7 +12,6 @@
 //! path frees a BAR by address.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
@@ -189,6 +188,35 @@ pub struct DeviceManager {
     ranges: BarRanges,
 }
 
+/// Where the UART writes. A file is always written in append mode, even one this VM
+/// starts (and empties): a VM that migrated away and the one that took over may both write
+/// to it, and each write must land at its end, never over the other's.
+fn open_serial(serial: &SerialConfig) -> Result<Option<Box<dyn Write + Send>>, DeviceError> {
+    let appending = |path: &std::path::PathBuf, truncate: bool| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|f| {
+                if truncate {
+                    f.set_len(0).map(|()| f)
+                } else {
+                    Ok(f)
+                }
+            })
+            .map_err(|source| DeviceError::SerialFile {
+                path: path.clone(),
+                source,
+            })
+    };
+    Ok(match serial {
+        SerialConfig::Stdout => Some(Box::new(std::io::stdout())),
+        SerialConfig::File(path) => Some(Box::new(appending(path, true)?)),
+        SerialConfig::Append(path) => Some(Box::new(appending(path, false)?)),
+        SerialConfig::Off => None,
+    })
+}
+
 impl DeviceManager {
     /// Creates the buses with COM1, the debug-exit port and the PCI root complex; the
     /// 64-bit BAR window starts at `mmio64_start`.
@@ -200,26 +228,7 @@ impl DeviceManager {
     ) -> Result<Self, DeviceError> {
         let pio = Arc::new(Bus::new());
         let mmio = Arc::new(Bus::new());
-        let out: Option<Box<dyn Write + Send>> = match serial {
-            SerialConfig::Stdout => Some(Box::new(std::io::stdout())),
-            SerialConfig::File(path) => Some(Box::new(File::create(path).map_err(|source| {
-                DeviceError::SerialFile {
-                    path: path.clone(),
-                    source,
-                }
-            })?)),
-            SerialConfig::Append(path) => Some(Box::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)
-                    .map_err(|source| DeviceError::SerialFile {
-                        path: path.clone(),
-                        source,
-                    })?,
-            )),
-            SerialConfig::Off => None,
-        };
+        let out = open_serial(serial)?;
         let serial = match out {
             Some(out) => {
                 let evt =
@@ -454,6 +463,33 @@ mod tests {
             }),
             bar: Vec::new(),
         }))
+    }
+
+    /// A console file is emptied at start and then only appended to: what another writer
+    /// (the VM this one took over from, or the one that took it over) appended meanwhile
+    /// is never overwritten.
+    #[test]
+    fn a_console_file_is_emptied_then_only_appended_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("console.log");
+        std::fs::write(&path, "old run\n").unwrap();
+        let mut ours = open_serial(&SerialConfig::File(path.clone()))
+            .unwrap()
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
+        ours.write_all(b"TICK 1\n").unwrap();
+        let mut other = open_serial(&SerialConfig::Append(path.clone()))
+            .unwrap()
+            .unwrap();
+        other.write_all(b"TICK 2\n").unwrap();
+        ours.write_all(b"TICK 3\n").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "TICK 1\nTICK 2\nTICK 3\n"
+        );
+        let bad = dir.path().join("no/such/dir/console.log");
+        let e = open_serial(&SerialConfig::File(bad)).err().unwrap();
+        assert!(e.to_string().contains("no/such/dir"), "{e}");
     }
 
     /// Hot-add and remove a device through the hooks other crates use (skips without KVM).

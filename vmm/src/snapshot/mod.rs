@@ -137,6 +137,10 @@ impl SnapshotSource {
             .into_iter()
             .collect::<Result<Vec<_>, _>>()?;
         let vm = kvm::save_vm(&self.vm)?;
+        // The vCPUs are parked: the serial's partial last line goes out now, while this
+        // process still owns the console. Held back, it would be written after the
+        // destination had appended the rest of that line, and the line would be split.
+        self.devices.flush_serial();
         let devices = {
             let hp = lock(&self.hotplug);
             DeviceStates {
