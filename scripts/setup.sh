@@ -23,6 +23,8 @@ command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 # reads the packaged man pages with `man -l`.
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 command -v man >/dev/null 2>&1 || need_apt+=(man-db)
+# scripts/test-units.sh traces the daemons' system calls to check the units' filters.
+command -v strace >/dev/null 2>&1 || need_apt+=(strace)
 # scripts/test-vfio.sh (and `scripts/demo.sh --vfio`) boot the lender host "L1" in QEMU with
 # an emulated intel-iommu (docs/VFIO.md).
 command -v qemu-system-x86_64 >/dev/null 2>&1 || need_apt+=(qemu-system-x86)

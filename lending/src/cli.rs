@@ -268,6 +268,19 @@ pub fn expand_config(
     Ok(out)
 }
 
+/// Makes this process non-dumpable (`PR_SET_DUMPABLE` 0), as lenderd and lendvm do first
+/// thing: no core dump (guest RAM, tokens and keys would be in it), and `/proc/PID/fd`,
+/// `mem`, `environ` and `maps` become root's, so another process of the same user (another
+/// VM's lendvm, or a guest that escaped into one) cannot open this one's fds (VFIO device
+/// fds, backing files, guest memory) through `/proc`. Its own `/proc/self` still works.
+pub fn set_not_dumpable() -> std::io::Result<()> {
+    // SAFETY: prctl(PR_SET_DUMPABLE) takes integer arguments and touches no memory of ours.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The hidden `--generate-assets DIR` of the daemons: writes `DIR/NAME.1` (man page) and the
 /// bash, zsh and fish completions (`NAME.bash`, `_NAME`, `NAME.fish`), for the packages.
 /// `None` when `argv` does not ask for it.

@@ -134,6 +134,9 @@ pub struct LeaseView {
     /// LEASE_COUNTERS requests answered for it (a borrower's scrapes reach the lender as
     /// these: the operator sees what a scrape flood costs, and the tests that it is bounded).
     pub counters_requests: u64,
+    /// How each BAR of the lease reaches its borrower (set as the lease's windows are
+    /// exported).
+    pub bar_paths: Vec<(u8, crate::server::BarPath)>,
 }
 
 impl DeviceEntry {
@@ -383,6 +386,7 @@ impl Inventory {
             baseline: dev.backend.counters(),
             dirty_log_fetches: 0,
             counters_requests: 0,
+            bar_paths: Vec::new(),
         });
         log::info!("lease {lease}: {id} lent to {node}/{vm}");
         Ok(Lease {
@@ -479,6 +483,13 @@ impl Lease {
     pub fn count_dirty_log_fetch(&self) {
         if let Some(v) = self.device.current().as_mut() {
             v.dirty_log_fetches += 1;
+        }
+    }
+
+    /// Records how each BAR of the lease reaches its borrower (metrics).
+    pub fn set_bar_paths(&self, paths: Vec<(u8, crate::server::BarPath)>) {
+        if let Some(v) = self.device.current().as_mut() {
+            v.bar_paths = paths;
         }
     }
 

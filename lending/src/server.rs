@@ -57,7 +57,9 @@ use crate::protocol::{
     Request, IOMMU_FAULT_BURST, IOMMU_FAULT_INTERVAL_MS, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
 };
+pub use bars::BarPath;
 
+mod bars;
 mod migration;
 mod p2px;
 
@@ -1405,23 +1407,26 @@ impl Session {
         .map_err(backend_err)?;
         let mut info = virtualized_info(backend.as_ref(), device);
         let mut bar_windows = HashMap::new();
+        let mut paths = Vec::new();
         for b in info.bars.iter_mut() {
-            if let Some(x) = backend.bar_export(b.index) {
-                let label = format!("lease{id}-bar{}", b.index);
-                let w = self
-                    .ep
-                    .export_window(x.fd, x.offset, x.size, &label)
-                    .map_err(|e| {
-                        error(
-                            code::INTERNAL,
-                            format!("exporting bar {} as a fabric window: {e}", b.index),
-                        )
-                    })?;
-                b.window = Some(w.id());
-                bar_windows.insert(b.index, w.id());
-                lease.add_bar_window(w);
-            }
+            let Some(x) = backend.bar_export(b.index) else {
+                paths.push((b.index, BarPath::Trapped));
+                continue;
+            };
+            let label = format!("lease{id}-bar{}", b.index);
+            let (w, path) = bars::export(self.ep.as_ref(), &x, &label).map_err(|e| {
+                error(
+                    code::INTERNAL,
+                    format!("exporting bar {} as a fabric window: {e}", b.index),
+                )
+            })?;
+            b.window = Some(w.id());
+            bar_windows.insert(b.index, w.id());
+            lease.add_bar_window(w);
+            paths.push((b.index, path));
         }
+        bars::log_paths(id, device, &paths);
+        lease.set_bar_paths(paths);
         let mut fds = Vec::new();
         let mut notify_fd = None;
         if self.ep.kind() == FabricKind::Shm {

@@ -56,6 +56,14 @@ pub struct LenderdCommand {
 }
 
 impl LenderdCommand {
+    /// Runs lenderd as user `uid` and group `gid`, no supplementary groups (the test must be
+    /// root).
+    pub fn user(mut self, uid: u32, gid: u32) -> Self {
+        use std::os::unix::process::CommandExt;
+        self.cmd.uid(uid).gid(gid);
+        self
+    }
+
     /// Where lenderd's stderr (its log) goes; default `lenderd.log` next to the cluster file.
     pub fn log(mut self, path: impl Into<PathBuf>) -> Self {
         self.log = path.into();

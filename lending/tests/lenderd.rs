@@ -511,3 +511,62 @@ fn restarted_lenderd_has_no_stale_leases() {
     assert_eq!(state(&cl2), DeviceState::Available);
     cl2.borrow(DEV, "vm0").unwrap().return_device().unwrap();
 }
+
+/// lenderd is not dumpable: another process of its own user cannot open lenderd's fds (VFIO
+/// device fds, backing files, guest RAM windows) or read its environment through `/proc`,
+/// while it can a plain process of that user (so the check can fail). lenderd runs as
+/// `nobody` here; the test must run as root to start it so.
+#[test]
+fn a_process_of_lenderds_own_user_cannot_open_its_fds() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "this test starts lenderd as another user: run it as root (CI does)"
+    );
+    const NOBODY: u32 = 65534;
+    let c = cluster();
+    std::os::unix::fs::chown(c.dir.path(), Some(NOBODY), Some(NOBODY)).unwrap();
+    let lenderd = Lenderd::command(env!("CARGO_BIN_EXE_lenderd"), "node3", &c.path)
+        .log(c.dir.path().join("lenderd-nobody.log"))
+        .device(format!("{DEV}=dmatest"))
+        .token(TOKEN)
+        .user(NOBODY, NOBODY)
+        .spawn_until_listening(&c.dir.path().join("node3.sock"));
+    let as_nobody = |pid: u32| {
+        use std::os::unix::process::CommandExt;
+        Command::new("/bin/sh")
+            .arg("-c")
+            .arg(format!("ls /proc/{pid}/fd/ && cat /proc/{pid}/environ"))
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .output()
+            .unwrap()
+    };
+    // A plain process of the same user: its fds are open to nobody.
+    let mut plain = {
+        use std::os::unix::process::CommandExt;
+        Command::new("sleep")
+            .arg("30")
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .spawn()
+            .unwrap()
+    };
+    let o = as_nobody(plain.id());
+    plain.kill().unwrap();
+    plain.wait().unwrap();
+    assert!(
+        o.status.success(),
+        "nobody cannot read its own plain process's /proc/PID/fd: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = as_nobody(lenderd.child.id());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("Permission denied"),
+        "another process of lenderd's user read /proc/{}/fd: {}{err}",
+        lenderd.child.id(),
+        String::from_utf8_lossy(&o.stdout)
+    );
+}

@@ -463,6 +463,9 @@ fn token(cli: &Cli, cluster: &ClusterConfig) -> Result<Option<String>, String> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    if let Err(e) = lending::cli::set_not_dumpable() {
+        log::warn!("cannot make this process non-dumpable (PR_SET_DUMPABLE): {e}");
+    }
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if let Some(dir) = lending::cli::generate_assets_requested(&argv) {
         return match lending::cli::generate_assets(Cli::command(), &dir) {

@@ -385,6 +385,8 @@ impl DeviceBackend for EmulatedBackend {
             fd: self.regs.backing().fd(),
             offset: 0,
             size: self.regs.backing().len(),
+            // renew_exports moves the registers to a new memfd at every lease's end.
+            revocable: true,
         })
     }
 

@@ -126,6 +126,11 @@ pub struct BarExport<'a> {
     pub offset: u64,
     /// Size.
     pub size: u64,
+    /// Whether the lender can cut a borrower that kept this fd off from the device when its
+    /// lease ends ([`DeviceBackend::renew_exports`] moves an emulated device's registers to
+    /// a new memfd). Only then is the fd itself handed to a borrower (a shm link); any other
+    /// is exported mediated: the lender maps it and serves the borrower's accesses.
+    pub revocable: bool,
 }
 
 /// Memory of a BAR that another lease's device may reach by peer-to-peer DMA.

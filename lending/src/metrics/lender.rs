@@ -34,6 +34,7 @@ pub const NAMES: &[&str] = &[
     "lenderd_lease_p2p_mappings",
     "lenderd_lease_dirty_log_fetches_total",
     "lenderd_lease_counters_requests_total",
+    "lenderd_lease_bar_path",
     "lenderd_directory_registered",
     "lenderd_directory_keepalive_latency_seconds",
 ];
@@ -202,6 +203,20 @@ impl LenderMetrics {
                 ll(),
                 v.counters_requests,
             );
+            for (bar, path) in &v.bar_paths {
+                let mut l = ll();
+                l.push(("bar".to_string(), bar.to_string()));
+                l.push(("path".to_string(), path.as_str().to_string()));
+                f.gauge(
+                    "lenderd_lease_bar_path",
+                    "1 for the path each BAR of the lease takes to its borrower: mapped (the \
+                     borrower maps a per-lease memfd or the shared region), mediated (the \
+                     lender serves each access from its own mapping), trapped (each access \
+                     goes through the device's own interface).",
+                    l,
+                    1.0,
+                );
+            }
         }
         for (i, s) in STATES.iter().enumerate() {
             f.gauge(

@@ -608,25 +608,31 @@ impl Session {
         let mut info = virtualized_info(backend.as_ref(), sl.lease.device().id());
         let mut bar_windows = HashMap::new();
         let mut exported = Vec::new();
+        let mut paths = Vec::new();
         for b in info.bars.iter_mut() {
-            if let Some(x) = backend.bar_export(b.index) {
-                let label = format!("lease{id}-bar{}", b.index);
-                match self.ep.export_window(x.fd, x.offset, x.size, &label) {
-                    Ok(w) => {
-                        b.window = Some(w.id());
-                        bar_windows.insert(b.index, w.id());
-                        exported.push(w);
-                    }
-                    Err(e) => {
-                        log::error!("lease {id}: exporting bar {}: {e}", b.index);
-                        map_err.get_or_insert(error(
-                            code::INTERNAL,
-                            format!("exporting bar {} as a fabric window: {e}", b.index),
-                        ));
-                    }
+            let Some(x) = backend.bar_export(b.index) else {
+                paths.push((b.index, super::BarPath::Trapped));
+                continue;
+            };
+            let label = format!("lease{id}-bar{}", b.index);
+            match super::bars::export(self.ep.as_ref(), &x, &label) {
+                Ok((w, path)) => {
+                    b.window = Some(w.id());
+                    bar_windows.insert(b.index, w.id());
+                    exported.push(w);
+                    paths.push((b.index, path));
+                }
+                Err(e) => {
+                    log::error!("lease {id}: exporting bar {}: {e}", b.index);
+                    map_err.get_or_insert(error(
+                        code::INTERNAL,
+                        format!("exporting bar {} as a fabric window: {e}", b.index),
+                    ));
                 }
             }
         }
+        super::bars::log_paths(id, sl.lease.device().id(), &paths);
+        sl.lease.set_bar_paths(paths);
         sl.lease.replace_bar_windows(exported);
         sl.bar_windows = bar_windows;
         let mut out_fds = Vec::new();

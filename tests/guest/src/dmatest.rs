@@ -85,10 +85,10 @@ pub fn test_on(f: Func, r: &mut Results, seed: u32) {
     let finished = poll_then_wait(
         || mmio::read32(bar0 + REG_STATUS) & (STATUS_DONE | STATUS_ERROR) != 0,
         200,
-        2_000,
+        crate::interrupts::MUST_ARRIVE_MS,
     );
     let status = mmio::read32(bar0 + REG_STATUS);
-    let irq = wait_until(|| irq_count(DMATEST_VECTOR) > irqs, 1_000);
+    let irq = wait_until(|| irq_count(DMATEST_VECTOR) > irqs, crate::interrupts::MUST_ARRIVE_MS);
     let bad = dma::check_pattern(dst, PAGE, seed);
     mmio::write32(bar0 + REG_CMD, CMD_ACK);
     let ok = finished && status & STATUS_DONE != 0 && irq && bad.is_none();

@@ -453,10 +453,12 @@ fn msix_messages(c: &mut Ctx, r: &mut Results) {
     let mut cmd = nvme::command(nvme::OP_IDENTIFY, 0, page, 0);
     cmd[10] = 1;
     let admin_ok = c.n().ok(false, cmd).is_some()
-        && wait_until(|| irq_count(NVME_ADMIN_VECTOR) > admin, 1_000);
-    // A valid message: the interrupts that waited in the eventfd are delivered now.
+        && wait_until(|| irq_count(NVME_ADMIN_VECTOR) > admin, c.p.wait_ms);
+    // A valid message: the interrupts that waited in the eventfd are delivered now. (Every
+    // wait for something that must come is bounded by `wait_ms`, as in
+    // interrupts::MUST_ARRIVE_MS.)
     table_write(table, 1, apic_addr(), NVME_IO_VECTOR as u32);
-    let delivered = wait_until(|| irq_count(NVME_IO_VECTOR) > io_before, 1_000);
+    let delivered = wait_until(|| irq_count(NVME_IO_VECTOR) > io_before, c.p.wait_ms);
     t.broken = !(silent && admin_ok && delivered);
 
     // dmatest: its only vector bogus, a copy still completes; restored, the interrupt comes.
@@ -467,7 +469,7 @@ fn msix_messages(c: &mut Ctx, r: &mut Results) {
     let copied = dt_copy(c.df, dma::page(6), dma::page(7)) == Some(DT_DONE);
     let d_silent = !wait_until(|| irq_count(DMATEST_VECTOR) > d_before, 100);
     table_write(d_table, 0, apic_addr(), DMATEST_VECTOR as u32);
-    let d_delivered = wait_until(|| irq_count(DMATEST_VECTOR) > d_before, 1_000);
+    let d_delivered = wait_until(|| irq_count(DMATEST_VECTOR) > d_before, c.p.wait_ms);
     t.broken |= !(copied && d_silent && d_delivered);
     t.report(r, "hostile-msix")
         .s(" io-silent=")
@@ -579,7 +581,7 @@ fn bars(c: &mut Ctx, r: &mut Results, target: u64) {
         }
     }
     // The LAPIC timer still ticks, both devices still work at their own addresses.
-    let ticking = wait_until(|| ticks() > ticks0 + 2, 1_000);
+    let ticking = wait_until(|| ticks() > ticks0 + 2, c.p.wait_ms);
     let dt_ok = dt_copy(df, dma::page(6), dma::page(7)) == Some(DT_DONE);
     let io_ok = c.io_works();
     t.broken = !(ticking && dt_ok && io_ok) || bar_regs(nf, 0) != (lo, hi);
@@ -688,7 +690,7 @@ fn flr_storm(c: &mut Ctx, r: &mut Results) {
     }
     let before = irq_count(DMATEST_VECTOR);
     let dt_ok = dt_copy(c.df, dma::page(6), dma::page(7)) == Some(DT_DONE)
-        && wait_until(|| irq_count(DMATEST_VECTOR) > before, 1_000);
+        && wait_until(|| irq_count(DMATEST_VECTOR) > before, c.p.wait_ms);
     t.broken = !(ok && dt_ok);
     t.report(r, "hostile-flr-storm")
         .s(" flrs=")

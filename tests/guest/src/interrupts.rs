@@ -271,6 +271,12 @@ pub fn start_ticks() {
 /// Halts (interrupts on) until `cond()` holds or about `timeout_ms` ticks pass. `cond` runs
 /// with interrupts off, before every `hlt` and after every wake-up (any interrupt: the tick,
 /// a device MSI, the GED). Returns whether `cond` held. Interrupts are off on return.
+/// The bound of a wait for something that must come (an interrupt, a completion): a wait
+/// ends as soon as it comes, so this costs nothing when things work; it is long because on a
+/// loaded two-core host the VMM's and the lender's threads can be off the CPU for seconds,
+/// and a guess at the host's speed would fail by chance there.
+pub const MUST_ARRIVE_MS: u64 = 30_000;
+
 pub fn wait_until(mut cond: impl FnMut() -> bool, timeout_ms: u64) -> bool {
     start_ticks();
     let start = ticks();

@@ -650,7 +650,7 @@ fn run_io(
         .nl();
 
     // Every I/O completion raised vector 1; at least one must have reached the IDT.
-    let got = wait_until(|| irq_count(NVME_IO_VECTOR) > io_irqs, 1_000);
+    let got = wait_until(|| irq_count(NVME_IO_VECTOR) > io_irqs, crate::interrupts::MUST_ARRIVE_MS);
     // The admin queue's vector 0 is informational (a lower-priority vector still pending
     // when the wait above returns is taken here).
     wait_until(|| irq_count(NVME_ADMIN_VECTOR) > admin_irqs, 100);

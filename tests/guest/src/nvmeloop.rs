@@ -43,13 +43,13 @@ fn round(s: &mut Setup, p: Params, round: u64, missed: &mut u64) -> Option<bool>
     dma::fill_pattern(a, PAGE, seed);
     let i0 = irq_count(NVME_IO_VECTOR);
     s.n.ok(true, nvme::rw(OP_WRITE, a, 0, lba, per_page))?;
-    if !wait_until(|| irq_count(NVME_IO_VECTOR) > i0, 1_000) {
+    if !wait_until(|| irq_count(NVME_IO_VECTOR) > i0, crate::interrupts::MUST_ARRIVE_MS) {
         *missed += 1;
     }
     let b = dma::data_b();
     let i1 = irq_count(NVME_IO_VECTOR);
     s.n.ok(true, nvme::rw(OP_READ, b, 0, lba, per_page))?;
-    if !wait_until(|| irq_count(NVME_IO_VECTOR) > i1, 1_000) {
+    if !wait_until(|| irq_count(NVME_IO_VECTOR) > i1, crate::interrupts::MUST_ARRIVE_MS) {
         *missed += 1;
     }
     Some(dma::check_pattern(b, PAGE, seed).is_none())

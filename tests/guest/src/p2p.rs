@@ -41,7 +41,10 @@ fn copy(bar0: u64, src: u64, dst: u64, len: u32) -> (bool, u32) {
     write64(bar0 + REG_DST, dst);
     mmio::write32(bar0 + REG_LEN, len);
     mmio::write32(bar0 + REG_CMD, CMD_START);
-    let done = wait_until(|| mmio::read32(bar0 + REG_COMPLETED) != before, 2_000);
+    let done = wait_until(
+        || mmio::read32(bar0 + REG_COMPLETED) != before,
+        crate::interrupts::MUST_ARRIVE_MS,
+    );
     (done, mmio::read32(bar0 + REG_STATUS))
 }
 

@@ -236,10 +236,13 @@ impl<D: VfioDeviceOps> DeviceBackend for VfioBackend<D> {
     fn bar_export(&self, bar: u8) -> Option<BarExport<'_>> {
         match self.bar_access(bar)? {
             // The resource file holds exactly this BAR, from offset 0.
+            // Not revocable: no kernel path takes a mapping of a sysfs resource file away from
+            // one process and not another (docs/SECURITY.md, "Borrower vs later borrower").
             BarAccess::Direct { file, size, .. } => Some(BarExport {
                 fd: file.as_fd(),
                 offset: 0,
                 size: *size,
+                revocable: false,
             }),
             BarAccess::Trapped(_) => None,
         }

@@ -431,9 +431,11 @@ fn bar_export_is_the_resource_file_never_the_device_fd() {
     assert_eq!(n, 0);
 }
 
-/// Over a real shm link: the window the borrower maps for the BAR is the resource file.
+/// Over a real shm link: the BAR's window is the resource file, mapped by the lender alone,
+/// which serves the borrower's accesses (the export is not revocable, so its fd never goes
+/// to a borrower: server::bars).
 #[test]
-fn shm_window_of_a_bar_maps_the_resource_file() {
+fn shm_window_of_a_bar_is_the_resource_file_mediated_by_the_lender() {
     use ntb::{connect_addr, listen_addr, ControlAddr, LinkConfig, NodeId};
     let (b, _, sysfs) = backend();
     let dir = tempfile::tempdir().unwrap();
@@ -444,14 +446,13 @@ fn shm_window_of_a_bar_maps_the_resource_file() {
         &LinkConfig::default(),
     )
     .unwrap();
-    // The fake resource file is a plain file (real sysfs files pass the seal check as
-    // fixed-extent files, see ntb::mem::fd_has_fixed_extent).
-    let bcfg = LinkConfig {
-        require_sealed_windows: false,
-        ..LinkConfig::default()
-    };
     let t = std::thread::spawn(move || {
-        connect_addr(&addr, &NodeId::new("borrower").unwrap(), &bcfg).unwrap()
+        connect_addr(
+            &addr,
+            &NodeId::new("borrower").unwrap(),
+            &LinkConfig::default(),
+        )
+        .unwrap()
     });
     let lender = l.accept(Some(Duration::from_secs(5))).unwrap();
     let borrower = t.join().unwrap();
@@ -464,14 +465,19 @@ fn shm_window_of_a_bar_maps_the_resource_file() {
         "{e}"
     );
     let x = b.bar_export(0).unwrap();
+    assert!(
+        !x.revocable,
+        "a resource file cannot be taken back from a borrower"
+    );
     let w = lender
-        .export_window(x.fd, x.offset, x.size, "bar0")
+        .export_window_mediated(x.fd, x.offset, x.size, "bar0")
         .unwrap();
     let info = borrower
         .wait_peer_window("bar0", Duration::from_secs(5))
         .unwrap();
     assert_eq!(info.size, 0x4000);
     let win = borrower.map_peer_window(info.id).unwrap();
+    assert!(win.as_ptr().is_err(), "the borrower maps nothing");
     let cfg_before = config_of(&b);
     win.write_at(0x10, &[0xde, 0xad, 0xbe, 0xef]).unwrap();
     win.write_at(0x3ffc, &[1, 2, 3, 4]).unwrap();
