@@ -539,14 +539,27 @@ pub trait PeerWindow: Send + Sync {
 pub struct ExportedWindow {
     pub(crate) info: WindowInfo,
     pub(crate) revoke: Option<Box<dyn FnOnce() + Send + Sync>>,
+    /// The peer maps the memory itself (its fd was passed, or it lies in the shared
+    /// region), rather than this end serving each access.
+    pub(crate) mapped_by_peer: bool,
 }
 
 impl ExportedWindow {
-    pub fn new(info: WindowInfo, revoke: Box<dyn FnOnce() + Send + Sync>) -> Self {
+    pub fn new(
+        info: WindowInfo,
+        mapped_by_peer: bool,
+        revoke: Box<dyn FnOnce() + Send + Sync>,
+    ) -> Self {
         ExportedWindow {
             info,
             revoke: Some(revoke),
+            mapped_by_peer,
         }
+    }
+
+    /// Whether the peer maps the memory itself (`false`: this end serves every access).
+    pub fn mapped_by_peer(&self) -> bool {
+        self.mapped_by_peer
     }
 
     pub fn id(&self) -> WindowId {

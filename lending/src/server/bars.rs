@@ -10,9 +10,7 @@
 //! lender maps it and serves each access as a message, so a borrower never holds anything
 //! that outlives its lease (docs/SECURITY.md, "Borrower vs later borrower").
 
-use std::os::fd::BorrowedFd;
-
-use ntb::{Endpoint, ExportedWindow, FabricError, FabricKind};
+use ntb::{Endpoint, ExportedWindow, FabricError};
 
 use crate::backend::BarExport;
 
@@ -46,24 +44,18 @@ pub(super) fn export(
     x: &BarExport<'_>,
     label: &str,
 ) -> Result<(ExportedWindow, BarPath), FabricError> {
-    if !x.revocable {
-        let w = ep.export_window_mediated(x.fd, x.offset, x.size, label)?;
-        return Ok((w, BarPath::Mediated));
-    }
-    let path = match ep.kind() {
-        FabricKind::Shm => BarPath::Mapped,
-        FabricKind::Bar if in_region(ep, x.fd)? => BarPath::Mapped,
-        FabricKind::Bar | FabricKind::Tcp => BarPath::Mediated,
+    let w = if x.revocable {
+        ep.export_window(x.fd, x.offset, x.size, label)?
+    } else {
+        ep.export_window_mediated(x.fd, x.offset, x.size, label)?
     };
-    let w = ep.export_window(x.fd, x.offset, x.size, label)?;
+    // The fabric decided how (fd on shm, the shared region on `bar`, else mediated).
+    let path = if w.mapped_by_peer() {
+        BarPath::Mapped
+    } else {
+        BarPath::Mediated
+    };
     Ok((w, path))
-}
-
-fn in_region(ep: &dyn Endpoint, fd: BorrowedFd<'_>) -> Result<bool, FabricError> {
-    match ep.shared_region() {
-        Some(r) => r.holds(fd),
-        None => Ok(false),
-    }
 }
 
 /// Logs the paths of a lease's BARs (one line per lease; rate-bounded by the leases).
@@ -93,7 +85,7 @@ mod tests {
 
     use super::BarPath;
     use crate::backend::vfio::fake::FakeSysfs;
-    use crate::backend::vfio::tests::{backend_with, nic_config, nic_with, BDF};
+    use crate::backend::vfio::tests::{backend_with, nic_config, nic_with, stat, BDF};
     use crate::backend::DeviceBackend;
     use crate::inventory::Inventory;
     use crate::server::{BackgroundLender, Lender};
@@ -117,13 +109,7 @@ mod tests {
     fn fds_showing_the_pattern(kept: &[OwnedFd]) -> usize {
         kept.iter()
             .filter(|fd| {
-                let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
-                // SAFETY: fstat writes into the properly sized buffer; the fd is live.
-                if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-                    return false;
-                }
-                // SAFETY: fstat succeeded.
-                let st = unsafe { st.assume_init() };
+                let st = stat(fd.as_fd());
                 // Only a file at least as large as the BAR can be mapped without SIGBUS.
                 if st.st_mode & libc::S_IFMT != libc::S_IFREG || (st.st_size as u64) < BAR0 {
                     return false;

@@ -252,6 +252,7 @@ impl LinkEndpoint {
         };
         Ok(ExportedWindow::new(
             info,
+            !matches!(how, Export::Mediated),
             Box::new(move || {
                 let Some(inner) = weak.upgrade() else { return };
                 let was = lock(&inner.state).exported.remove(&id).is_some();

@@ -112,7 +112,7 @@ fn backend() -> (
     (b, c, sysfs)
 }
 
-fn stat(fd: BorrowedFd<'_>) -> libc::stat {
+pub(crate) fn stat(fd: BorrowedFd<'_>) -> libc::stat {
     let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
     // SAFETY: fstat writes into the properly sized buffer; the fd is borrowed live.
     assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) }, 0);
