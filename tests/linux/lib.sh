@@ -15,6 +15,20 @@ QEMU_CPU="qemu64,-popcnt"
 log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
 die() { echo "error: $*" >&2; exit 1; }
 
+# build_pid1 SCRIPT OUT: the guests' PID 1 (tests/linux/initramfs/pid1.c), which runs the
+# init script SCRIPT as its child and runs it again when the emulator's TLS fault kills it.
+# Needs gcc and binutils. Fails unless the program's code leaves %fs alone: a PID 1 with
+# thread-local storage would meet the very fault it is there to survive.
+build_pid1() {
+	local script=$1 out=$2
+	gcc -nostdlib -static -no-pie -ffreestanding -fno-stack-protector -fno-builtin \
+		-fcf-protection=none -O2 -Wall -Werror -DSCRIPT="\"$script\"" \
+		-o "$out" "$LINUX_TESTS_DIR/initramfs/pid1.c" || die "building PID 1 ($out) failed"
+	if objdump -d "$out" | grep -q '%fs'; then
+		die "$out uses %fs (thread-local storage): PID 1 must not"
+	fi
+}
+
 ensure_pkgs() {
 	local missing=() p
 	for p in "$@"; do

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build the lendvm test initramfs (newc cpio, uncompressed: gunzip of 2 MB
 # takes most of a minute in KVM's instruction emulator on a PVM host):
-#   /init            busybox script (tests/linux/initramfs/init): user-space
+#   /init            PID 1 (tests/linux/initramfs/pid1.c): runs /init.sh, and again when
+#                    the emulator's TLS fault kills it
+#   /init.sh         busybox script (tests/linux/initramfs/init): user-space
 #                    NVMe write/read-back check, prints LENDVM-USERSPACE ...
 #   /bin/busybox     from Debian's busybox-static
 #   /bin/fio         static fio built from Debian's fio source (build-fio.sh)
@@ -37,7 +39,7 @@ VARIANT="" LINK=$CACHE/initramfs.cpio
 if [ "$SMALL" = 1 ]; then
 	VARIANT=small- LINK=$CACHE/initramfs-small.cpio
 fi
-ensure_pkgs busybox-static cpio gcc libc6-dev
+ensure_pkgs busybox-static cpio gcc libc6-dev binutils
 BUSYBOX=/bin/busybox
 [ -x "$BUSYBOX" ] || die "$BUSYBOX missing after installing busybox-static"
 file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
@@ -75,7 +77,10 @@ if [ "$SMALL" = 0 ]; then
 	cp "$FIO" "$STAGE/bin/fio"
 	cp "$LINUX_TESTS_DIR"/initramfs/fio/*.fio "$STAGE/fio/"
 fi
-install -m 0755 "$LINUX_TESTS_DIR/initramfs/init" "$STAGE/init"
+# /init is PID 1 (initramfs/pid1.c), the script runs as its child: when the emulator's TLS
+# fault kills the script, PID 1 runs it again instead of the kernel panicking.
+install -m 0755 "$LINUX_TESTS_DIR/initramfs/init" "$STAGE/init.sh"
+build_pid1 /init.sh "$STAGE/init"
 for p in syscall int80 ud2 spin; do
 	def=PROBE_$(tr a-z A-Z <<<"$p")
 	gcc -nostdlib -static -no-pie -D"$def" -o "$STAGE/probe-$p" "$LINUX_TESTS_DIR/initramfs/probes.S" \

@@ -84,6 +84,11 @@ impl ProcessOutput {
         self.started
     }
 
+    /// Whether stdout has reached its end (the process closed it, or exited).
+    pub fn closed(&self) -> bool {
+        lock(&self.stdout.0).closed
+    }
+
     /// The stdout lines so far with their arrival times.
     pub fn timed_lines(&self) -> Vec<(Duration, String)> {
         lock(&self.stdout.0).lines.clone()
@@ -101,6 +106,34 @@ impl ProcessOutput {
     /// Everything written to stderr so far.
     pub fn stderr(&self) -> String {
         lock(&self.stderr).clone()
+    }
+
+    /// A failure report: the ends first (whether the process is gone, the console's last 40
+    /// lines, stderr's last 40, then each of `extra`: a title and its text, already cut),
+    /// the whole console last. CI keeps the head of a long failure output, and a Linux
+    /// boot's console is some 250 lines before the part that tells why a guest stopped.
+    pub fn report(&self, extra: &[(&str, String)]) -> String {
+        let console: String = self
+            .timed_lines()
+            .iter()
+            .map(|(t, l)| format!("{:7.2} {l}\n", t.as_secs_f64()))
+            .collect();
+        let state = if self.closed() {
+            "the console has closed (the process exited)"
+        } else {
+            "the process still runs"
+        };
+        let mut out = format!(
+            "--- {state}; console, last 40 lines (wall s since start, then the guest's own)\n{}\n\
+             --- stderr, last 40 lines\n{}\n",
+            last_lines(&console, 40),
+            last_lines(&self.stderr(), 40)
+        );
+        for (title, text) in extra {
+            out.push_str(&format!("--- {title}\n{text}\n"));
+        }
+        out.push_str(&format!("--- the whole console\n{console}"));
+        out
     }
 
     /// Waits until `find` returns something for the lines seen so far; `None` at `deadline`
@@ -139,4 +172,10 @@ impl ProcessOutput {
             let _ = reader.join();
         }
     }
+}
+
+/// The last `n` lines of `text`.
+pub fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }

@@ -445,16 +445,14 @@ impl Guest {
             .collect()
     }
 
+    /// What a failure message carries: the ends first (tests/src/capture.rs), with the
+    /// lender's log.
     fn diag(&self, lender: &Lender) -> String {
         let lenderd = std::fs::read_to_string(lender.file(&lender.log)).unwrap_or_default();
-        let tail: Vec<&str> = lenderd.lines().rev().take(30).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
-        format!(
-            "--- console (wall s, then the guest's printk time)\n{}--- lendvm stderr\n{}\n--- lenderd log (tail)\n{}\n",
-            self.console(),
-            self.out.stderr(),
-            tail.join("\n")
-        )
+        self.out.report(&[(
+            "lenderd log, last 30 lines",
+            lendvm_tests::capture::last_lines(&lenderd, 30),
+        )])
     }
 
     /// Waits for the first console line containing `needle`; `None` on timeout or if the

@@ -289,16 +289,7 @@ impl Guest {
     }
 
     fn diag(&self) -> String {
-        let console: String = self
-            .out
-            .timed_lines()
-            .iter()
-            .map(|(t, l)| format!("{:7.2} {l}\n", t.as_secs_f64()))
-            .collect();
-        format!(
-            "--- console\n{console}--- lendvm stderr\n{}",
-            self.out.stderr()
-        )
+        self.out.report(&[])
     }
 
     fn expect_line(&self, needle: &str, deadline: Instant) -> String {

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build L1's initramfs (newc cpio, uncompressed) for scripts/test-vfio.sh:
-#   /init             tests/vfio/initramfs/init (binds devices to vfio-pci, runs the
+#   /init             PID 1 (tests/linux/initramfs/pid1.c): runs /init.sh, and again when
+#                     the emulator's TLS fault kills it
+#   /init.sh          tests/vfio/initramfs/init (binds devices to vfio-pci, runs the
 #                     kernel test, starts lenderd; markers on the console)
 #   /bin/busybox      from Debian's busybox-static
 #   /bin/lenderd      the workspace's lenderd (the `l1` profile, release without debug info: L1 runs it emulated)
@@ -26,7 +28,7 @@ NICE=${LENDVM_NICE:-$([ -n "${CI:-}" ] && echo 0 || echo 10)}
 source "$(dirname "${BASH_SOURCE[0]}")/../linux/lib.sh"
 VFIO_DIR=$REPO/tests/vfio
 CACHE="${LENDVM_CACHE:-$HOME/.cache/lendvm}/linux"
-ensure_pkgs busybox-static cpio
+ensure_pkgs busybox-static cpio gcc libc6-dev binutils
 BUSYBOX=/bin/busybox
 file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
 file_is_static "$BUSYBOX" || die "$BUSYBOX is not static (is busybox-static installed?)"
@@ -59,7 +61,8 @@ SRIOV=${CARGO_TARGET_DIR:-$REPO/target}/debug/lendvm-nvme-sriov
 
 KEY=$( {
 	dpkg-query -W -f='busybox-static ${Version}\n' busybox-static
-	cat "${BASH_SOURCE[0]}" "$VFIO_DIR/initramfs/init"
+	cat "${BASH_SOURCE[0]}" "$VFIO_DIR/initramfs/init" "$LINUX_TESTS_DIR/lib.sh" \
+		"$LINUX_TESTS_DIR/initramfs/pid1.c"
 	sha256sum <"$LENDERD"
 	sha256sum <"$TEST_BIN"
 	sha256sum <"$SRIOV"
@@ -83,7 +86,10 @@ for lib in $(for b in "$LENDERD" "$TEST_BIN" "$SRIOV"; do ldd "$b"; done | grep 
 	mkdir -p "$STAGE$(dirname "$lib")"
 	cp -L "$lib" "$STAGE$lib"
 done
-install -m 0755 "$VFIO_DIR/initramfs/init" "$STAGE/init"
+# /init is PID 1 (tests/linux/initramfs/pid1.c), the script its child: when the emulator's
+# TLS fault kills the script, it runs again instead of L1's kernel panicking.
+install -m 0755 "$VFIO_DIR/initramfs/init" "$STAGE/init.sh"
+build_pid1 /init.sh "$STAGE/init"
 chmod 0700 "$STAGE/etc/lendvm"
 mknod "$STAGE/dev/console" c 5 1 || die "mknod /dev/console failed (run as root)"
 mkdir -p "$CACHE"
