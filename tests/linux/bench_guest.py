@@ -401,7 +401,7 @@ def run_config(name, args, workdir, rep=1):
     with open(disk, "wb") as f:
         f.truncate(DISK_SIZE)
     runs = ",".join(f"{j}@nvme0n1" for j, _, _ in JOBS)
-    cmdline = f"{BASE_CMDLINE} {USERSPACE_CMDLINE} lendvm_fio={runs} lendvm_fio_pause={args.pause}"
+    cmdline = f"{BASE_CMDLINE} {USERSPACE_CMDLINE} lendvm_fio={runs} lendvm_fio_pause={args.pause} lendvm_fio_profile=1"
     logpath = os.path.join(args.log_dir, f"{tag}.log")
     logf = open(logpath, "w")
     procs = []

@@ -1179,8 +1179,10 @@ fn linux_fio_verify_on_a_lent_disk() {
     let lender = Lender::start(&parts);
     // The initramfs' fio runner instead of the dd check: one run of the verify job on the lent
     // disk, its JSON printed between markers, then `poweroff -f` → exit 0 on the exit port.
+    // `lendvm_fio_qirq=1`: the per-queue interrupt counts by CPU after the job (below).
     let cmd = cmdline(
-        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_fio=verify@nvme0n1",
+        "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_fio=verify@nvme0n1 \
+         lendvm_fio_qirq=1",
     );
     let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
     let socket = lender.file("api.sock");
