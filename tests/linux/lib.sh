@@ -7,7 +7,9 @@ REPO=$(cd "$LINUX_TESTS_DIR/../.." && pwd)
 # Kernel command line that gets a non-PVM Linux through KVM's instruction
 # emulator on a PVM host (see docs/linux-guest-on-pvm.md). lendvm masks the
 # CPUID bits itself, so `clearcpuid=`/`noxsave` are only needed under QEMU.
-LENDVM_BASE_CMDLINE="console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000"
+# rodata=off: the kernel does not write-protect its own text and read-only data, 4.4 s of
+# emulated page-table work per boot; a guest's self-hardening that no check here is about.
+LENDVM_BASE_CMDLINE="console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000 rodata=off"
 QEMU_CPU_CMDLINE="noxsave clearcpuid=smap,smep,pcid,popcnt"
 # QEMU's qemu64 still has POPCNT; the other unhandled features are absent.
 QEMU_CPU="qemu64,-popcnt"

@@ -564,12 +564,14 @@ fn a_flood_of_idle_metrics_connections_leaves_lending_alone() {
     );
 }
 
-/// Issue 32: 64 clients scrape lendvm's `--metrics` in a loop for 30 s. Each render asks
+/// Issue 32: 16 clients scrape lendvm's `--metrics` in a loop for 12 s. Each render asks
 /// the VMM thread, which asks the lender for each lent device's counters: without
 /// coalescing every scrape would be one more request queued for the VMM and one more
 /// LEASE_COUNTERS round trip per device. With it, `vm.info` and `vm.pause` answer within
 /// their usual bound meanwhile, and the lender sees at most about one counters request
-/// per device per second (the coalescing age).
+/// per device per second (the coalescing age). (Sized so: hundreds of scrapes a second is a
+/// flood to a 1 s coalescing age, and the 64 clients for 30 s it began with held both cores
+/// of a CI machine for half a minute, beside the Linux guests.)
 #[test]
 fn a_scrape_flood_costs_the_vmm_one_report_per_second() {
     let (_cluster, lender, lender_port, vm, vm_port) = lender_and_vm_with_metrics("vm-flood");
@@ -589,7 +591,7 @@ fn a_scrape_flood_costs_the_vmm_one_report_per_second() {
         .collect();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let served = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let flood: Vec<_> = (0..64)
+    let flood: Vec<_> = (0..16)
         .map(|_| {
             let (stop, served) = (stop.clone(), served.clone());
             std::thread::spawn(move || {
@@ -604,7 +606,7 @@ fn a_scrape_flood_costs_the_vmm_one_report_per_second() {
     // First half: scrapes alone, counting what reaches the lender (vm.pause and vm.info ask
     // it for counters themselves, so they wait for the second half).
     let t0 = std::time::Instant::now();
-    std::thread::sleep(Duration::from_secs(15));
+    std::thread::sleep(Duration::from_secs(6));
     let secs = t0.elapsed().as_secs_f64();
     let mid: Vec<u64> = [NVME_BDF, DMATEST_BDF]
         .iter()
@@ -614,7 +616,7 @@ fn a_scrape_flood_costs_the_vmm_one_report_per_second() {
     let t1 = std::time::Instant::now();
     let api = vm.api();
     let (mut worst_info, mut worst_pause) = (Duration::ZERO, Duration::ZERO);
-    while t1.elapsed() < Duration::from_secs(15) {
+    while t1.elapsed() < Duration::from_secs(6) {
         let t = std::time::Instant::now();
         api.info().expect("vm.info during the scrape flood");
         worst_info = worst_info.max(t.elapsed());

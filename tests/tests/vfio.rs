@@ -220,9 +220,10 @@ impl Guest {
 
     /// [`Guest::start`] with the cluster file `cluster`.
     fn start_in(cluster: &str, name: &'static str, cmdline_extra: &str, extra: &[&str]) -> Guest {
+        // rodata=off: as the Linux cases (tests/tests/linux.rs, `cmdline`).
         let cmdline = format!(
             "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000 \
-             {cmdline_extra}"
+             rodata=off {cmdline_extra}"
         );
         // A guest that runs no fio job boots the initramfs without fio when there is one
         // (`make-initramfs.sh --small`): 7-11 s less of emulated unpacking before /init.
