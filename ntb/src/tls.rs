@@ -195,8 +195,13 @@ pub(crate) fn handshake(
             .and_then(|_| tcp.set_write_timeout(Some(left)))
             .map_err(|e| tls_err("socket timeouts", e))?;
         if conn.wants_write() {
-            conn.write_tls(&mut sock)
-                .map_err(|e| tls_err("handshake send", e))?;
+            match conn.write_tls(&mut sock) {
+                Ok(_) => {}
+                // A signal without SA_RESTART (a vCPU kick, in lendvm) interrupted the call
+                // before anything moved: send again. CI lost a handshake so.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(tls_err("handshake send", e)),
+            }
             continue;
         }
         let mut peek = [0u8; 4];
@@ -220,12 +225,17 @@ pub(crate) fn handshake(
                     return Err(tls_err("handshake", e));
                 }
             }
+            // Interrupted by a signal before anything arrived: wait again (as above).
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(tls_err("handshake receive", e)),
         }
     }
     while conn.wants_write() {
-        conn.write_tls(&mut sock)
-            .map_err(|e| tls_err("handshake send", e))?;
+        match conn.write_tls(&mut sock) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(tls_err("handshake send", e)),
+        }
     }
     let binding = conn
         .export_keying_material([0u8; BINDING_LEN], BINDING_LABEL, None)
@@ -435,4 +445,61 @@ pub fn server(tcp: TcpStream, timeout: Duration) -> Result<(UnixStream, Vec<u8>)
     let l = wrap(tcp, false, Instant::now() + timeout)?;
     drop(l.pump);
     Ok((l.plain, l.binding))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    extern "C" fn ignore(_: libc::c_int) {}
+
+    /// A signal whose handler has no SA_RESTART (as lendvm's vCPU kick) makes a blocked
+    /// read or write return EINTR. The handshake waits on: CI of record once lost a
+    /// link set-up to "tls handshake receive: Interrupted system call".
+    #[test]
+    fn a_signal_during_the_handshake_does_not_end_it() {
+        let mut sa: libc::sigaction =
+            // SAFETY: all-zero is a valid sigaction (no flags, empty mask); filled below.
+            unsafe { std::mem::zeroed() };
+        sa.sa_sigaction = ignore as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        sa.sa_flags = 0; // no SA_RESTART: the point of the test
+                         // SAFETY: `sa` is a valid sigaction whose handler does nothing; SIGUSR2 is used by
+                         // nothing else in this test binary.
+        let rc = unsafe {
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut())
+        };
+        assert_eq!(rc, 0, "sigaction");
+
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tid_tx, tid_rx) = mpsc::channel();
+        let server = std::thread::spawn(move || {
+            let (tcp, _) = listener.accept().unwrap();
+            // SAFETY: pthread_self has no preconditions.
+            tid_tx.send(unsafe { libc::pthread_self() }).unwrap();
+            handshake(&tcp, false, Instant::now() + Duration::from_secs(20)).map(|_| ())
+        });
+        let client = TcpStream::connect(addr).unwrap();
+        let tid = tid_rx.recv().unwrap();
+        // The server now waits for the ClientHello: interrupt its wait, several times so
+        // that both its peek and its read are hit.
+        for _ in 0..8 {
+            std::thread::sleep(Duration::from_millis(50));
+            // SAFETY: `tid` is the server thread, not joined before the loop ends, so the id
+            // stays valid even once it has returned (then the kill does nothing).
+            unsafe { libc::pthread_kill(tid, libc::SIGUSR2) };
+        }
+        let ours = handshake(&client, true, Instant::now() + Duration::from_secs(20));
+        let theirs = server.join().unwrap();
+        assert!(theirs.is_ok(), "the server's handshake: {:?}", theirs.err());
+        assert!(
+            ours.is_ok(),
+            "the client's handshake: {:?}",
+            ours.err().map(|e| e.to_string())
+        );
+    }
 }
