@@ -461,13 +461,13 @@ mod tests {
     /// link set-up to "tls handshake receive: Interrupted system call".
     #[test]
     fn a_signal_during_the_handshake_does_not_end_it() {
-        let mut sa: libc::sigaction =
-            // SAFETY: all-zero is a valid sigaction (no flags, empty mask); filled below.
-            unsafe { std::mem::zeroed() };
+        // SAFETY: all-zero is a valid sigaction (no flags, empty mask); filled below.
+        let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
         sa.sa_sigaction = ignore as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        sa.sa_flags = 0; // no SA_RESTART: the point of the test
-                         // SAFETY: `sa` is a valid sigaction whose handler does nothing; SIGUSR2 is used by
-                         // nothing else in this test binary.
+        // No SA_RESTART: the point of the test.
+        sa.sa_flags = 0;
+        // SAFETY: `sa` is a valid sigaction whose handler does nothing; SIGUSR2 is used by
+        // nothing else in this test binary.
         let rc = unsafe {
             libc::sigemptyset(&mut sa.sa_mask);
             libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut())

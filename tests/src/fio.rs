@@ -13,7 +13,10 @@
 //!
 //! and `LENDVM-FIO done runs=<n> failed=<n>` at the end. Kernel messages may land between the
 //! JSON lines on the shared console; they are recognised by their printk time stamp
-//! (`[   12.345678] `) and dropped.
+//! (`[   12.345678] `) and dropped. So are the lines of a rerun of the `cat` that prints the
+//! JSON, when the emulator's TLS fault killed it before it printed anything: the shell's
+//! `Segmentation fault` and `/init`'s `LENDVM-FLAKE ...` (the host holds the latter to the
+//! kernel's fault report: crate::flake).
 
 use serde_json::Value;
 
@@ -55,6 +58,14 @@ fn is_printk(line: &str) -> bool {
     };
     let stamp = stamp.trim();
     !stamp.is_empty() && stamp.chars().all(|c| c.is_ascii_digit() || c == '.')
+}
+
+/// A line that a rerun of a killed process puts on the console: the shell's report of the
+/// death (ash prints the signal's name) and the runner's `LENDVM-FLAKE` line. Neither can be
+/// a line of fio's JSON.
+fn is_rerun_noise(line: &str) -> bool {
+    let l = line.trim();
+    l == "Segmentation fault" || l.starts_with("LENDVM-FLAKE ")
 }
 
 /// Index of the first line `"LENDVM-FIO <what> i=<index>..."` (exact index).
@@ -191,7 +202,7 @@ pub fn parse_runs(lines: &[String]) -> Result<Vec<FioRun>, FioError> {
         }
         let text: String = tail[begin + 1..end]
             .iter()
-            .filter(|l| !is_printk(l))
+            .filter(|l| !is_printk(l) && !is_rerun_noise(l))
             .map(|l| format!("{l}\n"))
             .collect();
         let json =
@@ -263,6 +274,34 @@ mod tests {
         assert_eq!(wr.total_ios, 256);
         assert_eq!(wr.iops, 256.5);
         assert_eq!(wr.clat_p50_ns, None);
+    }
+
+    /// CI, e176c64's loaded run: the emulator's TLS fault killed the `cat` that prints the
+    /// JSON; the kernel's report, the shell's and the rerun's line came between json-begin
+    /// and the JSON, and the case failed on a good run.
+    #[test]
+    fn a_rerun_of_the_json_cat_is_parsed() {
+        let mut lines = console(JSON);
+        let at = lines.iter().position(|l| l.contains("json-begin")).unwrap() + 1;
+        for (i, l) in [
+            "[  282.044996] exe[50]: segfault at 0 ip 00000000004a4d02 sp 00007ffd0deb9fa8 error 4 in busybox[401000+184000]",
+            "[  282.138075] Code: 48 03 04 25 00 00 00 00 c3 66 66 2e 0f 1f 84 00 <48> 8b 00",
+            "Segmentation fault",
+            "LENDVM-FLAKE cat rc=139 attempt=1: died by signal 11, run again",
+        ]
+        .iter()
+        .enumerate()
+        {
+            lines.insert(at + i, l.to_string());
+        }
+        let runs = parse_runs(&lines).unwrap();
+        assert_eq!(runs[0].dir(Dir::Read).unwrap().total_ios, 256);
+        // Anything else there is still an error.
+        lines.insert(at, "cat: write error".to_string());
+        assert!(matches!(
+            parse_runs(&lines),
+            Err(FioError::BadJson { index: 1, .. })
+        ));
     }
 
     #[test]
