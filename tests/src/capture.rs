@@ -108,16 +108,20 @@ impl ProcessOutput {
         lock(&self.stderr).clone()
     }
 
+    /// The stdout lines so far, each prefixed with its arrival time in seconds.
+    pub fn timed_console(&self) -> String {
+        self.timed_lines()
+            .iter()
+            .map(|(t, l)| format!("{:7.2} {l}\n", t.as_secs_f64()))
+            .collect()
+    }
+
     /// A failure report: the ends first (whether the process is gone, the console's last 40
     /// lines, stderr's last 40, then each of `extra`: a title and its text, already cut),
     /// the whole console last. CI keeps the head of a long failure output, and a Linux
     /// boot's console is some 250 lines before the part that tells why a guest stopped.
     pub fn report(&self, extra: &[(&str, String)]) -> String {
-        let console: String = self
-            .timed_lines()
-            .iter()
-            .map(|(t, l)| format!("{:7.2} {l}\n", t.as_secs_f64()))
-            .collect();
+        let console = self.timed_console();
         let state = if self.closed() {
             "the console has closed (the process exited)"
         } else {

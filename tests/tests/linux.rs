@@ -442,15 +442,6 @@ impl Guest {
         }
     }
 
-    /// The console so far, each line prefixed with its wall-clock time.
-    fn console(&self) -> String {
-        self.out
-            .timed_lines()
-            .iter()
-            .map(|(t, l)| format!("{:7.2} {l}\n", t.as_secs_f64()))
-            .collect()
-    }
-
     /// What a failure message carries: the ends first (tests/src/capture.rs), with the
     /// lender's log.
     fn diag(&self, lender: &Lender) -> String {
@@ -545,7 +536,7 @@ impl Drop for Guest {
         let _ = std::fs::create_dir_all(&dir);
         let log = format!(
             "--- console (wall s, then the guest's printk time)\n{}--- lendvm stderr\n{}",
-            self.console(),
+            self.out.timed_console(),
             self.out.stderr()
         );
         let path = dir.join(format!("{}.log", self.name));
