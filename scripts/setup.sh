@@ -25,6 +25,8 @@ command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 command -v man >/dev/null 2>&1 || need_apt+=(man-db)
 # scripts/test-units.sh traces the daemons' system calls to check the units' filters.
 command -v strace >/dev/null 2>&1 || need_apt+=(strace)
+# scripts/test-units-live.sh boots systemd in a container to start the units.
+command -v systemd-nspawn >/dev/null 2>&1 || need_apt+=(systemd-container)
 # scripts/test-vfio.sh (and `scripts/demo.sh --vfio`) boot the lender host "L1" in QEMU with
 # an emulated intel-iommu (docs/VFIO.md).
 command -v qemu-system-x86_64 >/dev/null 2>&1 || need_apt+=(qemu-system-x86)

@@ -9,6 +9,10 @@
 #    scripts/check-syscalls.py fails on any call a unit's filter would refuse, by name.
 #    Under systemd such a call would fail with EPERM (SystemCallErrorNumber=) and the
 #    daemon with it.
+# 3. The units themselves, started by systemd under their whole sandbox, and the tenant
+#    boundaries between the processes they start (scripts/test-units-live.sh: systemd as
+#    PID 1 in a container on a throwaway root, the packages installed, lenderd and two VMs
+#    each a user of its own, leases and what one VM's user cannot reach).
 #
 # Uses the test executables `cargo test --workspace` built (it builds them if missing).
 set -euo pipefail
@@ -53,3 +57,4 @@ trace migration_lent live_migration_hands_the_lent_nvme_over_without_reset
 trace directory the_directory_works_over_tls_with_client_certificates_and_refuses_a_client_without_one
 trace prometheus a_metrics_address_in_use_does_not_stop_lending
 python3 scripts/check-syscalls.py "$TRACE" "$UNITS"
+scripts/test-units-live.sh

@@ -16,7 +16,9 @@
 # One L1 boot serves the cases in a row:
 #   vfio_kernel  lending/tests/vfio_kernel.rs run inside L1 against the NVMe (container,
 #                group, regions, mmap, config gate, IOVA ranges + MSI window refused, DMA
-#                and MSI-X through an admin Identify into the ivshmem BAR, drain, reset);
+#                and MSI-X through an admin Identify into the ivshmem BAR, drain, reset),
+#                the SR-IOV VF, and the e1000e (a borrower that kept every fd after its
+#                lease gets nothing of the next borrower's registers);
 #                then this script reads the Identify data the NVMe wrote by DMA from the
 #                ivshmem backing file, out here
 #   lenderd      L1's lenderd lends the vfio-pci functions over the bar fabric (control on
@@ -307,7 +309,9 @@ if [ "$demo" = 0 ]; then
 wait_for "L1-TEST rc=" "$TEST_TIMEOUT" "vfio_kernel"
 grep "VFIO-STEP\|VFIO-OBS\|L1-TEST" "$RUN/serial.log" >&2
 grep -q "L1-TEST rc=0 " "$RUN/serial.log" && grep -q "VFIO-KERNEL-TEST PASS" "$RUN/serial.log" \
-	&& grep -q "VFIO-KERNEL-TEST SRIOV PASS" "$RUN/serial.log" || die "vfio_kernel failed in L1"
+	&& grep -q "VFIO-KERNEL-TEST SRIOV PASS" "$RUN/serial.log" \
+	&& grep -q "VFIO-KERNEL-TEST EARLIER-BORROWER PASS" "$RUN/serial.log" \
+	|| die "vfio_kernel failed in L1"
 # The NVMe's DMA reached the file out here: Identify Controller's model name at byte 24
 # of the data (tests/vfio_kernel.rs IDENTIFY_OFFSET = 0x2000).
 model=$(dd if="$WINDOW" bs=1 skip=$((0x2000 + 24)) count=14 status=none)

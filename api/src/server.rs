@@ -612,6 +612,11 @@ fn bind(path: &Path) -> Result<(StdUnixListener, SocketFile), ServerError> {
         BindError::NotASocket(p) => ServerError::NotASocket(p),
         BindError::InUse(p) => ServerError::InUse(p),
         BindError::Io { source, .. } => ServerError::Bind(path.to_path_buf(), source),
+        // (only bind_shared looks a group up)
+        e @ BindError::NoSuchGroup(_) => ServerError::Bind(
+            path.to_path_buf(),
+            std::io::Error::new(std::io::ErrorKind::NotFound, e.to_string()),
+        ),
     })?;
     let setup = |e| ServerError::Setup(path.to_path_buf(), e);
     listener.set_nonblocking(true).map_err(setup)?;

@@ -14,12 +14,16 @@
 //! * [`spec`]: `--device` parsing.
 //! * [`metrics`]: the `--metrics` listener (Prometheus/OpenMetrics) of lenderd and lendvm.
 //! * `testing` (cargo feature `testing`): the real `lenderd` as a child process of a test.
+//! * `earlier_borrower` (unit tests and the feature `testing`): a borrower that keeps every
+//!   fd it received and tries them on the next borrower's device.
 
 pub mod auth;
 pub mod backend;
 pub mod cli;
 pub mod client;
 pub mod directory;
+#[cfg(any(test, feature = "testing"))]
+pub mod earlier_borrower;
 pub mod inventory;
 pub mod iommu;
 pub mod metrics;

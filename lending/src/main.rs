@@ -44,6 +44,11 @@ struct Args {
     /// absolute Unix socket path (shm fabric) or ip:port (tcp fabric).
     #[arg(long, value_name = "ADDR")]
     control: Option<String>,
+    /// shm: the group whose members may connect to the control socket (mode 0660), as the
+    /// cluster file's `control_group`, which it overrides: VMs that run as users of their own
+    /// (lendvm@.service) reach a lender on their host through it. Default: mode 0600.
+    #[arg(long, value_name = "GROUP")]
+    control_group: Option<String>,
     /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE][,msix=N] | BDF=dmatest[:mode=...][,buf=SIZE]
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
@@ -98,8 +103,23 @@ fn token(args: &Args, cluster: Option<&ClusterConfig>) -> Result<String, String>
     Ok(t)
 }
 
-/// This node's config: from the cluster file, or (etcd directory) from `--control`.
+/// This node's config: from the cluster file, or (etcd directory) from `--control`; with
+/// `--control-group` for its socket.
 fn own_node(args: &Args, file: Option<&ClusterConfig>) -> Result<NodeConfig, String> {
+    let mut node = own_node_of(args, file)?;
+    if let Some(g) = &args.control_group {
+        if node.fabric != FabricKind::Shm {
+            return Err(format!(
+                "--control-group {g}: only an shm node's control socket has a group (this node's fabric is {})",
+                node.fabric
+            ));
+        }
+        node.link.control_group = Some(g.clone());
+    }
+    Ok(node)
+}
+
+fn own_node_of(args: &Args, file: Option<&ClusterConfig>) -> Result<NodeConfig, String> {
     if let Some(addr) = &args.control {
         let kind = if addr.starts_with('/') {
             FabricKind::Shm

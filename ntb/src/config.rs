@@ -443,6 +443,16 @@ impl DirectoryConfig {
 }
 
 /// Whether an endpoint's host is a loopback address (or `localhost`).
+/// A portable group name (POSIX's portable filename characters, not starting with '-'),
+/// at most 32 bytes like useradd's.
+fn valid_group_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 32
+        && !n.starts_with('-')
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
 fn is_loopback_endpoint(e: &str) -> bool {
     let host = e.rsplit_once(':').map_or(e, |(h, _)| h);
     let host = host.trim_start_matches('[').trim_end_matches(']');
@@ -539,6 +549,9 @@ struct RawNode {
     /// `bar` nodes: ring slots at the region's end (default
     /// [`crate::region::DEFAULT_RING_SLOTS`]).
     control_rings: Option<Spanned<u32>>,
+    /// shm nodes: the group that may connect to the control socket
+    /// ([`LinkConfig::control_group`]).
+    control_group: Option<Spanned<String>>,
 }
 
 /// A field name, the span of its value if given, and the verdict.
@@ -940,6 +953,26 @@ impl ClusterConfig {
             }
             link.limits = limits;
             link.region = region;
+            if let Some(g) = &n.control_group {
+                let name = g.get_ref();
+                if fabric != FabricKind::Shm {
+                    return cx.invalid(
+                        "control_group",
+                        g.span(),
+                        format!(
+                            "only an shm node's control socket has a group (this node's fabric is {fabric})"
+                        ),
+                    );
+                }
+                if !valid_group_name(name) {
+                    return cx.invalid(
+                        "control_group",
+                        g.span(),
+                        format!("{name:?} is not a group name (letters, digits, '_', '-', '.', not first '-')"),
+                    );
+                }
+                link.control_group = Some(name.clone());
+            }
             // Name the first field that breaks a rule.
             let checks: [Check<'_>; 4] = [
                 (
@@ -1101,6 +1134,33 @@ doorbells = 32
         assert!(
             e.starts_with("c.toml:7: field `link.max_pending_per_source`")
                 && e.contains("17 is not in 1..=16"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_shm_nodes_control_group_is_kept_and_checked() {
+        let shared = GOOD.replace(
+            "control = \"/run/lendvm/node1.sock\"",
+            "control = \"/run/lendvm/node1.sock\"\ncontrol_group = \"lendvm\"",
+        );
+        let c = ClusterConfig::parse(&shared, "t.toml").unwrap();
+        assert_eq!(
+            c.node("node1").unwrap().link.control_group.as_deref(),
+            Some("lendvm")
+        );
+        assert_eq!(c.node("node3").unwrap().link.control_group, None);
+        let e = err(&shared.replace("\"lendvm\"", "\"-x y\""));
+        assert!(
+            e.contains("field `control_group`") && e.contains("is not a group name"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace(
+            "control = \"169.254.77.1:7700\"",
+            "control = \"169.254.77.1:7700\"\ncontrol_group = \"lendvm\"",
+        ));
+        assert!(
+            e.contains("field `control_group`") && e.contains("fabric is tcp"),
             "{e}"
         );
     }

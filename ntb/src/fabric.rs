@@ -234,6 +234,11 @@ pub struct LinkConfig {
     /// Pre-authentication limits of a listener: handshakes at once, in all and per source
     /// (`[link] max_pending_handshakes`, `max_pending_per_source`).
     pub preauth: crate::accept::PreauthLimits,
+    /// shm nodes: the group whose members may connect to this node's control socket (mode
+    /// 0660, `[[node]] control_group`), so that VMs running as users of their own reach a
+    /// lender on their host; `None`: mode 0600, this user only. Resolved when the listener
+    /// binds, on the listening host.
+    pub control_group: Option<String>,
 }
 
 /// [`LinkConfig::request_timeout`] unless the cluster file's `link.request_timeout_ms` says
@@ -253,6 +258,7 @@ impl Default for LinkConfig {
             require_sealed_windows: true,
             region: None,
             preauth: crate::accept::PreauthLimits::default(),
+            control_group: None,
         }
     }
 }

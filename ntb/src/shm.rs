@@ -33,7 +33,8 @@ pub fn connect(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<Box<dyn 
     )?))
 }
 
-/// Listens on a Unix socket (mode 0600); the socket file is removed on drop.
+/// Listens on a Unix socket (mode 0600, or 0660 for [`LinkConfig::control_group`]); the
+/// socket file is removed on drop.
 pub struct ShmListener {
     listener: UnixListener,
     path: PathBuf,
@@ -42,11 +43,15 @@ pub struct ShmListener {
 }
 
 impl ShmListener {
-    /// Binds `path` with mode 0600 from the start, replacing a stale socket file; refuses a
-    /// path a live listener holds, or one that is not a socket ([`crate::sock`]).
+    /// Binds `path` with mode 0600 (0660 and the group of [`LinkConfig::control_group`])
+    /// from the start, replacing a stale socket file; refuses a path a live listener holds,
+    /// or one that is not a socket ([`crate::sock`]).
     pub fn bind(path: &Path, local: &NodeId, cfg: &LinkConfig) -> Result<ShmListener> {
         cfg.validate()?;
-        let (listener, file) = crate::sock::bind_private(path)?;
+        let (listener, file) = match &cfg.control_group {
+            None => crate::sock::bind_private(path)?,
+            Some(group) => crate::sock::bind_shared(path, group)?,
+        };
         listener
             .set_nonblocking(true)
             .map_err(FabricError::io("make the shm listener non-blocking"))?;

@@ -8,6 +8,11 @@
 //! there), sets the socket's mode to 0600, and renames it onto the target path, which also
 //! replaces a stale socket file atomically. A path where a listener still accepts
 //! connections is refused, as is a path that is not a socket.
+//!
+//! [`bind_shared`] does the same for a socket that the members of one group may reach (a
+//! lender's shm control socket, which VMs running as users of their own connect to): the
+//! group and mode 0660 are set while the socket is still in the private directory, so it is
+//! never reachable by anyone else.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
@@ -22,6 +27,8 @@ pub enum BindError {
     NotASocket(PathBuf),
     #[error("{0} is in use by a live listener")]
     InUse(PathBuf),
+    #[error("group {0:?} (the socket's control_group) does not exist")]
+    NoSuchGroup(String),
     #[error("{op} for socket {path}: {source}")]
     Io {
         op: &'static str,
@@ -99,6 +106,45 @@ impl Drop for PrivateDir {
 /// Binds a Unix listener at `path` with mode 0600 from the start (see the module doc).
 /// Returns the listener and the identity of its socket file.
 pub fn bind_private(path: &Path) -> Result<(UnixListener, SocketFile), BindError> {
+    bind_with(path, None)
+}
+
+/// Binds a Unix listener at `path` that this user and the members of `group` may connect
+/// to (mode 0660, the file's group `group`), and nobody else at any instant (see the module
+/// doc). The process must be a member of `group` (the kernel refuses the `chown`
+/// otherwise).
+pub fn bind_shared(path: &Path, group: &str) -> Result<(UnixListener, SocketFile), BindError> {
+    let gid = group_id(group)?;
+    bind_with(path, Some(gid))
+}
+
+/// The id of the group called `name` (`getgrnam_r`).
+pub fn group_id(name: &str) -> Result<u32, BindError> {
+    let missing = || BindError::NoSuchGroup(name.to_string());
+    let cname = CString::new(name).map_err(|_| missing())?;
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: `group` is plain old data that getgrnam_r fills in.
+    let mut group: libc::group = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call: the name is NUL-terminated, `buf` is
+    // writable for `buf.len()` bytes and outlives `group`'s string pointers, which are not
+    // kept.
+    let r = unsafe {
+        libc::getgrnam_r(
+            cname.as_ptr(),
+            &mut group,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    if r != 0 || found.is_null() {
+        return Err(missing());
+    }
+    Ok(group.gr_gid)
+}
+
+fn bind_with(path: &Path, group: Option<u32>) -> Result<(UnixListener, SocketFile), BindError> {
     let io = |op, source| BindError::Io {
         op,
         path: path.to_path_buf(),
@@ -112,8 +158,23 @@ pub fn bind_private(path: &Path) -> Result<(UnixListener, SocketFile), BindError
     let dir = PrivateDir::new(parent, path)?;
     let tmp = dir.0.join("s");
     let listener = UnixListener::bind(&tmp).map_err(|e| io("bind", e))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| io("set mode 0600", e))?;
+    let mode = match group {
+        None => 0o600,
+        Some(gid) => {
+            // A socket is created with the process's group (or the directory's, if setgid):
+            // lenderd.service runs with the control group as its primary group, and its
+            // system call filter refuses chown (@privileged), so it is called only when the
+            // group differs.
+            let m = std::fs::symlink_metadata(&tmp).map_err(|e| io("stat", e))?;
+            if m.gid() != gid {
+                std::os::unix::fs::chown(&tmp, None, Some(gid))
+                    .map_err(|e| io("give the socket to its control_group", e))?;
+            }
+            0o660
+        }
+    };
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| io("set the socket's mode", e))?;
     // Again just before the rename: a listener may have started meanwhile.
     check_target(path)?;
     std::fs::rename(&tmp, path).map_err(|e| io("move into place", e))?;
@@ -191,5 +252,39 @@ mod tests {
         assert!(!p.exists());
         std::fs::write(&p, b"data").unwrap();
         assert!(matches!(bind_private(&p), Err(BindError::NotASocket(_))));
+    }
+
+    /// The name of this process's effective group, so the test works for any user.
+    fn own_group() -> String {
+        // SAFETY: getgrgid returns a pointer into static storage or null; it is read at once
+        // and no other thread of this test calls it.
+        let g = unsafe { libc::getgrgid(libc::getegid()) };
+        assert!(!g.is_null(), "this process's group has no name");
+        // SAFETY: gr_name of a non-null entry is a NUL-terminated string.
+        unsafe { std::ffi::CStr::from_ptr((*g).gr_name) }
+            .to_str()
+            .unwrap()
+            .to_string()
+    }
+
+    #[test]
+    fn a_shared_socket_is_its_groups_and_no_one_elses() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.sock");
+        let group = own_group();
+        let (_l, _f) = bind_shared(&p, &group).unwrap();
+        let m = std::fs::symlink_metadata(&p).unwrap();
+        assert!(m.file_type().is_socket());
+        assert_eq!(m.permissions().mode() & 0o777, 0o660);
+        // SAFETY: getegid cannot fail.
+        assert_eq!(m.gid(), unsafe { libc::getegid() });
+        assert!(UnixStream::connect(&p).is_ok());
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+        let e = bind_shared(&d.path().join("y.sock"), "no-such-group-lendvm").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "group \"no-such-group-lendvm\" (the socket's control_group) does not exist"
+        );
+        assert!(!d.path().join("y.sock").exists());
     }
 }

@@ -171,6 +171,34 @@ fn a_weak_token_without_a_cluster_file_is_refused() {
     );
 }
 
+/// `--token-file` (what lendvm@.service passes: the credential systemd loads for a VM that
+/// runs as a user of its own) must be private and hold a strong token.
+#[test]
+fn a_token_file_must_be_private_and_strong() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("token");
+    std::fs::write(&f, "b7Q2xL9mR4tV8nK1pZ6wS3yD0cF5hJ2gAe\n").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let path = f.to_str().unwrap();
+    cli_error(
+        &["--kernel", TEST_GUEST, "--token-file", path],
+        "--token-file: token file",
+    );
+    let run = run_lendvm(&["--kernel", TEST_GUEST, "--token-file", path], TIMEOUT);
+    assert!(run.stderr.contains("0640"), "{}", run.stderr);
+    std::fs::write(&f, "s3cret\n").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    cli_error(
+        &["--kernel", TEST_GUEST, "--token-file", path],
+        "is too weak: it is 6 bytes long",
+    );
+    cli_error(
+        &["--kernel", TEST_GUEST, "--token-file", "/nonexistent/token"],
+        "--token-file: token file /nonexistent/token",
+    );
+}
+
 fn cli_error(args: &[&str], needle: &str) {
     let run = run_lendvm(args, TIMEOUT);
     assert_eq!(run.code(), Some(2), "{args:?}: stderr {}", run.stderr);

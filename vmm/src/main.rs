@@ -99,10 +99,17 @@ struct Cli {
     /// TLS), AUTH and HELLO. 0: the link closes with the last device.
     #[arg(long, value_name = "MS", default_value_t = vmm::remote::SESSION_IDLE_MS)]
     lender_idle_ms: u64,
-    /// Cluster auth token (visible in `ps`; prefer $LENDVM_TOKEN or the cluster file's token).
-    /// It also authenticates live migrations (needed for tcp ones), with or without --cluster.
-    #[arg(long, value_name = "TOKEN")]
+    /// Cluster auth token (visible in `ps`; prefer --token-file, $LENDVM_TOKEN or the cluster
+    /// file's token). It also authenticates live migrations (needed for tcp ones), with or
+    /// without --cluster.
+    #[arg(long, value_name = "TOKEN", conflicts_with = "token_file")]
     token: Option<String>,
+    /// File holding the cluster auth token (surrounding whitespace is ignored); it must not be
+    /// readable by group or others (mode 0600 or stricter). lendvm@.service passes the
+    /// credential systemd loads for it (`LoadCredential=`), so that a VM running as a user
+    /// of its own reads a token file that only root may read.
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<std::path::PathBuf>,
     /// Do not append `noxsave clearcpuid=...` to a Linux kernel's command line when KVM
     /// ignores the VMM's CPUID masks.
     #[arg(long)]
@@ -442,7 +449,8 @@ impl LinkSource for NoCluster {
     }
 }
 
-/// The cluster token: `--token`, else `$LENDVM_TOKEN`, else the cluster file's.
+/// The cluster token: `--token`, else `--token-file`, else `$LENDVM_TOKEN`, else the cluster
+/// file's.
 fn token(cli: &Cli, cluster: &ClusterConfig) -> Result<Option<String>, String> {
     let strong = |t: String, from: &str| {
         ntb::config::check_token(&t, from)
@@ -451,6 +459,12 @@ fn token(cli: &Cli, cluster: &ClusterConfig) -> Result<Option<String>, String> {
     };
     if let Some(t) = &cli.token {
         return strong(t.clone(), "--token");
+    }
+    if let Some(p) = &cli.token_file {
+        // read_token_file refuses a readable-by-others file and checks the token's strength.
+        return ntb::config::read_token_file(p)
+            .map(Some)
+            .map_err(|e| format!("--token-file: {e}"));
     }
     if let Ok(t) = std::env::var("LENDVM_TOKEN") {
         if !t.trim().is_empty() {
@@ -584,14 +598,14 @@ fn main() -> ExitCode {
                     Ok(Some(t)) => t,
                     Ok(None) if cli.remote_device.is_empty() => {
                         log::warn!(
-                            "no cluster token (--token, $LENDVM_TOKEN or the cluster file's \
-                         token/token_file): lenders will refuse hot-added devices"
+                            "no cluster token (--token, --token-file, $LENDVM_TOKEN or the cluster \
+                         file's token/token_file): lenders will refuse hot-added devices"
                         );
                         String::new()
                     }
                     Ok(None) => return usage_error(
-                        "no cluster token: pass --token, set LENDVM_TOKEN or put token/token_file \
-                         in the cluster file",
+                        "no cluster token: pass --token or --token-file, set LENDVM_TOKEN or put \
+                         token/token_file in the cluster file",
                     ),
                     Err(e) => return usage_error(e),
                 };

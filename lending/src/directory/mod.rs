@@ -202,6 +202,8 @@ impl NodeRecord {
             region: None,
             // A lender's own listener limits, from its own cluster file: not a record's.
             preauth: ntb::PreauthLimits::default(),
+            // The listener's own socket group, from its own configuration: not a record's.
+            control_group: None,
         };
         link.validate().map_err(|e| bad(e.to_string()))?;
         Ok(NodeConfig {

@@ -29,6 +29,7 @@ pub(super) fn check_hello(
         require_sealed_windows: cfg.require_sealed_windows,
         region: None,
         preauth: cfg.preauth,
+        control_group: None,
     };
     peer_cfg.validate().map_err(|e| e.to_string())?;
     if peer_cfg.heartbeat * 2 >= cfg.peer_timeout {
