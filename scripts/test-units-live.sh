@@ -268,9 +268,12 @@ fi
 NSPAWN_PID=
 res=$(cat "$W/up/u/var/tmp/lendvm-units-check.result" 2>/dev/null || echo "no result (the check did not run)")
 grep -a 'units-check:\|----\|IO \|FAIL' "$W/console" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 150 || true
-if [ "$res" != ok ] || [ "$rc" != 0 ]; then
+# The verdict is the result file, which only the check writes, once every check passed:
+# nspawn's own exit status after `systemctl exit 0` was 255 on one CI run (0 on others).
+if [ "$res" != ok ]; then
 	echo "---- the container's console (last 80 lines) ----" >&2
 	tail -n 80 "$W/console" | sed 's/\x1b\[[0-9;]*m//g' >&2
 	fail "the check did not pass (container exit $rc, result: $res)"
 fi
+[ "$rc" = 0 ] || echo "test-units-live: (the container ended with status $rc after the check passed)"
 echo "test-units-live: ok in $((SECONDS - start))s"

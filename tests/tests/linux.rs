@@ -1870,6 +1870,30 @@ fn two_acks(lines: &[String], tag: &str) -> Vec<(usize, u64)> {
         .collect()
 }
 
+/// For a failure report: for each of `blocks`, whether `disk` holds it as the writer wrote it
+/// (`n ok`), or how it starts.
+fn blocks_report(disk: &Path, tag: &str, blocks: &[u64]) -> String {
+    let data = match std::fs::read(disk) {
+        Ok(d) => d,
+        Err(e) => return format!("cannot read {}: {e}", disk.display()),
+    };
+    let verdicts: Vec<String> = blocks
+        .iter()
+        .map(|&n| {
+            let off = (TWO_BASE + n * TWO_BLOCK) as usize;
+            match data.get(off..off + TWO_BLOCK as usize) {
+                Some(got) if got == two_block(tag, n).as_slice() => format!("{n} ok"),
+                Some(got) => format!(
+                    "{n} WRONG (starts {:?})",
+                    String::from_utf8_lossy(&got[..40])
+                ),
+                None => format!("{n} past the end of the file"),
+            }
+        })
+        .collect();
+    format!("{} ({})", verdicts.join(", "), disk.display())
+}
+
 fn expect_blocks(disk: &Path, tag: &str, count: u64) {
     let data = std::fs::read(disk).unwrap();
     for n in 0..count {
@@ -1965,7 +1989,30 @@ fn linux_two_lent_disks_from_two_lenders_one_removed_mid_io() {
     // One link and one export of guest RAM per lender.
     assert_eq!((c.lender_sessions, c.ram_exports), (2, 2), "{c:?}");
 
-    let (_, a_ok) = guest.expect_line(la, "LENDVM-TWO a ok ", deadline);
+    // Disk a's verdict: on a failure, the report says which acknowledged blocks are in the
+    // lender's file as written, which tells a wrong read (the file is right) from a wrong
+    // write (it is not).
+    let a_end = guest.out.wait_for(deadline, |lines| {
+        lines
+            .iter()
+            .find(|(_, l)| l.contains("LENDVM-TWO a ok ") || l.contains("LENDVM-TWO fail "))
+            .map(|(_, l)| l.clone())
+    });
+    let a_ok = match a_end {
+        Some(l) if l.contains("LENDVM-TWO a ok ") => l,
+        other => {
+            let acked: Vec<u64> = two_acks(&guest.out.lines(), "a")
+                .into_iter()
+                .map(|(_, n)| n)
+                .collect();
+            panic!(
+                "disk a did not verify: {}\nacknowledged blocks of disk a in its lender's file: {}\n{}",
+                other.as_deref().unwrap_or("no verdict line before the deadline"),
+                blocks_report(&la.disk, "a", &acked),
+                diag(&guest)
+            )
+        }
+    };
     assert!(
         a_ok.contains(&format!("blocks={TWO_A_BLOCKS}")),
         "{a_ok}\n{}",
