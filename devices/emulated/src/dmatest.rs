@@ -118,6 +118,27 @@ struct Inner {
     refused: AtomicU64,
     /// Size of the data buffer at [`BUF_OFFSET`].
     buf_size: u64,
+    /// The copy's staging buffer, kept between copies so a copy does not allocate and fault
+    /// in fresh pages each time (a 64 MiB copy spent most of its time there). It grows to the
+    /// longest copy made, which is bounded by the copy limit (the larger of [`MAX_LEN`] and
+    /// the buffer's size): a device costs at most its buffer's size again once a guest made
+    /// such a copy. Only the worker thread takes it.
+    bounce: Mutex<Vec<u8>>,
+}
+
+/// Why a copy was refused (logged rate-limited; the guest sees STATUS.error).
+#[derive(Debug, thiserror::Error)]
+enum CopyError {
+    #[error(transparent)]
+    Dma(#[from] crate::dma::DmaFault),
+    /// The register memory refused a bulk access of the buffer (it is smaller than the
+    /// device was built for).
+    #[error("buffer {op} of {len:#x} bytes at {at:#x} refused")]
+    Buffer {
+        op: &'static str,
+        len: usize,
+        at: u64,
+    },
 }
 
 impl Inner {
@@ -183,19 +204,27 @@ impl Inner {
             .then_some(BUF_OFFSET + off)
     }
 
-    fn buf_read(&self, at: u64, out: &mut [u8]) {
-        for (i, chunk) in out.chunks_mut(8).enumerate() {
-            let v = self.regs.read64(at + 8 * i as u64).to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
+    /// The buffer's bytes at `at` (checked by [`Inner::buf_range`]), in one bulk copy.
+    fn buf_read(&self, at: u64, out: &mut [u8]) -> Result<(), CopyError> {
+        self.regs
+            .read_bytes(at, out)
+            .then_some(())
+            .ok_or(CopyError::Buffer {
+                op: "read",
+                len: out.len(),
+                at,
+            })
     }
 
-    fn buf_write(&self, at: u64, data: &[u8]) {
-        for (i, chunk) in data.chunks(8).enumerate() {
-            let mut v = [0u8; 8];
-            v[..chunk.len()].copy_from_slice(chunk);
-            self.regs.write64(at + 8 * i as u64, u64::from_le_bytes(v));
-        }
+    fn buf_write(&self, at: u64, data: &[u8]) -> Result<(), CopyError> {
+        self.regs
+            .write_bytes(at, data)
+            .then_some(())
+            .ok_or(CopyError::Buffer {
+                op: "write",
+                len: data.len(),
+                at,
+            })
     }
 
     fn copy(&self, cmd: u32) -> bool {
@@ -225,20 +254,22 @@ impl Inner {
             }
             return false;
         };
-        let mut buf = vec![0u8; len as usize];
-        let r = match src_buf {
-            Some(at) => {
-                self.buf_read(at, &mut buf);
-                Ok(())
-            }
-            None => self.dma.read(src, &mut buf),
+        let mut staging = match self.bounce.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let len = len as usize;
+        if staging.len() < len {
+            staging.resize(len, 0);
         }
-        .and_then(|_| match dst_buf {
-            Some(at) => {
-                self.buf_write(at, &buf);
-                Ok(())
-            }
-            None => self.dma.write(dst, &buf),
+        let buf = &mut staging[..len];
+        let r = match src_buf {
+            Some(at) => self.buf_read(at, buf),
+            None => self.dma.read(src, buf).map_err(CopyError::from),
+        }
+        .and_then(|()| match dst_buf {
+            Some(at) => self.buf_write(at, buf),
+            None => self.dma.write(dst, buf).map_err(CopyError::from),
         });
         if let Err(e) = r {
             // A guest can loop on refused copies: the first 16, then one in 1024.
@@ -320,6 +351,7 @@ impl DmaTest {
             })?,
             refused: AtomicU64::new(0),
             buf_size,
+            bounce: Mutex::new(Vec::new()),
         };
         inner.publish(&State::default());
         Ok(DmaTest {

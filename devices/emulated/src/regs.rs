@@ -38,6 +38,43 @@ pub trait RegisterMemory: Send + Sync {
         self.write32(offset, value);
         old
     }
+    /// Copy `out.len()` bytes at `offset` out of plain memory inside the region (a device's
+    /// data buffer, not its registers), in one bulk copy where the implementation can: a
+    /// copy engine moves its buffer as a DMA engine does, not a register at a time. `false`
+    /// (nothing read) unless `offset` and the length are multiples of 8 and the range lies
+    /// inside the region. Default: 64-bit loads.
+    fn read_bytes(&self, offset: u64, out: &mut [u8]) -> bool {
+        if !bytes_fit(self.len(), offset, out.len()) {
+            return false;
+        }
+        for (i, c) in out.chunks_mut(8).enumerate() {
+            c.copy_from_slice(&self.read64(offset + 8 * i as u64).to_le_bytes());
+        }
+        true
+    }
+    /// Copy `data` into plain memory at `offset` (see [`RegisterMemory::read_bytes`]).
+    /// Default: 64-bit stores.
+    fn write_bytes(&self, offset: u64, data: &[u8]) -> bool {
+        if !bytes_fit(self.len(), offset, data.len()) {
+            return false;
+        }
+        for (i, c) in data.chunks(8).enumerate() {
+            let mut v = [0u8; 8];
+            v.copy_from_slice(c);
+            self.write64(offset + 8 * i as u64, u64::from_le_bytes(v));
+        }
+        true
+    }
+}
+
+/// Whether `len` bytes at `offset` are a bulk access [`RegisterMemory::read_bytes`] takes: 8-byte
+/// aligned, a multiple of 8 long, inside a region of `region` bytes.
+fn bytes_fit(region: usize, offset: u64, len: usize) -> bool {
+    offset.is_multiple_of(8)
+        && len.is_multiple_of(8)
+        && offset
+            .checked_add(len as u64)
+            .is_some_and(|e| e <= region as u64)
 }
 
 /// Register memory over a raw pointer (an mmap of a fabric window). All accesses are atomic
@@ -120,6 +157,39 @@ impl RegisterMemory for RawRegisters {
         let a = unsafe { AtomicU64::from_ptr(self.base.add(offset as usize).cast::<u64>()) };
         a.store(value, Ordering::Release);
     }
+
+    fn read_bytes(&self, offset: u64, out: &mut [u8]) -> bool {
+        if !bytes_fit(self.len, offset, out.len()) {
+            return false;
+        }
+        // SAFETY: the range lies inside the mapping `new`'s contract keeps valid; the copy
+        // goes through raw pointers (no reference to the shared bytes is made). These bytes
+        // are a device's data, not registers: a store the borrower makes meanwhile races
+        // with the copy as it would with a real device's DMA engine.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.add(offset as usize),
+                out.as_mut_ptr(),
+                out.len(),
+            );
+        }
+        true
+    }
+
+    fn write_bytes(&self, offset: u64, data: &[u8]) -> bool {
+        if !bytes_fit(self.len, offset, data.len()) {
+            return false;
+        }
+        // SAFETY: as in read_bytes; the mapping is writable per `new`'s contract.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.base.add(offset as usize),
+                data.len(),
+            );
+        }
+        true
+    }
 }
 
 /// Register memory in a mapping that `backing` owns and keeps alive (a heap buffer, a memfd,
@@ -167,6 +237,12 @@ impl<B: Send + Sync> RegisterMemory for MappedRegisters<B> {
     fn swap32(&self, offset: u64, value: u32) -> u32 {
         self.raw.swap32(offset, value)
     }
+    fn read_bytes(&self, offset: u64, out: &mut [u8]) -> bool {
+        self.raw.read_bytes(offset, out)
+    }
+    fn write_bytes(&self, offset: u64, data: &[u8]) -> bool {
+        self.raw.write_bytes(offset, data)
+    }
 }
 
 /// Heap-backed register memory (tests, the tcp fabric).
@@ -212,5 +288,44 @@ mod tests {
         assert_eq!(r.read32(2), u32::MAX);
         r.write32(16, 1); // ignored
         assert_eq!(r.len(), 16);
+    }
+
+    /// Register memory with only the required methods: the trait's default bulk copies.
+    struct Plain(HeapRegisters);
+    impl RegisterMemory for Plain {
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn read32(&self, offset: u64) -> u32 {
+            self.0.read32(offset)
+        }
+        fn write32(&self, offset: u64, value: u32) {
+            self.0.write32(offset, value)
+        }
+    }
+
+    #[test]
+    fn bulk_copies_match_word_accesses_and_refuse_what_does_not_fit() {
+        let fast = HeapRegisters::new(64);
+        let slow = Plain(HeapRegisters::new(64));
+        let data: Vec<u8> = (1..=32).collect();
+        for r in [&fast as &dyn RegisterMemory, &slow] {
+            assert!(r.write_bytes(16, &data));
+            assert_eq!(r.read64(16), u64::from_le_bytes([1, 2, 3, 4, 5, 6, 7, 8]));
+            assert_eq!(r.read32(44), u32::from_le_bytes([29, 30, 31, 32]));
+            let mut back = [0u8; 32];
+            assert!(r.read_bytes(16, &mut back));
+            assert_eq!(back.as_slice(), data.as_slice());
+            // Past the end, unaligned offset or length: refused, nothing touched.
+            assert!(!r.write_bytes(40, &data));
+            assert!(!r.write_bytes(4, &data[..8]));
+            assert!(!r.write_bytes(0, &data[..12]));
+            let mut out = [0xaau8; 8];
+            assert!(!r.read_bytes(60, &mut out));
+            assert!(!r.read_bytes(u64::MAX - 7, &mut out));
+            assert_eq!(out, [0xaa; 8]);
+            assert_eq!(r.read64(0), 0);
+            assert!(r.read_bytes(56, &mut out));
+        }
     }
 }
