@@ -54,6 +54,17 @@ fn tls_err(what: &str, e: impl std::fmt::Display) -> FabricError {
     FabricError::Handshake(format!("tls {what}: {e}"))
 }
 
+/// One `write_tls` of the handshake. A signal without SA_RESTART (a vCPU kick, in lendvm)
+/// that interrupted the call before anything moved is not a failure: the caller sends again.
+/// CI lost a handshake so.
+fn handshake_send(conn: &mut Connection, sock: &mut impl io::Write) -> Result<()> {
+    match conn.write_tls(sock) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+        Err(e) => Err(tls_err("handshake send", e)),
+    }
+}
+
 /// Accepts any certificate but checks that the peer holds its key (the handshake
 /// signature): identity is proven by the cluster token over the channel binding.
 #[derive(Debug)]
@@ -195,13 +206,7 @@ pub(crate) fn handshake(
             .and_then(|_| tcp.set_write_timeout(Some(left)))
             .map_err(|e| tls_err("socket timeouts", e))?;
         if conn.wants_write() {
-            match conn.write_tls(&mut sock) {
-                Ok(_) => {}
-                // A signal without SA_RESTART (a vCPU kick, in lendvm) interrupted the call
-                // before anything moved: send again. CI lost a handshake so.
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(tls_err("handshake send", e)),
-            }
+            handshake_send(&mut conn, &mut sock)?;
             continue;
         }
         let mut peek = [0u8; 4];
@@ -225,17 +230,14 @@ pub(crate) fn handshake(
                     return Err(tls_err("handshake", e));
                 }
             }
-            // Interrupted by a signal before anything arrived: wait again (as above).
+            // Interrupted by a signal before anything arrived: wait again (see
+            // `handshake_send`).
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(tls_err("handshake receive", e)),
         }
     }
     while conn.wants_write() {
-        match conn.write_tls(&mut sock) {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(tls_err("handshake send", e)),
-        }
+        handshake_send(&mut conn, &mut sock)?;
     }
     let binding = conn
         .export_keying_material([0u8; BINDING_LEN], BINDING_LABEL, None)

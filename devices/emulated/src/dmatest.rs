@@ -254,10 +254,7 @@ impl Inner {
             }
             return false;
         };
-        let mut staging = match self.bounce.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let mut staging = self.bounce.lock().unwrap_or_else(|p| p.into_inner());
         let len = len as usize;
         if staging.len() < len {
             staging.resize(len, 0);

@@ -153,6 +153,7 @@ pub trait VfioContainerOps: Send + Sync {
 }
 
 impl VfioContainerOps for vfio_ioctls::VfioContainer {
+    // SAFETY (contract): the caller keeps the range mapped as the trait's `dma_map` says.
     unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String> {
         let size = usize::try_from(size).map_err(|e| e.to_string())?;
         // SAFETY: the caller upholds this function's contract, which is the contract of
@@ -413,6 +414,7 @@ pub mod fake {
     }
 
     impl VfioContainerOps for FakeVfioContainer {
+        // SAFETY (contract): as the trait's `dma_map`; the fake only records the range.
         unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String> {
             self.record(FakeOp::Map(iova, size))?;
             // As the kernel: EINVAL for a range outside the usable IOVAs, EEXIST for any
