@@ -296,11 +296,23 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
     let mut lender = in_netns(&na, || cluster.start_lenderd(std::slice::from_ref(&nvme)));
     let lender_device = || in_netns(&na, || cluster.device(NVME_BDF));
     let mut vm = in_netns(&nb, || {
-        boot_with_api(
-            &cluster,
-            &format!("tests=hotplug rounds=2 seed={SEED:#x} lba={SLBA} wait_ms=300000 eject_delay_ms=3000"),
-            &[],
-        )
+        let cluster_arg = cluster.path.display().to_string();
+        let sock = cluster.file("api.sock").display().to_string();
+        let cmdline = format!(
+            "tests=hotplug rounds=2 seed={SEED:#x} lba={SLBA} wait_ms=300000 eject_delay_ms=3000"
+        );
+        let args = [
+            "--cluster",
+            &cluster_arg,
+            "--api-socket",
+            &sock,
+            "--cmdline",
+            &cmdline,
+        ];
+        // The link's own account (up, down and why) on stderr, for a failure's message.
+        let vm = Vm::start_with_log("64M", &args, "warn,ntb=info");
+        vm.wait_api();
+        vm
     });
     let api = vm.api();
     vm.expect_line("HOTPLUG ready", T);
@@ -320,10 +332,24 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
     // The lease is the same one as before (no new grant), lent, active, and nobody saw a loss.
     let survived = |what: &str, before: &DeviceStatus| {
         let now = lender_device();
+        let vm_log = || {
+            let err = vm.stderr();
+            let lines: Vec<&str> = err.lines().collect();
+            lines[lines.len().saturating_sub(20)..].join("\n")
+        };
+        // On a failure, the lender's own account of the link and the lease.
+        let lender_log = || {
+            let log = std::fs::read_to_string(cluster.file("lenderd.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            lines[lines.len().saturating_sub(40)..].join("\n")
+        };
         assert_eq!(
             (&now.summary.state, now.leases_granted),
             (&before.summary.state, before.leases_granted),
-            "lender's lease did not survive the {what}"
+            "lender's lease did not survive the {what}; lenderd log, last 40 lines:\n{}\n\
+             lendvm's stderr, last 20 lines:\n{}",
+            lender_log(),
+            vm_log()
         );
         assert_eq!(
             lease_state(&api, "nvme0"),
@@ -366,7 +392,10 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
     std::thread::sleep(Duration::from_secs(2).saturating_sub(t_degraded.elapsed()));
     undegrade(&ends, degradation);
     std::thread::sleep(Duration::from_millis(PEER_TIMEOUT_MS) + Duration::from_secs(1));
-    survived(degradation, &before);
+    survived(
+        &format!("{degradation} (a vm.info during it took {degraded_info_s:.2} s)"),
+        &before,
+    );
 
     // 3. A long cut: the link stays down until both sides have declared the peer gone.
     let bound = Duration::from_millis(PEER_TIMEOUT_MS) + DETECT_SLACK;

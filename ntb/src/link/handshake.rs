@@ -87,7 +87,7 @@ pub(crate) struct LinkOpts {
     pub(crate) peer_addr: Option<String>,
     /// The TLS session's channel binding (tcp).
     pub(crate) binding: Vec<u8>,
-    /// The TLS pump thread (tcp), joined with the link's threads.
+    /// The control rings' pump thread (`bar`), joined with the link's threads.
     pub(crate) pump: Option<JoinHandle<()>>,
     /// When the handshake must be done (default: `connect_timeout` from now).
     pub(crate) deadline: Option<Instant>,
@@ -121,24 +121,25 @@ impl LinkOpts {
             Some(r) => crate::ring::negotiate(&mut conn, &tcp, initiator, r, deadline)?,
             None => None,
         };
-        let (plain, pump, control) = match ring {
+        let (stream, pump, control) = match ring {
             Some(ring) => {
                 let path = ring.path();
                 let who = peer_addr.clone().unwrap_or_default();
                 let (plain, pump) = ring.spawn(conn, tcp, who)?;
-                (plain, pump, path)
+                (Stream::Ring(plain), Some(pump), path)
             }
-            None => {
-                let t = crate::tls::start_pump(conn, tcp, binding.clone())?;
-                (t.plain, t.pump, ControlPath::Tls)
-            }
+            None => (
+                Stream::Tls(Arc::new(TlsStream::new(conn, tcp)?)),
+                None,
+                ControlPath::Tls,
+            ),
         };
         Ok((
-            Stream::Tls(plain),
+            stream,
             LinkOpts {
                 peer_addr,
                 binding,
-                pump: Some(pump),
+                pump,
                 deadline: Some(deadline),
                 region,
                 control: Some(control),

@@ -30,6 +30,7 @@ use crate::fabric::{
 };
 use crate::mem::{fd_has_fixed_extent, fd_seals, fd_size, Mapping, SharedMemory};
 use crate::region::Region;
+use crate::tls::stream::TlsStream;
 use crate::wire::{
     self, code, msg, op, ErrorReply, Header, FLAG_ERROR, FLAG_REPLY, HEADER_LEN, MAX_FDS, VERSION,
 };

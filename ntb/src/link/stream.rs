@@ -1,5 +1,5 @@
-//! The connected stream under a link (Unix socket, or a TLS pump's plaintext end) and its
-//! framing: frames with fds, bounded reads.
+//! The connected stream under a link (a Unix socket, a TLS connection, or the plaintext end
+//! of a control ring's pump) and its framing: frames with fds, bounded reads.
 
 use super::*;
 
@@ -7,22 +7,24 @@ use super::*;
 #[derive(Debug)]
 pub(crate) enum Stream {
     Unix(UnixStream),
-    /// A tcp link's plaintext, through the TLS pump ([`crate::tls`]).
-    Tls(UnixStream),
+    /// A tcp link's TLS connection ([`crate::tls::stream`]).
+    Tls(Arc<TlsStream>),
+    /// A `bar` link's plaintext, through the pump of its control rings ([`crate::ring`]).
+    Ring(UnixStream),
 }
 
 impl Stream {
     pub(crate) fn kind(&self) -> FabricKind {
         match self {
             Stream::Unix(_) => FabricKind::Shm,
-            Stream::Tls(_) => FabricKind::Tcp,
+            Stream::Tls(_) | Stream::Ring(_) => FabricKind::Tcp,
         }
     }
 
     /// The peer's address (see [`crate::Endpoint::peer_addr`]).
     pub(crate) fn peer_desc(&self) -> String {
         match self {
-            Stream::Tls(_) => String::new(),
+            Stream::Tls(_) | Stream::Ring(_) => String::new(),
             Stream::Unix(s) => match crate::sock::peer_cred(s) {
                 Ok(cred) => format!("unix:uid={},pid={}", cred.uid, cred.pid),
                 Err(_) => "unix:unknown".into(),
@@ -33,21 +35,30 @@ impl Stream {
     pub(super) fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-            Stream::Tls(s) => Stream::Tls(s.try_clone()?),
+            Stream::Tls(s) => Stream::Tls(Arc::clone(s)),
+            Stream::Ring(s) => Stream::Ring(s.try_clone()?),
         })
     }
 
     pub(super) fn shutdown(&self) {
-        let _ = match self {
-            Stream::Unix(s) | Stream::Tls(s) => s.shutdown(Shutdown::Both),
-        };
+        match self {
+            Stream::Unix(s) | Stream::Ring(s) => {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            Stream::Tls(s) => s.shutdown(),
+        }
     }
 
     pub(super) fn set_timeouts(&self, t: Duration) -> io::Result<()> {
         match self {
-            Stream::Unix(s) | Stream::Tls(s) => {
+            Stream::Unix(s) | Stream::Ring(s) => {
                 s.set_read_timeout(Some(t))?;
                 s.set_write_timeout(Some(t))
+            }
+            Stream::Tls(s) => {
+                s.set_read_timeout(t);
+                s.set_write_timeout(t);
+                Ok(())
             }
         }
     }
@@ -63,7 +74,8 @@ impl Stream {
                 }
                 (&*s).write_all(bytes.get(off..).unwrap_or_default())
             }
-            Stream::Tls(s) => (&*s).write_all(bytes),
+            Stream::Tls(s) => s.write_parts(&[bytes]),
+            Stream::Ring(s) => (&*s).write_all(bytes),
         }
     }
 
@@ -72,7 +84,8 @@ impl Stream {
     /// `wire::MAX_DATA_CHUNK` bytes of it; no fds travel with them).
     pub(super) fn write_parts(&self, head: &[u8], data: &[u8]) -> io::Result<()> {
         let mut w = match self {
-            Stream::Unix(s) | Stream::Tls(s) => s,
+            Stream::Unix(s) | Stream::Ring(s) => s,
+            Stream::Tls(s) => return s.write_parts(&[head, data]),
         };
         let mut bufs = [io::IoSlice::new(head), io::IoSlice::new(data)];
         let mut bufs = &mut bufs[..];
@@ -89,7 +102,8 @@ impl Stream {
 
     pub(super) fn read_some(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
         match self {
-            Stream::Tls(s) => (&*s).read(buf),
+            Stream::Tls(s) => s.read(buf),
+            Stream::Ring(s) => (&*s).read(buf),
             Stream::Unix(s) => {
                 let mut raw = [-1 as RawFd; MAX_FDS];
                 let mut iov = [libc::iovec {
@@ -113,7 +127,11 @@ impl Stream {
 
     pub(super) fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
         match self {
-            Stream::Unix(s) | Stream::Tls(s) => s.set_read_timeout(Some(t)),
+            Stream::Unix(s) | Stream::Ring(s) => s.set_read_timeout(Some(t)),
+            Stream::Tls(s) => {
+                s.set_read_timeout(t);
+                Ok(())
+            }
         }
     }
 
