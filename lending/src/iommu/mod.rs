@@ -123,7 +123,7 @@ pub enum IommuError {
         end: u64,
     },
     /// The VFIO layer refused the operation.
-    #[error("vfio {op} of iova {iova:#x} size {size:#x} failed: {msg}")]
+    #[error("vfio {op} of iova {iova:#x} size {size:#x} failed: {source}")]
     Vfio {
         /// `map` or `unmap`.
         op: &'static str,
@@ -131,8 +131,9 @@ pub enum IommuError {
         iova: u64,
         /// Size.
         size: u64,
-        /// Error text from the VFIO layer.
-        msg: String,
+        /// What the VFIO layer said.
+        #[source]
+        source: vfio::VfioOpError,
     },
 }
 

@@ -69,10 +69,11 @@ pub fn read_iova_ranges(
     const CAP_HDR: usize = std::mem::size_of::<vfio_info_cap_header>();
     let call = |buf: &mut Vec<u64>| -> std::io::Result<(u32, u32, u32)> {
         let argsz = (buf.len() * 8) as u32;
-        buf[0] = u64::from(argsz); // argsz (low half), flags 0 (high half)
-                                   // SAFETY: VFIO_IOMMU_GET_INFO reads `argsz` and writes at most `argsz` bytes into
-                                   // the buffer, which is that long and 8-byte aligned (u64 elements), as the kernel's
-                                   // struct vfio_iommu_type1_info and its capability chain need.
+        // argsz (low half), flags 0 (high half).
+        buf[0] = u64::from(argsz);
+        // SAFETY: VFIO_IOMMU_GET_INFO reads `argsz` and writes at most `argsz` bytes into
+        // the buffer, which is that long and 8-byte aligned (u64 elements), as the kernel's
+        // struct vfio_iommu_type1_info and its capability chain need.
         let r = unsafe {
             libc::ioctl(
                 fd.as_raw_fd(),
@@ -135,6 +136,36 @@ pub fn read_iova_ranges(
 }
 
 /// The container operations the domain needs.
+/// Why an operation on a VFIO container failed: the typed error of the seam between the
+/// lender and the kernel's VFIO (and of its test double, which answers as the kernel does).
+#[derive(Debug, thiserror::Error)]
+pub enum VfioOpError {
+    /// The size does not fit this host's address space.
+    #[error("size {0:#x} does not fit this host's address space")]
+    TooLarge(u64),
+    /// `VFIO_IOMMU_MAP_DMA` or `VFIO_IOMMU_UNMAP_DMA` failed; the kernel's errno is the
+    /// source's ([`VfioOpError::errno`]).
+    #[error("{0}")]
+    Container(#[source] vfio_ioctls::VfioError),
+    /// `VFIO_IOMMU_GET_INFO` failed.
+    #[error("VFIO_IOMMU_GET_INFO: {0}")]
+    Info(#[source] std::io::Error),
+}
+
+impl VfioOpError {
+    /// The kernel's errno, where the kernel answered.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            VfioOpError::TooLarge(_) => None,
+            VfioOpError::Container(
+                vfio_ioctls::VfioError::IommuDmaMap(e) | vfio_ioctls::VfioError::IommuDmaUnmap(e),
+            ) => Some(e.errno()),
+            VfioOpError::Container(_) => None,
+            VfioOpError::Info(e) => e.raw_os_error(),
+        }
+    }
+}
+
 pub trait VfioContainerOps: Send + Sync {
     /// Programs the IOMMU so that `[iova, iova + size)` reaches `[host_addr, host_addr + size)`.
     ///
@@ -144,47 +175,48 @@ pub trait VfioContainerOps: Send + Sync {
     /// range succeeds — or, see [`VfioDomain`]'s `rebind`, be replaced by another mapping of
     /// the same file range — and no Rust references to it may exist while it is mapped (the
     /// device reads and writes it concurrently).
-    unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String>;
+    unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), VfioOpError>;
     /// Removes a mapping made by [`Self::dma_map`].
-    fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), String>;
+    fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), VfioOpError>;
     /// The IOVA ranges the IOMMU can map (`VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE`); `None`
     /// when the kernel does not say.
-    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, String>;
+    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, VfioOpError>;
 }
 
 impl VfioContainerOps for vfio_ioctls::VfioContainer {
     // SAFETY (contract): the caller keeps the range mapped as the trait's `dma_map` says.
-    unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String> {
-        let size = usize::try_from(size).map_err(|e| e.to_string())?;
+    unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), VfioOpError> {
+        let size = usize::try_from(size).map_err(|_| VfioOpError::TooLarge(size))?;
         // SAFETY: the caller upholds this function's contract, which is the contract of
         // `VfioContainer::vfio_dma_map`.
-        unsafe { self.vfio_dma_map(iova, size, host_addr) }.map_err(|e| e.to_string())
+        unsafe { self.vfio_dma_map(iova, size, host_addr) }.map_err(VfioOpError::Container)
     }
 
-    fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), String> {
-        let size = usize::try_from(size).map_err(|e| e.to_string())?;
-        self.vfio_dma_unmap(iova, size).map_err(|e| e.to_string())
+    fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), VfioOpError> {
+        let size = usize::try_from(size).map_err(|_| VfioOpError::TooLarge(size))?;
+        self.vfio_dma_unmap(iova, size)
+            .map_err(VfioOpError::Container)
     }
 
-    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, String> {
+    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, VfioOpError> {
         use std::os::fd::AsRawFd;
         // SAFETY: the container's fd is open for as long as `self`, which outlives the borrow.
         let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.as_raw_fd()) };
-        read_iova_ranges(fd).map_err(|e| format!("VFIO_IOMMU_GET_INFO: {e}"))
+        read_iova_ranges(fd).map_err(VfioOpError::Info)
     }
 }
 
 impl<T: VfioContainerOps + ?Sized> VfioContainerOps for Arc<T> {
-    unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String> {
+    unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), VfioOpError> {
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { (**self).dma_map(iova, size, host_addr) }
     }
 
-    fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), String> {
+    fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), VfioOpError> {
         (**self).dma_unmap(iova, size)
     }
 
-    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, String> {
+    fn iova_ranges(&self) -> Result<Option<Vec<IovaRange>>, VfioOpError> {
         (**self).iova_ranges()
     }
 }
@@ -240,11 +272,13 @@ impl<C: VfioContainerOps> IommuDomain for VfioDomain<C> {
         // the table entry keeps the Arc — and so the mapping — alive until the IOMMU mapping is
         // removed (unmap keeps the entry if VFIO refuses to unmap). Accesses to the memory go
         // through raw-pointer copies only.
-        unsafe { self.ops.dma_map(iova, size, host.as_ptr()) }.map_err(|msg| IommuError::Vfio {
-            op: "map",
-            iova,
-            size,
-            msg,
+        unsafe { self.ops.dma_map(iova, size, host.as_ptr()) }.map_err(|source| {
+            IommuError::Vfio {
+                op: "map",
+                iova,
+                size,
+                source,
+            }
         })?;
         t.map.insert(
             iova,
@@ -270,11 +304,11 @@ impl<C: VfioContainerOps> IommuDomain for VfioDomain<C> {
         // Keep the entry (and the host mapping) if the IOMMU still points at it.
         self.ops
             .dma_unmap(iova, size)
-            .map_err(|msg| IommuError::Vfio {
+            .map_err(|source| IommuError::Vfio {
                 op: "unmap",
                 iova,
                 size,
-                msg,
+                source,
             })?;
         t.remove_exact(iova, size)?;
         log::info!(
@@ -350,7 +384,10 @@ pub mod fake {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
 
-    use super::VfioContainerOps;
+    use vfio_ioctls::VfioError;
+    use vmm_sys_util::errno::Error as Errno;
+
+    use super::{VfioContainerOps, VfioOpError};
 
     /// One recorded call.
     #[derive(Debug, Clone, PartialEq, Eq)]
@@ -389,12 +426,18 @@ pub mod fake {
     ];
 
     impl FakeVfioContainer {
-        fn record(&self, op: FakeOp) -> Result<(), String> {
+        fn record(&self, op: FakeOp) -> Result<(), VfioOpError> {
+            let failed = |e| match op {
+                FakeOp::Map(..) => VfioOpError::Container(VfioError::IommuDmaMap(e)),
+                FakeOp::Unmap(..) => VfioOpError::Container(VfioError::IommuDmaUnmap(e)),
+            };
             if let Ok(mut c) = self.calls.lock() {
-                c.push(op);
+                c.push(op.clone());
             }
             if self.fail_next.swap(false, Ordering::SeqCst) {
-                return Err("injected failure".into());
+                // An injected failure: what the kernel answers when it cannot pin or
+                // allocate.
+                return Err(failed(Errno::new(libc::ENOMEM)));
             }
             Ok(())
         }
@@ -415,41 +458,51 @@ pub mod fake {
 
     impl VfioContainerOps for FakeVfioContainer {
         // SAFETY (contract): as the trait's `dma_map`; the fake only records the range.
-        unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), String> {
+        unsafe fn dma_map(
+            &self,
+            iova: u64,
+            size: u64,
+            host_addr: *mut u8,
+        ) -> Result<(), VfioOpError> {
             self.record(FakeOp::Map(iova, size))?;
             // As the kernel: EINVAL for a range outside the usable IOVAs, EEXIST for any
             // overlap with a live mapping (not only one that starts at the same IOVA).
+            let refused = |errno| {
+                Err(VfioOpError::Container(VfioError::IommuDmaMap(Errno::new(
+                    errno,
+                ))))
+            };
             let ranges = self.iova_ranges()?.unwrap_or_default();
             if super::reserved_overlap(&ranges, iova, size).is_some() {
-                return Err(format!(
-                    "iova {iova:#x} size {size:#x} is reserved (EINVAL)"
-                ));
+                return refused(libc::EINVAL);
             }
-            let mut l = self.live.lock().map_err(|e| e.to_string())?;
+            let mut l = self.live.lock().unwrap_or_else(|e| e.into_inner());
             let end = iova.saturating_add(size);
             if l.iter()
                 .any(|(&i, &(s, _))| i < end && iova < i.saturating_add(s))
             {
-                return Err(format!("iova {iova:#x} already mapped (EEXIST)"));
+                return refused(libc::EEXIST);
             }
             l.insert(iova, (size, host_addr as usize));
             Ok(())
         }
 
-        fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), String> {
+        fn dma_unmap(&self, iova: u64, size: u64) -> Result<(), VfioOpError> {
             self.record(FakeOp::Unmap(iova, size))?;
-            let mut l = self.live.lock().map_err(|e| e.to_string())?;
+            let mut l = self.live.lock().unwrap_or_else(|e| e.into_inner());
             match l.get(&iova) {
                 Some(&(s, _)) if s == size => {
                     l.remove(&iova);
                     Ok(())
                 }
-                _ => Err(format!("iova {iova:#x} size {size:#x} not mapped (ENOENT)")),
+                // The kernel's type1 answers an unmap of nothing with success and 0 bytes
+                // unmapped, which vfio-ioctls turns into this error.
+                _ => Err(VfioOpError::Container(VfioError::InvalidDmaUnmapSize)),
             }
         }
 
-        fn iova_ranges(&self) -> Result<Option<Vec<super::IovaRange>>, String> {
-            let r = self.ranges.lock().map_err(|e| e.to_string())?;
+        fn iova_ranges(&self) -> Result<Option<Vec<super::IovaRange>>, VfioOpError> {
+            let r = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
             Ok(Some(r.clone().unwrap_or_else(|| X86_IOVA_RANGES.to_vec())))
         }
     }
@@ -489,7 +542,7 @@ mod tests {
         assert_eq!(fake.calls(), vec![FakeOp::Map(0xfea0_0000, 0x20_0000)]);
         // SAFETY: the fake records the address only.
         let raw = unsafe { fake.dma_map(0xfee0_0000, 0x1000, std::ptr::null_mut()) };
-        assert!(raw.unwrap_err().contains("EINVAL"));
+        assert_eq!(raw.unwrap_err().errno(), Some(libc::EINVAL));
         // Above the IOMMU's address width.
         let e = dom.map(0x80_0000_0000, 0x1000, b).unwrap_err();
         assert!(
@@ -534,14 +587,14 @@ mod tests {
         unsafe {
             fake.dma_map(0x10_0000, 0x4000, std::ptr::null_mut())
                 .unwrap();
-            assert!(fake
+            let e = fake
                 .dma_map(0x10_2000, 0x4000, std::ptr::null_mut())
-                .unwrap_err()
-                .contains("EEXIST"));
-            assert!(fake
+                .unwrap_err();
+            assert_eq!(e.errno(), Some(libc::EEXIST), "{e}");
+            let e = fake
                 .dma_map(0x0f_f000, 0x2000, std::ptr::null_mut())
-                .unwrap_err()
-                .contains("EEXIST"));
+                .unwrap_err();
+            assert_eq!(e.errno(), Some(libc::EEXIST), "{e}");
             fake.dma_map(0x10_4000, 0x1000, std::ptr::null_mut())
                 .unwrap();
         }
