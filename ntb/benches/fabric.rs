@@ -530,7 +530,7 @@ fn main() {
         .map(|r| r.tcp_read_vs_tls)
         .fold(f64::INFINITY, f64::min);
     println!(
-        "shm write / memcpy >= 1 MiB: min {shm_min:.2} (goal >= 0.90); tcp write / TLS stream >= 1 MiB: min {tcp_min:.2} (goal >= 0.50)"
+        "shm write / memcpy >= 1 MiB: min {shm_min:.2} (goal >= 0.90); tcp write / TLS stream >= 1 MiB: min {tcp_min:.2}, read {tcp_read_min:.2} (goal >= 0.50 each)"
     );
 
     let json = serde_json::json!({
@@ -556,6 +556,7 @@ fn main() {
         "tcp_read_vs_tls_min_ge_1mib": tcp_read_min,
         "goal_shm_vs_memcpy_ge_1mib": 0.9,
         "goal_tcp_write_vs_tls_ge_1mib": 0.5,
+        "goal_tcp_read_vs_tls_ge_1mib": 0.5,
         "doorbell_rtt_us": {
             "shm": {"p50": sd50, "p99": sd99, "iters": rtt_iters},
             "tcp": {"p50": td50, "p99": td99, "iters": rtt_iters},
@@ -622,8 +623,13 @@ fn main() {
     );
     let _ = writeln!(
         md,
-        "- Goal tcp write ≥ 0.5× the plain TLS stream at ≥ 1 MiB: {} (minimum {tcp_min:.2}; tcp read minimum {tcp_read_min:.2}).",
+        "- Goal tcp write ≥ 0.5× the plain TLS stream at ≥ 1 MiB: {} (minimum {tcp_min:.2}).",
         met(tcp_min >= 0.5)
+    );
+    let _ = writeln!(
+        md,
+        "- Goal tcp read ≥ 0.5× the plain TLS stream at ≥ 1 MiB: {} (minimum {tcp_read_min:.2}).",
+        met(tcp_read_min >= 0.5)
     );
     md += "- Doorbell and interrupt round trips reported with p50/p99: above.\n";
     std::fs::write(dir.join("fabric.md"), md).expect("write md");
