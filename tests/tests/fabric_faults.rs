@@ -296,23 +296,13 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
     let mut lender = in_netns(&na, || cluster.start_lenderd(std::slice::from_ref(&nvme)));
     let lender_device = || in_netns(&na, || cluster.device(NVME_BDF));
     let mut vm = in_netns(&nb, || {
-        let cluster_arg = cluster.path.display().to_string();
-        let sock = cluster.file("api.sock").display().to_string();
-        let cmdline = format!(
-            "tests=hotplug rounds=2 seed={SEED:#x} lba={SLBA} wait_ms=300000 eject_delay_ms=3000"
-        );
-        let args = [
-            "--cluster",
-            &cluster_arg,
-            "--api-socket",
-            &sock,
-            "--cmdline",
-            &cmdline,
-        ];
         // The link's own account (up, down and why) on stderr, for a failure's message.
-        let vm = Vm::start_with_log("64M", &args, "warn,ntb=info");
-        vm.wait_api();
-        vm
+        boot_with_api_log(
+            &cluster,
+            &format!("tests=hotplug rounds=2 seed={SEED:#x} lba={SLBA} wait_ms=300000 eject_delay_ms=3000"),
+            &[],
+            "warn,ntb=info",
+        )
     });
     let api = vm.api();
     vm.expect_line("HOTPLUG ready", T);

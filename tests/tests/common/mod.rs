@@ -584,6 +584,11 @@ pub fn remove(api: &ApiClient, id: &str) {
 /// Boots the test guest with `cmdline`, the cluster file, an API socket and `extra`
 /// arguments, and waits until the API answers.
 pub fn boot_with_api(cluster: &Cluster, cmdline: &str, extra: &[&str]) -> Vm {
+    boot_with_api_log(cluster, cmdline, extra, "warn")
+}
+
+/// [`boot_with_api`] with `RUST_LOG=<log>`.
+pub fn boot_with_api_log(cluster: &Cluster, cmdline: &str, extra: &[&str], log: &str) -> Vm {
     let cluster_arg = cluster.path.display().to_string();
     let sock = cluster.file("api.sock").display().to_string();
     let mut args = vec![
@@ -595,7 +600,7 @@ pub fn boot_with_api(cluster: &Cluster, cmdline: &str, extra: &[&str]) -> Vm {
         cmdline,
     ];
     args.extend_from_slice(extra);
-    let vm = Vm::start("64M", &args);
+    let vm = Vm::start_with_log("64M", &args, log);
     vm.wait_api();
     vm
 }
