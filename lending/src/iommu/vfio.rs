@@ -207,6 +207,7 @@ impl VfioContainerOps for vfio_ioctls::VfioContainer {
 }
 
 impl<T: VfioContainerOps + ?Sized> VfioContainerOps for Arc<T> {
+    // SAFETY (contract): as the trait's `dma_map`, passed on unchanged.
     unsafe fn dma_map(&self, iova: u64, size: u64, host_addr: *mut u8) -> Result<(), VfioOpError> {
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { (**self).dma_map(iova, size, host_addr) }
