@@ -50,6 +50,7 @@ use api::client::ApiClient;
 use api::types::{LeaseState, VmCounters};
 use common::*;
 use lending::protocol::{DeviceState, DeviceStatus};
+use lendvm_tests::capture::last_lines;
 
 const SLBA: u64 = 16;
 const T: Duration = BOOT_TIMEOUT;
@@ -322,16 +323,13 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
     // The lease is the same one as before (no new grant), lent, active, and nobody saw a loss.
     let survived = |what: &str, before: &DeviceStatus| {
         let now = lender_device();
-        let vm_log = || {
-            let err = vm.stderr();
-            let lines: Vec<&str> = err.lines().collect();
-            lines[lines.len().saturating_sub(20)..].join("\n")
-        };
+        let vm_log = || last_lines(&vm.stderr(), 20);
         // On a failure, the lender's own account of the link and the lease.
         let lender_log = || {
-            let log = std::fs::read_to_string(cluster.file("lenderd.log")).unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            lines[lines.len().saturating_sub(40)..].join("\n")
+            last_lines(
+                &std::fs::read_to_string(cluster.file("lenderd.log")).unwrap_or_default(),
+                40,
+            )
         };
         assert_eq!(
             (&now.summary.state, now.leases_granted),

@@ -23,6 +23,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::LINGER;
 use crate::fabric::{FabricError, Result};
+use crate::link::lock;
 
 /// Bytes read from the socket at once (records for rustls).
 const READ_BUF: usize = 128 << 10;
@@ -67,10 +68,6 @@ impl std::fmt::Debug for TlsStream {
             .field("closed", &self.closed)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn timeout(ns: &AtomicU64) -> Option<Duration> {
