@@ -3,6 +3,7 @@
 //! The bare-metal test guest is built by `build.rs`; its path is [`TEST_GUEST`].
 
 pub mod capture;
+pub mod chaos;
 pub mod crash;
 pub mod fio;
 pub mod flake;
