@@ -74,3 +74,86 @@ fn io_sq_in_the_cmb_over_shm() {
 fn io_sq_in_the_cmb_over_tcp_trapped() {
     cmb_run(Fabric::Tcp, Some("trapped"));
 }
+
+/// The guest's 64-bit PCI window (`--pci-mmio64-size`) must hold every 64-bit BAR: a BAR that
+/// does not fit is refused with the sizes and the option named, at launch (lendvm exits, the
+/// lease goes back) and at hot-add (the API answers the same, the VM runs on); bad values of
+/// the option are refused by name.
+#[test]
+fn a_bar_larger_than_the_64bit_window_is_refused_naming_the_sizes() {
+    let cluster = Cluster::new(Fabric::Shm);
+    let disk = cluster.file("disk.img");
+    let _lender = cluster.start_lenderd(&[format!(
+        "{NVME_BDF}=nvme:path={},size=4M,cmb=2M",
+        disk.display()
+    )]);
+    let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
+    let cluster_arg = cluster.path.display().to_string();
+    // BAR0 is 4 MiB (registers, doorbells and the 2 MiB buffer); the window 2 MiB.
+    let mut vm = Vm::start(
+        "64M",
+        &[
+            "--cluster",
+            &cluster_arg,
+            "--remote-device",
+            &dev,
+            "--pci-mmio64-size",
+            "2M",
+            "--cmdline",
+            "tests=pci",
+        ],
+    );
+    let st = vm.wait_exit(BOOT_TIMEOUT);
+    assert!(st.is_some_and(|s| !s.success()), "{st:?} {}", vm.stderr());
+    let err = vm.stderr();
+    assert!(
+        err.contains(
+            "no room for a 4 MiB 64-bit BAR in the guest's 64-bit PCI window of 2 MiB at \
+             0x100000000 (0 bytes already taken)"
+        ) && err.contains("--pci-mmio64-size"),
+        "{err}"
+    );
+    cluster.wait_available(NVME_BDF);
+
+    // Hot-added into a running VM with the same window: refused, the VM runs on.
+    let mut vm = boot_with_api(
+        &cluster,
+        &format!("tests=hotplug rounds=1 seed={SEED:#x} wait_ms=120000"),
+        &["--pci-mmio64-size", "2M"],
+    );
+    let api = vm.api();
+    vm.expect_line("HOTPLUG ready", BOOT_TIMEOUT);
+    let e = api
+        .add_remote_device(&api::types::VmAddRemoteDeviceData {
+            device: spec(NVME_BDF),
+            id: Some("nvme0".into()),
+            mode: None,
+            replace_lost: false,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("409")
+            && e.contains("no room for a 4 MiB 64-bit BAR")
+            && e.contains("--pci-mmio64-size"),
+        "{e}"
+    );
+    assert_eq!(vm.child.try_wait().unwrap(), None, "the VM exited");
+    cluster.wait_available(NVME_BDF);
+    let _ = vm.child.kill();
+
+    // Bad values, by name.
+    for (size, want) in [
+        ("3M", "invalid --pci-mmio64-size '3M'"),
+        ("lots", "invalid size 'lots'"),
+        ("1048576T", "past the guest's"),
+    ] {
+        let mut vm = Vm::start(
+            "64M",
+            &["--pci-mmio64-size", size, "--cmdline", "tests=pci"],
+        );
+        let st = vm.wait_exit(BOOT_TIMEOUT);
+        assert!(st.is_some_and(|s| !s.success()), "{size}: {st:?}");
+        assert!(vm.stderr().contains(want), "{size}: {}", vm.stderr());
+    }
+}

@@ -7,6 +7,8 @@ use std::path::PathBuf;
 pub enum ConfigError {
     #[error("invalid size '{0}': expected a number with an optional K, M or G suffix (e.g. 512M)")]
     Size(String),
+    #[error("invalid --pci-mmio64-size '{0}': expected a multiple of 2M, at least 2M (e.g. 256G)")]
+    Mmio64Size(String),
     #[error("invalid serial '{0}': expected stdout, off or file=PATH")]
     Serial(String),
     #[error("invalid CPU count {0}: must be between 1 and {max}", max = MAX_CPUS)]
@@ -191,6 +193,19 @@ pub struct VmConfig {
     pub cpuid_cmdline: bool,
     /// The CPUID the guest sees (`--cpu-model`).
     pub cpu_model: crate::cpuid::CpuModel,
+    /// Size of the 64-bit PCI BAR window after RAM (`--pci-mmio64-size`; every 64-bit BAR
+    /// of every device, at launch and hot-added, must fit in it).
+    pub pci_mmio64_size: u64,
+}
+
+/// Checks a `--pci-mmio64-size`: a multiple of 2 MiB, at least 2 MiB (the guest's own
+/// limit, its physical address width, is checked when the VM is built).
+pub fn check_mmio64_size(s: &str) -> Result<u64, ConfigError> {
+    let size = parse_size(s)?;
+    if size < (2 << 20) || !size.is_multiple_of(2 << 20) {
+        return Err(ConfigError::Mmio64Size(s.to_owned()));
+    }
+    Ok(size)
 }
 
 /// Validates a CPU count.
@@ -204,6 +219,21 @@ pub fn check_cpus(n: u32) -> Result<u8, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mmio64_sizes() {
+        assert_eq!(check_mmio64_size("64G"), Ok(64 << 30));
+        assert_eq!(check_mmio64_size("2M"), Ok(2 << 20));
+        assert_eq!(check_mmio64_size("1T"), Ok(1 << 40));
+        for bad in ["1M", "3M", "0", "4097K"] {
+            assert_eq!(
+                check_mmio64_size(bad),
+                Err(ConfigError::Mmio64Size(bad.into())),
+                "{bad}"
+            );
+        }
+        assert_eq!(check_mmio64_size("x"), Err(ConfigError::Size("x".into())));
+    }
 
     #[test]
     fn sizes() {

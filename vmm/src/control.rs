@@ -744,7 +744,15 @@ impl Controller {
             .devices
             .add_pci_device(shared, Some(slot))
             .map_err(|e| {
-                ApiError::internal(format!("cannot plug device {id} into slot {slot}: {e}"))
+                let msg = format!("cannot plug device {id} into slot {slot}: {e}");
+                match e {
+                    // The VM's own window is full: the request cannot be met in this VM, as
+                    // with a slot in use (409), not a fault of the VMM (500).
+                    crate::device_manager::DeviceError::Mmio64Full { .. } => {
+                        ApiError::conflict(msg)
+                    }
+                    _ => ApiError::internal(msg),
+                }
             })?;
         let t2b = Instant::now();
         let plugged = {

@@ -364,6 +364,7 @@ fn rig() -> Option<Rig> {
         serial: SerialConfig::Off,
         cpuid_cmdline: true,
         cpu_model: Default::default(),
+        pci_mmio64_size: crate::device_manager::PCI_MMIO64_SIZE,
     })
     .unwrap();
     let ejects = vm.platform_mut().take_ejects().unwrap();
@@ -1310,6 +1311,7 @@ fn migratable(rig: &mut Rig) {
                 cmdline: String::new(),
                 serial: None,
                 cpu_model: None,
+                pci_mmio64_size: None,
             }),
     );
 }

@@ -34,7 +34,8 @@ use crate::layout::{
 };
 use crate::legacy::{DebugExit, SerialDevice};
 
-/// Size of the 64-bit PCI BAR window placed after guest RAM.
+/// Size of the 64-bit PCI BAR window placed after guest RAM, unless `--pci-mmio64-size`
+/// says otherwise.
 pub const PCI_MMIO64_SIZE: u64 = 64 << 30;
 
 /// Errors of device set-up.
@@ -63,6 +64,21 @@ pub enum DeviceError {
         what: &'static str,
         #[source]
         source: BusError,
+    },
+    #[error(
+        "no room for a {} 64-bit BAR in the guest's 64-bit PCI window of {} at {base:#x} ({} \
+         already taken): a VM started with a larger --pci-mmio64-size has room for it",
+        pci::device::human(*size),
+        pci::device::human(*window),
+        pci::device::human(*taken)
+    )]
+    Mmio64Full {
+        size: u64,
+        base: u64,
+        window: u64,
+        taken: u64,
+        #[source]
+        source: vm_allocator::Error,
     },
     #[error(transparent)]
     Pci(#[from] PciDeviceError),
@@ -107,8 +123,8 @@ type BarRanges = Arc<Mutex<BTreeMap<u8, Vec<(usize, BusRange)>>>>;
 /// window all lie outside those windows, so no BAR is ever mapped over them.
 pub struct BarRelocator {
     ranges: BarRanges,
-    /// Start of the 64-bit BAR window.
-    mmio64_start: u64,
+    /// The 64-bit BAR window (base, size).
+    mmio64: (u64, u64),
 }
 
 impl BarRelocator {
@@ -118,7 +134,7 @@ impl BarRelocator {
             PciBarRegionType::Io => vec![(pci::device::PCI_IO_BASE, pci::device::PCI_IO_SIZE)],
             _ => vec![
                 (pci::device::MMIO32_BASE, pci::device::MMIO32_SIZE),
-                (self.mmio64_start, PCI_MMIO64_SIZE),
+                self.mmio64,
             ],
         }
     }
@@ -219,12 +235,12 @@ fn open_serial(serial: &SerialConfig) -> Result<Option<Box<dyn Write + Send>>, D
 
 impl DeviceManager {
     /// Creates the buses with COM1, the debug-exit port and the PCI root complex; the
-    /// 64-bit BAR window starts at `mmio64_start`.
+    /// 64-bit BAR window is `mmio64` (base, size).
     pub fn new(
         vm: &VmFd,
         serial: &SerialConfig,
         exit: Arc<ExitNotifier>,
-        mmio64_start: u64,
+        mmio64: (u64, u64),
     ) -> Result<Self, DeviceError> {
         let pio = Arc::new(Bus::new());
         let mmio = Arc::new(Bus::new());
@@ -260,14 +276,11 @@ impl DeviceManager {
             what: "debug exit port",
             source,
         })?;
-        let allocators = Arc::new(Mutex::new(PciBarAllocators::x86_64(
-            mmio64_start,
-            PCI_MMIO64_SIZE,
-        )?));
+        let allocators = Arc::new(Mutex::new(PciBarAllocators::x86_64(mmio64.0, mmio64.1)?));
         let ranges: BarRanges = Arc::default();
         let pci_bus = Arc::new(PciBus::new(Arc::new(BarRelocator {
             ranges: ranges.clone(),
-            mmio64_start,
+            mmio64,
         })));
         pio.insert(
             Arc::new(Mutex::new(PciConfigIo::new(pci_bus.clone()))),
@@ -331,7 +344,24 @@ impl DeviceManager {
         let bars = device
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .allocate_bars(&self.allocators)?;
+            .allocate_bars(&self.allocators)
+            .map_err(|e| match e {
+                PciDeviceError::BarAllocation {
+                    region_type: PciBarRegionType::Memory64,
+                    size,
+                    window_base,
+                    window_size,
+                    taken,
+                    source,
+                } => DeviceError::Mmio64Full {
+                    size,
+                    base: window_base,
+                    window: window_size,
+                    taken,
+                    source,
+                },
+                e => e.into(),
+            })?;
         let mut placed: Vec<(usize, BusRange)> = Vec::with_capacity(bars.len());
         for bar in &bars {
             let dev = Arc::new(Mutex::new(BarBusDevice {
@@ -501,7 +531,7 @@ mod tests {
             &vm,
             &SerialConfig::Off,
             Arc::new(ExitNotifier::new()),
-            1 << 32,
+            (1 << 32, PCI_MMIO64_SIZE),
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();
@@ -557,7 +587,7 @@ mod tests {
             &vm,
             &SerialConfig::Off,
             Arc::new(ExitNotifier::new()),
-            1 << 32,
+            (1 << 32, PCI_MMIO64_SIZE),
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();
@@ -631,7 +661,7 @@ mod tests {
             &vm,
             &SerialConfig::Off,
             Arc::new(ExitNotifier::new()),
-            1 << 32,
+            (1 << 32, PCI_MMIO64_SIZE),
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();

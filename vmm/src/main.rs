@@ -20,6 +20,7 @@ use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use vmm::config::{self, SerialConfig, VmConfig};
 use vmm::control::{Controller, VmHandles};
+use vmm::device_manager::PCI_MMIO64_SIZE;
 use vmm::event_loop::{ApiChannel, EventLoop};
 use vmm::migration::auth::StreamAuth;
 use vmm::migration::receive::{Incoming, Received};
@@ -119,6 +120,12 @@ struct Cli {
     /// migrated VM keeps its own.
     #[arg(long, value_name = "host|qemu64", default_value = "host")]
     cpu_model: vmm::cpuid::CpuModel,
+    /// Size of the guest's 64-bit PCI window (after RAM): every 64-bit BAR of every device,
+    /// attached at launch or hot-added, must fit in it, so a device with large BARs (a GPU's
+    /// aperture) needs it larger than their sum. At most what the guest's physical address
+    /// width reaches. A restored or migrated VM keeps its own.
+    #[arg(long, value_name = "SIZE", default_value = "64G", value_parser = |s: &str| config::check_mmio64_size(s))]
+    pci_mmio64_size: u64,
     /// Write the VMM's events as JSON lines to FILE (appended) or an inherited fd (also
     /// readable as GET /api/v1/vm.events).
     #[arg(long, value_name = "path=FILE|fd=N")]
@@ -387,6 +394,7 @@ fn wait_for_migration(
                 serial: migrated_serial(cli, c)?,
                 cpuid_cmdline: false,
                 cpu_model: doc_cpu_model(c).map_err(|e| MigrationError::Mismatch(e.to_string()))?,
+                pci_mmio64_size: c.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE),
             };
             match memfd {
                 Some(f) => Vm::for_migration_on(&cfg, f),
@@ -711,6 +719,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             },
+            pci_mmio64_size: m.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE),
         },
         (Some(s), None) => VmConfig {
             memory_size: s.doc.config.memory_size,
@@ -730,6 +739,7 @@ fn main() -> ExitCode {
                     ))
                 }
             },
+            pci_mmio64_size: s.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE),
         },
         (None, None) => VmConfig {
             memory_size: cli.memory.size,
@@ -741,6 +751,7 @@ fn main() -> ExitCode {
             serial: cli.serial.clone().unwrap_or(SerialConfig::Stdout),
             cpuid_cmdline: !cli.no_cpuid_cmdline,
             cpu_model: cli.cpu_model,
+            pci_mmio64_size: cli.pci_mmio64_size,
         },
     };
     let migrated_from = migrated.as_ref().map(|m| (m.bytes, m.paused));
@@ -803,6 +814,7 @@ fn main() -> ExitCode {
         // Moves with the VM on a migration (the destination's --serial may override it).
         serial: Some(cfg.serial.to_string()),
         cpu_model: Some(cfg.cpu_model.name().to_owned()),
+        pci_mmio64_size: Some(cfg.pci_mmio64_size),
     };
     let migration_node = source.identity().map(|(node, _)| node);
     let mut ctl = Controller::new(handles, source, info);

@@ -16,7 +16,6 @@ use pci::Bus;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::device_manager::PCI_MMIO64_SIZE;
 use crate::memory::GuestMemory;
 
 /// First IOAPIC GSI used for PCI INTx.
@@ -98,13 +97,13 @@ pub struct Platform {
 
 impl Platform {
     /// Creates GED + hotplug controller on `mmio`, and writes the ACPI tables for `cpus`
-    /// vCPUs and the 64-bit BAR window at `mmio64_start` into `mem`.
+    /// vCPUs and the 64-bit BAR window `mmio64` (base, size) into `mem`.
     pub fn new(
         vm: &Arc<VmFd>,
         mmio: &Bus,
         mem: &GuestMemory,
         cpus: u8,
-        mmio64_start: u64,
+        mmio64: (u64, u64),
     ) -> Result<Self, PlatformError> {
         let irq = IrqFd::new(vm.clone(), GED_GSI)?;
         let ged_evt = irq
@@ -136,8 +135,8 @@ impl Platform {
         }
         let tables = create_acpi_tables(&AcpiConfig {
             num_vcpus: u32::from(cpus),
-            mmio64_base: mmio64_start,
-            mmio64_size: PCI_MMIO64_SIZE,
+            mmio64_base: mmio64.0,
+            mmio64_size: mmio64.1,
             pci_slot_gsis: Some(gsis),
             ..Default::default()
         })?;

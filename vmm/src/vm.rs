@@ -58,6 +58,46 @@ pub enum VmError {
     Restore(#[from] crate::snapshot::SnapshotError),
     #[error("--cpus {asked}: this KVM allows at most {max} vCPUs per VM (KVM_CAP_MAX_VCPUS)")]
     TooManyCpus { asked: u8, max: usize },
+    #[error(
+        "--pci-mmio64-size {}: the 64-bit PCI window at {base:#x} would end at {end:#x}, past \
+         the guest's {phys_bits}-bit physical address space ({} at most here)",
+        pci::device::human(*size),
+        pci::device::human(*max)
+    )]
+    Mmio64TooLarge {
+        size: u64,
+        base: u64,
+        end: u128,
+        phys_bits: u8,
+        max: u64,
+    },
+}
+
+/// The guest's physical address width from KVM's supported CPUID (leaf 0x8000_0008 EAX[7:0];
+/// 36 when absent, as the SDM says).
+fn phys_bits(supported: &[kvm_bindings::kvm_cpuid_entry2]) -> u8 {
+    supported
+        .iter()
+        .find(|e| e.function == 0x8000_0008)
+        .map(|e| (e.eax & 0xff) as u8)
+        .filter(|&b| b > 0)
+        .unwrap_or(36)
+}
+
+/// Refuses a 64-bit BAR window `(base, size)` that ends past what the guest can address.
+fn check_mmio64_window(base: u64, size: u64, phys_bits: u8) -> Result<(), VmError> {
+    let limit = 1u128 << phys_bits.min(64);
+    let end = u128::from(base) + u128::from(size);
+    if end > limit {
+        return Err(VmError::Mmio64TooLarge {
+            size,
+            base,
+            end,
+            phys_bits,
+            max: u64::try_from(limit.saturating_sub(u128::from(base))).unwrap_or(u64::MAX),
+        });
+    }
+    Ok(())
 }
 
 /// Refuses more vCPUs than KVM allows per VM (`KVM_CAP_MAX_VCPUS`: `max`).
@@ -217,20 +257,21 @@ impl Vm {
 
         let exit = Arc::new(ExitNotifier::new());
         let interrupts = Arc::new(KvmInterruptManager::new(vm.clone(), cfg.cpus)?);
-        let mmio64_start = pci_mmio64_start(ram.end());
-        let devices = Arc::new(DeviceManager::new(
-            &vm,
-            &cfg.serial,
-            exit.clone(),
-            mmio64_start,
-        )?);
-        let platform = Platform::new(&vm, devices.mmio_bus(), mem, cfg.cpus, mmio64_start)?;
-
-        arch::setup_boot_tables(mem, mmio64_start)?;
-
         let supported = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm_op("KVM_GET_SUPPORTED_CPUID"))?;
+        let mmio64_start = pci_mmio64_start(ram.end());
+        let mmio64 = (mmio64_start, cfg.pci_mmio64_size);
+        check_mmio64_window(
+            mmio64_start,
+            cfg.pci_mmio64_size,
+            phys_bits(supported.as_slice()),
+        )?;
+        let devices = Arc::new(DeviceManager::new(&vm, &cfg.serial, exit.clone(), mmio64)?);
+        let platform = Platform::new(&vm, devices.mmio_bus(), mem, cfg.cpus, mmio64)?;
+
+        arch::setup_boot_tables(mem, mmio64_start)?;
+
         let mut vcpus = Vec::new();
         let mut visible = Vec::new();
         for id in 0..cfg.cpus {
@@ -467,5 +508,27 @@ mod tests {
         // This host's KVM takes every count the command line accepts.
         let kvm = Kvm::new().expect("/dev/kvm is required by the vmm tests");
         assert!(kvm.get_max_vcpus() >= 2);
+    }
+
+    #[test]
+    fn a_64bit_window_past_the_guests_address_width_is_refused_by_name() {
+        assert!(check_mmio64_window(4 << 30, 64 << 30, 40).is_ok());
+        // Exactly up to the limit is fine; one page more is not.
+        assert!(check_mmio64_window(4 << 30, (1 << 40) - (4 << 30), 40).is_ok());
+        let e = check_mmio64_window(4 << 30, 1 << 40, 40)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "--pci-mmio64-size 1 TiB: the 64-bit PCI window at 0x100000000 would end at \
+             0x10100000000, past the guest's 40-bit physical address space (1020 GiB at most \
+             here)"
+        );
+        let kvm = Kvm::new().expect("/dev/kvm is required by the vmm tests");
+        let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
+        let bits = phys_bits(supported.as_slice());
+        assert!((36..=52).contains(&bits), "{bits}");
+        // The default window fits every guest this host can run.
+        assert!(check_mmio64_window(4 << 30, crate::device_manager::PCI_MMIO64_SIZE, bits).is_ok());
     }
 }

@@ -113,10 +113,21 @@ impl ConfigWriteEffects {
 /// Errors of PCI devices and BAR allocation.
 #[derive(Debug, thiserror::Error)]
 pub enum PciDeviceError {
-    #[error("no room for a {region_type:?} bar of {size:#x} bytes")]
+    #[error(
+        "no room for a {} {region_type:?} BAR in the guest's window of {} at {window_base:#x} \
+         ({} already taken)",
+        human(*size),
+        human(*window_size),
+        human(*taken)
+    )]
     BarAllocation {
         region_type: PciBarRegionType,
         size: u64,
+        /// The window the BAR had to fit in.
+        window_base: u64,
+        window_size: u64,
+        /// Bytes of the window other BARs hold.
+        taken: u64,
         #[source]
         source: vm_allocator::Error,
     },
@@ -158,6 +169,26 @@ pub struct PciBarAllocators {
     pub io: AddressAllocator,
     pub mmio32: AddressAllocator,
     pub mmio64: AddressAllocator,
+    /// `(base, size, bytes taken)` of the I/O, 32-bit and 64-bit windows, for errors.
+    windows: [(u64, u64, u64); 3],
+}
+
+/// `size` bytes as the largest binary unit that divides it (`512 MiB`, `64 GiB`, `0x1800 bytes`).
+pub fn human(size: u64) -> String {
+    const UNITS: [(u64, &str); 4] = [
+        (1 << 40, "TiB"),
+        (1 << 30, "GiB"),
+        (1 << 20, "MiB"),
+        (1 << 10, "KiB"),
+    ];
+    UNITS
+        .iter()
+        .find(|(u, _)| size >= *u && size % *u == 0)
+        .map(|(u, name)| format!("{} {name}", size / u))
+        .unwrap_or_else(|| match size {
+            0 => "0 bytes".into(),
+            _ => format!("{size:#x} bytes"),
+        })
 }
 
 fn allocator(base: u64, size: u64) -> Result<AddressAllocator, PciDeviceError> {
@@ -179,6 +210,11 @@ impl PciBarAllocators {
             io: allocator(io.0, io.1)?,
             mmio32: allocator(mmio32.0, mmio32.1)?,
             mmio64: allocator(mmio64.0, mmio64.1)?,
+            windows: [
+                (io.0, io.1, 0),
+                (mmio32.0, mmio32.1, 0),
+                (mmio64.0, mmio64.1, 0),
+            ],
         })
     }
 
@@ -190,6 +226,31 @@ impl PciBarAllocators {
             (MMIO32_BASE, MMIO32_SIZE),
             (mmio64_base, mmio64_size),
         )
+    }
+
+    fn window(&mut self, region_type: PciBarRegionType) -> &mut (u64, u64, u64) {
+        &mut self.windows[match region_type {
+            PciBarRegionType::Io => 0,
+            PciBarRegionType::Memory32 => 1,
+            PciBarRegionType::Memory64 => 2,
+        }]
+    }
+
+    fn no_room(
+        &mut self,
+        region_type: PciBarRegionType,
+        size: u64,
+        source: vm_allocator::Error,
+    ) -> PciDeviceError {
+        let (window_base, window_size, taken) = *self.window(region_type);
+        PciDeviceError::BarAllocation {
+            region_type,
+            size,
+            window_base,
+            window_size,
+            taken,
+            source,
+        }
     }
 
     fn for_type(&mut self, region_type: PciBarRegionType) -> &mut AddressAllocator {
@@ -205,14 +266,15 @@ impl PciBarAllocators {
         &mut self,
         req: &BarRequest,
     ) -> Result<PciBarConfiguration, PciDeviceError> {
-        let range = self
-            .for_type(req.region_type)
-            .allocate(req.size, req.size, AllocPolicy::FirstMatch)
-            .map_err(|source| PciDeviceError::BarAllocation {
-                region_type: req.region_type,
-                size: req.size,
-                source,
-            })?;
+        let range = match self.for_type(req.region_type).allocate(
+            req.size,
+            req.size,
+            AllocPolicy::FirstMatch,
+        ) {
+            Ok(r) => r,
+            Err(source) => return Err(self.no_room(req.region_type, req.size, source)),
+        };
+        self.window(req.region_type).2 += req.size;
         Ok(PciBarConfiguration::new(
             req.idx,
             range.start(),
@@ -229,14 +291,16 @@ impl PciBarAllocators {
         base: u64,
         size: u64,
     ) -> Result<(), PciDeviceError> {
-        self.for_type(region_type)
+        match self
+            .for_type(region_type)
             .allocate(size, size, AllocPolicy::ExactMatch(base))
-            .map(|_| ())
-            .map_err(|source| PciDeviceError::BarAllocation {
-                region_type,
-                size,
-                source,
-            })
+        {
+            Ok(_) => {
+                self.window(region_type).2 += size;
+                Ok(())
+            }
+            Err(source) => Err(self.no_room(region_type, size, source)),
+        }
     }
 
     /// Frees `[base, base+size)`. Only [`BarAllocation`]'s drop calls this: a reservation
@@ -255,7 +319,10 @@ impl PciBarAllocators {
         };
         let end = base.saturating_add(size.saturating_sub(1));
         let range = RangeInclusive::new(base, end).map_err(err)?;
-        self.for_type(region_type).free(&range).map_err(err)
+        self.for_type(region_type).free(&range).map_err(err)?;
+        let w = self.window(region_type);
+        w.2 = w.2.saturating_sub(size);
+        Ok(())
     }
 }
 
@@ -473,5 +540,49 @@ impl DeviceRelocation for NoRelocation {
             mv.new
         );
         Err(mv.failed("relocation not supported"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        assert_eq!(human(64 << 30), "64 GiB");
+        assert_eq!(human(512 << 20), "512 MiB");
+        assert_eq!(human(1 << 40), "1 TiB");
+        assert_eq!(human(4096), "4 KiB");
+        assert_eq!(human(1536 << 20), "1536 MiB");
+        assert_eq!(human(0x1800), "6 KiB");
+        assert_eq!(human(0x1801), "0x1801 bytes");
+        assert_eq!(human(0), "0 bytes");
+    }
+
+    #[test]
+    fn a_bar_that_does_not_fit_names_its_size_and_the_window() {
+        let alloc = Arc::new(Mutex::new(
+            PciBarAllocators::x86_64(1 << 32, 8 << 20).unwrap(),
+        ));
+        let req = |size| BarRequest {
+            idx: 0,
+            size,
+            region_type: PciBarRegionType::Memory64,
+            prefetchable: true,
+        };
+        let first = BarAllocation::allocate(&alloc, &req(4 << 20)).unwrap();
+        let e = BarAllocation::allocate(&alloc, &req(8 << 20))
+            .err()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            e,
+            "no room for a 8 MiB Memory64 BAR in the guest's window of 8 MiB at 0x100000000 \
+             (4 MiB already taken)"
+        );
+        // Dropping the reservation gives its room back, and the count with it.
+        drop(first);
+        let whole = BarAllocation::allocate(&alloc, &req(8 << 20)).unwrap();
+        assert_eq!(whole.base(), 1 << 32);
     }
 }

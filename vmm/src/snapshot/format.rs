@@ -199,6 +199,10 @@ pub struct MachineConfig {
     /// CPUID it booted with. Absent in documents of older lendvms (they had `host`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_model: Option<String>,
+    /// The 64-bit PCI window's size (`--pci-mmio64-size`): the BARs keep their addresses,
+    /// so the window moves with the VM. Absent in documents of older lendvms (64 GiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_mmio64_size: Option<u64>,
 }
 
 /// One guest RAM region and its file.
@@ -507,6 +511,7 @@ mod tests {
                 cmdline: "tests=none".into(),
                 serial: Some("file=/tmp/console.log".into()),
                 cpu_model: Some("qemu64".into()),
+                pci_mmio64_size: Some(256 << 30),
             },
             memory: vec![RamFile {
                 gpa: 0,
