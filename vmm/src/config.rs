@@ -7,7 +7,9 @@ use std::path::PathBuf;
 pub enum ConfigError {
     #[error("invalid size '{0}': expected a number with an optional K, M or G suffix (e.g. 512M)")]
     Size(String),
-    #[error("invalid --pci-mmio64-size '{0}': expected a multiple of 2M, at least 2M (e.g. 256G)")]
+    #[error(
+        "invalid --pci-mmio64-size '{0}': expected auto, or a multiple of 2M, at least 2M (e.g. 256G)"
+    )]
     Mmio64Size(String),
     #[error("invalid serial '{0}': expected stdout, off or file=PATH")]
     Serial(String),
@@ -194,18 +196,26 @@ pub struct VmConfig {
     /// The CPUID the guest sees (`--cpu-model`).
     pub cpu_model: crate::cpuid::CpuModel,
     /// Size of the 64-bit PCI BAR window after RAM (`--pci-mmio64-size`; every 64-bit BAR
-    /// of every device, at launch and hot-added, must fit in it).
-    pub pci_mmio64_size: u64,
+    /// of every device, at launch and hot-added, must fit in it). `None`: as large as the
+    /// guest can address, up to [`MMIO64_AUTO_MAX`] (resolved when the VM is built).
+    pub pci_mmio64_size: Option<u64>,
 }
 
-/// Checks a `--pci-mmio64-size`: a multiple of 2 MiB, at least 2 MiB (the guest's own
-/// limit, its physical address width, is checked when the VM is built).
-pub fn check_mmio64_size(s: &str) -> Result<u64, ConfigError> {
+/// The most `--pci-mmio64-size auto` takes: room for eight 128 GiB apertures, far below the
+/// 64 TiB a guest kernel with 4-level paging maps.
+pub const MMIO64_AUTO_MAX: u64 = 1 << 40;
+
+/// Checks a `--pci-mmio64-size`: `auto` (`None`), or a multiple of 2 MiB, at least 2 MiB
+/// (the guest's own limit, its physical address width, is checked when the VM is built).
+pub fn check_mmio64_size(s: &str) -> Result<Option<u64>, ConfigError> {
+    if s.trim() == "auto" {
+        return Ok(None);
+    }
     let size = parse_size(s)?;
     if size < (2 << 20) || !size.is_multiple_of(2 << 20) {
         return Err(ConfigError::Mmio64Size(s.to_owned()));
     }
-    Ok(size)
+    Ok(Some(size))
 }
 
 /// Validates a CPU count.
@@ -222,9 +232,10 @@ mod tests {
 
     #[test]
     fn mmio64_sizes() {
-        assert_eq!(check_mmio64_size("64G"), Ok(64 << 30));
-        assert_eq!(check_mmio64_size("2M"), Ok(2 << 20));
-        assert_eq!(check_mmio64_size("1T"), Ok(1 << 40));
+        assert_eq!(check_mmio64_size("64G"), Ok(Some(64 << 30)));
+        assert_eq!(check_mmio64_size("2M"), Ok(Some(2 << 20)));
+        assert_eq!(check_mmio64_size("1T"), Ok(Some(1 << 40)));
+        assert_eq!(check_mmio64_size("auto"), Ok(None));
         for bad in ["1M", "3M", "0", "4097K"] {
             assert_eq!(
                 check_mmio64_size(bad),

@@ -364,7 +364,7 @@ fn rig() -> Option<Rig> {
         serial: SerialConfig::Off,
         cpuid_cmdline: true,
         cpu_model: Default::default(),
-        pci_mmio64_size: crate::device_manager::PCI_MMIO64_SIZE,
+        pci_mmio64_size: Some(crate::device_manager::PCI_MMIO64_SIZE),
     })
     .unwrap();
     let ejects = vm.platform_mut().take_ejects().unwrap();

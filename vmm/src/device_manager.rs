@@ -34,8 +34,9 @@ use crate::layout::{
 };
 use crate::legacy::{DebugExit, SerialDevice};
 
-/// Size of the 64-bit PCI BAR window placed after guest RAM, unless `--pci-mmio64-size`
-/// says otherwise.
+/// Size of the 64-bit PCI BAR window of a VM whose snapshot or migration document does not
+/// say (lendvms before `--pci-mmio64-size` had this one), and of the unit tests' VMs. New
+/// VMs get `--pci-mmio64-size` (`auto` by default: see `config::MMIO64_AUTO_MAX`).
 pub const PCI_MMIO64_SIZE: u64 = 64 << 30;
 
 /// Errors of device set-up.

@@ -180,7 +180,7 @@ fn guest_doorbell_store(mode: NotifyMode) {
         serial: SerialConfig::Off,
         cpuid_cmdline: true,
         cpu_model: Default::default(),
-        pci_mmio64_size: crate::device_manager::PCI_MMIO64_SIZE,
+        pci_mmio64_size: Some(crate::device_manager::PCI_MMIO64_SIZE),
     })
     .unwrap();
     let ops = vm.vm_ops();

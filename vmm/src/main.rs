@@ -29,6 +29,11 @@ use vmm::remote::{AttachError, FabricIdentity, LenderSource, LinkSource};
 use vmm::{Vm, VmError, VmExit};
 use vmm_sys_util::eventfd::EventFd;
 
+/// `--pci-mmio64-size`: `None` is `auto` (one value for clap, which would take an `Option`
+/// field for an optional flag).
+#[derive(Clone, Copy, Debug)]
+struct Mmio64Size(Option<u64>);
+
 #[derive(clap::Parser, Debug)]
 #[command(
     name = "lendvm",
@@ -121,11 +126,11 @@ struct Cli {
     #[arg(long, value_name = "host|qemu64", default_value = "host")]
     cpu_model: vmm::cpuid::CpuModel,
     /// Size of the guest's 64-bit PCI window (after RAM): every 64-bit BAR of every device,
-    /// attached at launch or hot-added, must fit in it, so a device with large BARs (a GPU's
-    /// aperture) needs it larger than their sum. At most what the guest's physical address
-    /// width reaches. A restored or migrated VM keeps its own.
-    #[arg(long, value_name = "SIZE", default_value = "64G", value_parser = |s: &str| config::check_mmio64_size(s))]
-    pci_mmio64_size: u64,
+    /// attached at launch or hot-added, must fit in it. `auto`: up to the end of the guest's
+    /// physical address space, at most 1 TiB (room for eight 128 GiB GPU apertures); a size
+    /// keeps it smaller. A restored or migrated VM keeps its own.
+    #[arg(long, value_name = "auto|SIZE", default_value = "auto", value_parser = |s: &str| config::check_mmio64_size(s).map(Mmio64Size))]
+    pci_mmio64_size: Mmio64Size,
     /// Write the VMM's events as JSON lines to FILE (appended) or an inherited fd (also
     /// readable as GET /api/v1/vm.events).
     #[arg(long, value_name = "path=FILE|fd=N")]
@@ -394,7 +399,7 @@ fn wait_for_migration(
                 serial: migrated_serial(cli, c)?,
                 cpuid_cmdline: false,
                 cpu_model: doc_cpu_model(c).map_err(|e| MigrationError::Mismatch(e.to_string()))?,
-                pci_mmio64_size: c.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE),
+                pci_mmio64_size: Some(c.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
             };
             match memfd {
                 Some(f) => Vm::for_migration_on(&cfg, f),
@@ -719,7 +724,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             },
-            pci_mmio64_size: m.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE),
+            pci_mmio64_size: Some(m.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
         },
         (Some(s), None) => VmConfig {
             memory_size: s.doc.config.memory_size,
@@ -739,7 +744,7 @@ fn main() -> ExitCode {
                     ))
                 }
             },
-            pci_mmio64_size: s.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE),
+            pci_mmio64_size: Some(s.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
         },
         (None, None) => VmConfig {
             memory_size: cli.memory.size,
@@ -751,7 +756,7 @@ fn main() -> ExitCode {
             serial: cli.serial.clone().unwrap_or(SerialConfig::Stdout),
             cpuid_cmdline: !cli.no_cpuid_cmdline,
             cpu_model: cli.cpu_model,
-            pci_mmio64_size: cli.pci_mmio64_size,
+            pci_mmio64_size: cli.pci_mmio64_size.0,
         },
     };
     let migrated_from = migrated.as_ref().map(|m| (m.bytes, m.paused));
@@ -814,7 +819,7 @@ fn main() -> ExitCode {
         // Moves with the VM on a migration (the destination's --serial may override it).
         serial: Some(cfg.serial.to_string()),
         cpu_model: Some(cfg.cpu_model.name().to_owned()),
-        pci_mmio64_size: Some(cfg.pci_mmio64_size),
+        pci_mmio64_size: Some(vm.pci_mmio64().1),
     };
     let migration_node = source.identity().map(|(node, _)| node);
     let mut ctl = Controller::new(handles, source, info);

@@ -84,6 +84,14 @@ fn phys_bits(supported: &[kvm_bindings::kvm_cpuid_entry2]) -> u8 {
         .unwrap_or(36)
 }
 
+/// `--pci-mmio64-size auto`: from `base` to the end of what the guest addresses, at most
+/// [`crate::config::MMIO64_AUTO_MAX`], in whole GiB.
+fn auto_mmio64_size(base: u64, phys_bits: u8) -> u64 {
+    let limit = 1u128 << phys_bits.min(64);
+    let room = u64::try_from(limit.saturating_sub(u128::from(base))).unwrap_or(u64::MAX);
+    (room.min(crate::config::MMIO64_AUTO_MAX) >> 30) << 30
+}
+
 /// Refuses a 64-bit BAR window `(base, size)` that ends past what the guest can address.
 fn check_mmio64_window(base: u64, size: u64, phys_bits: u8) -> Result<(), VmError> {
     let limit = 1u128 << phys_bits.min(64);
@@ -121,6 +129,8 @@ pub struct Vm {
     vm_ops: Arc<KvmVmOps>,
     exit: Arc<ExitNotifier>,
     platform: Platform,
+    /// The 64-bit PCI window (base, size), as resolved from `--pci-mmio64-size`.
+    mmio64: (u64, u64),
     vcpus: Vec<VcpuFd>,
     vcpu_control: Arc<VcpuControl>,
     running: Option<Vcpus>,
@@ -261,12 +271,16 @@ impl Vm {
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm_op("KVM_GET_SUPPORTED_CPUID"))?;
         let mmio64_start = pci_mmio64_start(ram.end());
-        let mmio64 = (mmio64_start, cfg.pci_mmio64_size);
-        check_mmio64_window(
-            mmio64_start,
-            cfg.pci_mmio64_size,
-            phys_bits(supported.as_slice()),
-        )?;
+        let bits = phys_bits(supported.as_slice());
+        let size = cfg
+            .pci_mmio64_size
+            .unwrap_or_else(|| auto_mmio64_size(mmio64_start, bits));
+        let mmio64 = (mmio64_start, size);
+        check_mmio64_window(mmio64_start, size, bits)?;
+        log::info!(
+            "64-bit PCI window: {} at {mmio64_start:#x} (guest physical address width {bits} bits)",
+            pci::device::human(size)
+        );
         let devices = Arc::new(DeviceManager::new(&vm, &cfg.serial, exit.clone(), mmio64)?);
         let platform = Platform::new(&vm, devices.mmio_bus(), mem, cfg.cpus, mmio64)?;
 
@@ -348,6 +362,7 @@ impl Vm {
             vm_ops,
             exit,
             platform,
+            mmio64,
             vcpus,
             vcpu_control,
             running: None,
@@ -394,6 +409,11 @@ impl Vm {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
+    }
+
+    /// The 64-bit PCI window (base, size).
+    pub fn pci_mmio64(&self) -> (u64, u64) {
+        self.mmio64
     }
 
     /// The command line the kernel got (after CPUID augmentation).
@@ -528,7 +548,18 @@ mod tests {
         let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
         let bits = phys_bits(supported.as_slice());
         assert!((36..=52).contains(&bits), "{bits}");
-        // The default window fits every guest this host can run.
+        // The window of older documents and `auto` fit every guest this host can run.
         assert!(check_mmio64_window(4 << 30, crate::device_manager::PCI_MMIO64_SIZE, bits).is_ok());
+        assert!(check_mmio64_window(4 << 30, auto_mmio64_size(4 << 30, bits), bits).is_ok());
+    }
+
+    #[test]
+    fn auto_takes_the_address_space_up_to_a_tebibyte_in_whole_gib() {
+        assert_eq!(auto_mmio64_size(4 << 30, 48), 1 << 40);
+        assert_eq!(auto_mmio64_size(4 << 30, 40), (1 << 40) - (4 << 30));
+        assert_eq!(auto_mmio64_size(4 << 30, 36), (64 << 30) - (4 << 30));
+        // Nothing left: an empty window, which check_mmio64_window then accepts and every
+        // 64-bit BAR is refused by name.
+        assert_eq!(auto_mmio64_size(1 << 36, 36), 0);
     }
 }
