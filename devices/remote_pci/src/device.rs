@@ -58,6 +58,15 @@ use crate::pin::{DmaPin, DmaPinSource, MlockPinner, PinStats, Pinner, PrivatePin
 
 /// Granule of KVM memslots.
 pub const PAGE_SIZE: u64 = 4096;
+/// Direct BARs at least this large are mapped into the guest a chunk ([`LAZY_CHUNK`]) at a
+/// time, at the first access into each chunk: that access traps, is served through the
+/// window, and the chunk's memslots go in. A KVM memslot costs kernel memory and time in
+/// proportion to its size (on this host's shadow MMU a 64 GiB slot took 130 ms and 160 MiB of
+/// vmalloc'ed rmap, a 256 GiB one 865 ms and 643 MiB), and most of a GPU's aperture is never
+/// touched: attaching, moving or removing such a BAR then costs what the guest used of it.
+pub const LAZY_BAR_MIN: u64 = 1 << 30;
+/// The chunk of a lazily mapped BAR (see [`LAZY_BAR_MIN`]).
+pub const LAZY_CHUNK: u64 = 1 << 30;
 /// Command bits the guest may change on the real device.
 pub const FORWARDED_COMMAND_BITS: u16 =
     command::PARITY_ERROR_RESPONSE | command::SERR_ENABLE | command::INTX_DISABLE;
@@ -282,6 +291,10 @@ struct BarState {
     mapped_at: Option<u64>,
     slots: Vec<MemslotGuard>,
     ioevents: Vec<IoEventGuard>,
+    /// A lazily mapped BAR ([`LAZY_BAR_MIN`]): its pieces (start, end, read-only), mapped a
+    /// chunk at a time, and the chunks mapped so far (indexes). Empty when mapped whole.
+    lazy_pieces: Vec<(u64, u64, bool)>,
+    lazy_chunks: std::collections::BTreeSet<u64>,
 }
 
 struct MsixState {
@@ -704,6 +717,8 @@ impl RemotePciDevice {
                 mapped_at: None,
                 slots: Vec::new(),
                 ioevents: Vec::new(),
+                lazy_pieces: Vec::new(),
+                lazy_chunks: Default::default(),
             });
         }
         Ok(out)
@@ -942,6 +957,8 @@ impl RemotePciDevice {
                 );
                 bar.ioevents.clear();
                 bar.slots.clear();
+                bar.lazy_pieces.clear();
+                bar.lazy_chunks.clear();
             }
             let Some(gpa) = want else {
                 continue;
@@ -967,6 +984,15 @@ impl RemotePciDevice {
                         .filter(|p| !p.2)
                         .map(|p| (p.1 - p.0) / PAGE_SIZE)
                         .sum::<u64>();
+                    if bar.remote.size >= LAZY_BAR_MIN {
+                        debug!(
+                            "{}: bar {idx} ({:#x} bytes) at {gpa:#x} is mapped {:#x} bytes at a \
+                             time, at first touch",
+                            self.id, bar.remote.size, LAZY_CHUNK
+                        );
+                        bar.lazy_pieces = pieces;
+                        continue;
+                    }
                     for (start, end, readonly) in pieces {
                         match vm.map_guest_region(
                             gpa + start,
@@ -1222,7 +1248,63 @@ impl RemotePciDevice {
                 "{}: bar {idx} access at {offset:#x} outside the window ignored",
                 self.id
             );
+        } else {
+            self.map_lazy_chunk(i, offset);
         }
+    }
+
+    /// Maps the chunk of lazily mapped BAR `i` that holds `offset` (see [`LAZY_BAR_MIN`]),
+    /// unless it is mapped already or the BAR is not lazy. A chunk that cannot be mapped
+    /// stays trapped (served through the window, as now), and is not tried again.
+    fn map_lazy_chunk(&mut self, i: usize, offset: u64) {
+        let BarState {
+            remote,
+            mapped_at,
+            slots,
+            lazy_pieces,
+            lazy_chunks,
+            ..
+        } = &mut self.bars[i];
+        let (Some(gpa), BarAccess::Direct(w)) = (*mapped_at, &remote.access) else {
+            return;
+        };
+        let chunk = offset / LAZY_CHUNK;
+        if lazy_pieces.is_empty() || !lazy_chunks.insert(chunk) {
+            return;
+        }
+        let (from, to) = (
+            chunk * LAZY_CHUNK,
+            ((chunk + 1) * LAZY_CHUNK).min(remote.size),
+        );
+        let before = slots.len();
+        for &(start, end, readonly) in lazy_pieces.iter() {
+            let (s, e) = (start.max(from), end.min(to));
+            if s >= e {
+                continue;
+            }
+            match self
+                .vm
+                .map_guest_region(gpa + s, e - s, w.host_addr() + s, readonly)
+            {
+                Ok(slot) => slots.push(slot),
+                Err(e) => {
+                    warn!(
+                        "{}: mapping bar {} chunk {chunk} at {:#x}: {e}; it stays trapped",
+                        self.id,
+                        remote.index,
+                        gpa + s
+                    );
+                    slots.truncate(before);
+                    return;
+                }
+            }
+        }
+        debug!(
+            "{}: bar {} chunk {chunk} ({from:#x}..{to:#x}) mapped at first touch ({} slots)",
+            self.id,
+            remote.index,
+            slots.len() - before
+        );
     }
 
     // ---- DMA --------------------------------------------------------------------------

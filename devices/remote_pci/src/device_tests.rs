@@ -14,7 +14,7 @@ use pci::msix::{MsixCap, MSIX_CTL_ENABLE};
 use pci::vm_ops::{GuestRamRegion, IoEventAddress, VmOps};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::device::{RemotePciDevice, RemotePciDeviceParams, FORWARDED_COMMAND_BITS};
+use crate::device::{RemotePciDevice, RemotePciDeviceParams, FORWARDED_COMMAND_BITS, LAZY_CHUNK};
 use crate::link::{
     BarAccess, BarKind, DirectWindow, IrqKind, KickDoorbells, RemoteBar, RemoteDeviceInfo,
     RemoteIoEvent,
@@ -101,6 +101,8 @@ struct Opts {
     writable: Option<(u64, u64)>,
     fail_pin: bool,
     intx: bool,
+    /// BAR0's size (`BAR0_SIZE` by default).
+    bar0_size: u64,
 }
 
 impl Default for Opts {
@@ -111,6 +113,7 @@ impl Default for Opts {
             writable: None,
             fail_pin: false,
             intx: true,
+            bar0_size: BAR0_SIZE,
         }
     }
 }
@@ -118,7 +121,7 @@ impl Default for Opts {
 fn fixture(o: Opts) -> Fx {
     let (config, lay) = snapshot();
     let journal: Journal = Arc::default();
-    let bar0 = AnonMap::new(BAR0_SIZE);
+    let bar0 = AnonMap::new(o.bar0_size);
     let notify = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
     let ioevent = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
     // SAFETY: `bar0` outlives the device (Fx drops the device first).
@@ -136,7 +139,7 @@ fn fixture(o: Opts) -> Fx {
         bars: vec![
             RemoteBar {
                 index: 0,
-                size: BAR0_SIZE,
+                size: o.bar0_size,
                 kind: BarKind::Mem64,
                 prefetchable: false,
                 access: BarAccess::Direct(win),
@@ -1109,4 +1112,63 @@ fn polled_doorbell_pages_are_mapped_writable() {
     f.dev().write_bar(bar0, 0x14, &1u32.to_le_bytes());
     assert_eq!(f.dev().kick_ioeventfds().1, Vec::<u64>::new());
     assert_eq!(f.vm.ioevents().len(), 1, "BAR2's static one only");
+}
+
+/// A BAR of at least `LAZY_BAR_MIN` is mapped a chunk at a time, at the first access into
+/// each chunk: nothing at Memory Space Enable, then the touched chunk's memslots (around the
+/// MSI-X page, as a whole BAR's would be), each access served through the window meanwhile;
+/// decoding off drops them all and the BAR starts lazy again.
+#[test]
+fn a_large_bar_is_mapped_a_chunk_at_a_time_at_first_touch() {
+    let size = 4 * LAZY_CHUNK;
+    let mut f = fixture(Opts {
+        bar0_size: size,
+        ..Opts::default()
+    });
+    f.cmd(command::MEMORY_SPACE);
+    let bar0 = f.bar_addr(0);
+    assert_eq!(bar0 % size, 0);
+    assert!(f.vm.slots().is_empty(), "{:?}", f.vm.slots());
+    assert_eq!(f.dev().status().memslots, 0);
+
+    // A read in chunk 0: served through the window, then chunk 0 is mapped.
+    f.bar0.write_u32(0x1c, 0x1234_5678);
+    let mut b = [0u8; 4];
+    f.dev().read_bar(bar0, 0x1c, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 0x1234_5678);
+    let slots = f.vm.slots();
+    assert_eq!(slots.len(), 2, "{slots:?}");
+    assert_eq!((slots[0].gpa, slots[0].size), (bar0, 0x1000));
+    assert_eq!(
+        (slots[1].gpa, slots[1].size),
+        (bar0 + 0x2000, LAZY_CHUNK - 0x2000)
+    );
+    assert_eq!(slots[1].host, f.bar0.addr + 0x2000);
+    // Another access in the same chunk maps nothing more.
+    f.dev().read_bar(bar0, LAZY_CHUNK - 4, &mut b);
+    assert_eq!(f.vm.slots().len(), 2);
+
+    // A write in the last chunk: it lands in the window, then that chunk is mapped whole.
+    let off = size - LAZY_CHUNK + 0x40;
+    f.dev().write_bar(bar0, off, &0xabcd_ef01u32.to_le_bytes());
+    assert_eq!(f.bar0.read_u32(off), 0xabcd_ef01);
+    let slots = f.vm.slots();
+    assert_eq!(slots.len(), 3, "{slots:?}");
+    assert_eq!(
+        (slots[2].gpa, slots[2].size, slots[2].host),
+        (
+            bar0 + size - LAZY_CHUNK,
+            LAZY_CHUNK,
+            f.bar0.addr + size - LAZY_CHUNK
+        )
+    );
+    assert_eq!(f.dev().status().memslots, 3);
+
+    // Decoding off: every chunk goes; on again: lazy again.
+    f.cmd(0);
+    assert!(f.vm.slots().is_empty());
+    f.cmd(command::MEMORY_SPACE);
+    assert!(f.vm.slots().is_empty());
+    f.dev().read_bar(bar0, 2 * LAZY_CHUNK, &mut b);
+    assert_eq!(f.vm.slots().len(), 1);
 }

@@ -57,6 +57,37 @@ fn register_memfd(
     Ok((shm, len))
 }
 
+/// The ranges of `fd`'s first `len` bytes that hold data (page aligned), by
+/// `lseek(SEEK_DATA / SEEK_HOLE)`; the whole range when the file system cannot tell (a
+/// memfd always can).
+fn data_extents(fd: std::os::fd::RawFd, len: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    while at < len {
+        // SAFETY: lseek on an fd the caller owns; it moves only the fd's offset, which
+        // nothing else here uses (the memory is reached through its mapping).
+        let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+                break; // no data past `at`
+            }
+            return vec![(0, len)];
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return vec![(0, len)];
+        }
+        let (from, to) = ((data as usize).min(len), (hole as usize).min(len));
+        if to <= from {
+            break;
+        }
+        out.push((from, to));
+        at = to;
+    }
+    out
+}
+
 /// Moves `shm`'s memory to a fresh memfd with the same contents, in place: the new memfd is
 /// mapped over the old mapping's address (the device's pointers stay valid) and takes over
 /// the old fd's number, so `shm.fd()` and every later export name the new memory while
@@ -71,20 +102,25 @@ fn renew_memfd(shm: &ntb::SharedMemory) -> Result<(), BackendError> {
     // The same name: the device's memory is still the device's (`/proc/PID/fd` of the lender
     // shows one memfd per device, whatever lease it is in).
     let (fresh, len) = register_memfd(shm.name(), shm.len(), "fresh register memfd")?;
-    // Only pages with data: a large buffer the lease never touched stays unallocated. Raw
-    // reads and copies (like the fabric's window copies): a holder of the old memfd may
-    // still write it; what it writes now is its own business.
+    // Only pages with data: a large buffer the lease never touched stays unallocated. The
+    // old memfd's holes are skipped with SEEK_DATA/SEEK_HOLE, not read: a read of a hole in
+    // a shared shmem mapping allocates the page (a 1 GiB buffer read whole costs 1 GiB of
+    // RAM and the time to zero it, at every lease's end). Within the data, raw reads and
+    // copies (like the fabric's window copies): a holder of the old memfd may still write
+    // it; what it writes now is its own business.
     const PAGE: usize = 4096;
     let (old, new) = (shm.as_ptr(), fresh.as_ptr());
-    for at in (0..len).step_by(PAGE) {
-        let n = PAGE.min(len - at);
-        // SAFETY: `at + n <= len` inside both live mappings (page aligned, so u64 aligned);
-        // volatile loads tolerate a concurrent writer.
-        let used = (0..n / 8)
-            .any(|w| unsafe { std::ptr::read_volatile(old.add(at).cast::<u64>().add(w)) != 0 });
-        if used {
-            // SAFETY: as above; distinct memfds, so the ranges do not overlap.
-            unsafe { std::ptr::copy_nonoverlapping(old.add(at), new.add(at), n) };
+    for (from, to) in data_extents(shm.fd().as_raw_fd(), len) {
+        for at in (from..to).step_by(PAGE) {
+            let n = PAGE.min(to - at);
+            // SAFETY: `at + n <= to <= len` inside both live mappings (page aligned, so u64
+            // aligned); volatile loads tolerate a concurrent writer.
+            let used = (0..n / 8)
+                .any(|w| unsafe { std::ptr::read_volatile(old.add(at).cast::<u64>().add(w)) != 0 });
+            if used {
+                // SAFETY: as above; distinct memfds, so the ranges do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(old.add(at), new.add(at), n) };
+            }
         }
     }
     // SAFETY: replaces exactly the mapping `shm` owns (same address and length, shared, read
@@ -562,6 +598,51 @@ mod tests {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    /// Allocated bytes of `fd`'s file.
+    fn allocated(fd: std::os::fd::BorrowedFd<'_>) -> u64 {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fstat fills a zeroed stat of an open fd.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+        st.st_blocks as u64 * 512
+    }
+
+    /// A lease's end moves the registers to a fresh memfd copying only the pages with data,
+    /// found without reading the holes (a read of a hole would allocate it in the old memfd:
+    /// a large buffer would cost its whole size at every lease's end).
+    #[test]
+    fn renewing_register_memory_touches_only_its_data() {
+        use std::os::fd::AsFd;
+        let (shm, len) = register_memfd("renew-test", 256 << 20, "test memfd").unwrap();
+        assert_eq!(len, 256 << 20);
+        let p = shm.as_ptr();
+        // SAFETY: both offsets are inside the live 256 MiB mapping.
+        unsafe {
+            p.add(0x10).write_volatile(0xa5);
+            p.add(200 << 20).write_volatile(0x5a);
+        }
+        let old = shm.fd().as_fd().try_clone_to_owned().unwrap();
+        assert_eq!(allocated(old.as_fd()), 2 * 4096);
+        renew_memfd(&shm).unwrap();
+        assert_eq!(
+            allocated(old.as_fd()),
+            2 * 4096,
+            "renew read the old memfd's holes"
+        );
+        assert_eq!(allocated(shm.fd().as_fd()), 2 * 4096);
+        // SAFETY: as above; the mapping now shows the fresh memfd.
+        unsafe {
+            assert_eq!(p.add(0x10).read_volatile(), 0xa5);
+            assert_eq!(p.add(200 << 20).read_volatile(), 0x5a);
+        }
+        // The kept old fd is cut off: a write through it does not reach the device's memory.
+        let old_file = std::fs::File::from(old);
+        std::os::unix::fs::FileExt::write_at(&old_file, &[0x11], 0x10).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { p.add(0x10).read_volatile() }, 0xa5);
     }
 
     fn w32(b: &EmulatedBackend, off: u64, v: u32) {
