@@ -14,30 +14,40 @@ use common::*;
 
 const SLBA: u64 = 8;
 
-fn cmb_run(fabric: Fabric, mode: Option<&str>) {
-    let cluster = Cluster::new(fabric);
+/// lenderd lending the NVMe with a 2 MiB CMB (BAR0: 4 MiB); its backing file.
+fn lend_cmb_nvme(cluster: &Cluster) -> (Lenderd, std::path::PathBuf) {
     let disk = cluster.file("disk.img");
-    let _lender = cluster.start_lenderd(&[format!(
+    let lender = cluster.start_lenderd(&[format!(
         "{NVME_BDF}=nvme:path={},size=4M,cmb=2M",
         disk.display()
     )]);
+    (lender, disk)
+}
+
+/// The test guest with the lent NVMe (`dev`, `mode=` included) and `extra` arguments.
+fn start_with(cluster: &Cluster, dev: &str, cmdline: &str, extra: &[&str]) -> Vm {
+    let cluster_arg = cluster.path.display().to_string();
+    let mut args = vec![
+        "--cluster",
+        &cluster_arg,
+        "--remote-device",
+        dev,
+        "--cmdline",
+        cmdline,
+    ];
+    args.extend_from_slice(extra);
+    Vm::start("64M", &args)
+}
+
+fn cmb_run(fabric: Fabric, mode: Option<&str>) {
+    let cluster = Cluster::new(fabric);
+    let (_lender, disk) = lend_cmb_nvme(&cluster);
     let mut dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
     if let Some(m) = mode {
         dev.push_str(&format!(",mode={m}"));
     }
     let cmdline = format!("tests=pci,nvme seed={SEED:#x} lba={SLBA} cmb=1");
-    let cluster_arg = cluster.path.display().to_string();
-    let mut vm = Vm::start(
-        "64M",
-        &[
-            "--cluster",
-            &cluster_arg,
-            "--remote-device",
-            &dev,
-            "--cmdline",
-            &cmdline,
-        ],
-    );
+    let mut vm = start_with(&cluster, &dev, &cmdline, &[]);
     vm.expect_exit(0, BOOT_TIMEOUT);
     let probe = vm.expect_ok("nvme-probe", Duration::ZERO);
     let bar0 = u64::from_str_radix(
@@ -82,27 +92,10 @@ fn io_sq_in_the_cmb_over_tcp_trapped() {
 #[test]
 fn a_bar_larger_than_the_64bit_window_is_refused_naming_the_sizes() {
     let cluster = Cluster::new(Fabric::Shm);
-    let disk = cluster.file("disk.img");
-    let _lender = cluster.start_lenderd(&[format!(
-        "{NVME_BDF}=nvme:path={},size=4M,cmb=2M",
-        disk.display()
-    )]);
+    let (_lender, _disk) = lend_cmb_nvme(&cluster);
     let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
-    let cluster_arg = cluster.path.display().to_string();
     // BAR0 is 4 MiB (registers, doorbells and the 2 MiB buffer); the window 2 MiB.
-    let mut vm = Vm::start(
-        "64M",
-        &[
-            "--cluster",
-            &cluster_arg,
-            "--remote-device",
-            &dev,
-            "--pci-mmio64-size",
-            "2M",
-            "--cmdline",
-            "tests=pci",
-        ],
-    );
+    let mut vm = start_with(&cluster, &dev, "tests=pci", &["--pci-mmio64-size", "2M"]);
     let st = vm.wait_exit(BOOT_TIMEOUT);
     assert!(st.is_some_and(|s| !s.success()), "{st:?} {}", vm.stderr());
     let err = vm.stderr();

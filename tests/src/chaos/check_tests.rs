@@ -184,6 +184,19 @@ fn clean() -> Vec<Entry> {
     ]
 }
 
+/// `clean()` without the entries `drop` picks, with `add`.
+fn plant(drop: impl Fn(&Op) -> bool, add: impl IntoIterator<Item = Entry>) -> Vec<Entry> {
+    let mut h = clean();
+    h.retain(|e| !drop(&e.op));
+    h.extend(add);
+    h
+}
+
+/// Nothing dropped from `clean()`.
+fn none(_: &Op) -> bool {
+    false
+}
+
 fn run(h: &[Entry]) -> Report {
     check(h, &Bounds::default())
 }
@@ -212,9 +225,10 @@ fn a_clean_history_passes_and_is_counted() {
 #[test]
 fn a_lost_write_is_reported() {
     // The read-back of block 1 finds seq 2, but seq 4 was acknowledged before it.
-    let mut h = clean();
-    h.retain(|e| !matches!(e.op, Op::Read { block: 1, .. }));
-    h.push(read(9_020, 9_030, 1, 2));
+    let h = plant(
+        |o| matches!(o, Op::Read { block: 1, .. }),
+        [read(9_020, 9_030, 1, 2)],
+    );
     let m = only(&run(&h), Invariant::LostWrite);
     assert!(
         m.contains("write seq 4") && m.contains("found seq 2"),
@@ -222,9 +236,10 @@ fn a_lost_write_is_reported() {
     );
 
     // A block read as never written after an acknowledged write.
-    let mut h = clean();
-    h.retain(|e| !matches!(e.op, Op::Read { block: 1, .. }));
-    h.push(read(9_020, 9_030, 1, 0));
+    let h = plant(
+        |o| matches!(o, Op::Read { block: 1, .. }),
+        [read(9_020, 9_030, 1, 0)],
+    );
     let m = only(&run(&h), Invariant::LostWrite);
     assert!(m.contains("found seq 0"), "{m}");
 
@@ -266,15 +281,17 @@ fn a_lost_device_is_checked_in_the_lenders_backing_file() {
 
 #[test]
 fn a_read_of_what_nobody_wrote_is_reported() {
-    let mut h = clean();
-    h.retain(|e| !matches!(e.op, Op::Read { block: 1, .. }));
-    h.push(read_sum(9_020, 9_030, 1, 4, 0xdead_beef));
+    let h = plant(
+        |o| matches!(o, Op::Read { block: 1, .. }),
+        [read_sum(9_020, 9_030, 1, 4, 0xdead_beef)],
+    );
     let m = only(&run(&h), Invariant::CorruptRead);
     assert!(m.contains("checksum 0xdeadbeef"), "{m}");
 
-    let mut h = clean();
-    h.retain(|e| !matches!(e.op, Op::Read { block: 2, .. }));
-    h.push(read(9_040, 9_050, 2, 9));
+    let h = plant(
+        |o| matches!(o, Op::Read { block: 2, .. }),
+        [read(9_040, 9_050, 2, 9)],
+    );
     let m = only(&run(&h), Invariant::CorruptRead);
     assert!(m.contains("seq 9, which no write"), "{m}");
 }
@@ -294,9 +311,10 @@ fn a_double_lease_is_reported() {
 
 #[test]
 fn a_fence_that_does_not_grow_is_reported() {
-    let mut h = clean();
-    h.retain(|e| !matches!(e.op, Op::LeaseGrant { lease: 2, .. }));
-    h.push(grant(5_500, 2, "b1/vm0", 1));
+    let h = plant(
+        |o| matches!(o, Op::LeaseGrant { lease: 2, .. }),
+        [grant(5_500, 2, "b1/vm0", 1)],
+    );
     let m = only(&run(&h), Invariant::FenceOrder);
     assert!(m.contains("fence 1"), "{m}");
 }
@@ -304,27 +322,28 @@ fn a_fence_that_does_not_grow_is_reported() {
 #[test]
 fn a_fenced_lease_that_serves_is_reported() {
     // The paused lender comes back and serves lease 1 after it was fenced.
-    let mut h = clean();
-    h.push(serve(6_000, 1));
-    let m = only(&run(&h), Invariant::FencedServe);
+    let m = only(
+        &run(&plant(none, [serve(6_000, 1)])),
+        Invariant::FencedServe,
+    );
     assert!(m.contains("after it ended at 2000 ms"), "{m}");
 
-    let mut h = clean();
-    h.push(serve(6_000, 99));
-    let m = only(&run(&h), Invariant::FencedServe);
+    let m = only(
+        &run(&plant(none, [serve(6_000, 99)])),
+        Invariant::FencedServe,
+    );
     assert!(m.contains("never granted"), "{m}");
 }
 
 #[test]
 fn a_stuck_or_slow_call_is_reported() {
-    let mut h = clean();
-    h.push(api(3_000, None));
-    let m = only(&run(&h), Invariant::StuckCall);
+    let m = only(&run(&plant(none, [api(3_000, None)])), Invariant::StuckCall);
     assert!(m.contains("never answered"), "{m}");
 
-    let mut h = clean();
-    h.push(api(3_000, Some(20_000)));
-    let m = only(&run(&h), Invariant::StuckCall);
+    let m = only(
+        &run(&plant(none, [api(3_000, Some(20_000))])),
+        Invariant::StuckCall,
+    );
     assert!(m.contains("took 17000 ms"), "{m}");
 }
 
@@ -343,9 +362,10 @@ fn a_vm_that_neither_recovers_nor_is_told_is_reported() {
     assert_eq!(run(&h).count(Invariant::Recovery), 0, "{}", run(&h));
 
     // A fault never healed, and a history that stops before the bound ran out.
-    let mut h = clean();
-    h.push(fault(60_000, "link-loss", "l1<->b1"));
-    let m = only(&run(&h), Invariant::Recovery);
+    let m = only(
+        &run(&plant(none, [fault(60_000, "link-loss", "l1<->b1")])),
+        Invariant::Recovery,
+    );
     assert!(m.contains("never healed"), "{m}");
     // The run stops 900 ms after its heal, its blocks read back before the fault.
     let mut short: Vec<Entry> = clean()
