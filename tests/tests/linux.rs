@@ -471,14 +471,31 @@ impl Guest {
         })
     }
 
+    /// Waits for the first console line containing `needle`; fails the case with the
+    /// diagnostics on the deadline, or at once when the guest kernel panicked first (it
+    /// will not print `needle` any more: no point in waiting out the deadline).
     fn expect_line(&self, lender: &Lender, needle: &str, deadline: Instant) -> (Duration, String) {
-        self.wait_line(needle, deadline).unwrap_or_else(|| {
-            panic!(
+        const PANIC: &str = "Kernel panic - not syncing";
+        let found = self.out.wait_for(deadline, |lines| {
+            lines
+                .iter()
+                .find(|(_, l)| l.contains(needle) || l.contains(PANIC))
+                .cloned()
+        });
+        match found {
+            Some((at, line)) if line.contains(needle) => (at, line),
+            Some((at, line)) => panic!(
+                "the guest kernel panicked at {:.1} s, before a console line containing \
+                 {needle:?}: {line}\n{}",
+                at.as_secs_f64(),
+                self.diag(lender)
+            ),
+            None => panic!(
                 "no console line containing {needle:?} (waited {:?} since boot)\n{}",
                 self.out.started().elapsed(),
                 self.diag(lender)
-            )
-        })
+            ),
+        }
     }
 
     /// The deadline of a case whose work after the boot takes up to `work` at the reference
