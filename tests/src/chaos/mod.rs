@@ -5,6 +5,7 @@
 
 pub mod check;
 pub mod history;
+pub mod recorder;
 pub mod schedule;
 
 #[cfg(test)]
