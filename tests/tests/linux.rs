@@ -393,12 +393,15 @@ struct Guest {
 /// The kernel command line: serial console, no KASLR (its rdrand path is not emulated), a
 /// preset loop calibration, no write-protection of the kernel's own text and read-only data
 /// (`rodata=off`: 4.4 s of emulated page-table work per boot, a guest's self-hardening that
-/// no case here is about: docs/linux-guest-on-pvm.md), then `extra` (the self-test, or the
-/// user-space options).
+/// no case here is about: docs/linux-guest-on-pvm.md), kvm-clock kept as the clocksource
+/// (`clocksource=kvm-clock`: without it the kernel switches a second time, to the TSC, under
+/// `stop_machine`, and on a loaded AMD host of this kind the emulated guest stalled at or
+/// right after its clocksource switches: docs/linux-guest-on-pvm.md, "A stall after the TSC
+/// clocksource"), then `extra` (the self-test, or the user-space options).
 fn cmdline(extra: &str) -> String {
     format!(
         "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 nokaslr lpj=1000000 rodata=off \
-         {extra}"
+         clocksource=kvm-clock {extra}"
     )
 }
 
