@@ -46,7 +46,8 @@ const LINUX_FLAGS: &[(&str, &str)] = &[
     ("erms", "erms"),
     ("fsrm", "fsrm"),
     // X86_FEATURE_TSC_DEADLINE_TIMER by number (word 4, bit 24): Linux 6.1 takes numbers
-    // too, and the name alone would use 18 of the 127 bytes.
+    // too, and the name alone would use 18 of the 127 bytes. Masked for both models
+    // (`cpuid::MASKED`), not only qemu64.
     ("tsc_deadline_timer", "152"),
     ("rdpid", "rdpid"),
     ("clflushopt", "clflushopt"),
