@@ -381,17 +381,16 @@ fn a_vm_that_neither_recovers_nor_is_told_is_reported() {
 
 #[test]
 fn a_leak_is_reported() {
-    let mut h = clean();
-    h.retain(|e| {
-        !matches!(
-            e.op,
+    let is_final = |o: &Op| {
+        matches!(
+            o,
             Op::Resources {
                 phase: Phase::Final,
                 ..
             }
         )
-    });
-    h.push(resources(70_100, Phase::Final, 41, 12_000));
+    };
+    let h = plant(is_final, [resources(70_100, Phase::Final, 41, 12_000)]);
     let m = only(&run(&h), Invariant::Leak);
     assert!(
         m.contains("fds is 41 at the end, 40 at the baseline"),
@@ -399,29 +398,12 @@ fn a_leak_is_reported() {
     );
 
     // Memory may grow by the slack, not by more.
-    let mut h = clean();
-    h.retain(|e| {
-        !matches!(
-            e.op,
-            Op::Resources {
-                phase: Phase::Final,
-                ..
-            }
-        )
-    });
-    h.push(resources(70_100, Phase::Final, 40, 10_000 + (16 << 10) + 1));
+    let h = plant(
+        is_final,
+        [resources(70_100, Phase::Final, 40, 10_000 + (16 << 10) + 1)],
+    );
     assert_eq!(run(&h).count(Invariant::Leak), 1, "{}", run(&h));
 
-    let mut h = clean();
-    h.retain(|e| {
-        !matches!(
-            e.op,
-            Op::Resources {
-                phase: Phase::Final,
-                ..
-            }
-        )
-    });
-    let m = only(&run(&h), Invariant::Leak);
+    let m = only(&run(&plant(is_final, [])), Invariant::Leak);
     assert!(m.contains("no baseline or no final"), "{m}");
 }
