@@ -84,25 +84,28 @@ fn phys_bits(supported: &[kvm_bindings::kvm_cpuid_entry2]) -> u8 {
         .unwrap_or(36)
 }
 
+/// Bytes the guest can address from `base` on, with `phys_bits` of physical address.
+fn address_room(base: u64, phys_bits: u8) -> u64 {
+    let limit = 1u128 << phys_bits.min(64);
+    u64::try_from(limit.saturating_sub(u128::from(base))).unwrap_or(u64::MAX)
+}
+
 /// `--pci-mmio64-size auto`: from `base` to the end of what the guest addresses, at most
 /// [`crate::config::MMIO64_AUTO_MAX`], in whole GiB.
 fn auto_mmio64_size(base: u64, phys_bits: u8) -> u64 {
-    let limit = 1u128 << phys_bits.min(64);
-    let room = u64::try_from(limit.saturating_sub(u128::from(base))).unwrap_or(u64::MAX);
-    (room.min(crate::config::MMIO64_AUTO_MAX) >> 30) << 30
+    (address_room(base, phys_bits).min(crate::config::MMIO64_AUTO_MAX) >> 30) << 30
 }
 
 /// Refuses a 64-bit BAR window `(base, size)` that ends past what the guest can address.
 fn check_mmio64_window(base: u64, size: u64, phys_bits: u8) -> Result<(), VmError> {
-    let limit = 1u128 << phys_bits.min(64);
-    let end = u128::from(base) + u128::from(size);
-    if end > limit {
+    let max = address_room(base, phys_bits);
+    if size > max {
         return Err(VmError::Mmio64TooLarge {
             size,
             base,
-            end,
+            end: u128::from(base) + u128::from(size),
             phys_bits,
-            max: u64::try_from(limit.saturating_sub(u128::from(base))).unwrap_or(u64::MAX),
+            max,
         });
     }
     Ok(())
