@@ -78,6 +78,115 @@ fn two_vcpus_and_high_memory_boot() {
     assert_eq!(run.code(), Some(0));
 }
 
+/// `--numa`: the nodes reach the guest as ACPI SRAT and SLIT where it looks for them (the
+/// test guest walks the tables from the RSDP, as Linux does): each vCPU and each node's RAM,
+/// laid out in id order across the 32-bit PCI hole, and the distances. A Linux guest's view
+/// (/sys/devices/system/node) is checked by the busybox case of tests/tests/linux.rs.
+#[test]
+fn numa_nodes_reach_the_guest_as_srat_and_slit() {
+    let run = boot(&[
+        "--cpus",
+        "3",
+        "--memory",
+        "4G",
+        "--numa",
+        "id=0,cpus=0-1,memory=1G",
+        "--numa",
+        "id=1,cpus=2,memory=2560M,distance=0:21",
+        "--numa",
+        "id=2,memory=512M,distance=0:31,distance=1:41",
+        "--cmdline",
+        "tests=acpi",
+    ]);
+    assert_eq!(run.code(), Some(0));
+    assert!(
+        run.has_line("TEST acpi ok tables 5"),
+        "FACP APIC MCFG SRAT SLIT"
+    );
+    let srat: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("ACPI srat ") || l.starts_with("ACPI slit "))
+        .collect();
+    assert_eq!(
+        srat,
+        [
+            "ACPI srat cpu 0 node 0",
+            "ACPI srat cpu 1 node 0",
+            "ACPI srat mem 0x0 0x40000000 node 0",
+            "ACPI srat cpu 2 node 1",
+            // 3 GiB below the 32-bit hole, the rest from 4 GiB.
+            "ACPI srat mem 0x40000000 0x80000000 node 1",
+            "ACPI srat mem 0x100000000 0x20000000 node 1",
+            // A memory-only node (the shape of a GPU's memory).
+            "ACPI srat mem 0x120000000 0x20000000 node 2",
+            "ACPI slit 0 10 21 31",
+            "ACPI slit 1 21 10 41",
+            "ACPI slit 2 31 41 10",
+        ]
+    );
+    // Without --numa there is neither table.
+    let plain = boot(&["--cpus", "2", "--cmdline", "tests=acpi"]);
+    assert!(
+        plain.has_line("TEST acpi ok tables 3"),
+        "FACP APIC MCFG only"
+    );
+    assert!(!plain.stdout.contains("ACPI srat"));
+}
+
+/// Nodes that do not describe the VM are refused before it starts, naming what is wrong.
+#[test]
+fn numa_nodes_that_do_not_fit_the_vm_are_refused() {
+    let two = ["--kernel", TEST_GUEST, "--cpus", "2", "--memory", "512M"];
+    fn with<'a>(two: &[&'a str], nodes: &[&'a str]) -> Vec<&'a str> {
+        let mut args = two.to_vec();
+        for n in nodes {
+            args.extend_from_slice(&["--numa", n]);
+        }
+        args
+    }
+    for (nodes, want) in [
+        (
+            &["id=0,cpus=0,memory=512M"][..],
+            "--numa: vCPU 1 is in no node",
+        ),
+        (
+            &["id=0,cpus=0-1,memory=256M"],
+            "--numa: the nodes' memory adds up to 256 MiB, --memory is 512 MiB",
+        ),
+        (
+            &["id=0,cpus=0-1,memory=256M", "id=3,memory=256M"],
+            "id 3 is out of that range",
+        ),
+        (
+            &[
+                "id=0,cpus=0-1,memory=256M",
+                "id=1,memory=256M,distance=5:20",
+            ],
+            "node 1: distance to node 5, which does not exist",
+        ),
+        (
+            &["id=0,cpus=0-2,memory=512M"],
+            "node 0: vCPU 2 does not exist (--cpus 2)",
+        ),
+        (
+            &["id=0,memory=512M,nodes=2"],
+            "invalid --numa 'id=0,memory=512M,nodes=2'",
+        ),
+    ] {
+        cli_error(&with(&two, nodes), want);
+    }
+    cli_error(
+        &[
+            "--restore",
+            "/nonexistent",
+            "--numa",
+            "id=0,cpus=0,memory=512M",
+        ],
+        "--numa shapes a VM that boots (--kernel)",
+    );
+}
+
 #[test]
 fn serial_can_go_to_a_file() {
     let path = std::env::temp_dir().join(format!("lendvm-serial-{}.log", std::process::id()));

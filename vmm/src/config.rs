@@ -199,6 +199,8 @@ pub struct VmConfig {
     /// of every device, at launch and hot-added, must fit in it). `None`: as large as the
     /// guest can address, up to [`MMIO64_AUTO_MAX`] (resolved when the VM is built).
     pub pci_mmio64_size: Option<u64>,
+    /// Guest NUMA nodes (`--numa`); empty: one node, no SRAT.
+    pub numa: Vec<crate::numa::NumaNodeConfig>,
 }
 
 /// The most `--pci-mmio64-size auto` takes: room for eight 128 GiB apertures, far below the

@@ -365,6 +365,7 @@ fn rig() -> Option<Rig> {
         cpuid_cmdline: true,
         cpu_model: Default::default(),
         pci_mmio64_size: Some(crate::device_manager::PCI_MMIO64_SIZE),
+        numa: Vec::new(),
     })
     .unwrap();
     let ejects = vm.platform_mut().take_ejects().unwrap();
@@ -1312,6 +1313,7 @@ fn migratable(rig: &mut Rig) {
                 serial: None,
                 cpu_model: None,
                 pci_mmio64_size: None,
+                numa: Vec::new(),
             }),
     );
 }

@@ -181,6 +181,7 @@ fn guest_doorbell_store(mode: NotifyMode) {
         cpuid_cmdline: true,
         cpu_model: Default::default(),
         pci_mmio64_size: Some(crate::device_manager::PCI_MMIO64_SIZE),
+        numa: Vec::new(),
     })
     .unwrap();
     let ops = vm.vm_ops();

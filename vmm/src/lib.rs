@@ -20,6 +20,7 @@ pub mod loader;
 pub mod memory;
 pub mod metrics;
 pub mod migration;
+pub mod numa;
 pub mod platform;
 pub mod remote;
 pub mod snapshot;

@@ -104,6 +104,7 @@ impl Platform {
         mem: &GuestMemory,
         cpus: u8,
         mmio64: (u64, u64),
+        numa: Vec<acpi::NumaNode>,
     ) -> Result<Self, PlatformError> {
         let irq = IrqFd::new(vm.clone(), GED_GSI)?;
         let ged_evt = irq
@@ -138,6 +139,7 @@ impl Platform {
             mmio64_base: mmio64.0,
             mmio64_size: mmio64.1,
             pci_slot_gsis: Some(gsis),
+            numa,
             ..Default::default()
         })?;
         tables.write_to(|gpa, bytes| {

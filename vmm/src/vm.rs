@@ -56,6 +56,8 @@ pub enum VmError {
     Platform(#[from] PlatformError),
     #[error("cannot restore the snapshot")]
     Restore(#[from] crate::snapshot::SnapshotError),
+    #[error(transparent)]
+    Numa(#[from] crate::numa::NumaError),
     #[error("--cpus {asked}: this KVM allows at most {max} vCPUs per VM (KVM_CAP_MAX_VCPUS)")]
     TooManyCpus { asked: u8, max: usize },
     #[error(
@@ -235,6 +237,7 @@ impl Vm {
         // Checked before anything is built: KVM_CREATE_VCPU would fail only at the vCPU
         // past the limit, with a bare EINVAL.
         check_vcpu_limit(cfg.cpus, kvm.get_max_vcpus())?;
+        let numa_distances = crate::numa::check(&cfg.numa, cfg.cpus, cfg.memory_size)?;
         let vm = Arc::new(kvm.create_vm().map_err(kvm_op("KVM_CREATE_VM"))?);
         if let Err(e) = vm.set_tss_address(KVM_TSS_ADDRESS) {
             log::debug!("KVM_SET_TSS_ADDR not accepted ({e}); continuing");
@@ -285,7 +288,16 @@ impl Vm {
             pci::device::human(size)
         );
         let devices = Arc::new(DeviceManager::new(&vm, &cfg.serial, exit.clone(), mmio64)?);
-        let platform = Platform::new(&vm, devices.mmio_bus(), mem, cfg.cpus, mmio64)?;
+        let numa = crate::numa::layout(&cfg.numa, ram.regions(), &numa_distances);
+        for (id, node) in numa.iter().enumerate() {
+            log::info!(
+                "numa node {id}: vCPUs {:?}, memory {:x?}, distances {:?}",
+                node.cpus,
+                node.memory,
+                node.distances
+            );
+        }
+        let platform = Platform::new(&vm, devices.mmio_bus(), mem, cfg.cpus, mmio64, numa)?;
 
         arch::setup_boot_tables(mem, mmio64_start)?;
 

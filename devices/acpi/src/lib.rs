@@ -27,5 +27,6 @@ pub use hotplug::{
 };
 pub use tables::{
     create_acpi_tables, create_dsdt, dsdt_aml, AcpiConfig, AcpiTable, AcpiTableError, AcpiTables,
-    ACPI_TABLES_END, ACPI_TABLES_START,
+    NumaNode, ACPI_TABLES_END, ACPI_TABLES_START, MAX_NUMA_NODES, NUMA_LOCAL_DISTANCE,
+    NUMA_MAX_DISTANCE,
 };

@@ -1,4 +1,5 @@
-//! ACPI tables for an x86_64 guest: RSDP, XSDT, FADT (hardware-reduced), MADT, MCFG, DSDT.
+//! ACPI tables for an x86_64 guest: RSDP, XSDT, FADT (hardware-reduced), MADT, MCFG, DSDT,
+//! and, for a guest with NUMA nodes ([`AcpiConfig::numa`]), SRAT and SLIT.
 //!
 //! [`create_acpi_tables`] builds every table for an [`AcpiConfig`] and returns them with their
 //! guest physical addresses ([`AcpiTables`]); [`AcpiTables::write_to`] hands each blob to a
@@ -25,6 +26,8 @@ use acpi_tables::madt::{EnabledStatus, IoApic, ProcessorLocalApic};
 use acpi_tables::mcfg::MCFG;
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
+use acpi_tables::slit::SLIT;
+use acpi_tables::srat::MemoryAffinity;
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::Aml;
 
@@ -70,6 +73,31 @@ pub enum AcpiTableError {
     PlatformMmio(u64),
     #[error("acpi tables end at {end:#x}, past the limit {limit:#x}")]
     TooLarge { end: u64, limit: u64 },
+    #[error("numa node {node}: {what}")]
+    Numa { node: usize, what: String },
+    #[error("vcpu {0} is in no numa node")]
+    NumaCpu(usize),
+    #[error("{0} numa nodes: at most {MAX_NUMA_NODES}")]
+    NumaNodes(usize),
+}
+
+/// Most NUMA nodes a guest may have (Linux's default `CONFIG_NODES_SHIFT` of 6 on x86_64).
+pub const MAX_NUMA_NODES: usize = 64;
+
+/// The local distance of SLIT (a node to itself), and the range of the others
+/// (255 is "unreachable").
+pub const NUMA_LOCAL_DISTANCE: u8 = 10;
+pub const NUMA_MAX_DISTANCE: u8 = 254;
+
+/// One NUMA node of the guest: proximity domain `i` of SRAT for `numa[i]`, row `i` of SLIT.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NumaNode {
+    /// Its vCPUs (their local APIC ids).
+    pub cpus: Vec<u32>,
+    /// Its RAM, as (guest physical base, length) ranges.
+    pub memory: Vec<(u64, u64)>,
+    /// Its distance to every node, indexed by node ([`NUMA_LOCAL_DISTANCE`] to itself).
+    pub distances: Vec<u8>,
 }
 
 /// Inputs of the tables. [`AcpiConfig::default`] follows `docs/CONTRACTS.md`.
@@ -107,6 +135,9 @@ pub struct AcpiConfig {
     /// Where the tables go: RSDP at `tables_start`, all tables below `tables_end`.
     pub tables_start: u64,
     pub tables_end: u64,
+    /// NUMA nodes; empty: no SRAT or SLIT (the guest sees one node). When given, every vCPU
+    /// is in exactly one node and the distances form a symmetric matrix.
+    pub numa: Vec<NumaNode>,
 }
 
 impl Default for AcpiConfig {
@@ -131,6 +162,7 @@ impl Default for AcpiConfig {
             pci_slot_gsis: None,
             tables_start: ACPI_TABLES_START,
             tables_end: ACPI_TABLES_END,
+            numa: Vec::new(),
         }
     }
 }
@@ -166,6 +198,55 @@ impl AcpiConfig {
                 base: self.mmio64_base,
                 size: self.mmio64_size,
             });
+        }
+        self.validate_numa()
+    }
+
+    /// The NUMA nodes describe a machine: each vCPU in exactly one node, memory in every
+    /// node, a full symmetric distance matrix (SLIT is read as one by Linux, which refuses
+    /// the table otherwise and falls back to one node without saying much).
+    fn validate_numa(&self) -> Result<(), AcpiTableError> {
+        let n = self.numa.len();
+        if n > MAX_NUMA_NODES {
+            return Err(AcpiTableError::NumaNodes(n));
+        }
+        let err = |node: usize, what: String| Err(AcpiTableError::Numa { node, what });
+        let mut owner = vec![None; self.num_vcpus as usize];
+        for (i, node) in self.numa.iter().enumerate() {
+            for &cpu in &node.cpus {
+                match owner.get_mut(cpu as usize) {
+                    None => return err(i, format!("vcpu {cpu} does not exist")),
+                    Some(Some(other)) => {
+                        return err(i, format!("vcpu {cpu} is in node {other} too"))
+                    }
+                    Some(slot) => *slot = Some(i),
+                }
+            }
+            if node.memory.iter().all(|&(_, len)| len == 0) {
+                return err(i, "has no memory".into());
+            }
+            if node.distances.len() != n {
+                return err(
+                    i,
+                    format!("{} distances for {n} nodes", node.distances.len()),
+                );
+            }
+            for (j, &d) in node.distances.iter().enumerate() {
+                let ok = if i == j {
+                    d == NUMA_LOCAL_DISTANCE
+                } else {
+                    (NUMA_LOCAL_DISTANCE + 1..=NUMA_MAX_DISTANCE).contains(&d)
+                        && self.numa[j].distances.get(i) == Some(&d)
+                };
+                if !ok {
+                    return err(i, format!("distance {d} to node {j}"));
+                }
+            }
+        }
+        if n > 0 {
+            if let Some(cpu) = owner.iter().position(Option::is_none) {
+                return Err(AcpiTableError::NumaCpu(cpu));
+            }
         }
         Ok(())
     }
@@ -603,6 +684,48 @@ fn create_madt(cfg: &AcpiConfig) -> Vec<u8> {
     madt.as_slice().to_vec()
 }
 
+/// SRAT (revision 3): a Processor Local APIC Affinity structure per vCPU and a Memory
+/// Affinity structure per RAM range, each naming its node as the proximity domain.
+/// acpi_tables' `SRAT` has no x86 processor structure, so the table is laid out here on its
+/// `Sdt`, with the crate's `MemoryAffinity` for the memory ranges.
+fn create_srat(cfg: &AcpiConfig) -> Vec<u8> {
+    // Header (36), then a reserved dword that must be 1 and a reserved qword.
+    let mut srat = Sdt::new(*b"SRAT", 48, 3, OEM_ID, oem_table_id(b"SRAT"), OEM_REVISION);
+    srat.write_u32(36, 1);
+    for (domain, node) in cfg.numa.iter().enumerate() {
+        // Validated: at most MAX_NUMA_NODES (64) nodes.
+        let domain = domain as u32;
+        for &cpu in &node.cpus {
+            // Type 0, length 16: proximity domain [7:0], APIC id, flags (enabled), local
+            // SAPIC EID, proximity domain [31:8], clock domain.
+            let mut e = [0u8; 16];
+            e[0] = 0;
+            e[1] = 16;
+            e[2] = domain as u8;
+            e[3] = cpu as u8;
+            e[4..8].copy_from_slice(&1u32.to_le_bytes());
+            e[9..12].copy_from_slice(&(domain >> 8).to_le_bytes()[..3]);
+            srat.append_slice(&e);
+        }
+        for &(base, len) in node.memory.iter().filter(|(_, len)| *len != 0) {
+            srat.append_slice(&to_bytes(&MemoryAffinity::new(domain, base, len).enabled()));
+        }
+    }
+    srat.as_slice().to_vec()
+}
+
+/// SLIT: the nodes' distance matrix.
+fn create_slit(cfg: &AcpiConfig) -> Vec<u8> {
+    let n = cfg.numa.len();
+    let mut slit = SLIT::new(OEM_ID, oem_table_id(b"SLIT"), OEM_REVISION, n as u32);
+    for (i, node) in cfg.numa.iter().enumerate() {
+        for (j, &d) in node.distances.iter().enumerate().skip(i + 1) {
+            slit.set_distance(i, j, d);
+        }
+    }
+    to_bytes(&slit)
+}
+
 fn create_mcfg(cfg: &AcpiConfig) -> Vec<u8> {
     let mut mcfg = MCFG::new(OEM_ID, oem_table_id(b"MCFG"), OEM_REVISION);
     mcfg.add_ecam(cfg.ecam_base, 0, cfg.pci_bus_start, cfg.pci_bus_end);
@@ -649,6 +772,10 @@ pub fn create_acpi_tables(cfg: &AcpiConfig) -> Result<AcpiTables, AcpiTableError
     let mut xsdt = XSDT::new(OEM_ID, oem_table_id(b"XSDT"), OEM_REVISION);
     for addr in [fadt_addr, madt_addr, mcfg_addr] {
         xsdt.add_entry(addr);
+    }
+    if !cfg.numa.is_empty() {
+        xsdt.add_entry(layout.place(*b"SRAT", create_srat(cfg)));
+        xsdt.add_entry(layout.place(*b"SLIT", create_slit(cfg)));
     }
     let xsdt_addr = layout.place(*b"XSDT", to_bytes(&xsdt));
     let mut tables = layout.tables;
@@ -700,6 +827,129 @@ mod tests {
             mmio64_size: 0x40_0000_0000,
             ..Default::default()
         }
+    }
+
+    /// Two nodes: vCPU 0 and the first GiB on node 0; vCPU 1, the second GiB and 256 MiB
+    /// above 4 GiB on node 1; distance 21 between them.
+    fn two_nodes() -> Vec<NumaNode> {
+        vec![
+            NumaNode {
+                cpus: vec![0],
+                memory: vec![(0, 0x4000_0000)],
+                distances: vec![10, 21],
+            },
+            NumaNode {
+                cpus: vec![1],
+                memory: vec![(0x4000_0000, 0x4000_0000), (0x1_0000_0000, 0x1000_0000)],
+                distances: vec![21, 10],
+            },
+        ]
+    }
+
+    #[test]
+    fn numa_nodes_become_srat_and_slit() {
+        let plain = create_acpi_tables(&config(2)).unwrap();
+        assert!(plain.get(b"SRAT").is_none() && plain.get(b"SLIT").is_none());
+        let cfg = AcpiConfig {
+            numa: two_nodes(),
+            ..config(2)
+        };
+        let t = create_acpi_tables(&cfg).unwrap();
+        let xsdt = t.get(b"XSDT").unwrap();
+        let listed: Vec<u64> = (36..xsdt.bytes.len())
+            .step_by(8)
+            .map(|o| u64_at(&xsdt.bytes, o))
+            .collect();
+        let srat = t.get(b"SRAT").unwrap();
+        let slit = t.get(b"SLIT").unwrap();
+        assert!(listed.contains(&srat.gpa) && listed.contains(&slit.gpa));
+        for table in [srat, slit] {
+            assert_eq!(sum(&table.bytes), 0, "{:?} checksum", table.signature);
+            assert_eq!(u32_at(&table.bytes, 4) as usize, table.bytes.len());
+        }
+        // SRAT: the reserved 1, then (type, domain, what) for every structure.
+        assert_eq!(u32_at(&srat.bytes, 36), 1);
+        let mut found = Vec::new();
+        let mut off = 48;
+        while off < srat.bytes.len() {
+            let (kind, len) = (srat.bytes[off], srat.bytes[off + 1] as usize);
+            let e = &srat.bytes[off..off + len];
+            match (kind, len) {
+                (0, 16) => {
+                    assert_eq!(u32_at(e, 4) & 1, 1, "lapic affinity enabled");
+                    found.push(format!("cpu {} node {}", e[3], e[2]));
+                }
+                (1, 40) => {
+                    assert_eq!(u32_at(e, 28) & 1, 1, "memory affinity enabled");
+                    let (base, size) = (u64_at(e, 8), u64_at(e, 16));
+                    found.push(format!("mem {base:#x}+{size:#x} node {}", u32_at(e, 2)));
+                }
+                other => panic!("unexpected SRAT structure {other:?}"),
+            }
+            off += len;
+        }
+        assert_eq!(
+            found,
+            [
+                "cpu 0 node 0",
+                "mem 0x0+0x40000000 node 0",
+                "cpu 1 node 1",
+                "mem 0x40000000+0x40000000 node 1",
+                "mem 0x100000000+0x10000000 node 1",
+            ]
+        );
+        // SLIT: the node count, then the matrix row by row.
+        assert_eq!(u64_at(&slit.bytes, 36), 2);
+        assert_eq!(&slit.bytes[44..], &[10, 21, 21, 10]);
+    }
+
+    #[test]
+    fn numa_nodes_that_describe_no_machine_are_refused() {
+        let with = |edit: fn(&mut Vec<NumaNode>)| {
+            let mut numa = two_nodes();
+            edit(&mut numa);
+            create_acpi_tables(&AcpiConfig { numa, ..config(2) })
+                .unwrap_err()
+                .to_string()
+        };
+        for (edit, want) in [
+            (
+                (|n: &mut Vec<NumaNode>| n[1].cpus = vec![0]) as fn(&mut Vec<NumaNode>),
+                "numa node 1: vcpu 0 is in node 0 too",
+            ),
+            (|n| n[1].cpus = vec![], "vcpu 1 is in no numa node"),
+            (
+                |n| n[1].cpus = vec![1, 7],
+                "numa node 1: vcpu 7 does not exist",
+            ),
+            (|n| n[0].memory = vec![], "numa node 0: has no memory"),
+            (
+                |n| n[0].distances = vec![10],
+                "numa node 0: 1 distances for 2 nodes",
+            ),
+            (
+                |n| n[0].distances[1] = 30,
+                "numa node 0: distance 30 to node 1",
+            ),
+            (
+                |n| n[1].distances[1] = 11,
+                "numa node 1: distance 11 to node 1",
+            ),
+            (
+                |n| n[0].distances[1] = 10,
+                "numa node 0: distance 10 to node 1",
+            ),
+        ] {
+            assert_eq!(with(edit), want);
+        }
+        let many = AcpiConfig {
+            numa: vec![NumaNode::default(); MAX_NUMA_NODES + 1],
+            ..config(2)
+        };
+        assert_eq!(
+            create_acpi_tables(&many).unwrap_err().to_string(),
+            "65 numa nodes: at most 64"
+        );
     }
 
     #[test]
@@ -972,9 +1222,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cfg = AcpiConfig {
             pci_slot_gsis: Some([16; 32]),
+            numa: two_nodes(),
             ..config(2)
         };
         let t = create_acpi_tables(&cfg).unwrap();
+        assert!(t.get(b"SRAT").is_some() && t.get(b"SLIT").is_some());
         for table in &t.tables[1..] {
             let name = String::from_utf8_lossy(&table.signature).to_lowercase();
             let path = dir.path().join(format!("{name}.dat"));

@@ -10,7 +10,9 @@
 //!
 //! | group | what | parameters |
 //! |---|---|---|
+//! | `acpi` | finds the RSDP as Linux does, walks the XSDT, checks checksums, prints SRAT's CPU and memory affinities and SLIT's matrix (`lendvm --numa`) | |
 //! | `nvme` | NVMe driver test on the first class 01:08:02 function | `seed=` (pattern, default 0x4c454e44), `lba=` (first LBA, 0), `hold=1` (after set-up print `MAILBOX`, `STEP 1 nvme-ready` and wait for the host before any I/O), `wait_ms=` (30000), `cmb=1` (I/O SQ in the controller memory buffer) |
+//! | `bigbar` | a dmatest function with a 64-bit BAR0 of 1 GiB or more (a GPU aperture's shape): sized as a driver does, a word written, read back and copied out by the engine at the buffer's first page, past 4 GiB and its last word; an unwritten word reads zero | `seed=` |
 //! | `dmatest` | one-page copy through the first 1b36:1105 function | `seed=` |
 //! | `p2p` | peer-to-peer DMA between the first two 1b36:1105 functions (one lender or two): RAM → peer BAR, peer BAR → RAM, a hole refused, peer BAR0 moved | `seed=` |
 //! | `p2p-nvme` | a real NVMe (the first class 01:08:02 function) reads a block it was given from RAM straight into an ivshmem-plain function's BAR 2; the peer's BAR and the cleared RAM buffer are checked | `seed=`, `lba=` |
@@ -28,6 +30,8 @@
 #![no_std]
 #![no_main]
 
+mod acpi;
+mod bigbar;
 mod bme;
 mod bootinfo;
 mod cpuid;
@@ -121,11 +125,17 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
         wait_ms: info.param_u64("wait_ms", 30_000),
         cmb: info.param_u64("cmb", 0) != 0,
     };
+    if info.wants_explicitly("acpi") {
+        acpi::test(&mut r);
+    }
     if info.wants_explicitly("nvme") {
         nvme::test(&mut r, params);
     }
     if info.wants_explicitly("dmatest") {
         dmatest::test(&mut r, params.seed);
+    }
+    if info.wants_explicitly("bigbar") {
+        bigbar::test(&mut r, params.seed);
     }
     if info.wants_explicitly("p2p") {
         p2p::run(&mut r, params.seed);

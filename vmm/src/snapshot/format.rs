@@ -203,6 +203,10 @@ pub struct MachineConfig {
     /// so the window moves with the VM. Absent in documents of older lendvms (64 GiB).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci_mmio64_size: Option<u64>,
+    /// The guest's NUMA nodes (`--numa`): its ACPI tables, and what a restored or migrated
+    /// VM's are rebuilt from. Absent with one node and in documents of older lendvms.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub numa: Vec<crate::numa::NumaNodeConfig>,
 }
 
 /// One guest RAM region and its file.
@@ -512,6 +516,12 @@ mod tests {
                 serial: Some("file=/tmp/console.log".into()),
                 cpu_model: Some("qemu64".into()),
                 pci_mmio64_size: Some(256 << 30),
+                numa: vec![crate::numa::NumaNodeConfig {
+                    id: 0,
+                    cpus: vec![0, 1],
+                    memory: 64 << 20,
+                    distances: Vec::new(),
+                }],
             },
             memory: vec![RamFile {
                 gpa: 0,
