@@ -6,7 +6,7 @@
 //! 0000:83:00.0=dmatest[:mode=interrupt|polling][,buf=SIZE]
 //! ```
 //!
-//! `buf=SIZE` (a multiple of 4K, at most 256M; default 60K) sizes the dmatest's data buffer
+//! `buf=SIZE` (a multiple of 4K, at most 128G, sparse; default 60K) sizes the dmatest's data buffer
 //! (its peer memory); BAR0 grows to the next power of two above 4K + SIZE.
 //!
 //! `vfs=N` (1..=32, needs `size`) gives the emulated NVMe N SR-IOV virtual functions at the
@@ -168,7 +168,7 @@ impl std::str::FromStr for DeviceSpec {
                                 })
                                 .ok_or_else(|| {
                                     err(format!(
-                                        "buf {v:?} is not a multiple of 4K from 4K to 256M"
+                                        "buf {v:?} is not a multiple of 4K from 4K to 128G"
                                     ))
                                 })?;
                         }

@@ -5,7 +5,11 @@
 //! buffer ([`BUF_OFFSET`], [`BUF_SIZE`]). The buffer size is configurable
 //! ([`DmaTest::with_buffer`], lenderd's `dmatest:buf=64M`): BAR0 is then the next power of
 //! two above 4 KiB + the buffer, and a copy may be as long as the buffer (at least
-//! [`MAX_LEN`]). The buffer is plain memory: the guest reads it
+//! [`MAX_LEN`], at most [`MAX_BIG_COPY`]). A BAR0 over [`LARGE_BAR`] is a 64-bit prefetchable
+//! BAR, the shape of a GPU's aperture (up to [`MAX_BUF_SIZE`]: 128 GiB), and the MSI-X BAR
+//! moves from index 1 to 2. Such a buffer is sparse: it costs memory only where written, and
+//! a reset gives its pages back rather than writing zeroes over it. The buffer is plain
+//! memory: the guest reads it
 //! directly and writes it through the exact BAR write path, and because BAR0 lives in
 //! shareable memory (a memfd on the lender) another device's DMA can reach it peer-to-peer
 //! when the lender maps this BAR into that device's IOMMU domain.
@@ -78,8 +82,13 @@ pub const CMD_SRC_BUF: u32 = 4;
 pub const CMD_DST_BUF: u32 = 8;
 /// Largest copy (with a bigger buffer: the buffer's size).
 pub const MAX_LEN: u32 = 1 << 20;
-/// Largest configurable buffer.
-pub const MAX_BUF_SIZE: u64 = 256 << 20;
+/// Largest configurable buffer: an H100's aperture BAR is 128 GiB at most.
+pub const MAX_BUF_SIZE: u64 = 128 << 30;
+/// A BAR0 larger than this is 64-bit and prefetchable (it could not fit the 32-bit window).
+pub const LARGE_BAR: u64 = 256 << 20;
+/// Longest copy of a large buffer: the staging buffer grows to the longest copy made, and a
+/// device must not cost its whole aperture again in heap.
+pub const MAX_BIG_COPY: u64 = 256 << 20;
 
 /// BAR0's size for a buffer of `buf` bytes: the next power of two above the registers and
 /// the buffer.
@@ -121,8 +130,8 @@ struct Inner {
     /// The copy's staging buffer, kept between copies so a copy does not allocate and fault
     /// in fresh pages each time (a 64 MiB copy spent most of its time there). It grows to the
     /// longest copy made, which is bounded by the copy limit (the larger of [`MAX_LEN`] and
-    /// the buffer's size): a device costs at most its buffer's size again once a guest made
-    /// such a copy. Only the worker thread takes it.
+    /// the buffer's size, at most [`MAX_BIG_COPY`]): a device costs at most that again once a
+    /// guest made such a copy. Only the worker thread takes it.
     bounce: Mutex<Vec<u8>>,
 }
 
@@ -231,7 +240,7 @@ impl Inner {
         let src = self.regs.read64(REG_SRC);
         let dst = self.regs.read64(REG_DST);
         let len = self.regs.read32(REG_LEN);
-        let max = u64::from(MAX_LEN).max(self.buf_size);
+        let max = u64::from(MAX_LEN).max(self.buf_size.min(MAX_BIG_COPY));
         if u64::from(len) > max {
             log::warn!("dmatest: length {len:#x} exceeds the {max:#x} maximum");
             return false;
@@ -298,6 +307,15 @@ pub struct DmaTest {
 }
 
 impl DmaTest {
+    /// The MSI-X BAR: 1, or 2 when BAR0 is a 64-bit BAR (which takes slots 0 and 1).
+    fn msix_bar(&self) -> u8 {
+        if bar0_size_for(self.inner.buf_size) > LARGE_BAR {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Create the device over `regs` (at least [`BAR0_SIZE`] bytes).
     pub fn new(
         regs: Arc<dyn RegisterMemory>,
@@ -386,12 +404,14 @@ impl DeviceModel for DmaTest {
     }
 
     fn bars(&self) -> Vec<BarInfo> {
+        let size = bar0_size_for(self.inner.buf_size);
+        let large = size > LARGE_BAR;
         vec![
             BarInfo {
                 index: 0,
-                size: bar0_size_for(self.inner.buf_size),
-                is_64bit: false,
-                prefetchable: false,
+                size,
+                is_64bit: large,
+                prefetchable: large,
                 register_memory: true,
                 // SRC, DST, LEN, IRQ_VECTOR and CMD are plain values read when CMD is seen
                 // (`bar_write` only stores them): store + notify is exact. ID, STATUS, FAULTS
@@ -402,7 +422,7 @@ impl DeviceModel for DmaTest {
                 }),
             },
             BarInfo {
-                index: 1,
+                index: self.msix_bar(),
                 size: 0x1000,
                 is_64bit: false,
                 prefetchable: false,
@@ -413,11 +433,12 @@ impl DeviceModel for DmaTest {
     }
 
     fn msix(&self) -> Option<MsixInfo> {
+        let bar = self.msix_bar();
         Some(MsixInfo {
             vectors: VECTORS,
-            table_bar: 1,
+            table_bar: bar,
             table_offset: 0,
-            pba_bar: 1,
+            pba_bar: bar,
             pba_offset: 0x800,
         })
     }
@@ -493,9 +514,11 @@ impl DeviceModel for DmaTest {
         for r in [REG_LEN, REG_IRQ_VECTOR, REG_CMD] {
             self.inner.regs.write32(r, 0);
         }
-        // The buffer too: the next borrower must not read the last one's data.
-        for off in (BUF_OFFSET..BUF_OFFSET + self.inner.buf_size).step_by(8) {
-            self.inner.regs.write64(off, 0);
+        // The buffer too: the next borrower must not read the last one's data. Memory
+        // shared from a memfd (the lender's) gives its pages back: a sparse 64 GiB buffer
+        // costs nothing to clear.
+        if !self.inner.regs.zero_bytes(BUF_OFFSET, self.inner.buf_size) {
+            log::warn!("dmatest: the buffer is outside the register memory; not cleared");
         }
         self.inner.publish(&s);
         self.inner.irq.set_intx(false);

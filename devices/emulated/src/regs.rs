@@ -65,6 +65,22 @@ pub trait RegisterMemory: Send + Sync {
         }
         true
     }
+    /// Zero `len` bytes of plain memory at `offset` (a data buffer at reset), with the same
+    /// alignment rules as [`RegisterMemory::read_bytes`]. Default: 64-bit stores. Memory
+    /// shared from a file gives its pages back instead (a 64 GiB buffer must not be written
+    /// through to be cleared: that would cost its size in time and in memory).
+    fn zero_bytes(&self, offset: u64, len: u64) -> bool {
+        let Ok(n) = usize::try_from(len) else {
+            return false;
+        };
+        if !bytes_fit(self.len(), offset, n) {
+            return false;
+        }
+        for i in (0..len).step_by(8) {
+            self.write64(offset + i, 0);
+        }
+        true
+    }
 }
 
 /// Whether `len` bytes at `offset` are a bulk access [`RegisterMemory::read_bytes`] takes: 8-byte
@@ -190,6 +206,46 @@ impl RegisterMemory for RawRegisters {
         }
         true
     }
+
+    fn zero_bytes(&self, offset: u64, len: u64) -> bool {
+        let Ok(n) = usize::try_from(len) else {
+            return false;
+        };
+        if !bytes_fit(self.len, offset, n) {
+            return false;
+        }
+        let start = offset as usize;
+        let page = 4096usize;
+        // The whole pages inside the range go back to the file they are shared from
+        // (MADV_REMOVE punches a hole: later reads see zeroes, and the memory is freed).
+        // Private memory (a heap buffer) refuses it with EINVAL; then, and for the partial
+        // pages at either end, zero stores.
+        let (lo, hi) = (start.next_multiple_of(page), (start + n) / page * page);
+        let removed = lo < hi && {
+            // SAFETY: [lo, hi) lies inside the mapping `new`'s contract keeps valid; MADV_REMOVE
+            // changes no mapping, only the pages' contents (to zeroes), as a DMA would.
+            let r = unsafe {
+                libc::madvise(
+                    self.base.add(lo).cast::<libc::c_void>(),
+                    hi - lo,
+                    libc::MADV_REMOVE,
+                )
+            };
+            r == 0
+        };
+        let zero = |from: usize, to: usize| {
+            // SAFETY: [from, to) lies inside the range checked above, in the writable mapping
+            // of `new`'s contract; written through a raw pointer as in write_bytes.
+            unsafe { std::ptr::write_bytes(self.base.add(from), 0, to - from) };
+        };
+        if removed {
+            zero(start, lo);
+            zero(hi, start + n);
+        } else {
+            zero(start, start + n);
+        }
+        true
+    }
 }
 
 /// Register memory in a mapping that `backing` owns and keeps alive (a heap buffer, a memfd,
@@ -243,6 +299,9 @@ impl<B: Send + Sync> RegisterMemory for MappedRegisters<B> {
     fn write_bytes(&self, offset: u64, data: &[u8]) -> bool {
         self.raw.write_bytes(offset, data)
     }
+    fn zero_bytes(&self, offset: u64, len: u64) -> bool {
+        self.raw.zero_bytes(offset, len)
+    }
 }
 
 /// Heap-backed register memory (tests, the tcp fabric).
@@ -274,6 +333,22 @@ mod tests {
         assert_eq!(r.read32(4), 3);
         assert_eq!(r.swap32(16, 1), u32::MAX, "out of range");
         assert_eq!(r.swap32(2, 1), u32::MAX, "misaligned");
+    }
+
+    /// `zero_bytes` clears exactly its range (private memory: by stores) and refuses what
+    /// `read_bytes` refuses.
+    #[test]
+    fn zero_bytes_clears_exactly_its_range() {
+        let r = HeapRegisters::new(3 * 4096);
+        for o in (0..3 * 4096).step_by(8) {
+            r.write64(o, u64::MAX);
+        }
+        assert!(r.zero_bytes(8, 2 * 4096));
+        assert_eq!(r.read64(0), u64::MAX);
+        assert!((8..8 + 2 * 4096).step_by(8).all(|o| r.read64(o) == 0));
+        assert_eq!(r.read64(8 + 2 * 4096), u64::MAX);
+        assert!(!r.zero_bytes(4, 8), "misaligned");
+        assert!(!r.zero_bytes(0, 3 * 4096 + 8), "past the end");
     }
 
     #[test]

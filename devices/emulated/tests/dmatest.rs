@@ -256,3 +256,131 @@ fn dmatest_buffer_size_is_configurable() {
         "reset clears the whole buffer"
     );
 }
+
+/// A memfd of `len` bytes, mapped shared (the lender's register memory is one); unmapped and
+/// closed on drop.
+struct Memfd {
+    fd: std::os::fd::OwnedFd,
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is shared memory reached only through atomics and raw copies.
+unsafe impl Send for Memfd {}
+// SAFETY: as above.
+unsafe impl Sync for Memfd {}
+
+impl Memfd {
+    fn new(len: usize) -> Memfd {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain syscalls; the fd is owned right away, the mapping by the value.
+        unsafe {
+            let fd = libc::memfd_create(c"dmatest-large".as_ptr(), 0);
+            assert!(fd >= 0);
+            let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+            use std::os::fd::AsRawFd;
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                fd.as_raw_fd(),
+                0,
+            );
+            assert_ne!(base, libc::MAP_FAILED);
+            Memfd {
+                fd,
+                base: base.cast(),
+                len,
+            }
+        }
+    }
+
+    /// Bytes of memory the file holds (allocated blocks).
+    fn allocated(&self) -> u64 {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a C struct of integers, for which all zeroes is a valid value.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat into that struct on an fd we own.
+        let r = unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) };
+        assert_eq!(r, 0);
+        st.st_blocks as u64 * 512
+    }
+}
+
+impl Drop for Memfd {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping this value made.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// A GPU-aperture-sized buffer (`dmatest:buf=` near 64 GiB) on a memfd, as on the lender:
+/// BAR0 becomes a 64-bit prefetchable BAR (MSI-X moves to BAR 2), the buffer costs memory
+/// only where written (the first page, one past 4 GiB, the last), copies out of it work at
+/// any offset, a copy longer than the large-buffer limit is refused (the staging buffer must
+/// not grow to the aperture), and a reset gives the pages back instead of writing 64 GiB of
+/// zeroes.
+#[test]
+fn dmatest_a_large_buffer_is_a_sparse_64bit_prefetchable_bar() {
+    let buf = (64u64 << 30) - BUF_OFFSET;
+    let size = bar0_size_for(buf);
+    assert_eq!(size, 64 << 30);
+    let shm = Memfd::new(size as usize);
+    let base = shm.base;
+    // SAFETY: the mapping is page aligned, `size` bytes long and owned by `shm`, which the
+    // registers keep.
+    let regs =
+        Arc::new(unsafe { emulated::MappedRegisters::with_backing(shm, base, size as usize) });
+    let mem = TestMemory::with_window(8 << 20, 1 << 20, 4 << 20);
+    let irq = CountingInterrupts::new(VECTORS);
+    let dev =
+        DmaTest::with_buffer(regs.clone(), mem.clone(), irq, NotifyMode::Interrupt, buf).unwrap();
+    dev.start().unwrap();
+    let bars = dev.bars();
+    assert_eq!(
+        (bars[0].size, bars[0].is_64bit, bars[0].prefetchable),
+        (64 << 30, true, true)
+    );
+    assert_eq!(bars[1].index, 2, "MSI-X past the 64-bit BAR's two slots");
+    assert_eq!(dev.msix().unwrap().table_bar, 2);
+    let cfg = dev.config_space();
+    assert_eq!(cfg[0x10] & 0xf, 0xc, "BAR0: memory, 64-bit, prefetchable");
+    let offsets = [0u64, (4 << 30) + 0x1238, buf - 8];
+    for (i, &o) in offsets.iter().enumerate() {
+        regs.write64(BUF_OFFSET + o, 0x5a5a_0000 + i as u64);
+    }
+    let held = regs.backing().allocated();
+    assert!(
+        held <= 3 * 4096 + 3 * (2 << 20),
+        "{held} bytes held for three words"
+    );
+    // Each word copied out of the buffer into RAM.
+    for (i, &o) in offsets.iter().enumerate() {
+        let ram = 0x10_0000 + 8 * i as u64;
+        assert_eq!(run_copy_flags(&dev, CMD_SRC_BUF, o, ram, 8), STATUS_DONE);
+        let mut got = [0u8; 8];
+        GuestRam::read(&*mem, ram, &mut got);
+        assert_eq!(
+            u64::from_le_bytes(got),
+            0x5a5a_0000 + i as u64,
+            "offset {o:#x}"
+        );
+    }
+    assert_eq!(
+        run_copy_flags(&dev, CMD_SRC_BUF, 0, 0x10_0000, (MAX_BIG_COPY + 8) as u32),
+        STATUS_ERROR,
+        "a copy past the large-buffer limit"
+    );
+    dev.reset();
+    // Before any read: a load from a hole in shared memory allocates its page.
+    let after = regs.backing().allocated();
+    assert!(
+        after <= 4096,
+        "{after} bytes still held after the reset (the registers' page)"
+    );
+    for &o in &offsets {
+        assert_eq!(regs.read64(BUF_OFFSET + o), 0, "offset {o:#x} after reset");
+    }
+}
