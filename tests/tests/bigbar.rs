@@ -109,3 +109,69 @@ fn hot_adding_a_64_gib_bar_costs_no_memory_in_proportion() {
     remove(&api, "big");
     cluster.wait_available(DMATEST_BDF);
 }
+
+fn lent_to(cluster: &Cluster) -> Option<String> {
+    match &cluster.device(DMATEST_BDF).summary.state {
+        lending::protocol::DeviceState::Lent { vm, .. } => Some(vm.clone()),
+        _ => None,
+    }
+}
+
+/// A live migration of a VM holding the 64 GiB BAR: the lease moves to the destination (the
+/// device stays on its lender), whose lendvm does not grow by the BAR either, and the
+/// destination can remove it and give the lease back.
+#[test]
+fn a_vm_with_a_64_gib_bar_migrates_and_the_bar_moves_with_it() {
+    let cluster = Cluster::new(Fabric::Shm);
+    let _lender = lend_big(&cluster);
+    let c = cluster.path.display().to_string();
+    let dev = format!("{LENDER}:{DMATEST_BDF},id=big");
+    let src_sock = cluster.file("src.sock").display().to_string();
+    let mut src = Vm::start_with_log(
+        "64M",
+        &[
+            "--cluster",
+            &c,
+            "--name",
+            "vm-src",
+            "--remote-device",
+            &dev,
+            "--api-socket",
+            &src_sock,
+            "--cmdline",
+            "tests=idle total_ms=60000",
+        ],
+        "info",
+    );
+    src.wait_api();
+    assert_eq!(lent_to(&cluster).as_deref(), Some("vm-src"));
+    let dst_sock = cluster.file("dst.sock").display().to_string();
+    let dst = Vm::start_args(
+        &["--cluster", &c, "--name", "vm-dst", "--api-socket", &dst_sock],
+        "info",
+    );
+    dst.wait_api();
+    let rss_idle = dst.proc_status_kb("VmRSS");
+    let url = format!("unix:{}", cluster.file("dst.mig").display());
+    dst.api()
+        .receive_migration(&api::types::VmReceiveMigrationData {
+            receiver_url: url.clone(),
+        })
+        .unwrap();
+    src.api()
+        .send_migration(&api::types::VmSendMigrationData {
+            destination_url: url,
+            local: false,
+        })
+        .unwrap_or_else(|e| panic!("{e}\n--- source\n{}", src.stderr()));
+    src.expect_exit(0, BOOT_TIMEOUT);
+    assert_eq!(lent_to(&cluster).as_deref(), Some("vm-dst"));
+    // The destination holds the guest's 64 MiB of RAM and the device, not the BAR.
+    let rss = dst.proc_status_kb("VmRSS");
+    assert!(
+        rss <= rss_idle + (64 << 10) + RSS_SLACK_KB,
+        "the destination went from {rss_idle} kB to {rss} kB resident"
+    );
+    remove(&dst.api(), "big");
+    cluster.wait_available(DMATEST_BDF);
+}
