@@ -366,7 +366,12 @@ mod tests {
         );
         let s: DeviceSpec = "0000:83:00.0=dmatest:buf=64M".parse().unwrap();
         assert!(matches!(s.kind, DeviceKind::Dmatest { buf, .. } if buf == 64 << 20));
-        for bad in ["buf=1000", "buf=512M", "buf=0"] {
+        let s: DeviceSpec = "0000:83:00.0=dmatest:buf=67108860K".parse().unwrap();
+        assert!(
+            matches!(s.kind, DeviceKind::Dmatest { buf, .. } if buf == (64 << 30) - 4096),
+            "a GPU aperture's size"
+        );
+        for bad in ["buf=1000", "buf=129G", "buf=0"] {
             let e = format!("0000:83:00.0=dmatest:{bad}")
                 .parse::<DeviceSpec>()
                 .unwrap_err();

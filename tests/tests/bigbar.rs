@@ -147,7 +147,14 @@ fn a_vm_with_a_64_gib_bar_migrates_and_the_bar_moves_with_it() {
     assert_eq!(lent_to(&cluster).as_deref(), Some("vm-src"));
     let dst_sock = cluster.file("dst.sock").display().to_string();
     let dst = Vm::start_args(
-        &["--cluster", &c, "--name", "vm-dst", "--api-socket", &dst_sock],
+        &[
+            "--cluster",
+            &c,
+            "--name",
+            "vm-dst",
+            "--api-socket",
+            &dst_sock,
+        ],
         "info",
     );
     dst.wait_api();

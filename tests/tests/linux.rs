@@ -122,6 +122,11 @@ const VCPUS: u32 = 2;
 /// `VCPUS` as the kernel lists online CPUs (`/sys/devices/system/cpu/online`).
 const CPUS_ONLINE: &str = "0-1";
 const VCPUS_ARG: &str = "2";
+/// The NUMA nodes of the busybox case: vCPU N and half of `MEMORY` on node N.
+const NUMA_ARGS: [&str; 2] = [
+    "id=0,cpus=0,memory=64M",
+    "id=1,cpus=1,memory=64M,distance=0:21",
+];
 
 /// The guest kernel (`LENDVM_LINUX_KERNEL`, a bzImage or vmlinux).
 fn kernel() -> PathBuf {
@@ -529,6 +534,15 @@ impl Guest {
         self.out.lines().into_iter().find(|l| l.contains(needle))
     }
 
+    /// Every line containing `needle` among those already seen, in order.
+    fn lines_with(&self, needle: &str) -> Vec<String> {
+        self.out
+            .lines()
+            .into_iter()
+            .filter(|l| l.contains(needle))
+            .collect()
+    }
+
     /// Waits (bounded by `deadline`) for lendvm to exit; SIGKILLs it on timeout.
     fn wait_exit(&mut self, deadline: Instant) -> Option<ExitStatus> {
         loop {
@@ -700,8 +714,17 @@ fn check_nvme_probe_and_parts(guest: &Guest, lender: &Lender, parts: &[Part]) {
 /// one I/O queue per CPU (`queues` of them: one per CPU unless the device offers fewer
 /// vectors).
 fn check_smp_and_queues(guest: &Guest, lender: &Lender, queues: u32) {
+    check_smp_nodes_and_queues(guest, lender, 1, queues)
+}
+
+/// As [`check_smp_and_queues`], in a guest of `nodes` NUMA nodes.
+fn check_smp_nodes_and_queues(guest: &Guest, lender: &Lender, nodes: u32, queues: u32) {
     let diag = || guest.diag(lender);
-    let want = format!("smp: Brought up 1 node, {VCPUS} CPUs");
+    let want = if nodes == 1 {
+        format!("smp: Brought up 1 node, {VCPUS} CPUs")
+    } else {
+        format!("smp: Brought up {nodes} nodes, {VCPUS} CPUs")
+    };
     assert!(
         guest.line(&want).is_some(),
         "no {want:?}: the guest did not bring up every vCPU\n{}",
@@ -709,6 +732,44 @@ fn check_smp_and_queues(guest: &Guest, lender: &Lender, queues: u32) {
     );
     let q = format!("nvme nvme0: {queues}/0/0 default/read/poll queues");
     assert!(guest.line(&q).is_some(), "no {q:?}\n{}", diag());
+}
+
+/// The guest's NUMA nodes as /init read them from sysfs (`LENDVM-NODE node=N cpus=..
+/// mem_kb=.. distance=../..`): node N has vCPU N, at most its half of the RAM, and the
+/// distances of `NUMA_ARGS`.
+fn check_numa_nodes(guest: &Guest, lender: &Lender) {
+    let lines = guest.lines_with("LENDVM-NODE ");
+    let diag = || format!("{lines:#?}\n{}", guest.diag(lender));
+    assert_eq!(lines.len(), 2, "not two nodes\n{}", diag());
+    // The host bridge has a node (`_PXM` 0), so its devices do too.
+    assert!(
+        guest.line("Unknown NUMA node").is_none(),
+        "the PCI host bridge has no node\n{}",
+        diag()
+    );
+    let half_kb = parse_size(MEMORY) / 2 / 1024;
+    for (n, line) in lines.iter().enumerate() {
+        let cpus = n.to_string();
+        let distance = if n == 0 { "10/21" } else { "21/10" };
+        assert_eq!(
+            (
+                field(line, "node"),
+                field(line, "cpus"),
+                field(line, "distance")
+            ),
+            (Some(cpus.as_str()), Some(cpus.as_str()), Some(distance)),
+            "{}",
+            diag()
+        );
+        let kb: u64 = field(line, "mem_kb")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        assert!(
+            kb > 0 && kb <= half_kb,
+            "node {n}: MemTotal {kb} kB, not within its {half_kb} kB\n{}",
+            diag()
+        );
+    }
 }
 
 /// User space (the initramfs' /init) saw every vCPU online: `LENDVM-CPUS online=0-1`.
@@ -969,6 +1030,11 @@ fn linux_busybox_user_space_on_a_lent_disk() {
             &dev,
             "--initramfs",
             initrd.to_str().unwrap(),
+            // Two NUMA nodes (ACPI SRAT and SLIT), a vCPU and half the RAM each.
+            "--numa",
+            NUMA_ARGS[0],
+            "--numa",
+            NUMA_ARGS[1],
         ],
     );
     let deadline = guest.deadline_after_init(&lender, IRQMOVE_TIME);
@@ -991,8 +1057,9 @@ fn linux_busybox_user_space_on_a_lent_disk() {
     );
     check_nvme_probe_and_parts(&guest, &lender, &parts);
     check_cmb_pool(&guest, &lender);
-    check_smp_and_queues(&guest, &lender, 1);
+    check_smp_nodes_and_queues(&guest, &lender, 2, 1);
     check_cpus_online(&guest, &lender);
+    check_numa_nodes(&guest, &lender);
     check_irq_moves(&guest, &lender);
     assert!(
         ok_line.contains("LENDVM-USERSPACE nvme0n1 ok "),

@@ -47,6 +47,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use api::client::ApiClient;
+
+mod common;
 use api::types::{VmAddRemoteDeviceData, VmRemoveDeviceData};
 
 const TOKEN: &str = "hotplug-bench-token-8f3a61c2d4b7e9051a6c";
@@ -88,33 +90,6 @@ fn out_path() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
     target.join("bench/hotplug.json")
-}
-
-/// `cli; hlt; jmp .-3` as an ELF64 loaded at 2 MiB: the vCPU halts in KVM (in-kernel
-/// irqchip) and, interrupts being off, stays halted.
-fn idle_elf() -> Vec<u8> {
-    let base: u64 = 0x20_0000;
-    let mut e = Vec::new();
-    e.extend_from_slice(b"\x7fELF\x02\x01\x01\x00");
-    e.extend_from_slice(&[0; 8]);
-    e.extend_from_slice(&2u16.to_le_bytes());
-    e.extend_from_slice(&0x3eu16.to_le_bytes());
-    e.extend_from_slice(&1u32.to_le_bytes());
-    e.extend_from_slice(&base.to_le_bytes());
-    e.extend_from_slice(&64u64.to_le_bytes());
-    e.extend_from_slice(&0u64.to_le_bytes());
-    e.extend_from_slice(&0u32.to_le_bytes());
-    for v in [64u16, 56, 1, 0, 0, 0] {
-        e.extend_from_slice(&v.to_le_bytes());
-    }
-    e.extend_from_slice(&1u32.to_le_bytes());
-    e.extend_from_slice(&5u32.to_le_bytes());
-    for v in [0x1000u64, base, base, 4, 4, 0x1000] {
-        e.extend_from_slice(&v.to_le_bytes());
-    }
-    e.resize(0x1000, 0);
-    e.extend_from_slice(&[0xfa, 0xf4, 0xeb, 0xfd]);
-    e
 }
 
 fn wait_for(path: &Path, what: &str) {
@@ -426,7 +401,7 @@ fn run_fabric(
         ),
     )
     .unwrap();
-    std::fs::write(d.join("idle.elf"), idle_elf()).unwrap();
+    std::fs::write(d.join("idle.elf"), common::guest_elf(&common::IDLE)).unwrap();
     let lender = Kill(
         Command::new(&lenderd)
             .args(["--node", "node3", "--cluster"])

@@ -17,11 +17,19 @@
 //! else `target/bench/pin.json`, and an SVG and the Markdown fragment `pin.md` (section `pin`
 //! of `scripts/bench.sh`) beside it. Target (reported, not asserted): `pin_nt` >= 0.5x
 //! `memset_fresh`. `LENDVM_BENCH_QUICK=1` measures 256 MiB only (checks that it runs).
+//!
+//! Then, end to end at the same sizes: a `lendvm` with that much RAM borrows an emulated
+//! `dmatest` over shm from a `lenderd` (release binaries, `cargo build --release -p lending
+//! --bins` first), its guest sets Bus Master Enable and halts, and the VMM's log line gives
+//! what the vCPU waited for: the pin of all guest RAM and the lender's map of it for DMA in
+//! one lease (issue 33: a GPU's guest maps all of its RAM, 8 GiB and more).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use remote_pci::{ParallelPinner, Pinner};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
@@ -29,6 +37,103 @@ use vmm::config::RamBacking;
 use vmm::memory::GuestRam;
 
 const TARGET_RATIO: f64 = 0.5;
+const TOKEN: &str = "pin-bench-token-8f3a61c2d4b7e9051a6c3d2e";
+const DEV: &str = "0000:81:00.0";
+
+mod common;
+
+struct Kill(Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The number before ` ms` after `key` in `line` (`... (pin 812.345 ms, lender map ...`).
+fn ms_after(line: &str, key: &str) -> Option<f64> {
+    let rest = &line[line.find(key)? + key.len()..];
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+/// A lendvm with `size` bytes of RAM borrows a dmatest over shm and its guest masters the
+/// bus: (pin ms, lender map ms) from lendvm's `dma enabled` line.
+fn bme_end_to_end(size: u64) -> (f64, f64) {
+    let lendvm = PathBuf::from(env!("CARGO_BIN_EXE_lendvm"));
+    let lenderd = lendvm.with_file_name("lenderd");
+    assert!(
+        lenderd.is_file(),
+        "{} is missing: run `cargo build --release -p lending --bins` (same CARGO_TARGET_DIR) first",
+        lenderd.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let sock = d.join("node3.sock");
+    ntb::config::write_private_file(
+        &d.join("cluster.toml"),
+        &format!(
+            "version = 1\ntoken = \"{TOKEN}\"\n[[node]]\nname = \"node3\"\nfabric = \"shm\"\n\
+             control = \"{}\"\n",
+            sock.display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("bme.elf"),
+        common::guest_elf(&common::BUS_MASTER_THEN_IDLE),
+    )
+    .unwrap();
+    let _lender = Kill(
+        Command::new(&lenderd)
+            .args(["--node", "node3", "--cluster"])
+            .arg(d.join("cluster.toml"))
+            .args(["--device", &format!("{DEV}=dmatest")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start lenderd"),
+    );
+    let t = Instant::now();
+    while !sock.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "lenderd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut vmm = Command::new(&lendvm)
+        .arg("--kernel")
+        .arg(d.join("bme.elf"))
+        .args(["--serial", "off", "--memory", &format!("{}M", size >> 20)])
+        .arg("--cluster")
+        .arg(d.join("cluster.toml"))
+        .args(["--remote-device", &format!("node3:{DEV}")])
+        .env("RUST_LOG", "warn,remote_pci=info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start lendvm");
+    let stderr = vmm.stderr.take().unwrap();
+    let _vmm = Kill(vmm);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("dma enabled:") || line.contains("ERROR") {
+                let _ = tx.send(line);
+            }
+        }
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(300))
+        .expect("lendvm logged no dma enabled line within 5 minutes");
+    let pin = ms_after(&line, "(pin ");
+    let map = ms_after(&line, "lender map ");
+    match (pin, map) {
+        (Some(p), Some(m)) => (p, m),
+        _ => panic!("no pin and map times in: {line}"),
+    }
+}
 
 fn out_path() -> PathBuf {
     if let Ok(p) = std::env::var("PIN_BENCH_JSON") {
@@ -203,6 +308,13 @@ fn main() {
             "ratio_pin_1t_to_memset_fresh": fresh / p1,
             "target_met": fresh / pn >= TARGET_RATIO,
         });
+        let row = {
+            let (pin_ms, map_ms) = bme_end_to_end(size);
+            let mut row = row;
+            row["bme_pin_ms"] = serde_json::json!(pin_ms);
+            row["bme_map_ms"] = serde_json::json!(map_ms);
+            row
+        };
         println!("{row}");
         rows.push(row);
     }
@@ -268,6 +380,28 @@ fn markdown(rows: &[serde_json::Value], skipped: &[String], threads: usize, thp:
             f(r, "pin_nt_thp"),
             f(r, "ratio_pin_nt_to_memset_fresh"),
             f(r, "ratio_pin_nt_to_memset_warm"),
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\nEnd to end: a `lendvm` with the RAM of the row borrows a `dmatest` over shm and its \
+         guest sets Bus Master Enable; what the vCPU waits for, from lendvm's log (ms):\n\n\
+         | guest RAM | pin all RAM | lender maps it for DMA (one lease) | total | GiB/s |\n\
+         |---|---|---|---|---|"
+    );
+    for r in rows {
+        let size = r["size_mib"].as_u64().unwrap_or(0);
+        let (p, m) = (f(r, "bme_pin_ms"), f(r, "bme_map_ms"));
+        let _ = writeln!(
+            md,
+            "| {} | {p:.1} | {m:.1} | {:.1} | {:.2} |",
+            if size >= 1024 {
+                format!("{} GiB", size / 1024)
+            } else {
+                format!("{size} MiB")
+            },
+            p + m,
+            size as f64 / 1024.0 / ((p + m) / 1e3)
         );
     }
     for s in skipped {

@@ -528,6 +528,13 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
     if let Some(prt) = &prt {
         children.push(prt);
     }
+    // With NUMA nodes the host bridge is in node 0, as the first socket's root complex is:
+    // without `_PXM` Linux leaves its devices' node unknown ("Unknown NUMA node;
+    // performance will be reduced"). Devices in other nodes need a host bridge of their own.
+    let pxm_name = Name::new("_PXM".into(), &aml::ZERO);
+    if !cfg.numa.is_empty() {
+        children.push(&pxm_name);
+    }
     for s in &slots {
         children.push(s);
     }
@@ -1227,6 +1234,11 @@ mod tests {
         };
         let t = create_acpi_tables(&cfg).unwrap();
         assert!(t.get(b"SRAT").is_some() && t.get(b"SLIT").is_some());
+        assert!(contains(&t.get(b"DSDT").unwrap().bytes, b"_PXM"));
+        assert!(
+            !contains(&create_dsdt(&config(2)), b"_PXM"),
+            "no _PXM without nodes"
+        );
         for table in &t.tables[1..] {
             let name = String::from_utf8_lossy(&table.signature).to_lowercase();
             let path = dir.path().join(format!("{name}.dat"));
