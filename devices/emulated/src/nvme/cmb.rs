@@ -144,12 +144,11 @@ impl CmbState {
         Some(Ok(CMB_OFFSET + (addr - base)))
     }
 
-    /// Zeroes the buffer (function reset: nothing is left for the next user).
+    /// Zeroes the buffer (function reset: nothing is left for the next user); shared memory
+    /// gives its pages back rather than being written over (`RegisterMemory::zero_bytes`).
     pub fn clear(&self) {
-        let mut o = CMB_OFFSET;
-        while o < CMB_OFFSET + self.size {
-            self.regs.write64(o, 0);
-            o += 8;
+        if !self.regs.zero_bytes(CMB_OFFSET, self.size) {
+            log::warn!("nvme cmb: the buffer is outside the register memory; not cleared");
         }
     }
 }
