@@ -28,6 +28,7 @@ const REG_SRC: u64 = 0x08;
 const REG_DST: u64 = 0x10;
 const REG_LEN: u64 = 0x18;
 const REG_CMD: u64 = 0x20;
+const REG_COMPLETED: u64 = 0x28;
 const STATUS_DONE: u32 = 2;
 const STATUS_ERROR: u32 = 4;
 const CMD_START: u32 = 1;
@@ -90,12 +91,18 @@ fn size64(f: Func, index: u8) -> u64 {
 /// Copies 8 bytes at buffer offset `off` into RAM at `dst` with the engine (registers at
 /// `bar0`, mapped); the STATUS it ended with.
 fn copy_out(bar0: u64, off: u64, dst: u64) -> u32 {
+    // Done is this copy's once COMPLETED moved: the previous copy's ACK is handled by the
+    // device's worker in its own time, so STATUS may still say done from it.
+    let before = mmio::read32(bar0 + REG_COMPLETED);
     write64(bar0 + REG_SRC, off);
     write64(bar0 + REG_DST, dst);
     mmio::write32(bar0 + REG_LEN, 8);
     mmio::write32(bar0 + REG_CMD, CMD_START | CMD_SRC_BUF);
     wait_until(
-        || mmio::read32(bar0 + REG_STATUS) & (STATUS_DONE | STATUS_ERROR) != 0,
+        || {
+            mmio::read32(bar0 + REG_COMPLETED) != before
+                && mmio::read32(bar0 + REG_STATUS) & (STATUS_DONE | STATUS_ERROR) != 0
+        },
         crate::interrupts::MUST_ARRIVE_MS,
     );
     let status = mmio::read32(bar0 + REG_STATUS);
