@@ -42,14 +42,15 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use api::client::ApiClient;
+use api::types::{VmAddRemoteDeviceData, VmRemoveDeviceData};
 
 mod common;
-use api::types::{VmAddRemoteDeviceData, VmRemoveDeviceData};
+use common::Kill;
 
 const TOKEN: &str = "hotplug-bench-token-8f3a61c2d4b7e9051a6c";
 /// The device added and removed: a dmatest with a 1 MiB BAR0 (4 KiB of registers, then its
@@ -72,15 +73,6 @@ const SHARED: &str = "shared session";
 
 /// (fabric, goal for the p99 of the API round trip in ms).
 const GOALS: [(&str, f64); 2] = [("shm", 2.0), ("tcp", 5.0)];
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn out_path() -> PathBuf {
     if let Ok(p) = std::env::var("HOTPLUG_BENCH_JSON") {
@@ -379,13 +371,7 @@ fn run_fabric(
     lender_idle_ms: Option<u64>,
     cases: &[&'static str],
 ) -> Vec<CaseResult> {
-    let lendvm = PathBuf::from(env!("CARGO_BIN_EXE_lendvm"));
-    let lenderd = lendvm.with_file_name("lenderd");
-    assert!(
-        lenderd.is_file(),
-        "{} is missing: run `cargo build --release -p lending --bins` (same CARGO_TARGET_DIR) first",
-        lenderd.display()
-    );
+    let (lendvm, lenderd) = common::binaries();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let port = free_port();

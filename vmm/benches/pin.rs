@@ -28,7 +28,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use remote_pci::{ParallelPinner, Pinner};
@@ -41,15 +41,7 @@ const TOKEN: &str = "pin-bench-token-8f3a61c2d4b7e9051a6c3d2e";
 const DEV: &str = "0000:81:00.0";
 
 mod common;
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::Kill;
 
 /// The number before ` ms` after `key` in `line` (`... (pin 812.345 ms, lender map ...`).
 fn ms_after(line: &str, key: &str) -> Option<f64> {
@@ -60,13 +52,7 @@ fn ms_after(line: &str, key: &str) -> Option<f64> {
 /// A lendvm with `size` bytes of RAM borrows a dmatest over shm and its guest masters the
 /// bus: (pin ms, lender map ms) from lendvm's `dma enabled` line.
 fn bme_end_to_end(size: u64) -> (f64, f64) {
-    let lendvm = PathBuf::from(env!("CARGO_BIN_EXE_lendvm"));
-    let lenderd = lendvm.with_file_name("lenderd");
-    assert!(
-        lenderd.is_file(),
-        "{} is missing: run `cargo build --release -p lending --bins` (same CARGO_TARGET_DIR) first",
-        lenderd.display()
-    );
+    let (lendvm, lenderd) = common::binaries();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let sock = d.join("node3.sock");

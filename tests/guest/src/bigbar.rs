@@ -11,6 +11,10 @@
 //! the VMM's spare page directory (`PD_MMIO64_START`, 2 MiB pages).
 
 use crate::dma;
+use crate::dmatest::{
+    CMD_ACK, CMD_START, REG_CMD, REG_COMPLETED, REG_DST, REG_LEN, REG_SRC, REG_STATUS, STATUS_DONE,
+    STATUS_ERROR,
+};
 use crate::interrupts::wait_until;
 use crate::mmio;
 use crate::pci::{self, Func, CMD_BUS_MASTER, CMD_INTX_DISABLE, CMD_MEM};
@@ -23,16 +27,6 @@ const PD_SPARE: u64 = 0xf000;
 const FIXED_GIBS: u64 = 4;
 const GIB: u64 = 1 << 30;
 
-const REG_STATUS: u64 = 0x04;
-const REG_SRC: u64 = 0x08;
-const REG_DST: u64 = 0x10;
-const REG_LEN: u64 = 0x18;
-const REG_CMD: u64 = 0x20;
-const REG_COMPLETED: u64 = 0x28;
-const STATUS_DONE: u32 = 2;
-const STATUS_ERROR: u32 = 4;
-const CMD_START: u32 = 1;
-const CMD_ACK: u32 = 2;
 const CMD_SRC_BUF: u32 = 4;
 const BUF_OFFSET: u64 = 0x1000;
 

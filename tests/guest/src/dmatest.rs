@@ -14,18 +14,18 @@ pub const DEVICE: u32 = 0x1105;
 pub const ID: u32 = DEVICE << 16 | VENDOR;
 
 const REG_ID: u64 = 0x00;
-const REG_STATUS: u64 = 0x04;
-const REG_SRC: u64 = 0x08;
-const REG_DST: u64 = 0x10;
-const REG_LEN: u64 = 0x18;
+pub const REG_STATUS: u64 = 0x04;
+pub const REG_SRC: u64 = 0x08;
+pub const REG_DST: u64 = 0x10;
+pub const REG_LEN: u64 = 0x18;
 const REG_IRQ_VECTOR: u64 = 0x1c;
-const REG_CMD: u64 = 0x20;
-const REG_COMPLETED: u64 = 0x28;
+pub const REG_CMD: u64 = 0x20;
+pub const REG_COMPLETED: u64 = 0x28;
 const ID_VALUE: u32 = 0x544d_4144;
-const STATUS_DONE: u32 = 2;
-const STATUS_ERROR: u32 = 4;
-const CMD_START: u32 = 1;
-const CMD_ACK: u32 = 2;
+pub const STATUS_DONE: u32 = 2;
+pub const STATUS_ERROR: u32 = 4;
+pub const CMD_START: u32 = 1;
+pub const CMD_ACK: u32 = 2;
 
 /// Control pages of the DMA arena used as source and destination.
 const P_SRC: u64 = 6;

@@ -1,5 +1,32 @@
-//! What the VMM benches share: the smallest guests lendvm boots (each bench uses some).
+//! What the VMM benches share: the binaries they drive, their processes' clean-up and the
+//! smallest guests lendvm boots (each bench uses some).
 #![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Child;
+
+/// A child process killed and reaped when dropped.
+pub struct Kill(pub Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// lendvm as cargo built it for this bench, and the lenderd beside it (built by `cargo build
+/// --release -p lending --bins`, which `scripts/bench.sh` runs first).
+pub fn binaries() -> (PathBuf, PathBuf) {
+    let lendvm = PathBuf::from(env!("CARGO_BIN_EXE_lendvm"));
+    let lenderd = lendvm.with_file_name("lenderd");
+    assert!(
+        lenderd.is_file(),
+        "{} is missing: run `cargo build --release -p lending --bins` (same CARGO_TARGET_DIR) first",
+        lenderd.display()
+    );
+    (lendvm, lenderd)
+}
 
 /// Guest physical address the code is loaded at (and entered).
 const BASE: u64 = 0x20_0000;
