@@ -110,13 +110,6 @@ fn hot_adding_a_64_gib_bar_costs_no_memory_in_proportion() {
     cluster.wait_available(DMATEST_BDF);
 }
 
-fn lent_to(cluster: &Cluster) -> Option<String> {
-    match &cluster.device(DMATEST_BDF).summary.state {
-        lending::protocol::DeviceState::Lent { vm, .. } => Some(vm.clone()),
-        _ => None,
-    }
-}
-
 /// A live migration of a VM holding the 64 GiB BAR: the lease moves to the destination (the
 /// device stays on its lender), whose lendvm does not grow by the BAR either, and the
 /// destination can remove it and give the lease back.
@@ -144,7 +137,7 @@ fn a_vm_with_a_64_gib_bar_migrates_and_the_bar_moves_with_it() {
         "info",
     );
     src.wait_api();
-    assert_eq!(lent_to(&cluster).as_deref(), Some("vm-src"));
+    assert_eq!(cluster.lent_to(DMATEST_BDF).as_deref(), Some("vm-src"));
     let dst_sock = cluster.file("dst.sock").display().to_string();
     let dst = Vm::start_args(
         &[
@@ -172,7 +165,7 @@ fn a_vm_with_a_64_gib_bar_migrates_and_the_bar_moves_with_it() {
         })
         .unwrap_or_else(|e| panic!("{e}\n--- source\n{}", src.stderr()));
     src.expect_exit(0, BOOT_TIMEOUT);
-    assert_eq!(lent_to(&cluster).as_deref(), Some("vm-dst"));
+    assert_eq!(cluster.lent_to(DMATEST_BDF).as_deref(), Some("vm-dst"));
     // The destination holds the guest's 64 MiB of RAM and the device, not the BAR.
     let rss = dst.proc_status_kb("VmRSS");
     assert!(

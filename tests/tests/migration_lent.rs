@@ -82,10 +82,7 @@ fn wait_rounds(text: impl Fn() -> String, count: usize, what: &str) -> Vec<Round
 }
 
 fn lent_to(cluster: &Cluster) -> Option<String> {
-    match &cluster.device(NVME_BDF).summary.state {
-        lending::protocol::DeviceState::Lent { vm, .. } => Some(vm.clone()),
-        _ => None,
-    }
+    cluster.lent_to(NVME_BDF)
 }
 
 fn events(path: &Path) -> Vec<serde_json::Value> {

@@ -225,6 +225,14 @@ impl Cluster {
             d.summary.state == DeviceState::Available
         });
     }
+
+    /// The VM the lender says holds `bdf`, if it is lent.
+    pub fn lent_to(&self, bdf: &str) -> Option<String> {
+        match &self.device(bdf).summary.state {
+            DeviceState::Lent { vm, .. } => Some(vm.clone()),
+            _ => None,
+        }
+    }
 }
 
 /// A running `lendvm`: console lines as they arrive, stderr, the API socket. SIGKILLed on
