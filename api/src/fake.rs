@@ -95,6 +95,21 @@ impl Default for FakeVmmConfig {
                 cmdline: "console=ttyS0".into(),
                 initramfs: None,
                 remote_devices: Vec::new(),
+                pci_slots: Some(8),
+                numa_nodes: vec![
+                    crate::types::NumaNodeInfo {
+                        id: 0,
+                        cpus: vec![0],
+                        memory_size: 256 << 20,
+                        distances: vec![10, 21],
+                    },
+                    crate::types::NumaNodeInfo {
+                        id: 1,
+                        cpus: vec![1],
+                        memory_size: 256 << 20,
+                        distances: vec![21, 10],
+                    },
+                ],
             },
         }
     }

@@ -222,6 +222,24 @@ fn render_info(info: &VmInfo) -> String {
         c.kernel,
         c.cmdline
     );
+    if let Some(n) = c.pci_slots {
+        out.push_str(&format!("pci:     slots 1 to {n} for devices\n"));
+    }
+    for node in &c.numa_nodes {
+        let cpus: Vec<String> = node.cpus.iter().map(u32::to_string).collect();
+        let dist: Vec<String> = node.distances.iter().map(u32::to_string).collect();
+        out.push_str(&format!(
+            "numa:    node {}: cpus {}, memory {}, distances {}\n",
+            node.id,
+            if cpus.is_empty() {
+                "none".to_string()
+            } else {
+                cpus.join(",")
+            },
+            human_size(node.memory_size),
+            dist.join(" ")
+        ));
+    }
     if info.remote_devices.is_empty() {
         out.push_str("\nno remote devices");
         return out;

@@ -455,6 +455,26 @@ pub struct VmConfigInfo {
     /// Devices given on the command line (`--remote-device`).
     #[serde(default)]
     pub remote_devices: Vec<RemoteDeviceConfig>,
+    /// The root bus's slots for devices (`--pci-slots`): devices go in slots 1 to this.
+    /// Absent from older lendvms (31).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_slots: Option<u32>,
+    /// The guest's NUMA nodes (`--numa`), as its ACPI SRAT and SLIT describe them; empty with
+    /// one node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub numa_nodes: Vec<NumaNodeInfo>,
+}
+
+/// A guest NUMA node as `vm.info` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NumaNodeInfo {
+    pub id: u32,
+    /// Its vCPUs (may be none: a memory-only node).
+    pub cpus: Vec<u32>,
+    /// Its share of guest RAM, bytes.
+    pub memory_size: u64,
+    /// Its distance to every node, by node id (10 to itself).
+    pub distances: Vec<u32>,
 }
 
 /// Lease state of a borrowed device, as seen by the borrower.

@@ -46,6 +46,12 @@ fn lendctl_ping_info_add_remove_shutdown_tables() {
     eprintln!("{out}");
     assert!(out.contains("state:   Running"), "{out}");
     assert!(out.contains("memory:  512 MiB"), "{out}");
+    assert!(out.contains("pci:     slots 1 to 8 for devices"), "{out}");
+    assert!(
+        out.contains("numa:    node 0: cpus 0, memory 256 MiB, distances 10 21")
+            && out.contains("numa:    node 1: cpus 1, memory 256 MiB, distances 21 10"),
+        "{out}"
+    );
     let header = out.lines().find(|l| l.starts_with("ID")).unwrap();
     assert!(
         header.contains("LENDER BDF") && header.contains("DMA WINDOW"),

@@ -359,4 +359,23 @@ fn cli_rejects_bad_values_with_one_line_and_status_2() {
         ],
         "device mode \"fast\" is invalid",
     );
+    for bad in ["0", "32", "all"] {
+        cli_error(
+            &["--kernel", TEST_GUEST, "--pci-slots", bad],
+            &format!("invalid --pci-slots '{bad}': expected 1 to 31"),
+        );
+    }
+    cli_error(
+        &[
+            "--kernel",
+            TEST_GUEST,
+            "--pci-slots",
+            "1",
+            "--remote-device",
+            "n1:0000:01:00.0",
+            "--remote-device",
+            "n1:0000:02:00.0",
+        ],
+        "2 --remote-device options for 1 PCI slots (--pci-slots 1)",
+    );
 }

@@ -13,6 +13,7 @@
 //! * `a_lenders_idle_session_serves_re_adds_then_closes`: with `--lender-idle-ms`, the link
 //!   to a lender outlives its last device: re-adds reuse it (the lender sees one link for
 //!   several adds), `vm.info` does not count it, and it closes once idle for that long.
+//! * `a_vm_of_one_slot_refuses_a_second_device_by_name`: `--pci-slots` bounds the hot-adds.
 //! * `api_abuse_gets_4xx_and_the_vm_keeps_running`: malformed JSON, unknown fields, unknown
 //!   node, bad BDF, missing device, duplicate id, busy device, remove of an unknown id, double
 //!   remove, wrong method, oversized body, add while shutting down → 4xx with a message that
@@ -433,6 +434,79 @@ fn api_abuse_gets_4xx_and_the_vm_keeps_running() {
         vm.stderr()
     );
     cluster.wait_available(NVME_BDF);
+    cluster.wait_available(DMATEST_BDF);
+}
+
+/// `--pci-slots 1` (and two NUMA nodes, which `vm.info` reports with the slots): the guest's
+/// tables describe one slot for devices, the first hot-add takes it, and a second is refused with 409 naming the limit, before anything is borrowed: the
+/// lender keeps its device, and the VM runs on.
+#[test]
+fn a_vm_of_one_slot_refuses_a_second_device_by_name() {
+    let cluster = Cluster::new(Fabric::Shm);
+    let _lender = cluster.start_lenderd(&[
+        format!("{DMATEST_BDF}=dmatest"),
+        format!(
+            "{NVME_BDF}=nvme:path={},size=1M",
+            cluster.file("disk.img").display()
+        ),
+    ]);
+    let mut vm = boot_with_api_log(
+        &cluster,
+        "tests=idle total_ms=120000",
+        &[
+            "--pci-slots",
+            "1",
+            "--numa",
+            "id=0,cpus=0,memory=32M",
+            "--numa",
+            "id=1,memory=32M,distance=0:31",
+        ],
+        "info",
+    );
+    let api = vm.api();
+    vm.expect_line("HOTPLUG ready", T);
+    // vm.info reports both shapes: the slots, and the nodes with whole distance rows.
+    let config = info(&api).config;
+    assert_eq!(config.pci_slots, Some(1), "{config:?}");
+    let nodes: Vec<_> = config
+        .numa_nodes
+        .iter()
+        .map(|n| (n.id, n.cpus.clone(), n.memory_size, n.distances.clone()))
+        .collect();
+    assert_eq!(
+        nodes,
+        vec![
+            (0, vec![0], 32 << 20, vec![10, 31]),
+            (1, vec![], 32 << 20, vec![31, 10])
+        ]
+    );
+    let added = add(&api, DMATEST_BDF, "d0");
+    assert_eq!(added.bdf.device, 1, "{added:?}");
+    vm.expect_line("HOTPLUG add slot=1", T);
+    let r = raw(
+        &api,
+        "PUT",
+        "vm.add-remote-device",
+        Some(format!("{{\"device\":\"{LENDER}:{NVME_BDF}\",\"id\":\"n0\"}}").as_bytes()),
+    );
+    expect_4xx(
+        &mut vm,
+        "a device past the last slot",
+        r,
+        409,
+        &["no free pci slot", "all 1 slots", "--pci-slots"],
+    );
+    let nvme = cluster.device(NVME_BDF);
+    assert_eq!(nvme.summary.state, DeviceState::Available, "{nvme:?}");
+    assert_eq!(info(&api).remote_devices.len(), 1);
+    assert!(
+        vm.stderr()
+            .contains("pci: slots 1 to 1 of bus 0 take devices"),
+        "{}",
+        vm.stderr()
+    );
+    api.shutdown().unwrap();
+    vm.expect_exit(0, T);
     cluster.wait_available(DMATEST_BDF);
 }
 

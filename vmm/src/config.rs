@@ -21,6 +21,11 @@ pub enum ConfigError {
     MemoryOption(String),
     #[error("invalid memory options '{0}': {1}")]
     MemoryCombination(String, &'static str),
+    #[error(
+        "invalid --pci-slots '{0}': expected 1 to {max} (the root bus's slots for devices; slot 0 is the host bridge's)",
+        max = pci::root::MAX_DEVICE_SLOTS
+    )]
+    PciSlots(String),
 }
 
 /// Guest RAM inside a shared region (`--memory SIZE,shared=PATH,offset=N`): the file behind a
@@ -201,6 +206,20 @@ pub struct VmConfig {
     pub pci_mmio64_size: Option<u64>,
     /// Guest NUMA nodes (`--numa`); empty: one node, no SRAT.
     pub numa: Vec<crate::numa::NumaNodeConfig>,
+    /// Slots of the root bus that take devices, at launch and hot-added: 1..=`pci_slots`
+    /// (`--pci-slots`, 1 to [`pci::root::MAX_DEVICE_SLOTS`]). The guest's ACPI tables describe
+    /// only these, and a guest kernel interprets each at boot.
+    pub pci_slots: u8,
+}
+
+/// Checks a `--pci-slots`: 1 to 31 (slot 0 of the root bus is the host bridge's).
+pub fn check_pci_slots(s: &str) -> Result<u8, ConfigError> {
+    let max = pci::root::MAX_DEVICE_SLOTS;
+    s.trim()
+        .parse::<u8>()
+        .ok()
+        .filter(|n| (1..=max).contains(n))
+        .ok_or_else(|| ConfigError::PciSlots(s.to_owned()))
 }
 
 /// The most `--pci-mmio64-size auto` takes: room for eight 128 GiB apertures, far below the
@@ -231,6 +250,20 @@ pub fn check_cpus(n: u32) -> Result<u8, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pci_slots() {
+        assert_eq!(check_pci_slots("4"), Ok(4));
+        assert_eq!(check_pci_slots(" 31 "), Ok(31));
+        assert_eq!(check_pci_slots("1"), Ok(1));
+        for bad in ["0", "32", "-1", "many", ""] {
+            let err = check_pci_slots(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("--pci-slots") && err.contains("1 to 31"),
+                "{bad}: {err}"
+            );
+        }
+    }
 
     #[test]
     fn mmio64_sizes() {

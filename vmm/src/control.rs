@@ -94,8 +94,6 @@ const RELEASE_RETRY: Duration = Duration::from_millis(5);
 const RELEASE_WARN: Duration = Duration::from_secs(2);
 /// How long `vm.pause` waits for every vCPU to park.
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Highest slot on bus 0 (slot 0 is the host bridge).
-const MAX_SLOT: u8 = 31;
 
 /// What the controller needs of the VM.
 #[derive(Clone)]
@@ -551,13 +549,14 @@ impl Controller {
         let hp = lock(&self.h.hotplug);
         let bus = self.h.devices.pci_bus();
         let used_by_entry = |s: u8| self.entries.values().any(|e| e.slot == s);
-        if let Some(s) = (1..=MAX_SLOT)
+        let slots = bus.slots();
+        if let Some(s) = (1..=slots)
             .find(|&s| bus.device(s).is_none() && !hp.is_present(u32::from(s)) && !used_by_entry(s))
         {
             return Some(s);
         }
         // Reclaim a slot the guest never ejected after a forced removal or a loss.
-        let s = (1..=MAX_SLOT).find(|&s| bus.device(s).is_none() && !used_by_entry(s))?;
+        let s = (1..=slots).find(|&s| bus.device(s).is_none() && !used_by_entry(s))?;
         let was_present = hp.is_present(u32::from(s));
         drop(hp);
         if was_present {
@@ -683,7 +682,8 @@ impl Controller {
         }
         let slot = match restore_slot {
             Some(s)
-                if (1..=MAX_SLOT).contains(&s) && self.h.devices.pci_bus().device(s).is_none() =>
+                if (1..=self.h.devices.pci_bus().slots()).contains(&s)
+                    && self.h.devices.pci_bus().device(s).is_none() =>
             {
                 s
             }
@@ -692,9 +692,13 @@ impl Controller {
                     "pci slot {s} of the snapshot is not free"
                 )))
             }
-            None => self
-                .free_slot()
-                .ok_or_else(|| ApiError::conflict("no free pci slot on bus 0"))?,
+            None => self.free_slot().ok_or_else(|| {
+                ApiError::conflict(format!(
+                    "no free pci slot on bus 0: all {} slots for devices are in use \
+                     (lendvm --pci-slots)",
+                    self.h.devices.pci_bus().slots()
+                ))
+            })?,
         };
         let requested = data.mode.unwrap_or_default();
 

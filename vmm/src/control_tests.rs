@@ -366,6 +366,7 @@ fn rig() -> Option<Rig> {
         cpu_model: Default::default(),
         pci_mmio64_size: Some(crate::device_manager::PCI_MMIO64_SIZE),
         numa: Vec::new(),
+        pci_slots: pci::root::MAX_DEVICE_SLOTS,
     })
     .unwrap();
     let ejects = vm.platform_mut().take_ejects().unwrap();
@@ -386,6 +387,8 @@ fn rig() -> Option<Rig> {
         cmdline: String::new(),
         initramfs: None,
         remote_devices: Vec::new(),
+        pci_slots: None,
+        numa_nodes: Vec::new(),
     };
     let mut ctl = Controller::new(h, Box::new(source.clone()), config);
     ctl.set_running();
@@ -1314,6 +1317,7 @@ fn migratable(rig: &mut Rig) {
                 cpu_model: None,
                 pci_mmio64_size: None,
                 numa: Vec::new(),
+                pci_slots: None,
             }),
     );
 }

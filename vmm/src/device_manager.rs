@@ -237,11 +237,13 @@ fn open_serial(serial: &SerialConfig) -> Result<Option<Box<dyn Write + Send>>, D
 impl DeviceManager {
     /// Creates the buses with COM1, the debug-exit port and the PCI root complex; the
     /// 64-bit BAR window is `mmio64` (base, size).
+    /// `pci_slots`: the slots of bus 0 that take devices, 1..=`pci_slots` (`--pci-slots`).
     pub fn new(
         vm: &VmFd,
         serial: &SerialConfig,
         exit: Arc<ExitNotifier>,
         mmio64: (u64, u64),
+        pci_slots: u8,
     ) -> Result<Self, DeviceError> {
         let pio = Arc::new(Bus::new());
         let mmio = Arc::new(Bus::new());
@@ -279,10 +281,13 @@ impl DeviceManager {
         })?;
         let allocators = Arc::new(Mutex::new(PciBarAllocators::x86_64(mmio64.0, mmio64.1)?));
         let ranges: BarRanges = Arc::default();
-        let pci_bus = Arc::new(PciBus::new(Arc::new(BarRelocator {
-            ranges: ranges.clone(),
-            mmio64,
-        })));
+        let pci_bus = Arc::new(PciBus::with_slots(
+            Arc::new(BarRelocator {
+                ranges: ranges.clone(),
+                mmio64,
+            }),
+            pci_slots,
+        ));
         pio.insert(
             Arc::new(Mutex::new(PciConfigIo::new(pci_bus.clone()))),
             PCI_CONFIG_IO_PORT,
@@ -334,10 +339,13 @@ impl DeviceManager {
             None => self
                 .pci_bus
                 .next_free_slot()
-                .ok_or(PciRootError::NoFreeSlot)?,
+                .ok_or(PciRootError::NoFreeSlot(self.pci_bus.slots()))?,
         };
         if slot == 0 {
             return Err(PciRootError::HostBridgeSlot.into());
+        }
+        if slot > self.pci_bus.slots() {
+            return Err(PciRootError::SlotInvalid(slot, self.pci_bus.slots()).into());
         }
         if self.pci_bus.device(slot).is_some() {
             return Err(PciRootError::SlotInUse(slot).into());
@@ -533,6 +541,7 @@ mod tests {
             &SerialConfig::Off,
             Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
+            pci::root::MAX_DEVICE_SLOTS,
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();
@@ -589,6 +598,7 @@ mod tests {
             &SerialConfig::Off,
             Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
+            pci::root::MAX_DEVICE_SLOTS,
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();
@@ -663,6 +673,7 @@ mod tests {
             &SerialConfig::Off,
             Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
+            pci::root::MAX_DEVICE_SLOTS,
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();

@@ -141,6 +141,12 @@ struct Cli {
     /// keeps it smaller. A restored or migrated VM keeps its own.
     #[arg(long, value_name = "auto|SIZE", default_value = "auto", value_parser = |s: &str| config::check_mmio64_size(s).map(Mmio64Size))]
     pci_mmio64_size: Mmio64Size,
+    /// How many slots of the root bus take devices, 1 to 31: launch devices and hot-adds
+    /// share them (slot 0 is the host bridge's). The guest's ACPI tables describe only
+    /// these, and a guest kernel spends some boot time on each: fewer boot faster, more
+    /// leave room to hot-add. A restored or migrated VM keeps its own.
+    #[arg(long, value_name = "N", default_value = "31", value_parser = config::check_pci_slots)]
+    pci_slots: u8,
     /// Write the VMM's events as JSON lines to FILE (appended) or an inherited fd (also
     /// readable as GET /api/v1/vm.events).
     #[arg(long, value_name = "path=FILE|fd=N")]
@@ -411,6 +417,7 @@ fn wait_for_migration(
                 cpu_model: doc_cpu_model(c).map_err(|e| MigrationError::Mismatch(e.to_string()))?,
                 pci_mmio64_size: Some(c.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
                 numa: c.numa.clone(),
+                pci_slots: c.pci_slots.unwrap_or(pci::root::MAX_DEVICE_SLOTS),
             };
             match memfd {
                 Some(f) => Vm::for_migration_on(&cfg, f),
@@ -542,6 +549,15 @@ fn main() -> ExitCode {
         if let Err(e) = vmm::numa::check(&cli.numa, cli.cpus, cli.memory.size) {
             return usage_error(e);
         }
+    }
+    if cli.remote_device.len() > usize::from(cli.pci_slots) {
+        return usage_error(format!(
+            "{} --remote-device options for {} PCI slots (--pci-slots {}): every device takes a \
+             slot of the root bus",
+            cli.remote_device.len(),
+            cli.pci_slots,
+            cli.pci_slots
+        ));
     }
     if let Some(k) = &cli.kernel {
         if !k.is_file() {
@@ -748,6 +764,11 @@ fn main() -> ExitCode {
             },
             pci_mmio64_size: Some(m.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
             numa: m.doc.config.numa.clone(),
+            pci_slots: m
+                .doc
+                .config
+                .pci_slots
+                .unwrap_or(pci::root::MAX_DEVICE_SLOTS),
         },
         (Some(s), None) => VmConfig {
             memory_size: s.doc.config.memory_size,
@@ -769,6 +790,11 @@ fn main() -> ExitCode {
             },
             pci_mmio64_size: Some(s.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
             numa: s.doc.config.numa.clone(),
+            pci_slots: s
+                .doc
+                .config
+                .pci_slots
+                .unwrap_or(pci::root::MAX_DEVICE_SLOTS),
         },
         (None, None) => VmConfig {
             memory_size: cli.memory.size,
@@ -782,6 +808,7 @@ fn main() -> ExitCode {
             cpu_model: cli.cpu_model,
             pci_mmio64_size: cli.pci_mmio64_size.0,
             numa: cli.numa.clone(),
+            pci_slots: cli.pci_slots,
         },
     };
     let migrated_from = migrated.as_ref().map(|m| (m.bytes, m.paused));
@@ -835,6 +862,8 @@ fn main() -> ExitCode {
         cmdline: vm.cmdline().to_string(),
         initramfs: cfg.initramfs.as_ref().map(|p| p.display().to_string()),
         remote_devices: cli.remote_device.clone(),
+        pci_slots: Some(u32::from(cfg.pci_slots)),
+        numa_nodes: vmm::numa::info(&cfg.numa, cfg.cpus, cfg.memory_size),
     };
     let machine = vmm::snapshot::format::MachineConfig {
         cpus: cfg.cpus,
@@ -846,6 +875,7 @@ fn main() -> ExitCode {
         cpu_model: Some(cfg.cpu_model.name().to_owned()),
         pci_mmio64_size: Some(vm.pci_mmio64().1),
         numa: cfg.numa.clone(),
+        pci_slots: Some(cfg.pci_slots),
     };
     let migration_node = source.identity().map(|(node, _)| node);
     let mut ctl = Controller::new(handles, source, info);

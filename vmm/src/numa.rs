@@ -252,6 +252,27 @@ pub fn layout(
         .collect()
 }
 
+/// The nodes as `vm.info` reports them, in id order: vCPUs, memory and the whole distance
+/// row. Empty with no nodes, or when they do not describe this VM (lendvm refuses to start
+/// then, so a running VM's always do).
+pub fn info(nodes: &[NumaNodeConfig], cpus: u8, memory_size: u64) -> Vec<api::types::NumaNodeInfo> {
+    let Ok(distances) = check(nodes, cpus, memory_size) else {
+        return Vec::new();
+    };
+    let mut sorted: Vec<&NumaNodeConfig> = nodes.iter().collect();
+    sorted.sort_by_key(|n| n.id);
+    sorted
+        .iter()
+        .zip(distances)
+        .map(|(node, row)| api::types::NumaNodeInfo {
+            id: node.id,
+            cpus: node.cpus.iter().map(|&c| u32::from(c)).collect(),
+            memory_size: node.memory,
+            distances: row.into_iter().map(u32::from).collect(),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +282,23 @@ mod tests {
 
     fn nodes(specs: &[&str]) -> Vec<NumaNodeConfig> {
         specs.iter().map(|s| parse(s).unwrap()).collect()
+    }
+
+    #[test]
+    fn info_reports_whole_distance_rows_in_id_order() {
+        let n = nodes(&[
+            "id=1,cpus=1,memory=1G",
+            "id=0,cpus=0,memory=1G,distance=1:31",
+        ]);
+        let info = info(&n, 2, 2 * G);
+        assert_eq!(info.len(), 2);
+        assert_eq!(
+            (info[0].id, info[0].cpus.clone(), info[0].memory_size),
+            (0, vec![0], G)
+        );
+        assert_eq!(info[0].distances, vec![10, 31]);
+        assert_eq!(info[1].distances, vec![31, 10]);
+        assert!(super::info(&n, 3, 2 * G).is_empty(), "not this VM's nodes");
     }
 
     #[test]

@@ -105,6 +105,7 @@ impl Platform {
         cpus: u8,
         mmio64: (u64, u64),
         numa: Vec<acpi::NumaNode>,
+        pci_slots: u8,
     ) -> Result<Self, PlatformError> {
         let irq = IrqFd::new(vm.clone(), GED_GSI)?;
         let ged_evt = irq
@@ -139,6 +140,7 @@ impl Platform {
             mmio64_base: mmio64.0,
             mmio64_size: mmio64.1,
             pci_slot_gsis: Some(gsis),
+            pci_slots,
             numa,
             ..Default::default()
         })?;

@@ -287,7 +287,13 @@ impl Vm {
             "64-bit PCI window: {} at {mmio64_start:#x} (guest physical address width {bits} bits)",
             pci::device::human(size)
         );
-        let devices = Arc::new(DeviceManager::new(&vm, &cfg.serial, exit.clone(), mmio64)?);
+        let devices = Arc::new(DeviceManager::new(
+            &vm,
+            &cfg.serial,
+            exit.clone(),
+            mmio64,
+            cfg.pci_slots,
+        )?);
         let numa = crate::numa::layout(&cfg.numa, ram.regions(), &numa_distances);
         for (id, node) in numa.iter().enumerate() {
             log::info!(
@@ -297,7 +303,21 @@ impl Vm {
                 node.distances
             );
         }
-        let platform = Platform::new(&vm, devices.mmio_bus(), mem, cfg.cpus, mmio64, numa)?;
+        let platform = Platform::new(
+            &vm,
+            devices.mmio_bus(),
+            mem,
+            cfg.cpus,
+            mmio64,
+            numa,
+            cfg.pci_slots,
+        )?;
+        if cfg.pci_slots < pci::root::MAX_DEVICE_SLOTS {
+            log::info!(
+                "pci: slots 1 to {} of bus 0 take devices (--pci-slots)",
+                cfg.pci_slots
+            );
+        }
 
         arch::setup_boot_tables(mem, mmio64_start)?;
 

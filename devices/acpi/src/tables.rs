@@ -7,7 +7,8 @@
 //! at [`ACPI_TABLES_START`] (0xE_0000) where Linux's BIOS-area scan finds it; the VMM may also
 //! put [`AcpiTables::rsdp_addr`] into `boot_params.acpi_rsdp_addr`.
 //!
-//! The DSDT describes `\_SB_.PCI0` (ECAM host bridge with 32 hotpluggable slots `S00_`..`S31_`,
+//! The DSDT describes `\_SB_.PCI0` (ECAM host bridge with hotpluggable slots `S00_`..`S31_`,
+//! or fewer: [`AcpiConfig::pci_slots`],
 //! `PCNT`/`PCEJ`/`DVNT` methods over the hotplug controller registers), `\_SB_.MBRD`
 //! (motherboard resources: ECAM, GED and hotplug MMIO, so the OS reserves them), `\_SB_.GED_`
 //! (`ACPI0013`, `_EVT` → `\_SB_.PCI0.PCNT`), `\_SB_.COM1` and `\_S5_`.
@@ -71,6 +72,8 @@ pub enum AcpiTableError {
     Ecam(u64),
     #[error("platform mmio address {0:#x} is not below 4 GiB")]
     PlatformMmio(u64),
+    #[error("{0} pci slots for devices: a root bus has 1 to 31 (slot 0 is the host bridge's)")]
+    PciSlots(u8),
     #[error("acpi tables end at {end:#x}, past the limit {limit:#x}")]
     TooLarge { end: u64, limit: u64 },
     #[error("numa node {node}: {what}")]
@@ -132,6 +135,12 @@ pub struct AcpiConfig {
     pub cmos_rtc: bool,
     /// INTx routing: GSI for INTA..INTD of every slot (emits `_PRT`); `None` omits `_PRT`.
     pub pci_slot_gsis: Option<[u32; 32]>,
+    /// The root bus's slots for devices, 1..=`pci_slots` (at most 31): slot devices (with
+    /// `_EJ0`), `_PRT` entries and hot-plug notifications are described for slots
+    /// 0..=`pci_slots` only. Each described slot costs a guest kernel some AML interpretation
+    /// at boot (its namespace node, `_ADR`, `_SUN`, `_EJ0`, acpiphp's slot): about half a
+    /// second each in an emulated guest, docs/linux-guest-on-pvm.md.
+    pub pci_slots: u8,
     /// Where the tables go: RSDP at `tables_start`, all tables below `tables_end`.
     pub tables_start: u64,
     pub tables_end: u64,
@@ -160,6 +169,7 @@ impl Default for AcpiConfig {
             serial: Some((0x3f8, 4)),
             cmos_rtc: false,
             pci_slot_gsis: None,
+            pci_slots: (PCI_HOTPLUG_SLOTS - 1) as u8,
             tables_start: ACPI_TABLES_START,
             tables_end: ACPI_TABLES_END,
             numa: Vec::new(),
@@ -198,6 +208,9 @@ impl AcpiConfig {
                 base: self.mmio64_base,
                 size: self.mmio64_size,
             });
+        }
+        if self.pci_slots == 0 || u32::from(self.pci_slots) >= PCI_HOTPLUG_SLOTS {
+            return Err(AcpiTableError::PciSlots(self.pci_slots));
         }
         self.validate_numa()
     }
@@ -383,12 +396,17 @@ fn slot_device(slot: u32) -> Vec<u8> {
     ))
 }
 
+/// The slots the DSDT describes: 0 (the host bridge's) to `pci_slots`.
+fn described_slots(cfg: &AcpiConfig) -> std::ops::Range<u32> {
+    0..(u32::from(cfg.pci_slots) + 1).min(PCI_HOTPLUG_SLOTS)
+}
+
 /// `DVNT(bitmap, event)`: `Notify(Sxx_, event)` for every slot bit set in `bitmap`.
-fn dvnt_method() -> Vec<u8> {
+fn dvnt_method(cfg: &AcpiConfig) -> Vec<u8> {
     let mut body = Vec::new();
     let arg0 = aml::Arg(0);
     let arg1 = aml::Arg(1);
-    for slot in 0..PCI_HOTPLUG_SLOTS {
+    for slot in described_slots(cfg) {
         let bit = 1u32 << slot;
         let test = aml::And::new(&aml::ZERO, &arg0, &bit);
         let path = Path::new(&format!("\\_SB_.PCI0.{}", slot_name(slot)));
@@ -398,9 +416,9 @@ fn dvnt_method() -> Vec<u8> {
     to_bytes(&Method::new("DVNT".into(), 2, false, vec![&Raw(body)]))
 }
 
-fn pci_prt(gsis: &[u32; 32]) -> Vec<u8> {
+fn pci_prt(cfg: &AcpiConfig, gsis: &[u32; 32]) -> Vec<u8> {
     let mut entries: Vec<Vec<u8>> = Vec::new();
-    for (slot, gsi) in (0u32..).zip(gsis.iter()) {
+    for (slot, gsi) in described_slots(cfg).zip(gsis.iter()) {
         let adr = (slot << 16) | 0xffff;
         for pin in 0u8..4 {
             entries.push(to_bytes(&Package::new(vec![&adr, &pin, &aml::ZERO, gsi])));
@@ -508,12 +526,10 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
             &notify_down,
         ],
     );
-    let dvnt = Raw(dvnt_method());
+    let dvnt = Raw(dvnt_method(cfg));
 
-    let slots: Vec<Raw> = (0..PCI_HOTPLUG_SLOTS)
-        .map(|s| Raw(slot_device(s)))
-        .collect();
-    let prt = cfg.pci_slot_gsis.as_ref().map(|g| Raw(pci_prt(g)));
+    let slots: Vec<Raw> = described_slots(cfg).map(|s| Raw(slot_device(s))).collect();
+    let prt = cfg.pci_slot_gsis.as_ref().map(|g| Raw(pci_prt(cfg, g)));
 
     let hid_name = Name::new("_HID".into(), &hid);
     let cid_name = Name::new("_CID".into(), &cid);
@@ -1073,6 +1089,36 @@ mod tests {
         assert_eq!(u64_at(mcfg, 44), 0xe000_0000);
         assert_eq!(u16::from_le_bytes([mcfg[52], mcfg[53]]), 0, "segment");
         assert_eq!((mcfg[54], mcfg[55]), (0, 0), "bus range");
+    }
+
+    #[test]
+    fn dsdt_describes_only_the_configured_slots() {
+        let mut cfg = config(1);
+        cfg.pci_slot_gsis = Some([10; 32]);
+        let all = create_dsdt(&cfg);
+        cfg.pci_slots = 3;
+        let few = create_dsdt(&cfg);
+        for name in [&b"S00_"[..], b"S01_", b"S03_"] {
+            assert!(contains(&few, name), "{}", String::from_utf8_lossy(name));
+        }
+        for name in [&b"S04_"[..], b"S31_"] {
+            assert!(!contains(&few, name), "{}", String::from_utf8_lossy(name));
+            assert!(contains(&all, name), "{}", String::from_utf8_lossy(name));
+        }
+        assert!(
+            few.len() * 3 < all.len(),
+            "{} vs {} bytes",
+            few.len(),
+            all.len()
+        );
+        for bad in [0u8, 32, 255] {
+            cfg.pci_slots = bad;
+            let err = create_acpi_tables(&cfg).err().map(|e| e.to_string());
+            assert!(
+                err.as_deref().is_some_and(|e| e.contains("1 to 31")),
+                "pci_slots {bad}: {err:?}"
+            );
+        }
     }
 
     #[test]

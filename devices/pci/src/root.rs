@@ -16,6 +16,8 @@ use crate::device::{ConfigWriteEffects, DeviceRelocation, PciDevice};
 
 /// Slots on bus 0.
 pub const NUM_DEVICE_SLOTS: u8 = 32;
+/// The most slots for devices a bus has: all but the host bridge's.
+pub const MAX_DEVICE_SLOTS: u8 = NUM_DEVICE_SLOTS - 1;
 /// Host bridge vendor id (Intel, as Cloud Hypervisor).
 pub const HOST_BRIDGE_VENDOR_ID: u16 = 0x8086;
 /// Host bridge device id (as Cloud Hypervisor).
@@ -73,16 +75,16 @@ impl fmt::Display for PciBdf {
 /// Errors of the root bus.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PciRootError {
-    #[error("pci slot {0} is out of range (0..32)")]
-    SlotInvalid(u8),
+    #[error("pci slot {0} is out of range: this bus has slots 1 to {1} for devices (--pci-slots)")]
+    SlotInvalid(u8, u8),
     #[error("pci slot {0} is already in use")]
     SlotInUse(u8),
     #[error("pci slot {0} is empty")]
     SlotEmpty(u8),
     #[error("pci slot 0 holds the host bridge and cannot be changed")]
     HostBridgeSlot,
-    #[error("no free pci slot on bus 0")]
-    NoFreeSlot,
+    #[error("no free pci slot on bus 0: all {0} slots for devices are in use (--pci-slots)")]
+    NoFreeSlot(u8),
 }
 
 /// The host bridge at 00:00.0.
@@ -143,18 +145,28 @@ impl PciDevice for PciHostBridge {
 /// Bus 0: slot -> function 0 device. Thread safe; share it as `Arc<PciBus>`.
 pub struct PciBus {
     devices: RwLock<BTreeMap<u8, SharedPciDevice>>,
+    /// Slots 1..=`slots` take devices (slot 0 is the host bridge's).
+    slots: u8,
     relocation: Arc<dyn DeviceRelocation>,
     /// BAR moves the relocation refused (a guest can loop on them: logged rate-limited).
     refused_moves: std::sync::atomic::AtomicU64,
 }
 
 impl PciBus {
-    /// A bus with the host bridge in slot 0; `relocation` receives config-write effects.
+    /// A bus with the host bridge in slot 0 and every other slot for devices; `relocation`
+    /// receives config-write effects.
     pub fn new(relocation: Arc<dyn DeviceRelocation>) -> Self {
+        Self::with_slots(relocation, MAX_DEVICE_SLOTS)
+    }
+
+    /// A bus whose devices go in slots 1..=`slots` only (clamped to 1..=[`MAX_DEVICE_SLOTS`]):
+    /// the slots the guest's ACPI tables describe (`--pci-slots`).
+    pub fn with_slots(relocation: Arc<dyn DeviceRelocation>, slots: u8) -> Self {
         let mut devices: BTreeMap<u8, SharedPciDevice> = BTreeMap::new();
         devices.insert(0, Arc::new(Mutex::new(PciHostBridge::new())));
         Self {
             devices: RwLock::new(devices),
+            slots: slots.clamp(1, MAX_DEVICE_SLOTS),
             relocation,
             refused_moves: std::sync::atomic::AtomicU64::new(0),
         }
@@ -174,10 +186,15 @@ impl PciBus {
         self.devices.write().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The slots for devices: 1..=this.
+    pub fn slots(&self) -> u8 {
+        self.slots
+    }
+
     /// Lowest free slot.
     pub fn next_free_slot(&self) -> Option<u8> {
         let devices = self.devices_read();
-        (1..NUM_DEVICE_SLOTS).find(|s| !devices.contains_key(s))
+        (1..=self.slots).find(|s| !devices.contains_key(s))
     }
 
     /// Plugs `device` into `slot` (or the lowest free slot); returns its address.
@@ -189,12 +206,12 @@ impl PciBus {
         let mut devices = self.devices_write();
         let slot = match slot {
             Some(0) => return Err(PciRootError::HostBridgeSlot),
-            Some(s) if s >= NUM_DEVICE_SLOTS => return Err(PciRootError::SlotInvalid(s)),
+            Some(s) if s > self.slots => return Err(PciRootError::SlotInvalid(s, self.slots)),
             Some(s) if devices.contains_key(&s) => return Err(PciRootError::SlotInUse(s)),
             Some(s) => s,
-            None => (1..NUM_DEVICE_SLOTS)
+            None => (1..=self.slots)
                 .find(|s| !devices.contains_key(s))
-                .ok_or(PciRootError::NoFreeSlot)?,
+                .ok_or(PciRootError::NoFreeSlot(self.slots))?,
         };
         devices.insert(slot, device);
         let bdf = PciBdf::new(0, slot, 0);
@@ -207,8 +224,8 @@ impl PciBus {
         if slot == 0 {
             return Err(PciRootError::HostBridgeSlot);
         }
-        if slot >= NUM_DEVICE_SLOTS {
-            return Err(PciRootError::SlotInvalid(slot));
+        if slot > self.slots {
+            return Err(PciRootError::SlotInvalid(slot, self.slots));
         }
         let dev = self
             .devices_write()
@@ -641,6 +658,25 @@ mod tests {
     }
 
     #[test]
+    fn a_bus_of_few_slots_refuses_the_others_by_name() {
+        let bus = PciBus::with_slots(Arc::new(NoRelocation), 2);
+        let dev = || -> SharedPciDevice { Arc::new(Mutex::new(TestDev::new())) };
+        assert_eq!(bus.slots(), 2);
+        assert_eq!(bus.add_device(None, dev()), Ok(PciBdf::new(0, 1, 0)));
+        let err = bus.add_device(Some(3), dev()).unwrap_err();
+        assert_eq!(err, PciRootError::SlotInvalid(3, 2));
+        assert!(err.to_string().contains("slots 1 to 2"), "{err}");
+        assert_eq!(bus.add_device(None, dev()), Ok(PciBdf::new(0, 2, 0)));
+        let err = bus.add_device(None, dev()).unwrap_err();
+        assert_eq!(err, PciRootError::NoFreeSlot(2));
+        assert!(err.to_string().contains("--pci-slots"), "{err}");
+        assert_eq!(bus.next_free_slot(), None);
+        // Out of range either way.
+        assert_eq!(PciBus::with_slots(Arc::new(NoRelocation), 0).slots(), 1);
+        assert_eq!(PciBus::with_slots(Arc::new(NoRelocation), 200).slots(), 31);
+    }
+
+    #[test]
     fn hot_add_remove_slot_accounting() {
         let bus = PciBus::new(Arc::new(NoRelocation));
         let dev = || -> SharedPciDevice { Arc::new(Mutex::new(TestDev::new())) };
@@ -657,14 +693,17 @@ mod tests {
         );
         assert_eq!(
             bus.add_device(Some(32), dev()),
-            Err(PciRootError::SlotInvalid(32))
+            Err(PciRootError::SlotInvalid(32, 31))
         );
         assert_eq!(bus.next_free_slot(), Some(2));
         for _ in 0..29 {
             bus.add_device(None, dev()).unwrap();
         }
         assert_eq!(bus.used_slots().len(), 32);
-        assert_eq!(bus.add_device(None, dev()), Err(PciRootError::NoFreeSlot));
+        assert_eq!(
+            bus.add_device(None, dev()),
+            Err(PciRootError::NoFreeSlot(31))
+        );
         assert_eq!(bus.next_free_slot(), None);
         let removed = bus.remove_device(3).unwrap();
         assert!(removed

@@ -207,6 +207,11 @@ pub struct MachineConfig {
     /// VM's are rebuilt from. Absent with one node and in documents of older lendvms.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa: Vec<crate::numa::NumaNodeConfig>,
+    /// The root bus's slots for devices (`--pci-slots`): the guest's ACPI tables describe
+    /// them, and a restored or migrated VM's bus keeps them. Absent in documents of older
+    /// lendvms (31).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_slots: Option<u8>,
 }
 
 /// One guest RAM region and its file.
@@ -522,6 +527,7 @@ mod tests {
                     memory: 64 << 20,
                     distances: Vec::new(),
                 }],
+                pci_slots: Some(4),
             },
             memory: vec![RamFile {
                 gpa: 0,
