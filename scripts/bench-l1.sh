@@ -3,8 +3,8 @@
 #
 #   scripts/bench-l1.sh [OUTDIR]      (default: target/bench; scripts/bench.sh l1 runs it)
 #
-# Boots L1 twice (scripts/test-vfio.sh --bench): once with a debug lenderd, once with the
-# release lenderd that the tests use. In each, tests/tests/vfio.rs bench_l1_control_paths
+# Boots L1 twice (scripts/test-vfio.sh --bench): once with the debug lenderd that the tests
+# use, once with a release one. In each, tests/tests/vfio.rs bench_l1_control_paths
 # measures both control paths, `control_path = "tcp"` (every message through QEMU's user
 # network and L1's TCP stack) and `"ring"` (rings in the window, TCP only for wake-ups): the
 # round trip of a status request from out here to L1's lenderd and back, and one

@@ -86,8 +86,13 @@ case "${1:-}" in
 "") ;;
 *) echo "usage: scripts/test-vfio.sh [--demo | --bench OUTDIR | --prepare ENVFILE]" >&2; exit 2 ;;
 esac
-# Which build of lenderd L1 runs (release; debug only to measure what release saves).
-export LENDVM_L1_LENDERD_PROFILE=${LENDVM_L1_LENDERD_PROFILE:-release}
+# Which build of lenderd L1 runs: the workspace's debug build, which CI's `build` stage has
+# already made. A release build would compile every dependency of lenderd a second time
+# (4 min on an idle 2-core machine, 15 beside a CPU load, on CI's critical path) and buys the
+# cases nothing: docs/BENCHMARKS.md, section l1, measured the same fio job in L1 at 18.7 s with
+# a debug lenderd and 17.8-19.9 s with a release one (the guest's emulated kernel is the
+# cost, not lenderd). LENDVM_L1_LENDERD_PROFILE=release for scripts/bench-l1.sh's comparison.
+export LENDVM_L1_LENDERD_PROFILE=${LENDVM_L1_LENDERD_PROFILE:-debug}
 
 missing=()
 command -v "$QEMU" >/dev/null || missing+=("$QEMU (apt-get install qemu-system-x86)")

@@ -241,6 +241,10 @@ impl Guest {
             &initramfs,
             "--cpus",
             GUEST_VCPUS,
+            // As the Linux cases (tests/tests/linux.rs, `PCI_SLOTS`): slots enough for the
+            // NVMe, the VF and a re-add; fewer ACPI slots for the emulated kernel to boot through.
+            "--pci-slots",
+            "4",
             "--serial",
             "stdout",
             "--cmdline",

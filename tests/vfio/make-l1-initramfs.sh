@@ -5,7 +5,8 @@
 #   /init.sh          tests/vfio/initramfs/init (binds devices to vfio-pci, runs the
 #                     kernel test, starts lenderd; markers on the console)
 #   /bin/busybox      from Debian's busybox-static
-#   /bin/lenderd      the workspace's lenderd (the `l1` profile, release without debug info: L1 runs it emulated)
+#   /bin/lenderd      the workspace's lenderd (debug, stripped; LENDVM_L1_LENDERD_PROFILE=release:
+#                     the `l1` profile, release without debug info)
 #   /bin/vfio_kernel  the test binary of lending/tests/vfio_kernel.rs (target/debug)
 #   /bin/lendvm-nvme-sriov  the SR-IOV PF driver's half (tests/src/bin, target/debug)
 #   /lib*, /usr/lib*  the shared libraries both need (ldd), and the dynamic loader
@@ -13,7 +14,7 @@
 #
 #   tests/vfio/make-l1-initramfs.sh
 # Prints the archive's path (last line). The binaries are the workspace's own builds
-# (cargo, ${CARGO_TARGET_DIR:-target}; lenderd release, the others debug), dynamically
+# (cargo, ${CARGO_TARGET_DIR:-target}; debug unless asked otherwise), dynamically
 # linked, with their libraries copied
 # from this machine: L1 runs this machine's glibc. (A static build, RUSTFLAGS=-C
 # target-feature=+crt-static, would be a second full build of lenderd's dependencies in
@@ -33,18 +34,19 @@ BUSYBOX=/bin/busybox
 file_is_static() { ! LC_ALL=C readelf -l "$1" 2>/dev/null | grep -q 'INTERP'; }
 file_is_static "$BUSYBOX" || die "$BUSYBOX is not static (is busybox-static installed?)"
 
-# lenderd is L1's hot path (every trapped access of a lent device is served by it, in
-# emulated code): a release build (the workspace's `l1` profile: release without debug
-# info). The one-shot helpers stay debug builds of the workspace.
-# (LENDVM_L1_LENDERD_PROFILE=debug: the debug build, for scripts/bench-l1.sh's comparison.)
-PROFILE=${LENDVM_L1_LENDERD_PROFILE:-release}
+# lenderd's build: the workspace's debug build (what CI's `build` stage made; why not release:
+# scripts/test-vfio.sh, where the default is set), or the `l1` profile (release without debug
+# info) for scripts/bench-l1.sh's comparison. The one-shot helpers are debug builds.
+PROFILE=${LENDVM_L1_LENDERD_PROFILE:-debug}
 case $PROFILE in
 release) PFLAG='--profile l1' PDIR=l1 ;;
 debug) PFLAG="" PDIR=debug ;;
 *) die "LENDVM_L1_LENDERD_PROFILE is '$PROFILE', not release or debug" ;;
 esac
 log "building lenderd (cargo, $PROFILE), lendvm-nvme-sriov and the vfio_kernel test (debug)"
-(cd "$REPO" && nice -n "$NICE" cargo build --locked -q $PFLAG -p lending \
+# --workspace, not -p lending: the workspace's feature resolution, so that the debug build is
+# the one the `build` stage already made.
+(cd "$REPO" && nice -n "$NICE" cargo build --locked -q $PFLAG --workspace \
 	--bin lenderd >&2) || die "building lenderd ($PROFILE) failed"
 # The debug helpers with --workspace, not -p: the workspace's feature resolution, so the
 # crates the other stages built are not compiled again.
