@@ -11,6 +11,7 @@
 #   /probe-<name>    libc-free probes of CPL 3 -> CPL 0 transitions
 #                    (tests/linux/initramfs/probes.S; select with rdinit=)
 #   /dev/console     so init has a console before devtmpfs is mounted
+#   /tmp/nap         a FIFO: /init's `nap` (a wait without a process)
 #
 #   tests/linux/make-initramfs.sh [--small] [OUTPUT]
 # --small: the same archive without fio (/bin/fio, /fio): 2 MB instead of 4.8 MB, for the
@@ -87,6 +88,9 @@ for p in syscall int80 ud2 spin; do
 		|| die "building probe-$p failed"
 done
 mknod "$STAGE/dev/console" c 5 1 || die "mknod /dev/console failed (run as root)"
+# /init's `nap` waits with a timed `read` on this FIFO instead of running `sleep`, an applet:
+# a fork and an exec in every turn of every polling loop.
+mkfifo "$STAGE/tmp/nap" || die "mkfifo /tmp/nap failed"
 
 mkdir -p "$(dirname "$OUT")"
 (cd "$STAGE" && find . -mindepth 1 | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$OUT.tmp"
