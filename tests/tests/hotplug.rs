@@ -283,6 +283,19 @@ fn fifty_add_remove_cycles_leak_nothing() {
     cluster.wait_available(DMATEST_BDF);
 }
 
+/// A cluster whose lender lends a `dmatest` and a 1 MiB NVMe.
+fn dmatest_and_nvme_lender() -> (Cluster, lending::testing::Lenderd) {
+    let cluster = Cluster::new(Fabric::Shm);
+    let lender = cluster.start_lenderd(&[
+        format!("{DMATEST_BDF}=dmatest"),
+        format!(
+            "{NVME_BDF}=nvme:path={},size=1M",
+            cluster.file("disk.img").display()
+        ),
+    ]);
+    (cluster, lender)
+}
+
 /// Sends a raw request; returns (status, body text).
 fn raw(api: &ApiClient, method: &str, endpoint: &str, body: Option<&[u8]>) -> (u16, String) {
     let r = api.request(method, endpoint, body).unwrap();
@@ -305,14 +318,7 @@ fn expect_4xx(vm: &mut Vm, what: &str, got: (u16, String), status: u16, needles:
 
 #[test]
 fn api_abuse_gets_4xx_and_the_vm_keeps_running() {
-    let cluster = Cluster::new(Fabric::Shm);
-    let _lender = cluster.start_lenderd(&[
-        format!("{DMATEST_BDF}=dmatest"),
-        format!(
-            "{NVME_BDF}=nvme:path={},size=1M",
-            cluster.file("disk.img").display()
-        ),
-    ]);
+    let (cluster, _lender) = dmatest_and_nvme_lender();
     let mut vm = boot_with_api(&cluster, "tests=idle total_ms=120000", &[]);
     let api = vm.api();
     vm.expect_line("HOTPLUG ready", T);
@@ -438,18 +444,12 @@ fn api_abuse_gets_4xx_and_the_vm_keeps_running() {
 }
 
 /// `--pci-slots 1` (and two NUMA nodes, which `vm.info` reports with the slots): the guest's
-/// tables describe one slot for devices, the first hot-add takes it, and a second is refused with 409 naming the limit, before anything is borrowed: the
-/// lender keeps its device, and the VM runs on.
+/// tables describe one slot for devices, the first hot-add takes it, and a second is refused
+/// with 409 naming the limit, before anything is borrowed: the lender keeps its device, and
+/// the VM runs on.
 #[test]
 fn a_vm_of_one_slot_refuses_a_second_device_by_name() {
-    let cluster = Cluster::new(Fabric::Shm);
-    let _lender = cluster.start_lenderd(&[
-        format!("{DMATEST_BDF}=dmatest"),
-        format!(
-            "{NVME_BDF}=nvme:path={},size=1M",
-            cluster.file("disk.img").display()
-        ),
-    ]);
+    let (cluster, _lender) = dmatest_and_nvme_lender();
     let mut vm = boot_with_api_log(
         &cluster,
         "tests=idle total_ms=120000",
