@@ -417,7 +417,7 @@ fn wait_for_migration(
                 cpu_model: doc_cpu_model(c).map_err(|e| MigrationError::Mismatch(e.to_string()))?,
                 pci_mmio64_size: Some(c.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
                 numa: c.numa.clone(),
-                pci_slots: c.pci_slots.unwrap_or(pci::root::MAX_DEVICE_SLOTS),
+                pci_slots: c.pci_slots(),
             };
             match memfd {
                 Some(f) => Vm::for_migration_on(&cfg, f),
@@ -764,11 +764,7 @@ fn main() -> ExitCode {
             },
             pci_mmio64_size: Some(m.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
             numa: m.doc.config.numa.clone(),
-            pci_slots: m
-                .doc
-                .config
-                .pci_slots
-                .unwrap_or(pci::root::MAX_DEVICE_SLOTS),
+            pci_slots: m.doc.config.pci_slots(),
         },
         (Some(s), None) => VmConfig {
             memory_size: s.doc.config.memory_size,
@@ -790,11 +786,7 @@ fn main() -> ExitCode {
             },
             pci_mmio64_size: Some(s.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
             numa: s.doc.config.numa.clone(),
-            pci_slots: s
-                .doc
-                .config
-                .pci_slots
-                .unwrap_or(pci::root::MAX_DEVICE_SLOTS),
+            pci_slots: s.doc.config.pci_slots(),
         },
         (None, None) => VmConfig {
             memory_size: cli.memory.size,

@@ -214,6 +214,13 @@ pub struct MachineConfig {
     pub pci_slots: Option<u8>,
 }
 
+impl MachineConfig {
+    /// The root bus's slots for devices: the document's, or 31 for an older lendvm's.
+    pub fn pci_slots(&self) -> u8 {
+        self.pci_slots.unwrap_or(pci::root::MAX_DEVICE_SLOTS)
+    }
+}
+
 /// One guest RAM region and its file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RamFile {
