@@ -694,7 +694,8 @@ pub trait Endpoint: Send + Sync {
     /// Next incoming request, event or window change; `PeerGone` once the link is down and
     /// everything received has been taken; `Timeout` if nothing came.
     fn recv(&self, timeout: Duration) -> Result<Incoming>;
-    /// Waits until the link goes down; returns the reason, or `Timeout`.
+    /// Waits until the link is down and every window mapped through it is severed (so
+    /// `is_live` is false on return); returns the reason, or `Timeout`.
     fn wait_gone(&self, timeout: Duration) -> Result<String>;
     /// Orderly close: tells the peer and takes the link down.
     fn close(&self);

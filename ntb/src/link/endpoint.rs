@@ -380,8 +380,7 @@ impl Endpoint for LinkEndpoint {
     fn wait_gone(&self, timeout: Duration) -> Result<String> {
         let inner = &self.inner;
         inner.wait_for(timeout, |st| {
-            inner
-                .is_gone()
+            st.gone_settled
                 .then(|| st.gone_reason.clone().unwrap_or_default())
         })
     }

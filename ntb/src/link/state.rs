@@ -28,6 +28,9 @@ pub(super) struct State {
     pub(super) peer_windows: BTreeMap<WindowId, PeerWin>,
     pub(super) live: Vec<(WindowId, Weak<Mapping>)>,
     pub(super) gone_reason: Option<String>,
+    /// Set once [`Inner::mark_gone`] has severed every live mapping, so a
+    /// waiter for the link's end sees windows already dead.
+    pub(super) gone_settled: bool,
 }
 
 pub(super) enum Svc {
@@ -123,7 +126,9 @@ impl Inner {
             if let Some(r) = ready(&mut st) {
                 return Ok(r);
             }
-            if self.is_gone() {
+            // `gone_settled`, not `is_gone()`: a waiter sees the link's end
+            // only once its windows are severed too.
+            if st.gone_settled {
                 drop(st);
                 return Err(self.gone_err());
             }
@@ -157,6 +162,9 @@ impl Inner {
                 m.sever();
             }
         }
+        // Only now is the link's end whole: a waiter woken before the
+        // mappings were severed would see a dead link with live windows.
+        lock(&self.state).gone_settled = true;
         let _ = self.gone_evt.write(1);
         self.cond.notify_all();
         self.ctl.shutdown();
