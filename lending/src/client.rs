@@ -813,6 +813,36 @@ pub enum ClientIrq<'a> {
     Event,
 }
 
+/// Eventfd targets sent with one SET_IRQS (shm): one frame carries at most ntb's `MAX_FDS`
+/// descriptors, and one is kept for the INTx resample eventfd.
+const DIRECT_IRQ_FDS: usize = ntb::wire::MAX_FDS - 1;
+
+/// How one [`ClientIrq::EventFd`] vector reaches its eventfd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EventFdPath {
+    /// A duplicate goes with the request; the lender signals it (shm).
+    Passed,
+    /// The lender sends an IRQ event; this client's relay signals it (tcp, and on shm the
+    /// vectors past the `direct_max` eventfds one frame can carry: slower, but wired).
+    Relayed,
+}
+
+/// The path of each of `targets` (meaningful for the eventfd ones): the first `direct_max`
+/// eventfd vectors are passed, the rest relayed.
+fn eventfd_paths(targets: &[ClientIrq<'_>], direct_max: usize) -> Vec<EventFdPath> {
+    let mut passed = 0;
+    targets
+        .iter()
+        .map(|t| match t {
+            ClientIrq::EventFd(_) if passed < direct_max => {
+                passed += 1;
+                EventFdPath::Passed
+            }
+            _ => EventFdPath::Relayed,
+        })
+        .collect()
+}
+
 /// A borrowed device. Dropping it returns the device.
 pub struct Lease {
     inner: Arc<Inner>,
@@ -982,17 +1012,30 @@ impl Lease {
         };
         let mut relayed = Vec::new();
         let mut t = Vec::with_capacity(targets.len());
-        for (vector, x) in targets.iter().enumerate() {
-            t.push(match x {
-                ClientIrq::None => IrqTarget::None,
-                ClientIrq::Doorbell(b) => IrqTarget::Doorbell(*b),
-                ClientIrq::Event => IrqTarget::Event,
-                ClientIrq::EventFd(e) if !pass_fds => {
+        let direct_max = if pass_fds { DIRECT_IRQ_FDS } else { 0 };
+        for ((vector, x), how) in targets
+            .iter()
+            .enumerate()
+            .zip(eventfd_paths(targets, direct_max))
+        {
+            t.push(match (x, how) {
+                (ClientIrq::None, _) => IrqTarget::None,
+                (ClientIrq::Doorbell(b), _) => IrqTarget::Doorbell(*b),
+                (ClientIrq::Event, _) => IrqTarget::Event,
+                (ClientIrq::EventFd(e), EventFdPath::Relayed) => {
                     relayed.push((vector as u32, dup(e)?));
                     IrqTarget::Event
                 }
-                ClientIrq::EventFd(e) => pass(&mut fds, e)?,
+                (ClientIrq::EventFd(e), EventFdPath::Passed) => pass(&mut fds, e)?,
             });
+        }
+        if pass_fds && !relayed.is_empty() {
+            log::info!(
+                "lease {}: {} {kind:?} vectors past the {DIRECT_IRQ_FDS} a frame can carry as \
+                 eventfds are relayed as events",
+                self.id,
+                relayed.len()
+            );
         }
         let resample = match resample {
             Some(_) if self.inner.version() < 2 => {
@@ -1271,6 +1314,35 @@ mod relay_tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// On shm the first `direct_max` eventfd vectors go as descriptors with SET_IRQS and the
+    /// rest are relayed as events; other targets take no descriptor. 252 is what a frame
+    /// carries beside the resample eventfd.
+    #[test]
+    fn eventfd_vectors_past_what_a_frame_carries_are_relayed() {
+        assert_eq!(DIRECT_IRQ_FDS, 252);
+        let e = EventFd::new(0).unwrap();
+        let t = [
+            ClientIrq::EventFd(&e),
+            ClientIrq::None,
+            ClientIrq::EventFd(&e),
+            ClientIrq::Doorbell(3),
+            ClientIrq::EventFd(&e),
+            ClientIrq::EventFd(&e),
+        ];
+        use EventFdPath::{Passed as P, Relayed as R};
+        let paths = eventfd_paths(&t, 2);
+        // Vectors 0 and 2 passed (the first two eventfds), 4 and 5 relayed; 1 and 3 take no fd.
+        assert_eq!((paths[0], paths[2], paths[4], paths[5]), (P, P, R, R));
+        assert!(eventfd_paths(&t, 0)
+            .iter()
+            .zip(&t)
+            .all(|(p, x)| !matches!(x, ClientIrq::EventFd(_)) || *p == R));
+        let many: Vec<ClientIrq<'_>> = (0..300).map(|_| ClientIrq::EventFd(&e)).collect();
+        let paths = eventfd_paths(&many, DIRECT_IRQ_FDS);
+        assert_eq!(paths.iter().filter(|p| **p == P).count(), 252);
+        assert!(paths[..252].iter().all(|p| *p == P) && paths[252..].iter().all(|p| *p == R));
+    }
 
     /// The relay saw a DeviceGone and then the goodbye (down is set, both are queued): the
     /// reader gets the DeviceGone first, then the end, and the end again on every later call.

@@ -31,8 +31,13 @@ pub const HEADER_LEN: usize = 24;
 pub const MAX_DATA_CHUNK: usize = 1 << 20;
 /// Largest payload of one frame: one data chunk plus room for its prefix.
 pub const MAX_PAYLOAD: usize = MAX_DATA_CHUNK + 4096;
-/// Largest number of file descriptors attached to one frame.
-pub const MAX_FDS: usize = 32;
+/// Largest number of file descriptors attached to one frame: the kernel's own limit for one
+/// `sendmsg` (`SCM_MAX_FD`). A device's interrupts are wired with one eventfd per vector in
+/// one frame (the lender protocol's SET_IRQS), and 32 here left a device of more than 32
+/// MSI-X vectors with none wired on shm (a GPU's or a many-queue NVMe's count; found by the
+/// two-lender Linux case with 128 vectors). Each received descriptor is owned at once and
+/// closed with its frame unless a handler keeps it, so a peer cannot pile them up.
+pub const MAX_FDS: usize = 253;
 /// First opcode available to protocols built on the fabric (the lender control protocol).
 pub const USER_OPCODE_BASE: u16 = 0x100;
 
@@ -433,7 +438,7 @@ mod tests {
         b[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(decode_frame(&b), Err(WireError::TooLarge { .. })));
         let mut b = good.clone();
-        b[20] = 200;
+        b[20..22].copy_from_slice(&(MAX_FDS as u16 + 1).to_le_bytes());
         assert!(matches!(
             decode_frame(&b),
             Err(WireError::TooManyFds { .. })

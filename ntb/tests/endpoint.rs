@@ -335,6 +335,58 @@ fn messages_requests_errors_and_fd_passing() {
     });
 }
 
+/// One frame carries as many descriptors as one `sendmsg` may (`SCM_MAX_FD`, ntb's
+/// `MAX_FDS`): a device's interrupts are wired with an eventfd per vector in one message, and
+/// a GPU or a many-queue NVMe has far more than 32 vectors. Every one arrives usable, in
+/// order; one more is refused before anything is sent, naming the count.
+#[test]
+fn a_frame_carries_as_many_descriptors_as_sendmsg_allows() {
+    let p = pair(FabricKind::Shm);
+    let max = ntb::wire::MAX_FDS;
+    assert_eq!(max, 253, "the kernel's SCM_MAX_FD");
+    let efds: Vec<EventFd> = (0..max).map(|_| EventFd::new(0).unwrap()).collect();
+    let dup = |e: &EventFd| {
+        // SAFETY: into_raw_fd hands us sole ownership of the duplicated fd.
+        unsafe { OwnedFd::from_raw_fd(e.try_clone().unwrap().into_raw_fd()) }
+    };
+    let msg = Message::raw(0x202, b"irqs".to_vec()).with_fds(efds.iter().map(dup).collect());
+    p.a.send(msg).unwrap();
+    match p.b.recv(T).unwrap() {
+        Incoming::Event(m) => {
+            assert_eq!(m.fds.len(), max);
+            // Signal vector i with i + 1: each fd is its own eventfd, in order.
+            for (i, fd) in m.fds.iter().enumerate() {
+                let n = i as u64 + 1;
+                // SAFETY: writing 8 bytes to an eventfd we own.
+                let r = unsafe { libc::write(fd.as_raw_fd(), (&n as *const u64).cast(), 8) };
+                assert_eq!(r, 8);
+            }
+        }
+        other => panic!("{other:?}"),
+    }
+    for (i, e) in efds.iter().enumerate() {
+        assert_eq!(e.read().unwrap(), i as u64 + 1, "eventfd {i}");
+    }
+    let over = Message::raw(0x202, vec![]).with_fds(
+        efds.iter()
+            .chain(std::iter::once(&efds[0]))
+            .map(dup)
+            .collect(),
+    );
+    let e = p.a.send(over).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{} file descriptors attached, at most {max} allowed",
+            max + 1
+        )
+    );
+    // The link is still up: the refusal happened before anything was sent.
+    p.a.send(Message::new(0x200, &("after", 1u32)).unwrap())
+        .unwrap();
+    assert!(matches!(p.b.recv(T).unwrap(), Incoming::Event(_)));
+}
+
 #[test]
 fn close_is_seen_as_peer_gone_and_fails_further_calls() {
     both(|kind, p| {
