@@ -65,6 +65,7 @@ pub fn open_backends(
             vfs,
             cmb,
             msix,
+            queues,
         } => {
             let defaults = emulated::nvme::NvmeConfig::default();
             let cfg = emulated::nvme::NvmeConfig {
@@ -77,6 +78,7 @@ pub fn open_backends(
                 subsystem: node.to_string(),
                 cmb_size: *cmb,
                 msix_vectors: msix.unwrap_or(defaults.msix_vectors),
+                max_io_queues: queues.unwrap_or(defaults.max_io_queues),
                 ..defaults
             };
             if *vfs == 0 {

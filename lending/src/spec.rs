@@ -56,6 +56,11 @@ pub enum DeviceKind {
         /// whose interrupt affinity the guest may then move (Linux manages, and pins, the
         /// affinity of per-queue vectors).
         msix: Option<u16>,
+        /// I/O queue pairs offered (`queues=`, 1..=1024; `None`: the model's 16). With
+        /// `msix=` at 128 and more queues than vCPUs, a guest whose driver asks for extra
+        /// queues (Linux: `nvme.write_queues=`) enables a vector per queue: a GPU's
+        /// interrupt count on a device that is here.
+        queues: Option<u16>,
     },
     /// Emulated dmatest copy engine.
     Dmatest {
@@ -191,6 +196,7 @@ impl std::str::FromStr for DeviceSpec {
                 let mut vfs = 0;
                 let mut cmb = 0;
                 let mut msix = None;
+                let mut queues = None;
                 for (k, v) in pairs {
                     match k {
                         "path" if !v.is_empty() => path = Some(PathBuf::from(v)),
@@ -254,6 +260,20 @@ impl std::str::FromStr for DeviceSpec {
                                     })?,
                             );
                         }
+                        "queues" => {
+                            let max = emulated::nvme::MAX_IO_QUEUES;
+                            queues = Some(
+                                v.parse::<u16>()
+                                    .ok()
+                                    .filter(|n| (1..=max).contains(n))
+                                    .ok_or_else(|| {
+                                        err(format!(
+                                            "queues {v:?} is not a number of I/O queue pairs \
+                                             (1..={max})"
+                                        ))
+                                    })?,
+                            );
+                        }
                         other => return Err(err(format!("unknown nvme option {other:?}"))),
                     }
                 }
@@ -285,6 +305,7 @@ impl std::str::FromStr for DeviceSpec {
                     vfs,
                     cmb,
                     msix,
+                    queues,
                 }
             }
             other => {
@@ -339,6 +360,7 @@ mod tests {
                 vfs: 0,
                 cmb: 0,
                 msix: None,
+                queues: None,
             }
         );
         let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,size=64M,lba=4096,mode=polling"
@@ -465,6 +487,29 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("MSI-X vectors (1..=128)"), "{bad}: {e}");
+        }
+        let s: DeviceSpec = "0000:82:00.0=nvme:path=d.img,msix=128,queues=80"
+            .parse()
+            .unwrap();
+        assert!(matches!(
+            s.kind,
+            DeviceKind::Nvme {
+                msix: Some(128),
+                queues: Some(80),
+                ..
+            }
+        ));
+        for bad in ["0", "1025", "many", ""] {
+            let e = format!("0000:82:00.0=nvme:path=d.img,queues={bad}")
+                .parse::<DeviceSpec>()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!(
+                    "queues {bad:?} is not a number of I/O queue pairs (1..=1024)"
+                )),
+                "{bad}: {e}"
+            );
         }
         // A VF's address is an ordinary BDF: lendable as vfio like any other.
         let s: DeviceSpec = "0000:03:10.2=vfio".parse().unwrap();

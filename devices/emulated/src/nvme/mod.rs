@@ -108,6 +108,8 @@ pub struct NvmeConfig {
 
 /// Most MSI-X vectors the controller offers.
 pub const MAX_MSIX_VECTORS: u16 = 128;
+/// Most I/O queue pairs a controller offers ([`NvmeConfig::max_io_queues`]).
+pub const MAX_IO_QUEUES: u16 = 1024;
 
 impl Default for NvmeConfig {
     fn default() -> Self {
@@ -159,9 +161,9 @@ impl NvmeConfig {
             ));
         }
         cmb::check_size(self.cmb_size).map_err(DeviceError::InvalidConfig)?;
-        if !(1..=1024).contains(&self.max_io_queues) {
+        if !(1..=MAX_IO_QUEUES).contains(&self.max_io_queues) {
             return bad(format!(
-                "max io queues {} is not in 1..=1024",
+                "max io queues {} is not in 1..={MAX_IO_QUEUES}",
                 self.max_io_queues
             ));
         }
