@@ -17,18 +17,44 @@ QEMU_CPU="qemu64,-popcnt"
 log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
 die() { echo "error: $*" >&2; exit 1; }
 
+# build_nolibc SRC OUT [CFLAGS...]: a static program without libc (the guests' PID 1 and
+# tools: tests/linux/initramfs/*.c), a few KB where glibc would add most of a megabyte to
+# an initramfs the guest kernel unpacks in emulated time. Needs gcc and binutils.
+build_nolibc() {
+	local src=$1 out=$2
+	shift 2
+	gcc -nostdlib -static -no-pie -ffreestanding -fno-stack-protector -fno-builtin \
+		-fcf-protection=none -O2 -Wall -Werror "$@" \
+		-o "$out" "$src" || die "building $(basename "$src") ($out) failed"
+}
+
 # build_pid1 SCRIPT OUT: the guests' PID 1 (tests/linux/initramfs/pid1.c), which runs the
 # init script SCRIPT as its child and runs it again when the emulator's TLS fault kills it.
-# Needs gcc and binutils. Fails unless the program's code leaves %fs alone: a PID 1 with
-# thread-local storage would meet the very fault it is there to survive.
+# Fails unless the program's code leaves %fs alone: a PID 1 with thread-local storage would
+# meet the very fault it is there to survive.
 build_pid1() {
 	local script=$1 out=$2
-	gcc -nostdlib -static -no-pie -ffreestanding -fno-stack-protector -fno-builtin \
-		-fcf-protection=none -O2 -Wall -Werror -DSCRIPT="\"$script\"" \
-		-o "$out" "$LINUX_TESTS_DIR/initramfs/pid1.c" || die "building PID 1 ($out) failed"
+	build_nolibc "$LINUX_TESTS_DIR/initramfs/pid1.c" "$out" -DSCRIPT="\"$script\""
 	if objdump -d "$out" | grep -q '%fs'; then
 		die "$out uses %fs (thread-local storage): PID 1 must not"
 	fi
+}
+
+# prune_cache KEEP PATH...: of the cache entries PATH... (files or directories, newest
+# first by modification time), removes those past the newest KEEP that are older than six
+# hours. Not every one past the newest KEEP: a run that started earlier on the same cache (a
+# CI run beside a developer's test run) may still be booting an older archive, and deleting
+# it under that run failed its guests (a loaded run of 2026-11-29).
+prune_cache() {
+	local keep=$1 p
+	shift
+	# (`|| true`, ifs: callers run under `set -e -o pipefail`, and a glob that matched
+	# nothing or an entry kept is no failure.)
+	{ ls -1dt "$@" 2>/dev/null || true; } | tail -n +$((keep + 1)) | while IFS= read -r p; do
+		if [ -n "$(find "$p" -maxdepth 0 -mmin +360 2>/dev/null)" ]; then
+			rm -rf -- "$p"
+		fi
+	done
 }
 
 ensure_pkgs() {

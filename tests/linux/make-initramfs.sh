@@ -7,6 +7,8 @@
 #                    NVMe write/read-back check, prints LENDVM-USERSPACE ...
 #   /bin/busybox     from Debian's busybox-static
 #   /bin/fio         static fio built from Debian's fio source (build-fio.sh)
+#   /bin/barpoke     writes and reads back words of a PCI memory BAR through its sysfs
+#                    resource file (tests/linux/initramfs/barpoke.c; lendvm_bar=)
 #   /fio/<job>.fio   fio jobs for /init's fio runner (tests/linux/initramfs/fio)
 #   /probe-<name>    libc-free probes of CPL 3 -> CPL 0 transitions
 #                    (tests/linux/initramfs/probes.S; select with rdinit=)
@@ -82,6 +84,7 @@ fi
 # fault kills the script, PID 1 runs it again instead of the kernel panicking.
 install -m 0755 "$LINUX_TESTS_DIR/initramfs/init" "$STAGE/init.sh"
 build_pid1 /init.sh "$STAGE/init"
+build_nolibc "$LINUX_TESTS_DIR/initramfs/barpoke.c" "$STAGE/bin/barpoke"
 for p in syscall int80 ud2 spin; do
 	def=PROBE_$(tr a-z A-Z <<<"$p")
 	gcc -nostdlib -static -no-pie -D"$def" -o "$STAGE/probe-$p" "$LINUX_TESTS_DIR/initramfs/probes.S" \
@@ -98,12 +101,12 @@ mv "$OUT.tmp" "$OUT"
 if [ -n "$KEY" ]; then
 	rm -f "$LINK" # a plain file from before the cache
 	ln -sfn "initramfs-$VARIANT$KEY.cpio" "$LINK"
-	# Keep only the newest few archives of this variant (the full one's names start with
-	# the key's hex digits).
+	# Keep the newest few archives of this variant, and any from the last hours (the full
+	# one's names start with the key's hex digits).
 	if [ "$SMALL" = 1 ]; then
-		ls -1t "$CACHE"/initramfs-small-*.cpio 2>/dev/null | tail -n +4 | xargs -r rm -f
+		prune_cache 3 "$CACHE"/initramfs-small-*.cpio
 	else
-		ls -1t "$CACHE"/initramfs-[0-9a-f]*.cpio 2>/dev/null | tail -n +4 | xargs -r rm -f
+		prune_cache 3 "$CACHE"/initramfs-[0-9a-f]*.cpio
 	fi
 fi
 echo "$OUT"

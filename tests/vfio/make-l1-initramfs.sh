@@ -97,5 +97,5 @@ mknod "$STAGE/dev/console" c 5 1 || die "mknod /dev/console failed (run as root)
 mkdir -p "$CACHE"
 (cd "$STAGE" && find . -mindepth 1 | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$OUT.tmp"
 mv "$OUT.tmp" "$OUT"
-ls -1t "$CACHE"/l1-initramfs-*.cpio 2>/dev/null | tail -n +3 | xargs -r rm -f
+prune_cache 2 "$CACHE"/l1-initramfs-*.cpio
 echo "$OUT"
