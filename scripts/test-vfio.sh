@@ -26,7 +26,8 @@
 #                region); `lendctl list` from out here sees them
 #   tests/tests/vfio.rs (--ignored): a Linux guest of lendvm out here, its RAM inside the
 #                ivshmem file, uses what L1 lends with stock drivers (fio verify on the
-#                NVMe with a replug and an FLR; the e1000e pings the NIC that stays in L1)
+#                NVMe with a replug and an FLR; the e1000e pings the NIC that stays in L1; a
+#                16 GiB BAR placed past 4 GiB and written at its ends through sysfs)
 # Builds (or takes from the content-hashed caches) the guest kernel, which also serves as
 # L1's (scripts/build-guest-kernel.sh), the guest's initramfs (tests/linux/make-initramfs.sh)
 # and L1's (tests/vfio/make-l1-initramfs.sh). LENDVM_VFIO_ONLY_L1=1 stops after the
@@ -237,6 +238,13 @@ NIC_BDF=0000:03:00.0
 PEER_BDF=0000:04:00.0
 PEER=$SHMDIR/peer
 truncate -s 1M "$PEER"
+# A GPU-sized aperture: a third ivshmem-plain function whose BAR 2 is 16 GiB of a sparse file
+# out here (a 64-bit prefetchable BAR past 4 GiB, as an H100's BAR1; docs/GPU.md). Nothing
+# reads or writes it but the case that pokes a few words, so it stays a few pages on disk.
+BIG_BDF=0000:06:00.0
+BIG=$SHMDIR/big
+BIG_GIB=16
+truncate -s "${BIG_GIB}G" "$BIG"
 truncate -s 64M "$RUN/nvme.img"
 # QEMU's NVMe with SR-IOV (an nvme-subsys, one VF): L1's nvme driver keeps the PF and gives
 # the VF its queues (lendvm-nvme-sriov, as nvme-cli's virt-mgmt); the VF is lent. The
@@ -251,7 +259,7 @@ CMDLINE+=" 8250.nr_uarts=2"
 CTL_MAC=52:54:00:00:00:10 NIC_MAC=52:54:00:00:01:01 PEER_MAC=52:54:00:00:01:02
 NIC_ADDR=169.254.10.1/16 PEER_ADDR=169.254.10.2
 CMDLINE+=" lendvm_ctl=$CTL_MAC,10.0.2.15/24,10.0.2.2 lendvm_peer=$PEER_MAC,$PEER_ADDR/16"
-CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF,$PEER_BDF,$SRIOV_VF lendvm_shm=$SHM_BDF lendvm_lenderd=1"
+CMDLINE+=" lendvm_vfio=$NVME_BDF,$NIC_BDF,$PEER_BDF,$SRIOV_VF,$BIG_BDF lendvm_shm=$SHM_BDF lendvm_lenderd=1"
 CMDLINE+=" lendvm_sriov=$SRIOV_PF,$SRIOV_VF"
 [ "$demo" = 1 ] || CMDLINE+=" lendvm_test=kernel"
 T_L1=$SECONDS T_L1_MS=$(date +%s%3N)
@@ -273,6 +281,9 @@ nice -n "$NICE" "$QEMU" -nodefaults -display none -no-reboot \
 	-drive "id=nvm2,if=none,file=$RUN/nvme-sriov.img,format=raw" \
 	-device nvme,id=nvme-sriov,serial=$SRIOV_SERIAL,subsys=nvs0,bus=rp5,sriov_max_vfs=1,sriov_vq_flexible=2,sriov_vi_flexible=1 \
 	-device nvme-ns,drive=nvm2,bus=nvme-sriov,nsid=1 \
+	-device pcie-root-port,id=rp6,chassis=6,slot=6,bus=pcie.0,addr=0x9 \
+	-object "memory-backend-file,id=big0,share=on,mem-path=$BIG,size=${BIG_GIB}G" \
+	-device ivshmem-plain,memdev=big0,bus=rp6 \
 	-netdev hubport,id=hp1,hubid=0 -device "e1000e,netdev=hp1,bus=rp3,mac=$NIC_MAC" \
 	-netdev hubport,id=hp2,hubid=0 -device "e1000e,netdev=hp2,bus=pcie.0,addr=0x5,mac=$PEER_MAC" \
 	-netdev "user,id=n0,net=10.0.2.0/24,restrict=on,hostfwd=tcp:127.0.0.1:$PORT-10.0.2.15:7700" \
@@ -333,10 +344,10 @@ for _ in $(seq 30); do
 	sleep 2
 done
 echo "$out" >&2
-for b in "$NVME_BDF" "$NIC_BDF" "$PEER_BDF" "$SRIOV_VF"; do
+for b in "$NVME_BDF" "$NIC_BDF" "$PEER_BDF" "$SRIOV_VF" "$BIG_BDF"; do
 	grep -q "$b" <<<"$out" || die "lendctl list does not show $b lent by L1"
 done
-log "PASS lenderd (L1 lends $NVME_BDF, $NIC_BDF, $PEER_BDF and the VF $SRIOV_VF through vfio-pci; $((SECONDS - T_L1))s since L1's start)"
+log "PASS lenderd (L1 lends $NVME_BDF, $NIC_BDF, $PEER_BDF, the VF $SRIOV_VF and the ${BIG_GIB} GiB BAR's $BIG_BDF through vfio-pci; $((SECONDS - T_L1))s since L1's start)"
 if [ "${LENDVM_VFIO_ONLY_L1:-0}" = 1 ]; then
 	log "test-vfio: L1 cases passed (LENDVM_VFIO_ONLY_L1=1: the lendvm guest cases not run)"
 	exit 0
@@ -386,10 +397,11 @@ run_vfio_tests() {
 		LENDVM_VFIO_NIC=$NIC_BDF LENDVM_VFIO_NIC_PEER=$PEER_ADDR LENDVM_VFIO_NIC_ADDR=$NIC_ADDR \
 		LENDVM_VFIO_L1_CMD=$RUN/l1-cmd.sock LENDVM_VFIO_L1_CONSOLE=$RUN/serial.log \
 		LENDVM_VFIO_L1_PID=$QPID LENDVM_VFIO_PEER=$PEER_BDF LENDVM_VFIO_PEER_FILE=$PEER \
+		LENDVM_VFIO_BIG=$BIG_BDF LENDVM_VFIO_BIG_FILE=$BIG \
 		LENDVM_LINUX_KERNEL=$GUEST_KERNEL LENDVM_LINUX_INITRAMFS=$GUEST_INITRAMFS \
 		LENDVM_LINUX_INITRAMFS_SMALL=$GUEST_INITRAMFS_SMALL LENDVM_TOKEN="$(cat "$RUN/token")" \
 		LENDVM_VFIO_SLOWNESS=$SLOW LENDVM_VFIO_CONTROL_PATH=$CONTROL_PATH \
-		LENDVM_VFIO_ALL_DEVICES="$NVME_BDF $NIC_BDF $PEER_BDF $SRIOV_VF" \
+		LENDVM_VFIO_ALL_DEVICES="$NVME_BDF $NIC_BDF $PEER_BDF $SRIOV_VF $BIG_BDF" \
 		nice -n "$NICE" "${VFIO_TESTS[@]}" --ignored --test-threads=1 --nocapture "$@"
 }
 # The cases: the prepared executable (no cargo), or through cargo.

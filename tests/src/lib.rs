@@ -16,6 +16,13 @@ use std::time::{Duration, Instant};
 /// Path of the test guest ELF built by `build.rs`.
 pub const TEST_GUEST: &str = env!("LENDVM_TEST_GUEST");
 
+/// The word the Linux guests' `barpoke` writes at `offset` of a BAR for `seed`
+/// (tests/linux/initramfs/barpoke.c, `pattern`): the host looks for it in the guest's
+/// console and in the memory behind the BAR.
+pub fn barpoke_word(seed: u64, offset: u64) -> u64 {
+    seed.wrapping_mul(0x0100_0000_01b3) ^ offset.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x4c45_4e44
+}
+
 /// Path of the `lendvm` binary next to the running test executable
 /// (`target/<profile>/deps/<test>` -> `target/<profile>/lendvm`).
 pub fn lendvm_binary() -> Result<PathBuf, String> {

@@ -16,6 +16,8 @@
 //! | `LENDVM_VFIO_NIC`, `LENDVM_VFIO_NIC_ADDR`, `LENDVM_VFIO_NIC_PEER` | the e1000e's BDF in L1, the guest's address for it, and the address of the NIC that stays in L1 |
 //! | `LENDVM_VFIO_L1_CMD`, `LENDVM_VFIO_L1_CONSOLE` | L1's command port (a unix socket: QEMU's second serial port, read by L1's init) and L1's console log |
 //! | `LENDVM_VFIO_L1_PID` | QEMU's pid (the L1-death case kills it; the script runs that case last) |
+//! | `LENDVM_VFIO_PEER`, `LENDVM_VFIO_PEER_FILE` | an ivshmem-plain function in L1 (a P2P target) and the file behind its 1 MiB BAR 2 |
+//! | `LENDVM_VFIO_BIG`, `LENDVM_VFIO_BIG_FILE` | an ivshmem-plain function in L1 with a 16 GiB BAR 2 (a GPU's aperture) and the sparse file behind it |
 //! | `LENDVM_LINUX_KERNEL`, `LENDVM_LINUX_INITRAMFS` | the guest kernel and initramfs of the Linux tests |
 //! | `LENDVM_LINUX_INITRAMFS_SMALL` (optional) | the initramfs without fio, for the guests that run no fio job |
 //! | `LENDVM_VFIO_SLOWNESS` | L1's measured slowness in hundredths (its boot's wall time against the reference, at least 100): every deadline below is scaled by it ([`budget`]) |
@@ -540,6 +542,96 @@ fn vfio_e1000e_in_l1_pings_the_nic_that_stays_there() {
     );
     // The VM is SIGKILLed under its lease (no return of it): L1's lenderd sees the link end
     // and takes the NIC back within the bound, not "lent" to a VM that is gone.
+    released_after(guest);
+}
+
+/// A GPU-sized aperture through vfio-pci (issue 33, docs/GPU.md): L1's third ivshmem-plain
+/// function has a 64-bit prefetchable BAR 2 of 16 GiB, a sparse file out here. L1's lenderd
+/// lends it like any vfio-pci function (its BAR mediated: the lender maps the region and
+/// serves each access). lendvm places it in the guest's 64-bit window, naturally aligned,
+/// past 4 GiB; the Linux guest's kernel keeps that placement, and `barpoke` (mmap of the
+/// BAR's sysfs resource file, as a user-space driver does) writes and reads back a word at
+/// the BAR's start, 4 GiB in and at its last word. The same words are then in the file out
+/// here, at those offsets: each access went guest → lendvm → L1's lenderd → vfio-pci →
+/// QEMU's ivshmem → the file.
+#[test]
+#[ignore = "needs L1 (QEMU with intel-iommu and lenderd): scripts/test-vfio.sh"]
+fn vfio_16g_bar_in_l1_is_placed_past_4g_and_written_at_both_ends() {
+    l1_ready();
+    const SEED: u64 = 0x4241_5231;
+    let lender = env("LENDVM_VFIO_LENDER");
+    let big = env("LENDVM_VFIO_BIG");
+    let file = PathBuf::from(env("LENDVM_VFIO_BIG_FILE"));
+    let len = std::fs::metadata(&file).unwrap().len();
+    assert!(
+        len >= 16 << 30,
+        "{} is {len} bytes, not 16 GiB",
+        file.display()
+    );
+    let offsets = [0, 1 << 32, len - 8];
+    // Zeros where the guest will write: a pattern left by an earlier run proves nothing.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    for &o in &offsets {
+        f.write_all_at(&[0u8; 8], o).unwrap();
+    }
+    let mut guest = Guest::start(
+        "vfio_16g_bar_in_l1_is_placed_past_4g_and_written_at_both_ends",
+        &format!(
+            "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 \
+             lendvm_bar=1af4:1110,2,{SEED:#x}"
+        ),
+        &[
+            "--name",
+            "vfio-bar",
+            "--remote-device",
+            &format!("{lender}:{big},id=bar0"),
+        ],
+    );
+    let deadline = run_deadline();
+    let line = guest.expect_line("LENDVM-BAR ", deadline);
+    assert!(line.contains("LENDVM-BAR ok "), "{line}\n{}", guest.diag());
+    let hex = |k: &str| {
+        let v = field(&line, k).unwrap_or_else(|| panic!("no {k}= in {line}"));
+        u64::from_str_radix(v.trim_start_matches("0x"), 16)
+            .unwrap_or_else(|e| panic!("{k}={v} in {line}: {e}"))
+    };
+    let (start, size, flags) = (hex("start"), hex("size"), hex("flags"));
+    assert_eq!(
+        size, len,
+        "the guest's BAR 2 is not the file's size: {line}"
+    );
+    assert!(
+        start >= 1 << 32 && start.is_multiple_of(size),
+        "BAR 2 at {start:#x}: not past 4 GiB and aligned to its size ({line})"
+    );
+    // IORESOURCE_PREFETCH and IORESOURCE_MEM_64: the kernel sees a GPU aperture's kind.
+    assert_eq!(
+        flags & 0x10_2000,
+        0x10_2000,
+        "BAR 2 is not 64-bit prefetchable to the guest: {line}"
+    );
+    let lines = guest.out.lines();
+    let mut word = [0u8; 8];
+    for &o in &offsets {
+        let want = lendvm_tests::barpoke_word(SEED, o);
+        let poke = format!("BARPOKE {o:#018x} {want:#018x} ok");
+        assert!(
+            lines.iter().any(|l| l.contains(&poke)),
+            "the guest did not read back {want:#x} at {o:#x} (no `{poke}`)\n{}",
+            guest.diag()
+        );
+        f.read_at(&mut word, o).unwrap();
+        assert_eq!(
+            u64::from_le_bytes(word),
+            want,
+            "the file behind the BAR, out here, at {o:#x}"
+        );
+    }
+    guest.expect_exit_0(deadline);
     released_after(guest);
 }
 
