@@ -593,32 +593,14 @@ fn vfio_16g_bar_in_l1_is_placed_past_4g_and_written_at_both_ends() {
     );
     let deadline = run_deadline();
     let line = guest.expect_line("LENDVM-BAR ", deadline);
-    assert!(line.contains("LENDVM-BAR ok "), "{line}\n{}", guest.diag());
-    let hex = |k: &str| {
-        let v = field(&line, k).unwrap_or_else(|| panic!("no {k}= in {line}"));
-        u64::from_str_radix(v.trim_start_matches("0x"), 16)
-            .unwrap_or_else(|e| panic!("{k}={v} in {line}: {e}"))
-    };
-    let (start, size, flags) = (hex("start"), hex("size"), hex("flags"));
-    assert_eq!(
-        size, len,
-        "the guest's BAR 2 is not the file's size: {line}"
-    );
-    assert!(
-        start >= 1 << 32 && start.is_multiple_of(size),
-        "BAR 2 at {start:#x}: not past 4 GiB and aligned to its size ({line})"
-    );
-    // IORESOURCE_PREFETCH and IORESOURCE_MEM_64: the kernel sees a GPU aperture's kind.
-    assert_eq!(
-        flags & 0x10_2000,
-        0x10_2000,
-        "BAR 2 is not 64-bit prefetchable to the guest: {line}"
-    );
+    if let Err(e) = lendvm_tests::check_bar_placement(&line, len) {
+        panic!("the guest's BAR 2: {e}\n{}", guest.diag());
+    }
     let lines = guest.out.lines();
     let mut word = [0u8; 8];
     for &o in &offsets {
         let want = lendvm_tests::barpoke_word(SEED, o);
-        let poke = format!("BARPOKE {o:#018x} {want:#018x} ok");
+        let poke = lendvm_tests::barpoke_ok_line(SEED, o);
         assert!(
             lines.iter().any(|l| l.contains(&poke)),
             "the guest did not read back {want:#x} at {o:#x} (no `{poke}`)\n{}",

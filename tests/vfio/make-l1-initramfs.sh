@@ -64,7 +64,7 @@ SRIOV=${CARGO_TARGET_DIR:-$REPO/target}/debug/lendvm-nvme-sriov
 KEY=$( {
 	dpkg-query -W -f='busybox-static ${Version}\n' busybox-static
 	cat "${BASH_SOURCE[0]}" "$VFIO_DIR/initramfs/init" "$LINUX_TESTS_DIR/lib.sh" \
-		"$LINUX_TESTS_DIR/initramfs/pid1.c"
+		"$LINUX_TESTS_DIR/initramfs/pid1.c" "$LINUX_TESTS_DIR/initramfs/nolibc.h"
 	sha256sum <"$LENDERD"
 	sha256sum <"$TEST_BIN"
 	sha256sum <"$SRIOV"

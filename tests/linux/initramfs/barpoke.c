@@ -33,28 +33,7 @@
 #define MAP_SHARED 1
 #define PAGE 4096UL
 
-static long sys3(long n, long a, long b, long c)
-{
-	long r;
-	__asm__ volatile("syscall"
-			 : "=a"(r)
-			 : "a"(n), "D"(a), "S"(b), "d"(c)
-			 : "rcx", "r11", "memory");
-	return r;
-}
-
-static long sys6(long n, long a, long b, long c, long d, long e, long f)
-{
-	long r;
-	register long r10 __asm__("r10") = d;
-	register long r8 __asm__("r8") = e;
-	register long r9 __asm__("r9") = f;
-	__asm__ volatile("syscall"
-			 : "=a"(r)
-			 : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
-			 : "rcx", "r11", "memory");
-	return r;
-}
+#include "nolibc.h"
 
 static void __attribute__((noreturn)) leave(long code)
 {

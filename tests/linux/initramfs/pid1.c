@@ -40,26 +40,7 @@
 #define ECHILD 10
 #define MAX_RUNS 3
 
-static long sys3(long n, long a, long b, long c)
-{
-	long r;
-	__asm__ volatile("syscall"
-			 : "=a"(r)
-			 : "a"(n), "D"(a), "S"(b), "d"(c)
-			 : "rcx", "r11", "memory");
-	return r;
-}
-
-static long sys4(long n, long a, long b, long c, long d)
-{
-	long r;
-	register long r10 __asm__("r10") = d;
-	__asm__ volatile("syscall"
-			 : "=a"(r)
-			 : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10)
-			 : "rcx", "r11", "memory");
-	return r;
-}
+#include "nolibc.h"
 
 static void put(const char *s)
 {
