@@ -162,11 +162,4 @@ void __attribute__((noreturn, used)) barpoke_main(long *sp)
 	leave(bad);
 }
 
-__asm__(".text\n"
-	".globl _start\n"
-	"_start:\n"
-	"	xor %ebp, %ebp\n"
-	"	mov %rsp, %rdi\n"
-	"	and $-16, %rsp\n"
-	"	call barpoke_main\n"
-	"	hlt\n");
+NOLIBC_START(barpoke_main);

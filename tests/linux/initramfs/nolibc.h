@@ -40,4 +40,18 @@ static inline long sys6(long n, long a, long b, long c, long d, long e, long f)
 	return r;
 }
 
+/*
+ * The program's entry point: `fn(sp)` with the kernel's initial stack pointer (argc, then
+ * argv and envp), on a 16-byte aligned stack; `fn` never returns.
+ */
+#define NOLIBC_START(fn)                                                                   \
+	__asm__(".text\n"                                                                  \
+		".globl _start\n"                                                          \
+		"_start:\n"                                                                \
+		"	xor %ebp, %ebp\n"                                                    \
+		"	mov %rsp, %rdi\n"                                                    \
+		"	and $-16, %rsp\n"                                                    \
+		"	call " #fn "\n"                                                       \
+		"	hlt\n")
+
 #endif

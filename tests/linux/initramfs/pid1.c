@@ -138,11 +138,4 @@ void __attribute__((noreturn, used)) pid1_main(long *sp)
 	}
 }
 
-__asm__(".text\n"
-	".globl _start\n"
-	"_start:\n"
-	"	xor %ebp, %ebp\n"
-	"	mov %rsp, %rdi\n"
-	"	and $-16, %rsp\n"
-	"	call pid1_main\n"
-	"	hlt\n");
+NOLIBC_START(pid1_main);
