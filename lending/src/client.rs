@@ -1029,8 +1029,10 @@ impl Lease {
                 (ClientIrq::EventFd(e), EventFdPath::Passed) => pass(&mut fds, e)?,
             });
         }
+        // debug, not info: SET_IRQS follows every MSI-X enable and mask change of the
+        // guest, which a guest can repeat at will.
         if pass_fds && !relayed.is_empty() {
-            log::info!(
+            log::debug!(
                 "lease {}: {} {kind:?} vectors past the {DIRECT_IRQ_FDS} a frame can carry as \
                  eventfds are relayed as events",
                 self.id,
