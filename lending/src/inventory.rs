@@ -523,7 +523,11 @@ impl Drop for Lease {
         }
         // After the reset, the memory the lease exported moves to fresh memory: what a
         // borrower or a grantee kept of it no longer reaches the device.
-        let state = match b.reset().and_then(|()| b.renew_exports()) {
+        let state = match b
+            .reset()
+            .and_then(|()| b.restore_defaults())
+            .and_then(|()| b.renew_exports())
+        {
             Ok(()) => DeviceState::Available,
             Err(e) => {
                 log::error!("lease {}: reset of {} failed: {e}", self.id, dev.id);

@@ -53,9 +53,9 @@ pub fn open_backends(
     let one = |b: Arc<dyn DeviceBackend>| vec![(spec.id.clone(), b)];
     Ok(match &spec.kind {
         DeviceKind::Vfio => one(Arc::new(backend::vfio::VfioBackend::open(&spec.id)?)),
-        DeviceKind::Dmatest { mode, buf } => one(Arc::new(EmulatedBackend::dmatest_with_buffer(
-            &name, *mode, *buf,
-        )?)),
+        DeviceKind::Dmatest { mode, buf, rebar } => one(Arc::new(
+            EmulatedBackend::dmatest_resizable(&name, *mode, *buf, *rebar)?,
+        )),
         DeviceKind::Nvme {
             path,
             size,

@@ -3,11 +3,15 @@
 //! ```text
 //! 0000:81:00.0=vfio
 //! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE]
-//! 0000:83:00.0=dmatest[:mode=interrupt|polling][,buf=SIZE]
+//! 0000:83:00.0=dmatest[:mode=interrupt|polling][,buf=SIZE][,rebar=SIZE]
 //! ```
 //!
 //! `buf=SIZE` (a multiple of 4K, at most 128G, sparse; default 60K) sizes the dmatest's data buffer
 //! (its peer memory); BAR0 grows to the next power of two above 4K + SIZE.
+//!
+//! `rebar=SIZE` makes that BAR0 resizable, as a GPU's aperture is: a 64-bit prefetchable BAR
+//! with the Resizable BAR capability, offering every power of two from 1M to 4K + `buf`
+//! (which must then be a power of two), and SIZE until the guest's driver picks another.
 //!
 //! `vfs=N` (1..=32, needs `size`) gives the emulated NVMe N SR-IOV virtual functions at the
 //! next N routing IDs, each lendable on its own with a `size`-byte namespace of its own in
@@ -68,6 +72,8 @@ pub enum DeviceKind {
         mode: NotifyMode,
         /// Data buffer size (`emulated::dmatest::BUF_SIZE` by default).
         buf: u64,
+        /// BAR0's initial size when it is resizable.
+        rebar: Option<u64>,
     },
 }
 
@@ -163,6 +169,7 @@ impl std::str::FromStr for DeviceSpec {
             "dmatest" => {
                 let mut mode = NotifyMode::Interrupt;
                 let mut buf = emulated::dmatest::BUF_SIZE;
+                let mut rebar = None;
                 for (k, v) in pairs {
                     match k {
                         "mode" => mode = parse_mode(v, &err)?,
@@ -182,10 +189,31 @@ impl std::str::FromStr for DeviceSpec {
                                 "vfs={v}: dmatest has no sr-iov (only nvme has virtual functions)"
                             )))
                         }
+                        "rebar" => {
+                            rebar = Some(parse_size(v).ok_or_else(|| {
+                                err(format!("rebar {v:?} is not a size (1M, 256M, 4G)"))
+                            })?);
+                        }
                         other => return Err(err(format!("unknown dmatest option {other:?}"))),
                     }
                 }
-                DeviceKind::Dmatest { mode, buf }
+                if let Some(r) = rebar {
+                    let whole = emulated::dmatest::BUF_OFFSET + buf;
+                    if !whole.is_power_of_two() || whole < 1 << 20 {
+                        return Err(err(format!(
+                            "rebar needs a BAR0 of a power of two from 1M: buf={buf:#x} makes \
+                             it {whole:#x} bytes (use a power of two less 4K, e.g. \
+                             buf=4194300K for 4G)"
+                        )));
+                    }
+                    if !r.is_power_of_two() || !(1 << 20..=whole).contains(&r) {
+                        return Err(err(format!(
+                            "rebar {r:#x} bytes: the initial size must be a power of two from \
+                             1M to the whole BAR0 ({whole:#x} bytes)"
+                        )));
+                    }
+                }
+                DeviceKind::Dmatest { mode, buf, rebar }
             }
             "nvme" => {
                 let mut path = None;
@@ -384,8 +412,45 @@ mod tests {
             DeviceKind::Dmatest {
                 mode: NotifyMode::Interrupt,
                 buf: emulated::dmatest::BUF_SIZE,
+                rebar: None,
             }
         );
+        let s: DeviceSpec = "0000:83:00.0=dmatest:buf=4194300K,rebar=256M"
+            .parse()
+            .unwrap();
+        assert!(
+            matches!(s.kind, DeviceKind::Dmatest { buf, rebar: Some(r), .. }
+                if buf == (4 << 30) - 4096 && r == 256 << 20),
+            "a resizable 4 GiB aperture that starts at 256 MiB"
+        );
+        for (bad, needle) in [
+            (
+                "buf=64M,rebar=1M",
+                "rebar needs a BAR0 of a power of two from 1M",
+            ),
+            (
+                "buf=60K,rebar=1M",
+                "rebar needs a BAR0 of a power of two from 1M",
+            ),
+            (
+                "buf=4194300K,rebar=8G",
+                "the initial size must be a power of two from 1M",
+            ),
+            (
+                "buf=4194300K,rebar=3M",
+                "the initial size must be a power of two from 1M",
+            ),
+            (
+                "buf=4194300K,rebar=512K",
+                "the initial size must be a power of two from 1M",
+            ),
+            ("buf=4194300K,rebar=big", "rebar \"big\" is not a size"),
+        ] {
+            let e = format!("0000:83:00.0=dmatest:{bad}")
+                .parse::<DeviceSpec>()
+                .unwrap_err();
+            assert!(e.to_string().contains(needle), "{bad}: {e}");
+        }
         let s: DeviceSpec = "0000:83:00.0=dmatest:buf=64M".parse().unwrap();
         assert!(matches!(s.kind, DeviceKind::Dmatest { buf, .. } if buf == 64 << 20));
         let s: DeviceSpec = "0000:83:00.0=dmatest:buf=67108860K".parse().unwrap();

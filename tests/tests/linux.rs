@@ -134,7 +134,12 @@ const PCI_SLOTS: &str = "4";
 /// the lender's memfd; tests/tests/bigbar.rs has the bare-metal guest's checks), placed by
 /// lendvm and reached by the guest kernel's sysfs as a user-space driver reaches a BAR.
 const BIG_BAR_BDF: &str = "0000:83:00.0";
-const BIG_BAR_DEVICE: &str = "0000:83:00.0=dmatest:buf=67108860K";
+/// Resizable (Resizable BAR capability, 1 MiB to 64 GiB): it starts at 256 MiB, as a GPU's
+/// aperture does, and `/init` (`lendvm_rebar=`) resizes it to 64 GiB before the checks.
+const BIG_BAR_DEVICE: &str = "0000:83:00.0=dmatest:buf=67108860K,rebar=256M";
+/// `/init`'s `lendvm_rebar=`: resize to 64 GiB (`1 MiB << 16`) after trying 128 GiB
+/// (`<< 17`), which the function does not offer.
+const BIG_BAR_REBAR: &str = "16,17";
 const BIG_BAR_SIZE: u64 = 64 << 30;
 const BIG_BAR_SEED: u64 = 0x4750_5531;
 /// Where barpoke's words go: past the dmatest's register page, 4 GiB in, the BAR's last word.
@@ -852,6 +857,20 @@ fn check_cpus_online(guest: &Guest, lender: &Lender) {
 /// mapping read back (`/init`'s `lendvm_bar=`).
 fn check_big_bar(guest: &Guest, lender: &Lender) {
     let diag = || guest.diag(lender);
+    // Resizable BAR first: the guest read every size the function offers (1 MiB to 64 GiB:
+    // 17 bits), found it at 256 MiB, its raw write of 128 GiB left the size field at 256 MiB
+    // (encoding 8), and the kernel's resize made it 64 GiB.
+    let rebar = guest
+        .line("LENDVM-REBAR ")
+        .unwrap_or_else(|| panic!("no LENDVM-REBAR line\n{}", diag()));
+    for (k, want) in [
+        ("sizes", "0x000000000001ffff"),
+        ("before", "0x10000000"),
+        ("bad", "8"),
+        ("after", "0x1000000000"),
+    ] {
+        assert_eq!(field(&rebar, k), Some(want), "{k} in `{rebar}`\n{}", diag());
+    }
     let line = guest
         .line("LENDVM-BAR ")
         .unwrap_or_else(|| panic!("no LENDVM-BAR line\n{}", diag()));
@@ -1099,7 +1118,8 @@ fn linux_busybox_user_space_on_a_lent_disk() {
     // lendvm_exit_port turns `poweroff -f` into exit code 0 (a panic, e.g. /init failing, into 7).
     let cmd = cmdline(&format!(
         "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_us=nvme0n1,{lba},{count} \
-         lendvm_irqmove=nvme0n1,{IRQMOVE_BLOCKS} lendvm_bar=1b36:1105,0,{BIG_BAR_SEED:#x},{:#x}",
+         lendvm_irqmove=nvme0n1,{IRQMOVE_BLOCKS} lendvm_bar=1b36:1105,0,{BIG_BAR_SEED:#x},{:#x} \
+         lendvm_rebar={BIG_BAR_REBAR}",
         BIG_BAR_WORDS[0]
     ));
     let dev = format!("{LENDER}:{NVME_BDF},id=disk0");

@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::VmFd;
 use pci::device::{
-    BarMove, DeviceRelocation, PciBarAllocators, PciDeviceError, SharedBarAllocators,
+    BarAllocation, BarMove, BarResize, DeviceRelocation, PciBarAllocators, PciDeviceError,
+    SharedBarAllocators,
 };
 use pci::root::PciRootError;
 use pci::{
@@ -192,6 +193,60 @@ impl DeviceRelocation for BarRelocator {
         }
         log::debug!("{bdf}: bar {} moved {from:#x} -> {:#x}", mv.bar_idx, mv.new);
         Ok(())
+    }
+
+    fn resize_bar(
+        &self,
+        bdf: PciBdf,
+        rs: &BarResize,
+        device: &mut dyn PciDevice,
+    ) -> Result<u64, PciDeviceError> {
+        let fail = |reason: String| PciDeviceError::MoveBar {
+            old: rs.base,
+            new: rs.base,
+            reason,
+        };
+        let mut ranges = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
+        let range = ranges
+            .get_mut(&bdf.device())
+            .and_then(|v| v.iter_mut().find(|(idx, _)| *idx == rs.bar_idx))
+            .map(|(_, r)| r)
+            .ok_or_else(|| fail("no bus range for this bar".into()))?;
+        let from = range.base();
+        let alloc = device
+            .bar_allocations()
+            .iter_mut()
+            .find(|a| a.base() == from)
+            .ok_or_else(|| fail(format!("no reservation for the bar at {from:#x}")))?;
+        // The reservation first: it names the window when there is no room.
+        let old_len = alloc.config().size;
+        let base = alloc.resize(rs.new_len)?;
+        if !self.inside_windows(rs.region_type, base, rs.new_len) {
+            undo_resize(alloc, old_len, from);
+            return Err(fail(format!(
+                "{base:#x}+{:#x} is outside the pci windows",
+                rs.new_len
+            )));
+        }
+        if let Err(e) = range.resize(base, rs.new_len) {
+            undo_resize(alloc, old_len, from);
+            return Err(fail(e.to_string()));
+        }
+        log::info!(
+            "{bdf}: bar {} resized {} -> {} at {base:#x}",
+            rs.bar_idx,
+            pci::device::human(rs.old_len),
+            pci::device::human(rs.new_len)
+        );
+        Ok(base)
+    }
+}
+
+/// Puts a BAR's reservation back to `len` bytes at `base` (where its bus range stayed).
+fn undo_resize(alloc: &mut BarAllocation, len: u64, base: u64) {
+    let r = alloc.resize(len).and_then(|_| alloc.relocate(base));
+    if let Err(e) = r {
+        log::warn!("bar {base:#x}: reserving its old {len:#x} bytes again: {e}");
     }
 }
 

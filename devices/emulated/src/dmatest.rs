@@ -41,6 +41,7 @@ use crate::dma::DmaMemory;
 use crate::irq::{InterruptMode, InterruptSink};
 use crate::model::{
     build_config_space, BarInfo, DeviceError, DeviceModel, DoorbellRange, MsixInfo, PciIdentity,
+    ResizableBar,
 };
 use crate::regs::RegisterMemory;
 use crate::waiter::{WaitState, Waiter};
@@ -125,8 +126,13 @@ struct Inner {
     wait: Arc<WaitState>,
     /// Copies the DMA window refused (for the log rate limit).
     refused: AtomicU64,
-    /// Size of the data buffer at [`BUF_OFFSET`].
-    buf_size: u64,
+    /// Size of the data buffer at [`BUF_OFFSET`] the guest sees now: less than `buf_max`
+    /// after the driver made a resizable BAR0 smaller ([`DmaTest::with_resizable_bar0`]).
+    buf_size: AtomicU64,
+    /// Size of the data buffer the register memory holds.
+    buf_max: u64,
+    /// Whether BAR0 offers the Resizable BAR sizes (1 MiB up to the whole buffer).
+    resizable: bool,
     /// The copy's staging buffer, kept between copies so a copy does not allocate and fault
     /// in fresh pages each time (a 64 MiB copy spent most of its time there). It grows to the
     /// longest copy made, which is bounded by the copy limit (the larger of [`MAX_LEN`] and
@@ -209,8 +215,10 @@ impl Inner {
     /// 8-byte aligned.
     fn buf_range(&self, off: u64, len: u64) -> Option<u64> {
         let end = off.checked_add(len)?;
-        (end <= self.buf_size && off.is_multiple_of(8) && len.is_multiple_of(8))
-            .then_some(BUF_OFFSET + off)
+        (end <= self.buf_size.load(Ordering::Acquire)
+            && off.is_multiple_of(8)
+            && len.is_multiple_of(8))
+        .then_some(BUF_OFFSET + off)
     }
 
     /// The buffer's bytes at `at` (checked by [`Inner::buf_range`]), in one bulk copy.
@@ -240,7 +248,8 @@ impl Inner {
         let src = self.regs.read64(REG_SRC);
         let dst = self.regs.read64(REG_DST);
         let len = self.regs.read32(REG_LEN);
-        let max = u64::from(MAX_LEN).max(self.buf_size.min(MAX_BIG_COPY));
+        let buf_size = self.buf_size.load(Ordering::Acquire);
+        let max = u64::from(MAX_LEN).max(buf_size.min(MAX_BIG_COPY));
         if u64::from(len) > max {
             log::warn!("dmatest: length {len:#x} exceeds the {max:#x} maximum");
             return false;
@@ -258,7 +267,7 @@ impl Inner {
                 log::warn!(
                     "dmatest: buffer copy src {src:#x} dst {dst:#x} len {len:#x} is outside \
                      the {:#x}-byte buffer or not 8-byte aligned (refused copy #{n})",
-                    self.buf_size
+                    buf_size
                 );
             }
             return false;
@@ -309,7 +318,7 @@ pub struct DmaTest {
 impl DmaTest {
     /// The MSI-X BAR: 1, or 2 when BAR0 is a 64-bit BAR (which takes slots 0 and 1).
     fn msix_bar(&self) -> u8 {
-        if bar0_size_for(self.inner.buf_size) > LARGE_BAR {
+        if self.large() {
             2
         } else {
             1
@@ -365,7 +374,9 @@ impl DmaTest {
                 source,
             })?,
             refused: AtomicU64::new(0),
-            buf_size,
+            buf_size: AtomicU64::new(buf_size),
+            buf_max: buf_size,
+            resizable: false,
             bounce: Mutex::new(Vec::new()),
         };
         inner.publish(&State::default());
@@ -373,6 +384,52 @@ impl DmaTest {
             inner: Arc::new(inner),
             thread: Mutex::new(None),
         })
+    }
+}
+
+impl DmaTest {
+    /// Smallest size a resizable BAR0 offers (the capability's smallest encoding).
+    pub const MIN_RESIZED_BAR0: u64 = 1 << 20;
+
+    /// Makes BAR0 resizable, the way a GPU's aperture is: a 64-bit prefetchable BAR
+    /// offering every power of two from 1 MiB to the whole buffer ([`bar0_size_for`] its
+    /// size, which must then be a power of two less the registers' 4 KiB), `initial`
+    /// bytes until the driver picks another. The buffer the guest sees is the BAR less the
+    /// registers; what lies past it is kept. Before [`DeviceModel::start`] only.
+    pub fn with_resizable_bar0(mut self, initial: u64) -> Result<Self, DeviceError> {
+        let inner = Arc::get_mut(&mut self.inner).ok_or_else(|| {
+            DeviceError::InvalidConfig("dmatest: made resizable after it started".into())
+        })?;
+        let max = BUF_OFFSET + inner.buf_max;
+        if !max.is_power_of_two() || max < Self::MIN_RESIZED_BAR0 {
+            return Err(DeviceError::InvalidConfig(format!(
+                "a resizable dmatest needs a buffer of a power of two less 4K and at least                  1M less 4K (a whole BAR0 of 1M, 2M, ...); {:#x} bytes is not",
+                inner.buf_max
+            )));
+        }
+        if !initial.is_power_of_two() || !(Self::MIN_RESIZED_BAR0..=max).contains(&initial) {
+            return Err(DeviceError::InvalidConfig(format!(
+                "a resizable dmatest's BAR0 starts at a power of two from 1M to its whole                  size ({max:#x}); {initial:#x} bytes is not"
+            )));
+        }
+        inner.resizable = true;
+        inner
+            .buf_size
+            .store(initial - BUF_OFFSET, Ordering::Release);
+        Ok(self)
+    }
+
+    /// Whether BAR0 is 64-bit prefetchable (a large or resizable aperture).
+    fn large(&self) -> bool {
+        self.inner.resizable || bar0_size_for(self.inner.buf_max) > LARGE_BAR
+    }
+
+    fn bar0_size(&self) -> u64 {
+        if self.inner.resizable {
+            BUF_OFFSET + self.inner.buf_size.load(Ordering::Acquire)
+        } else {
+            bar0_size_for(self.inner.buf_max)
+        }
     }
 }
 
@@ -385,9 +442,43 @@ impl DeviceModel for DmaTest {
         self.inner.notify == NotifyMode::Polling
     }
 
+    fn resizable_bars(&self) -> Vec<ResizableBar> {
+        if !self.inner.resizable {
+            return Vec::new();
+        }
+        let max = BUF_OFFSET + self.inner.buf_max;
+        // Bits 0 (1 MiB) up to log2(max) - 20.
+        let top = max.trailing_zeros() - 20;
+        vec![ResizableBar {
+            index: 0,
+            sizes: (1u64 << (top + 1)) - 1,
+            current: self.bar0_size(),
+        }]
+    }
+
+    fn resize_bar(&self, bar: u8, size: u64) -> Result<(), DeviceError> {
+        let offered = self.resizable_bars();
+        match offered.iter().find(|r| r.index == bar) {
+            Some(r) if r.offers(size) => {
+                self.inner
+                    .buf_size
+                    .store(size - BUF_OFFSET, Ordering::Release);
+                log::info!("dmatest: bar 0 is now {size:#x} bytes");
+                Ok(())
+            }
+            Some(r) => Err(DeviceError::InvalidConfig(format!(
+                "dmatest bar 0 offers sizes {:#x} (bit n: 1 MiB << n), not {size:#x} bytes",
+                r.sizes
+            ))),
+            None => Err(DeviceError::InvalidConfig(format!(
+                "dmatest bar {bar} is not resizable"
+            ))),
+        }
+    }
+
     fn peer_memory(&self, bar: u8) -> Option<(u64, u64)> {
         // The buffer only: peers never reach the registers.
-        (bar == 0).then_some((BUF_OFFSET, self.inner.buf_size))
+        (bar == 0).then_some((BUF_OFFSET, self.inner.buf_size.load(Ordering::Acquire)))
     }
 
     fn identity(&self) -> PciIdentity {
@@ -404,8 +495,8 @@ impl DeviceModel for DmaTest {
     }
 
     fn bars(&self) -> Vec<BarInfo> {
-        let size = bar0_size_for(self.inner.buf_size);
-        let large = size > LARGE_BAR;
+        let size = self.bar0_size();
+        let large = self.large();
         vec![
             BarInfo {
                 index: 0,
@@ -517,7 +608,8 @@ impl DeviceModel for DmaTest {
         // The buffer too: the next borrower must not read the last one's data. Memory
         // shared from a memfd (the lender's) gives its pages back: a sparse 64 GiB buffer
         // costs nothing to clear.
-        if !self.inner.regs.zero_bytes(BUF_OFFSET, self.inner.buf_size) {
+        // All of it: a resizable BAR0 keeps what lies past its current size.
+        if !self.inner.regs.zero_bytes(BUF_OFFSET, self.inner.buf_max) {
             log::warn!("dmatest: the buffer is outside the register memory; not cleared");
         }
         self.inner.publish(&s);

@@ -25,6 +25,7 @@ pub mod engine;
 pub mod irq;
 pub mod model;
 pub mod nvme;
+pub mod rebar;
 pub mod regs;
 pub mod sriov;
 pub mod testing;
@@ -35,7 +36,7 @@ pub use dma::{DmaFault, DmaMemory};
 pub use irq::{InterruptMode, InterruptSink};
 pub use model::{
     BarInfo, DeviceError, DeviceModel, DoorbellRange, KickDoorbells, KickListener, MsixInfo,
-    PciIdentity,
+    PciIdentity, ResizableBar,
 };
 pub use regs::{HeapRegisters, MappedRegisters, RawRegisters, RegisterMemory};
 

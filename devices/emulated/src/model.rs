@@ -233,6 +233,44 @@ pub trait DeviceModel: Send + Sync {
     fn peer_memory(&self, _bar: u8) -> Option<(u64, u64)> {
         None
     }
+
+    /// The BARs whose size the driver may choose (PCIe Resizable BAR): each with the sizes
+    /// it offers and its current size. The lender builds the extended capability from
+    /// this. Default: none.
+    fn resizable_bars(&self) -> Vec<ResizableBar> {
+        Vec::new()
+    }
+
+    /// Makes BAR `bar` `size` bytes (one of [`DeviceModel::resizable_bars`]' sizes). What
+    /// the BAR holds beyond the new size is kept, not cleared: a GPU keeps its memory when
+    /// its aperture shrinks. Default: refused.
+    fn resize_bar(&self, bar: u8, size: u64) -> Result<(), DeviceError> {
+        Err(DeviceError::InvalidConfig(format!(
+            "bar {bar} of {} is not resizable (asked for {size:#x} bytes)",
+            self.name()
+        )))
+    }
+}
+
+/// One BAR of a model that its driver may resize (see [`DeviceModel::resizable_bars`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResizableBar {
+    /// BAR index.
+    pub index: u8,
+    /// Sizes offered, as the Resizable BAR capability encodes them: bit `n` is
+    /// `1 MiB << n`.
+    pub sizes: u64,
+    /// Current size in bytes.
+    pub current: u64,
+}
+
+impl ResizableBar {
+    /// Whether `size` bytes is among the offered sizes.
+    pub fn offers(&self, size: u64) -> bool {
+        size.is_power_of_two()
+            && size >= 1 << 20
+            && self.sizes & (1u64 << (size.trailing_zeros() - 20)) != 0
+    }
 }
 
 pub(crate) const CAP_PM: u8 = 0x40;

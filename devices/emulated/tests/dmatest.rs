@@ -384,3 +384,77 @@ fn dmatest_a_large_buffer_is_a_sparse_64bit_prefetchable_bar() {
         assert_eq!(regs.read64(BUF_OFFSET + o), 0, "offset {o:#x} after reset");
     }
 }
+
+/// A resizable BAR0 (`with_resizable_bar0`): 64-bit prefetchable at any size, offering 1 MiB
+/// to the whole buffer, starting where it was told; copies follow the current size; sizes
+/// it does not offer are refused by name and change nothing.
+#[test]
+fn dmatest_a_resizable_bar0_offers_its_sizes_and_copies_follow_the_current_one() {
+    let buf = (64u64 << 20) - BUF_OFFSET;
+    let regs = Arc::new(HeapRegisters::new(bar0_size_for(buf) as usize));
+    let mem = TestMemory::with_window(8 << 20, 1 << 20, 4 << 20);
+    let irq = CountingInterrupts::new(VECTORS);
+    assert!(
+        DmaTest::with_buffer(
+            regs.clone(),
+            mem.clone(),
+            irq.clone(),
+            NotifyMode::Interrupt,
+            buf
+        )
+        .unwrap()
+        .with_resizable_bar0(3 << 20)
+        .is_err(),
+        "3 MiB is not a power of two"
+    );
+    let odd = DmaTest::with_buffer(
+        regs.clone(),
+        mem.clone(),
+        irq.clone(),
+        NotifyMode::Interrupt,
+        (48 << 20) - BUF_OFFSET,
+    )
+    .unwrap()
+    .with_resizable_bar0(1 << 20)
+    .err()
+    .unwrap();
+    assert!(odd.to_string().contains("power of two less 4K"), "{odd}");
+    let dev = DmaTest::with_buffer(regs, mem.clone(), irq, NotifyMode::Interrupt, buf)
+        .unwrap()
+        .with_resizable_bar0(1 << 20)
+        .unwrap();
+    dev.start().unwrap();
+    let r = dev.resizable_bars();
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].index, r[0].sizes, r[0].current), (0, 0x7f, 1 << 20));
+    let bars = dev.bars();
+    assert_eq!(
+        (
+            bars[0].size,
+            bars[0].is_64bit,
+            bars[0].prefetchable,
+            bars[1].index
+        ),
+        (1 << 20, true, true, 2)
+    );
+    // Past the 1 MiB BAR: refused; after growing to 64 MiB the same copy works.
+    let far = (32 << 20) - 8;
+    assert_eq!(
+        run_copy_flags(&dev, CMD_SRC_BUF, far, 0x10_0000, 8),
+        STATUS_ERROR
+    );
+    dev.resize_bar(0, 64 << 20).unwrap();
+    assert_eq!(dev.bars()[0].size, 64 << 20);
+    assert_eq!(
+        run_copy_flags(&dev, CMD_SRC_BUF, far, 0x10_0000, 8),
+        STATUS_DONE
+    );
+    for bad in [128 << 20, 3 << 20, 4096] {
+        let e = dev.resize_bar(0, bad).unwrap_err().to_string();
+        assert!(e.contains("offers sizes 0x7f"), "{bad:#x}: {e}");
+    }
+    assert!(dev.resize_bar(2, 1 << 20).is_err(), "the msi-x bar");
+    assert_eq!(dev.bars()[0].size, 64 << 20);
+    dev.reset();
+    assert_eq!(dev.bars()[0].size, 64 << 20, "a reset keeps the size");
+}

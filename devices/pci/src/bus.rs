@@ -122,6 +122,38 @@ impl Bus {
         Ok(())
     }
 
+    /// Makes the range at `old_base` `[new_base, new_base + new_len)` (a resized BAR); on
+    /// an overlap with another range it stays as it was.
+    pub fn resize(&self, old_base: u64, new_base: u64, new_len: u64) -> Result<(), BusError> {
+        if new_len == 0 {
+            return Err(BusError::ZeroLength(new_base));
+        }
+        let mut ranges = self.ranges.write().unwrap_or_else(|e| e.into_inner());
+        let key = ranges
+            .keys()
+            .find(|r| r.base == old_base)
+            .copied()
+            .ok_or(BusError::NoDevice(old_base))?;
+        if ranges
+            .keys()
+            .any(|r| *r != key && r.overlaps(new_base, new_len))
+        {
+            return Err(BusError::Overlap {
+                base: new_base,
+                len: new_len,
+            });
+        }
+        let device = ranges.remove(&key).ok_or(BusError::NoDevice(old_base))?;
+        ranges.insert(
+            Range {
+                base: new_base,
+                len: new_len,
+            },
+            device,
+        );
+        Ok(())
+    }
+
     /// Number of ranges currently on the bus (leak accounting in tests).
     pub fn len(&self) -> usize {
         self.ranges.read().map(|r| r.len()).unwrap_or(0)
@@ -192,6 +224,15 @@ impl BusRange {
     pub fn relocate(&mut self, new_base: u64) -> Result<(), BusError> {
         self.bus.relocate(self.base, new_base)?;
         self.base = new_base;
+        Ok(())
+    }
+
+    /// Makes the range `[new_base, new_base + new_len)` (a resized BAR); on an overlap it
+    /// stays as it was.
+    pub fn resize(&mut self, new_base: u64, new_len: u64) -> Result<(), BusError> {
+        self.bus.resize(self.base, new_base, new_len)?;
+        self.base = new_base;
+        self.len = new_len;
         Ok(())
     }
 }

@@ -733,6 +733,19 @@ impl PciConfiguration {
         Ok(())
     }
 
+    /// Makes BAR `idx` `size` bytes at `addr` (a resized BAR): the size mask a driver's
+    /// sizing reads and the decoded address follow. On an invalid size or address the BAR
+    /// stays as it was.
+    pub fn resize_pci_bar(&mut self, idx: usize, size: u64, addr: u64) -> Result<(), ConfigError> {
+        let old = self.bar(idx).ok_or(ConfigError::BarIndexInvalid(idx))?;
+        self.remove_pci_bar(idx);
+        let new = PciBarConfiguration { size, addr, ..old };
+        self.add_pci_bar(&new).inspect_err(|_| {
+            // The old BAR fitted before: it fits again.
+            let _ = self.add_pci_bar(&old);
+        })
+    }
+
     /// Removes BAR `idx` (and its upper half); returns what it was.
     pub fn remove_pci_bar(&mut self, idx: usize) -> Option<PciBarConfiguration> {
         let bar = self.bar(idx)?;
@@ -1075,6 +1088,32 @@ mod tests {
         assert!(c.write_config_register(1, 3, &[1, 2]).is_empty());
         assert!(c.write_config_register(1, 0, &[1, 2, 3]).is_empty());
         assert_eq!(c.command(), 0);
+    }
+
+    #[test]
+    fn a_resized_bar_sizes_and_decodes_at_its_new_size() {
+        let mut c = dev(false);
+        let bar = PciBarConfiguration::new(
+            0,
+            0x40_1000_0000,
+            256 << 20,
+            PciBarRegionType::Memory64,
+            true,
+        );
+        c.add_pci_bar(&bar).unwrap();
+        c.resize_pci_bar(0, 64 << 30, 0x50_0000_0000).unwrap();
+        let b = c.bar(0).unwrap();
+        assert_eq!(
+            (b.addr, b.size, b.prefetchable),
+            (0x50_0000_0000, 64 << 30, true)
+        );
+        // 64-bit prefetchable: the low half has the flags, the high half the mask.
+        assert_eq!(size_probe(&mut c, BAR0_REG) & 0xf, 0xc);
+        assert_eq!(size_probe(&mut c, BAR0_REG + 1), 0xffff_fff0);
+        // An unaligned address is refused and the BAR stays as it was.
+        assert!(c.resize_pci_bar(0, 128 << 30, 0x50_0000_0000).is_err());
+        assert_eq!(c.bar(0).unwrap().size, 64 << 30);
+        assert!(c.resize_pci_bar(3, 1 << 20, 0).is_err(), "no bar 3");
     }
 
     #[test]

@@ -84,22 +84,36 @@ impl CommandChange {
     }
 }
 
+/// A BAR size change the function accepted (a driver wrote a Resizable BAR control
+/// register): the VMM must make the BAR's bus range and reservation `new_len` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BarResize {
+    pub bar_idx: usize,
+    /// Where the BAR decodes now.
+    pub base: u64,
+    pub old_len: u64,
+    pub new_len: u64,
+    pub region_type: PciBarRegionType,
+}
+
 /// What a config write changed, for the device manager.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ConfigWriteEffects {
     pub bar_moves: Vec<BarMove>,
     pub command: Option<CommandChange>,
+    pub bar_resizes: Vec<BarResize>,
 }
 
 impl ConfigWriteEffects {
     /// True if nothing needs the VMM's attention.
     pub fn is_empty(&self) -> bool {
-        self.bar_moves.is_empty() && self.command.is_none()
+        self.bar_moves.is_empty() && self.command.is_none() && self.bar_resizes.is_empty()
     }
 
     /// Appends `other`'s effects (a Command change keeps the first `old`).
     pub fn merge(&mut self, other: ConfigWriteEffects) {
         self.bar_moves.extend(other.bar_moves);
+        self.bar_resizes.extend(other.bar_resizes);
         self.command = match (self.command, other.command) {
             (Some(a), Some(b)) => Some(CommandChange {
                 old: a.old,
@@ -393,25 +407,53 @@ impl BarAllocation {
         if new_base == self.bar.addr {
             return Ok(());
         }
-        let moved = lock(&self.allocators)
-            .allocate_at(self.bar.region_type, new_base, self.bar.size)
-            .map(|()| Self {
-                allocators: Arc::clone(&self.allocators),
-                bar: PciBarConfiguration {
-                    addr: new_base,
-                    ..self.bar
-                },
-                reserved: true,
-            });
-        match moved {
-            Ok(new) => {
-                // The old guard drops here and frees the old range.
-                *self = new;
-                Ok(())
+        // The old range goes first: a BAR may move to a range overlapping its own old one
+        // (a resized BAR placed again by the guest does).
+        self.release();
+        self.bar.addr = new_base;
+        lock(&self.allocators).allocate_at(self.bar.region_type, new_base, self.bar.size)?;
+        self.reserved = true;
+        Ok(())
+    }
+
+    /// Makes the reservation `new_size` bytes (the BAR was resized): at the same address
+    /// when it is aligned for the new size and free, else wherever the window has room.
+    /// Returns the BAR's address. When nothing fits, the old range is reserved again
+    /// and the error names the size and the window.
+    pub fn resize(&mut self, new_size: u64) -> Result<u64, PciDeviceError> {
+        if new_size == self.bar.size {
+            return Ok(self.bar.addr);
+        }
+        let was_reserved = self.reserved;
+        self.release();
+        let mut a = lock(&self.allocators);
+        let region_type = self.bar.region_type;
+        let base = self.bar.addr;
+        let placed = if base % new_size == 0
+            && a.allocate_at(region_type, base, new_size).is_ok()
+        {
+            Ok(base)
+        } else {
+            a.allocate(&BarRequest {
+                idx: self.bar.idx,
+                size: new_size,
+                region_type,
+                prefetchable: self.bar.prefetchable,
+            })
+            .map(|b| b.addr)
+        };
+        match placed {
+            Ok(addr) => {
+                self.bar.addr = addr;
+                self.bar.size = new_size;
+                self.reserved = true;
+                Ok(addr)
             }
             Err(e) => {
-                self.release();
-                self.bar.addr = new_base;
+                if was_reserved {
+                    // Freed just above under the same lock: it fits again.
+                    self.reserved = a.allocate_at(region_type, base, self.bar.size).is_ok();
+                }
                 Err(e)
             }
         }
@@ -498,6 +540,14 @@ pub trait PciDevice: Send {
     /// device must not map anything at `mv.new`.
     fn bar_move_refused(&mut self, _mv: &BarMove) {}
 
+    /// The VMM made the BAR of a [`BarResize`] `len` bytes at `base` (its bus range and
+    /// reservation): the device now decodes and maps it there.
+    fn bar_resized(&mut self, _rs: &BarResize, _base: u64) {}
+
+    /// The VMM could not make room for a [`BarResize`] (`why`): the device must go back
+    /// to the old size (on the function too), so that what it decodes matches the bus.
+    fn bar_resize_refused(&mut self, _rs: &BarResize, _why: &PciDeviceError) {}
+
     /// Function reset (e.g. FLR or VM reset). Devices drop DMA pins and mappings here.
     fn reset(&mut self) -> Result<(), PciDeviceError> {
         Ok(())
@@ -518,6 +568,23 @@ pub trait DeviceRelocation: Send + Sync {
         mv: &BarMove,
         device: &mut dyn PciDevice,
     ) -> Result<(), PciDeviceError>;
+
+    /// Makes the bus range and reservation of a resized BAR `rs.new_len` bytes; returns
+    /// where the BAR now is (the same base when it is aligned and free, else a new one
+    /// the guest is expected to move anyway). Default: refused.
+    fn resize_bar(
+        &self,
+        bdf: PciBdf,
+        rs: &BarResize,
+        _device: &mut dyn PciDevice,
+    ) -> Result<u64, PciDeviceError> {
+        log::warn!("{bdf}: bar {} resize not supported", rs.bar_idx);
+        Err(PciDeviceError::MoveBar {
+            old: rs.base,
+            new: rs.base,
+            reason: "bar resizing not supported".into(),
+        })
+    }
 
     /// A Command register change (informational; the device has already reacted).
     fn command_changed(&self, _bdf: PciBdf, _change: &CommandChange) {}
@@ -584,5 +651,43 @@ mod tests {
         drop(first);
         let whole = BarAllocation::allocate(&alloc, &req(8 << 20)).unwrap();
         assert_eq!(whole.base(), 1 << 32);
+    }
+
+    /// A resized BAR keeps its address when it is aligned for the new size and free,
+    /// moves where there is room otherwise, and keeps its old range when nothing fits.
+    #[test]
+    fn a_resized_bar_keeps_its_place_when_it_can_and_its_range_when_nothing_fits() {
+        let alloc = Arc::new(Mutex::new(
+            PciBarAllocators::x86_64(1 << 32, 64 << 20).unwrap(),
+        ));
+        let req = |size| BarRequest {
+            idx: 0,
+            size,
+            region_type: PciBarRegionType::Memory64,
+            prefetchable: true,
+        };
+        let mut a = BarAllocation::allocate(&alloc, &req(4 << 20)).unwrap();
+        let mut b = BarAllocation::allocate(&alloc, &req(4 << 20)).unwrap();
+        assert_eq!((a.base(), b.base()), (1 << 32, (1 << 32) + (4 << 20)));
+        // Shrinking stays in place.
+        assert_eq!(a.resize(1 << 20).unwrap(), 1 << 32);
+        assert_eq!(a.config().size, 1 << 20);
+        // Growing b past its alignment moves it (to the next 16 MiB boundary).
+        assert_eq!(b.resize(16 << 20).unwrap(), (1 << 32) + (16 << 20));
+        // 64 MiB cannot fit beside the others: refused by name, the old range kept.
+        let e = a.resize(64 << 20).unwrap_err().to_string();
+        assert!(e.contains("no room for a 64 MiB Memory64 BAR"), "{e}");
+        assert_eq!((a.base(), a.config().size), (1 << 32, 1 << 20));
+        assert!(a.is_reserved());
+        // Its old range is still taken: a BAR of that place does not fit there.
+        assert!(lock(&alloc)
+            .allocate_at(PciBarRegionType::Memory64, 1 << 32, 1 << 20)
+            .is_err());
+        drop((a, b));
+        assert_eq!(
+            lock(&alloc).window(PciBarRegionType::Memory64).2,
+            0,
+            "all given back"
+        );
     }
 }

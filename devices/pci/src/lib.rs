@@ -20,8 +20,8 @@ pub use configuration::{
     PciHeaderType, PciInterruptPin,
 };
 pub use device::{
-    BarAllocation, BarMove, BarRequest, CommandChange, ConfigWriteEffects, DeviceRelocation,
-    PciBarAllocators, PciDevice, PciDeviceError, SharedBarAllocators,
+    BarAllocation, BarMove, BarRequest, BarResize, CommandChange, ConfigWriteEffects,
+    DeviceRelocation, PciBarAllocators, PciDevice, PciDeviceError, SharedBarAllocators,
 };
 pub use interrupt::{
     InterruptError, InterruptIndex, InterruptManager, InterruptSourceGroup, MsiIrqSourceConfig,

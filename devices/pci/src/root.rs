@@ -292,6 +292,28 @@ impl PciBus {
                 log::error!("{bdf}: device move of bar {}: {e}", mv.bar_idx);
             }
         }
+        for rs in &effects.bar_resizes {
+            match self.relocation.resize_bar(bdf, rs, &mut *dev) {
+                Ok(base) => dev.bar_resized(rs, base),
+                Err(e) => {
+                    // A guest may ask again and again: rate-limited like refused moves.
+                    let n = self
+                        .refused_moves
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                        + 1;
+                    if n <= 16 || n % 1024 == 0 {
+                        log::warn!(
+                            "{bdf}: bar {} resize {:#x} -> {:#x} bytes refused: {e} (refused \
+                             move or resize #{n})",
+                            rs.bar_idx,
+                            rs.old_len,
+                            rs.new_len
+                        );
+                    }
+                    dev.bar_resize_refused(rs, &e);
+                }
+            }
+        }
         if let Some(change) = &effects.command {
             self.relocation.command_changed(bdf, change);
         }

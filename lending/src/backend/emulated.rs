@@ -215,7 +215,15 @@ impl EmulatedBackend {
         model
             .start()
             .map_err(|e| BackendError::Model(e.to_string()))?;
-        let pristine = model.config_space().to_vec();
+        let mut pristine = model.config_space().to_vec();
+        let rebar = model.resizable_bars();
+        if !rebar.is_empty() {
+            // The model's resizable BARs as the capability at 0x100 (the only extended
+            // capability of such a function: SR-IOV PFs are not resizable).
+            pristine.resize(EXT_CONFIG_SIZE, 0);
+            let cap = emulated::rebar::encode(&rebar, 0);
+            pristine[EXT_START..EXT_START + cap.len()].copy_from_slice(&cap);
+        }
         Ok(EmulatedBackend {
             kind: kind.to_string(),
             model,
@@ -240,12 +248,30 @@ impl EmulatedBackend {
         notify: NotifyMode,
         buf: u64,
     ) -> Result<Self, BackendError> {
+        Self::dmatest_resizable(name, notify, buf, None)
+    }
+
+    /// A `dmatest` copy engine with a data buffer of `buf` bytes whose BAR0 is resizable
+    /// (Resizable BAR capability) and starts at `rebar` bytes, when given
+    /// ([`DmaTest::with_resizable_bar0`]).
+    pub fn dmatest_resizable(
+        name: &str,
+        notify: NotifyMode,
+        buf: u64,
+        rebar: Option<u64>,
+    ) -> Result<Self, BackendError> {
         EmulatedBackend::new(
             name,
             "dmatest",
             emulated::dmatest::bar0_size_for(buf),
             emulated::dmatest::VECTORS,
-            Box::new(move |r, d, i| Ok(Box::new(DmaTest::with_buffer(r, d, i, notify, buf)?))),
+            Box::new(move |r, d, i| {
+                let t = DmaTest::with_buffer(r, d, i, notify, buf)?;
+                Ok(Box::new(match rebar {
+                    Some(initial) => t.with_resizable_bar0(initial)?,
+                    None => t,
+                }))
+            }),
         )
     }
 
@@ -297,6 +323,53 @@ impl EmulatedBackend {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         }
+    }
+
+    /// A write in extended config space: only the size field of a Resizable BAR control
+    /// dword is writable (the model resizes the BAR, or the write is refused with what it
+    /// offers); the rest of extended config space (SR-IOV: NumVFs and VF Enable are fixed
+    /// by lenderd's `vfs=N`) ignores writes.
+    fn rebar_write(&self, c: &mut [u8], offset: u16, data: &[u8]) -> Result<(), BackendError> {
+        let start = usize::from(offset);
+        let Some(e) = emulated::rebar::entries_in(c)
+            .into_iter()
+            .find(|e| (e.ctrl_at()..e.ctrl_at() + 4).contains(&start))
+        else {
+            return Ok(());
+        };
+        let at = e.ctrl_at();
+        let mut dword = [0u8; 4];
+        dword.copy_from_slice(&c[at..at + 4]);
+        for (i, &b) in data.iter().enumerate() {
+            if let Some(x) = dword.get_mut(start - at + i) {
+                *x = b;
+            }
+        }
+        let old = u32::from_le_bytes([c[at], c[at + 1], c[at + 2], c[at + 3]]);
+        let asked = emulated::rebar::ctrl_size(u32::from_le_bytes(dword));
+        if asked == e.current {
+            return Ok(());
+        }
+        if !e.offers(asked) {
+            return Err(BackendError::ResizeRefused {
+                bar: e.bar,
+                asked: emulated::rebar::human(asked),
+                offered: emulated::rebar::describe_sizes(e.sizes),
+            });
+        }
+        self.model
+            .resize_bar(e.bar, asked)
+            .map_err(|err| BackendError::Model(err.to_string()))?;
+        let new = emulated::rebar::ctrl_with_size(old, asked);
+        c[at..at + 4].copy_from_slice(&new.to_le_bytes());
+        log::info!(
+            "{}: bar {} resized {} -> {}",
+            self.kind,
+            e.bar,
+            emulated::rebar::human(e.current),
+            emulated::rebar::human(asked)
+        );
+        Ok(())
     }
 
     fn check_bar(&self, bar: u8, offset: u64, len: usize) -> Result<(), BackendError> {
@@ -400,6 +473,9 @@ impl DeviceBackend for EmulatedBackend {
 
     fn config_write(&self, offset: u16, data: &[u8]) -> Result<(), BackendError> {
         let mut c = self.shadow();
+        if usize::from(offset) >= EXT_START {
+            return self.rebar_write(&mut c, offset, data);
+        }
         for (i, &b) in data.iter().enumerate() {
             // Extended config space (the SR-IOV capability) is read-only: NumVFs and VF
             // Enable are fixed by lenderd's `vfs=N`.
@@ -413,6 +489,23 @@ impl DeviceBackend for EmulatedBackend {
         }
         let cmd = u16::from_le_bytes([c[4], c[5]]);
         self.irqs.set_intx_disabled(cmd & (1 << 10) != 0);
+        Ok(())
+    }
+
+    fn resizes_bars(&self) -> bool {
+        !self.model.resizable_bars().is_empty()
+    }
+
+    fn restore_defaults(&self) -> Result<(), BackendError> {
+        // The sizes lenderd was told: the model and the control dwords go back to them.
+        let mut c = self.shadow();
+        for e in emulated::rebar::entries_in(&self.pristine) {
+            self.model
+                .resize_bar(e.bar, e.current)
+                .map_err(|err| BackendError::Model(err.to_string()))?;
+            let at = e.ctrl_at();
+            c[at..at + 4].copy_from_slice(&self.pristine[at..at + 4]);
+        }
         Ok(())
     }
 
@@ -511,7 +604,18 @@ impl DeviceBackend for EmulatedBackend {
         // Interrupts held for a hand-over belong to the state the reset discards.
         self.irqs.release(false);
         self.model.quiesce(false);
-        *self.shadow() = self.pristine.clone();
+        {
+            let mut c = self.shadow();
+            let mut fresh = self.pristine.clone();
+            // A function reset keeps a resized BAR's size (Linux writes it back after an
+            // FLR anyway): the borrower's map of the BAR stays true. A lease's end puts
+            // the first size back (`restore_defaults`).
+            for e in emulated::rebar::entries_in(&c) {
+                let at = e.ctrl_at();
+                fresh[at..at + 4].copy_from_slice(&c[at..at + 4]);
+            }
+            *c = fresh;
+        }
         self.irqs.set_intx_disabled(false);
         // Guest FLR storms reach here: first 16, then one in 1024.
         static RESETS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

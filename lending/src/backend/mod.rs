@@ -104,6 +104,17 @@ pub enum BackendError {
     /// A write to a BAR whose VFIO region is read-only.
     #[error("bar {0} is read-only")]
     ReadOnlyBar(u8),
+    /// The borrower asked a resizable BAR for a size the function does not offer, or
+    /// the function cannot be resized here.
+    #[error("resizable bar {bar}: {asked} refused; the function offers {offered}")]
+    ResizeRefused {
+        /// BAR index.
+        bar: u8,
+        /// The size asked for ("8 GiB").
+        asked: String,
+        /// What it offers ("1 MiB to 4 GiB", "only 256 MiB (its current size: ...)").
+        offered: String,
+    },
     /// A VFIO device operation failed (region access, interrupts, reset).
     #[error(transparent)]
     VfioOp(#[from] vfio::VfioOpError),
@@ -281,6 +292,20 @@ pub trait DeviceBackend: Send + Sync {
     /// Default: none.
     fn physical_function(&self) -> Option<String> {
         None
+    }
+
+    /// Whether a borrower's write of a Resizable BAR control register resizes the BAR
+    /// (`config_write` applies it). When false, the config gate shows each resizable BAR
+    /// offering only its current size and refuses any other. Default: false (a function
+    /// bound to vfio-pci: the kernel's vfio-pci does not resize a bound function's BARs).
+    fn resizes_bars(&self) -> bool {
+        false
+    }
+
+    /// Puts back what a lease changed that a function reset keeps (a resizable BAR's
+    /// size): called when a lease ends, after the reset. Default: nothing to put back.
+    fn restore_defaults(&self) -> Result<(), BackendError> {
+        Ok(())
     }
     /// How many virtual functions a reset of this function would take away: a hardware PF's
     /// enabled VFs (sysfs `sriov_numvfs`), read live at every acquire, since the PF's driver

@@ -10,7 +10,7 @@
 //! | 0x000F | ATS | hidden |
 //! | 0x0010 | SR-IOV | hidden |
 //! | 0x0013 | PRI | hidden |
-//! | 0x0015 | Resizable BAR | hidden |
+//! | 0x0015 | Resizable BAR | resizable: readable; the size field of each control dword is writable when the backend resizes BARs, else each BAR offers only its current size |
 //! | 0x001B | PASID | hidden |
 //! | anything else | | hidden |
 //!
@@ -18,8 +18,9 @@
 //! them (when the one at 0x100 is hidden, 0x100 reads as a null capability, ID 0, whose next
 //! pointer is the first visible one, as PCIe allows), and their bytes read as zero. Bytes that
 //! belong to no visible capability read as zero too. The borrower never writes extended
-//! config space: every write at 0x100 or above is dropped (see `super::ConfigGate`), so
-//! *read-only* capabilities show the device's live registers and keep them. Why each is
+//! config space except a Resizable BAR control dword: every other write at 0x100 or above is
+//! dropped (see `super::ConfigGate`), so *read-only* capabilities show the device's live
+//! registers and keep them. Why each is
 //! treated so is in docs/SECURITY.md, "Extended configuration space".
 
 /// Start of the extended configuration space.
@@ -49,13 +50,17 @@ pub enum ExtPolicy {
     Hide,
     /// Linked and readable (the device's live registers); writes are dropped.
     ReadOnly,
+    /// The Resizable BAR capability: linked and readable; a control dword's size field is
+    /// the one thing a borrower writes (see `super::ConfigGate`).
+    Resizable,
 }
 
 /// The lender's decision for extended capability `id` (see the module table).
 pub fn ext_policy(id: u16) -> ExtPolicy {
     match id {
         EXT_CAP_AER | EXT_CAP_ACS => ExtPolicy::ReadOnly,
-        // SR-IOV, ATS, PRI, PASID, Resizable BAR and everything the lender does not know.
+        EXT_CAP_REBAR => ExtPolicy::Resizable,
+        // SR-IOV, ATS, PRI, PASID and everything the lender does not know.
         _ => ExtPolicy::Hide,
     }
 }
@@ -84,6 +89,8 @@ fn visible_len(id: u16) -> usize {
         EXT_CAP_AER => 0x48,
         // Header, ACS capability + control, egress control vector (at most 256 bits).
         EXT_CAP_ACS => 0x08 + 0x20,
+        // Header and six entries at most.
+        EXT_CAP_REBAR => emulated::rebar::cap_len(emulated::rebar::MAX_ENTRIES),
         _ => 0,
     }
 }
@@ -270,9 +277,14 @@ impl ExtLayout {
         }
         match self.cap_at(offset) {
             Some(c) if self.visible.iter().any(|&(s, e)| (s..e).contains(&offset)) => format!(
-                "the {} capability at {:#x} (read-only)",
+                "the {} capability at {:#x} ({})",
                 ext_name(c.id),
-                c.offset
+                c.offset,
+                if c.policy == ExtPolicy::Resizable {
+                    "only its control dwords' size fields are writable"
+                } else {
+                    "read-only"
+                }
             ),
             Some(c) if c.policy == ExtPolicy::Hide => format!(
                 "the {} capability {:#06x} at {:#x} (hidden)",
@@ -316,8 +328,23 @@ pub(crate) mod tests {
             for (j, b) in cfg[off + 4..off + len].iter_mut().enumerate() {
                 *b = (0xa0 ^ (id as u8) ^ (j as u8)) | 1;
             }
+            if id == EXT_CAP_REBAR {
+                // A well-formed entry: BAR 0 offers 1 to 16 MiB and is 4 MiB now.
+                cfg[off + 4..off + 8].copy_from_slice(&REBAR_CAP.to_le_bytes());
+                cfg[off + 8..off + 12].copy_from_slice(&REBAR_CTRL.to_le_bytes());
+            }
         }
     }
+
+    /// The fake's Resizable BAR entry: BAR 0 offers 1, 2, 4, 8 and 16 MiB ...
+    pub(crate) const REBAR_CAP: u32 = 0x1f << 4;
+    /// ... is one entry, and is 4 MiB now.
+    pub(crate) const REBAR_CTRL: u32 = 1 << 5 | 2 << 8;
+    /// Where that control dword is (the capability is at 0x1c0).
+    pub(crate) const REBAR_CTRL_AT: usize = 0x1c8;
+    /// What a borrower of a function that does not resize reads of that capability dword:
+    /// only the current size (4 MiB).
+    pub(crate) const REBAR_CAP_SEEN: u32 = 1 << (2 + 4);
 
     fn config() -> Vec<u8> {
         let mut c = vec![0u8; 4096];
@@ -364,7 +391,7 @@ pub(crate) mod tests {
             (EXT_CAP_ATS, Hide),
             (EXT_CAP_PRI, Hide),
             (EXT_CAP_PASID, Hide),
-            (EXT_CAP_REBAR, Hide),
+            (EXT_CAP_REBAR, Resizable),
             (0x000B, Hide),
             (0x0003, Hide),
             (0xffff, Hide),
@@ -395,16 +422,25 @@ pub(crate) mod tests {
         let v = view(&l, &cfg);
         assert_eq!(
             guest_walk(&v),
-            vec![(EXT_CAP_AER, 0x140), (EXT_CAP_ACS, 0x190)]
+            vec![
+                (EXT_CAP_AER, 0x140),
+                (EXT_CAP_ACS, 0x190),
+                (EXT_CAP_REBAR, 0x1c0)
+            ]
         );
         // The hidden head reads as a null capability pointing at AER.
         assert_eq!(&v[0x100..0x104], &(0x140u32 << 20).to_le_bytes());
-        // AER's header keeps ID and version, points at ACS; ACS ends the chain.
+        // AER's header keeps ID and version, points at ACS, ACS at the Resizable BAR,
+        // which ends the chain.
         assert_eq!(
             &v[0x140..0x144],
             &(0x0001_0001u32 | 0x190 << 20).to_le_bytes()
         );
-        assert_eq!(&v[0x190..0x194], &0x0001_000du32.to_le_bytes());
+        assert_eq!(
+            &v[0x190..0x194],
+            &(0x0001_000du32 | 0x1c0 << 20).to_le_bytes()
+        );
+        assert_eq!(&v[0x1c0..0x1c4], &0x0001_0015u32.to_le_bytes());
     }
 
     #[test]
@@ -421,7 +457,9 @@ pub(crate) mod tests {
                         assert_eq!(&v[off..off + 4], &[0; 4], "hidden header at {off:#x}");
                     }
                 }
-                ExtPolicy::ReadOnly => assert_eq!(body, &cfg[off + 4..off + len]),
+                ExtPolicy::ReadOnly | ExtPolicy::Resizable => {
+                    assert_eq!(body, &cfg[off + 4..off + len])
+                }
             }
         }
         // Bytes between capabilities and above the last one: zero.

@@ -95,16 +95,27 @@ fn bytes_from(mut seed: u64, n: usize) -> Vec<u8> {
 }
 
 /// The extended space as the borrower must see it, from the raw config (independent model
-/// of `nic_config(true)`: AER at 0x140 → ACS at 0x190 visible, the rest hidden).
+/// of `nic_config(true)`: AER at 0x140 → ACS at 0x190 → Resizable BAR at 0x1c0 visible,
+/// the rest hidden; the Resizable BAR offers only its current size, 4 MiB).
 fn expected_ext(raw: &[u8], at: usize) -> u8 {
     let b = |v: u32| v.to_le_bytes()[at % 4];
     match at {
         0x100..=0x103 => b(0x140 << 20),
         0x140..=0x143 => b(0x0001_0001 | 0x190 << 20),
-        0x190..=0x193 => b(0x0001_000d),
-        0x144..=0x187 | 0x194..=0x19f => raw[at],
+        0x190..=0x193 => b(0x0001_000d | 0x1c0 << 20),
+        0x1c0..=0x1c3 => b(0x0001_0015),
+        0x1c4..=0x1c7 => b(1 << (2 + 4)),
+        0x144..=0x187 | 0x194..=0x19f | 0x1c8..=0x1f3 => raw[at],
         _ => 0,
     }
+}
+
+/// Whether a write of `data` at `off` in the Resizable BAR's control dword (0x1c8) asks
+/// for a size other than the current one (4 MiB: size field 2).
+fn asks_another_size(raw: &[u8], off: usize, data: &[u8]) -> bool {
+    let mut ctrl = [raw[0x1c8], raw[0x1c9], raw[0x1ca], raw[0x1cb]];
+    ctrl[off - 0x1c8..off - 0x1c8 + data.len()].copy_from_slice(data);
+    (u32::from_le_bytes(ctrl) >> 8) & 0x3f != 2
 }
 
 #[derive(Debug, Clone)]
@@ -200,6 +211,16 @@ fn run_op(
                     "{op:?}: {r:?}"
                 );
                 want.refused += 1;
+            } else if (0x1c8..0x1cc).contains(&off) {
+                if asks_another_size(&raw_config(b), off, &w.data) {
+                    prop_assert!(
+                        matches!(r, Err(BackendError::ResizeRefused { bar: 0, .. })),
+                        "{op:?}: {r:?}"
+                    );
+                    want.refused += 1;
+                } else {
+                    prop_assert_eq!(r.ok(), Some(WriteOutcome::Written), "{:?}", op);
+                }
             } else if off >= 0x100 {
                 prop_assert_eq!(r.ok(), Some(WriteOutcome::Dropped), "{:?}", op);
                 want.dropped += 1;
@@ -246,10 +267,13 @@ proptest! {
             }
         }
         prop_assert_eq!(gate.counts(), want);
-        // The chain a guest walks after all this: AER and ACS only.
+        // The chain a guest walks after all this: AER, ACS and the Resizable BAR only.
         let mut seen = vec![0u8; 4096];
         gate.read(&b, 0, &mut seen).unwrap();
-        prop_assert_eq!(guest_walk(&seen), vec![(0x0001, 0x140), (0x000d, 0x190)]);
+        prop_assert_eq!(
+            guest_walk(&seen),
+            vec![(0x0001, 0x140), (0x000d, 0x190), (0x0015, 0x1c0)]
+        );
     }
 
     /// Garbage extended space (loops, wild pointers, random IDs): the walk ends, a guest's
@@ -279,7 +303,17 @@ proptest! {
         }
         for &(off, v) in &writes {
             let off = off & !3;
-            prop_assert_eq!(gate.write(&b, off, &v.to_le_bytes()).ok(), Some(WriteOutcome::Dropped));
+            // Dropped, or (a planted Resizable BAR's control dword) a no-op or refused:
+            // never written, which the unchanged config below proves.
+            let r = gate.write(&b, off, &v.to_le_bytes());
+            prop_assert!(
+                matches!(
+                    r,
+                    Ok(WriteOutcome::Dropped | WriteOutcome::Written)
+                        | Err(BackendError::ResizeRefused { .. })
+                ),
+                "{off:#x}: {r:?}"
+            );
         }
         prop_assert_eq!(raw_config(&b), before);
     }

@@ -10,7 +10,11 @@
 //! * Writes below 0x100 pass the [`ConfigFilter`] (protected ranges refused with
 //!   [`BackendError::Forbidden`], BME kept at the lender's value).
 //! * Writes at 0x100 and above are dropped (the reply is success, as for a read-only
-//!   register): nothing in extended config space is the borrower's to change.
+//!   register), except a Resizable BAR control dword's: its size field is how a driver
+//!   picks a BAR's size. A backend that resizes BARs ([`DeviceBackend::resizes_bars`])
+//!   applies it or refuses a size it does not offer ([`BackendError::ResizeRefused`]); for
+//!   one that does not (vfio-pci), the capability offers only each BAR's current size, and
+//!   any other is refused by name.
 //!
 //! Refused and dropped writes are counted per lease and logged at most once a second with
 //! the number held back ([`ntb::RateLimit`]): a borrower can repeat them at will.
@@ -18,7 +22,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::extended::{ExtLayout, EXT_END, EXT_START};
+use super::extended::{ExtLayout, EXT_CAP_REBAR, EXT_END, EXT_START};
 use super::ConfigFilter;
 use crate::backend::{capabilities, BackendError, DeviceBackend};
 use crate::protocol::DeviceInfo;
@@ -115,6 +119,9 @@ impl ConfigGate {
                 backend.config_read(from as u16, &mut out[..raw_end - from])?;
             }
             self.layout.apply(from, out);
+            if !backend.resizes_bars() {
+                offer_only_current(&self.layout, from, out, |o| dword_of(backend, o));
+            }
         }
         Ok(())
     }
@@ -170,7 +177,7 @@ impl ConfigGate {
             });
         }
         if start >= EXT_START {
-            return Ok(WriteOutcome::Dropped);
+            return self.ext_write(backend, offset, data);
         }
         let mut cmd = [0u8; 2];
         backend.config_read(4, &mut cmd)?;
@@ -179,6 +186,81 @@ impl ConfigGate {
             .filter_write(offset, data, u16::from_le_bytes(cmd))?;
         backend.config_write(offset, &data)?;
         Ok(WriteOutcome::Written)
+    }
+}
+
+impl ConfigGate {
+    /// A write in extended config space: only a Resizable BAR control dword takes one.
+    fn ext_write(
+        &self,
+        backend: &dyn DeviceBackend,
+        offset: u16,
+        data: &[u8],
+    ) -> Result<WriteOutcome, BackendError> {
+        let start = usize::from(offset);
+        let entry = self
+            .layout
+            .chain()
+            .iter()
+            .filter(|c| c.id == EXT_CAP_REBAR)
+            .flat_map(|c| emulated::rebar::entries(usize::from(c.offset), |o| dword_of(backend, o)))
+            .find(|e| (e.ctrl_at()..e.ctrl_at() + 4).contains(&start));
+        let Some(e) = entry else {
+            return Ok(WriteOutcome::Dropped);
+        };
+        if backend.resizes_bars() {
+            backend.config_write(offset, data)?;
+            return Ok(WriteOutcome::Written);
+        }
+        let at = e.ctrl_at();
+        let mut ctrl = dword_of(backend, at).unwrap_or(0).to_le_bytes();
+        ctrl[start - at..start - at + data.len()].copy_from_slice(data);
+        let asked = emulated::rebar::ctrl_size(u32::from_le_bytes(ctrl));
+        if asked == e.current {
+            // Linux writes the current size back after every reset: nothing to change.
+            return Ok(WriteOutcome::Written);
+        }
+        Err(BackendError::ResizeRefused {
+            bar: e.bar,
+            asked: emulated::rebar::human(asked),
+            offered: format!(
+                "only its current size, {} (vfio-pci does not resize a bound function: \
+                 resize it on the lender, sysfs resource{}_resize, before lending it)",
+                emulated::rebar::human(e.current),
+                e.bar
+            ),
+        })
+    }
+}
+
+/// One dword of the device's config space.
+fn dword_of(backend: &dyn DeviceBackend, offset: usize) -> Option<u32> {
+    let mut b = [0u8; 4];
+    backend
+        .config_read(u16::try_from(offset).ok()?, &mut b)
+        .ok()?;
+    Some(u32::from_le_bytes(b))
+}
+
+/// For a backend that does not resize BARs: each Resizable BAR entry's capability dword, in
+/// the `out` bytes read at `from`, offers only the BAR's current size (read through
+/// `read_u32`), so a driver never picks one the lender would refuse.
+fn offer_only_current(
+    layout: &ExtLayout,
+    from: usize,
+    out: &mut [u8],
+    mut read_u32: impl FnMut(usize) -> Option<u32>,
+) {
+    let end = from + out.len();
+    for cap in layout.chain().iter().filter(|c| c.id == EXT_CAP_REBAR) {
+        for e in emulated::rebar::entries(usize::from(cap.offset), &mut read_u32) {
+            let v = emulated::rebar::cap_offering_only(e.current).to_le_bytes();
+            for (k, byte) in v.into_iter().enumerate() {
+                if (from..end).contains(&(e.at + k)) {
+                    out[e.at + k - from] = byte;
+                }
+            }
+        }
     }
 }
 
@@ -201,7 +283,14 @@ pub fn virtualized_info(backend: &dyn DeviceBackend, id: &str) -> DeviceInfo {
     let mut info = backend.describe(id);
     if info.config.len() > EXT_START {
         let layout = ExtLayout::from_config(&info.config);
+        let raw = info.config.clone();
         layout.apply(EXT_START, &mut info.config[EXT_START..]);
+        if !backend.resizes_bars() {
+            offer_only_current(&layout, EXT_START, &mut info.config[EXT_START..], |o| {
+                raw.get(o..o + 4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            });
+        }
         info.caps = capabilities(&info.config);
     }
     info
@@ -209,8 +298,11 @@ pub fn virtualized_info(backend: &dyn DeviceBackend, id: &str) -> DeviceInfo {
 
 #[cfg(test)]
 mod tests {
-    use super::super::extended::tests::{ext_chain, guest_walk};
+    use super::super::extended::tests::{
+        ext_chain, guest_walk, REBAR_CAP_SEEN, REBAR_CTRL, REBAR_CTRL_AT,
+    };
     use super::super::extended::{ext_name, ext_policy, ExtPolicy, EXT_CAP_ACS, EXT_CAP_AER};
+    use super::EXT_CAP_REBAR;
     use super::*;
     use crate::backend::emulated::EmulatedBackend;
     use crate::backend::filtered_config_write;
@@ -245,7 +337,11 @@ mod tests {
         );
         assert_eq!(
             guest_walk(&seen),
-            vec![(EXT_CAP_AER, 0x140), (EXT_CAP_ACS, 0x190)],
+            vec![
+                (EXT_CAP_AER, 0x140),
+                (EXT_CAP_ACS, 0x190),
+                (EXT_CAP_REBAR, 0x1c0)
+            ],
             "the chain a guest walks skips the hidden capabilities"
         );
         for (id, off, len) in ext_chain() {
@@ -253,6 +349,11 @@ mod tests {
             match ext_policy(id) {
                 ExtPolicy::ReadOnly => {
                     assert_eq!(body, &raw[off + 4..off + len], "{}", ext_name(id))
+                }
+                ExtPolicy::Resizable => {
+                    // vfio-pci does not resize: the BAR offers only its current size.
+                    assert_eq!(&body[..4], &REBAR_CAP_SEEN.to_le_bytes());
+                    assert_eq!(&body[4..], &raw[off + 8..off + len]);
                 }
                 ExtPolicy::Hide => {
                     assert!(body.iter().all(|&x| x == 0), "{} visible", ext_name(id))
@@ -274,7 +375,7 @@ mod tests {
             .filter(|c| c.extended)
             .map(|c| c.id)
             .collect();
-        assert_eq!(ext, vec![EXT_CAP_AER, EXT_CAP_ACS]);
+        assert_eq!(ext, vec![EXT_CAP_AER, EXT_CAP_ACS, EXT_CAP_REBAR]);
         assert_eq!(
             b.describe(BDF).caps.iter().filter(|c| c.extended).count(),
             8
@@ -290,6 +391,9 @@ mod tests {
         let before = device_config(&b);
         for (id, off, len) in ext_chain() {
             for at in (off..off + len).step_by(4) {
+                if at == REBAR_CTRL_AT {
+                    continue; // below
+                }
                 for size in [1usize, 2, 4] {
                     let r = filtered_config_write(&b, at as u16, &vec![0xff; size]).unwrap();
                     assert_eq!(r, WriteOutcome::Dropped, "{} at {at:#x}", ext_name(id));
@@ -301,10 +405,30 @@ mod tests {
             filtered_config_write(&b, 0xffc, &[1; 4]).unwrap(),
             WriteOutcome::Dropped
         );
+        // The Resizable BAR's control dword: the current size is a no-op, any other
+        // size is refused by name (vfio-pci cannot resize), bits beside the size field
+        // change nothing.
+        let ctrl = REBAR_CTRL.to_le_bytes();
+        assert_eq!(
+            filtered_config_write(&b, REBAR_CTRL_AT as u16, &ctrl).unwrap(),
+            WriteOutcome::Written
+        );
+        assert_eq!(
+            filtered_config_write(&b, REBAR_CTRL_AT as u16, &[0xff]).unwrap(),
+            WriteOutcome::Written
+        );
+        let e = filtered_config_write(&b, REBAR_CTRL_AT as u16 + 1, &[4]).unwrap_err();
+        assert!(
+            matches!(e, BackendError::ResizeRefused { bar: 0, .. }),
+            "{e}"
+        );
+        let msg = e.to_string();
+        assert!(msg.contains("16 MiB refused"), "{msg}");
+        assert!(msg.contains("only its current size, 4 MiB"), "{msg}");
         assert_eq!(device_config(&b), before, "extended config space unchanged");
         // Per-lease counts, and the log is rate-limited.
         let gate = ConfigGate::new("gate-test-dropped 0000:81:00.0", &b).unwrap();
-        for i in 0..200u16 {
+        for i in (0..201u16).filter(|i| 0x100 + 4 * i != REBAR_CTRL_AT as u16) {
             let off = 0x100 + 4 * (i % 0x3c0);
             assert_eq!(
                 gate.write(&b, off, &[0xaa; 4]).unwrap(),
@@ -380,6 +504,71 @@ mod tests {
             WriteOutcome::Written
         );
         assert_eq!(&device_config(&b)[0x80..0x84], &[1, 2, 3, 4]);
+    }
+
+    /// A resizable function (an emulated dmatest with `rebar=`): the borrower reads every
+    /// size it offers, picks one through the control dword, the model's BAR follows (the
+    /// description a borrower reads says so), a size it does not offer is refused by name
+    /// and changes nothing, and the end of the lease puts the first size back.
+    #[test]
+    fn a_resizable_function_resizes_through_its_control_dword_only() {
+        let b = EmulatedBackend::dmatest_resizable(
+            "gate-rebar",
+            ::emulated::NotifyMode::Interrupt,
+            (64 << 20) - 4096,
+            Some(4 << 20),
+        )
+        .unwrap();
+        assert!(b.resizes_bars());
+        let gate = ConfigGate::new("gate-rebar", &b).unwrap();
+        let mut seen = vec![0u8; 4096];
+        gate.read(&b, 0, &mut seen).unwrap();
+        assert_eq!(guest_walk(&seen), vec![(EXT_CAP_REBAR, 0x100)]);
+        let e = ::emulated::rebar::entries_in(&seen);
+        assert_eq!(e.len(), 1);
+        assert_eq!((e[0].bar, e[0].sizes, e[0].current), (0, 0x7f, 4 << 20));
+        let bar0 = |b: &EmulatedBackend| {
+            let info = virtualized_info(b, "x");
+            info.bars.iter().find(|x| x.index == 0).map(|x| x.size)
+        };
+        assert_eq!(bar0(&b), Some(4 << 20));
+        let ctrl_at = e[0].ctrl_at() as u16;
+        // Size field (bits 13:8) = 6: 64 MiB, written as the byte Linux's dword write holds.
+        assert_eq!(
+            gate.write(&b, ctrl_at + 1, &[6]).unwrap(),
+            WriteOutcome::Written
+        );
+        assert_eq!(bar0(&b), Some(64 << 20));
+        let mut ctrl = [0u8; 4];
+        gate.read(&b, ctrl_at, &mut ctrl).unwrap();
+        assert_eq!(
+            ::emulated::rebar::ctrl_size(u32::from_le_bytes(ctrl)),
+            64 << 20
+        );
+        // 128 MiB is not offered: refused by name, nothing changes.
+        let err = gate.write(&b, ctrl_at + 1, &[7]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("resizable bar 0: 128 MiB refused; the function offers 1 MiB to 64 MiB"),
+            "{err}"
+        );
+        assert_eq!(bar0(&b), Some(64 << 20));
+        // The next lease starts where lenderd was told to.
+        b.reset().unwrap();
+        assert_eq!(bar0(&b), Some(64 << 20), "a function reset keeps the size");
+        gate.read(&b, ctrl_at, &mut ctrl).unwrap();
+        assert_eq!(
+            ::emulated::rebar::ctrl_size(u32::from_le_bytes(ctrl)),
+            64 << 20,
+            "and says so"
+        );
+        b.restore_defaults().unwrap();
+        assert_eq!(bar0(&b), Some(4 << 20));
+        gate.read(&b, ctrl_at, &mut ctrl).unwrap();
+        assert_eq!(
+            ::emulated::rebar::ctrl_size(u32::from_le_bytes(ctrl)),
+            4 << 20
+        );
     }
 
     #[test]

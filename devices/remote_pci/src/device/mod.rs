@@ -29,6 +29,8 @@
 //!   told (`set_irqs`) to signal the group's irqfd eventfds of the active mode: MSI-X if
 //!   enabled, else MSI if enabled, else INTx (with the resample eventfd).
 
+mod rebar;
+
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -39,7 +41,7 @@ use pci::configuration::{
     cap_id, command, status, PciBarConfiguration, PciBarRegionType, PciConfiguration, COMMAND_REG,
 };
 use pci::device::{
-    BarAllocation, BarMove, BarRequest, ConfigWriteEffects, PciDevice, PciDeviceError,
+    BarAllocation, BarMove, BarRequest, BarResize, ConfigWriteEffects, PciDevice, PciDeviceError,
     SharedBarAllocators,
 };
 use pci::interrupt::{InterruptError, InterruptManager, InterruptSourceGroup};
@@ -1766,6 +1768,14 @@ impl PciDevice for RemotePciDevice {
         );
     }
 
+    fn bar_resized(&mut self, rs: &BarResize, base: u64) {
+        self.rebar_applied(rs, base);
+    }
+
+    fn bar_resize_refused(&mut self, rs: &BarResize, why: &PciDeviceError) {
+        self.rebar_refused(rs, why);
+    }
+
     fn reset(&mut self) -> Result<(), PciDeviceError> {
         let effects = self.function_reset("device reset");
         self.react_to_effects(&effects);
@@ -1785,6 +1795,12 @@ impl RemotePciDevice {
     /// A write outside the header and the emulated capabilities: FLR is handled here,
     /// everything else goes to the lender.
     fn write_forwarded(&mut self, abs: usize, data: &[u8]) -> ConfigWriteEffects {
+        if let Some(bar_resizes) = self.rebar_write(abs, data) {
+            return ConfigWriteEffects {
+                bar_resizes,
+                ..ConfigWriteEffects::default()
+            };
+        }
         if let Some(cap) = self.pcie_cap {
             let ctl = cap + PCIE_DEVCTL;
             // Byte holding bit 15 of Device Control.
