@@ -25,8 +25,14 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::id_alloc::IdAllocator;
 use crate::layout::IOAPIC_PINS;
 
-/// KVM's maximum number of GSI routes.
+/// KVM's maximum number of GSI routes (entries of the routing table).
 pub const MAX_ROUTES: u32 = 4096;
+/// Entries the legacy interrupt controllers take in the table: the PICs' 16 pins and the
+/// IOAPIC's 24 (GSIs 0-15 have an entry on each).
+pub const LEGACY_ROUTES: u32 = 16 + IOAPIC_PINS;
+/// MSI/MSI-X routes the table holds beside them: one GSI each, so the GSI allocator hands
+/// out no more (a GSI past them would get a number but no route).
+pub const MSI_ROUTES: u32 = MAX_ROUTES - LEGACY_ROUTES;
 
 fn backend(op: &'static str, e: impl Into<std::io::Error>) -> InterruptError {
     InterruptError::Backend {
@@ -273,7 +279,7 @@ impl KvmInterruptManager {
             gsis: Arc::new(Mutex::new(GsiAllocator::new(
                 "GSI",
                 IOAPIC_PINS,
-                MAX_ROUTES,
+                IOAPIC_PINS + MSI_ROUTES,
             ))),
             routes,
             use_devid,
@@ -402,7 +408,12 @@ impl KvmMsiGroup {
         }
         if v.gsi.is_none() {
             v.gsi = Some(Gsi::allocate(&self.gsis).ok_or_else(|| {
-                InterruptError::Exhausted("no free GSI for an MSI vector".into())
+                let in_use = self.gsis.lock().map_or(0, |a| a.in_use());
+                InterruptError::Exhausted(format!(
+                    "no free GSI for MSI vector {i}: the VM's {in_use} GSIs for MSI/MSI-X \
+                     (KVM's {MAX_ROUTES} routes less the {LEGACY_ROUTES} of the PICs and the \
+                     IOAPIC) are all in use by enabled vectors; this vector stays unrouted"
+                ))
             })?);
         }
         let gsi = v.gsi.as_ref().map(Gsi::raw).unwrap_or(0);
@@ -764,6 +775,53 @@ mod tests {
         assert!(intx.resample_notifier(0).is_some());
         intx.trigger(0).unwrap();
         assert!(mgr.create_intx_group(24).is_err());
+    }
+
+    /// More MSI-X vectors than the VM can route: two functions of 2048 vectors each ask for
+    /// more GSIs than KVM's 4096 routes leave after the IOAPIC's pins. Every vector up to the
+    /// last free GSI is routed, the rest are refused by name (the function keeps working
+    /// on the routed ones), and dropping one function gives its GSIs to the other.
+    #[test]
+    fn more_vectors_than_the_vm_can_route_are_refused_by_name() {
+        let vm = Arc::new(kvm().create_vm().unwrap());
+        vm.create_irq_chip().unwrap();
+        let mgr = KvmInterruptManager::new(vm, 2).unwrap();
+        let cfg = MsiIrqSourceConfig {
+            low_addr: 0xfee0_0000,
+            data: 0x40,
+            ..Default::default()
+        };
+        let free = MSI_ROUTES as usize;
+        let a = mgr.create_msi_group(2048).unwrap();
+        let b = mgr.create_msi_group(2048).unwrap();
+        for g in [&a, &b] {
+            g.enable().unwrap();
+        }
+        let mut refused = Vec::new();
+        for (name, g) in [("a", &a), ("b", &b)] {
+            for i in 0..2048 {
+                if let Err(e) = g.update(i, cfg, false) {
+                    refused.push((name, i, e.to_string()));
+                }
+            }
+        }
+        assert_eq!(refused.len(), 4096 - free, "{:?}", refused.first());
+        assert!(refused.iter().all(|(n, _, _)| *n == "b"));
+        let (_, first, msg) = &refused[0];
+        assert_eq!(*first as usize, free - 2048);
+        assert!(msg.contains("no free GSI for MSI vector"), "{msg}");
+        assert!(msg.contains(&format!("{free} GSIs")), "{msg}");
+        assert_eq!(mgr.routes().msi_routes(), free);
+        a.trigger(0).unwrap();
+        drop(a);
+        // b's refused vectors route now.
+        for (_, i, _) in &refused {
+            b.update(*i, cfg, false).unwrap();
+        }
+        assert_eq!(mgr.routes().msi_routes(), 2048);
+        drop(b);
+        assert_eq!(mgr.routes().msi_routes(), 0);
+        assert_eq!(mgr.gsi_allocator().lock().unwrap().in_use(), 0);
     }
 
     /// Physical destinations are the vCPUs' APIC ids (0..n) or the broadcast id; logical ones
