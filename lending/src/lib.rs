@@ -53,6 +53,9 @@ pub fn open_backends(
     let one = |b: Arc<dyn DeviceBackend>| vec![(spec.id.clone(), b)];
     Ok(match &spec.kind {
         DeviceKind::Vfio => one(Arc::new(backend::vfio::VfioBackend::open(&spec.id)?)),
+        DeviceKind::Epftest { vectors } => {
+            one(Arc::new(EmulatedBackend::epftest(&name, *vectors)?))
+        }
         DeviceKind::Dmatest { mode, buf, rebar } => one(Arc::new(
             EmulatedBackend::dmatest_resizable(&name, *mode, *buf, *rebar)?,
         )),

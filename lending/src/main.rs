@@ -49,7 +49,7 @@ struct Args {
     /// (lendvm@.service) reach a lender on their host through it. Default: mode 0600.
     #[arg(long, value_name = "GROUP")]
     control_group: Option<String>,
-    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE][,msix=N][,queues=N] | BDF=dmatest[:mode=...][,buf=SIZE][,rebar=SIZE]
+    /// A device to lend: BDF=vfio | BDF=nvme:path=FILE,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE][,msix=N][,queues=N] | BDF=dmatest[:mode=...][,buf=SIZE][,rebar=SIZE] | BDF=epftest[:vectors=N]
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<DeviceSpec>,
     /// Cluster auth token (visible in `ps`; prefer --token-file or $LENDVM_TOKEN).

@@ -4,7 +4,12 @@
 //! 0000:81:00.0=vfio
 //! 0000:82:00.0=nvme:path=/var/lib/lendvm/disk0.img,size=1G[,lba=512|4096][,mode=interrupt|polling][,dbbuf=on|off][,vfs=N][,cmb=SIZE]
 //! 0000:83:00.0=dmatest[:mode=interrupt|polling][,buf=SIZE][,rebar=SIZE]
+//! 0000:85:00.0=epftest[:vectors=N]
 //! ```
+//!
+//! `epftest` is the register interface of Linux's PCI endpoint test function with `vectors`
+//! MSI-X vectors (1..=2048, default 128; `emulated::epftest`): the guest's
+//! `pci_endpoint_test` driver enables them all and raises any one on request.
 //!
 //! `buf=SIZE` (a multiple of 4K, at most 128G, sparse; default 60K) sizes the dmatest's data buffer
 //! (its peer memory); BAR0 grows to the next power of two above 4K + SIZE.
@@ -65,6 +70,11 @@ pub enum DeviceKind {
         /// queues (Linux: `nvme.write_queues=`) enables a vector per queue: a GPU's
         /// interrupt count on a device that is here.
         queues: Option<u16>,
+    },
+    /// Emulated PCI endpoint test function (MSI-X at a GPU's scale).
+    Epftest {
+        /// MSI-X vectors.
+        vectors: u16,
     },
     /// Emulated dmatest copy engine.
     Dmatest {
@@ -215,6 +225,27 @@ impl std::str::FromStr for DeviceSpec {
                 }
                 DeviceKind::Dmatest { mode, buf, rebar }
             }
+            "epftest" => {
+                let mut vectors = emulated::epftest::DEFAULT_VECTORS;
+                for (k, v) in pairs {
+                    match k {
+                        "vectors" => {
+                            vectors = v
+                                .parse::<u16>()
+                                .ok()
+                                .filter(|n| (1..=emulated::epftest::MAX_VECTORS).contains(n))
+                                .ok_or_else(|| {
+                                    err(format!(
+                                        "vectors {v:?} is not a count from 1 to {}",
+                                        emulated::epftest::MAX_VECTORS
+                                    ))
+                                })?;
+                        }
+                        other => return Err(err(format!("unknown epftest option {other:?}"))),
+                    }
+                }
+                DeviceKind::Epftest { vectors }
+            }
             "nvme" => {
                 let mut path = None;
                 let mut size = None;
@@ -338,7 +369,7 @@ impl std::str::FromStr for DeviceSpec {
             }
             other => {
                 return Err(err(format!(
-                    "unknown device kind {other:?} (vfio, nvme, dmatest)"
+                    "unknown device kind {other:?} (vfio, nvme, dmatest, epftest)"
                 )))
             }
         };
@@ -464,6 +495,30 @@ mod tests {
                 .unwrap_err();
             assert!(e.to_string().contains("is not a multiple of 4K"), "{e}");
         }
+    }
+
+    #[test]
+    fn epftest_takes_a_vector_count() {
+        let s: DeviceSpec = "0000:85:00.0=epftest".parse().unwrap();
+        assert_eq!(s.kind, DeviceKind::Epftest { vectors: 128 });
+        let s: DeviceSpec = "0000:85:00.0=epftest:vectors=2048".parse().unwrap();
+        assert_eq!(s.kind, DeviceKind::Epftest { vectors: 2048 });
+        for bad in ["vectors=0", "vectors=2049", "vectors=lots"] {
+            let e = format!("0000:85:00.0=epftest:{bad}")
+                .parse::<DeviceSpec>()
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("is not a count from 1 to 2048"),
+                "{e}"
+            );
+        }
+        let e = "0000:85:00.0=epftest:buf=1M"
+            .parse::<DeviceSpec>()
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("unknown epftest option \"buf\""),
+            "{e}"
+        );
     }
 
     #[test]

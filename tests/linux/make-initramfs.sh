@@ -9,6 +9,8 @@
 #   /bin/fio         static fio built from Debian's fio source (build-fio.sh)
 #   /bin/barpoke     writes and reads back words of a PCI memory BAR through its sysfs
 #                    resource file (tests/linux/initramfs/barpoke.c; lendvm_bar=)
+#   /bin/msixpoke    raises every MSI-X vector of a PCI endpoint test function through the
+#                    kernel's pci_endpoint_test driver (initramfs/msixpoke.c; lendvm_msix=)
 #   /fio/<job>.fio   fio jobs for /init's fio runner (tests/linux/initramfs/fio)
 #   /probe-<name>    libc-free probes of CPL 3 -> CPL 0 transitions
 #                    (tests/linux/initramfs/probes.S; select with rdinit=)
@@ -85,6 +87,7 @@ fi
 install -m 0755 "$LINUX_TESTS_DIR/initramfs/init" "$STAGE/init.sh"
 build_pid1 /init.sh "$STAGE/init"
 build_nolibc "$LINUX_TESTS_DIR/initramfs/barpoke.c" "$STAGE/bin/barpoke"
+build_nolibc "$LINUX_TESTS_DIR/initramfs/msixpoke.c" "$STAGE/bin/msixpoke"
 for p in syscall int80 ud2 spin; do
 	def=PROBE_$(tr a-z A-Z <<<"$p")
 	gcc -nostdlib -static -no-pie -D"$def" -o "$STAGE/probe-$p" "$LINUX_TESTS_DIR/initramfs/probes.S" \

@@ -22,6 +22,7 @@
 pub mod dma;
 pub mod dmatest;
 pub mod engine;
+pub mod epftest;
 pub mod irq;
 pub mod model;
 pub mod nvme;

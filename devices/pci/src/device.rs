@@ -429,9 +429,7 @@ impl BarAllocation {
         let mut a = lock(&self.allocators);
         let region_type = self.bar.region_type;
         let base = self.bar.addr;
-        let placed = if base % new_size == 0
-            && a.allocate_at(region_type, base, new_size).is_ok()
-        {
+        let placed = if base % new_size == 0 && a.allocate_at(region_type, base, new_size).is_ok() {
             Ok(base)
         } else {
             a.allocate(&BarRequest {

@@ -275,6 +275,17 @@ impl EmulatedBackend {
         )
     }
 
+    /// A PCI endpoint test function of `vectors` MSI-X vectors (`emulated::epftest`).
+    pub fn epftest(name: &str, vectors: u16) -> Result<Self, BackendError> {
+        EmulatedBackend::new(
+            name,
+            "epftest",
+            emulated::epftest::BAR0_SIZE,
+            vectors,
+            Box::new(move |r, _d, i| Ok(Box::new(emulated::epftest::EpfTest::new(r, i, vectors)?))),
+        )
+    }
+
     /// An NVMe controller.
     pub fn nvme(name: &str, cfg: NvmeConfig) -> Result<Self, BackendError> {
         EmulatedBackend::nvme_kind(name, "nvme", cfg)
