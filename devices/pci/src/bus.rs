@@ -96,30 +96,7 @@ impl Bus {
 
     /// Moves the range at `old_base` to `new_base` (a guest reprogramming a BAR).
     pub fn relocate(&self, old_base: u64, new_base: u64) -> Result<(), BusError> {
-        let mut ranges = self.ranges.write().unwrap_or_else(|e| e.into_inner());
-        let key = ranges
-            .keys()
-            .find(|r| r.base == old_base)
-            .copied()
-            .ok_or(BusError::NoDevice(old_base))?;
-        if ranges
-            .keys()
-            .any(|r| *r != key && r.overlaps(new_base, key.len))
-        {
-            return Err(BusError::Overlap {
-                base: new_base,
-                len: key.len,
-            });
-        }
-        let device = ranges.remove(&key).ok_or(BusError::NoDevice(old_base))?;
-        ranges.insert(
-            Range {
-                base: new_base,
-                len: key.len,
-            },
-            device,
-        );
-        Ok(())
+        self.move_range(old_base, new_base, None)
     }
 
     /// Makes the range at `old_base` `[new_base, new_base + new_len)` (a resized BAR); on
@@ -128,12 +105,24 @@ impl Bus {
         if new_len == 0 {
             return Err(BusError::ZeroLength(new_base));
         }
+        self.move_range(old_base, new_base, Some(new_len))
+    }
+
+    /// The range at `old_base`, at `new_base` with `new_len` bytes (its own length when
+    /// `None`), unless that overlaps another range.
+    fn move_range(
+        &self,
+        old_base: u64,
+        new_base: u64,
+        new_len: Option<u64>,
+    ) -> Result<(), BusError> {
         let mut ranges = self.ranges.write().unwrap_or_else(|e| e.into_inner());
         let key = ranges
             .keys()
             .find(|r| r.base == old_base)
             .copied()
             .ok_or(BusError::NoDevice(old_base))?;
+        let new_len = new_len.unwrap_or(key.len);
         if ranges
             .keys()
             .any(|r| *r != key && r.overlaps(new_base, new_len))
@@ -323,5 +312,34 @@ mod tests {
         assert_eq!(Arc::strong_count(&dev), 1, "no reference left on the bus");
         // The freed range can be registered again.
         let _again = bus.insert_range(dev, 0x100, 0x10).unwrap();
+    }
+
+    /// A resized BAR's range grows or shrinks in place or elsewhere; one that would overlap
+    /// another range, or be empty, stays as it was.
+    #[test]
+    fn bus_range_guard_resizes() {
+        let bus = Arc::new(Bus::new());
+        let dev = Arc::new(Mutex::new(Recorder { last: vec![] }));
+        let mut g = bus.insert_range(dev.clone(), 0x1000, 0x100).unwrap();
+        let _other = bus.insert_range(dev.clone(), 0x3000, 0x100).unwrap();
+        let mut b = [0u8; 1];
+        g.resize(0x1000, 0x1000).unwrap();
+        assert_eq!((g.base(), g.len()), (0x1000, 0x1000));
+        bus.read(0x1fff, &mut b).unwrap();
+        assert_eq!(
+            g.resize(0x2000, 0x2000),
+            Err(BusError::Overlap {
+                base: 0x2000,
+                len: 0x2000
+            })
+        );
+        assert_eq!((g.base(), g.len()), (0x1000, 0x1000), "refused: unchanged");
+        assert!(g.resize(0x1000, 0).is_err());
+        g.resize(0x4000, 0x10).unwrap();
+        assert!(bus.read(0x1000, &mut b).is_err());
+        bus.read(0x400f, &mut b).unwrap();
+        assert!(bus.read(0x4010, &mut b).is_err());
+        drop(g);
+        assert_eq!(bus.len(), 1);
     }
 }

@@ -263,6 +263,13 @@ impl PciBus {
         }
     }
 
+    /// Counts a refused BAR move or resize; returns how many there have been.
+    fn count_refused(&self) -> u64 {
+        self.refused_moves
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
+    }
+
     /// Writes config register `reg_idx` of `bdf` and applies the effects (see module docs).
     pub fn write_config(&self, bdf: PciBdf, reg_idx: usize, offset: u64, data: &[u8]) {
         let Some(dev) = self.lookup(bdf) else {
@@ -272,10 +279,8 @@ impl PciBus {
         let effects = dev.write_config_register(reg_idx, offset, data);
         for mv in &effects.bar_moves {
             if let Err(e) = self.relocation.move_bar(bdf, mv, &mut *dev) {
-                let n = self
-                    .refused_moves
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                    + 1;
+                // A guest may ask again and again: first 16, then one in 1024.
+                let n = self.count_refused();
                 if n <= 16 || n % 1024 == 0 {
                     log::warn!(
                         "{bdf}: bar {} move {:#x} -> {:#x} refused: {e}; it stays where it was \
@@ -296,11 +301,7 @@ impl PciBus {
             match self.relocation.resize_bar(bdf, rs, &mut *dev) {
                 Ok(base) => dev.bar_resized(rs, base),
                 Err(e) => {
-                    // A guest may ask again and again: rate-limited like refused moves.
-                    let n = self
-                        .refused_moves
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                        + 1;
+                    let n = self.count_refused();
                     if n <= 16 || n % 1024 == 0 {
                         log::warn!(
                             "{bdf}: bar {} resize {:#x} -> {:#x} bytes refused: {e} (refused \

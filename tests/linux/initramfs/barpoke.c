@@ -34,34 +34,7 @@
 #define PAGE 4096UL
 
 #include "nolibc.h"
-
-static void __attribute__((noreturn)) leave(long code)
-{
-	sys3(NR_exit, code, 0, 0);
-	for (;;)
-		;
-}
-
-static void put_str(char *buf, int *at, const char *s)
-{
-	while (*s && *at < 200)
-		buf[(*at)++] = *s++;
-}
-
-static void put_hex(char *buf, int *at, unsigned long v)
-{
-	static const char digits[] = "0123456789abcdef";
-	int shift;
-	put_str(buf, at, "0x");
-	for (shift = 60; shift >= 0; shift -= 4)
-		buf[(*at)++] = digits[(v >> shift) & 0xf];
-}
-
-static void say(char *buf, int at)
-{
-	buf[at++] = '\n';
-	sys3(NR_write, 1, (long)buf, at);
-}
+#include "lines.h"
 
 static void __attribute__((noreturn)) fail(const char *what, const char *arg, long err)
 {

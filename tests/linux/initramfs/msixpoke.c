@@ -23,37 +23,7 @@
 #define PCITEST_MSIX 0x40045007UL
 
 #include "nolibc.h"
-
-static void __attribute__((noreturn)) leave(long code)
-{
-	sys3(NR_exit, code, 0, 0);
-	for (;;)
-		;
-}
-
-static void put_str(char *buf, int *at, const char *s)
-{
-	while (*s && *at < 200)
-		buf[(*at)++] = *s++;
-}
-
-static void put_dec(char *buf, int *at, unsigned long v)
-{
-	char tmp[24];
-	int n = 0;
-	do {
-		tmp[n++] = (char)('0' + v % 10);
-		v /= 10;
-	} while (v && n < 24);
-	while (n)
-		buf[(*at)++] = tmp[--n];
-}
-
-static void say(char *buf, int at)
-{
-	buf[at++] = '\n';
-	sys3(NR_write, 1, (long)buf, at);
-}
+#include "lines.h"
 
 static unsigned long decimal(const char *s, int *ok)
 {

@@ -1517,26 +1517,27 @@ impl RemotePciDevice {
 
     // ---- config space -----------------------------------------------------------------
 
+    /// A refused config write: a guest can repeat one in a loop, so it is counted and
+    /// logged rate-limited.
+    fn config_refused(&mut self, what: std::fmt::Arguments<'_>) {
+        self.io_counters
+            .config_writes_refused
+            .fetch_add(1, Ordering::Relaxed);
+        if let Some(held) = self.config_log.allow() {
+            if held > 0 {
+                warn!("{}: {what} ({held} more not logged)", self.id);
+            } else {
+                warn!("{}: {what}", self.id);
+            }
+        }
+    }
+
     fn forward_and_refresh(&mut self, abs: usize, data: &[u8]) {
         let Ok(off) = u16::try_from(abs) else {
             return;
         };
         if let Err(e) = self.link.config_write(off, data) {
-            // A guest can write forbidden fields in a loop: counted, logged rate-limited.
-            self.io_counters
-                .config_writes_refused
-                .fetch_add(1, Ordering::Relaxed);
-            if let Some(held) = self.config_log.allow() {
-                warn!(
-                    "{}: config write at {abs:#x}: {e}{}",
-                    self.id,
-                    if held > 0 {
-                        format!(" ({held} more not logged)")
-                    } else {
-                        String::new()
-                    }
-                );
-            }
+            self.config_refused(format_args!("config write at {abs:#x}: {e}"));
         }
         let dword = abs & !3;
         let mut b = [0u8; 4];

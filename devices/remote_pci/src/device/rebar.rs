@@ -14,8 +14,6 @@
 //! VMM cannot show: the new size must fit the lender's window for the BAR (a direct BAR)
 //! and must keep the MSI-X table and PBA inside the BAR.
 
-use std::sync::atomic::Ordering;
-
 use emulated::rebar;
 use log::{info, warn};
 use pci::device::{BarResize, PciDeviceError};
@@ -157,19 +155,6 @@ impl RemotePciDevice {
 
     /// A refused or ignored resize: counted and logged rate-limited (a guest may repeat it).
     fn rebar_log(&mut self, what: String) {
-        self.io_counters
-            .config_writes_refused
-            .fetch_add(1, Ordering::Relaxed);
-        if let Some(held) = self.config_log.allow() {
-            warn!(
-                "{}: resizable {what}{}",
-                self.id,
-                if held > 0 {
-                    format!(" ({held} more not logged)")
-                } else {
-                    String::new()
-                }
-            );
-        }
+        self.config_refused(format_args!("resizable {what}"));
     }
 }
