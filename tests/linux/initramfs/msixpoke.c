@@ -7,9 +7,10 @@
  *
  *   msixpoke <misc-device> <count>
  *
- * Prints `MSIXPOKE <n> bad` for each vector that did not come back (nothing for those that
- * did, to keep the console short; it stops after 8 misses in a row, each having cost the
- * driver's 1 s wait), then `MSIXPOKE done ok=<k> of=<count>`, and
+ * Prints `MSIXPOKE <n> late, again` for a try that did not come back in time and
+ * `MSIXPOKE <n> bad` for a vector whose three tries did not (nothing for those that did,
+ * to keep the console short; it stops after 8 lost in a row, each having cost the
+ * driver's 1 s waits), then `MSIXPOKE done ok=<k> of=<count>`, and
  * exits 0 when all came back, 1 when one did not, 2 on bad usage or a failed open (named on
  * the line). Why a program and no libc: as barpoke.c.
  */
@@ -72,18 +73,28 @@ void __attribute__((noreturn, used)) msixpoke_main(long *sp)
 		leave(2);
 	}
 	for (n = 1; n <= count; n++) {
-		/* The driver answers 1 when the vector came back on its own IRQ. */
-		if (sys3(NR_ioctl, fd, (long)PCITEST_MSIX, (long)n) == 1) {
+		int try;
+		/*
+		 * The driver answers 1 when the vector came back on its own IRQ within its 1 s
+		 * wait. On a loaded host an emulated guest can take longer; the late interrupt
+		 * then completes the next wait with the wrong IRQ, so a vector gets three tries
+		 * (each one named) before it counts as lost.
+		 */
+		for (try = 1; try <= 3; try++) {
+			if (sys3(NR_ioctl, fd, (long)PCITEST_MSIX, (long)n) == 1)
+				break;
+			at = 0;
+			put_str(buf, &at, "MSIXPOKE ");
+			put_dec(buf, &at, n);
+			put_str(buf, &at, try < 3 ? " late, again" : " bad");
+			say(buf, at);
+		}
+		if (try <= 3) {
 			good++;
 			run = 0;
 			continue;
 		}
-		at = 0;
-		put_str(buf, &at, "MSIXPOKE ");
-		put_dec(buf, &at, n);
-		put_str(buf, &at, " bad");
-		say(buf, at);
-		/* Each miss costs the driver's 1 s wait: a broken path is not waited out 2048 times. */
+		/* Each loss costs the driver's 1 s waits: a broken path is not waited out 2048 times. */
 		if (++run == 8) {
 			at = 0;
 			put_str(buf, &at, "MSIXPOKE stop: 8 in a row did not come back");
