@@ -267,9 +267,7 @@ pub struct ResizableBar {
 impl ResizableBar {
     /// Whether `size` bytes is among the offered sizes.
     pub fn offers(&self, size: u64) -> bool {
-        size.is_power_of_two()
-            && size >= 1 << 20
-            && self.sizes & (1u64 << (size.trailing_zeros() - 20)) != 0
+        crate::rebar::size_index(size).is_some_and(|n| n < 64 && self.sizes & (1 << n) != 0)
     }
 }
 

@@ -16,7 +16,7 @@
 
 use emulated::rebar;
 use log::{info, warn};
-use pci::device::{BarResize, PciDeviceError};
+use pci::device::{human, BarResize, PciDeviceError};
 
 use super::RemotePciDevice;
 use crate::link::BarAccess;
@@ -24,6 +24,10 @@ use crate::link::BarAccess;
 impl RemotePciDevice {
     /// The Resizable BAR entry whose control dword holds config offset `abs`, if any.
     fn rebar_entry_at(&self, abs: usize) -> Option<rebar::Entry> {
+        // Every forwarded config write asks: the capability is in extended space only.
+        if abs < 0x100 {
+            return None;
+        }
         rebar::entries_in(&self.config.to_bytes())
             .into_iter()
             .find(|e| (e.ctrl_at()..e.ctrl_at() + 4).contains(&abs))
@@ -46,8 +50,8 @@ impl RemotePciDevice {
                 self.rebar_log(format!(
                     "bar {} resize {} -> {} refused: {why}",
                     e.bar,
-                    rebar::human(e.current),
-                    rebar::human(asked)
+                    human(e.current),
+                    human(asked)
                 ));
                 return Some(Vec::new());
             }
@@ -59,8 +63,8 @@ impl RemotePciDevice {
                 self.rebar_log(format!(
                     "bar {} stays {}: the lender did not take {}",
                     e.bar,
-                    rebar::human(now),
-                    rebar::human(asked)
+                    human(now),
+                    human(asked)
                 ));
             }
             return Some(Vec::new());
@@ -79,10 +83,7 @@ impl RemotePciDevice {
         let b = &self.bars[i];
         if let BarAccess::Direct(w) = &b.remote.access {
             if size > w.len() {
-                return Err(format!(
-                    "the lender's window for it is {}",
-                    rebar::human(w.len())
-                ));
+                return Err(format!("the lender's window for it is {}", human(w.len())));
             }
         }
         let holes = self.msix_holes(usize::from(b.remote.index));
@@ -128,8 +129,8 @@ impl RemotePciDevice {
             "{}: bar {} is {} at {base:#x} (was {})",
             self.id,
             rs.bar_idx,
-            rebar::human(rs.new_len),
-            rebar::human(rs.old_len)
+            human(rs.new_len),
+            human(rs.old_len)
         );
     }
 
@@ -138,9 +139,9 @@ impl RemotePciDevice {
         self.rebar_log(format!(
             "bar {} resize {} -> {} refused by the vmm: {why}; asking the lender for {} again",
             rs.bar_idx,
-            rebar::human(rs.old_len),
-            rebar::human(rs.new_len),
-            rebar::human(rs.old_len)
+            human(rs.old_len),
+            human(rs.new_len),
+            human(rs.old_len)
         ));
         let Some(e) = rebar::entries_in(&self.config.to_bytes())
             .into_iter()
