@@ -1,5 +1,6 @@
 //! The link core shared by the shm and tcp backends: framing over a stream socket, the
-//! handshake ([`crate::accept`] runs it off the accepting thread), request/reply routing,
+//! handshake ([`crate::accept`] runs it off the accepting thread), request/reply routing
+//! ([`sink`]: window-read replies straight into the reader's buffer),
 //! heartbeats and peer-gone detection, window tables, doorbells and scratchpads.
 //!
 //! By concern: [`stream`] (sockets and framing), [`handshake`], [`state`] (the shared state,
@@ -7,8 +8,8 @@
 //! (the [`Endpoint`] implementation).
 //!
 //! Each link runs two threads: a reader (never blocks on writes; it answers fabric-internal
-//! requests through the service thread) and a service thread (sends those replies and the
-//! heartbeats).
+//! requests through the service thread) and a service thread (sends those replies, copying a
+//! window read's bytes into its one reused buffer as it sends them, and the heartbeats).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -93,12 +94,14 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 mod endpoint;
 mod handshake;
+mod sink;
 mod state;
 mod stream;
 mod window;
 
 pub(crate) use endpoint::*;
 pub(crate) use handshake::*;
+use sink::*;
 pub(crate) use state::*;
 pub(crate) use stream::*;
 use window::*;

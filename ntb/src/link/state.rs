@@ -18,7 +18,7 @@ pub(super) struct PeerWin {
 
 #[derive(Default)]
 pub(super) struct State {
-    pub(super) pending: HashMap<u64, mpsc::Sender<Result<Message>>>,
+    pub(super) pending: HashMap<u64, Pending>,
     pub(super) incoming: VecDeque<Incoming>,
     /// Payload bytes of `incoming` (bounded by [`MAX_INCOMING_BYTES`]).
     pub(super) incoming_bytes: usize,
@@ -33,12 +33,29 @@ pub(super) struct State {
     pub(super) gone_settled: bool,
 }
 
+/// A request waiting for its reply.
+pub(super) struct Pending {
+    pub(super) tx: mpsc::Sender<Result<Message>>,
+    /// Where a window read's data goes, read there by the reader thread.
+    pub(super) sink: Option<Arc<ReplySink>>,
+}
+
+/// Work for the service thread. The channel is unbounded, but what the peer can queue here
+/// is small per request: a window read is queued as its (checked) range and copied out of
+/// the window only when its reply is sent, into the thread's one buffer, so a peer asking
+/// for many reads costs no memory per megabyte asked.
 pub(super) enum Svc {
     Frame {
         flags: u8,
         opcode: u16,
         id: u64,
         payload: Vec<u8>,
+    },
+    WindowRead {
+        id: u64,
+        map: Arc<Mapping>,
+        offset: u64,
+        len: usize,
     },
 }
 
@@ -238,7 +255,20 @@ impl Inner {
         payload: &[u8],
         fds: &[RawFd],
     ) -> Result<(u64, mpsc::Receiver<Result<Message>>)> {
-        self.start_request_with(|id| self.send_frame(0, opcode, id, payload, fds))
+        self.start_request_with(None, |id| self.send_frame(0, opcode, id, payload, fds))
+    }
+
+    /// [`Self::start_request`] of a window read whose reply's data the reader puts into
+    /// `sink` (no payload buffer, no copy); the reply [`Message`] then has an empty payload.
+    pub(super) fn start_request_into(
+        &self,
+        opcode: u16,
+        payload: &[u8],
+        sink: Arc<ReplySink>,
+    ) -> Result<(u64, mpsc::Receiver<Result<Message>>)> {
+        self.start_request_with(Some(sink), |id| {
+            self.send_frame(0, opcode, id, payload, &[])
+        })
     }
 
     /// [`Self::start_request`] whose payload is `prefix` followed by `data`, sent without
@@ -249,11 +279,14 @@ impl Inner {
         prefix: &[u8],
         data: &[u8],
     ) -> Result<(u64, mpsc::Receiver<Result<Message>>)> {
-        self.start_request_with(|id| self.send_frame_parts(0, opcode, id, prefix, data))
+        self.start_request_with(None, |id| {
+            self.send_frame_parts(0, opcode, id, prefix, data)
+        })
     }
 
     fn start_request_with(
         &self,
+        sink: Option<Arc<ReplySink>>,
         send: impl FnOnce(u64) -> Result<()>,
     ) -> Result<(u64, mpsc::Receiver<Result<Message>>)> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -264,7 +297,7 @@ impl Inner {
                 drop(st);
                 return Err(self.gone_err());
             }
-            st.pending.insert(id, tx);
+            st.pending.insert(id, Pending { tx, sink });
         }
         if let Err(e) = send(id) {
             lock(&self.state).pending.remove(&id);
@@ -358,11 +391,12 @@ impl Inner {
         }
     }
 
-    pub(super) fn window_read(&self, p: &[u8]) -> std::result::Result<Vec<u8>, ErrorReply> {
+    /// Checks a peer's window read; the service thread copies the bytes as it replies.
+    pub(super) fn window_read(&self, id: u64, p: &[u8]) -> std::result::Result<Svc, ErrorReply> {
         let r: msg::WindowRead =
             wire::decode_payload(p).map_err(|e| ErrorReply::new(code::INVALID, e.to_string()))?;
-        let m = self.serve_mapping(r.id)?;
-        // Check before allocating: the peer chooses `len` (up to 4 GiB).
+        let map = self.serve_mapping(r.id)?;
+        // The peer chooses `len` (up to 4 GiB); the service thread's buffer is one chunk.
         if r.len as usize > wire::MAX_DATA_CHUNK {
             return Err(ErrorReply::new(
                 code::OUT_OF_RANGE,
@@ -373,12 +407,44 @@ impl Inner {
                 ),
             ));
         }
-        crate::mem::check_range(r.offset, u64::from(r.len), m.len() as u64)
+        crate::mem::check_range(r.offset, u64::from(r.len), map.len() as u64)
             .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
-        let mut out = vec![0u8; r.len as usize];
-        m.read_at(r.offset, &mut out)
-            .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
-        Ok(out)
+        Ok(Svc::WindowRead {
+            id,
+            map,
+            offset: r.offset,
+            len: r.len as usize,
+        })
+    }
+
+    /// The reply `queue_reply` would send, sent from this thread.
+    fn send_reply(
+        &self,
+        id: u64,
+        opcode: u16,
+        r: std::result::Result<&[u8], ErrorReply>,
+    ) -> Result<()> {
+        match r {
+            Ok(p) => self.send_frame_parts(FLAG_REPLY, opcode, id, &[], p),
+            Err(e) => self.send_frame_parts(
+                FLAG_REPLY | FLAG_ERROR,
+                opcode,
+                id,
+                &[],
+                &wire::encode_payload(&e).unwrap_or_default(),
+            ),
+        }
+    }
+
+    /// The sink waiting for `h`'s data, when `h` is a window read's data reply.
+    fn reply_sink(&self, h: &Header) -> Option<Arc<ReplySink>> {
+        if !h.is_reply() || h.is_error() || h.opcode != op::WINDOW_READ || h.fds != 0 {
+            return None;
+        }
+        lock(&self.state)
+            .pending
+            .get(&h.id)
+            .and_then(|p| p.sink.clone())
     }
 
     pub(super) fn window_write(&self, p: &[u8]) -> std::result::Result<Vec<u8>, ErrorReply> {
@@ -521,7 +587,7 @@ impl Inner {
         }
         c.frames_received.fetch_add(1, Ordering::Relaxed);
         if h.is_reply() {
-            let tx = lock(&self.state).pending.remove(&h.id);
+            let tx = lock(&self.state).pending.remove(&h.id).map(|p| p.tx);
             let Some(tx) = tx else {
                 log::debug!("reply to unknown or expired request {}", h.id);
                 return true;
@@ -603,10 +669,14 @@ impl Inner {
                 }
                 Err(e) => log::warn!("bad window remove from {}: {e}", self.peer),
             },
-            op::WINDOW_READ if h.id != 0 => {
-                let r = self.window_read(&payload);
-                self.queue_reply(h.id, h.opcode, r);
-            }
+            op::WINDOW_READ if h.id != 0 => match self.window_read(h.id, &payload) {
+                Ok(job) => {
+                    if let Some(tx) = lock(&self.svc_tx).as_ref() {
+                        let _ = tx.send(job);
+                    }
+                }
+                Err(e) => self.queue_reply(h.id, h.opcode, Err(e)),
+            },
             op::WINDOW_WRITE if h.id != 0 => {
                 let r = self.window_write(&payload);
                 self.queue_reply(h.id, h.opcode, r);
@@ -666,7 +736,7 @@ impl Inner {
 
 pub(super) fn reader_loop(inner: Arc<Inner>, stream: Stream) {
     loop {
-        match read_frame(&stream) {
+        match read_next(&inner, &stream) {
             Ok((h, p, fds)) => {
                 if !inner.dispatch(h, p, fds) {
                     break;
@@ -680,9 +750,30 @@ pub(super) fn reader_loop(inner: Arc<Inner>, stream: Stream) {
     }
 }
 
+/// The next frame; a window read's data goes straight into its caller's buffer when the
+/// caller is still waiting (the frame's payload is then empty).
+fn read_next(
+    inner: &Inner,
+    stream: &Stream,
+) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
+    let (h, mut fds) = read_header(stream, None)?;
+    if let Some(sink) = inner.reply_sink(&h) {
+        let filled = sink.fill(h.len as usize, |dst| stream.read_exact(dst, &mut fds, None));
+        if let Some(r) = filled {
+            r.map_err(read_error)?;
+            check_fds(&h, &fds)?;
+            return Ok((h, Vec::new(), fds));
+        }
+    }
+    read_payload(stream, h, fds, None)
+}
+
 pub(super) fn service_loop(inner: Arc<Inner>, rx: mpsc::Receiver<Svc>) {
     let hb = inner.cfg.heartbeat;
     let mut next_hb = Instant::now();
+    // Window reads are copied here just before they go out: one buffer of at most
+    // `wire::MAX_DATA_CHUNK` (`window_read` checks), zeroed once, reused for every reply.
+    let mut scratch: Vec<u8> = Vec::new();
     loop {
         let now = Instant::now();
         if now >= next_hb {
@@ -698,11 +789,28 @@ pub(super) fn service_loop(inner: Arc<Inner>, rx: mpsc::Receiver<Svc>) {
                 id,
                 payload,
             }) => {
-                // Replies (window reads: up to a chunk of data) go out without a copy.
                 if inner
                     .send_frame_parts(flags, opcode, id, &[], &payload)
                     .is_err()
                 {
+                    break;
+                }
+            }
+            Ok(Svc::WindowRead {
+                id,
+                map,
+                offset,
+                len,
+            }) => {
+                if scratch.len() < len {
+                    scratch.resize(len, 0);
+                }
+                let out = &mut scratch[..len];
+                let r = map
+                    .read_at(offset, out)
+                    .map(|()| &*out)
+                    .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()));
+                if inner.send_reply(id, op::WINDOW_READ, r).is_err() {
                     break;
                 }
             }

@@ -181,29 +181,51 @@ impl std::fmt::Display for ReadError {
     }
 }
 
-pub(super) fn read_frame(
-    s: &Stream,
-) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
-    read_frame_until(s, None)
-}
-
-/// [`read_frame`] that fails once `deadline` passes (the handshake's bound).
+/// A whole frame; fails once `deadline` passes (the handshake's bound).
 pub(super) fn read_frame_until(
     s: &Stream,
     deadline: Option<Instant>,
 ) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
-    let conv = |e: io::Error| match e.kind() {
+    let (h, fds) = read_header(s, deadline)?;
+    read_payload(s, h, fds, deadline)
+}
+
+pub(super) fn read_error(e: io::Error) -> ReadError {
+    match e.kind() {
         io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => ReadError::Closed,
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ReadError::TimedOut,
         _ => ReadError::Io(e),
-    };
+    }
+}
+
+/// A frame's header (and any fds that came with its first bytes).
+pub(super) fn read_header(
+    s: &Stream,
+    deadline: Option<Instant>,
+) -> std::result::Result<(Header, Vec<OwnedFd>), ReadError> {
     let mut fds = Vec::new();
     let mut hb = [0u8; HEADER_LEN];
-    s.read_exact(&mut hb, &mut fds, deadline).map_err(conv)?;
+    s.read_exact(&mut hb, &mut fds, deadline)
+        .map_err(read_error)?;
     let h = Header::decode(&hb).map_err(|e| ReadError::Protocol(e.to_string()))?;
+    Ok((h, fds))
+}
+
+/// The payload of the frame whose header was read, into a new buffer.
+pub(super) fn read_payload(
+    s: &Stream,
+    h: Header,
+    mut fds: Vec<OwnedFd>,
+    deadline: Option<Instant>,
+) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
     let mut payload = vec![0u8; h.len as usize];
     s.read_exact(&mut payload, &mut fds, deadline)
-        .map_err(conv)?;
+        .map_err(read_error)?;
+    check_fds(&h, &fds)?;
+    Ok((h, payload, fds))
+}
+
+pub(super) fn check_fds(h: &Header, fds: &[OwnedFd]) -> std::result::Result<(), ReadError> {
     if fds.len() != h.fds as usize {
         return Err(ReadError::Protocol(format!(
             "frame announces {} fds but {} arrived",
@@ -211,7 +233,7 @@ pub(super) fn read_frame_until(
             fds.len()
         )));
     }
-    Ok((h, payload, fds))
+    Ok(())
 }
 
 pub(super) fn send_raw(

@@ -100,27 +100,51 @@ impl PeerWindow for MessageWindow {
     }
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.check(offset, buf.len())?;
-        let mut inflight: VecDeque<(u64, ReplyRx, &mut [u8])> = VecDeque::new();
-        let mut off = offset;
-        for chunk in buf.chunks_mut(wire::MAX_DATA_CHUNK) {
+        // Each chunk's reply is read by the link's reader straight into `buf` (module
+        // `sink`); `buf` is reached only through `base` from here on, and `armed` disarms
+        // every sink before this function returns, on every path.
+        let (base, total) = (buf.as_mut_ptr(), buf.len());
+        let mut armed = SinkSet::default();
+        let mut inflight: VecDeque<(u64, ReplyRx, Arc<ReplySink>, usize, usize)> = VecDeque::new();
+        let settle = |(id, rx, sink, start, len): (u64, ReplyRx, Arc<ReplySink>, usize, usize)| {
+            let m = self.finish(id, &rx)?;
+            if sink.disarm() {
+                return Ok(());
+            }
+            // Not filled (the peer answered another length): the payload path says why.
+            // SAFETY: `start..start + len` lies inside `buf`, and its sink is disarmed, so no
+            // reader writes there any more; no other reference to these bytes exists.
+            let dst = unsafe { std::slice::from_raw_parts_mut(base.add(start), len) };
+            copy_reply(m, dst)
+        };
+        let mut start = 0;
+        while start < total {
+            let len = (total - start).min(wire::MAX_DATA_CHUNK);
             let req = msg::WindowRead {
                 id: self.info.id,
-                offset: off,
-                len: chunk.len() as u32,
+                offset: offset + start as u64,
+                len: len as u32,
             };
-            off += chunk.len() as u64;
-            let (id, rx) =
-                self.inner
-                    .start_request(op::WINDOW_READ, &wire::encode_payload(&req)?, &[])?;
-            inflight.push_back((id, rx, chunk));
+            // SAFETY: `start..start + len` lies inside `buf`, which this call borrows mutably
+            // until it returns; nothing here reads or writes those bytes while the sink is
+            // armed, and `armed` (or `settle`) disarms it before the borrow ends.
+            let sink = unsafe { ReplySink::new(base.add(start), len) };
+            armed.push(sink.clone());
+            let (id, rx) = self.inner.start_request_into(
+                op::WINDOW_READ,
+                &wire::encode_payload(&req)?,
+                sink.clone(),
+            )?;
+            inflight.push_back((id, rx, sink, start, len));
+            start += len;
             if inflight.len() >= PIPELINE {
-                if let Some((id, rx, dst)) = inflight.pop_front() {
-                    copy_reply(self.finish(id, &rx)?, dst)?;
+                if let Some(r) = inflight.pop_front() {
+                    settle(r)?;
                 }
             }
         }
-        while let Some((id, rx, dst)) = inflight.pop_front() {
-            copy_reply(self.finish(id, &rx)?, dst)?;
+        while let Some(r) = inflight.pop_front() {
+            settle(r)?;
         }
         Ok(())
     }
