@@ -27,7 +27,6 @@ use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ntb::{
@@ -215,7 +214,7 @@ struct EventPump {
     rx: Arc<PumpRx>,
     /// For wakers.
     tx: mpsc::SyncSender<PumpMsg>,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<ntb::workers::Worker>,
 }
 
 /// How long the relay thread sleeps in one `recv` before it looks at its stop flag. Only a
@@ -396,13 +395,13 @@ impl Inner {
             tx.clone(),
             Arc::clone(&rx),
         );
-        let thread = std::thread::Builder::new()
-            .name(format!("irq-events-{}", self.lender))
-            .spawn(move || pump_loop(&ep, &routes, &stop2, &tx2, &rx2))
-            .map_err(|source| ClientError::Os {
-                what: "starting the irq event relay thread",
-                source,
-            })?;
+        let thread = ntb::workers::spawn(format!("irq-events-{}", self.lender), move || {
+            pump_loop(&ep, &routes, &stop2, &tx2, &rx2)
+        })
+        .map_err(|source| ClientError::Os {
+            what: "starting the irq event relay thread",
+            source,
+        })?;
         *g = Some(EventPump {
             stop,
             rx,

@@ -368,7 +368,9 @@ impl Lender {
 
     /// Accepts links until the stop flag is set, then ends every session.
     pub fn serve(self: &Arc<Self>, listener: &dyn Listener) -> Result<(), ServerError> {
-        let mut sessions: Vec<JoinHandle<()>> = Vec::new();
+        // Session threads come from the link threads' park (`ntb::workers`): a borrower that
+        // connects, borrows and leaves starts no thread on this side once some are parked.
+        let mut sessions: Vec<ntb::workers::Worker> = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
             match listener.accept(Some(POLL)) {
                 Ok(ep) => {
@@ -376,9 +378,7 @@ impl Lender {
                     let me = Arc::clone(self);
                     let peer = ep.peer_node().to_string();
                     log::info!("link up from {peer} ({})", ep.kind());
-                    match std::thread::Builder::new()
-                        .name(format!("session-{peer}"))
-                        .spawn(move || me.run_session(ep))
+                    match ntb::workers::spawn(format!("session-{peer}"), move || me.run_session(ep))
                     {
                         Ok(h) => sessions.push(h),
                         Err(e) => log::error!("cannot start session thread for {peer}: {e}"),

@@ -181,6 +181,55 @@ fn round_trips(iters: usize, mut once: impl FnMut()) -> (f64, f64) {
     (percentile(&lat, 0.5), percentile(&lat, 0.99))
 }
 
+/// CPU time of this process so far (user + system, all threads), in ms.
+fn cpu_ms() -> f64 {
+    // SAFETY: all-zero is a valid rusage; getrusage fills it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid out-pointer.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    assert_eq!(r, 0, "getrusage");
+    let ms = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
+    ms(u.ru_utime) + ms(u.ru_stime)
+}
+
+/// A link's set-up, what every new lender session starts with: connect, TLS on tcp (with the
+/// resumption a repeat connection gets), the fabric handshake and both ends' link threads,
+/// then its teardown. Both ends are in this process, so the CPU time per link is both ends'.
+/// Returns (p50 ms, p99 ms, CPU ms per link).
+fn link_setup(kind: FabricKind, dir: &std::path::Path, iters: usize) -> (f64, f64, f64) {
+    let addr = match kind {
+        FabricKind::Shm => ControlAddr::Unix(dir.join(format!("setup-{kind}.sock"))),
+        FabricKind::Tcp | FabricKind::Bar => ControlAddr::Tcp("127.0.0.1:0".parse().expect("addr")),
+    };
+    let cfg = LinkConfig::default();
+    let l = listen_addr(&addr, &NodeId::new("a").expect("id"), &cfg).expect("listen");
+    let addr = l.local_addr();
+    let warm = iters.min(10);
+    let mut lat = Vec::with_capacity(iters);
+    let mut cpu = 0.0;
+    for i in 0..iters + warm {
+        let (c0, t0) = (cpu_ms(), Instant::now());
+        let (a2, c2) = (addr.clone(), cfg.clone());
+        let t = std::thread::spawn(move || {
+            connect_addr(&a2, &NodeId::new("b").expect("id"), &c2).expect("connect")
+        });
+        let a = l.accept(Some(Duration::from_secs(5))).expect("accept");
+        let b = t.join().expect("join");
+        let up = t0.elapsed().as_secs_f64() * 1e3;
+        drop((a, b));
+        if i >= warm {
+            lat.push(up);
+            cpu += cpu_ms() - c0;
+        }
+    }
+    lat.sort_by(f64::total_cmp);
+    (
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99),
+        cpu / iters as f64,
+    )
+}
+
 /// Doorbell round trip through the `Endpoint` API: ring bit 0, the peer's `wait_doorbell`
 /// returns and it rings bit 0 back. Bit 1 stops the responder.
 fn doorbell_rtt(
@@ -521,6 +570,12 @@ fn main() {
     println!(
         "interrupt round trip: shm p50 {si50:.1} us p99 {si99:.1} us; tcp p50 {ti50:.1} us p99 {ti99:.1} us"
     );
+    let setup_iters = if quick { 10 } else { 300 };
+    let (ss50, ss99, scpu) = link_setup(FabricKind::Shm, dir.path(), setup_iters);
+    let (ts50, ts99, tcpu) = link_setup(FabricKind::Tcp, dir.path(), setup_iters);
+    println!(
+        "link set-up: shm p50 {ss50:.2} ms p99 {ss99:.2} ms cpu {scpu:.2} ms; tcp+TLS p50 {ts50:.2} ms p99 {ts99:.2} ms cpu {tcpu:.2} ms"
+    );
     let big = || rows.iter().filter(|r| r.size >= MIB);
     let shm_min = big().map(|r| r.shm_vs_memcpy).fold(f64::INFINITY, f64::min);
     let tcp_min = big()
@@ -564,6 +619,10 @@ fn main() {
         "interrupt_rtt_us": {
             "shm": {"p50": si50, "p99": si99, "iters": rtt_iters},
             "tcp": {"p50": ti50, "p99": ti99, "iters": rtt_iters},
+        },
+        "link_setup_ms": {
+            "shm": {"p50": ss50, "p99": ss99, "cpu_per_link": scpu, "iters": setup_iters},
+            "tcp": {"p50": ts50, "p99": ts99, "cpu_per_link": tcpu, "iters": setup_iters},
         },
     });
     let dir = out_dir();
@@ -615,6 +674,10 @@ fn main() {
     let _ = writeln!(
         md,
         "\n| round trip ({rtt_iters} each, µs) | shm p50 | shm p99 | tcp p50 | tcp p99 |\n|---|---|---|---|---|\n| doorbell (`ring_peer` → `wait_doorbell`) | {sd50:.1} | {sd99:.1} | {td50:.1} | {td99:.1} |\n| interrupt (ring → the peer's doorbell eventfd) | {si50:.1} | {si99:.1} | {ti50:.1} | {ti99:.1} |\n"
+    );
+    let _ = writeln!(
+        md,
+        "| link set-up ({setup_iters} each: connect → both ends up; both ends in this process) | shm | tcp+TLS |\n|---|---|---|\n| p50 (ms) | {ss50:.2} | {ts50:.2} |\n| p99 (ms) | {ss99:.2} | {ts99:.2} |\n| CPU per link, both ends (ms) | {scpu:.2} | {tcpu:.2} |\n"
     );
     let _ = writeln!(
         md,

@@ -217,39 +217,38 @@ impl Handshakes {
         let (local, cfg, tx) = (self.local.clone(), self.cfg.clone(), self.tx.clone());
         let (done, pending, log) = (self.done.clone(), self.pending.clone(), self.log.clone());
         let source_of = source.clone();
-        let spawned = std::thread::Builder::new()
-            .name("ntb-handshake".into())
-            .spawn(move || {
-                let deadline = Instant::now() + cfg.connect_timeout;
-                let r = match stream {
-                    Accepted::Plain(s) => establish(
-                        s,
-                        &local,
-                        &cfg,
-                        false,
-                        LinkOpts {
-                            deadline: Some(deadline),
-                            ..LinkOpts::default()
-                        },
-                    ),
-                    Accepted::Tls(t) => LinkOpts::tls(t, false, deadline, &cfg)
-                        .and_then(|(s, o)| establish(s, &local, &cfg, false, o)),
-                };
-                if let Err(e) = &r {
-                    if let Some(n) = log.hit() {
-                        log::warn!(
-                            "handshake with {from} failed: {e} ({n} more closed or failed since \
+        // Detached: the link it makes goes out through `tx`, and `done` says it ended.
+        let spawned = crate::workers::spawn("ntb-handshake", move || {
+            let deadline = Instant::now() + cfg.connect_timeout;
+            let r = match stream {
+                Accepted::Plain(s) => establish(
+                    s,
+                    &local,
+                    &cfg,
+                    false,
+                    LinkOpts {
+                        deadline: Some(deadline),
+                        ..LinkOpts::default()
+                    },
+                ),
+                Accepted::Tls(t) => LinkOpts::tls(t, false, deadline, &cfg)
+                    .and_then(|(s, o)| establish(s, &local, &cfg, false, o)),
+            };
+            if let Err(e) = &r {
+                if let Some(n) = log.hit() {
+                    log::warn!(
+                        "handshake with {from} failed: {e} ({n} more closed or failed since \
                              the last report)"
-                        );
-                    }
+                    );
                 }
-                lock(&pending).give(&source_of);
-                if r.is_ok() {
-                    // Fails only when the listener is gone; the link then closes on drop.
-                    let _ = tx.send(r);
-                }
-                let _ = done.write(1);
-            });
+            }
+            lock(&pending).give(&source_of);
+            if r.is_ok() {
+                // Fails only when the listener is gone; the link then closes on drop.
+                let _ = tx.send(r);
+            }
+            let _ = done.write(1);
+        });
         if let Err(e) = spawned {
             lock(&self.pending).give(&source);
             log::warn!("cannot start a handshake thread: {e}");

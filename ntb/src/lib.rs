@@ -23,6 +23,7 @@ pub mod sock;
 pub mod tcp;
 pub mod tls;
 pub mod wire;
+pub mod workers;
 
 pub use accept::{
     source_key, PreauthLimits, MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_LIMIT,

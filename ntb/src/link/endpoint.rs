@@ -5,7 +5,7 @@ use super::*;
 /// The endpoint of both socket backends.
 pub(crate) struct LinkEndpoint {
     pub(super) inner: Arc<Inner>,
-    pub(super) threads: Mutex<Vec<JoinHandle<()>>>,
+    pub(super) threads: Mutex<Vec<crate::workers::Worker>>,
 }
 
 impl Drop for LinkEndpoint {

@@ -88,7 +88,7 @@ pub(crate) struct LinkOpts {
     /// The TLS session's channel binding (tcp).
     pub(crate) binding: Vec<u8>,
     /// The control rings' pump thread (`bar`), joined with the link's threads.
-    pub(crate) pump: Option<JoinHandle<()>>,
+    pub(crate) pump: Option<crate::workers::Worker>,
     /// When the handshake must be done (default: `connect_timeout` from now).
     pub(crate) deadline: Option<Instant>,
     /// A `bar` link's region, opened before the fabric hello (its control rings are there).
@@ -327,11 +327,9 @@ pub(crate) fn establish(
         region,
         control,
     });
+    // Parked threads of ended links take these when there are any (`crate::workers`).
     let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
-        std::thread::Builder::new()
-            .name(name)
-            .spawn(f)
-            .map_err(FabricError::io("spawn link thread"))
+        crate::workers::spawn(name, f).map_err(FabricError::io("spawn link thread"))
     };
     let i1 = inner.clone();
     let t1 = spawn(

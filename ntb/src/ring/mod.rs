@@ -38,7 +38,6 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use rustls::Connection;
@@ -139,7 +138,7 @@ impl RingLink {
         conn: Connection,
         tcp: TcpStream,
         peer: String,
-    ) -> Result<(UnixStream, JoinHandle<()>)> {
+    ) -> Result<(UnixStream, crate::workers::Worker)> {
         let (plain, local) = UnixStream::pair().map_err(FabricError::io("socketpair"))?;
         let tuning = if self.slot.is_some() {
             Tuning::LENDER
@@ -156,9 +155,7 @@ impl RingLink {
             peer,
             coarse: false,
         };
-        let t = std::thread::Builder::new()
-            .name("ntb-ring".into())
-            .spawn(move || p.run())
+        let t = crate::workers::spawn("ntb-ring", move || p.run())
             .map_err(FabricError::io("spawn ring thread"))?;
         Ok((plain, t))
     }

@@ -20,7 +20,6 @@ use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
-use std::thread::JoinHandle;
 
 use lending::client::{ClientError, EventWaker, LenderClient};
 use lending::protocol::Event;
@@ -135,7 +134,7 @@ impl Drop for Registration {
 struct Pump {
     stop: Arc<AtomicBool>,
     waker: EventWaker,
-    handle: Option<JoinHandle<()>>,
+    handle: Option<ntb::workers::Worker>,
 }
 
 impl Drop for Pump {
@@ -254,10 +253,11 @@ impl LenderSession {
             let stop = Arc::new(AtomicBool::new(false));
             let waker = client.event_waker().map_err(LendingLinkError::Waker)?;
             let (s, c, st) = (Arc::clone(&sinks), Arc::clone(&client), Arc::clone(&stop));
-            let handle = std::thread::Builder::new()
-                .name(format!("lender-{}-events", client.hello().node))
-                .spawn(move || pump(&c, &s, &st))
-                .map_err(LendingLinkError::Thread)?;
+            let handle = ntb::workers::spawn(
+                format!("lender-{}-events", client.hello().node),
+                move || pump(&c, &s, &st),
+            )
+            .map_err(LendingLinkError::Thread)?;
             Some(Pump {
                 stop,
                 waker,
