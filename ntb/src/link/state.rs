@@ -53,6 +53,7 @@ pub(super) enum Svc {
     },
     WindowRead {
         id: u64,
+        window: WindowId,
         map: Arc<Mapping>,
         offset: u64,
         len: usize,
@@ -411,6 +412,7 @@ impl Inner {
             .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
         Ok(Svc::WindowRead {
             id,
+            window: r.id,
             map,
             offset: r.offset,
             len: r.len as usize,
@@ -798,6 +800,7 @@ pub(super) fn service_loop(inner: Arc<Inner>, rx: mpsc::Receiver<Svc>) {
             }
             Ok(Svc::WindowRead {
                 id,
+                window,
                 map,
                 offset,
                 len,
@@ -806,10 +809,25 @@ pub(super) fn service_loop(inner: Arc<Inner>, rx: mpsc::Receiver<Svc>) {
                     scratch.resize(len, 0);
                 }
                 let out = &mut scratch[..len];
-                let r = map
-                    .read_at(offset, out)
-                    .map(|()| &*out)
-                    .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()));
+                // Still exported as it was when the request was read: a window revoked
+                // meanwhile serves nothing more, as when the reader copied at once.
+                let r = inner
+                    .serve_mapping(window)
+                    .and_then(|now| {
+                        if Arc::ptr_eq(&now, &map) {
+                            Ok(())
+                        } else {
+                            Err(ErrorReply::new(
+                                code::UNKNOWN_WINDOW,
+                                format!("no window {window}"),
+                            ))
+                        }
+                    })
+                    .and_then(|()| {
+                        map.read_at(offset, out)
+                            .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))
+                    })
+                    .map(|()| &*out);
                 if inner.send_reply(id, op::WINDOW_READ, r).is_err() {
                     break;
                 }
