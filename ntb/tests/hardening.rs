@@ -3,7 +3,9 @@
 //! - a silent peer does not delay another peer's handshake, and a peer that trickles its
 //!   hello is cut off at `connect_timeout`;
 //! - WINDOW_ADDs beyond the peer's announced window count are refused, and their fds closed;
-//! - a WINDOW_READ of up to 4 GiB is refused before anything of that size is allocated.
+//! - a WINDOW_READ of up to 4 GiB is refused before anything of that size is allocated;
+//! - a read reply of the wrong length, or an error, fails that read by name, and the next
+//!   read still lands in its buffer.
 //!
 //! The tests count fds (`/proc/self/fd`) and the largest allocation of this process, so they
 //! run one at a time ([`SERIAL`]).
@@ -418,4 +420,100 @@ fn huge_window_read_is_refused_before_allocating() {
     let (h, p) = read(&mut raw, 14, 4000, 96);
     assert!(h.flags & FLAG_ERROR == 0);
     assert_eq!(p.len(), 96);
+}
+
+/// A window read's reply data lands straight in the reader's buffer (`ntb::link::sink`); a
+/// peer that answers with another length, or with an error, gets the read refused with the
+/// reason, and the next read on the same window still lands.
+#[test]
+fn read_replies_of_the_wrong_length_or_an_error_fail_the_read_and_the_next_one_lands() {
+    let _g = serial();
+    let (l, addr) = tcp_listener("borrower", &victim_cfg(Duration::from_secs(5)));
+    let a2 = addr.clone();
+    let raw = std::thread::spawn(move || Raw::connect(&a2, "exporter"));
+    let ep = l.accept(Some(T)).unwrap();
+    let mut raw = raw.join().unwrap();
+    let add = msg::WindowAdd {
+        id: 7,
+        size: 2 << 20,
+        fd_offset: 0,
+        label: "raw".into(),
+    };
+    raw.send(
+        0,
+        op::WINDOW_ADD,
+        0,
+        &wire::encode_payload(&add).unwrap(),
+        &[],
+    );
+    let info = ep.wait_peer_window("raw", T).unwrap();
+    let w = ep.map_peer_window(info.id).unwrap();
+    let pattern = |off: u64, len: u32| -> Vec<u8> {
+        (off..off + u64::from(len))
+            .map(|i| (i * 13 + 5) as u8)
+            .collect()
+    };
+    // Answers the next `n` window reads: `reply(request)` says with what.
+    let answer = |raw: &mut Raw, n: usize, reply: &dyn Fn(&msg::WindowRead) -> (u8, Vec<u8>)| {
+        for _ in 0..n {
+            let (h, p) = raw.read_until(|h| h.opcode == op::WINDOW_READ && !h.is_reply());
+            let r: msg::WindowRead = wire::decode_payload(&p).unwrap();
+            assert_eq!(r.id, 7);
+            let (flags, body) = reply(&r);
+            raw.send(FLAG_REPLY | flags, op::WINDOW_READ, h.id, &body, &[]);
+        }
+    };
+
+    // 1.5 MiB: two chunks; the second one's reply has 100 bytes.
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0xAAu8; 3 << 19];
+        let r = w.read_at(0, &mut buf);
+        (w, buf, r)
+    });
+    answer(&mut raw, 2, &|r| {
+        let full = pattern(r.offset, r.len);
+        if r.offset == 0 {
+            (0, full)
+        } else {
+            (0, full[..100].to_vec())
+        }
+    });
+    let (w, buf, r) = reader.join().unwrap();
+    let e = r.expect_err("a short reply was taken").to_string();
+    assert!(
+        e.contains("read reply has 100 bytes, asked for 524288"),
+        "the refusal names the lengths: {e}"
+    );
+    assert_eq!(
+        &buf[..1 << 20],
+        &pattern(0, 1 << 20)[..],
+        "the chunk answered in full landed in place"
+    );
+
+    // An error reply names the window as gone.
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 4096];
+        let r = w.read_at(4096, &mut buf);
+        (w, r)
+    });
+    answer(&mut raw, 1, &|_| {
+        let e = ErrorReply::new(wire::code::UNKNOWN_WINDOW, "no window 7".to_string());
+        (FLAG_ERROR, wire::encode_payload(&e).unwrap())
+    });
+    let (w, r) = reader.join().unwrap();
+    assert!(
+        matches!(r, Err(ntb::FabricError::WindowRevoked(7))),
+        "an unknown-window answer is a revoked window: {r:?}"
+    );
+
+    // The link and the window still work: a read answered in full lands.
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 8192];
+        let r = w.read_at(8192, &mut buf);
+        (buf, r)
+    });
+    answer(&mut raw, 1, &|r| (0, pattern(r.offset, r.len)));
+    let (buf, r) = reader.join().unwrap();
+    r.unwrap();
+    assert_eq!(buf, pattern(8192, 8192));
 }
