@@ -517,3 +517,70 @@ fn read_replies_of_the_wrong_length_or_an_error_fail_the_read_and_the_next_one_l
     r.unwrap();
     assert_eq!(buf, pattern(8192, 8192));
 }
+
+/// A peer's write into a mediated window on shm is read by the kernel straight into the
+/// window (no payload buffer); a refused one (out of range, unknown window) is answered by
+/// name and costs no allocation of its announced size, and the link goes on.
+#[test]
+fn mediated_writes_land_in_the_window_and_refused_ones_allocate_nothing() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (l, addr) = shm_listener(&dir, "lender", &victim_cfg(Duration::from_secs(5)));
+    let a2 = addr.clone();
+    let raw = std::thread::spawn(move || Raw::connect(&a2, "writer"));
+    let ep = l.accept(Some(T)).unwrap();
+    let mut raw = raw.join().unwrap();
+    let size = 2u64 << 20;
+    let mem = SharedMemory::new("bar", size).unwrap();
+    let w = ep.export_window_mediated(mem.fd(), 0, size, "bar").unwrap();
+    let id = w.info().id;
+    let (h, _) = raw.read_until(|h| h.opcode == op::WINDOW_ADD);
+    assert_eq!(h.fds, 0, "a mediated window travels without its fd");
+    // Sends a write and returns its reply and the largest allocation of this process while
+    // the victim took it (the frame is encoded before the count starts).
+    let write = |raw: &mut Raw, rid: u64, win: u32, offset: u64, data: &[u8]| {
+        let mut p = wire::encode_payload(&msg::WindowWrite { id: win, offset }).unwrap();
+        p.extend_from_slice(data);
+        let bytes = wire::encode_frame(0, op::WINDOW_WRITE, rid, &p, 0).unwrap();
+        LARGEST.store(0, Ordering::Relaxed);
+        raw.stream().write_all(&bytes).unwrap();
+        let (h, p) = raw.read_until(|h| h.id == rid && h.flags & FLAG_REPLY != 0);
+        (h, p, LARGEST.load(Ordering::Relaxed))
+    };
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i * 7 + 3) as u8).collect();
+    // Lands: a whole chunk at an odd offset, then a write shorter than the prefix buffer.
+    let (h, _, largest) = write(&mut raw, 20, id, 4097, &data);
+    assert!(h.flags & FLAG_ERROR == 0, "an in-range write was refused");
+    assert!(
+        largest < 64 << 10,
+        "a 1 MiB write was read through a buffer of {largest} bytes"
+    );
+    let (h, _, _) = write(&mut raw, 21, id, 3, b"abc");
+    assert!(h.flags & FLAG_ERROR == 0);
+    let mut back = vec![0u8; data.len()];
+    mem.read_at(4097, &mut back).unwrap();
+    assert!(back == data, "the window holds other bytes than written");
+    let mut small = [0u8; 3];
+    mem.read_at(3, &mut small).unwrap();
+    assert_eq!(&small, b"abc");
+    // Refused, each by name, without allocating the announced size.
+    for (rid, win, offset, code) in [
+        (22, id, size - 10, wire::code::OUT_OF_RANGE),
+        (23, id + 100, 0, wire::code::UNKNOWN_WINDOW),
+    ] {
+        let (h, p, largest) = write(&mut raw, rid, win, offset, &data);
+        assert!(h.flags & FLAG_ERROR != 0, "write {rid} was taken");
+        let e: ErrorReply = wire::decode_payload(&p).unwrap();
+        assert_eq!(e.code, code, "{e}");
+        assert!(
+            largest < 64 << 10,
+            "refusing a write allocated {largest} bytes at once"
+        );
+    }
+    // The link goes on: a write after the refusals lands.
+    let (h, _, _) = write(&mut raw, 24, id, 0, b"after");
+    assert!(h.flags & FLAG_ERROR == 0);
+    let mut after = [0u8; 5];
+    mem.read_at(0, &mut after).unwrap();
+    assert_eq!(&after, b"after");
+}

@@ -449,6 +449,54 @@ impl Inner {
             .and_then(|p| p.sink.clone())
     }
 
+    /// [`Self::window_write`] of a frame whose header was read, its data read by the kernel
+    /// straight into the window (no payload buffer, no copy): what a mediated window's
+    /// writes (a cross-lender P2P copy, a borrower's writes to a mediated BAR) cost on shm.
+    /// A refused write's data is skipped through a small buffer, and answered as
+    /// `window_write` would.
+    fn window_write_in_place(
+        &self,
+        stream: &Stream,
+        h: &Header,
+        mut fds: Vec<OwnedFd>,
+    ) -> std::result::Result<(), ReadError> {
+        let len = h.len as usize;
+        // The encoded `msg::WindowWrite` (postcard: at most 15 bytes) and the data's start.
+        let mut head = [0u8; 16];
+        let n = len.min(head.len());
+        stream
+            .read_exact(&mut head[..n], &mut fds, None)
+            .map_err(read_error)?;
+        let target = wire::decode_prefix::<msg::WindowWrite>(&head[..n])
+            .map_err(|e| ErrorReply::new(code::INVALID, e.to_string()))
+            .and_then(|(w, first)| {
+                let map = self.serve_mapping(w.id)?;
+                let data = len - (n - first.len());
+                crate::mem::check_range(w.offset, data as u64, map.len() as u64)
+                    .map_err(|e| ErrorReply::new(code::OUT_OF_RANGE, e.to_string()))?;
+                Ok((map, w.offset, first.len(), data))
+            });
+        let r = match target {
+            Ok((map, offset, first, data)) => {
+                map.write_at(offset, &head[n - first..n])
+                    .map_err(|e| ReadError::Protocol(e.to_string()))?;
+                let start = offset as usize + first;
+                // SAFETY: `check_range` put `offset..offset + data` inside the live mapping,
+                // which `map` keeps alive for the call; the kernel writes the bytes there.
+                unsafe { stream.read_exact_raw(map.as_ptr().add(start), data - first, &mut fds) }
+                    .map_err(read_error)?;
+                Ok(Vec::new())
+            }
+            Err(e) => {
+                stream.skip(len - n, &mut fds).map_err(read_error)?;
+                Err(e)
+            }
+        };
+        check_fds(h, &fds)?;
+        self.queue_reply(h.id, h.opcode, r);
+        Ok(())
+    }
+
     pub(super) fn window_write(&self, p: &[u8]) -> std::result::Result<Vec<u8>, ErrorReply> {
         let (w, data): (msg::WindowWrite, &[u8]) =
             wire::decode_prefix(p).map_err(|e| ErrorReply::new(code::INVALID, e.to_string()))?;
@@ -736,13 +784,24 @@ impl Inner {
     }
 }
 
+/// What the reader took from the stream.
+enum Next {
+    /// A frame to dispatch.
+    Frame(Header, Vec<u8>, Vec<OwnedFd>),
+    /// A window write already served, its data read straight into the window.
+    Served,
+}
+
 pub(super) fn reader_loop(inner: Arc<Inner>, stream: Stream) {
     loop {
         match read_next(&inner, &stream) {
-            Ok((h, p, fds)) => {
+            Ok(Next::Frame(h, p, fds)) => {
                 if !inner.dispatch(h, p, fds) {
                     break;
                 }
+            }
+            Ok(Next::Served) => {
+                inner.stats.frames_received.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
                 inner.mark_gone(&e.to_string());
@@ -752,22 +811,30 @@ pub(super) fn reader_loop(inner: Arc<Inner>, stream: Stream) {
     }
 }
 
-/// The next frame; a window read's data goes straight into its caller's buffer when the
-/// caller is still waiting (the frame's payload is then empty).
-fn read_next(
-    inner: &Inner,
-    stream: &Stream,
-) -> std::result::Result<(Header, Vec<u8>, Vec<OwnedFd>), ReadError> {
+/// The next frame. A window read's data goes straight into its caller's buffer when the
+/// caller is still waiting (the frame's payload is then empty); a peer's window write on a
+/// stream the kernel reads raw goes straight into the window.
+fn read_next(inner: &Inner, stream: &Stream) -> std::result::Result<Next, ReadError> {
     let (h, mut fds) = read_header(stream, None)?;
     if let Some(sink) = inner.reply_sink(&h) {
         let filled = sink.fill(h.len as usize, |dst| stream.read_exact(dst, &mut fds, None));
         if let Some(r) = filled {
             r.map_err(read_error)?;
             check_fds(&h, &fds)?;
-            return Ok((h, Vec::new(), fds));
+            return Ok(Next::Frame(h, Vec::new(), fds));
         }
     }
-    read_payload(stream, h, fds, None)
+    if !h.is_reply()
+        && h.opcode == op::WINDOW_WRITE
+        && h.id != 0
+        && h.fds == 0
+        && stream.reads_raw()
+    {
+        inner.window_write_in_place(stream, &h, fds)?;
+        return Ok(Next::Served);
+    }
+    let (h, p, fds) = read_payload(stream, h, fds, None)?;
+    Ok(Next::Frame(h, p, fds))
 }
 
 pub(super) fn service_loop(inner: Arc<Inner>, rx: mpsc::Receiver<Svc>) {

@@ -103,14 +103,51 @@ impl Stream {
     pub(super) fn read_some(&self, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
         match self {
             Stream::Tls(s) => s.read(buf),
-            Stream::Ring(s) => (&*s).read(buf),
+            // SAFETY: `buf` is valid for writes of its length, borrowed mutably for the call.
+            Stream::Unix(_) | Stream::Ring(_) => unsafe {
+                self.read_some_raw(buf.as_mut_ptr(), buf.len(), fds)
+            },
+        }
+    }
+
+    /// Whether the kernel copies received bytes straight to their destination ([`Self::
+    /// read_some_raw`]): a Unix socket or a ring's plaintext end, not a TLS connection
+    /// (rustls writes through a slice, and memory a device or a guest changes under us is
+    /// never lent as one).
+    pub(super) fn reads_raw(&self) -> bool {
+        matches!(self, Stream::Unix(_) | Stream::Ring(_))
+    }
+
+    /// [`Self::read_some`] into `len` bytes at `ptr` (a window's memory), through the
+    /// kernel only; a TLS stream refuses (`Unsupported`).
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be valid for writes for the duration of the call.
+    pub(super) unsafe fn read_some_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        fds: &mut Vec<OwnedFd>,
+    ) -> io::Result<usize> {
+        match self {
+            Stream::Tls(_) => Err(io::Error::from(io::ErrorKind::Unsupported)),
+            Stream::Ring(s) => {
+                // SAFETY: the caller guarantees `ptr..ptr + len` is writable; `s` is an open
+                // socket for the call.
+                let n = unsafe { libc::read(s.as_raw_fd(), ptr.cast(), len) };
+                if n < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(n as usize)
+            }
             Stream::Unix(s) => {
                 let mut raw = [-1 as RawFd; MAX_FDS];
                 let mut iov = [libc::iovec {
-                    iov_base: buf.as_mut_ptr().cast(),
-                    iov_len: buf.len(),
+                    iov_base: ptr.cast(),
+                    iov_len: len,
                 }];
-                // SAFETY: the iovec points at `buf`, which we borrow mutably for the call.
+                // SAFETY: the iovec points at memory the caller guarantees writable.
                 let (n, nfds) = unsafe { s.recv_with_fds(&mut iov, &mut raw) }
                     .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
                 for &fd in raw.iter().take(nfds) {
@@ -157,6 +194,44 @@ impl Stream {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
+        }
+        Ok(())
+    }
+
+    /// All of `len` bytes into `ptr` ([`Self::read_some_raw`]), without a deadline.
+    ///
+    /// # Safety
+    ///
+    /// As [`Self::read_some_raw`].
+    pub(super) unsafe fn read_exact_raw(
+        &self,
+        mut ptr: *mut u8,
+        mut len: usize,
+        fds: &mut Vec<OwnedFd>,
+    ) -> io::Result<()> {
+        while len > 0 {
+            // SAFETY: `ptr..ptr + len` stays inside the caller's writable range.
+            match unsafe { self.read_some_raw(ptr, len, fds) } {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                Ok(n) => {
+                    ptr = ptr.wrapping_add(n);
+                    len -= n;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and drops `len` bytes (a refused frame's rest) through a small buffer: a
+    /// peer's announced length costs no allocation of that size.
+    pub(super) fn skip(&self, mut len: usize, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
+        let mut buf = [0u8; 16 << 10];
+        while len > 0 {
+            let n = len.min(buf.len());
+            self.read_exact(&mut buf[..n], fds, None)?;
+            len -= n;
         }
         Ok(())
     }
