@@ -51,14 +51,26 @@ fn quick() -> bool {
     std::env::var("LENDVM_BENCH_QUICK").is_ok_and(|v| v == "1")
 }
 
-fn pair(kind: FabricKind, dir: &std::path::Path) -> (Box<dyn Endpoint>, Box<dyn Endpoint>) {
+/// A listener of `kind` as node "a" (shm: a socket `<name>-<kind>.sock` in `dir`) and its
+/// address.
+fn listener(
+    kind: FabricKind,
+    dir: &std::path::Path,
+    name: &str,
+    cfg: &LinkConfig,
+) -> (Box<dyn ntb::Listener>, ControlAddr) {
     let addr = match kind {
-        FabricKind::Shm => ControlAddr::Unix(dir.join(format!("bench-{kind}.sock"))),
+        FabricKind::Shm => ControlAddr::Unix(dir.join(format!("{name}-{kind}.sock"))),
         FabricKind::Tcp | FabricKind::Bar => ControlAddr::Tcp("127.0.0.1:0".parse().expect("addr")),
     };
-    let cfg = LinkConfig::default();
-    let l = listen_addr(&addr, &NodeId::new("a").expect("id"), &cfg).expect("listen");
+    let l = listen_addr(&addr, &NodeId::new("a").expect("id"), cfg).expect("listen");
     let addr = l.local_addr();
+    (l, addr)
+}
+
+fn pair(kind: FabricKind, dir: &std::path::Path) -> (Box<dyn Endpoint>, Box<dyn Endpoint>) {
+    let cfg = LinkConfig::default();
+    let (l, addr) = listener(kind, dir, "bench", &cfg);
     let c2 = cfg.clone();
     let t = std::thread::spawn(move || {
         connect_addr(&addr, &NodeId::new("b").expect("id"), &c2).expect("connect")
@@ -197,13 +209,8 @@ fn cpu_ms() -> f64 {
 /// then its teardown. Both ends are in this process, so the CPU time per link is both ends'.
 /// Returns (p50 ms, p99 ms, CPU ms per link).
 fn link_setup(kind: FabricKind, dir: &std::path::Path, iters: usize) -> (f64, f64, f64) {
-    let addr = match kind {
-        FabricKind::Shm => ControlAddr::Unix(dir.join(format!("setup-{kind}.sock"))),
-        FabricKind::Tcp | FabricKind::Bar => ControlAddr::Tcp("127.0.0.1:0".parse().expect("addr")),
-    };
     let cfg = LinkConfig::default();
-    let l = listen_addr(&addr, &NodeId::new("a").expect("id"), &cfg).expect("listen");
-    let addr = l.local_addr();
+    let (l, addr) = listener(kind, dir, "setup", &cfg);
     let warm = iters.min(10);
     let mut lat = Vec::with_capacity(iters);
     let mut cpu = 0.0;

@@ -203,6 +203,16 @@ fn shm_listener(
     (l, addr)
 }
 
+/// A raw peer named `name` linked to a victim listening on shm as "lender": (victim's end,
+/// raw peer, the socket's directory, kept for the link's life).
+fn shm_victim_and_raw(name: &'static str) -> (Box<dyn ntb::Endpoint>, Raw, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let (l, addr) = shm_listener(&dir, "lender", &victim_cfg(Duration::from_secs(5)));
+    let raw = std::thread::spawn(move || Raw::connect(&addr, name));
+    let ep = l.accept(Some(T)).unwrap();
+    (ep, raw.join().unwrap(), dir)
+}
+
 /// Whether the raw socket is still open (nothing to read yet, no EOF).
 fn still_open(s: &RawStream) -> bool {
     let mut b = [0u8; 1];
@@ -325,12 +335,7 @@ fn trickled_tls_handshake_is_cut_off_at_connect_timeout_tcp() {
 #[test]
 fn window_add_flood_is_capped_without_fd_leaks() {
     let _g = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let (l, addr) = shm_listener(&dir, "lender", &victim_cfg(Duration::from_secs(5)));
-    let a2 = addr.clone();
-    let raw = std::thread::spawn(move || Raw::connect(&a2, "flooder"));
-    let ep = l.accept(Some(T)).unwrap();
-    let mut raw = raw.join().unwrap();
+    let (ep, mut raw, _dir) = shm_victim_and_raw("flooder");
     let mem = SharedMemory::new("flood", 4096).unwrap();
     let spare: Vec<EventFd> = (0..8)
         .map(|_| EventFd::new(libc::EFD_CLOEXEC).unwrap())
@@ -524,12 +529,7 @@ fn read_replies_of_the_wrong_length_or_an_error_fail_the_read_and_the_next_one_l
 #[test]
 fn mediated_writes_land_in_the_window_and_refused_ones_allocate_nothing() {
     let _g = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let (l, addr) = shm_listener(&dir, "lender", &victim_cfg(Duration::from_secs(5)));
-    let a2 = addr.clone();
-    let raw = std::thread::spawn(move || Raw::connect(&a2, "writer"));
-    let ep = l.accept(Some(T)).unwrap();
-    let mut raw = raw.join().unwrap();
+    let (ep, mut raw, _dir) = shm_victim_and_raw("writer");
     let size = 2u64 << 20;
     let mem = SharedMemory::new("bar", size).unwrap();
     let w = ep.export_window_mediated(mem.fd(), 0, size, "bar").unwrap();
