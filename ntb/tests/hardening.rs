@@ -203,6 +203,15 @@ fn shm_listener(
     (l, addr)
 }
 
+/// A raw peer named `name` linked to a victim `victim` listening on tcp (TLS): (victim's
+/// end, raw peer).
+fn tcp_victim_and_raw(victim: &str, name: &'static str) -> (Box<dyn ntb::Endpoint>, Raw) {
+    let (l, addr) = tcp_listener(victim, &victim_cfg(Duration::from_secs(5)));
+    let raw = std::thread::spawn(move || Raw::connect(&addr, name));
+    let ep = l.accept(Some(T)).unwrap();
+    (ep, raw.join().unwrap())
+}
+
 /// A raw peer named `name` linked to a victim listening on shm as "lender": (victim's end,
 /// raw peer, the socket's directory, kept for the link's life).
 fn shm_victim_and_raw(name: &'static str) -> (Box<dyn ntb::Endpoint>, Raw, tempfile::TempDir) {
@@ -387,11 +396,7 @@ fn window_add_flood_is_capped_without_fd_leaks() {
 #[test]
 fn huge_window_read_is_refused_before_allocating() {
     let _g = serial();
-    let (l, addr) = tcp_listener("lender", &victim_cfg(Duration::from_secs(5)));
-    let a2 = addr.clone();
-    let raw = std::thread::spawn(move || Raw::connect(&a2, "reader"));
-    let ep = l.accept(Some(T)).unwrap();
-    let mut raw = raw.join().unwrap();
+    let (ep, mut raw) = tcp_victim_and_raw("lender", "reader");
     let mem = SharedMemory::new("win", 4096).unwrap();
     let w = ep.export_window(mem.fd(), 0, 4096, "ram").unwrap();
     let id = w.info().id;
@@ -433,11 +438,7 @@ fn huge_window_read_is_refused_before_allocating() {
 #[test]
 fn read_replies_of_the_wrong_length_or_an_error_fail_the_read_and_the_next_one_lands() {
     let _g = serial();
-    let (l, addr) = tcp_listener("borrower", &victim_cfg(Duration::from_secs(5)));
-    let a2 = addr.clone();
-    let raw = std::thread::spawn(move || Raw::connect(&a2, "exporter"));
-    let ep = l.accept(Some(T)).unwrap();
-    let mut raw = raw.join().unwrap();
+    let (ep, mut raw) = tcp_victim_and_raw("borrower", "exporter");
     let add = msg::WindowAdd {
         id: 7,
         size: 2 << 20,
