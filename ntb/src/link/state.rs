@@ -329,13 +329,7 @@ impl Inner {
         opcode: u16,
         r: std::result::Result<Vec<u8>, ErrorReply>,
     ) {
-        let (flags, payload) = match r {
-            Ok(p) => (FLAG_REPLY, p),
-            Err(e) => (
-                FLAG_REPLY | FLAG_ERROR,
-                wire::encode_payload(&e).unwrap_or_default(),
-            ),
-        };
+        let (flags, payload) = reply_frame(r);
         if let Some(tx) = lock(&self.svc_tx).as_ref() {
             let _ = tx.send(Svc::Frame {
                 flags,
@@ -426,16 +420,8 @@ impl Inner {
         opcode: u16,
         r: std::result::Result<&[u8], ErrorReply>,
     ) -> Result<()> {
-        match r {
-            Ok(p) => self.send_frame_parts(FLAG_REPLY, opcode, id, &[], p),
-            Err(e) => self.send_frame_parts(
-                FLAG_REPLY | FLAG_ERROR,
-                opcode,
-                id,
-                &[],
-                &wire::encode_payload(&e).unwrap_or_default(),
-            ),
-        }
+        let (flags, payload) = reply_frame(r.map(std::borrow::Cow::Borrowed));
+        self.send_frame_parts(flags, opcode, id, &[], &payload)
     }
 
     /// The sink waiting for `h`'s data, when `h` is a window read's data reply.
@@ -781,6 +767,17 @@ impl Inner {
             }
         }
         true
+    }
+}
+
+/// A reply's flags and payload: the data, or the encoded error.
+fn reply_frame<P: From<Vec<u8>>>(r: std::result::Result<P, ErrorReply>) -> (u8, P) {
+    match r {
+        Ok(p) => (FLAG_REPLY, p),
+        Err(e) => (
+            FLAG_REPLY | FLAG_ERROR,
+            P::from(wire::encode_payload(&e).unwrap_or_default()),
+        ),
     }
 }
 
