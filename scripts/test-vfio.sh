@@ -177,6 +177,14 @@ cleanup() {
 	if [ "$rc" != 0 ] && [ -f "$RUN/serial.log" ]; then
 		echo "test-vfio: last lines of L1's console:" >&2
 		tail -n 60 "$RUN/serial.log" >&2
+		# The tests run on several threads, so a panic's message is often further up
+		# than the tail: show every one, and keep the whole console.
+		if grep -q "panicked at" "$RUN/serial.log"; then
+			echo "test-vfio: the panics in L1's console:" >&2
+			grep -A 12 "panicked at" "$RUN/serial.log" >&2
+		fi
+		mkdir -p "$REPO/target" && cp "$RUN/serial.log" "$REPO/target/vfio-l1-console.log" \
+			&& echo "test-vfio: L1's whole console: $REPO/target/vfio-l1-console.log" >&2
 	fi
 	rm -rf "$RUN" "$SHMDIR"
 	exit "$rc"

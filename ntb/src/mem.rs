@@ -59,13 +59,8 @@ pub fn fd_seals(fd: BorrowedFd<'_>) -> Result<Option<libc::c_int>, MemError> {
     }
 }
 
-/// Whether `fd` is a file whose size cannot change under a mapping even though it carries no
-/// seals: character devices, anonymous-inode files, and sysfs files (a lender exports a VFIO
-/// device's BAR as its sysfs `resourceN` file, whose size is the BAR's and which kernfs never
-/// truncates). Regular files (on disk, tmpfs without seals) can be truncated by whoever holds
-/// them, so they are not. (This only answers "can it shrink": a window must still be as large
-/// as the file's `st_size` says, which a VFIO device fd, of size 0, never is.)
-pub fn fd_has_fixed_extent(fd: BorrowedFd<'_>) -> Result<bool, MemError> {
+/// What is behind an fd, as far as a mapping of it is concerned.
+fn is_device_file(fd: BorrowedFd<'_>) -> Result<bool, MemError> {
     const ANON_INODE_FS_MAGIC: i64 = 0x0904_1934;
     const SYSFS_MAGIC: i64 = 0x6265_6572;
     let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
@@ -90,6 +85,89 @@ pub fn fd_has_fixed_extent(fd: BorrowedFd<'_>) -> Result<bool, MemError> {
         sfs.f_type as i64,
         ANON_INODE_FS_MAGIC | SYSFS_MAGIC
     ))
+}
+
+/// Whether `fd` is a file whose size cannot change under a mapping even though it carries no
+/// seals: character devices, anonymous-inode files, and sysfs files (a lender exports a VFIO
+/// device's BAR as its sysfs `resourceN` file, whose size is the BAR's and which kernfs never
+/// truncates). Regular files (on disk, tmpfs without seals) can be truncated by whoever holds
+/// them, so they are not. (This only answers "can it shrink": a window must still be as large
+/// as the file's `st_size` says, which a VFIO device fd, of size 0, never is.)
+pub fn fd_has_fixed_extent(fd: BorrowedFd<'_>) -> Result<bool, MemError> {
+    is_device_file(fd)
+}
+
+/// Whether a mapping of `fd` may be device registers rather than memory: the same files as
+/// [`fd_has_fixed_extent`] (a VFIO device fd, a sysfs `resourceN`, a character device).
+/// Such a mapping is copied in naturally aligned accesses of at most 8 bytes, in address
+/// order ([`Mapping::is_io`]), never by `memcpy` or the kernel's copy to user space, whose
+/// widths (byte stores of `rep movsb`, 16-byte vector moves) a device's registers may take
+/// as other writes: QEMU's e1000e turns each byte store into a whole 32-bit register write.
+pub fn fd_may_be_io(fd: BorrowedFd<'_>) -> Result<bool, MemError> {
+    is_device_file(fd)
+}
+
+/// The width of the access at `addr` with `left` bytes to go: the largest of 8, 4, 2 and 1
+/// that `addr` is aligned to and that fits.
+fn io_width(addr: usize, left: usize) -> usize {
+    [8, 4, 2]
+        .into_iter()
+        .find(|w| addr.is_multiple_of(*w) && left >= *w)
+        .unwrap_or(1)
+}
+
+/// Copies `src` to device memory at `dst` in [`io_width`] accesses, in address order.
+///
+/// # Safety
+/// `dst..dst + src.len()` must be a live, writable mapping.
+unsafe fn copy_to_io(dst: *mut u8, src: &[u8]) {
+    let mut i = 0;
+    while i < src.len() {
+        let at = dst.wrapping_add(i);
+        let w = io_width(at as usize, src.len() - i);
+        let b = &src[i..i + w];
+        // SAFETY: `i + w <= src.len()`, so the access lies inside the caller's live range,
+        // and `io_width` chose `w` so that `at` is aligned to it.
+        unsafe {
+            match w {
+                8 => std::ptr::write_volatile(at.cast::<u64>(), u64::from_ne_bytes(bytes(b))),
+                4 => std::ptr::write_volatile(at.cast::<u32>(), u32::from_ne_bytes(bytes(b))),
+                2 => std::ptr::write_volatile(at.cast::<u16>(), u16::from_ne_bytes(bytes(b))),
+                _ => std::ptr::write_volatile(at, b[0]),
+            }
+        }
+        i += w;
+    }
+}
+
+/// Copies device memory at `src` into `dst` in [`io_width`] accesses, in address order.
+///
+/// # Safety
+/// `src..src + dst.len()` must be a live, readable mapping.
+unsafe fn copy_from_io(dst: &mut [u8], src: *const u8) {
+    let mut i = 0;
+    while i < dst.len() {
+        let at = src.wrapping_add(i);
+        let w = io_width(at as usize, dst.len() - i);
+        let d = &mut dst[i..i + w];
+        // SAFETY: as in `copy_to_io`: inside the caller's live range, aligned to `w`.
+        unsafe {
+            match w {
+                8 => d.copy_from_slice(&std::ptr::read_volatile(at.cast::<u64>()).to_ne_bytes()),
+                4 => d.copy_from_slice(&std::ptr::read_volatile(at.cast::<u32>()).to_ne_bytes()),
+                2 => d.copy_from_slice(&std::ptr::read_volatile(at.cast::<u16>()).to_ne_bytes()),
+                _ => d[0] = std::ptr::read_volatile(at),
+            }
+        }
+        i += w;
+    }
+}
+
+/// The first `N` bytes of `b` (which has exactly `N`) as an array.
+fn bytes<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[..N]);
+    a
 }
 
 /// Checks that `offset..offset+len` lies within `size`.
@@ -133,6 +211,8 @@ pub struct Mapping {
     ptr: *mut u8,
     len: usize,
     severed: AtomicBool,
+    /// Device registers, maybe ([`fd_may_be_io`]): copied in aligned accesses.
+    io: bool,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; access goes through raw-pointer
@@ -146,6 +226,7 @@ impl Mapping {
     pub fn map_shared(fd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<Mapping, MemError> {
         let ulen = usize::try_from(len).map_err(|_| MemError::TooLong(len))?;
         let off = libc::off_t::try_from(offset).map_err(|_| MemError::TooLong(offset))?;
+        let io = fd_may_be_io(fd)?;
         if ulen == 0 {
             return Err(MemError::Map {
                 offset,
@@ -175,6 +256,7 @@ impl Mapping {
             ptr: p.cast(),
             len: ulen,
             severed: AtomicBool::new(false),
+            io,
         })
     }
 
@@ -188,6 +270,13 @@ impl Mapping {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Whether the mapping may be a device's registers ([`fd_may_be_io`]): `read_at` and
+    /// `write_at` then copy in aligned accesses of at most 8 bytes, and nothing may copy into
+    /// it by other means (a socket read straight into it, `memcpy`).
+    pub fn is_io(&self) -> bool {
+        self.io
     }
 
     /// Whether [`Mapping::sever`] has run.
@@ -221,26 +310,32 @@ impl Mapping {
         }
     }
 
-    /// Copies out of the mapping.
+    /// Copies out of the mapping (in aligned accesses if it [`is_io`](Self::is_io)).
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
         check_range(offset, buf.len() as u64, self.len as u64)?;
         // SAFETY: the range was checked against the live mapping; buf is a distinct allocation.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.add(offset as usize),
-                buf.as_mut_ptr(),
-                buf.len(),
-            )
+            let src = self.ptr.add(offset as usize);
+            if self.io {
+                copy_from_io(buf, src);
+            } else {
+                std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), buf.len());
+            }
         };
         Ok(())
     }
 
-    /// Copies into the mapping.
+    /// Copies into the mapping (in aligned accesses if it [`is_io`](Self::is_io)).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
         check_range(offset, data.len() as u64, self.len as u64)?;
         // SAFETY: the range was checked against the live mapping; data is a distinct allocation.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset as usize), data.len())
+            let dst = self.ptr.add(offset as usize);
+            if self.io {
+                copy_to_io(dst, data);
+            } else {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len());
+            }
         };
         Ok(())
     }
@@ -366,6 +461,58 @@ mod tests {
         assert_eq!(&b, b"abc");
         assert!(other.write_at(4095, b"ab").is_err());
         assert_eq!(fd_size(m.fd()).unwrap(), 8192);
+    }
+
+    /// The accesses `copy_to_io` makes for `len` bytes at `addr`: (offset, width).
+    fn io_accesses(addr: usize, len: usize) -> Vec<(usize, usize)> {
+        let mut v = Vec::new();
+        let mut i = 0;
+        while i < len {
+            let w = io_width(addr + i, len - i);
+            v.push((i, w));
+            i += w;
+        }
+        v
+    }
+
+    #[test]
+    fn io_copies_use_aligned_register_widths() {
+        // A 32-byte write at a register-aligned offset: four 8-byte stores, none split.
+        assert_eq!(
+            io_accesses(0x5200, 32),
+            vec![(0, 8), (8, 8), (16, 8), (24, 8)]
+        );
+        // A guest's 4-byte register write stays one 4-byte store; a 2-byte one one 2-byte.
+        assert_eq!(io_accesses(0x5204, 4), vec![(0, 4)]);
+        assert_eq!(io_accesses(0x10, 2), vec![(0, 2)]);
+        // Unaligned edges narrow down to what the address allows, then widen again.
+        assert_eq!(
+            io_accesses(0x1001, 14),
+            vec![(0, 1), (1, 2), (3, 4), (7, 4), (11, 2), (13, 1)]
+        );
+    }
+
+    #[test]
+    fn device_files_map_as_io_and_memory_does_not() {
+        let m = SharedMemory::new("t", 4096).unwrap();
+        assert!(!Mapping::map_shared(m.fd(), 0, 4096).unwrap().is_io());
+        // A character device (a shared mapping of /dev/zero is shared anonymous memory, so
+        // the bytes are checkable): copied in aligned accesses, and they still land whole.
+        let zero = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/zero")
+            .unwrap();
+        let dev = Mapping::map_shared(zero.as_fd(), 0, 4096).unwrap();
+        assert!(dev.is_io());
+        let data: Vec<u8> = (0..=200u8).collect();
+        for at in [0u64, 1, 3, 0x5f, 0x100] {
+            dev.write_at(at, &data).unwrap();
+            let mut back = vec![0u8; data.len()];
+            dev.read_at(at, &mut back).unwrap();
+            assert_eq!(back, data, "at {at:#x}");
+        }
+        assert!(dev.write_at(4000, &data).is_err());
     }
 
     #[test]

@@ -439,7 +439,8 @@ impl Inner {
     /// straight into the window (no payload buffer, no copy): what a mediated window's
     /// writes (a cross-lender P2P copy, a borrower's writes to a mediated BAR) cost on shm.
     /// A refused write's data is skipped through a small buffer, and answered as
-    /// `window_write` would.
+    /// `window_write` would. A window over device registers (a VFIO BAR) is written through
+    /// a buffer in aligned accesses instead.
     fn window_write_in_place(
         &self,
         stream: &Stream,
@@ -463,6 +464,19 @@ impl Inner {
                 Ok((map, w.offset, first.len(), data))
             });
         let r = match target {
+            // Device registers take the write as the writer sent it, in aligned accesses
+            // (`Mapping::is_io`): the kernel's copy would store bytes. The frame is at most
+            // `wire::MAX_PAYLOAD` (`Header::decode` checked), so is this buffer.
+            Ok((map, offset, first, data)) if map.is_io() => {
+                let mut buf = vec![0u8; data];
+                buf[..first].copy_from_slice(&head[n - first..n]);
+                stream
+                    .read_exact(&mut buf[first..], &mut fds, None)
+                    .map_err(read_error)?;
+                map.write_at(offset, &buf)
+                    .map_err(|e| ReadError::Protocol(e.to_string()))?;
+                Ok(Vec::new())
+            }
             Ok((map, offset, first, data)) => {
                 map.write_at(offset, &head[n - first..n])
                     .map_err(|e| ReadError::Protocol(e.to_string()))?;
