@@ -12,11 +12,13 @@
 //! * [`directory`]: the cluster directory (static file or etcd): registration, claims and
 //!   fencing.
 //! * [`spec`]: `--device` parsing.
+//! * [`audit`]: `lenderd --audit-log`: every lease's grant, end and serving, as JSON lines.
 //! * [`metrics`]: the `--metrics` listener (Prometheus/OpenMetrics) of lenderd and lendvm.
 //! * `testing` (cargo feature `testing`): the real `lenderd` as a child process of a test.
 //! * `earlier_borrower` (unit tests and the feature `testing`): a borrower that keeps every
 //!   fd it received and tries them on the next borrower's device.
 
+pub mod audit;
 pub mod auth;
 pub mod backend;
 pub mod cli;

@@ -64,6 +64,11 @@ struct Args {
     /// lends anyway.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<MetricsAddr>,
+    /// Append one JSON line to FILE for every lease granted, ended, and serving requests (at
+    /// most one line per lease every 250 ms): who held which device when, under which fencing
+    /// token (docs/RELIABILITY.md, "The lenders' audit log"). Off by default.
+    #[arg(long, value_name = "FILE")]
+    audit_log: Option<PathBuf>,
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -232,6 +237,11 @@ fn run(args: Args) -> Result<(), String> {
         Some(claims) => Lender::with_claims(Arc::clone(&inventory), &args.node, &token, claims),
         None => Lender::new(Arc::clone(&inventory), &args.node, &token),
     };
+    if let Some(p) = &args.audit_log {
+        let log = lending::audit::AuditLog::open(p, &args.node).map_err(|e| e.to_string())?;
+        lender.set_audit(Arc::new(log));
+        log::info!("lease audit log: {}", p.display());
+    }
     // Peer-to-peer DMA across lenders: this lender finds the others in the cluster file,
     // and those it does not name in the directory.
     if let Some(f) = &file {

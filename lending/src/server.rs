@@ -40,6 +40,7 @@ use ntb::{Endpoint, FabricError, FabricKind, Incoming, Listener, Message, PeerWi
 use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::audit::{AuditLog, AuditedLease};
 use crate::auth::{self, FailureLimiter, Role, Transcript};
 use crate::backend::config::{virtualized_info, ConfigGate};
 use crate::backend::irq::IrqRelay;
@@ -178,6 +179,8 @@ pub struct Lender {
     peers: Arc<PeerLenders>,
     /// Sessions running now and authentication failures by reason (metrics).
     stats: LenderStats,
+    /// `lenderd --audit-log`: leases granted, served and ended.
+    audit: std::sync::OnceLock<Arc<AuditLog>>,
 }
 
 /// Why an authentication failed (a fixed set: the metrics' `reason` label).
@@ -263,6 +266,7 @@ impl Lender {
             p2p: Arc::default(),
             transfers: migration::Transfers::default(),
             stats: LenderStats::default(),
+            audit: std::sync::OnceLock::new(),
         })
     }
 
@@ -287,7 +291,18 @@ impl Lender {
             p2p: Arc::default(),
             transfers: migration::Transfers::default(),
             stats: LenderStats::default(),
+            audit: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Records every lease's grant, serving and end in `log` (once; a second call is
+    /// ignored and returns false).
+    pub fn set_audit(&self, log: Arc<AuditLog>) -> bool {
+        self.audit.set(log).is_ok()
+    }
+
+    pub(crate) fn audit(&self) -> Option<Arc<AuditLog>> {
+        self.audit.get().cloned()
     }
 
     /// How long a session may take from its link coming up to its HELLO (default
@@ -524,6 +539,9 @@ struct SessionLease {
     /// The device's counters when the lease was granted (LEASE_COUNTERS answers the
     /// difference).
     baseline: LeaseCounters,
+    /// The lease's audit records: declared before `lease` so that its `end` is written
+    /// before the device is given back (a next holder's `grant` always comes after it).
+    audit: AuditedLease,
     lease: Lease,
     /// Bound: the domain's MAX_MAPPINGS (a DMA_MAP beyond it is refused before the push).
     maps: Vec<DmaEntry>,
@@ -1109,13 +1127,16 @@ impl Session {
         }
     }
 
+    /// The lease `id` of this link, for a request it serves (noted in the audit log).
     fn lease(&mut self, id: u64) -> Result<&mut SessionLease, ErrorReply> {
-        self.leases.get_mut(&id).ok_or_else(|| {
+        let l = self.leases.get_mut(&id).ok_or_else(|| {
             error(
                 code::UNKNOWN_LEASE,
                 format!("unknown lease {id} on this link"),
             )
-        })
+        })?;
+        l.audit.serve();
+        Ok(l)
     }
 
     fn dispatch(&mut self, op: u16, req: Request, mut fds: Vec<OwnedFd>) -> Reply {
@@ -1469,6 +1490,13 @@ impl Session {
             // version 6 lease needs its capability; shm's origin is the process.
             self.version >= protocol::P2PX_VERSION && self.ep.kind().is_networked(),
         );
+        let audit = AuditedLease::grant(
+            self.lender.audit(),
+            device,
+            id,
+            &format!("{peer}/{vm}"),
+            claim,
+        );
         self.leases.insert(
             id,
             SessionLease {
@@ -1477,6 +1505,7 @@ impl Session {
                 resample: None,
                 _faults: faults,
                 baseline,
+                audit,
                 lease,
                 maps: Vec::new(),
                 bar_windows,

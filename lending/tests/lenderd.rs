@@ -570,3 +570,65 @@ fn a_process_of_lenderds_own_user_cannot_open_its_fds() {
         String::from_utf8_lossy(&o.stdout)
     );
 }
+
+/// `lenderd --audit-log`: the lender's own records of who held the device when. A lease
+/// writes `grant` (holder, no fence without a directory), `serve` for its requests, and
+/// `end` when returned, in that order; the next holder's `grant` comes after that `end`;
+/// a borrower refused while the device is lent leaves no record.
+#[test]
+fn the_audit_log_records_grants_serving_and_ends_in_order() {
+    let c = cluster();
+    let audit = c.dir.path().join("audit.jsonl");
+    let _d = Lenderd::command(env!("CARGO_BIN_EXE_lenderd"), "node3", &c.path)
+        .log(c.dir.path().join("lenderd-audit.log"))
+        .device(format!("{DEV}=dmatest"))
+        .token(TOKEN)
+        .arg("--audit-log")
+        .arg(&audit)
+        .spawn_until_listening(&c.dir.path().join("node3.sock"));
+    let a = connect(&c, "node1");
+    let lease = a.borrow(DEV, "vm0").unwrap();
+    lease.config_read(0, 4).unwrap();
+    let b = connect(&c, "node2");
+    assert!(b.borrow(DEV, "vm7").is_err());
+    drop(lease);
+    assert!(wait_freed(&b, Duration::from_secs(10)), "device not freed");
+    let second = b.borrow(DEV, "vm7").unwrap();
+    drop(second);
+    assert!(wait_freed(&a, Duration::from_secs(10)), "device not freed");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&audit)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let seen: Vec<(String, String)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["event"].as_str().unwrap().to_string(),
+                l["holder"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let want = |e: &str, h: &str| (e.to_string(), h.to_string());
+    assert_eq!(seen[0], want("grant", "node1/vm0"), "{seen:?}");
+    assert!(seen.contains(&want("serve", "node1/vm0")), "{seen:?}");
+    let end1 = seen
+        .iter()
+        .position(|s| *s == want("end", "node1/vm0"))
+        .unwrap();
+    let grant2 = seen
+        .iter()
+        .position(|s| *s == want("grant", "node2/vm7"))
+        .unwrap();
+    assert!(end1 < grant2, "{seen:?}");
+    assert_eq!(seen.last(), Some(&want("end", "node2/vm7")), "{seen:?}");
+    let times: Vec<u64> = lines
+        .iter()
+        .map(|l| l["mono_ms"].as_u64().unwrap())
+        .collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    assert!(lines
+        .iter()
+        .all(|l| l["node"] == "node3" && l["device"] == DEV && l.get("fence").is_none()));
+}

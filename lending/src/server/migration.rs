@@ -598,6 +598,7 @@ impl Session {
         backend.set_kick_listener(Some(kick_listener(&self.ep, &backend, id, &sl.kicks_told)));
         let peer = self.peer();
         sl.lease.set_holder(&peer, &a.vm);
+        sl.audit.rehold(&format!("{peer}/{}", a.vm));
         sl.lease.watch_holder(&self.ep);
         // Peer-to-peer: the source borrower's mappings (of other leases and into this one)
         // end here; the destination maps again under its own identity.

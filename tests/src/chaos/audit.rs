@@ -1,0 +1,163 @@
+//! Lenders' own records into the history: `lenderd --audit-log` lines (`lending::audit`)
+//! become `lease-grant`, `lease-serve` and `lease-end` entries, so that the checker decides
+//! "one holder per device", "fencing tokens grow" and "no lease served after its end" by what
+//! the lenders did, not by what the harness believes they did.
+//!
+//! The audit log's `mono_ms` is `CLOCK_MONOTONIC`; the history's times are ms since the run
+//! began on the harness's clock, which is the same clock ([`monotonic_ms`] at the run's
+//! start is the offset). A device is named `node:bdf` in the history, as VMs name it.
+
+use serde::Deserialize;
+
+use super::history::{Entry, HistoryError, Op, Outcome};
+
+/// `CLOCK_MONOTONIC` in ms, the clock of the lenders' audit logs (`lending::audit`).
+pub fn monotonic_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the valid timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64).saturating_mul(1000) + (ts.tv_nsec as u64) / 1_000_000
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuditLine {
+    mono_ms: u64,
+    node: String,
+    event: String,
+    device: String,
+    lease: u64,
+    holder: String,
+    fence: Option<i64>,
+}
+
+/// The history entries of one lender's audit log `text`, for a run that began at
+/// `t0_mono_ms`. A line that is not an audit record, a grant without a fencing token (a
+/// lender without a directory fences nothing) and a record from before the run are errors
+/// naming the line.
+pub fn entries(text: &str, t0_mono_ms: u64) -> Result<Vec<Entry>, HistoryError> {
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let bad = |message: String| HistoryError::Parse { line, message };
+        let a: AuditLine = serde_json::from_str(raw)
+            .map_err(|e| bad(format!("not an audit record ({e}): {raw}")))?;
+        let at = a.mono_ms.checked_sub(t0_mono_ms).ok_or_else(|| {
+            bad(format!(
+                "record at {} ms is from before the run began ({t0_mono_ms} ms)",
+                a.mono_ms
+            ))
+        })?;
+        let device = format!("{}:{}", a.node, a.device);
+        let op = match a.event.as_str() {
+            "grant" => {
+                let fence = a.fence.ok_or_else(|| {
+                    bad(format!(
+                        "lease {} was granted without a fencing token: the lender has no directory",
+                        a.lease
+                    ))
+                })?;
+                Op::LeaseGrant {
+                    lender: a.node,
+                    device,
+                    lease: a.lease,
+                    holder: a.holder,
+                    fence: u64::try_from(fence)
+                        .map_err(|_| bad(format!("negative fencing token {fence}")))?,
+                }
+            }
+            "serve" => Op::LeaseServe {
+                lender: a.node,
+                device,
+                lease: a.lease,
+            },
+            "end" => Op::LeaseEnd {
+                lender: a.node,
+                device,
+                lease: a.lease,
+                reason: format!("ended by the lender (holder {})", a.holder),
+            },
+            other => return Err(bad(format!("unknown audit event {other:?}"))),
+        };
+        out.push(Entry::at(at, Outcome::Ok, op));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chaos::check::{check, Bounds, Invariant};
+
+    fn rec(ms: u64, event: &str, lease: u64, holder: &str, fence: i64) -> String {
+        format!(
+            r#"{{"mono_ms":{ms},"node":"l1","event":"{event}","device":"0000:82:00.0","lease":{lease},"holder":"{holder}","fence":{fence}}}"#
+        )
+    }
+
+    #[test]
+    fn audit_records_become_lease_entries_the_checker_decides() {
+        let t0 = 1_000;
+        let good = [
+            rec(1_100, "grant", 1, "b1/vm0", 10),
+            rec(1_200, "serve", 1, "b1/vm0", 10),
+            rec(1_300, "end", 1, "b1/vm0", 10),
+            rec(1_400, "grant", 2, "b2/vm1", 12),
+            rec(1_500, "end", 2, "b2/vm1", 12),
+        ]
+        .join("\n");
+        let h = entries(&good, t0).unwrap();
+        assert_eq!(h.len(), 5);
+        assert_eq!(h[0].start_ms, 100);
+        assert!(
+            matches!(&h[0].op, Op::LeaseGrant { device, fence: 10, .. } if device == "l1:0000:82:00.0")
+        );
+        let r = check(&h, &Bounds::default());
+        assert!(r.ok(), "{r}");
+
+        // A paused lender that serves lease 1 after its end, and grants with an older token.
+        let bad = [
+            rec(1_100, "grant", 1, "b1/vm0", 10),
+            rec(1_300, "end", 1, "b1/vm0", 10),
+            rec(1_350, "serve", 1, "b1/vm0", 10),
+            rec(1_400, "grant", 2, "b2/vm1", 9),
+            rec(1_500, "end", 2, "b2/vm1", 9),
+        ]
+        .join("\n");
+        let r = check(&entries(&bad, t0).unwrap(), &Bounds::default());
+        assert_eq!(r.count(Invariant::FencedServe), 1, "{r}");
+        assert_eq!(r.count(Invariant::FenceOrder), 1, "{r}");
+    }
+
+    #[test]
+    fn unreadable_or_unfenced_records_are_errors_naming_the_line() {
+        let e = entries("{\"x\":1}", 0).unwrap_err().to_string();
+        assert!(
+            e.contains("line 1") && e.contains("not an audit record"),
+            "{e}"
+        );
+        let unfenced =
+            r#"{"mono_ms":5,"node":"l1","event":"grant","device":"d","lease":1,"holder":"h"}"#;
+        let e = entries(&format!("\n{unfenced}"), 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 2") && e.contains("without a fencing token"),
+            "{e}"
+        );
+        let e = entries(&rec(5, "grant", 1, "h", 1), 10)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("before the run began"), "{e}");
+        let e = entries(&rec(15, "meteor", 1, "h", 1), 10)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown audit event \"meteor\""), "{e}");
+    }
+}
