@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Errors of the audit log.
@@ -51,7 +51,7 @@ pub enum AuditError {
 pub const SERVE_INTERVAL: Duration = Duration::from_millis(250);
 
 /// What happened to a lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum AuditEvent {
     /// Granted (BORROW or BORROW_CLAIMED answered).
@@ -62,16 +62,26 @@ pub enum AuditEvent {
     End,
 }
 
-#[derive(Serialize)]
-struct Line<'a> {
-    mono_ms: u64,
-    node: &'a str,
-    event: AuditEvent,
-    device: &'a str,
-    lease: u64,
-    holder: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    fence: Option<i64>,
+/// One line of the audit log, as written and as a reader parses it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditRecord {
+    /// `CLOCK_MONOTONIC` in ms ([`monotonic_ms`]).
+    pub mono_ms: u64,
+    /// The lender's node name.
+    pub node: String,
+    /// What happened.
+    pub event: AuditEvent,
+    /// The device's id on the lender.
+    pub device: String,
+    /// The lease id.
+    pub lease: u64,
+    /// `node/vm` of the borrower.
+    pub holder: String,
+    /// The directory claim's revision the lease was granted under; absent without a
+    /// directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<i64>,
 }
 
 /// `CLOCK_MONOTONIC` in milliseconds.
@@ -117,13 +127,13 @@ impl AuditLog {
 
     /// Writes one record.
     pub fn record(&self, event: AuditEvent, lease: &AuditedLease) {
-        let line = Line {
+        let line = AuditRecord {
             mono_ms: monotonic_ms(),
-            node: &self.node,
+            node: self.node.clone(),
             event,
-            device: &lease.device,
+            device: lease.device.clone(),
             lease: lease.lease,
-            holder: &lease.holder,
+            holder: lease.holder.clone(),
             fence: lease.fence,
         };
         let Ok(mut text) = serde_json::to_vec(&line) else {

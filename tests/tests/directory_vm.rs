@@ -54,21 +54,8 @@ fn a_vm_keeps_its_device_through_an_etcd_leader_change() {
         .arg(&sock)
         .device(format!("{DMATEST_BDF}=dmatest"))
         .spawn_until_listening(&sock);
-    let api_sock = dir.path().join("api.sock");
-    let mut vm = Vm::start(
-        "64M",
-        &[
-            "--cluster",
-            &file.display().to_string(),
-            "--api-socket",
-            &api_sock.display().to_string(),
-            "--cmdline",
-            &format!("tests=hotplug rounds=2 seed={SEED:#x}"),
-        ],
-    );
-    vm.wait_api();
+    let mut vm = hotplug_vm(&file, &dir.path().join("api.sock"), 2);
     let api = vm.api();
-    vm.expect_line("HOTPLUG ready", T);
     // The lender registers right after it listens: retry the add (bounded) until it has.
     let t0 = Instant::now();
     let added = loop {
