@@ -70,19 +70,7 @@ fn a_vm_keeps_its_device_through_an_etcd_leader_change() {
     vm.expect_nth_line("TEST dmatest-copy ok", 0, T);
 
     // A second VM cannot take the claimed device.
-    let api2_sock = dir.path().join("api2.sock");
-    let vm2 = Vm::start(
-        "64M",
-        &[
-            "--cluster",
-            &file.display().to_string(),
-            "--api-socket",
-            &api2_sock.display().to_string(),
-            "--cmdline",
-            "tests=idle",
-        ],
-    );
-    vm2.wait_api();
+    let vm2 = vm_on(&file, &dir.path().join("api2.sock"), "tests=idle");
     let e = add(&vm2.api(), "d0").unwrap_err();
     assert!(e.contains("409") || e.contains("claimed by"), "{e}");
     drop(vm2);
@@ -148,8 +136,9 @@ fn a_vm_keeps_its_device_through_an_etcd_leader_change() {
     vm.expect_exit(0, T);
 }
 
-/// Starts a VM of the bare-metal guest's hotplug loop (`rounds` ejects) on `file`.
-fn hotplug_vm(file: &std::path::Path, sock: &std::path::Path, rounds: u32) -> Vm {
+/// Starts a VM of the bare-metal guest with `cmdline` on the cluster `file`, its API at
+/// `sock`, once the API answers.
+fn vm_on(file: &std::path::Path, sock: &std::path::Path, cmdline: &str) -> Vm {
     let vm = Vm::start(
         "64M",
         &[
@@ -158,10 +147,20 @@ fn hotplug_vm(file: &std::path::Path, sock: &std::path::Path, rounds: u32) -> Vm
             "--api-socket",
             &sock.display().to_string(),
             "--cmdline",
-            &format!("tests=hotplug rounds={rounds} seed={SEED:#x}"),
+            cmdline,
         ],
     );
     vm.wait_api();
+    vm
+}
+
+/// Starts a VM of the bare-metal guest's hotplug loop (`rounds` ejects) on `file`.
+fn hotplug_vm(file: &std::path::Path, sock: &std::path::Path, rounds: u32) -> Vm {
+    let vm = vm_on(
+        file,
+        sock,
+        &format!("tests=hotplug rounds={rounds} seed={SEED:#x}"),
+    );
     vm.expect_line("HOTPLUG ready", T);
     vm
 }
