@@ -5,13 +5,14 @@
 //! a lease served anything after it ended.
 //!
 //! ```text
-//! {"mono_ms":81234,"node":"l1","event":"grant","device":"0000:82:00.0","lease":3,"holder":"b1/vm0","fence":412}
-//! {"mono_ms":81240,"node":"l1","event":"serve","device":"0000:82:00.0","lease":3,"holder":"b1/vm0","fence":412}
-//! {"mono_ms":90007,"node":"l1","event":"end","device":"0000:82:00.0","lease":3,"holder":"b1/vm0","fence":412}
+//! {"mono_ms":81234,"node":"l1","boot":2210,"event":"grant","device":"0000:82:00.0","lease":3,"holder":"b1/vm0","fence":412}
+//! {"mono_ms":81240,"node":"l1","boot":2210,"event":"serve","device":"0000:82:00.0","lease":3,"holder":"b1/vm0","fence":412}
+//! {"mono_ms":90007,"node":"l1","boot":2210,"event":"end","device":"0000:82:00.0","lease":3,"holder":"b1/vm0","fence":412}
 //! ```
 //!
 //! * `mono_ms` is `CLOCK_MONOTONIC` in milliseconds: one clock for every process of a host,
 //!   so records of several lenders and a harness on one machine line up; it never jumps.
+//! * `boot` tells runs of lenderd apart (lease ids start at 1 again after a restart).
 //! * `fence` is the directory claim's revision the lease was granted under (absent without a
 //!   directory).
 //! * `serve` is written when a lease's request is handled, at most once per
@@ -70,6 +71,11 @@ pub struct AuditRecord {
     pub mono_ms: u64,
     /// The lender's node name.
     pub node: String,
+    /// Which run of lenderd wrote it: `CLOCK_MONOTONIC` in ms when it opened the log.
+    /// Lease ids start again at 1 when lenderd restarts; `(node, boot, lease)` names one
+    /// lease for good.
+    #[serde(default)]
+    pub boot: u64,
     /// What happened.
     pub event: AuditEvent,
     /// The device's id on the lender.
@@ -98,6 +104,7 @@ pub fn monotonic_ms() -> u64 {
 /// An open audit log.
 pub struct AuditLog {
     node: String,
+    boot: u64,
     file: Mutex<File>,
     path: PathBuf,
     /// The last write failure's report (rate limit).
@@ -119,6 +126,7 @@ impl AuditLog {
             })?;
         Ok(AuditLog {
             node: node.to_string(),
+            boot: monotonic_ms(),
             file: Mutex::new(file),
             path: path.to_path_buf(),
             last_error: Mutex::new(None),
@@ -130,6 +138,7 @@ impl AuditLog {
         let line = AuditRecord {
             mono_ms: monotonic_ms(),
             node: self.node.clone(),
+            boot: self.boot,
             event,
             device: lease.device.clone(),
             lease: lease.lease,

@@ -27,19 +27,93 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Where a member runs: its address, and the network namespace it runs in when a harness
+/// made one per host (`None`: this process's, on loopback).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberHost {
+    pub ip: String,
+    pub netns: Option<String>,
+}
+
+impl MemberHost {
+    /// A member on loopback.
+    pub fn loopback() -> Self {
+        Self {
+            ip: "127.0.0.1".into(),
+            netns: None,
+        }
+    }
+}
+
+/// Runs `f` on a thread that joined network namespace `ns` (`/var/run/netns/NS`), or on a
+/// plain thread when `ns` is `None`; sockets it opens and processes it starts live there.
+pub fn in_netns<R: Send>(ns: Option<&str>, f: impl FnOnce() -> R + Send) -> R {
+    use std::os::fd::AsRawFd;
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            if let Some(ns) = ns {
+                let path = format!("/var/run/netns/{ns}");
+                let nsf = std::fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+                // SAFETY: setns on a valid namespace fd, for this thread only; no memory
+                // involved.
+                let rc = unsafe { libc::setns(nsf.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(
+                    rc,
+                    0,
+                    "setns into {ns}: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+            f()
+        });
+        match h.join() {
+            Ok(v) => v,
+            Err(p) => std::panic::resume_unwind(p),
+        }
+    })
+}
+
 /// One etcd member process.
 pub struct Member {
     pub name: String,
+    pub host: MemberHost,
     pub client_port: u16,
     pub peer_port: u16,
     child: Option<Child>,
     log: PathBuf,
+    /// The command line that starts it (again, after a kill: same data directory).
+    argv: Vec<std::ffi::OsString>,
 }
 
 impl Member {
-    /// `127.0.0.1:port` of its client listener.
+    /// `ip:port` of its client listener.
     pub fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
+        format!("{}:{}", self.host.ip, self.client_port)
+    }
+
+    /// Starts it (again: a member killed keeps its data directory and rejoins).
+    pub fn start(&mut self) {
+        if self.child.is_some() {
+            return;
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(&self.argv[0])
+            .args(&self.argv[1..])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+    }
+
+    /// Whether it runs (was started and not killed).
+    pub fn running(&self) -> bool {
+        self.child.is_some()
     }
 
     /// Its pid while it runs.
@@ -78,6 +152,9 @@ pub struct EtcdCluster {
     /// The etcd user and its password file, once [`EtcdCluster::enable_auth`] ran.
     pub user: Option<(String, PathBuf)>,
     dir: tempfile::TempDir,
+    /// The network namespace this process's own checks (the leader, `enable_auth`) run in
+    /// when the members live in namespaces: the first member's.
+    probe_netns: Option<String>,
 }
 
 /// A test CA, the members' certificate (for `127.0.0.1` and `localhost`) and a client
@@ -98,7 +175,9 @@ fn write_private(path: &std::path::Path, text: &str) {
 }
 
 impl TlsFiles {
-    fn make(dir: &std::path::Path, client_cert_auth: bool) -> TlsFiles {
+    /// A CA, a server certificate for `names` (addresses or host names) and a client
+    /// certificate, in `dir`.
+    pub fn make(dir: &std::path::Path, names: Vec<String>, client_cert_auth: bool) -> TlsFiles {
         use rcgen::{
             BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
         };
@@ -117,11 +196,7 @@ impl TlsFiles {
             let c = p.signed_by(&k, &ca, &ca_key).unwrap();
             (c.pem(), k.serialize_pem())
         };
-        let (server, server_key) = leaf(
-            vec!["127.0.0.1".into(), "localhost".into()],
-            "etcd",
-            ExtendedKeyUsagePurpose::ServerAuth,
-        );
+        let (server, server_key) = leaf(names, "etcd", ExtendedKeyUsagePurpose::ServerAuth);
         let (client, client_key) = leaf(
             Vec::new(),
             "lendvm-test-client",
@@ -175,59 +250,83 @@ impl EtcdCluster {
     }
 
     fn start_with(n: usize, tls: bool, client_cert_auth: bool) -> Self {
+        Self::start_on(&vec![MemberHost::loopback(); n], tls, client_cert_auth)
+    }
+
+    /// One member per host of `hosts`: on loopback with free ports, or in a host's network
+    /// namespace on its address with etcd's usual ports (2379 clients, 2380 peers). Peers
+    /// talk plain http (a harness's private bridge); clients TLS when `tls`.
+    pub fn start_on(hosts: &[MemberHost], tls: bool, client_cert_auth: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let bin = etcd_binary();
-        let tls = tls.then(|| TlsFiles::make(dir.path(), client_cert_auth));
+        let mut names: Vec<String> = hosts.iter().map(|h| h.ip.clone()).collect();
+        names.sort();
+        names.dedup();
+        names.push("localhost".into());
+        let tls = tls.then(|| TlsFiles::make(dir.path(), names, client_cert_auth));
         let scheme = if tls.is_some() { "https" } else { "http" };
-        let mut members: Vec<Member> = (0..n)
-            .map(|i| Member {
-                name: format!("m{i}"),
-                client_port: free_port(),
-                peer_port: free_port(),
-                child: None,
-                log: dir.path().join(format!("m{i}.log")),
+        let mut members: Vec<Member> = hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let (client_port, peer_port) = match h.netns {
+                    Some(_) => (2379, 2380),
+                    None => (free_port(), free_port()),
+                };
+                Member {
+                    name: format!("m{i}"),
+                    host: h.clone(),
+                    client_port,
+                    peer_port,
+                    child: None,
+                    log: dir.path().join(format!("m{i}.log")),
+                    argv: Vec::new(),
+                }
             })
             .collect();
         let initial: Vec<String> = members
             .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .map(|m| format!("{}=http://{}:{}", m.name, m.host.ip, m.peer_port))
             .collect();
         let initial = initial.join(",");
         for m in members.iter_mut() {
-            let log = std::fs::File::create(&m.log).unwrap();
-            let client = format!("{scheme}://127.0.0.1:{}", m.client_port);
-            let peer = format!("http://127.0.0.1:{}", m.peer_port);
-            let mut cmd = Command::new(&bin);
+            let client = format!("{scheme}://{}", m.endpoint());
+            let peer = format!("http://{}:{}", m.host.ip, m.peer_port);
+            let mut argv: Vec<std::ffi::OsString> = Vec::new();
+            if let Some(ns) = &m.host.netns {
+                argv.extend(["ip", "netns", "exec", ns.as_str()].map(Into::into));
+            }
+            argv.push(bin.clone().into());
             if let Some(t) = &tls {
-                cmd.arg("--cert-file")
-                    .arg(&t.server_cert)
-                    .arg("--key-file")
-                    .arg(&t.server_key)
-                    .arg("--trusted-ca-file")
-                    .arg(&t.ca);
+                argv.push("--cert-file".into());
+                argv.push(t.server_cert.clone().into());
+                argv.push("--key-file".into());
+                argv.push(t.server_key.clone().into());
+                argv.push("--trusted-ca-file".into());
+                argv.push(t.ca.clone().into());
                 if t.client_cert_auth {
-                    cmd.arg("--client-cert-auth");
+                    argv.push("--client-cert-auth".into());
                 }
             }
-            let child = cmd
-                .arg("--name")
-                .arg(&m.name)
-                .arg("--data-dir")
-                .arg(dir.path().join(&m.name))
-                .args(["--listen-client-urls", &client])
-                .args(["--advertise-client-urls", &client])
-                .args(["--listen-peer-urls", &peer])
-                .args(["--initial-advertise-peer-urls", &peer])
-                .args(["--initial-cluster", &initial])
-                .args(["--initial-cluster-state", "new"])
-                .args(["--initial-cluster-token", "lendvm-test"])
-                .args(["--heartbeat-interval", "100", "--election-timeout", "1000"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap();
-            m.child = Some(child);
+            let data = dir.path().join(&m.name);
+            for (k, v) in [
+                ("--name", m.name.as_str()),
+                ("--data-dir", data.to_str().unwrap()),
+                ("--listen-client-urls", &client),
+                ("--advertise-client-urls", &client),
+                ("--listen-peer-urls", &peer),
+                ("--initial-advertise-peer-urls", &peer),
+                ("--initial-cluster", &initial),
+                ("--initial-cluster-state", "new"),
+                ("--initial-cluster-token", "lendvm-test"),
+                ("--heartbeat-interval", "100"),
+                ("--election-timeout", "1000"),
+            ] {
+                argv.push(k.into());
+                argv.push(v.into());
+            }
+            m.argv = argv;
+            m.start();
         }
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let prefix = format!(
@@ -235,12 +334,14 @@ impl EtcdCluster {
             std::process::id(),
             NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
         );
+        let probe_netns = hosts.iter().find_map(|h| h.netns.clone());
         let c = EtcdCluster {
             members,
             prefix,
             tls,
             user: None,
             dir,
+            probe_netns,
         };
         c.wait_leader(START_TIMEOUT);
         c
@@ -314,23 +415,26 @@ impl EtcdCluster {
             .enable_all()
             .build()
             .unwrap();
-        rt.block_on(async {
-            let mut c = self.raw_client().await;
-            c.user_add("root", format!("{password}-root"), None)
+        let this = &*self;
+        in_netns(this.probe_netns.as_deref(), || {
+            rt.block_on(async {
+                let mut c = this.raw_client().await;
+                c.user_add("root", format!("{password}-root"), None)
+                    .await
+                    .unwrap();
+                c.role_add("root").await.unwrap();
+                c.user_grant_role("root", "root").await.unwrap();
+                c.user_add(user, password, None).await.unwrap();
+                c.role_add("lendvm").await.unwrap();
+                c.role_grant_permission(
+                    "lendvm",
+                    Permission::new(PermissionType::Readwrite, "/").with_prefix(),
+                )
                 .await
                 .unwrap();
-            c.role_add("root").await.unwrap();
-            c.user_grant_role("root", "root").await.unwrap();
-            c.user_add(user, password, None).await.unwrap();
-            c.role_add("lendvm").await.unwrap();
-            c.role_grant_permission(
-                "lendvm",
-                Permission::new(PermissionType::Readwrite, "/").with_prefix(),
-            )
-            .await
-            .unwrap();
-            c.user_grant_role(user, "lendvm").await.unwrap();
-            c.auth_enable().await.unwrap();
+                c.user_grant_role(user, "lendvm").await.unwrap();
+                c.auth_enable().await.unwrap();
+            })
         });
         let pw = self.dir.path().join(format!("{user}.password"));
         write_private(&pw, &format!("{password}\n"));
@@ -339,6 +443,10 @@ impl EtcdCluster {
 
     /// The index of the current leader among the running members, if one answers.
     pub fn leader(&self) -> Option<usize> {
+        in_netns(self.probe_netns.as_deref(), || self.leader_here())
+    }
+
+    fn leader_here(&self) -> Option<usize> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

@@ -9,6 +9,7 @@
 //! `lost` state meanwhile).
 //!
 //! Console lines: `HOTPLUG ready mode=hotplug rounds=N`, `HOTPLUG event ged=… up=… down=…`,
+//! `HOTPLUG io seq=N seed=S ok|fail` (with `seqio=1`, after an NVMe function's test),
 //! `HOTPLUG add slot=S bdf=00:SS.0 id=vvvv:dddd class=cccccc`, `HOTPLUG eject slot=S`, and
 //! at the end `TEST hotplug ok rounds=N adds=A ejects=E` (or `TEST idle ok …`).
 
@@ -43,6 +44,11 @@ pub struct Mode {
     /// `removing`/`lost` state).
     pub eject_delay_ms: u64,
     pub nvme: nvme::Params,
+    /// `seqio=1`: every add of an NVMe function writes its own data (the pattern seeded by
+    /// `seed ^ <add number>`) and reports `HOTPLUG io seq=<add number> seed=<hex> ok|fail`
+    /// after its driver test, so a host can tell each write from the others (the chaos
+    /// harness's history).
+    pub seqio: bool,
 }
 
 struct State {
@@ -165,7 +171,19 @@ fn add(r: &mut Results, mode: &Mode, st: &mut State, slot: u8) {
         return;
     }
     let failed = r.failed;
-    if f.class() == nvme::CLASS {
+    if f.class() == nvme::CLASS && mode.seqio {
+        let p = nvme::Params {
+            seed: mode.nvme.seed ^ st.adds as u32,
+            ..mode.nvme
+        };
+        nvme::test_on(f, r, p);
+        Out.s("HOTPLUG io seq=")
+            .dec(st.adds)
+            .s(" seed=")
+            .hex(p.seed as u64)
+            .s(if r.failed == failed { " ok" } else { " fail" })
+            .nl();
+    } else if f.class() == nvme::CLASS {
         nvme::test_on(f, r, mode.nvme);
     } else if f.id() == dmatest::ID {
         dmatest::test_on(f, r, mode.nvme.seed);

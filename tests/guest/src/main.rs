@@ -18,7 +18,7 @@
 //! | `p2p-nvme` | a real NVMe (the first class 01:08:02 function) reads a block it was given from RAM straight into an ivshmem-plain function's BAR 2; the peer's BAR and the cleared RAM buffer are checked | `seed=`, `lba=` |
 //! | `p2p-loss` | RAM → peer BAR once (verified), then the same copy every tick until one ends with STATUS.error (the host kills the peer's lender) | `seed=`, `wait_ms=` (30000) |
 //! | `bme-steps` | Memory → Bus Master on → off, each step acknowledged by the host through a mailbox | `wait_ms=` |
-//! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0) |
+//! | `hotplug` | GED/PCI-hotplug event loop: driver test on every add, eject on every removal; ends after `rounds=N` ejects | `rounds=` (1), `wait_ms=` (30000 per event), `total_ms=` (600000), `eject_delay_ms=` (0), `seqio=1` (each NVMe add writes `seed ^ add` and prints `HOTPLUG io seq=`) |
 //! | `nvme-loop` | one verified page of NVMe I/O every `period_ms=` ticks; re-initialises a controller found reset (after a restore) and retries; ends when the host writes the mailbox | `seed=`, `lba=`, `period_ms=` (100), `total_ms=` (600000) |
 //! | `ticker` | prints `TICK n` every `period_ms=` ticks and checks a memory marker until the host writes the mailbox (snapshot/restore/migration tests); `churn=1` keeps rewriting 2 MiB between ticks | `seed=`, `period_ms=` (100), `total_ms=` (600000), `churn=` (0) |
 //! | `idle` | the same loop without I/O, for `total_ms=` (default 600000), then exit 0 | `total_ms=` |
@@ -168,6 +168,7 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
             total_ms: info.param_u64("total_ms", 600_000),
             eject_delay_ms: info.param_u64("eject_delay_ms", 0),
             nvme: params,
+            seqio: info.param_u64("seqio", 0) != 0,
         };
         hotplug::run(&mut r, &mode);
     }
@@ -197,6 +198,7 @@ extern "C" fn guest_main(zero_page: u64) -> ! {
             total_ms: info.param_u64("total_ms", 600_000),
             eject_delay_ms: info.param_u64("eject_delay_ms", 0),
             nvme: params,
+            seqio: false,
         };
         hotplug::run(&mut r, &mode);
     }

@@ -5,7 +5,9 @@
 //!
 //! The audit log's `mono_ms` is `CLOCK_MONOTONIC`; the history's times are ms since the run
 //! began on the harness's clock, which is the same clock ([`monotonic_ms`] at the run's
-//! start is the offset). A device is named `node:bdf` in the history, as VMs name it.
+//! start is the offset). A device is named `node:bdf` in the history, as VMs name it. Lease
+//! ids start at 1 in every run of lenderd, so a history's lease id carries the run (the
+//! record's `boot`, numbered per node in order of appearance) in its high 32 bits.
 
 use lending::audit::{AuditEvent, AuditRecord};
 
@@ -19,6 +21,9 @@ pub use lending::audit::monotonic_ms;
 /// naming the line.
 pub fn entries(text: &str, t0_mono_ms: u64) -> Result<Vec<Entry>, HistoryError> {
     let mut out = Vec::new();
+    // Lease ids start at 1 in every run of lenderd: the history's lease is the run's index
+    // (in order of appearance, per node) in the high 32 bits and the lenderd's id below.
+    let mut runs: Vec<(String, u64)> = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let line = i + 1;
         if raw.trim().is_empty() {
@@ -34,6 +39,14 @@ pub fn entries(text: &str, t0_mono_ms: u64) -> Result<Vec<Entry>, HistoryError> 
             ))
         })?;
         let device = format!("{}:{}", a.node, a.device);
+        let run = match runs.iter().position(|r| r.0 == a.node && r.1 == a.boot) {
+            Some(i) => i,
+            None => {
+                runs.push((a.node.clone(), a.boot));
+                runs.len() - 1
+            }
+        };
+        let lease = ((run as u64) << 32) | (a.lease & 0xffff_ffff);
         let op = match a.event {
             AuditEvent::Grant => {
                 let fence = a.fence.ok_or_else(|| {
@@ -45,7 +58,7 @@ pub fn entries(text: &str, t0_mono_ms: u64) -> Result<Vec<Entry>, HistoryError> 
                 Op::LeaseGrant {
                     lender: a.node,
                     device,
-                    lease: a.lease,
+                    lease,
                     holder: a.holder,
                     fence: u64::try_from(fence)
                         .map_err(|_| bad(format!("negative fencing token {fence}")))?,
@@ -54,12 +67,12 @@ pub fn entries(text: &str, t0_mono_ms: u64) -> Result<Vec<Entry>, HistoryError> 
             AuditEvent::Serve => Op::LeaseServe {
                 lender: a.node,
                 device,
-                lease: a.lease,
+                lease,
             },
             AuditEvent::End => Op::LeaseEnd {
                 lender: a.node,
                 device,
-                lease: a.lease,
+                lease,
                 reason: format!("ended by the lender (holder {})", a.holder),
             },
         };
@@ -111,6 +124,31 @@ mod tests {
         let r = check(&entries(&bad, t0).unwrap(), &Bounds::default());
         assert_eq!(r.count(Invariant::FencedServe), 1, "{r}");
         assert_eq!(r.count(Invariant::FenceOrder), 1, "{r}");
+    }
+
+    #[test]
+    fn a_restarted_lenders_lease_ids_are_its_own() {
+        // lenderd restarted (boot 5000): its lease 1 is not the first run's lease 1, which
+        // ended before; serving it is no serve after an end.
+        let with_boot = |r: String, boot: u64| {
+            r.replacen(
+                "\"node\":\"l1\"",
+                &format!("\"node\":\"l1\",\"boot\":{boot}"),
+                1,
+            )
+        };
+        let text = [
+            with_boot(rec(1_100, "grant", 1, "b1/vm0", 10), 1_000),
+            with_boot(rec(1_300, "end", 1, "b1/vm0", 10), 1_000),
+            with_boot(rec(5_100, "grant", 1, "b2/vm1", 12), 5_000),
+            with_boot(rec(5_200, "serve", 1, "b2/vm1", 12), 5_000),
+            with_boot(rec(5_300, "end", 1, "b2/vm1", 12), 5_000),
+        ]
+        .join("\n");
+        let h = entries(&text, 1_000).unwrap();
+        let r = check(&h, &Bounds::default());
+        assert!(r.ok(), "{r}");
+        assert!(matches!(h[2].op, Op::LeaseGrant { lease, .. } if lease == (1 << 32) | 1));
     }
 
     #[test]

@@ -1,0 +1,804 @@
+//! A cluster under fire (issue 34; docs/RELIABILITY.md, "A cluster under fire"): a real
+//! cluster on this machine, faults from a seeded schedule, one history, the checker.
+//!
+//! * **Hosts** are network namespaces made here (`lvcNNNN-*`), joined by a bridge in a hub
+//!   namespace, on link-local 169.254.91.0/24, deleted at the end (also after a failure):
+//!   `e1`..`e3` run the 3 etcd members (clients over TLS with client certificates),
+//!   `l1`..`l3` the lenders (tcp+TLS fabric, each lending two emulated NVMe disks, with
+//!   `--audit-log`), `b1` and `b2` two VMs each (`lendvm` with the bare-metal guest).
+//! * **Workload.** Each VM adds its disk through the REST API, its guest's hotplug loop
+//!   writes the disk with data of its own (`seqio=1`: `seed ^ add number`) and reads it back,
+//!   and the VM removes the disk again; then over. Every API call, every write and read,
+//!   every device event goes into the history; the lenders' audit logs are read into it at
+//!   the end (`lendvm_tests::chaos::audit`).
+//! * **Faults** from `Schedule::generate(seed, ...)`, each injected and healed on time:
+//!   lender SIGKILL + restart, lender SIGSTOP + SIGCONT, the etcd leader killed, a minority
+//!   and a majority of etcd members stopped, partitions (iptables in the namespaces) between a
+//!   lender and etcd, a lender and the borrower hosts, a borrower host and etcd, 30 % random
+//!   packet loss on a lender-borrower link (iptables `statistic`), and faster hot-plug churn
+//!   on a VM. `link-delay`, `link-reorder`, `lender-disk-full`, `migrate` and `vmm-restart`
+//!   are not injected by this runner yet: naming one is an error.
+//! * **Verdict.** The checker (`lendvm_tests::chaos::check`) decides the history; the test
+//!   fails on any violation and prints the report (also `OUT/report.md`).
+//!
+//! `scripts/chaos.sh --minutes N --seed S [--faults a,b]` runs it (root, etcd installed):
+//! environment `LENDVM_CHAOS_SEED`, `LENDVM_CHAOS_MINUTES`, `LENDVM_CHAOS_FAULTS`,
+//! `LENDVM_CHAOS_OUT` (default `target/chaos/seed-S`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use api::client::ApiClient;
+use api::types::{LeaseState, VmAddRemoteDeviceData, VmRemoveDeviceData};
+use common::*;
+use lending::directory::testing::{in_netns, EtcdCluster, MemberHost};
+use lendvm_tests::chaos::audit;
+use lendvm_tests::chaos::check::{check, Bounds};
+use lendvm_tests::chaos::history::{self, DeviceEvent, Op, Outcome, Phase};
+use lendvm_tests::chaos::recorder::Recorder;
+use lendvm_tests::chaos::schedule::{self, FaultKind, Schedule, Topology};
+
+const NET: &str = "169.254.91";
+const ETCD: [&str; 3] = ["e1", "e2", "e3"];
+const LENDERS: [&str; 3] = ["l1", "l2", "l3"];
+const BORROWERS: [&str; 2] = ["b1", "b2"];
+const DISKS: [&str; 2] = ["0000:82:00.0", "0000:84:00.0"];
+const LENDER_PORT: u16 = 7800;
+/// The first LBA each guest writes (64 LBAs of 512 bytes from there).
+const LBA: u64 = 16;
+/// Quiet time after the last heal: the checker's recovery bound (60 s) and some.
+const SETTLE_MS: u64 = 65_000;
+/// The faults this runner injects.
+const RUNNABLE: [FaultKind; 10] = [
+    FaultKind::LenderKill,
+    FaultKind::LenderPause,
+    FaultKind::EtcdLeaderKill,
+    FaultKind::EtcdMinority,
+    FaultKind::EtcdMajority,
+    FaultKind::PartitionLenderEtcd,
+    FaultKind::PartitionLenderBorrowers,
+    FaultKind::PartitionBorrowerEtcd,
+    FaultKind::LinkLoss,
+    FaultKind::HotplugChurn,
+];
+
+fn host_ip(host: &str) -> String {
+    let n = match host {
+        "e1" => 11,
+        "e2" => 12,
+        "e3" => 13,
+        "l1" => 21,
+        "l2" => 22,
+        "l3" => 23,
+        "b1" => 31,
+        "b2" => 32,
+        _ => panic!("no host {host}"),
+    };
+    format!("{NET}.{n}")
+}
+
+fn run(prog: &str, args: &[&str]) {
+    let out = Command::new(prog).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{prog} {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The namespaces of one run; deleted on drop.
+struct Net {
+    tag: String,
+    made: Vec<String>,
+}
+
+impl Net {
+    fn ns(&self, host: &str) -> String {
+        format!("{}-{host}", self.tag)
+    }
+
+    fn make() -> Net {
+        let tag = format!("lvc{:04}", std::process::id() % 10_000);
+        let mut net = Net {
+            tag,
+            made: Vec::new(),
+        };
+        let hub = net.ns("hub");
+        run("ip", &["netns", "add", &hub]);
+        net.made.push(hub.clone());
+        run("ip", &["-n", &hub, "link", "add", "br0", "type", "bridge"]);
+        run("ip", &["-n", &hub, "link", "set", "br0", "up"]);
+        for h in ETCD.iter().chain(&LENDERS).chain(&BORROWERS) {
+            let ns = net.ns(h);
+            run("ip", &["netns", "add", &ns]);
+            net.made.push(ns.clone());
+            let port = format!("{}{h}", net.tag);
+            run(
+                "ip",
+                &[
+                    "link", "add", &port, "netns", &hub, "type", "veth", "peer", "name", "eth0",
+                    "netns", &ns,
+                ],
+            );
+            run(
+                "ip",
+                &["-n", &hub, "link", "set", &port, "master", "br0", "up"],
+            );
+            let addr = format!("{}/24", host_ip(h));
+            run("ip", &["-n", &ns, "addr", "add", &addr, "dev", "eth0"]);
+            run("ip", &["-n", &ns, "link", "set", "eth0", "up"]);
+            run("ip", &["-n", &ns, "link", "set", "lo", "up"]);
+        }
+        net
+    }
+
+    /// Adds (`-A`) or deletes (`-D`) an iptables rule in `host`'s namespace.
+    fn rule(&self, host: &str, op: &str, rule: &[&str]) {
+        let ns = self.ns(host);
+        let mut args = vec!["netns", "exec", &ns, "iptables-legacy", op];
+        args.extend_from_slice(rule);
+        run("ip", &args);
+    }
+
+    /// Cuts (`-A`) or heals (`-D`) all traffic between `host` and `peers`, on `host`'s side.
+    fn cut(&self, host: &str, peers: &[&str], op: &str) {
+        for p in peers {
+            let ip = host_ip(p);
+            self.rule(host, op, &["INPUT", "-s", &ip, "-j", "DROP"]);
+            self.rule(host, op, &["OUTPUT", "-d", &ip, "-j", "DROP"]);
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for ns in self.made.iter().rev() {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// Whether this process may make namespaces (root); the runner fails loudly otherwise.
+fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "the chaos cluster makes network namespaces and iptables rules: run it as root \
+         (scripts/chaos.sh)"
+    );
+}
+
+/// A daemon's resource counts from /proc: open descriptors and resident memory.
+fn proc_counts(pid: u32) -> std::collections::BTreeMap<String, u64> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count() as u64)
+        .unwrap_or(0);
+    let mut m = std::collections::BTreeMap::new();
+    m.insert("fds".to_string(), fds);
+    m.insert("rss_kib".to_string(), proc_status_kb(pid, "VmRSS"));
+    m
+}
+
+struct Lender {
+    host: &'static str,
+    ns: String,
+    file: PathBuf,
+    dir: PathBuf,
+    proc: Mutex<Option<Lenderd>>,
+    restarts: AtomicUsize,
+}
+
+impl Lender {
+    fn start(&self) {
+        let n = self.restarts.fetch_add(1, Ordering::SeqCst);
+        let devices: Vec<String> = DISKS
+            .iter()
+            .map(|d| {
+                format!(
+                    "{d}=nvme:path={},size=8M",
+                    self.dir
+                        .join(format!("{}-{}.img", self.host, &d[5..7]))
+                        .display()
+                )
+            })
+            .collect();
+        let control = format!("{}:{LENDER_PORT}", host_ip(self.host));
+        let audit = self.dir.join(format!("{}.audit.jsonl", self.host));
+        let log = self.dir.join(format!("{}-{n}.log", self.host));
+        let l = in_netns(Some(&self.ns), || {
+            Lenderd::command(binary("lenderd"), self.host, &self.file)
+                .log(log)
+                .arg("--control")
+                .arg(&control)
+                .arg("--audit-log")
+                .arg(&audit)
+                .devices(&devices)
+                .spawn_until("listening", |d| d.log().contains("listening at"))
+        });
+        *self.proc.lock().unwrap() = Some(l);
+    }
+
+    /// Starts it again as systemd would (`Restart=on-failure`, `RestartSec=2`): a lenderd
+    /// that cannot start (etcd out of its reach at start-up) is tried again every 2 s, for
+    /// at most 2 minutes, on a thread of its own so that the schedule goes on.
+    fn restart(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
+        let me = self.clone();
+        std::thread::spawn(move || {
+            for attempt in 1..=60 {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.start()));
+                if r.is_ok() {
+                    return;
+                }
+                eprintln!(
+                    "chaos: {} did not start (attempt {attempt}); again in 2 s",
+                    me.host
+                );
+                std::thread::sleep(Duration::from_secs(2));
+            }
+            panic!("{} did not start within 2 minutes", me.host);
+        })
+    }
+
+    fn pid(&self) -> Option<libc::pid_t> {
+        self.proc
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|l| l.child.id() as libc::pid_t)
+    }
+
+    /// Sends `sig`; a lender not running (its restart still being tried) gets nothing.
+    fn signal(&self, sig: libc::c_int) {
+        match self.pid() {
+            // SAFETY: a signal to our own child, whose handle we hold.
+            Some(pid) => assert_eq!(unsafe { libc::kill(pid, sig) }, 0),
+            None => eprintln!("chaos: {} is not running: signal {sig} not sent", self.host),
+        }
+    }
+
+    fn kill(&self) {
+        if let Some(mut l) = self.proc.lock().unwrap().take() {
+            l.kill();
+        }
+    }
+}
+
+/// One VM and its workload's state.
+struct Guest {
+    name: String,
+    device: String,
+    api: ApiClient,
+    vm: Mutex<Vm>,
+    /// `hotplug-churn`: no pause between cycles.
+    churn: AtomicBool,
+    cycles: AtomicUsize,
+    /// The guest's pattern seed (`seed=`); add `n` writes `seed ^ n`.
+    seed: u32,
+    /// The highest add number the guest reported.
+    max_seq: std::sync::atomic::AtomicU64,
+}
+
+impl Guest {
+    fn data(&self) -> VmAddRemoteDeviceData {
+        VmAddRemoteDeviceData {
+            device: self.device.parse().unwrap(),
+            id: Some("d0".into()),
+            mode: None,
+            replace_lost: true,
+        }
+    }
+
+    /// The device's lease state in `vm.info`, `None` when it is not there (or no answer).
+    fn state(&self) -> Option<LeaseState> {
+        self.api.info().ok().and_then(|i| {
+            i.remote_devices
+                .iter()
+                .find(|d| d.id == "d0")
+                .map(|d| d.lease_state)
+        })
+    }
+
+    /// One cycle: add, the guest's write and read, remove.
+    fn cycle(&self, rec: &Recorder, ios: &mut usize) {
+        let call = |what: &str| Op::Api {
+            process: self.name.clone(),
+            call: what.to_string(),
+        };
+        let p = rec.begin(call(&format!("add {}", self.device)));
+        let added = self.api.add_remote_device(&self.data());
+        let ok = added.is_ok();
+        rec.finish(p, if ok { Outcome::Ok } else { Outcome::Fail }, None)
+            .unwrap();
+        if !ok {
+            std::thread::sleep(Duration::from_millis(500));
+            return;
+        }
+        let dev_op = |event| Op::Device {
+            vm: self.name.clone(),
+            device: self.device.clone(),
+            event,
+        };
+        rec.observe(Outcome::Ok, dev_op(DeviceEvent::Attached))
+            .unwrap();
+        let rw = |read: bool, seq: u64, sum: u32| {
+            let (vm, device) = (self.name.clone(), self.device.clone());
+            if read {
+                Op::Read {
+                    vm,
+                    device,
+                    block: LBA,
+                    seq,
+                    sum,
+                }
+            } else {
+                Op::Write {
+                    vm,
+                    device,
+                    block: LBA,
+                    seq,
+                    sum,
+                }
+            }
+        };
+        let w = rec.begin(rw(false, 0, 0));
+        let r = rec.begin(rw(true, 0, 0));
+        let line =
+            self.vm
+                .lock()
+                .unwrap()
+                .wait_nth_line("HOTPLUG io seq=", *ios, Duration::from_secs(40));
+        match line {
+            Some(l) => {
+                *ios += 1;
+                let seq: u64 = field(&l, "seq").unwrap().parse().unwrap();
+                let seed = field(&l, "seed").unwrap().trim_start_matches("0x");
+                let sum = u32::from_str_radix(seed, 16).unwrap();
+                self.max_seq.fetch_max(seq, Ordering::SeqCst);
+                if l.ends_with(" ok") {
+                    rec.finish(w, Outcome::Ok, Some(rw(false, seq, sum)))
+                        .unwrap();
+                    rec.finish(r, Outcome::Ok, Some(rw(true, seq, sum)))
+                        .unwrap();
+                } else {
+                    // The guest's test failed somewhere: the write may or may not have
+                    // landed, and the read did not verify.
+                    rec.finish(w, Outcome::Info, Some(rw(false, seq, sum)))
+                        .unwrap();
+                    rec.finish(r, Outcome::Fail, Some(rw(true, seq, sum)))
+                        .unwrap();
+                }
+            }
+            None => {
+                rec.finish(w, Outcome::Info, None).unwrap();
+                rec.finish(r, Outcome::Fail, None).unwrap();
+            }
+        }
+        let lost = self.state() == Some(LeaseState::Lost);
+        let p = rec.begin(call("remove d0"));
+        let removed = self.api.remove_device(&VmRemoveDeviceData {
+            id: "d0".into(),
+            force: false,
+        });
+        rec.finish(
+            p,
+            if removed.is_ok() {
+                Outcome::Ok
+            } else {
+                Outcome::Fail
+            },
+            None,
+        )
+        .unwrap();
+        // Gone from vm.info once the guest ejected it (or the VMM took a lost one back).
+        let mut saw_lost = lost;
+        let gone = poll(Duration::from_secs(30), || match self.state() {
+            None => Some(()),
+            Some(LeaseState::Lost) => {
+                saw_lost = true;
+                None
+            }
+            Some(_) => None,
+        });
+        let event = if saw_lost {
+            DeviceEvent::Lost
+        } else {
+            DeviceEvent::Detached
+        };
+        if gone.is_some() || saw_lost {
+            rec.observe(Outcome::Ok, dev_op(event)).unwrap();
+        }
+        self.cycles.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+#[test]
+#[ignore = "makes namespaces and a whole cluster (root): scripts/chaos.sh runs it"]
+fn a_cluster_under_fire_keeps_every_promise() {
+    require_root();
+    let seed = schedule::parse_seed(&env_or("LENDVM_CHAOS_SEED", "1")).unwrap();
+    let minutes = schedule::parse_minutes(&env_or("LENDVM_CHAOS_MINUTES", "3")).unwrap();
+    let faults = match std::env::var("LENDVM_CHAOS_FAULTS") {
+        Ok(s) if s != "all" => FaultKind::parse_list(&s).unwrap(),
+        _ => RUNNABLE.to_vec(),
+    };
+    for f in &faults {
+        assert!(
+            RUNNABLE.contains(f),
+            "fault {} is not injected by this runner yet (it injects: {})",
+            f.name(),
+            RUNNABLE.map(FaultKind::name).join(", ")
+        );
+    }
+    let length_ms = minutes * 60_000;
+    let plan =
+        Schedule::generate(seed, length_ms, SETTLE_MS, &faults, &Topology::default()).unwrap();
+    let out = PathBuf::from(env_or(
+        "LENDVM_CHAOS_OUT",
+        &format!("{}/../target/chaos/seed-{seed}", env!("CARGO_MANIFEST_DIR")),
+    ));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    eprintln!(
+        "chaos: seed {seed}, {minutes} min, {} faults, output in {}",
+        plan.steps.len(),
+        out.display()
+    );
+
+    // Declared first: dropped last, after every process in the namespaces is gone.
+    let net = Net::make();
+    let hosts: Vec<MemberHost> = ETCD
+        .iter()
+        .map(|h| MemberHost {
+            ip: host_ip(h),
+            netns: Some(net.ns(h)),
+        })
+        .collect();
+    let etcd = Mutex::new(EtcdCluster::start_on(&hosts, true, true));
+    let file = {
+        let e = etcd.lock().unwrap();
+        let t = e.tls.as_ref().unwrap();
+        let eps: Vec<String> = e.endpoints().iter().map(|x| format!("\"{x}\"")).collect();
+        let src = format!(
+            "version = 1\ntoken = \"{TOKEN}\"\n\
+             [link]\nheartbeat_ms = 250\npeer_timeout_ms = 3000\nconnect_timeout_ms = 2000\n\
+             [directory]\netcd = [{}]\nprefix = \"{}\"\nlease_ttl_s = 5\n\
+             ca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n",
+            eps.join(", "),
+            e.prefix,
+            t.ca.display(),
+            t.client_cert.display(),
+            t.client_key.display()
+        );
+        let p = out.join("cluster.toml");
+        ntb::config::write_private_file(&p, &src).unwrap();
+        p
+    };
+    let lenders: Vec<Arc<Lender>> = LENDERS
+        .iter()
+        .map(|h| {
+            let l = Arc::new(Lender {
+                host: h,
+                ns: net.ns(h),
+                file: file.clone(),
+                dir: out.clone(),
+                proc: Mutex::new(None),
+                restarts: AtomicUsize::new(0),
+            });
+            l.start();
+            l
+        })
+        .collect();
+    let mut guests = Vec::new();
+    for (b, bh) in BORROWERS.iter().enumerate() {
+        for v in 0..2 {
+            let k = b * 2 + v;
+            let name = format!("{bh}-vm{v}");
+            let sock = out.join(format!("{name}.sock"));
+            let seed = 0x4348_0000u32 + k as u32;
+            let cmdline = format!(
+                "tests=hotplug rounds=1000000 seqio=1 seed={seed:#x} lba={LBA} wait_ms=3600000 \
+                 total_ms=3600000"
+            );
+            let vm = in_netns(Some(&net.ns(bh)), || {
+                Vm::start(
+                    "64M",
+                    &[
+                        "--cluster",
+                        &file.display().to_string(),
+                        "--api-socket",
+                        &sock.display().to_string(),
+                        "--cmdline",
+                        &cmdline,
+                    ],
+                )
+            });
+            vm.wait_api();
+            vm.expect_line("HOTPLUG ready", BOOT_TIMEOUT);
+            guests.push(Arc::new(Guest {
+                name,
+                device: format!("{}:{}", LENDERS[k % 3], DISKS[k / 3]),
+                api: ApiClient::new(&sock, Duration::from_secs(60)),
+                vm: Mutex::new(vm),
+                churn: AtomicBool::new(false),
+                cycles: AtomicUsize::new(0),
+                seed,
+                max_seq: std::sync::atomic::AtomicU64::new(0),
+            }));
+        }
+    }
+
+    let rec = Arc::new(Recorder::create(&out.join("history.jsonl")).unwrap());
+    let t0_mono = audit::monotonic_ms().saturating_sub(rec.now_ms());
+    let running = Arc::new(AtomicBool::new(true));
+    let paused = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = guests
+        .iter()
+        .map(|g| {
+            let (g, rec, running, paused) =
+                (g.clone(), rec.clone(), running.clone(), paused.clone());
+            std::thread::spawn(move || {
+                let mut ios = 0;
+                while running.load(Ordering::SeqCst) {
+                    if paused.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(50));
+                        continue;
+                    }
+                    g.cycle(&rec, &mut ios);
+                    if !g.churn.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                }
+            })
+        })
+        .collect();
+
+    // Baseline: every VM has done a cycle (first-use allocations are made), workloads
+    // held between cycles, parked threads expired.
+    let warm = poll(Duration::from_secs(120), || {
+        guests
+            .iter()
+            .all(|g| g.cycles.load(Ordering::SeqCst) >= 1)
+            .then_some(())
+    });
+    assert!(warm.is_some(), "the VMs did not complete a first cycle");
+    let snapshot = |phase: Phase| {
+        for l in &lenders {
+            if let Some(pid) = l.pid() {
+                rec.observe(
+                    Outcome::Ok,
+                    Op::Resources {
+                        daemon: l.host.to_string(),
+                        phase,
+                        counts: proc_counts(pid as u32),
+                    },
+                )
+                .unwrap();
+            }
+        }
+        for g in &guests {
+            let pid = g.vm.lock().unwrap().pid();
+            rec.observe(
+                Outcome::Ok,
+                Op::Resources {
+                    daemon: g.name.clone(),
+                    phase,
+                    counts: proc_counts(pid),
+                },
+            )
+            .unwrap();
+        }
+    };
+    let quiesce = |on: bool| {
+        paused.store(on, Ordering::SeqCst);
+        if on {
+            // A cycle in progress ends within its bounds (40 s I/O, 30 s eject).
+            std::thread::sleep(Duration::from_secs(12));
+        }
+    };
+    quiesce(true);
+    snapshot(Phase::Baseline);
+    quiesce(false);
+
+    // Faults, on the schedule's clock (ms since `start`).
+    let start = Instant::now();
+    let mut events: Vec<(u64, bool, usize)> = Vec::new();
+    for (i, s) in plan.steps.iter().enumerate() {
+        events.push((s.at_ms, true, i));
+        events.push((s.heal_ms, false, i));
+    }
+    events.sort();
+    let paused_etcd: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    let mut restarts = Vec::new();
+    for (at, inject, i) in events {
+        let s = &plan.steps[i];
+        let wait = Duration::from_millis(at).saturating_sub(start.elapsed());
+        std::thread::sleep(wait);
+        let (kind, target) = (s.kind.name().to_string(), s.target.clone());
+        let lender = |t: &str| {
+            lenders
+                .iter()
+                .find(|l| l.host == t.split(['|', '<']).next().unwrap())
+                .unwrap()
+                .clone()
+        };
+        eprintln!(
+            "chaos: {} ms {} {kind} on {target}",
+            start.elapsed().as_millis(),
+            if inject { "inject" } else { "heal" }
+        );
+        match (s.kind, inject) {
+            (FaultKind::LenderKill, true) => lender(&target).kill(),
+            (FaultKind::LenderKill, false) => restarts.push(lender(&target).restart()),
+            (FaultKind::LenderPause, true) => lender(&target).signal(libc::SIGSTOP),
+            (FaultKind::LenderPause, false) => lender(&target).signal(libc::SIGCONT),
+            (FaultKind::EtcdLeaderKill, true) => {
+                let mut e = etcd.lock().unwrap();
+                let leader = e.wait_leader(Duration::from_secs(20));
+                e.members[leader].kill();
+                paused_etcd.lock().unwrap().push(leader);
+            }
+            (FaultKind::EtcdMinority, true) | (FaultKind::EtcdMajority, true) => {
+                let n = if s.kind == FaultKind::EtcdMinority {
+                    1
+                } else {
+                    2
+                };
+                let mut e = etcd.lock().unwrap();
+                for m in 0..n {
+                    e.members[m].kill();
+                    paused_etcd.lock().unwrap().push(m);
+                }
+            }
+            (
+                FaultKind::EtcdLeaderKill | FaultKind::EtcdMinority | FaultKind::EtcdMajority,
+                false,
+            ) => {
+                let mut e = etcd.lock().unwrap();
+                for m in paused_etcd.lock().unwrap().drain(..) {
+                    e.members[m].start();
+                }
+            }
+            (FaultKind::PartitionLenderEtcd, inject) => net.cut(
+                lender(&target).host,
+                &ETCD,
+                if inject { "-A" } else { "-D" },
+            ),
+            (FaultKind::PartitionLenderBorrowers, inject) => net.cut(
+                lender(&target).host,
+                &BORROWERS,
+                if inject { "-A" } else { "-D" },
+            ),
+            (FaultKind::PartitionBorrowerEtcd, inject) => {
+                let b = target.split('|').next().unwrap();
+                net.cut(b, &ETCD, if inject { "-A" } else { "-D" })
+            }
+            (FaultKind::LinkLoss, inject) => {
+                let (l, b) = target.split_once("<->").unwrap();
+                let op = if inject { "-A" } else { "-D" };
+                for (me, peer) in [(l, b), (b, l)] {
+                    let ip = host_ip(peer);
+                    net.rule(
+                        me,
+                        op,
+                        &[
+                            "INPUT",
+                            "-s",
+                            &ip,
+                            "-m",
+                            "statistic",
+                            "--mode",
+                            "random",
+                            "--probability",
+                            "0.3",
+                            "-j",
+                            "DROP",
+                        ],
+                    );
+                }
+            }
+            (FaultKind::HotplugChurn, inject) => {
+                let g = guests.iter().find(|g| g.name == target).unwrap();
+                g.churn.store(inject, Ordering::SeqCst);
+            }
+            (k, _) => panic!("fault {} is not injected by this runner", k.name()),
+        }
+        let op = if inject {
+            Op::Fault { kind, target }
+        } else {
+            Op::Heal { kind, target }
+        };
+        rec.observe(Outcome::Ok, op).unwrap();
+    }
+    let left = Duration::from_millis(plan.length_ms).saturating_sub(start.elapsed());
+    std::thread::sleep(left);
+    for r in restarts {
+        r.join().expect("a lender did not start again");
+    }
+    running.store(false, Ordering::SeqCst);
+    for w in workers {
+        w.join().unwrap();
+    }
+    // Every written block, read from its lender's backing file: which write it holds.
+    for g in &guests {
+        let (lender, bdf) = g.device.split_once(':').unwrap();
+        let img = out.join(format!("{lender}-{}.img", &bdf[5..7]));
+        let data = std::fs::read(&img).unwrap();
+        let at = (LBA * 512) as usize;
+        let block = &data[at..at + 4096];
+        let max = g.max_seq.load(Ordering::SeqCst);
+        let (seq, sum) = (0..=max + 8)
+            .map(|n| (n, g.seed ^ n as u32))
+            .find(|(_, seed)| pattern(*seed, 4096) == block)
+            .unwrap_or((0, 0));
+        rec.observe(
+            Outcome::Ok,
+            Op::BackingRead {
+                lender: lender.to_string(),
+                device: g.device.clone(),
+                block: LBA,
+                seq,
+                sum,
+            },
+        )
+        .unwrap();
+    }
+    // Parked threads (10 s) expire before the final count.
+    std::thread::sleep(Duration::from_secs(12));
+    snapshot(Phase::Final);
+    let rec = Arc::try_unwrap(rec).ok().expect("recorder still shared");
+    rec.close().unwrap();
+
+    // The lenders' own records join the history.
+    let mut text = std::fs::read_to_string(out.join("history.jsonl")).unwrap();
+    for h in LENDERS {
+        let a = std::fs::read_to_string(out.join(format!("{h}.audit.jsonl"))).unwrap();
+        for e in audit::entries(&a, t0_mono).unwrap() {
+            text.push_str(&serde_json::to_string(&e).unwrap());
+            text.push('\n');
+        }
+    }
+    std::fs::write(out.join("history.jsonl"), &text).unwrap();
+    let entries = history::read(text.as_bytes()).unwrap();
+    let report = check(&entries, &Bounds::default());
+    let cycles: Vec<String> = guests
+        .iter()
+        .map(|g| format!("{} {}", g.name, g.cycles.load(Ordering::SeqCst)))
+        .collect();
+    let summary = format!(
+        "seed {seed}, {minutes} min, cycles: {}\n\n{report}",
+        cycles.join(", ")
+    );
+    std::fs::write(out.join("report.md"), &summary).unwrap();
+    eprintln!("{summary}");
+    drop(guests);
+    for l in &lenders {
+        l.kill();
+    }
+    drop(etcd);
+    assert!(report.ok(), "the history broke invariants:\n{summary}");
+    drop(net);
+}
+
+/// Reads `path`'s history (for a failed run's investigation).
+#[allow(dead_code)]
+fn read_history(path: &Path) -> Vec<history::Entry> {
+    history::read(
+        std::fs::File::open(path)
+            .map(std::io::BufReader::new)
+            .unwrap(),
+    )
+    .unwrap()
+}
