@@ -15,9 +15,9 @@
 //!   lender SIGKILL + restart, lender SIGSTOP + SIGCONT, the etcd leader killed, a minority
 //!   and a majority of etcd members stopped, partitions (iptables in the namespaces) between a
 //!   lender and etcd, a lender and the borrower hosts, a borrower host and etcd, 30 % random
-//!   packet loss on a lender-borrower link (iptables `statistic`), and faster hot-plug churn
-//!   on a VM. `link-delay`, `link-reorder`, `lender-disk-full`, `migrate` and `vmm-restart`
-//!   are not injected by this runner yet: naming one is an error.
+//!   packet loss on a lender-borrower link (iptables `statistic`), a lender's store (a
+//!   tmpfs) full, and faster hot-plug churn on a VM. `link-delay`, `link-reorder`, `migrate`
+//!   and `vmm-restart` are not injected by this runner yet: naming one is an error.
 //! * **Verdict.** The checker (`lendvm_tests::chaos::check`) decides the history; the test
 //!   fails on any violation and prints the report (also `OUT/report.md`).
 //!
@@ -51,13 +51,19 @@ const LENDERS: [&str; 3] = ["l1", "l2", "l3"];
 const BORROWERS: [&str; 2] = ["b1", "b2"];
 const DISKS: [&str; 2] = ["0000:82:00.0", "0000:84:00.0"];
 const LENDER_PORT: u16 = 7800;
-/// The first LBA each guest writes (64 LBAs of 512 bytes from there).
+/// The first LBA each guest writes: add `n` writes 64 LBAs of 512 bytes at
+/// `LBA + (n % 1024) * 64` (`seqio=1`), so the lender's store grows for 1024 adds.
 const LBA: u64 = 16;
+/// Each lender's disks live on a tmpfs of this size (`lender-disk-full` fills it); two
+/// images of [`IMAGE`], sparse, at most 32 MiB written each.
+const STORE: &str = "96m";
+const IMAGE: &str = "40M";
 /// Quiet time after the last heal: the checker's recovery bound (60 s) and some.
 const SETTLE_MS: u64 = 65_000;
 /// The faults this runner injects.
-const RUNNABLE: [FaultKind; 10] = [
+const RUNNABLE: [FaultKind; 11] = [
     FaultKind::LenderKill,
+    FaultKind::LenderDiskFull,
     FaultKind::LenderPause,
     FaultKind::EtcdLeaderKill,
     FaultKind::EtcdMinority,
@@ -166,6 +172,29 @@ impl Drop for Net {
     }
 }
 
+/// The lenders' stores: tmpfs mounts of [`STORE`], unmounted on drop.
+struct Stores(Vec<PathBuf>);
+
+impl Stores {
+    fn mount(&mut self, dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        let d = dir.display().to_string();
+        run(
+            "mount",
+            &["-t", "tmpfs", "-o", &format!("size={STORE}"), "tmpfs", &d],
+        );
+        self.0.push(dir.to_path_buf());
+    }
+}
+
+impl Drop for Stores {
+    fn drop(&mut self) {
+        for d in &self.0 {
+            let _ = Command::new("umount").arg("-l").arg(d).status();
+        }
+    }
+}
+
 /// Whether this process may make namespaces (root); the runner fails loudly otherwise.
 fn require_root() {
     // SAFETY: geteuid has no preconditions.
@@ -204,8 +233,8 @@ impl Lender {
             .iter()
             .map(|d| {
                 format!(
-                    "{d}=nvme:path={},size=8M",
-                    self.dir
+                    "{d}=nvme:path={},size={IMAGE}",
+                    self.store()
                         .join(format!("{}-{}.img", self.host, &d[5..7]))
                         .display()
                 )
@@ -248,6 +277,32 @@ impl Lender {
         })
     }
 
+    /// Where its disks' backing files are: a tmpfs of [`STORE`] of its own.
+    fn store(&self) -> PathBuf {
+        self.dir.join(format!("{}-store", self.host))
+    }
+
+    /// `lender-disk-full`: fills the store (a file taking every free block), so that the
+    /// disks' writes to blocks not yet stored fail; healed by removing it.
+    fn fill_store(&self, full: bool) {
+        let filler = self.store().join("filler");
+        if !full {
+            std::fs::remove_file(&filler).unwrap();
+            return;
+        }
+        let f = std::fs::File::create(&filler).unwrap();
+        let c = std::ffi::CString::new(self.store().display().to_string()).unwrap();
+        let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+        // SAFETY: statvfs writes into the valid, sized buffer; the path is NUL-terminated.
+        assert_eq!(unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) }, 0);
+        // SAFETY: statvfs succeeded.
+        let st = unsafe { st.assume_init() };
+        let free = (st.f_bavail * st.f_frsize) as libc::off_t;
+        use std::os::fd::AsRawFd;
+        // SAFETY: fallocate on our own open file; the result is checked below by statvfs.
+        unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, free) };
+    }
+
     fn pid(&self) -> Option<libc::pid_t> {
         self.proc
             .lock()
@@ -283,8 +338,10 @@ struct Guest {
     cycles: AtomicUsize,
     /// The guest's pattern seed (`seed=`); add `n` writes `seed ^ n`.
     seed: u32,
-    /// The highest add number the guest reported.
-    max_seq: std::sync::atomic::AtomicU64,
+    /// Adds that succeeded (the guest numbers its adds the same way, from 1).
+    adds: std::sync::atomic::AtomicU64,
+    /// Each block the guest wrote, with the add numbers that wrote it.
+    written: Mutex<std::collections::BTreeMap<u64, Vec<u64>>>,
 }
 
 impl Guest {
@@ -305,6 +362,15 @@ impl Guest {
                 .find(|d| d.id == "d0")
                 .map(|d| d.lease_state)
         })
+    }
+
+    fn wrote(&self, block: u64, seq: u64) {
+        self.written
+            .lock()
+            .unwrap()
+            .entry(block)
+            .or_default()
+            .push(seq);
     }
 
     /// One cycle: add, the guest's write and read, remove.
@@ -329,13 +395,13 @@ impl Guest {
         };
         rec.observe(Outcome::Ok, dev_op(DeviceEvent::Attached))
             .unwrap();
-        let rw = |read: bool, seq: u64, sum: u32| {
+        let rw = |read: bool, block: u64, seq: u64, sum: u32| {
             let (vm, device) = (self.name.clone(), self.device.clone());
             if read {
                 Op::Read {
                     vm,
                     device,
-                    block: LBA,
+                    block,
                     seq,
                     sum,
                 }
@@ -343,14 +409,19 @@ impl Guest {
                 Op::Write {
                     vm,
                     device,
-                    block: LBA,
+                    block,
                     seq,
                     sum,
                 }
             }
         };
-        let w = rec.begin(rw(false, 0, 0));
-        let r = rec.begin(rw(true, 0, 0));
+        // What the guest will write: its add number is this add's (the line confirms it).
+        let n = self.adds.fetch_add(1, Ordering::SeqCst) + 1;
+        let place = |n: u64| LBA + (n % 1024) * 64;
+        let (w, r) = (
+            rec.begin(rw(false, place(n), n, self.seed ^ n as u32)),
+            rec.begin(rw(true, place(n), n, self.seed ^ n as u32)),
+        );
         let line =
             self.vm
                 .lock()
@@ -362,22 +433,25 @@ impl Guest {
                 let seq: u64 = field(&l, "seq").unwrap().parse().unwrap();
                 let seed = field(&l, "seed").unwrap().trim_start_matches("0x");
                 let sum = u32::from_str_radix(seed, 16).unwrap();
-                self.max_seq.fetch_max(seq, Ordering::SeqCst);
+                let block: u64 = field(&l, "lba").unwrap().parse().unwrap();
+                self.adds.store(seq, Ordering::SeqCst);
+                self.wrote(block, seq);
                 if l.ends_with(" ok") {
-                    rec.finish(w, Outcome::Ok, Some(rw(false, seq, sum)))
+                    rec.finish(w, Outcome::Ok, Some(rw(false, block, seq, sum)))
                         .unwrap();
-                    rec.finish(r, Outcome::Ok, Some(rw(true, seq, sum)))
+                    rec.finish(r, Outcome::Ok, Some(rw(true, block, seq, sum)))
                         .unwrap();
                 } else {
                     // The guest's test failed somewhere: the write may or may not have
                     // landed, and the read did not verify.
-                    rec.finish(w, Outcome::Info, Some(rw(false, seq, sum)))
+                    rec.finish(w, Outcome::Info, Some(rw(false, block, seq, sum)))
                         .unwrap();
-                    rec.finish(r, Outcome::Fail, Some(rw(true, seq, sum)))
+                    rec.finish(r, Outcome::Fail, Some(rw(true, block, seq, sum)))
                         .unwrap();
                 }
             }
             None => {
+                self.wrote(place(n), n);
                 rec.finish(w, Outcome::Info, None).unwrap();
                 rec.finish(r, Outcome::Fail, None).unwrap();
             }
@@ -459,6 +533,7 @@ fn a_cluster_under_fire_keeps_every_promise() {
 
     // Declared first: dropped last, after every process in the namespaces is gone.
     let net = Net::make();
+    let mut stores = Stores(Vec::new());
     let hosts: Vec<MemberHost> = ETCD
         .iter()
         .map(|h| MemberHost {
@@ -497,6 +572,7 @@ fn a_cluster_under_fire_keeps_every_promise() {
                 proc: Mutex::new(None),
                 restarts: AtomicUsize::new(0),
             });
+            stores.mount(&l.store());
             l.start();
             l
         })
@@ -535,7 +611,8 @@ fn a_cluster_under_fire_keeps_every_promise() {
                 churn: AtomicBool::new(false),
                 cycles: AtomicUsize::new(0),
                 seed,
-                max_seq: std::sync::atomic::AtomicU64::new(0),
+                adds: std::sync::atomic::AtomicU64::new(0),
+                written: Mutex::new(std::collections::BTreeMap::new()),
             }));
         }
     }
@@ -709,6 +786,7 @@ fn a_cluster_under_fire_keeps_every_promise() {
                     );
                 }
             }
+            (FaultKind::LenderDiskFull, inject) => lender(&target).fill_store(inject),
             (FaultKind::HotplugChurn, inject) => {
                 let g = guests.iter().find(|g| g.name == target).unwrap();
                 g.churn.store(inject, Ordering::SeqCst);
@@ -734,26 +812,30 @@ fn a_cluster_under_fire_keeps_every_promise() {
     // Every written block, read from its lender's backing file: which write it holds.
     for g in &guests {
         let (lender, bdf) = g.device.split_once(':').unwrap();
-        let img = out.join(format!("{lender}-{}.img", &bdf[5..7]));
+        let img = out
+            .join(format!("{lender}-store"))
+            .join(format!("{lender}-{}.img", &bdf[5..7]));
         let data = std::fs::read(&img).unwrap();
-        let at = (LBA * 512) as usize;
-        let block = &data[at..at + 4096];
-        let max = g.max_seq.load(Ordering::SeqCst);
-        let (seq, sum) = (0..=max + 8)
-            .map(|n| (n, g.seed ^ n as u32))
-            .find(|(_, seed)| pattern(*seed, 4096) == block)
-            .unwrap_or((0, 0));
-        rec.observe(
-            Outcome::Ok,
-            Op::BackingRead {
-                lender: lender.to_string(),
-                device: g.device.clone(),
-                block: LBA,
-                seq,
-                sum,
-            },
-        )
-        .unwrap();
+        for (block, seqs) in g.written.lock().unwrap().iter() {
+            let at = (block * 512) as usize;
+            let here = &data[at..at + 4096];
+            let (seq, sum) = seqs
+                .iter()
+                .map(|n| (*n, g.seed ^ *n as u32))
+                .find(|(_, seed)| pattern(*seed, 4096) == here)
+                .unwrap_or((0, 0));
+            rec.observe(
+                Outcome::Ok,
+                Op::BackingRead {
+                    lender: lender.to_string(),
+                    device: g.device.clone(),
+                    block: *block,
+                    seq,
+                    sum,
+                },
+            )
+            .unwrap();
+        }
     }
     // Parked threads (10 s) expire before the final count.
     std::thread::sleep(Duration::from_secs(12));

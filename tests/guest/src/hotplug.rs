@@ -45,9 +45,10 @@ pub struct Mode {
     pub eject_delay_ms: u64,
     pub nvme: nvme::Params,
     /// `seqio=1`: every add of an NVMe function writes its own data (the pattern seeded by
-    /// `seed ^ <add number>`) and reports `HOTPLUG io seq=<add number> seed=<hex> ok|fail`
-    /// after its driver test, so a host can tell each write from the others (the chaos
-    /// harness's history).
+    /// `seed ^ <add number>`) at its own place (`lba + (add number % 1024) * 64`: 1024
+    /// regions of 64 LBAs) and reports `HOTPLUG io seq=<add number> seed=<hex> lba=<n>
+    /// ok|fail` after its driver test, so a host can tell each write from the others (the
+    /// chaos harness's history), and a lender's store keeps growing (a full one fails them).
     pub seqio: bool,
 }
 
@@ -174,6 +175,7 @@ fn add(r: &mut Results, mode: &Mode, st: &mut State, slot: u8) {
     if f.class() == nvme::CLASS && mode.seqio {
         let p = nvme::Params {
             seed: mode.nvme.seed ^ st.adds as u32,
+            slba: mode.nvme.slba + (st.adds % 1024) * nvme::TEST_LBAS,
             ..mode.nvme
         };
         nvme::test_on(f, r, p);
@@ -181,6 +183,8 @@ fn add(r: &mut Results, mode: &Mode, st: &mut State, slot: u8) {
             .dec(st.adds)
             .s(" seed=")
             .hex(p.seed as u64)
+            .s(" lba=")
+            .dec(p.slba)
             .s(if r.failed == failed { " ok" } else { " fail" })
             .nl();
     } else if f.class() == nvme::CLASS {
