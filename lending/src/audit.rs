@@ -88,6 +88,10 @@ pub struct AuditRecord {
     /// directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fence: Option<i64>,
+    /// A `grant` that is a live migration's transfer of the lease to a new holder: the
+    /// claim moved with it and keeps its revision, so `fence` is the previous holder's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub transfer: bool,
 }
 
 /// `CLOCK_MONOTONIC` in milliseconds.
@@ -133,8 +137,8 @@ impl AuditLog {
         })
     }
 
-    /// Writes one record.
-    pub fn record(&self, event: AuditEvent, lease: &AuditedLease) {
+    /// Writes one record (`transfer`: a grant that moves the lease, see [`AuditRecord`]).
+    pub fn record(&self, event: AuditEvent, lease: &AuditedLease, transfer: bool) {
         let line = AuditRecord {
             mono_ms: monotonic_ms(),
             node: self.node.clone(),
@@ -144,6 +148,7 @@ impl AuditLog {
             lease: lease.lease,
             holder: lease.holder.clone(),
             fence: lease.fence,
+            transfer,
         };
         let Ok(mut text) = serde_json::to_vec(&line) else {
             return;
@@ -198,21 +203,22 @@ impl AuditedLease {
             last_serve: None,
         };
         if let Some(l) = &a.log {
-            l.record(AuditEvent::Grant, &a);
+            l.record(AuditEvent::Grant, &a, false);
         }
         a
     }
 
     /// The lease moved to `holder` (a live migration's transfer): `end` for the old holder,
-    /// then `grant` for the new one, in that order, so the records never show two holders.
+    /// then `grant` (marked `transfer`) for the new one, in that order, so the records never
+    /// show two holders.
     pub fn rehold(&mut self, holder: &str) {
         if let Some(l) = &self.log {
-            l.record(AuditEvent::End, self);
+            l.record(AuditEvent::End, self, false);
         }
         self.holder = holder.to_string();
         self.last_serve = None;
         if let Some(l) = &self.log {
-            l.record(AuditEvent::Grant, self);
+            l.record(AuditEvent::Grant, self, true);
         }
     }
 
@@ -229,14 +235,14 @@ impl AuditedLease {
             return;
         }
         self.last_serve = Some(now);
-        l.record(AuditEvent::Serve, self);
+        l.record(AuditEvent::Serve, self, false);
     }
 }
 
 impl Drop for AuditedLease {
     fn drop(&mut self) {
         if let Some(l) = self.log.take() {
-            l.record(AuditEvent::End, self);
+            l.record(AuditEvent::End, self, false);
         }
     }
 }

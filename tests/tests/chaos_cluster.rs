@@ -61,8 +61,10 @@ const IMAGE: &str = "40M";
 /// Quiet time after the last heal: the checker's recovery bound (60 s) and some.
 const SETTLE_MS: u64 = 65_000;
 /// The faults this runner injects.
-const RUNNABLE: [FaultKind; 11] = [
+const RUNNABLE: [FaultKind; 13] = [
     FaultKind::LenderKill,
+    FaultKind::Migrate,
+    FaultKind::VmmRestart,
     FaultKind::LenderDiskFull,
     FaultKind::LenderPause,
     FaultKind::EtcdLeaderKill,
@@ -331,8 +333,20 @@ impl Lender {
 struct Guest {
     name: String,
     device: String,
-    api: ApiClient,
+    /// Its API socket (a new one after each migration).
+    sock: Mutex<PathBuf>,
     vm: Mutex<Vm>,
+    /// The borrower host it runs on now (`b1`, `b2`).
+    host: Mutex<&'static str>,
+    /// `migrate` or `vmm-restart`, done at the next add (the disk attached, its I/O
+    /// running).
+    pending: Mutex<Option<FaultKind>>,
+    /// Migrations so far (names the destinations' sockets and ports).
+    moves: AtomicUsize,
+    /// The namespaces' prefix, the cluster file and the run's directory (destinations).
+    net_tag: String,
+    file: PathBuf,
+    out: PathBuf,
     /// `hotplug-churn`: no pause between cycles.
     churn: AtomicBool,
     cycles: AtomicUsize,
@@ -345,6 +359,85 @@ struct Guest {
 }
 
 impl Guest {
+    fn api(&self) -> ApiClient {
+        ApiClient::new(self.sock.lock().unwrap().clone(), Duration::from_secs(60))
+    }
+
+    /// Moves the VM (`migrate`: live, over tcp, to the other borrower host; `vmm-restart`:
+    /// `--local` migration to a new lendvm on the same host) while its disk is attached and
+    /// its guest's I/O runs. Returns the source, which has exited, when it worked.
+    fn migrate(&self, kind: FaultKind, rec: &Recorder) -> Option<Vm> {
+        let gen = self.moves.fetch_add(1, Ordering::SeqCst) + 1;
+        let from = *self.host.lock().unwrap();
+        let to = match (kind, from) {
+            (FaultKind::Migrate, "b1") => "b2",
+            (FaultKind::Migrate, _) => "b1",
+            _ => from,
+        };
+        let local = kind == FaultKind::VmmRestart;
+        let sock = self.out.join(format!("{}-{gen}.sock", self.name));
+        let url = if local {
+            format!(
+                "unix:{}",
+                self.out.join(format!("{}-{gen}.mig", self.name)).display()
+            )
+        } else {
+            format!("tcp:{}:{}", host_ip(to), 7900 + gen % 100)
+        };
+        let p = rec.begin(Op::Api {
+            process: self.name.clone(),
+            call: format!("{} to {to}", kind.name()),
+        });
+        let ns = format!("{}-{to}", self.net_tag);
+        let dst = in_netns(Some(&ns), || {
+            Vm::start_args(
+                &[
+                    "--cluster",
+                    &self.file.display().to_string(),
+                    "--api-socket",
+                    &sock.display().to_string(),
+                ],
+                "warn",
+            )
+        });
+        dst.wait_api();
+        let dst_api = ApiClient::new(&sock, Duration::from_secs(60));
+        let r = dst_api
+            .receive_migration(&api::types::VmReceiveMigrationData {
+                receiver_url: url.clone(),
+            })
+            .and_then(|()| {
+                self.api().send_migration(&api::types::VmSendMigrationData {
+                    destination_url: url.clone(),
+                    local,
+                })
+            });
+        rec.finish(
+            p,
+            if r.is_ok() {
+                Outcome::Ok
+            } else {
+                Outcome::Fail
+            },
+            None,
+        )
+        .unwrap();
+        if let Err(e) = r {
+            eprintln!("chaos: {} {} to {to} failed: {e}", self.name, kind.name());
+            return None;
+        }
+        let mut src = std::mem::replace(&mut *self.vm.lock().unwrap(), dst);
+        if src.wait_exit(Duration::from_secs(30)).is_none() {
+            eprintln!(
+                "chaos: {}'s source did not exit after the migration",
+                self.name
+            );
+        }
+        *self.sock.lock().unwrap() = sock;
+        *self.host.lock().unwrap() = to;
+        Some(src)
+    }
+
     fn data(&self) -> VmAddRemoteDeviceData {
         VmAddRemoteDeviceData {
             device: self.device.parse().unwrap(),
@@ -356,7 +449,7 @@ impl Guest {
 
     /// The device's lease state in `vm.info`, `None` when it is not there (or no answer).
     fn state(&self) -> Option<LeaseState> {
-        self.api.info().ok().and_then(|i| {
+        self.api().info().ok().and_then(|i| {
             i.remote_devices
                 .iter()
                 .find(|d| d.id == "d0")
@@ -380,7 +473,7 @@ impl Guest {
             call: what.to_string(),
         };
         let p = rec.begin(call(&format!("add {}", self.device)));
-        let added = self.api.add_remote_device(&self.data());
+        let added = self.api().add_remote_device(&self.data());
         let ok = added.is_ok();
         rec.finish(p, if ok { Outcome::Ok } else { Outcome::Fail }, None)
             .unwrap();
@@ -422,14 +515,88 @@ impl Guest {
             rec.begin(rw(false, place(n), n, self.seed ^ n as u32)),
             rec.begin(rw(true, place(n), n, self.seed ^ n as u32)),
         );
-        let line =
-            self.vm
-                .lock()
-                .unwrap()
-                .wait_nth_line("HOTPLUG io seq=", *ios, Duration::from_secs(40));
+        // A migration due moves the VM now, its disk attached and the guest's I/O running.
+        let pending = self.pending.lock().unwrap().take();
+        let moved = pending.and_then(|k| self.migrate(k, rec));
+        let line = match moved {
+            // The guest's line came out of the source before the switch-over, or comes out
+            // of the destination (a new console: nothing of it read yet).
+            Some(src) => {
+                let done = src.count_lines("HOTPLUG io seq=") > *ios;
+                let from_src = src.wait_nth_line("HOTPLUG io seq=", *ios, Duration::ZERO);
+                // The destination's console is new: nothing of it read yet.
+                *ios = 0;
+                if done {
+                    return self.finish_io(rec, from_src, w, r, n, ios, true);
+                } else {
+                    let l = self.vm.lock().unwrap().wait_nth_line(
+                        "HOTPLUG io seq=",
+                        0,
+                        Duration::from_secs(40),
+                    );
+                    if l.is_some() {
+                        *ios = 1;
+                    }
+                    return self.finish_io(rec, l, w, r, n, ios, true);
+                }
+            }
+            None => self.vm.lock().unwrap().wait_nth_line(
+                "HOTPLUG io seq=",
+                *ios,
+                Duration::from_secs(40),
+            ),
+        };
+        self.finish_io(rec, line, w, r, n, ios, false)
+    }
+
+    /// Records the guest's write and read of add `n` from its console line `line`, then
+    /// removes the disk.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_io(
+        &self,
+        rec: &Recorder,
+        line: Option<String>,
+        w: lendvm_tests::chaos::recorder::Pending,
+        r: lendvm_tests::chaos::recorder::Pending,
+        n: u64,
+        ios: &mut usize,
+        counted: bool,
+    ) {
+        let rw = |read: bool, block: u64, seq: u64, sum: u32| {
+            let (vm, device) = (self.name.clone(), self.device.clone());
+            if read {
+                Op::Read {
+                    vm,
+                    device,
+                    block,
+                    seq,
+                    sum,
+                }
+            } else {
+                Op::Write {
+                    vm,
+                    device,
+                    block,
+                    seq,
+                    sum,
+                }
+            }
+        };
+        let place = |n: u64| LBA + (n % 1024) * 64;
+        let dev_op = |event| Op::Device {
+            vm: self.name.clone(),
+            device: self.device.clone(),
+            event,
+        };
+        let call = |what: &str| Op::Api {
+            process: self.name.clone(),
+            call: what.to_string(),
+        };
         match line {
             Some(l) => {
-                *ios += 1;
+                if !counted {
+                    *ios += 1;
+                }
                 let seq: u64 = field(&l, "seq").unwrap().parse().unwrap();
                 let seed = field(&l, "seed").unwrap().trim_start_matches("0x");
                 let sum = u32::from_str_radix(seed, 16).unwrap();
@@ -458,7 +625,7 @@ impl Guest {
         }
         let lost = self.state() == Some(LeaseState::Lost);
         let p = rec.begin(call("remove d0"));
-        let removed = self.api.remove_device(&VmRemoveDeviceData {
+        let removed = self.api().remove_device(&VmRemoveDeviceData {
             id: "d0".into(),
             force: false,
         });
@@ -606,8 +773,14 @@ fn a_cluster_under_fire_keeps_every_promise() {
             guests.push(Arc::new(Guest {
                 name,
                 device: format!("{}:{}", LENDERS[k % 3], DISKS[k / 3]),
-                api: ApiClient::new(&sock, Duration::from_secs(60)),
+                sock: Mutex::new(sock.clone()),
                 vm: Mutex::new(vm),
+                host: Mutex::new(*bh),
+                pending: Mutex::new(None),
+                moves: AtomicUsize::new(0),
+                net_tag: net.tag.clone(),
+                file: file.clone(),
+                out: out.clone(),
                 churn: AtomicBool::new(false),
                 cycles: AtomicUsize::new(0),
                 seed,
@@ -787,6 +960,12 @@ fn a_cluster_under_fire_keeps_every_promise() {
                 }
             }
             (FaultKind::LenderDiskFull, inject) => lender(&target).fill_store(inject),
+            (FaultKind::Migrate | FaultKind::VmmRestart, inject) => {
+                if inject {
+                    let g = guests.iter().find(|g| g.name == target).unwrap();
+                    *g.pending.lock().unwrap() = Some(s.kind);
+                }
+            }
             (FaultKind::HotplugChurn, inject) => {
                 let g = guests.iter().find(|g| g.name == target).unwrap();
                 g.churn.store(inject, Ordering::SeqCst);

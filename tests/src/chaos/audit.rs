@@ -6,8 +6,10 @@
 //! The audit log's `mono_ms` is `CLOCK_MONOTONIC`; the history's times are ms since the run
 //! began on the harness's clock, which is the same clock ([`monotonic_ms`] at the run's
 //! start is the offset). A device is named `node:bdf` in the history, as VMs name it. Lease
-//! ids start at 1 in every run of lenderd, so a history's lease id carries the run (the
-//! record's `boot`, numbered per node in order of appearance) in its high 32 bits.
+//! ids start at 1 in every run of lenderd, and a live migration's transfer grants an id again
+//! to its new holder, so a history's lease id carries the run (the record's `boot`,
+//! numbered per node in order of appearance) in bits 48-63 and the grant of that id in bits
+//! 32-47.
 
 use lending::audit::{AuditEvent, AuditRecord};
 
@@ -24,6 +26,11 @@ pub fn entries(text: &str, t0_mono_ms: u64) -> Result<Vec<Entry>, HistoryError> 
     // Lease ids start at 1 in every run of lenderd: the history's lease is the run's index
     // (in order of appearance, per node) in the high 32 bits and the lenderd's id below.
     let mut runs: Vec<(String, u64)> = Vec::new();
+    // A transfer grants a lease id again, to its new holder: each grant of an id is a lease
+    // of its own in the history (the grant's number in bits 32-47).
+    let mut grants: std::collections::BTreeMap<(usize, u64), u64> = Default::default();
+    // Leases granted and not ended, by (node, history lease id): their device.
+    let mut open: std::collections::BTreeMap<(String, u64), String> = Default::default();
     for (i, raw) in text.lines().enumerate() {
         let line = i + 1;
         if raw.trim().is_empty() {
@@ -42,11 +49,44 @@ pub fn entries(text: &str, t0_mono_ms: u64) -> Result<Vec<Entry>, HistoryError> 
         let run = match runs.iter().position(|r| r.0 == a.node && r.1 == a.boot) {
             Some(i) => i,
             None => {
+                // A new run of this node's lenderd: the previous one is gone (killed: it
+                // wrote no `end`), and so are its leases, at the latest when this one began.
+                let ended_by = a.boot.saturating_sub(t0_mono_ms);
+                open.retain(|(node, lease), device: &mut String| {
+                    if *node != a.node {
+                        return true;
+                    }
+                    out.push(Entry::at(
+                        ended_by,
+                        Outcome::Ok,
+                        Op::LeaseEnd {
+                            lender: node.clone(),
+                            device: device.clone(),
+                            lease: *lease,
+                            reason: "its lenderd run ended (the next one started)".into(),
+                        },
+                    ));
+                    false
+                });
                 runs.push((a.node.clone(), a.boot));
                 runs.len() - 1
             }
         };
-        let lease = ((run as u64) << 32) | (a.lease & 0xffff_ffff);
+        let id = a.lease & 0xffff_ffff;
+        if a.event == AuditEvent::Grant {
+            grants.entry((run, id)).and_modify(|g| *g += 1).or_insert(0);
+        }
+        let nth = grants.get(&(run, id)).copied().unwrap_or(0) & 0xffff;
+        let lease = ((run as u64) << 48) | (nth << 32) | id;
+        match a.event {
+            AuditEvent::Grant => {
+                open.insert((a.node.clone(), lease), device.clone());
+            }
+            AuditEvent::End => {
+                open.remove(&(a.node.clone(), lease));
+            }
+            AuditEvent::Serve => {}
+        }
         let op = match a.event {
             AuditEvent::Grant => {
                 let fence = a.fence.ok_or_else(|| {
@@ -62,6 +102,7 @@ pub fn entries(text: &str, t0_mono_ms: u64) -> Result<Vec<Entry>, HistoryError> 
                     holder: a.holder,
                     fence: u64::try_from(fence)
                         .map_err(|_| bad(format!("negative fencing token {fence}")))?,
+                    transfer: a.transfer,
                 }
             }
             AuditEvent::Serve => Op::LeaseServe {
@@ -148,7 +189,69 @@ mod tests {
         let h = entries(&text, 1_000).unwrap();
         let r = check(&h, &Bounds::default());
         assert!(r.ok(), "{r}");
-        assert!(matches!(h[2].op, Op::LeaseGrant { lease, .. } if lease == (1 << 32) | 1));
+        assert!(matches!(h[2].op, Op::LeaseGrant { lease, .. } if lease == (1 << 48) | 1));
+    }
+
+    #[test]
+    fn a_transferred_lease_is_a_new_lease_with_the_same_token() {
+        // Live migration: lease 3 moves from b1/vm0 to b2/vm0 with its claim (fence 20),
+        // and serves its new holder afterwards.
+        let transfer = rec(1_300, "grant", 3, "b2/vm0", 20).replacen(
+            "\"fence\":20",
+            "\"fence\":20,\"transfer\":true",
+            1,
+        );
+        let text = [
+            rec(1_100, "grant", 3, "b1/vm0", 20),
+            rec(1_200, "serve", 3, "b1/vm0", 20),
+            rec(1_300, "end", 3, "b1/vm0", 20),
+            transfer,
+            rec(1_400, "serve", 3, "b2/vm0", 20),
+            rec(1_500, "end", 3, "b2/vm0", 20),
+        ]
+        .join("\n");
+        let h = entries(&text, 1_000).unwrap();
+        let r = check(&h, &Bounds::default());
+        assert!(r.ok(), "{r}");
+        let ids: Vec<u64> = h
+            .iter()
+            .filter_map(|e| match e.op {
+                Op::LeaseGrant { lease, .. } => Some(lease),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ids, [3, (1 << 32) | 3]);
+        // The same token without the transfer mark is a fence that did not grow.
+        let plain = text.replace(",\"transfer\":true", "");
+        let r = check(&entries(&plain, 1_000).unwrap(), &Bounds::default());
+        assert_eq!(r.count(Invariant::FenceOrder), 1, "{r}");
+    }
+
+    #[test]
+    fn a_killed_lenders_leases_end_when_its_next_run_begins() {
+        // lenderd killed while lease 1 was lent to b1/vm0 (no `end`); the next run (boot
+        // 5000) lends the device to b2/vm1: no double lease, and lease 1 ended by then.
+        let with_boot = |r: String, boot: u64| {
+            r.replacen(
+                "\"node\":\"l1\"",
+                &format!("\"node\":\"l1\",\"boot\":{boot}"),
+                1,
+            )
+        };
+        let text = [
+            with_boot(rec(1_100, "grant", 1, "b1/vm0", 10), 1_000),
+            with_boot(rec(5_100, "grant", 1, "b2/vm1", 12), 5_000),
+            with_boot(rec(5_300, "end", 1, "b2/vm1", 12), 5_000),
+        ]
+        .join("\n");
+        let h = entries(&text, 1_000).unwrap();
+        let r = check(&h, &Bounds::default());
+        assert!(r.ok(), "{r}");
+        assert!(h
+            .iter()
+            .any(|e| matches!(&e.op, Op::LeaseEnd { lease: 1, reason, .. }
+            if reason.contains("next one started"))
+                && e.start_ms == 4_000));
     }
 
     #[test]

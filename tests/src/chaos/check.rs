@@ -365,6 +365,7 @@ struct Lease<'a> {
     id: u64,
     holder: &'a str,
     fence: u64,
+    transfer: bool,
     granted: u64,
     ended: Option<u64>,
 }
@@ -384,6 +385,7 @@ fn leases(entries: &[&Entry], v: &mut Vec<Violation>) {
             lease,
             holder,
             fence,
+            transfer,
         } = &e.op
         {
             by_device.entry(device.as_str()).or_default().push(Lease {
@@ -391,6 +393,7 @@ fn leases(entries: &[&Entry], v: &mut Vec<Violation>) {
                 id: *lease,
                 holder,
                 fence: *fence,
+                transfer: *transfer,
                 granted: e.start_ms,
                 ended: ends.get(&(lender.as_str(), *lease)).copied(),
             });
@@ -400,7 +403,9 @@ fn leases(entries: &[&Entry], v: &mut Vec<Violation>) {
         // `entries` is in time order, so each device's grants are too.
         for pair in ls.windows(2) {
             let (a, b) = (&pair[0], &pair[1]);
-            if b.fence <= a.fence {
+            // A transfer keeps the token it moved with (the same claim); any other grant
+            // needs a newer one.
+            if b.fence < a.fence || (b.fence == a.fence && !b.transfer) {
                 v.push(violation(
                     Invariant::FenceOrder,
                     b.granted,

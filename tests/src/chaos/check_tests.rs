@@ -61,6 +61,7 @@ fn grant(at: u64, lease: u64, holder: &str, fence: u64) -> Entry {
             lease,
             holder: holder.into(),
             fence,
+            transfer: false,
         },
     )
 }

@@ -112,13 +112,17 @@ pub enum Op {
     /// A call to a daemon's API (a VM's REST API, lenderd's metrics, an etcd request):
     /// `end_ms` absent means it never answered.
     Api { process: String, call: String },
-    /// A lender granted a lease on `device` to `holder` with fencing token `fence`.
+    /// A lender granted a lease on `device` to `holder` with fencing token `fence`;
+    /// `transfer`: a live migration moved the previous holder's lease (and its claim, whose
+    /// revision stays the token) to this one.
     LeaseGrant {
         lender: String,
         device: String,
         lease: u64,
         holder: String,
         fence: u64,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        transfer: bool,
     },
     /// A lender ended a lease (returned, fenced by a newer claim, reclaimed after its peer
     /// timeout, transferred).
