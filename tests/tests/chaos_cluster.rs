@@ -16,8 +16,11 @@
 //!   and a majority of etcd members stopped, partitions (iptables in the namespaces) between a
 //!   lender and etcd, a lender and the borrower hosts, a borrower host and etcd, 30 % random
 //!   packet loss on a lender-borrower link (iptables `statistic`), a lender's store (a
-//!   tmpfs) full, and faster hot-plug churn on a VM. `link-delay`, `link-reorder`, `migrate`
-//!   and `vmm-restart` are not injected by this runner yet: naming one is an error.
+//!   tmpfs) full, faster hot-plug churn on a VM, a VM migrated live to the other borrower
+//!   host or its VMM replaced through `--local` migration (mid-I/O, the disk attached), and
+//!   a lender-borrower link delayed (150 ms) or jittered as reordering shows on a TCP stream
+//!   (0-300 ms, order kept) by a fault proxy every borrower-to-lender connection passes
+//!   through (an iptables DNAT in the borrower's namespace).
 //! * **Verdict.** The checker (`lendvm_tests::chaos::check`) decides the history; the test
 //!   fails on any violation and prints the report (also `OUT/report.md`).
 //!
@@ -60,22 +63,6 @@ const STORE: &str = "96m";
 const IMAGE: &str = "40M";
 /// Quiet time after the last heal: the checker's recovery bound (60 s) and some.
 const SETTLE_MS: u64 = 65_000;
-/// The faults this runner injects.
-const RUNNABLE: [FaultKind; 13] = [
-    FaultKind::LenderKill,
-    FaultKind::Migrate,
-    FaultKind::VmmRestart,
-    FaultKind::LenderDiskFull,
-    FaultKind::LenderPause,
-    FaultKind::EtcdLeaderKill,
-    FaultKind::EtcdMinority,
-    FaultKind::EtcdMajority,
-    FaultKind::PartitionLenderEtcd,
-    FaultKind::PartitionLenderBorrowers,
-    FaultKind::PartitionBorrowerEtcd,
-    FaultKind::LinkLoss,
-    FaultKind::HotplugChurn,
-];
 
 fn host_ip(host: &str) -> String {
     let n = match host {
@@ -172,6 +159,187 @@ impl Drop for Net {
             let _ = Command::new("ip").args(["netns", "del", ns]).status();
         }
     }
+}
+
+/// How a [`Proxy`] passes data on.
+const PASS: u64 = 0;
+/// `link-delay`: every chunk 150 ms late.
+const DELAY: u64 = 1;
+/// `link-reorder`: every chunk 0-300 ms late at random, the stream's order kept. TCP puts
+/// reordered packets back in order before any application sees them; what a link that
+/// reorders costs a TCP stream is this jitter (the receiver waits for the missing segment).
+const JITTER: u64 = 2;
+/// The mark of the proxy's own connections to the lender (not redirected again).
+const PROXY_MARK: u32 = 0x4c;
+
+/// The fault proxy between a borrower host and a lender: in the borrower's namespace, an
+/// iptables DNAT sends every connection to the lender's control port through it, and it
+/// passes the bytes on as [`Proxy::mode`] says (`link-delay`, `link-reorder`).
+struct Proxy {
+    mode: Arc<std::sync::atomic::AtomicU64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    /// Starts the proxy for `borrower` -> `lender` (index `li`) and its DNAT rule.
+    fn start(net: &Net, borrower: &str, lender: &str, li: usize) -> Proxy {
+        let mode = Arc::new(std::sync::atomic::AtomicU64::new(PASS));
+        let stop = Arc::new(AtomicBool::new(false));
+        let port = 7810 + li as u16;
+        let listen = format!("{}:{port}", host_ip(borrower));
+        let upstream: std::net::SocketAddr = format!("{}:{LENDER_PORT}", host_ip(lender))
+            .parse()
+            .unwrap();
+        let ns = net.ns(borrower);
+        let listener = in_netns(Some(&ns), || std::net::TcpListener::bind(&listen).unwrap());
+        listener.set_nonblocking(true).unwrap();
+        let (m, st) = (mode.clone(), stop.clone());
+        let ns2 = ns.clone();
+        std::thread::spawn(move || {
+            in_netns(Some(&ns2), || {
+                while !st.load(Ordering::SeqCst) {
+                    match listener.accept() {
+                        Ok((down, _)) => {
+                            down.set_nonblocking(false).unwrap();
+                            if let Some(up) = marked_connect(upstream) {
+                                pump(down.try_clone().unwrap(), up.try_clone().unwrap(), &m);
+                                pump(up, down, &m);
+                            }
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            })
+        });
+        let to = listen.clone();
+        let dst = host_ip(lender);
+        let lport = LENDER_PORT.to_string();
+        let mark = format!("{PROXY_MARK:#x}");
+        net.rule(
+            borrower,
+            "-A",
+            &[
+                "OUTPUT",
+                "-t",
+                "nat",
+                "-p",
+                "tcp",
+                "-d",
+                &dst,
+                "--dport",
+                &lport,
+                "-m",
+                "mark",
+                "!",
+                "--mark",
+                &mark,
+                "-j",
+                "DNAT",
+                "--to-destination",
+                &to,
+            ],
+        );
+        Proxy { mode, stop }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A tcp connection to `to` marked [`PROXY_MARK`] (so the DNAT leaves it alone).
+fn marked_connect(to: std::net::SocketAddr) -> Option<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: a new socket; checked.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0);
+    // SAFETY: we own the new fd; TcpStream closes it.
+    let s = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    let mark = PROXY_MARK;
+    // SAFETY: SO_MARK takes a u32 of the given size; the fd is ours.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_MARK,
+            (&mark as *const u32).cast(),
+            std::mem::size_of::<u32>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "SO_MARK: {}", std::io::Error::last_os_error());
+    let std::net::SocketAddr::V4(v4) = to else {
+        return None;
+    };
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: v4.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*v4.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: connect with a valid sockaddr_in of its size on our fd.
+    let rc = unsafe {
+        libc::connect(
+            fd,
+            (&sin as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    (rc == 0).then_some(s)
+}
+
+/// Copies `from` to `to` on two threads: one reads chunks and stamps when each is due (now,
+/// 150 ms later, or 0-300 ms later but never before the one ahead of it), the other writes
+/// each when due. Ends when either side closes.
+fn pump(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    mode: &Arc<std::sync::atomic::AtomicU64>,
+) {
+    use std::io::{Read, Write};
+    // Bound: the reader stops reading when 256 chunks wait (a slow writer holds it back).
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(Instant, Vec<u8>)>(256);
+    let mode = mode.clone();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 << 10];
+        let mut last = Instant::now();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        loop {
+            let n = match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let now = Instant::now();
+            let due = match mode.load(Ordering::SeqCst) {
+                DELAY => now + Duration::from_millis(150),
+                JITTER => {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (now + Duration::from_millis(x % 300)).max(last)
+                }
+                _ => now,
+            };
+            last = due;
+            if tx.send((due, buf[..n].to_vec())).is_err() {
+                break;
+            }
+        }
+        let _ = from.shutdown(std::net::Shutdown::Both);
+    });
+    std::thread::spawn(move || {
+        for (due, chunk) in rx {
+            let wait = due.saturating_duration_since(Instant::now());
+            std::thread::sleep(wait);
+            if to.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Both);
+    });
 }
 
 /// The lenders' stores: tmpfs mounts of [`STORE`], unmounted on drop.
@@ -672,17 +840,9 @@ fn a_cluster_under_fire_keeps_every_promise() {
     let seed = schedule::parse_seed(&env_or("LENDVM_CHAOS_SEED", "1")).unwrap();
     let minutes = schedule::parse_minutes(&env_or("LENDVM_CHAOS_MINUTES", "3")).unwrap();
     let faults = match std::env::var("LENDVM_CHAOS_FAULTS") {
-        Ok(s) if s != "all" => FaultKind::parse_list(&s).unwrap(),
-        _ => RUNNABLE.to_vec(),
+        Ok(s) => FaultKind::parse_list(&s).unwrap(),
+        Err(_) => FaultKind::ALL.to_vec(),
     };
-    for f in &faults {
-        assert!(
-            RUNNABLE.contains(f),
-            "fault {} is not injected by this runner yet (it injects: {})",
-            f.name(),
-            RUNNABLE.map(FaultKind::name).join(", ")
-        );
-    }
     let length_ms = minutes * 60_000;
     let plan =
         Schedule::generate(seed, length_ms, SETTLE_MS, &faults, &Topology::default()).unwrap();
@@ -743,6 +903,12 @@ fn a_cluster_under_fire_keeps_every_promise() {
             l.start();
             l
         })
+        .collect();
+    // Every borrower host reaches every lender through a fault proxy (passing by default).
+    let proxies: Vec<((&str, &str), Proxy)> = BORROWERS
+        .iter()
+        .flat_map(|b| LENDERS.iter().enumerate().map(move |(i, l)| (*b, *l, i)))
+        .map(|(b, l, i)| ((l, b), Proxy::start(&net, b, l, i)))
         .collect();
     let mut guests = Vec::new();
     for (b, bh) in BORROWERS.iter().enumerate() {
@@ -966,11 +1132,20 @@ fn a_cluster_under_fire_keeps_every_promise() {
                     *g.pending.lock().unwrap() = Some(s.kind);
                 }
             }
+            (FaultKind::LinkDelay | FaultKind::LinkReorder, inject) => {
+                let (l, b) = target.split_once("<->").unwrap();
+                let p = &proxies.iter().find(|(k, _)| *k == (l, b)).unwrap().1;
+                let mode = match (inject, s.kind) {
+                    (false, _) => PASS,
+                    (true, FaultKind::LinkDelay) => DELAY,
+                    _ => JITTER,
+                };
+                p.mode.store(mode, Ordering::SeqCst);
+            }
             (FaultKind::HotplugChurn, inject) => {
                 let g = guests.iter().find(|g| g.name == target).unwrap();
                 g.churn.store(inject, Ordering::SeqCst);
             }
-            (k, _) => panic!("fault {} is not injected by this runner", k.name()),
         }
         let op = if inject {
             Op::Fault { kind, target }
