@@ -53,6 +53,8 @@ const ETCD: [&str; 3] = ["e1", "e2", "e3"];
 const LENDERS: [&str; 3] = ["l1", "l2", "l3"];
 const BORROWERS: [&str; 2] = ["b1", "b2"];
 const DISKS: [&str; 2] = ["0000:82:00.0", "0000:84:00.0"];
+/// Each lender's dmatest engine; every third cycle of a VM copies with one.
+const DMA: &str = "0000:83:00.0";
 const LENDER_PORT: u16 = 7800;
 /// The first LBA each guest writes: add `n` writes 64 LBAs of 512 bytes at
 /// `LBA + (n % 1024) * 64` (`seqio=1`), so the lender's store grows for 1024 adds.
@@ -399,7 +401,7 @@ struct Lender {
 impl Lender {
     fn start(&self) {
         let n = self.restarts.fetch_add(1, Ordering::SeqCst);
-        let devices: Vec<String> = DISKS
+        let mut devices: Vec<String> = DISKS
             .iter()
             .map(|d| {
                 format!(
@@ -410,6 +412,7 @@ impl Lender {
                 )
             })
             .collect();
+        devices.push(format!("{DMA}=dmatest"));
         let control = format!("{}:{LENDER_PORT}", host_ip(self.host));
         let audit = self.dir.join(format!("{}.audit.jsonl", self.host));
         let log = self.dir.join(format!("{}-{n}.log", self.host));
@@ -501,6 +504,10 @@ impl Lender {
 struct Guest {
     name: String,
     device: String,
+    /// The dmatest engine it copies with (another lender's than its disk's).
+    dma: String,
+    /// `HOTPLUG io dma` lines read of the current console.
+    dma_seen: AtomicUsize,
     /// Its API socket (a new one after each migration).
     sock: Mutex<PathBuf>,
     vm: Mutex<Vm>,
@@ -603,6 +610,7 @@ impl Guest {
         }
         *self.sock.lock().unwrap() = sock;
         *self.host.lock().unwrap() = to;
+        self.dma_seen.store(0, Ordering::SeqCst);
         Some(src)
     }
 
@@ -632,6 +640,134 @@ impl Guest {
             .entry(block)
             .or_default()
             .push(seq);
+    }
+
+    /// A cycle with the dmatest engine: add it, the guest's verified copy (a page the engine
+    /// copies into another, recorded as a write and a read of the VM's own block of the
+    /// engine with the add's number), remove it.
+    fn dma_cycle(&self, rec: &Recorder) {
+        let p = rec.begin(Op::Api {
+            process: self.name.clone(),
+            call: format!("add {}", self.dma),
+        });
+        let added = self.api().add_remote_device(&VmAddRemoteDeviceData {
+            device: self.dma.parse().unwrap(),
+            id: Some("d1".into()),
+            mode: None,
+            replace_lost: true,
+        });
+        rec.finish(
+            p,
+            if added.is_ok() {
+                Outcome::Ok
+            } else {
+                Outcome::Fail
+            },
+            None,
+        )
+        .unwrap();
+        if added.is_err() {
+            std::thread::sleep(Duration::from_millis(500));
+            return;
+        }
+        let dev_op = |event| Op::Device {
+            vm: self.name.clone(),
+            device: self.dma.clone(),
+            event,
+        };
+        rec.observe(Outcome::Ok, dev_op(DeviceEvent::Attached))
+            .unwrap();
+        let n = self.adds.fetch_add(1, Ordering::SeqCst) + 1;
+        // The engine copies within this VM's memory: its "block" is the VM's own (two VMs
+        // may take turns on one engine).
+        let block = u64::from(self.seed & 0xff);
+        let op = |read: bool, seq: u64| {
+            let (vm, device, sum) = (self.name.clone(), self.dma.clone(), self.seed ^ seq as u32);
+            if read {
+                Op::Read {
+                    vm,
+                    device,
+                    block,
+                    seq,
+                    sum,
+                }
+            } else {
+                Op::Write {
+                    vm,
+                    device,
+                    block,
+                    seq,
+                    sum,
+                }
+            }
+        };
+        let w = rec.begin(op(false, n));
+        let nth = self.dma_seen.load(Ordering::SeqCst);
+        let line =
+            self.vm
+                .lock()
+                .unwrap()
+                .wait_nth_line("HOTPLUG io dma ", nth, Duration::from_secs(40));
+        match line {
+            Some(l) => {
+                self.dma_seen.fetch_add(1, Ordering::SeqCst);
+                let seq: u64 = field(&l, "seq").unwrap().parse().unwrap();
+                self.adds.store(seq, Ordering::SeqCst);
+                let ok = l.ends_with(" ok");
+                let wo = if ok { Outcome::Ok } else { Outcome::Info };
+                rec.finish(w, wo, Some(op(false, seq))).unwrap();
+                // The guest checked the copy after the engine finished it: a read that
+                // begins after the write's acknowledgement.
+                std::thread::sleep(Duration::from_millis(2));
+                let ro = if ok { Outcome::Ok } else { Outcome::Fail };
+                rec.observe(ro, op(true, seq)).unwrap();
+            }
+            None => rec.finish(w, Outcome::Info, None).unwrap(),
+        }
+        let p = rec.begin(Op::Api {
+            process: self.name.clone(),
+            call: "remove d1".into(),
+        });
+        let removed = self.api().remove_device(&VmRemoveDeviceData {
+            id: "d1".into(),
+            force: false,
+        });
+        rec.finish(
+            p,
+            if removed.is_ok() {
+                Outcome::Ok
+            } else {
+                Outcome::Fail
+            },
+            None,
+        )
+        .unwrap();
+        let state = || {
+            self.api().info().ok().and_then(|i| {
+                i.remote_devices
+                    .iter()
+                    .find(|d| d.id == "d1")
+                    .map(|d| d.lease_state)
+            })
+        };
+        let mut saw_lost = false;
+        let gone = poll(Duration::from_secs(30), || match state() {
+            None => Some(()),
+            Some(LeaseState::Lost) => {
+                saw_lost = true;
+                None
+            }
+            Some(_) => None,
+        });
+        if gone.is_some() || saw_lost {
+            let event = if saw_lost {
+                DeviceEvent::Lost
+            } else {
+                DeviceEvent::Detached
+            };
+            rec.observe(Outcome::Ok, dev_op(event)).unwrap();
+        }
+        self.cycles.fetch_add(1, Ordering::SeqCst);
     }
 
     /// One cycle: add, the guest's write and read, remove.
@@ -868,21 +1004,27 @@ fn a_cluster_under_fire_keeps_every_promise() {
             netns: Some(net.ns(h)),
         })
         .collect();
-    let etcd = Mutex::new(EtcdCluster::start_on(&hosts, true, true));
+    // As in production: clients over TLS with certificates, and an etcd user of their own.
+    let mut members = EtcdCluster::start_on(&hosts, true, true);
+    members.enable_auth("lendvm", "chaos-password-4d1f");
+    let etcd = Mutex::new(members);
     let file = {
         let e = etcd.lock().unwrap();
         let t = e.tls.as_ref().unwrap();
+        let (user, password) = e.user.clone().unwrap();
         let eps: Vec<String> = e.endpoints().iter().map(|x| format!("\"{x}\"")).collect();
         let src = format!(
             "version = 1\ntoken = \"{TOKEN}\"\n\
              [link]\nheartbeat_ms = 250\npeer_timeout_ms = 3000\nconnect_timeout_ms = 2000\n\
              [directory]\netcd = [{}]\nprefix = \"{}\"\nlease_ttl_s = 5\n\
-             ca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n",
+             ca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n\
+             user = \"{user}\"\npassword_file = \"{}\"\n",
             eps.join(", "),
             e.prefix,
             t.ca.display(),
             t.client_cert.display(),
-            t.client_key.display()
+            t.client_key.display(),
+            password.display()
         );
         let p = out.join("cluster.toml");
         ntb::config::write_private_file(&p, &src).unwrap();
@@ -939,6 +1081,8 @@ fn a_cluster_under_fire_keeps_every_promise() {
             guests.push(Arc::new(Guest {
                 name,
                 device: format!("{}:{}", LENDERS[k % 3], DISKS[k / 3]),
+                dma: format!("{}:{DMA}", LENDERS[(k + 1) % 3]),
+                dma_seen: AtomicUsize::new(0),
                 sock: Mutex::new(sock.clone()),
                 vm: Mutex::new(vm),
                 host: Mutex::new(*bh),
@@ -972,7 +1116,12 @@ fn a_cluster_under_fire_keeps_every_promise() {
                         std::thread::sleep(Duration::from_millis(50));
                         continue;
                     }
-                    g.cycle(&rec, &mut ios);
+                    // Every third cycle copies with a dmatest engine.
+                    if g.cycles.load(Ordering::SeqCst) % 3 == 2 {
+                        g.dma_cycle(&rec);
+                    } else {
+                        g.cycle(&rec, &mut ios);
+                    }
                     if !g.churn.load(Ordering::SeqCst) {
                         std::thread::sleep(Duration::from_millis(300));
                     }
@@ -1006,12 +1155,33 @@ fn a_cluster_under_fire_keeps_every_promise() {
         }
         for g in &guests {
             let pid = g.vm.lock().unwrap().pid();
+            let mut counts = proc_counts(pid);
+            // What the VMM holds for lent devices: leases, memslots, GSIs, irqfds,
+            // ioeventfds, pinned guest RAM, P2P mappings.
+            let c = g
+                .api()
+                .info()
+                .ok()
+                .and_then(|i| i.counters)
+                .unwrap_or_else(|| panic!("{}: vm.info has no counters", g.name));
+            for (k, v) in [
+                ("devices", c.devices),
+                ("leases", c.leases),
+                ("memslots", c.memslots),
+                ("gsis", c.gsis),
+                ("irqfds", c.irqfds),
+                ("ioeventfds", c.ioeventfds),
+                ("pinned_bytes", c.pinned_bytes),
+                ("p2p_mappings", c.p2p_mappings),
+            ] {
+                counts.insert(k.to_string(), v);
+            }
             rec.observe(
                 Outcome::Ok,
                 Op::Resources {
                     daemon: g.name.clone(),
                     phase,
-                    counts: proc_counts(pid),
+                    counts,
                 },
             )
             .unwrap();

@@ -9,7 +9,8 @@
 //! `lost` state meanwhile).
 //!
 //! Console lines: `HOTPLUG ready mode=hotplug rounds=N`, `HOTPLUG event ged=… up=… down=…`,
-//! `HOTPLUG io seq=N seed=S ok|fail` (with `seqio=1`, after an NVMe function's test),
+//! `HOTPLUG io seq=N seed=S lba=L ok|fail` and `HOTPLUG io dma seq=N ok|fail` (with
+//! `seqio=1`, after an NVMe function's or a dmatest engine's test),
 //! `HOTPLUG add slot=S bdf=00:SS.0 id=vvvv:dddd class=cccccc`, `HOTPLUG eject slot=S`, and
 //! at the end `TEST hotplug ok rounds=N adds=A ejects=E` (or `TEST idle ok …`).
 
@@ -190,7 +191,18 @@ fn add(r: &mut Results, mode: &Mode, st: &mut State, slot: u8) {
     } else if f.class() == nvme::CLASS {
         nvme::test_on(f, r, mode.nvme);
     } else if f.id() == dmatest::ID {
-        dmatest::test_on(f, r, mode.nvme.seed);
+        let seed = if mode.seqio {
+            mode.nvme.seed ^ st.adds as u32
+        } else {
+            mode.nvme.seed
+        };
+        dmatest::test_on(f, r, seed);
+        if mode.seqio {
+            Out.s("HOTPLUG io dma seq=")
+                .dec(st.adds)
+                .s(if r.failed == failed { " ok" } else { " fail" })
+                .nl();
+        }
     } else {
         Out.s("HOTPLUG no driver for slot ").dec(slot as u64).nl();
     }
