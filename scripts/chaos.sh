@@ -4,12 +4,13 @@
 #   scripts/chaos.sh [--minutes N] [--seed S] [--faults a,b,...|all]
 #
 # builds lenderd, lendvm and the harness, then runs tests/tests/chaos_cluster.rs: 3 etcd
-# members (TLS, client certificates), 3 lenders and 2 borrower hosts with 2 VMs each, each
-# in a network namespace of its own on a private bridge (169.254.91.0/24, deleted at the
-# end), faults from the seeded schedule, and the checker on the whole history. Needs root
-# (namespaces, iptables) and Debian's etcd-server. Defaults: 3 minutes, seed 1, every fault
-# the runner injects. The history, the lenders' logs and audit logs and report.md go to
-# target/chaos/seed-S/. A seed replays the same schedule.
+# members (TLS, client certificates, etcd users), 3 lenders (NVMe disks, dmatest engines)
+# and 2 borrower hosts with 2 VMs each, each in a network namespace of its own on a private
+# bridge (169.254.91.0/24, deleted at the end), faults from the seeded schedule, and the
+# checker on the whole history. Needs root (namespaces, iptables, tmpfs mounts) and Debian's
+# etcd-server. Defaults: 3 minutes, seed 1, every fault kind. The history, the lenders'
+# logs and audit logs and report.md go to target/chaos/seed-S/. A seed replays the same
+# schedule.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
