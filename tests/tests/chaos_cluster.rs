@@ -614,23 +614,114 @@ impl Guest {
         Some(src)
     }
 
-    fn data(&self) -> VmAddRemoteDeviceData {
-        VmAddRemoteDeviceData {
-            device: self.device.parse().unwrap(),
-            id: Some("d0".into()),
-            mode: None,
-            replace_lost: true,
-        }
-    }
-
-    /// The device's lease state in `vm.info`, `None` when it is not there (or no answer).
-    fn state(&self) -> Option<LeaseState> {
+    /// Device `id`'s lease state in `vm.info`, `None` when it is not there (or no answer).
+    fn state(&self, id: &str) -> Option<LeaseState> {
         self.api().info().ok().and_then(|i| {
             i.remote_devices
                 .iter()
-                .find(|d| d.id == "d0")
+                .find(|d| d.id == id)
                 .map(|d| d.lease_state)
         })
+    }
+
+    /// A guest's write or read of `block` of `device`.
+    fn io(&self, device: &str, read: bool, block: u64, seq: u64, sum: u32) -> Op {
+        let (vm, device) = (self.name.clone(), device.to_string());
+        if read {
+            Op::Read {
+                vm,
+                device,
+                block,
+                seq,
+                sum,
+            }
+        } else {
+            Op::Write {
+                vm,
+                device,
+                block,
+                seq,
+                sum,
+            }
+        }
+    }
+
+    fn device_event(&self, device: &str, event: DeviceEvent) -> Op {
+        Op::Device {
+            vm: self.name.clone(),
+            device: device.to_string(),
+            event,
+        }
+    }
+
+    /// Adds `device` as `id` through the API (recorded); `attached` recorded when it worked.
+    fn add(&self, rec: &Recorder, device: &str, id: &str) -> bool {
+        let p = rec.begin(Op::Api {
+            process: self.name.clone(),
+            call: format!("add {device}"),
+        });
+        let added = self.api().add_remote_device(&VmAddRemoteDeviceData {
+            device: device.parse().unwrap(),
+            id: Some(id.into()),
+            mode: None,
+            replace_lost: true,
+        });
+        let ok = added.is_ok();
+        rec.finish(p, if ok { Outcome::Ok } else { Outcome::Fail }, None)
+            .unwrap();
+        if ok {
+            rec.observe(
+                Outcome::Ok,
+                self.device_event(device, DeviceEvent::Attached),
+            )
+            .unwrap();
+        } else {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        ok
+    }
+
+    /// Removes `id` (`device`) through the API (recorded), waits until it is gone from
+    /// `vm.info` (the guest ejected it, or the VMM took a lost one back) and records
+    /// `detached`, or `lost` when `vm.info` showed it lost; ends the cycle.
+    fn remove(&self, rec: &Recorder, device: &str, id: &str) {
+        let mut saw_lost = self.state(id) == Some(LeaseState::Lost);
+        let p = rec.begin(Op::Api {
+            process: self.name.clone(),
+            call: format!("remove {id}"),
+        });
+        let removed = self.api().remove_device(&VmRemoveDeviceData {
+            id: id.into(),
+            force: false,
+        });
+        rec.finish(
+            p,
+            if removed.is_ok() {
+                Outcome::Ok
+            } else {
+                Outcome::Fail
+            },
+            None,
+        )
+        .unwrap();
+        let gone = poll(Duration::from_secs(30), || match self.state(id) {
+            None => Some(()),
+            Some(LeaseState::Lost) => {
+                saw_lost = true;
+                None
+            }
+            Some(_) => None,
+        });
+        if gone.is_some() || saw_lost {
+            let event = if saw_lost {
+                DeviceEvent::Lost
+            } else {
+                DeviceEvent::Detached
+            };
+            rec.observe(Outcome::Ok, self.device_event(device, event))
+                .unwrap();
+        }
+        self.cycles.fetch_add(1, Ordering::SeqCst);
     }
 
     fn wrote(&self, block: u64, seq: u64) {
@@ -646,61 +737,15 @@ impl Guest {
     /// copies into another, recorded as a write and a read of the VM's own block of the
     /// engine with the add's number), remove it.
     fn dma_cycle(&self, rec: &Recorder) {
-        let p = rec.begin(Op::Api {
-            process: self.name.clone(),
-            call: format!("add {}", self.dma),
-        });
-        let added = self.api().add_remote_device(&VmAddRemoteDeviceData {
-            device: self.dma.parse().unwrap(),
-            id: Some("d1".into()),
-            mode: None,
-            replace_lost: true,
-        });
-        rec.finish(
-            p,
-            if added.is_ok() {
-                Outcome::Ok
-            } else {
-                Outcome::Fail
-            },
-            None,
-        )
-        .unwrap();
-        if added.is_err() {
-            std::thread::sleep(Duration::from_millis(500));
+        if !self.add(rec, &self.dma, "d1") {
             return;
         }
-        let dev_op = |event| Op::Device {
-            vm: self.name.clone(),
-            device: self.dma.clone(),
-            event,
-        };
-        rec.observe(Outcome::Ok, dev_op(DeviceEvent::Attached))
-            .unwrap();
         let n = self.adds.fetch_add(1, Ordering::SeqCst) + 1;
         // The engine copies within this VM's memory: its "block" is the VM's own (two VMs
         // may take turns on one engine).
         let block = u64::from(self.seed & 0xff);
-        let op = |read: bool, seq: u64| {
-            let (vm, device, sum) = (self.name.clone(), self.dma.clone(), self.seed ^ seq as u32);
-            if read {
-                Op::Read {
-                    vm,
-                    device,
-                    block,
-                    seq,
-                    sum,
-                }
-            } else {
-                Op::Write {
-                    vm,
-                    device,
-                    block,
-                    seq,
-                    sum,
-                }
-            }
-        };
+        let op =
+            |read: bool, seq: u64| self.io(&self.dma, read, block, seq, self.seed ^ seq as u32);
         let w = rec.begin(op(false, n));
         let nth = self.dma_seen.load(Ordering::SeqCst);
         let line =
@@ -724,93 +769,16 @@ impl Guest {
             }
             None => rec.finish(w, Outcome::Info, None).unwrap(),
         }
-        let p = rec.begin(Op::Api {
-            process: self.name.clone(),
-            call: "remove d1".into(),
-        });
-        let removed = self.api().remove_device(&VmRemoveDeviceData {
-            id: "d1".into(),
-            force: false,
-        });
-        rec.finish(
-            p,
-            if removed.is_ok() {
-                Outcome::Ok
-            } else {
-                Outcome::Fail
-            },
-            None,
-        )
-        .unwrap();
-        let state = || {
-            self.api().info().ok().and_then(|i| {
-                i.remote_devices
-                    .iter()
-                    .find(|d| d.id == "d1")
-                    .map(|d| d.lease_state)
-            })
-        };
-        let mut saw_lost = false;
-        let gone = poll(Duration::from_secs(30), || match state() {
-            None => Some(()),
-            Some(LeaseState::Lost) => {
-                saw_lost = true;
-                None
-            }
-            Some(_) => None,
-        });
-        if gone.is_some() || saw_lost {
-            let event = if saw_lost {
-                DeviceEvent::Lost
-            } else {
-                DeviceEvent::Detached
-            };
-            rec.observe(Outcome::Ok, dev_op(event)).unwrap();
-        }
-        self.cycles.fetch_add(1, Ordering::SeqCst);
+        self.remove(rec, &self.dma, "d1");
     }
 
     /// One cycle: add, the guest's write and read, remove.
     fn cycle(&self, rec: &Recorder, ios: &mut usize) {
-        let call = |what: &str| Op::Api {
-            process: self.name.clone(),
-            call: what.to_string(),
-        };
-        let p = rec.begin(call(&format!("add {}", self.device)));
-        let added = self.api().add_remote_device(&self.data());
-        let ok = added.is_ok();
-        rec.finish(p, if ok { Outcome::Ok } else { Outcome::Fail }, None)
-            .unwrap();
-        if !ok {
-            std::thread::sleep(Duration::from_millis(500));
+        if !self.add(rec, &self.device, "d0") {
             return;
         }
-        let dev_op = |event| Op::Device {
-            vm: self.name.clone(),
-            device: self.device.clone(),
-            event,
-        };
-        rec.observe(Outcome::Ok, dev_op(DeviceEvent::Attached))
-            .unwrap();
         let rw = |read: bool, block: u64, seq: u64, sum: u32| {
-            let (vm, device) = (self.name.clone(), self.device.clone());
-            if read {
-                Op::Read {
-                    vm,
-                    device,
-                    block,
-                    seq,
-                    sum,
-                }
-            } else {
-                Op::Write {
-                    vm,
-                    device,
-                    block,
-                    seq,
-                    sum,
-                }
-            }
+            self.io(&self.device, read, block, seq, sum)
         };
         // What the guest will write: its add number is this add's (the line confirms it).
         let n = self.adds.fetch_add(1, Ordering::SeqCst) + 1;
@@ -867,35 +835,9 @@ impl Guest {
         counted: bool,
     ) {
         let rw = |read: bool, block: u64, seq: u64, sum: u32| {
-            let (vm, device) = (self.name.clone(), self.device.clone());
-            if read {
-                Op::Read {
-                    vm,
-                    device,
-                    block,
-                    seq,
-                    sum,
-                }
-            } else {
-                Op::Write {
-                    vm,
-                    device,
-                    block,
-                    seq,
-                    sum,
-                }
-            }
+            self.io(&self.device, read, block, seq, sum)
         };
         let place = |n: u64| LBA + (n % 1024) * 64;
-        let dev_op = |event| Op::Device {
-            vm: self.name.clone(),
-            device: self.device.clone(),
-            event,
-        };
-        let call = |what: &str| Op::Api {
-            process: self.name.clone(),
-            call: what.to_string(),
-        };
         match line {
             Some(l) => {
                 if !counted {
@@ -927,41 +869,7 @@ impl Guest {
                 rec.finish(r, Outcome::Fail, None).unwrap();
             }
         }
-        let lost = self.state() == Some(LeaseState::Lost);
-        let p = rec.begin(call("remove d0"));
-        let removed = self.api().remove_device(&VmRemoveDeviceData {
-            id: "d0".into(),
-            force: false,
-        });
-        rec.finish(
-            p,
-            if removed.is_ok() {
-                Outcome::Ok
-            } else {
-                Outcome::Fail
-            },
-            None,
-        )
-        .unwrap();
-        // Gone from vm.info once the guest ejected it (or the VMM took a lost one back).
-        let mut saw_lost = lost;
-        let gone = poll(Duration::from_secs(30), || match self.state() {
-            None => Some(()),
-            Some(LeaseState::Lost) => {
-                saw_lost = true;
-                None
-            }
-            Some(_) => None,
-        });
-        let event = if saw_lost {
-            DeviceEvent::Lost
-        } else {
-            DeviceEvent::Detached
-        };
-        if gone.is_some() || saw_lost {
-            rec.observe(Outcome::Ok, dev_op(event)).unwrap();
-        }
-        self.cycles.fetch_add(1, Ordering::SeqCst);
+        self.remove(rec, &self.device, "d0");
     }
 }
 

@@ -40,8 +40,6 @@
 
 mod common;
 
-use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -112,25 +110,7 @@ impl Drop for Netns {
 /// Runs `f` on a thread that has entered network namespace `ns` (a namespace is per thread:
 /// the sockets it opens and the processes it spawns live in `ns`).
 fn in_netns<R: Send>(ns: &str, f: impl FnOnce() -> R + Send) -> R {
-    std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            let path = format!("/var/run/netns/{ns}");
-            let nsf = File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
-            // SAFETY: setns on a valid namespace fd, for this thread only; no memory involved.
-            let rc = unsafe { libc::setns(nsf.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(
-                rc,
-                0,
-                "setns into {ns}: {}",
-                std::io::Error::last_os_error()
-            );
-            f()
-        });
-        match h.join() {
-            Ok(v) => v,
-            Err(p) => std::panic::resume_unwind(p),
-        }
-    })
+    lending::directory::testing::in_netns(Some(ns), f)
 }
 
 /// A cluster file with one tcp lender at `LENDER_ADDR:PORT` and this test's link settings.

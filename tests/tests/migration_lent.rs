@@ -698,26 +698,7 @@ impl Drop for Netns {
 
 /// Runs `f` on a thread inside network namespace `ns` (its sockets and children live there).
 fn in_netns<R: Send>(ns: &str, f: impl FnOnce() -> R + Send) -> R {
-    use std::os::fd::AsRawFd;
-    std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            let path = format!("/var/run/netns/{ns}");
-            let nsf = std::fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
-            // SAFETY: setns on a valid namespace fd, for this thread only; no memory involved.
-            let rc = unsafe { libc::setns(nsf.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(
-                rc,
-                0,
-                "setns into {ns}: {}",
-                std::io::Error::last_os_error()
-            );
-            f()
-        });
-        match h.join() {
-            Ok(v) => v,
-            Err(p) => std::panic::resume_unwind(p),
-        }
-    })
+    lending::directory::testing::in_netns(Some(ns), f)
 }
 
 /// Over tcp between two network namespaces joined by a veth pair: lenderd (tcp fabric) and
