@@ -133,6 +133,15 @@ mod tests {
         )
     }
 
+    /// `r` as written by the lenderd run that started at `boot`.
+    fn with_boot(r: String, boot: u64) -> String {
+        r.replacen(
+            "\"node\":\"l1\"",
+            &format!("\"node\":\"l1\",\"boot\":{boot}"),
+            1,
+        )
+    }
+
     #[test]
     fn audit_records_become_lease_entries_the_checker_decides() {
         let t0 = 1_000;
@@ -171,13 +180,6 @@ mod tests {
     fn a_restarted_lenders_lease_ids_are_its_own() {
         // lenderd restarted (boot 5000): its lease 1 is not the first run's lease 1, which
         // ended before; serving it is no serve after an end.
-        let with_boot = |r: String, boot: u64| {
-            r.replacen(
-                "\"node\":\"l1\"",
-                &format!("\"node\":\"l1\",\"boot\":{boot}"),
-                1,
-            )
-        };
         let text = [
             with_boot(rec(1_100, "grant", 1, "b1/vm0", 10), 1_000),
             with_boot(rec(1_300, "end", 1, "b1/vm0", 10), 1_000),
@@ -231,13 +233,6 @@ mod tests {
     fn a_killed_lenders_leases_end_when_its_next_run_begins() {
         // lenderd killed while lease 1 was lent to b1/vm0 (no `end`); the next run (boot
         // 5000) lends the device to b2/vm1: no double lease, and lease 1 ended by then.
-        let with_boot = |r: String, boot: u64| {
-            r.replacen(
-                "\"node\":\"l1\"",
-                &format!("\"node\":\"l1\",\"boot\":{boot}"),
-                1,
-            )
-        };
         let text = [
             with_boot(rec(1_100, "grant", 1, "b1/vm0", 10), 1_000),
             with_boot(rec(5_100, "grant", 1, "b2/vm1", 12), 5_000),
