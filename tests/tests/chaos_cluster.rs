@@ -1050,12 +1050,25 @@ fn a_cluster_under_fire_keeps_every_promise() {
     let snapshot = |phase: Phase| {
         for l in &lenders {
             if let Some(pid) = l.pid() {
+                let mut counts = proc_counts(pid as u32);
+                // The leases it holds by its own records: those of its audit log granted
+                // and not ended.
+                let a = std::fs::read_to_string(out.join(format!("{}.audit.jsonl", l.host)))
+                    .unwrap_or_default();
+                let open = audit::entries(&a, 0).unwrap().iter().fold(0i64, |n, e| {
+                    n + match e.op {
+                        Op::LeaseGrant { .. } => 1,
+                        Op::LeaseEnd { .. } => -1,
+                        _ => 0,
+                    }
+                });
+                counts.insert("leases".into(), open.max(0) as u64);
                 rec.observe(
                     Outcome::Ok,
                     Op::Resources {
                         daemon: l.host.to_string(),
                         phase,
-                        counts: proc_counts(pid as u32),
+                        counts,
                     },
                 )
                 .unwrap();

@@ -69,13 +69,28 @@ impl Shared {
     /// during an election) is retried until the bound, so one dead member of three or a
     /// leader change costs time, not an error. Callers whose operation is not idempotent
     /// check for their own earlier success (see the claim).
-    fn call<T, F, Fut>(&self, op: &str, mut f: F) -> Result<T, DirectoryError>
+    fn call<T, F, Fut>(&self, op: &str, f: F) -> Result<T, DirectoryError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.call_until(op, Instant::now() + CALL_TIMEOUT, f)
+    }
+
+    /// [`Shared::call`] bounded by `deadline`: the calls of one operation (a claim's lease
+    /// grant and transaction) share one [`CALL_TIMEOUT`], so an etcd without quorum fails
+    /// the operation in that time rather than in that time per call.
+    fn call_until<T, F, Fut>(
+        &self,
+        op: &str,
+        deadline: Instant,
+        mut f: F,
+    ) -> Result<T, DirectoryError>
     where
         F: FnMut(Client) -> Fut,
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
         self.rt.block_on(async {
-            let deadline = Instant::now() + CALL_TIMEOUT;
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match tokio::time::timeout(left, f(self.client.clone())).await {
@@ -407,7 +422,14 @@ impl Directory for EtcdDirectory {
         );
         // Checked before a lease is granted: no secret, no lease to revoke.
         self.signed(node, bdf, holder, vm, 0)?;
-        let lease = grant(shared)?;
+        // The grant and the transaction share one bound (`Shared::call_until`).
+        let deadline = Instant::now() + CALL_TIMEOUT;
+        let ttl = shared.ttl_secs();
+        let lease = shared
+            .call_until("lease grant", deadline, |mut c| async move {
+                c.lease_grant(ttl, None).await
+            })?
+            .id();
         let rec = self.signed(node, bdf, holder, vm, lease)?;
         // Create-if-absent, and only for a device its lender has registered.
         let txn = Txn::new()
@@ -426,7 +448,7 @@ impl Directory for EtcdDirectory {
                 TxnOp::get(nkey.clone(), None),
                 TxnOp::get(dkey.clone(), None),
             ]);
-        let r = shared.call("claim", |mut c| {
+        let r = shared.call_until("claim", deadline, |mut c| {
             let txn = txn.clone();
             async move { c.txn(txn).await }
         });
@@ -622,12 +644,18 @@ fn event_of(
 }
 
 /// Revokes a lease we no longer need; failure only delays its expiry.
+/// Revokes an unused lease in the background: the caller's answer does not wait for it (an
+/// etcd without quorum would hold it for [`CALL_TIMEOUT`]), and a lease not revoked expires
+/// after its TTL anyway.
 fn revoke_quietly(shared: &Shared, lease: i64) {
-    if let Err(e) = shared.call("lease revoke", |mut c| async move {
-        c.lease_revoke(lease).await
-    }) {
-        log::debug!("revoking unused lease {lease:x}: {e}");
-    }
+    let mut c = shared.client.clone();
+    shared.rt.spawn(async move {
+        match tokio::time::timeout(CALL_TIMEOUT, c.lease_revoke(lease)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => log::debug!("revoking unused lease {lease:x}: {e}"),
+            Err(_) => log::debug!("revoking unused lease {lease:x}: no answer in {CALL_TIMEOUT:?}"),
+        }
+    });
 }
 
 #[cfg(test)]
