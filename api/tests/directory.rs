@@ -1050,3 +1050,39 @@ fn a_lender_address_from_the_directory_still_has_to_pass_the_fabrics_mutual_auth
     let m = e.to_string();
     assert!(m.contains("auth") || m.contains("token"), "{m}");
 }
+
+/// Chaos seed 8 (docs/RELIABILITY.md, "A cluster under fire"): a hot-add during an etcd
+/// majority loss answered after 10 s. Without quorum, a lender lookup and a claim each fail
+/// within one `CALL_TIMEOUT` (plus scheduling slack on a loaded host), with an error naming
+/// etcd, rather than one timeout per call they make.
+#[test]
+fn without_quorum_a_lookup_and_a_claim_each_fail_within_one_call_timeout() {
+    use lending::directory::etcd::CALL_TIMEOUT;
+    let mut etcd = EtcdCluster::start(3);
+    let s = site(&etcd);
+    let _d = lenderd(&s, "node3", 1);
+    let dir = EtcdDirectory::connect(&s.cfg, Some(TOKEN)).unwrap();
+    let leader = etcd.wait_leader(Duration::from_secs(10));
+    // Two of three members gone, the leader among them: no quorum.
+    let other = (leader + 1) % 3;
+    etcd.members[leader].kill();
+    etcd.members[other].kill();
+    let bound = CALL_TIMEOUT + Duration::from_secs(2);
+    let t = Instant::now();
+    let looked = dir.lender("node3");
+    let lookup = t.elapsed();
+    let t = Instant::now();
+    let claimed = dir.claim("node3", &dev(0), "vmm-a", "vm0");
+    let claim = t.elapsed();
+    eprintln!(
+        "without quorum: lookup {lookup:?} ({:?}), claim {claim:?}",
+        looked.is_ok()
+    );
+    let e = claimed
+        .err()
+        .expect("a claim without quorum succeeded")
+        .to_string();
+    assert!(e.contains("etcd"), "{e}");
+    assert!(lookup < bound, "the lookup took {lookup:?}");
+    assert!(claim < bound, "the claim took {claim:?}: {e}");
+}
