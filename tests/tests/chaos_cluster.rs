@@ -564,7 +564,7 @@ impl Guest {
             call: format!("{} to {to}", kind.name()),
         });
         let ns = format!("{}-{to}", self.net_tag);
-        let dst = in_netns(Some(&ns), || {
+        let mut dst = in_netns(Some(&ns), || {
             Vm::start_args(
                 &[
                     "--cluster",
@@ -575,8 +575,28 @@ impl Guest {
                 "warn",
             )
         });
-        dst.wait_api();
         let dst_api = ApiClient::new(&sock, Duration::from_secs(60));
+        // A destination may not start at all (lendvm refuses to start while etcd is out of
+        // its reach): then the migration failed, and the source goes on.
+        let up = poll(Duration::from_secs(20), || {
+            if dst_api.ping().is_ok() {
+                Some(true)
+            } else if !dst.running() {
+                Some(false)
+            } else {
+                None
+            }
+        });
+        if up != Some(true) {
+            rec.finish(p, Outcome::Fail, None).unwrap();
+            eprintln!(
+                "chaos: {} {} to {to}: the destination did not start: {}",
+                self.name,
+                kind.name(),
+                dst.stderr().lines().last().unwrap_or_default()
+            );
+            return None;
+        }
         let r = dst_api
             .receive_migration(&api::types::VmReceiveMigrationData {
                 receiver_url: url.clone(),
@@ -1251,9 +1271,9 @@ fn a_cluster_under_fire_keeps_every_promise() {
         r.join().expect("a lender did not start again");
     }
     running.store(false, Ordering::SeqCst);
-    for w in workers {
-        w.join().unwrap();
-    }
+    // A workload thread that panicked is a harness failure: counted, reported with the
+    // history's verdict, and failing the run.
+    let broken = workers.into_iter().filter_map(|w| w.join().err()).count();
     // Every written block, read from its lender's backing file: which write it holds.
     for g in &guests {
         let (lender, bdf) = g.device.split_once(':').unwrap();
@@ -1316,6 +1336,10 @@ fn a_cluster_under_fire_keeps_every_promise() {
     }
     drop(etcd);
     assert!(report.ok(), "the history broke invariants:\n{summary}");
+    assert_eq!(
+        broken, 0,
+        "{broken} workload thread(s) panicked (above)\n{summary}"
+    );
     drop(net);
 }
 
