@@ -1342,14 +1342,3 @@ fn a_cluster_under_fire_keeps_every_promise() {
     );
     drop(net);
 }
-
-/// Reads `path`'s history (for a failed run's investigation).
-#[allow(dead_code)]
-fn read_history(path: &Path) -> Vec<history::Entry> {
-    history::read(
-        std::fs::File::open(path)
-            .map(std::io::BufReader::new)
-            .unwrap(),
-    )
-    .unwrap()
-}
