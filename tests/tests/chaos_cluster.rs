@@ -56,6 +56,9 @@ const DISKS: [&str; 2] = ["0000:82:00.0", "0000:84:00.0"];
 /// Each lender's dmatest engine; every third cycle of a VM copies with one.
 const DMA: &str = "0000:83:00.0";
 const LENDER_PORT: u16 = 7800;
+/// Each lender's `--metrics` port, on its namespace's loopback: the leak check reads its
+/// sessions and DMA windows there.
+const METRICS_PORT: u16 = 9800;
 /// The first LBA each guest writes: add `n` writes 64 LBAs of 512 bytes at
 /// `LBA + (n % 1024) * 64` (`seqio=1`), so the lender's store grows for 1024 adds.
 const LBA: u64 = 16;
@@ -91,6 +94,79 @@ fn run(prog: &str, args: &[&str]) {
     );
 }
 
+/// Where each run notes its pid (first line) and its tmpfs mounts (one per line, added as
+/// they are made), so that a later run can undo what a run killed by SIGKILL left (no `Drop`
+/// runs then): the file is named after the run's namespace tag and removed last on drop.
+const OWNERS: &str = "/run/lendvm-chaos";
+
+/// Undoes what runs that are gone left behind: every process in their namespaces (killed),
+/// the namespaces (deleted), their stores (unmounted). A run whose harness is alive is left
+/// alone; a namespace of this harness's form with no owner file is from a run that is gone.
+fn reap_stale_runs(ours: &str) {
+    let alive = |pid: &str| {
+        std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains("chaos_cluster"))
+    };
+    let list = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let names: Vec<String> = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect();
+    let mut tags: std::collections::BTreeSet<String> = names
+        .iter()
+        .filter_map(|n| n.split_once('-').map(|(t, _)| t))
+        .filter(|t| {
+            t.len() == 7 && t.starts_with("lvc") && t[3..].bytes().all(|b| b.is_ascii_digit())
+        })
+        .map(str::to_string)
+        .collect();
+    if let Ok(dir) = std::fs::read_dir(OWNERS) {
+        tags.extend(
+            dir.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string()),
+        );
+    }
+    for tag in tags.iter().filter(|t| t.as_str() != ours) {
+        let owner = Path::new(OWNERS).join(tag);
+        let text = std::fs::read_to_string(&owner).unwrap_or_default();
+        let mut lines = text.lines();
+        if lines.next().is_some_and(alive) {
+            continue;
+        }
+        eprintln!("chaos: undoing what run {tag}, which is gone, left behind");
+        for ns in names.iter().filter(|n| n.starts_with(&format!("{tag}-"))) {
+            let pids = Command::new("ip")
+                .args(["netns", "pids", ns])
+                .output()
+                .unwrap();
+            for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+                if let Ok(pid) = pid.parse::<libc::pid_t>() {
+                    // SAFETY: SIGKILL to a process of a stale namespace of ours.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+        for mount in lines {
+            let _ = Command::new("umount").arg("-l").arg(mount).status();
+        }
+        let _ = std::fs::remove_file(&owner);
+    }
+}
+
+/// Notes `line` in this run's owner file (see [`OWNERS`]).
+fn note_owned(tag: &str, line: &str) {
+    use std::io::Write;
+    std::fs::create_dir_all(OWNERS).unwrap();
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(Path::new(OWNERS).join(tag))
+        .unwrap();
+    writeln!(f, "{line}").unwrap();
+}
+
 /// The namespaces of one run; deleted on drop.
 struct Net {
     tag: String,
@@ -104,6 +180,10 @@ impl Net {
 
     fn make() -> Net {
         let tag = format!("lvc{:04}", std::process::id() % 10_000);
+        reap_stale_runs(&tag);
+        // A file of a run that was ours by number but is gone (reaped above, or never made).
+        let _ = std::fs::remove_file(Path::new(OWNERS).join(&tag));
+        note_owned(&tag, &std::process::id().to_string());
         let mut net = Net {
             tag,
             made: Vec::new(),
@@ -160,6 +240,7 @@ impl Drop for Net {
         for ns in self.made.iter().rev() {
             let _ = Command::new("ip").args(["netns", "del", ns]).status();
         }
+        let _ = std::fs::remove_file(Path::new(OWNERS).join(&self.tag));
     }
 }
 
@@ -345,23 +426,28 @@ fn pump(
 }
 
 /// The lenders' stores: tmpfs mounts of [`STORE`], unmounted on drop.
-struct Stores(Vec<PathBuf>);
+struct Stores {
+    /// The run's namespace tag: each mount is noted in its owner file (see [`OWNERS`]).
+    tag: String,
+    mounts: Vec<PathBuf>,
+}
 
 impl Stores {
     fn mount(&mut self, dir: &Path) {
         std::fs::create_dir_all(dir).unwrap();
         let d = dir.display().to_string();
+        note_owned(&self.tag, &d);
         run(
             "mount",
             &["-t", "tmpfs", "-o", &format!("size={STORE}"), "tmpfs", &d],
         );
-        self.0.push(dir.to_path_buf());
+        self.mounts.push(dir.to_path_buf());
     }
 }
 
 impl Drop for Stores {
     fn drop(&mut self) {
-        for d in &self.0 {
+        for d in &self.mounts {
             let _ = Command::new("umount").arg("-l").arg(d).status();
         }
     }
@@ -386,6 +472,49 @@ fn proc_counts(pid: u32) -> std::collections::BTreeMap<String, u64> {
     let mut m = std::collections::BTreeMap::new();
     m.insert("fds".to_string(), fds);
     m.insert("rss_kib".to_string(), proc_status_kb(pid, "VmRSS"));
+    m
+}
+
+/// What a lender holds for borrowers by its own `/metrics` (read on its namespace's loopback):
+/// sessions, DMA windows over every device's IOMMU domain and their bytes, P2P mappings into
+/// its BARs.
+fn lender_gauges(ns: &str, host: &str) -> std::collections::BTreeMap<String, u64> {
+    use std::io::{Read, Write};
+    let addr = format!("127.0.0.1:{METRICS_PORT}");
+    let text = in_netns(Some(ns), || -> std::io::Result<String> {
+        let to = Duration::from_secs(10);
+        let mut s = std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), to)?;
+        s.set_read_timeout(Some(to))?;
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        Ok(text)
+    })
+    .unwrap_or_else(|e| panic!("{host}: GET /metrics: {e}"));
+    let mut m = std::collections::BTreeMap::new();
+    for (metric, key) in [
+        ("lenderd_sessions", "sessions"),
+        ("lenderd_dma_windows", "dma_windows"),
+        ("lenderd_dma_window_bytes", "dma_window_bytes"),
+        ("lenderd_lease_p2p_mappings", "p2p_mappings"),
+    ] {
+        let mut found = false;
+        let sum: f64 = text
+            .lines()
+            .filter(|l| {
+                l.strip_prefix(metric)
+                    .is_some_and(|r| r.starts_with(['{', ' ']))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .inspect(|_| found = true)
+            .sum();
+        // A gauge with samples must be there; one per lease may have none.
+        assert!(
+            found || metric == "lenderd_lease_p2p_mappings",
+            "{host}: /metrics has no {metric}:\n{text}"
+        );
+        m.insert(key.to_string(), sum as u64);
+    }
     m
 }
 
@@ -414,6 +543,9 @@ impl Lender {
             .collect();
         devices.push(format!("{DMA}=dmatest"));
         let control = format!("{}:{LENDER_PORT}", host_ip(self.host));
+        // Loopback only (lenderd refuses another address for its unauthenticated endpoint):
+        // the namespace's own.
+        let metrics = format!("127.0.0.1:{METRICS_PORT}");
         let audit = self.dir.join(format!("{}.audit.jsonl", self.host));
         let log = self.dir.join(format!("{}-{n}.log", self.host));
         let l = in_netns(Some(&self.ns), || {
@@ -423,6 +555,8 @@ impl Lender {
                 .arg(&control)
                 .arg("--audit-log")
                 .arg(&audit)
+                .arg("--metrics")
+                .arg(&metrics)
                 .devices(&devices)
                 .spawn_until("listening", |d| d.log().contains("listening at"))
         });
@@ -924,7 +1058,10 @@ fn a_cluster_under_fire_keeps_every_promise() {
 
     // Declared first: dropped last, after every process in the namespaces is gone.
     let net = Net::make();
-    let mut stores = Stores(Vec::new());
+    let mut stores = Stores {
+        tag: net.tag.clone(),
+        mounts: Vec::new(),
+    };
     let hosts: Vec<MemberHost> = ETCD
         .iter()
         .map(|h| MemberHost {
@@ -1071,6 +1208,7 @@ fn a_cluster_under_fire_keeps_every_promise() {
         for l in &lenders {
             if let Some(pid) = l.pid() {
                 let mut counts = proc_counts(pid as u32);
+                counts.extend(lender_gauges(&l.ns, l.host));
                 // The leases it holds by its own records: those of its audit log granted
                 // and not ended.
                 let a = std::fs::read_to_string(out.join(format!("{}.audit.jsonl", l.host)))

@@ -256,6 +256,19 @@ fn scraped_by_prometheus() {
         |v| v == 0.0,
     );
 
+    // The guest RAM the lender maps for the NVMe's DMA (a leak of these is what the chaos
+    // harness's leak check reads).
+    prom.value(
+        "lenderd_dma_windows",
+        "DMA windows into the guest mapped on the lender",
+        |v| v >= 1.0,
+    );
+    prom.value(
+        "lenderd_dma_window_bytes",
+        "bytes of guest RAM mapped on the lender",
+        |v| v >= 4096.0,
+    );
+
     // Each vCPU's exits beside their sum (vm.counters' `vm:vcpuN` groups); the test VM runs
     // on vCPU 0.
     prom.value(

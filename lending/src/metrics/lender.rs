@@ -20,6 +20,8 @@ pub const NAMES: &[&str] = &[
     "lenderd_leases",
     "lenderd_lease_age_seconds",
     "lenderd_sessions",
+    "lenderd_dma_windows",
+    "lenderd_dma_window_bytes",
     "lenderd_auth_failures_total",
     "lenderd_handshakes_in_progress",
     "lenderd_handshake_slots",
@@ -82,6 +84,9 @@ impl LenderMetrics {
         let mut by_state = [0u64; STATES.len()];
         let inv = l.inventory();
         let mut leases = 0u64;
+        // DMA windows mapped in the devices' IOMMU domains, leased or not: a window left on
+        // a device after its lease ended is a leak (pinned pages, for a VFIO device).
+        let (mut windows, mut window_bytes) = (0u64, 0u64);
         f.declare(
             "lenderd_lease_commands",
             "Commands the device fetched during the lease (emulated NVMe).",
@@ -110,6 +115,10 @@ impl LenderMetrics {
             let Some(entry) = inv.get(&d.id) else {
                 continue;
             };
+            for m in entry.backend().domain().mappings() {
+                windows += 1;
+                window_bytes = window_bytes.saturating_add(m.size);
+            }
             let Some(v) = entry.lease_view() else {
                 continue;
             };
@@ -232,6 +241,20 @@ impl LenderMetrics {
             "Borrower sessions (authenticated or not) running.",
             n(),
             l.sessions() as f64,
+        );
+        f.gauge(
+            "lenderd_dma_windows",
+            "DMA windows mapped into borrowers' memory, over every device's IOMMU domain.",
+            n(),
+            windows as f64,
+        );
+        f.with_unit(
+            "lenderd_dma_window",
+            "Bytes of borrowers' memory mapped for DMA (pinned, for a VFIO device).",
+            Unit::Bytes,
+            false,
+            n(),
+            window_bytes as f64,
         );
         for why in AuthFailure::ALL {
             f.counter(
