@@ -1086,3 +1086,26 @@ fn without_quorum_a_lookup_and_a_claim_each_fail_within_one_call_timeout() {
     assert!(lookup < bound, "the lookup took {lookup:?}");
     assert!(claim < bound, "the claim took {claim:?}: {e}");
 }
+
+#[test]
+fn members_talk_to_each_other_over_tls_and_refuse_a_plain_peer() {
+    // Three members with TLS elect a leader: their peer links (https, each showing its
+    // certificate to the other: --peer-client-cert-auth) work.
+    let etcd = EtcdCluster::start_tls(3, true);
+    let s = site(&etcd);
+    claim_and_borrow_works(&s);
+    // A peer port does not answer a plain http request (a plain peer listener answers any
+    // request with a status line: etcd's TLS listener drops the connection).
+    use std::io::{Read, Write};
+    let m = &etcd.members[0];
+    let mut c = std::net::TcpStream::connect((m.host.ip.as_str(), m.peer_port)).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET /members HTTP/1.0\r\n\r\n").unwrap();
+    let mut reply = Vec::new();
+    let _ = c.read_to_end(&mut reply);
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(
+        !reply.starts_with("HTTP/"),
+        "the peer port answered plain http: {reply:?}"
+    );
+}

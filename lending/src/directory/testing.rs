@@ -188,19 +188,29 @@ impl TlsFiles {
             .push(DnType::CommonName, "lendvm test etcd CA");
         let ca_key = KeyPair::generate().unwrap();
         let ca = ca_params.self_signed(&ca_key).unwrap();
-        let leaf = |names: Vec<String>, cn: &str, usage: ExtendedKeyUsagePurpose| {
+        let leaf = |names: Vec<String>, cn: &str, usages: Vec<ExtendedKeyUsagePurpose>| {
             let mut p = CertificateParams::new(names).unwrap();
             p.distinguished_name.push(DnType::CommonName, cn);
-            p.extended_key_usages = vec![usage];
+            p.extended_key_usages = usages;
             let k = KeyPair::generate().unwrap();
             let c = p.signed_by(&k, &ca, &ca_key).unwrap();
             (c.pem(), k.serialize_pem())
         };
-        let (server, server_key) = leaf(names, "etcd", ExtendedKeyUsagePurpose::ServerAuth);
+        // The members' certificate serves clients and peers, and is the client certificate
+        // a member shows its peers (`--peer-client-cert-auth`): both usages, as etcd's
+        // guide makes peer certificates.
+        let (server, server_key) = leaf(
+            names,
+            "etcd",
+            vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ],
+        );
         let (client, client_key) = leaf(
             Vec::new(),
             "lendvm-test-client",
-            ExtendedKeyUsagePurpose::ClientAuth,
+            vec![ExtendedKeyUsagePurpose::ClientAuth],
         );
         let f = TlsFiles {
             ca: dir.join("ca.pem"),
@@ -254,8 +264,9 @@ impl EtcdCluster {
     }
 
     /// One member per host of `hosts`: on loopback with free ports, or in a host's network
-    /// namespace on its address with etcd's usual ports (2379 clients, 2380 peers). Peers
-    /// talk plain http (a harness's private bridge); clients TLS when `tls`.
+    /// namespace on its address with etcd's usual ports (2379 clients, 2380 peers). With
+    /// `tls`, clients and peers talk TLS, and a member accepts only peers with a certificate
+    /// of the cluster's CA (`--peer-client-cert-auth`), as in production.
     pub fn start_on(hosts: &[MemberHost], tls: bool, client_cert_auth: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let bin = etcd_binary();
@@ -286,12 +297,12 @@ impl EtcdCluster {
             .collect();
         let initial: Vec<String> = members
             .iter()
-            .map(|m| format!("{}=http://{}:{}", m.name, m.host.ip, m.peer_port))
+            .map(|m| format!("{}={scheme}://{}:{}", m.name, m.host.ip, m.peer_port))
             .collect();
         let initial = initial.join(",");
         for m in members.iter_mut() {
             let client = format!("{scheme}://{}", m.endpoint());
-            let peer = format!("http://{}:{}", m.host.ip, m.peer_port);
+            let peer = format!("{scheme}://{}:{}", m.host.ip, m.peer_port);
             let mut argv: Vec<std::ffi::OsString> = Vec::new();
             if let Some(ns) = &m.host.netns {
                 argv.extend(["ip", "netns", "exec", ns.as_str()].map(Into::into));
@@ -307,6 +318,15 @@ impl EtcdCluster {
                 if t.client_cert_auth {
                     argv.push("--client-cert-auth".into());
                 }
+                for (k, v) in [
+                    ("--peer-cert-file", &t.server_cert),
+                    ("--peer-key-file", &t.server_key),
+                    ("--peer-trusted-ca-file", &t.ca),
+                ] {
+                    argv.push(k.into());
+                    argv.push(v.clone().into());
+                }
+                argv.push("--peer-client-cert-auth".into());
             }
             let data = dir.path().join(&m.name);
             for (k, v) in [
