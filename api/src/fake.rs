@@ -140,6 +140,7 @@ impl FakeVmm {
                 id: dev.id,
                 mode: dev.mode,
                 replace_lost: false,
+                numa_node: None,
             })?;
         }
         Ok(vmm)
@@ -192,8 +193,14 @@ impl FakeVmm {
         }
     }
 
-    fn free_slot(&self) -> Option<u8> {
-        let used: BTreeSet<u8> = self.devices.values().map(|d| d.guest_bdf.device).collect();
+    /// A free device number on root bus `bus`.
+    fn free_slot(&self, bus: u8) -> Option<u8> {
+        let used: BTreeSet<u8> = self
+            .devices
+            .values()
+            .filter(|d| d.guest_bdf.bus == bus)
+            .map(|d| d.guest_bdf.device)
+            .collect();
         // Slot 0 is the host bridge.
         (1..=0x1f).find(|s| !used.contains(s))
     }
@@ -273,9 +280,27 @@ impl FakeVmm {
                 other.lease_state == LeaseState::Lost,
             )));
         }
+        // As the VMM: NUMA node n's devices sit on root bus n; a node the VM lacks is refused
+        // by name.
+        let nodes = self.config.vm.numa_nodes.len();
+        let bus = match data.numa_node {
+            None => 0,
+            Some(n) if nodes == 0 => {
+                return Err(ApiError::bad_request(format!(
+                    "numa_node={n}: this VM has no NUMA nodes (lendvm --numa)"
+                )))
+            }
+            Some(n) if n as usize >= nodes => {
+                return Err(ApiError::bad_request(format!(
+                    "numa_node={n}: this VM has NUMA nodes 0 to {} (lendvm --numa)",
+                    nodes - 1
+                )))
+            }
+            Some(n) => n as u8,
+        };
         let slot = self
-            .free_slot()
-            .ok_or_else(|| ApiError::conflict("no free pci slot on bus 0"))?;
+            .free_slot(bus)
+            .ok_or_else(|| ApiError::conflict(format!("no free pci slot on root bus {bus}")))?;
         if unreachable {
             return Err(ApiError::bad_gateway(format!(
                 "lender {node} is unreachable at fake:{node}: connection refused"
@@ -287,7 +312,7 @@ impl FakeVmm {
         };
         let guest_bdf = PciBdf {
             domain: 0,
-            bus: 0,
+            bus,
             device: slot,
             function: 0,
         };

@@ -108,6 +108,10 @@ enum Command {
         /// Clear a lost entry of the same device or id first (after a surprise removal).
         #[arg(long)]
         replace_lost: bool,
+        /// The guest NUMA node the device sits in (the VM's --numa nodes): it goes on that
+        /// node's root bus.
+        #[arg(long, value_name = "N")]
+        numa_node: Option<u32>,
     },
     /// Ask the guest to eject a device (vm.remove-device).
     RemoveDevice {
@@ -365,12 +369,14 @@ fn vmm_command(cli: &Cli, client: &ApiClient) -> Result<(), Failure> {
             id,
             mode,
             replace_lost,
+            numa_node,
         } => {
             let data = VmAddRemoteDeviceData {
                 device: device.clone(),
                 id: id.clone(),
                 mode: *mode,
                 replace_lost: *replace_lost,
+                numa_node: *numa_node,
             };
             let body = serde_json::to_vec(&data).map_err(|e| Failure(e.to_string()))?;
             let resp = client

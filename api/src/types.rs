@@ -43,8 +43,13 @@ pub enum SpecError {
     BadId(String),
     #[error("device mode {0:?} is invalid: expected direct or trapped")]
     BadMode(String),
-    #[error("unknown option {0:?} in remote device {1:?}: expected id=ID or mode=direct|trapped")]
+    #[error(
+        "unknown option {0:?} in remote device {1:?}: expected id=ID, mode=direct|trapped or \
+         numa_node=N"
+    )]
     UnknownOption(String, String),
+    #[error("numa_node {0:?} is not a node number (0, 1, ...)")]
+    BadNumaNode(String),
     #[error("option {0:?} given twice in remote device {1:?}")]
     DuplicateOption(String, String),
     #[error("destination_url is empty: expected file:///path/dir or a path")]
@@ -261,8 +266,9 @@ impl FromStr for RemoteDeviceMode {
     }
 }
 
-/// A remote device as given to `lendvm --remote-device node3:0000:81:00.0[,id=nvme0][,mode=direct|trapped]`
-/// and as listed in `vm.info`'s `config`.
+/// A remote device as given to `lendvm --remote-device
+/// node3:0000:81:00.0[,id=nvme0][,mode=direct|trapped][,numa_node=1]` and as listed in
+/// `vm.info`'s `config`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteDeviceConfig {
     pub device: RemoteDeviceSpec,
@@ -270,6 +276,9 @@ pub struct RemoteDeviceConfig {
     pub id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<RemoteDeviceMode>,
+    /// The guest NUMA node the device sits in (`--numa`): it goes on that node's root bus.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
 }
 
 impl FromStr for RemoteDeviceConfig {
@@ -280,6 +289,7 @@ impl FromStr for RemoteDeviceConfig {
         let device: RemoteDeviceSpec = parts.next().unwrap_or_default().parse()?;
         let mut id = None;
         let mut mode = None;
+        let mut numa_node = None;
         for opt in parts {
             let (key, value) = opt.split_once('=').unwrap_or((opt, ""));
             match key {
@@ -296,10 +306,25 @@ impl FromStr for RemoteDeviceConfig {
                     }
                     mode = Some(value.parse()?);
                 }
+                "numa_node" => {
+                    if numa_node.is_some() {
+                        return Err(SpecError::DuplicateOption(key.into(), s.into()));
+                    }
+                    numa_node = Some(
+                        value
+                            .parse::<u32>()
+                            .map_err(|_| SpecError::BadNumaNode(value.into()))?,
+                    );
+                }
                 _ => return Err(SpecError::UnknownOption(opt.into(), s.into())),
             }
         }
-        Ok(RemoteDeviceConfig { device, id, mode })
+        Ok(RemoteDeviceConfig {
+            device,
+            id,
+            mode,
+            numa_node,
+        })
     }
 }
 
@@ -322,6 +347,10 @@ pub struct VmAddRemoteDeviceData {
     /// that entry first instead of answering 409.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub replace_lost: bool,
+    /// The guest NUMA node the device sits in (the VM's `--numa` nodes): it goes on that
+    /// node's root bus, whose `_PXM` the guest reads. Absent: bus 0 (node 0 with `--numa`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
 }
 
 impl VmAddRemoteDeviceData {

@@ -209,6 +209,7 @@ fn typed_client_round_trips() {
             id: Some("x".into()),
             mode: None,
             replace_lost: false,
+            numa_node: None,
         })
         .unwrap();
     assert_eq!(d.bdf.to_string(), "0000:00:01.0");
@@ -717,6 +718,7 @@ fn openapi_document_covers_every_endpoint_and_request_type() {
         id: Some("nvme1".into()),
         mode: Some(api::types::RemoteDeviceMode::Trapped),
         replace_lost: false,
+        numa_node: None,
     };
     o.validate_component("VmAddRemoteDevice", &serde_json::to_value(&add).unwrap())
         .unwrap();

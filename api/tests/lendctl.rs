@@ -29,6 +29,37 @@ fn lendctl_ping_info_add_remove_shutdown_tables() {
     let o = h.lendctl(&["add-remote-device", "node1:01:00.0", "--mode", "trapped"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("as _remote0 at guest 0000:00:02.0"));
+    // In NUMA node 1: on that node's root bus; a node the VM lacks is refused by name.
+    let o = h.lendctl(&[
+        "add-remote-device",
+        "node3:0000:82:00.0",
+        "--numa-node",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("numa_node=2: this VM has NUMA nodes 0 to 1"),
+        "{}",
+        stderr(&o)
+    );
+    let o = h.lendctl(&[
+        "add-remote-device",
+        "node3:0000:82:00.0",
+        "--id",
+        "gpu1",
+        "--numa-node",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("as gpu1 at guest 0000:01:01.0"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(h
+        .lendctl(&["remove-device", "gpu1", "--force"])
+        .status
+        .success());
 
     h.vmm.with_vmm(|v| {
         v.set_interrupts(

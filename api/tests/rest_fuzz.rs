@@ -85,6 +85,7 @@ fn valid_add() -> impl Strategy<Value = VmAddRemoteDeviceData> {
             id,
             mode,
             replace_lost,
+            numa_node: None,
         })
 }
 

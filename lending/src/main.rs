@@ -147,6 +147,7 @@ fn own_node_of(args: &Args, file: Option<&ClusterConfig>) -> Result<NodeConfig, 
             fabric: kind,
             control: ControlAddr::parse(kind, addr).map_err(|e| format!("--control: {e}"))?,
             link: base,
+            numa_node: None,
         });
     }
     match file.and_then(|f| f.node(&args.node)) {

@@ -243,6 +243,10 @@ pub struct NodeConfig {
     pub control: ControlAddr,
     /// Local NTB resources and the cluster's link timers.
     pub link: LinkConfig,
+    /// `numa_node = N`: the guest NUMA node a borrower puts this lender's devices in when
+    /// its `--remote-device` (or hot-add) names none (as a borrower host's NTB adapter to
+    /// this lender sits on one socket).
+    pub numa_node: Option<u32>,
 }
 
 /// The whole cluster.
@@ -552,6 +556,8 @@ struct RawNode {
     /// shm nodes: the group that may connect to the control socket
     /// ([`LinkConfig::control_group`]).
     control_group: Option<Spanned<String>>,
+    /// [`NodeConfig::numa_node`].
+    numa_node: Option<Spanned<u32>>,
 }
 
 /// A field name, the span of its value if given, and the verdict.
@@ -1022,6 +1028,7 @@ impl ClusterConfig {
                 fabric,
                 control,
                 link,
+                numa_node: n.numa_node.as_ref().map(|v| *v.get_ref()),
             });
         }
         Ok(ClusterConfig {

@@ -819,6 +819,7 @@ impl Guest {
             id: Some(id.into()),
             mode: None,
             replace_lost: true,
+            numa_node: None,
         });
         let ok = added.is_ok();
         rec.finish(p, if ok { Outcome::Ok } else { Outcome::Fail }, None)

@@ -122,6 +122,7 @@ fn a_bar_larger_than_the_64bit_window_is_refused_naming_the_sizes() {
             id: Some("nvme0".into()),
             mode: None,
             replace_lost: false,
+            numa_node: None,
         })
         .unwrap_err()
         .to_string();

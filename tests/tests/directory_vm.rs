@@ -29,6 +29,7 @@ fn add(api: &ApiClient, id: &str) -> Result<api::types::PciDeviceInfo, String> {
         id: Some(id.to_string()),
         mode: None,
         replace_lost: false,
+        numa_node: None,
     })
     .map_err(|e| e.to_string())
 }

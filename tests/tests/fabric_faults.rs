@@ -475,6 +475,7 @@ fn tcp_link_faults_heartbeats_and_lease_policy() {
             id: Some("nvme0".into()),
             mode: None,
             replace_lost: false,
+            numa_node: None,
         })
         .ok()
     });

@@ -889,6 +889,19 @@ fn check_big_bar(guest: &Guest, lender: &Lender) {
     if let Err(e) = lendvm_tests::check_bar_placement(&line, BIG_BAR_SIZE) {
         panic!("the guest's BAR 0: {e}\n{}", diag());
     }
+    // `numa_node=1`: the function is on node 1's root bus (bus 1), and the kernel gives it
+    // that node, from its host bridge's `_PXM`.
+    assert_eq!(
+        (field(&line, "dev"), field(&line, "node")),
+        (Some("0000:01:01.0"), Some("1")),
+        "{line}\n{}",
+        diag()
+    );
+    assert!(
+        guest.line("PCI host bridge to bus 0000:01").is_some(),
+        "the kernel found no root bus 1\n{}",
+        diag()
+    );
     for &o in &BIG_BAR_WORDS {
         let poke = lendvm_tests::barpoke_ok_line(BIG_BAR_SEED, o);
         assert!(
@@ -1100,6 +1113,7 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
             id: Some("disk1".into()),
             mode: None,
             replace_lost: false,
+            numa_node: None,
         })
         .unwrap_or_else(|e| panic!("vm.add-remote-device: {e}\n{}", diag(&guest)));
     let add_wall = guest.out.started().elapsed();
@@ -1191,7 +1205,8 @@ fn linux_busybox_user_space_on_a_lent_disk() {
     let socket = lender.file("api.sock");
     let msix = format!("{LENDER}:{MSIX_BDF},id=msix0");
     let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
-    let big = format!("{LENDER}:{BIG_BAR_BDF},id=big0");
+    // In NUMA node 1: on that node's root bus, whose host bridge has `_PXM` 1.
+    let big = format!("{LENDER}:{BIG_BAR_BDF},id=big0,numa_node=1");
     let mut guest = Guest::start(
         "linux_busybox_user_space_on_a_lent_disk",
         &lender,
@@ -2101,6 +2116,7 @@ fn linux_lender_crash_mid_write_loses_no_acknowledged_block() {
         id: Some("disk1".into()),
         mode: None,
         replace_lost: false,
+        numa_node: None,
     })
     .unwrap_or_else(|e| panic!("re-add after the restart: {e}\n{}", guest.diag(&lender)));
     lender.expect_lent_to("linux-crash");

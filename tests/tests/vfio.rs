@@ -452,6 +452,7 @@ fn vfio_nvme_and_an_sriov_vf_in_l1_replug_flr_and_fio_verify() {
             id: Some("disk1".into()),
             mode: None,
             replace_lost: false,
+            numa_node: None,
         })
         .unwrap_or_else(|e| panic!("re-add after device-released: {e}\n{}", guest.diag()));
     eprintln!("re-added: {added:?}");
@@ -954,6 +955,7 @@ fn vfio_nvme_in_l1_lenderd_killed_mid_write_loses_no_acknowledged_block() {
         id: Some("disk1".into()),
         mode: None,
         replace_lost: false,
+        numa_node: None,
     })
     .unwrap_or_else(|e| panic!("re-add after the restart: {e}\n{}", guest.diag()));
     guest.expect_line("LENDVM-CRASH back disk=", deadline);

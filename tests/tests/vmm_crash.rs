@@ -141,6 +141,7 @@ fn add_from(api: &ApiClient, node: &str, bdf: &str, id: &str) {
         id: Some(id.to_string()),
         mode: None,
         replace_lost: false,
+        numa_node: None,
     })
     .unwrap_or_else(|e| panic!("add {node}:{bdf} as {id}: {e}"));
 }

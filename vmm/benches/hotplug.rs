@@ -461,6 +461,7 @@ fn run_fabric(
                 id: Some(id),
                 mode: None,
                 replace_lost: false,
+                numa_node: None,
             })
             .expect("add");
         let ms = t.elapsed().as_secs_f64() * 1e3;

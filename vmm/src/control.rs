@@ -53,7 +53,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use acpi::{PciHotplugController, RemovalRequest, PCI_HOTPLUG_START};
+use acpi::{PciHotplugController, RemovalRequest};
 use api::events::EventBus;
 use api::request::{
     already_attached, id_in_use, pause_refusal, still_being_released, ApiResponse, ReleaseWait,
@@ -66,7 +66,7 @@ use api::types::{
     VmRemoveDeviceData, VmSendMigrationData, VmSnapshotConfig, VmState, VmmPingResponse,
 };
 use pci::vm_ops::VmOps;
-use pci::{BusDevice, PciBdf, SharedPciDevice};
+use pci::SharedPciDevice;
 use remote_pci::{
     IrqKind, LeaseState, RemoteDeviceLink, RemoteDeviceStatus, RemotePciDevice,
     RemotePciDeviceParams,
@@ -537,6 +537,7 @@ impl Controller {
                     id: d.id.clone(),
                     mode: d.mode,
                     replace_lost: false,
+                    numa_node: d.numa_node,
                 },
                 true,
             )?;
@@ -545,25 +546,28 @@ impl Controller {
         Ok(())
     }
 
-    fn free_slot(&mut self) -> Option<u8> {
+    /// A free slot number on root bus `root`.
+    fn free_slot(&mut self, root: u8) -> Option<u8> {
         let hp = lock(&self.h.hotplug);
         let bus = self.h.devices.pci_bus();
         let used_by_entry = |s: u8| self.entries.values().any(|e| e.slot == s);
-        let slots = bus.slots();
-        if let Some(s) = (1..=slots)
+        let slots = || (1..=bus.slots()).map(|d| pci::root::slot_number(root, d));
+        if let Some(s) = slots()
             .find(|&s| bus.device(s).is_none() && !hp.is_present(u32::from(s)) && !used_by_entry(s))
         {
             return Some(s);
         }
         // Reclaim a slot the guest never ejected after a forced removal or a loss.
-        let s = (1..=slots).find(|&s| bus.device(s).is_none() && !used_by_entry(s))?;
+        let s = slots().find(|&s| bus.device(s).is_none() && !used_by_entry(s))?;
         let was_present = hp.is_present(u32::from(s));
         drop(hp);
         if was_present {
             log::warn!(
                 "pci slot {s}: the guest never ejected it; completing the eject to reuse it"
             );
-            lock(&self.h.hotplug).write(PCI_HOTPLUG_START, 8, &(1u32 << s).to_le_bytes());
+            if let Err(e) = lock(&self.h.hotplug).complete_eject(u32::from(s)) {
+                log::warn!("pci slot {s}: completing its eject: {e}");
+            }
             *self.self_ejects.entry(u32::from(s)).or_default() += 1;
         }
         Some(s)
@@ -680,9 +684,30 @@ impl Controller {
                 e.state == ApiLeaseState::Lost,
             )));
         }
+        // The node's root bus: a `numa_node=` the VM cannot honour is refused by name before
+        // anything is borrowed; the cluster file's default for the lender is a hint, and a VM
+        // without that node puts the device on bus 0. A restore keeps the saved slot.
+        let root = match (data.numa_node, restore_slot) {
+            (_, Some(_)) => 0,
+            (Some(node), None) => self
+                .h
+                .devices
+                .bus_of_node(node)
+                .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            (None, None) => match self.source.default_numa_node(spec.node.as_str()) {
+                Some(node) => self.h.devices.bus_of_node(node).unwrap_or_else(|e| {
+                    log::info!(
+                        "{spec}: the cluster file's numa_node for {}: {e}; on bus 0",
+                        spec.node
+                    );
+                    0
+                }),
+                None => 0,
+            },
+        };
         let slot = match restore_slot {
             Some(s)
-                if (1..=self.h.devices.pci_bus().slots()).contains(&s)
+                if self.h.devices.pci_bus().check_slot(s).is_ok()
                     && self.h.devices.pci_bus().device(s).is_none() =>
             {
                 s
@@ -692,9 +717,9 @@ impl Controller {
                     "pci slot {s} of the snapshot is not free"
                 )))
             }
-            None => self.free_slot().ok_or_else(|| {
+            None => self.free_slot(root).ok_or_else(|| {
                 ApiError::conflict(format!(
-                    "no free pci slot on bus 0: all {} slots for devices are in use \
+                    "no free pci slot on root bus {root}: all {} slots for devices are in use \
                      (lendvm --pci-slots)",
                     self.h.devices.pci_bus().slots()
                 ))
@@ -731,7 +756,7 @@ impl Controller {
         }
         let mut params = RemotePciDeviceParams::new(
             id.clone(),
-            PciBdf::new(0, slot, 0).requester_id(),
+            pci::PciBus::bdf_of(slot).requester_id(),
             Some(slot_intx_gsi(slot)),
         );
         params.dma_pins = Some(self.dma.clone());
@@ -1035,7 +1060,7 @@ impl Controller {
             "device-removed",
             [
                 ("id", Value::from(id)),
-                ("bdf", Value::from(PciBdf::new(0, slot, 0).to_string())),
+                ("bdf", Value::from(pci::PciBus::bdf_of(slot).to_string())),
                 ("how", Value::from(how)),
             ],
         );
@@ -1160,7 +1185,7 @@ impl Controller {
                 "device-lost",
                 [
                     ("id", Value::from(id.as_str())),
-                    ("bdf", Value::from(PciBdf::new(0, slot, 0).to_string())),
+                    ("bdf", Value::from(pci::PciBus::bdf_of(slot).to_string())),
                     ("cause", Value::from(why)),
                 ],
             );
@@ -1244,8 +1269,8 @@ impl Controller {
             lender_bdf: e.spec.bdf,
             guest_bdf: ApiBdf {
                 domain: 0,
-                bus: 0,
-                device: e.slot,
+                bus: pci::root::slot_bus(e.slot),
+                device: pci::root::slot_device(e.slot),
                 function: 0,
             },
             mode: e.mode,
@@ -1534,6 +1559,7 @@ pub(crate) fn lent_device_request(
         id: Some(d.id.clone()),
         mode: Some(d.mode),
         replace_lost: false,
+        numa_node: None,
     })
 }
 

@@ -3,9 +3,9 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use acpi::EjectReceiver;
+use acpi::{EjectReceiver, PCI_HOTPLUG_START};
 use remote_pci::LinkEventHook;
 
 use api::request::ApiErrorKind;
@@ -348,6 +348,11 @@ struct Rig {
 
 /// A 1-vCPU VM with a two-instruction spin kernel (never started).
 fn rig() -> Option<Rig> {
+    rig_with(Vec::new())
+}
+
+/// [`rig`] with the guest NUMA nodes `numa` (`--numa`).
+fn rig_with(numa: Vec<crate::numa::NumaNodeConfig>) -> Option<Rig> {
     if let Err(e) = kvm_ioctls::Kvm::new() {
         panic!("/dev/kvm is required by the vmm tests: {e}");
     }
@@ -365,7 +370,7 @@ fn rig() -> Option<Rig> {
         cpuid_cmdline: true,
         cpu_model: Default::default(),
         pci_mmio64_size: Some(crate::device_manager::PCI_MMIO64_SIZE),
-        numa: Vec::new(),
+        numa,
         pci_slots: pci::root::MAX_DEVICE_SLOTS,
     })
     .unwrap();
@@ -434,6 +439,7 @@ fn add(ctl: &mut Controller, dev: &str, id: Option<&str>) -> ApiReply {
         id: id.map(String::from),
         mode: None,
         replace_lost: false,
+        numa_node: None,
     }))
 }
 
@@ -752,6 +758,88 @@ fn forced_slots_are_reclaimed_without_losing_the_new_device() {
     assert_eq!(rig.ctl.counters(), VmCounters::default());
 }
 
+#[test]
+fn numa_node_puts_a_device_on_its_nodes_root_bus_and_an_unknown_node_is_refused() {
+    let node = |id, cpus: Vec<u8>| crate::numa::NumaNodeConfig {
+        id,
+        cpus,
+        memory: 32 << 20,
+        distances: Vec::new(),
+    };
+    let Some(mut rig) = rig_with(vec![node(0, vec![0]), node(1, Vec::new())]) else {
+        return;
+    };
+    let add_in = |ctl: &mut Controller, dev: &str, id: &str, numa_node| {
+        ctl.handle(ApiRequest::VmAddRemoteDevice(VmAddRemoteDeviceData {
+            device: dev.parse().unwrap(),
+            id: Some(id.into()),
+            mode: None,
+            replace_lost: false,
+            numa_node,
+        }))
+    };
+    // Node 1: root bus 1, its first slot; its BAR in bus 1's part of the windows.
+    let Ok(ApiResponse::DeviceAdded(d)) = add_in(&mut rig.ctl, "node3:0000:81:00.0", "n1", Some(1))
+    else {
+        panic!("add in node 1 failed");
+    };
+    assert_eq!((d.bdf.bus, d.bdf.device), (1, 1));
+    assert!(rig.vm.devices().pci_bus().device(33).is_some());
+    // vm.info says where it is, as the guest sees it.
+    let info = rig.ctl.info();
+    let n1 = info.remote_devices.iter().find(|d| d.id == "n1").unwrap();
+    assert_eq!(n1.guest_bdf.to_string(), "0000:01:01.0");
+    let bar0 = crate::layout::PCI_ECAM_START | 1 << 20 | 1 << 15 | 0x10;
+    let mut b = [0u8; 4];
+    rig.vm.devices().mmio_bus().read(bar0, &mut b).unwrap();
+    let addr = u64::from(u32::from_le_bytes(b) & !0xf);
+    let mut hi = [0u8; 4];
+    rig.vm.devices().mmio_bus().read(bar0 + 4, &mut hi).unwrap();
+    let addr = addr | u64::from(u32::from_le_bytes(hi)) << 32;
+    let windows = rig.vm.devices().root_bus_windows(1);
+    assert!(
+        windows[1..]
+            .iter()
+            .any(|&(base, size)| addr >= base && addr < base + size),
+        "bar 0 at {addr:#x}, bus 1's windows {windows:x?}"
+    );
+    // Node 0 (and no node): bus 0.
+    let Ok(ApiResponse::DeviceAdded(d)) = add_in(&mut rig.ctl, "node3:0000:82:00.0", "n0", Some(0))
+    else {
+        panic!("add in node 0 failed");
+    };
+    assert_eq!((d.bdf.bus, d.bdf.device), (0, 1));
+    // A node the VM does not have: refused by name, nothing borrowed or plugged.
+    let live = rig.source.live.load(Ordering::SeqCst);
+    let e = add_in(&mut rig.ctl, "node3:0000:83:00.0", "n2", Some(2)).unwrap_err();
+    assert_eq!(e.kind, ApiErrorKind::BadRequest);
+    assert!(
+        e.message.contains("numa_node=2") && e.message.contains("0 to 1"),
+        "{e:?}"
+    );
+    assert_eq!(rig.source.live.load(Ordering::SeqCst), live);
+    // The guest ejects the node-1 device on its own bus (PSEG 1).
+    assert_eq!(remove(&mut rig.ctl, "n1", false), Ok(ApiResponse::Empty));
+    let mmio = rig.vm.devices().mmio_bus().clone();
+    mmio.write(PCI_HOTPLUG_START + 12, &1u32.to_le_bytes())
+        .unwrap();
+    assert_eq!(read_reg(&rig, 4), 1 << 1, "bus 1's slot-down bit");
+    mmio.write(PCI_HOTPLUG_START + 8, &(1u32 << 1).to_le_bytes())
+        .unwrap();
+    let slots = rig.ejects.drain();
+    assert_eq!(slots, vec![33]);
+    rig.ctl.on_ejects(&slots);
+    assert_eq!(entry_state(&rig.ctl, "n1"), None);
+    assert!(rig.vm.devices().pci_bus().device(33).is_none());
+
+    // A VM without NUMA nodes has no node to name.
+    let Some(mut flat) = rig_with(Vec::new()) else {
+        return;
+    };
+    let e = add_in(&mut flat.ctl, "node3:0000:81:00.0", "x", Some(0)).unwrap_err();
+    assert!(e.message.contains("no NUMA nodes"), "{e:?}");
+}
+
 fn events(ctl: &Controller) -> Vec<String> {
     ctl.events()
         .recent()
@@ -952,6 +1040,7 @@ fn lost_devices_say_how_to_clear_them_and_can_be_replaced() {
             id: Some("nvme0".into()),
             mode: None,
             replace_lost: true,
+            numa_node: None,
         }));
     let Ok(ApiResponse::DeviceAdded(d)) = r else {
         panic!("replace_lost add failed: {r:?}");
@@ -967,6 +1056,7 @@ fn lost_devices_say_how_to_clear_them_and_can_be_replaced() {
             id: None,
             mode: None,
             replace_lost: true,
+            numa_node: None,
         }));
     assert_eq!(
         r.unwrap_err().message,

@@ -20,7 +20,7 @@ use pci::device::{
     BarAllocation, BarMove, BarResize, DeviceRelocation, PciBarAllocators, PciDeviceError,
     SharedBarAllocators,
 };
-use pci::root::PciRootError;
+use pci::root::{PciRootError, MAX_ROOT_BUSES};
 use pci::{
     Bus, BusDevice, BusError, BusRange, PciBarRegionType, PciBdf, PciBus, PciConfigIo,
     PciConfigMmio, PciDevice, SharedPciDevice,
@@ -168,7 +168,7 @@ impl DeviceRelocation for BarRelocator {
         let from = {
             let mut ranges = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
             let range = ranges
-                .get_mut(&bdf.device())
+                .get_mut(&pci::root::slot_number(bdf.bus(), bdf.device()))
                 .and_then(|v| v.iter_mut().find(|(idx, _)| *idx == mv.bar_idx))
                 .map(|(_, r)| r)
                 .ok_or_else(|| mv.failed("no bus range for this bar"))?;
@@ -208,7 +208,7 @@ impl DeviceRelocation for BarRelocator {
         };
         let mut ranges = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
         let range = ranges
-            .get_mut(&bdf.device())
+            .get_mut(&pci::root::slot_number(bdf.bus(), bdf.device()))
             .and_then(|v| v.iter_mut().find(|(idx, _)| *idx == rs.bar_idx))
             .map(|(_, r)| r)
             .ok_or_else(|| fail("no bus range for this bar".into()))?;
@@ -250,14 +250,41 @@ fn undo_resize(alloc: &mut BarAllocation, len: u64, base: u64) {
     }
 }
 
+/// The root buses of a guest with `numa_nodes` NUMA nodes: one per node (node `n` has bus
+/// `n`, node 0 bus 0), at most [`MAX_ROOT_BUSES`]; one without NUMA.
+pub fn root_buses(numa_nodes: usize) -> u8 {
+    numa_nodes.clamp(1, usize::from(MAX_ROOT_BUSES)) as u8
+}
+
 /// Owns the buses and the devices on them.
 pub struct DeviceManager {
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
     serial: Option<Arc<Mutex<SerialDevice>>>,
     pci_bus: Arc<PciBus>,
-    allocators: SharedBarAllocators,
+    /// Each root bus's BAR allocators, over its slice of the windows
+    /// ([`pci::device::root_bus_windows`]), indexed by bus number.
+    allocators: Vec<SharedBarAllocators>,
+    /// The guest's NUMA nodes (`--numa`; 0 without): node `n` < [`MAX_ROOT_BUSES`] has root
+    /// bus `n`.
+    numa_nodes: usize,
+    /// The whole 64-bit BAR window (base, size).
+    mmio64: (u64, u64),
     ranges: BarRanges,
+}
+
+/// Why a NUMA node cannot take a device.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NodeError {
+    #[error("numa_node={0}: this VM has no NUMA nodes (lendvm --numa)")]
+    NoNuma(u32),
+    #[error("numa_node={node}: this VM has NUMA nodes 0 to {} (lendvm --numa)", .nodes - 1)]
+    NoSuchNode { node: u32, nodes: usize },
+    #[error(
+        "numa_node={0}: devices sit in nodes 0 to {max} only (one root bus each)",
+        max = MAX_ROOT_BUSES - 1
+    )]
+    NoRootBus(u32),
 }
 
 /// Where the UART writes. A file is always written in append mode, even one this VM
@@ -299,6 +326,7 @@ impl DeviceManager {
         exit: Arc<ExitNotifier>,
         mmio64: (u64, u64),
         pci_slots: u8,
+        numa_nodes: usize,
     ) -> Result<Self, DeviceError> {
         let pio = Arc::new(Bus::new());
         let mmio = Arc::new(Bus::new());
@@ -334,14 +362,20 @@ impl DeviceManager {
             what: "debug exit port",
             source,
         })?;
-        let allocators = Arc::new(Mutex::new(PciBarAllocators::x86_64(mmio64.0, mmio64.1)?));
+        let buses = root_buses(numa_nodes);
+        let allocators = (0..buses)
+            .map(|b| {
+                PciBarAllocators::for_root_bus(b, buses, mmio64).map(|a| Arc::new(Mutex::new(a)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let ranges: BarRanges = Arc::default();
-        let pci_bus = Arc::new(PciBus::with_slots(
+        let pci_bus = Arc::new(PciBus::with_buses(
             Arc::new(BarRelocator {
                 ranges: ranges.clone(),
                 mmio64,
             }),
             pci_slots,
+            buses,
         ));
         pio.insert(
             Arc::new(Mutex::new(PciConfigIo::new(pci_bus.clone()))),
@@ -367,18 +401,43 @@ impl DeviceManager {
             serial,
             pci_bus,
             allocators,
+            numa_nodes,
+            mmio64,
             ranges,
         })
     }
 
-    /// PCI bus 0.
+    /// The root buses (bus 0 and one per NUMA node with a number below [`MAX_ROOT_BUSES`]).
     pub fn pci_bus(&self) -> &Arc<PciBus> {
         &self.pci_bus
     }
 
-    /// The BAR allocators (I/O, 32-bit and 64-bit MMIO windows).
+    /// Bus 0's BAR allocators (I/O, 32-bit and 64-bit MMIO windows).
     pub fn bar_allocators(&self) -> &SharedBarAllocators {
-        &self.allocators
+        &self.allocators[0]
+    }
+
+    /// Root bus `bus`'s windows, `[io, mmio32, mmio64]` (see
+    /// [`pci::device::root_bus_windows`]).
+    pub fn root_bus_windows(&self, bus: u8) -> [(u64, u64); 3] {
+        pci::device::root_bus_windows(bus, self.pci_bus.buses(), self.mmio64)
+    }
+
+    /// The root bus of NUMA node `node` (`numa_node=`): node `n` is on bus `n`.
+    pub fn bus_of_node(&self, node: u32) -> Result<u8, NodeError> {
+        if self.numa_nodes == 0 {
+            return Err(NodeError::NoNuma(node));
+        }
+        if node as usize >= self.numa_nodes {
+            return Err(NodeError::NoSuchNode {
+                node,
+                nodes: self.numa_nodes,
+            });
+        }
+        u8::try_from(node)
+            .ok()
+            .filter(|&b| b < self.pci_bus.buses())
+            .ok_or(NodeError::NoRootBus(node))
     }
 
     /// Gives `device` its BARs, puts them on the buses and plugs it into `slot` (or the lowest
@@ -396,19 +455,22 @@ impl DeviceManager {
                 .next_free_slot()
                 .ok_or(PciRootError::NoFreeSlot(self.pci_bus.slots()))?,
         };
-        if slot == 0 {
-            return Err(PciRootError::HostBridgeSlot.into());
-        }
-        if slot > self.pci_bus.slots() {
-            return Err(PciRootError::SlotInvalid(slot, self.pci_bus.slots()).into());
-        }
+        self.pci_bus.check_slot(slot)?;
         if self.pci_bus.device(slot).is_some() {
             return Err(PciRootError::SlotInUse(slot).into());
         }
+        let allocators = self
+            .allocators
+            .get(usize::from(pci::root::slot_bus(slot)))
+            .ok_or(PciRootError::NoSuchBus {
+                slot,
+                bus: pci::root::slot_bus(slot),
+                buses: self.pci_bus.buses(),
+            })?;
         let bars = device
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .allocate_bars(&self.allocators)
+            .allocate_bars(allocators)
             .map_err(|e| match e {
                 PciDeviceError::BarAllocation {
                     region_type: PciBarRegionType::Memory64,
@@ -586,6 +648,50 @@ mod tests {
         assert!(e.to_string().contains("no/such/dir"), "{e}");
     }
 
+    #[test]
+    fn numa_nodes_get_a_root_bus_each_up_to_the_limit() {
+        let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
+        let vm = kvm.create_vm().unwrap();
+        let dm = DeviceManager::new(
+            &vm,
+            &SerialConfig::Off,
+            Arc::new(ExitNotifier::new()),
+            (1 << 40, 1 << 40),
+            4,
+            10,
+        )
+        .unwrap();
+        assert_eq!(dm.pci_bus().buses(), MAX_ROOT_BUSES);
+        assert_eq!(dm.bus_of_node(0), Ok(0));
+        assert_eq!(dm.bus_of_node(7), Ok(7));
+        let e = dm.bus_of_node(9).unwrap_err();
+        assert_eq!(e, NodeError::NoRootBus(9));
+        assert!(e.to_string().contains("nodes 0 to 7"), "{e}");
+        let e = dm.bus_of_node(10).unwrap_err().to_string();
+        assert!(e.contains("NUMA nodes 0 to 9"), "{e}");
+        // A device on bus 7 gets its BARs from bus 7's windows.
+        let bdf = dm
+            .add_pci_device(test_dev(), Some(pci::root::slot_number(7, 2)))
+            .unwrap();
+        assert_eq!(bdf.to_string(), "0000:07:02.0");
+        let [_, m32, m64] = dm.root_bus_windows(7);
+        let dev = dm.pci_bus().device(pci::root::slot_number(7, 2)).unwrap();
+        let bars: Vec<u64> = dev
+            .lock()
+            .unwrap()
+            .bar_allocations()
+            .iter()
+            .map(|a| a.base())
+            .collect();
+        assert!(!bars.is_empty());
+        for b in bars {
+            assert!(
+                [m32, m64].iter().any(|&(w, z)| b >= w && b < w + z),
+                "bar at {b:#x} outside bus 7's {m32:x?} {m64:x?}"
+            );
+        }
+    }
+
     /// Hot-add and remove a device through the hooks other crates use (skips without KVM).
     #[test]
     fn add_and_remove_pci_device() {
@@ -597,6 +703,7 @@ mod tests {
             Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
             pci::root::MAX_DEVICE_SLOTS,
+            0,
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();
@@ -654,6 +761,7 @@ mod tests {
             Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
             pci::root::MAX_DEVICE_SLOTS,
+            0,
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();
@@ -729,6 +837,7 @@ mod tests {
             Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
             pci::root::MAX_DEVICE_SLOTS,
+            0,
         )
         .unwrap();
         let ranges = dm.mmio_bus().len();

@@ -50,7 +50,8 @@ pub enum PlatformError {
     GuestWrite(u64),
 }
 
-/// IOAPIC GSI of INTx for bus-0 slot `slot`.
+/// IOAPIC GSI of INTx for slot number `slot` (any root bus: every bus's `_PRT` routes its
+/// device `d` to the GSI of `d`).
 pub fn slot_intx_gsi(slot: u8) -> u32 {
     PCI_INTX_GSI_BASE + u32::from(slot % 8)
 }
@@ -135,10 +136,33 @@ impl Platform {
         for (slot, g) in gsis.iter_mut().enumerate() {
             *g = slot_intx_gsi(slot as u8);
         }
+        // A root bus per NUMA node (node n on bus n), each with its slice of the windows;
+        // bus 0 (node 0) keeps `\_SB_.PCI0`.
+        let buses = crate::device_manager::root_buses(numa.len());
+        let windows = |b| pci::device::root_bus_windows(b, buses, mmio64);
+        let [io0, mmio32_0, mmio64_0] = windows(0);
+        let root_buses = (1..buses)
+            .map(|b| {
+                let [io, mmio32, mmio64] = windows(b);
+                acpi::RootBus {
+                    bus: b,
+                    node: u32::from(b),
+                    io,
+                    mmio32,
+                    mmio64,
+                }
+            })
+            .collect();
         let tables = create_acpi_tables(&AcpiConfig {
             num_vcpus: u32::from(cpus),
-            mmio64_base: mmio64.0,
-            mmio64_size: mmio64.1,
+            pci_bus_end: buses - 1,
+            io_base: io0.0 as u16,
+            io_size: io0.1 as u32,
+            mmio32_base: mmio32_0.0,
+            mmio32_size: mmio32_0.1,
+            mmio64_base: mmio64_0.0,
+            mmio64_size: mmio64_0.1,
+            root_buses,
             pci_slot_gsis: Some(gsis),
             pci_slots,
             numa,

@@ -137,6 +137,13 @@ pub trait LinkSource: Send {
     /// Borrows `spec` for this VM; the returned link holds the lease.
     fn borrow(&self, spec: &RemoteDeviceSpec) -> Result<Box<dyn RemoteDeviceLink>, AttachError>;
 
+    /// The guest NUMA node `node`'s devices go in when the request names none (the cluster
+    /// file's `numa_node` of that lender).
+    fn default_numa_node(&self, node: &str) -> Option<u32> {
+        let _ = node;
+        None
+    }
+
     /// This VMM's fabric node and VM name, which a migration source names in the transfer
     /// tickets of its leases (`None`: this VMM cannot take leases over).
     fn identity(&self) -> Option<(String, String)> {
@@ -628,6 +635,10 @@ impl LinkSource for LenderSource {
             .node(node)
             .map(|_| ())
             .ok_or_else(|| unknown_node(&self.cluster, node))
+    }
+
+    fn default_numa_node(&self, node: &str) -> Option<u32> {
+        self.cluster.node(node).and_then(|n| n.numa_node)
     }
 
     fn request_timeout(&self) -> Duration {

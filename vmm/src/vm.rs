@@ -293,6 +293,7 @@ impl Vm {
             exit.clone(),
             mmio64,
             cfg.pci_slots,
+            cfg.numa.len(),
         )?);
         let numa = crate::numa::layout(&cfg.numa, ram.regions(), &numa_distances);
         for (id, node) in numa.iter().enumerate() {

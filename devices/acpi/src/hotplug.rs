@@ -1,4 +1,5 @@
-//! ACPI PCI hotplug controller (Cloud Hypervisor-style register block, PCI segment 0).
+//! ACPI PCI hotplug controller (Cloud Hypervisor-style register block, PCI segment 0, every
+//! root bus).
 //!
 //! MMIO at [`PCI_HOTPLUG_START`], 16 bytes, all registers 32-bit little endian:
 //!
@@ -7,10 +8,13 @@
 //! | 0 | PCIU | slot-up bitmap, cleared by the read | ignored |
 //! | 4 | PCID | slot-down (eject request) bitmap, cleared by the read | ignored |
 //! | 8 | B0EJ | 0 | `1 << slot`: the guest has released the device, tear it down |
-//! | 12 | PSEG | selected segment | segment select; only 0 exists |
+//! | 12 | PSEG | selected root bus | root bus select (0 to [`PCI_HOTPLUG_BUSES`] - 1) |
 //!
-//! While PSEG selects a segment other than 0, PCIU/PCID read as 0 (and are not cleared) and
-//! B0EJ writes are ignored.
+//! PSEG selects the root bus the other registers are about, as QEMU's `BNUM` does for its
+//! expander buses (Cloud Hypervisor selects PCI segments with it; lendvm's extra root buses
+//! are in segment 0, one per guest NUMA node). While it selects a bus that does not exist,
+//! PCIU/PCID read as 0 (and are not cleared) and B0EJ writes are ignored. A slot is named by
+//! its number across buses, `bus * 32 + device`, as `pci::root` names it.
 //!
 //! # Flow
 //!
@@ -43,8 +47,10 @@ use crate::ged::{access_mask, read_bytes, write_value, GedError, GedNotifier};
 pub const PCI_HOTPLUG_START: u64 = 0xfe00_1000;
 /// Size of the hotplug register block.
 pub const PCI_HOTPLUG_SIZE: u64 = 16;
-/// Number of slots (PCI devices) on the root bus.
+/// Number of slots (PCI devices) on each root bus.
 pub const PCI_HOTPLUG_SLOTS: u32 = 32;
+/// Root buses the controller serves (`pci::root::MAX_ROOT_BUSES`).
+pub const PCI_HOTPLUG_BUSES: u32 = 8;
 
 /// Register offsets.
 pub const PCIU_OFFSET: u64 = 0;
@@ -55,7 +61,7 @@ pub const PSEG_OFFSET: u64 = 12;
 /// Errors of the hotplug controller API.
 #[derive(Debug, thiserror::Error)]
 pub enum HotplugError {
-    #[error("pci slot {0} is out of range (0..32)")]
+    #[error("pci slot {0} is out of range (0..256: 32 on each of 8 root buses)")]
     SlotOutOfRange(u32),
     #[error("pci slot {0} already holds a device")]
     SlotOccupied(u32),
@@ -128,14 +134,32 @@ pub fn eject_channel() -> Result<(EjectSender, EjectReceiver), HotplugError> {
     Ok((EjectSender { tx, evt: evt_tx }, EjectReceiver { rx, evt }))
 }
 
-/// Saved state of the hotplug controller (its registers and slot bookkeeping).
+/// One root bus's slot bitmaps.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BusBits {
+    /// Slot-up bits not yet read by the guest.
+    pub pciu: u32,
+    /// Slot-down bits not yet read by the guest.
+    pub pcid: u32,
+    /// Slots that hold a device (cold- or hot-plugged, not yet ejected).
+    pub present: u32,
+    /// Slots whose removal was requested and whose eject has not come yet.
+    pub pending_removal: u32,
+}
+
+/// Saved state of the hotplug controller (its registers and slot bookkeeping): bus 0's
+/// bitmaps in the first fields (the format of a VM without NUMA buses), the other buses'
+/// in `more_buses`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct HotplugState {
     pub pciu: u32,
     pub pcid: u32,
     pub pseg: u32,
     pub present: u32,
     pub pending_removal: u32,
+    /// Buses 1.. (only up to the last one with a bit set).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more_buses: Vec<BusBits>,
 }
 
 /// The hotplug register block; put it on the MMIO bus at [`PCI_HOTPLUG_START`] and keep an
@@ -143,23 +167,21 @@ pub struct HotplugState {
 pub struct PciHotplugController {
     ged: GedNotifier,
     eject: Box<dyn EjectHandler>,
-    /// Slot-up bits not yet read by the guest.
-    pciu: u32,
-    /// Slot-down bits not yet read by the guest.
-    pcid: u32,
-    /// Segment selected by the guest.
+    /// Root bus selected by the guest.
     pseg: u32,
-    /// Slots that hold a device (cold- or hot-plugged, not yet ejected).
-    present: u32,
-    /// Slots whose removal was requested and whose eject has not come yet.
-    pending_removal: u32,
+    /// Each root bus's bitmaps.
+    buses: [BusBits; PCI_HOTPLUG_BUSES as usize],
 }
 
-fn slot_bit(slot: u32) -> Result<u32, HotplugError> {
-    if slot >= PCI_HOTPLUG_SLOTS {
+/// The root bus and the bit of slot number `slot`.
+fn slot_bit(slot: u32) -> Result<(usize, u32), HotplugError> {
+    if slot >= PCI_HOTPLUG_SLOTS * PCI_HOTPLUG_BUSES {
         return Err(HotplugError::SlotOutOfRange(slot));
     }
-    Ok(1 << slot)
+    Ok((
+        (slot / PCI_HOTPLUG_SLOTS) as usize,
+        1 << (slot % PCI_HOTPLUG_SLOTS),
+    ))
 }
 
 impl PciHotplugController {
@@ -168,34 +190,33 @@ impl PciHotplugController {
         Self {
             ged,
             eject,
-            pciu: 0,
-            pcid: 0,
             pseg: 0,
-            present: 0,
-            pending_removal: 0,
+            buses: [BusBits::default(); PCI_HOTPLUG_BUSES as usize],
         }
     }
 
     /// Records a device that is present at boot (cold-plugged); no guest notification.
     pub fn mark_present(&mut self, slot: u32) -> Result<(), HotplugError> {
-        let bit = slot_bit(slot)?;
-        if self.present & bit != 0 {
+        let (bus, bit) = slot_bit(slot)?;
+        let b = &mut self.buses[bus];
+        if b.present & bit != 0 {
             return Err(HotplugError::SlotOccupied(slot));
         }
-        self.present |= bit;
+        b.present |= bit;
         Ok(())
     }
 
     /// A device was hot-added at `slot` (already on the PCI bus): tell the guest.
     pub fn slot_added(&mut self, slot: u32) -> Result<(), HotplugError> {
-        let bit = slot_bit(slot)?;
-        if self.present & bit != 0 {
+        let (bus, bit) = slot_bit(slot)?;
+        let b = &mut self.buses[bus];
+        if b.present & bit != 0 {
             return Err(HotplugError::SlotOccupied(slot));
         }
-        self.present |= bit;
-        self.pciu |= bit;
+        b.present |= bit;
+        b.pciu |= bit;
         // A stale slot-down bit would make PCNT eject the new device right after adding it.
-        self.pcid &= !bit;
+        b.pcid &= !bit;
         info!("pci hotplug: slot {slot} added");
         self.ged.notify(GED_EVENT_PCI_HOTPLUG)?;
         Ok(())
@@ -203,16 +224,17 @@ impl PciHotplugController {
 
     /// Asks the guest to release the device at `slot`. Teardown waits for the guest's eject.
     pub fn slot_removal_requested(&mut self, slot: u32) -> Result<RemovalRequest, HotplugError> {
-        let bit = slot_bit(slot)?;
-        if self.present & bit == 0 {
+        let (bus, bit) = slot_bit(slot)?;
+        let b = &mut self.buses[bus];
+        if b.present & bit == 0 {
             return Err(HotplugError::NoDevice(slot));
         }
-        if self.pending_removal & bit != 0 {
+        if b.pending_removal & bit != 0 {
             debug!("pci hotplug: removal of slot {slot} already pending");
             return Ok(RemovalRequest::AlreadyPending);
         }
-        self.pending_removal |= bit;
-        self.pcid |= bit;
+        b.pending_removal |= bit;
+        b.pcid |= bit;
         info!("pci hotplug: removal of slot {slot} requested");
         self.ged.notify(GED_EVENT_PCI_HOTPLUG)?;
         Ok(RemovalRequest::Requested)
@@ -230,31 +252,43 @@ impl PciHotplugController {
 
     /// Whether `slot` holds a device that has not been ejected.
     pub fn is_present(&self, slot: u32) -> bool {
-        slot_bit(slot).is_ok_and(|bit| self.present & bit != 0)
+        slot_bit(slot).is_ok_and(|(bus, bit)| self.buses[bus].present & bit != 0)
     }
 
     /// Whether a removal of `slot` is waiting for the guest's eject.
     pub fn is_removal_pending(&self, slot: u32) -> bool {
-        slot_bit(slot).is_ok_and(|bit| self.pending_removal & bit != 0)
+        slot_bit(slot).is_ok_and(|(bus, bit)| self.buses[bus].pending_removal & bit != 0)
     }
 
-    fn eject(&mut self, bitmap: u32) {
-        for slot in 0..PCI_HOTPLUG_SLOTS {
-            let bit = 1u32 << slot;
+    /// Completes the eject of slot number `slot` as if the guest had written it to B0EJ
+    /// (for a slot the guest never ejected after a forced removal), without touching the
+    /// guest's PSEG selection.
+    pub fn complete_eject(&mut self, slot: u32) -> Result<(), HotplugError> {
+        let (bus, bit) = slot_bit(slot)?;
+        self.eject(bus, bit);
+        Ok(())
+    }
+
+    /// The guest ejected the slots of `bitmap` on root bus `bus`.
+    fn eject(&mut self, bus: usize, bitmap: u32) {
+        let b = &mut self.buses[bus];
+        for dev in 0..PCI_HOTPLUG_SLOTS {
+            let bit = 1u32 << dev;
             if bitmap & bit == 0 {
                 continue;
             }
-            if self.present & bit == 0 {
+            let slot = bus as u32 * PCI_HOTPLUG_SLOTS + dev;
+            if b.present & bit == 0 {
                 warn!("pci hotplug: guest ejected empty slot {slot}, ignored");
                 continue;
             }
-            if self.pending_removal & bit == 0 {
+            if b.pending_removal & bit == 0 {
                 info!("pci hotplug: guest-initiated eject of slot {slot}");
             }
-            self.present &= !bit;
-            self.pending_removal &= !bit;
-            self.pciu &= !bit;
-            self.pcid &= !bit;
+            b.present &= !bit;
+            b.pending_removal &= !bit;
+            b.pciu &= !bit;
+            b.pcid &= !bit;
             info!("pci hotplug: slot {slot} ejected by the guest");
             self.eject.slot_ejected(slot);
         }
@@ -265,32 +299,56 @@ impl Snapshottable for PciHotplugController {
     type State = HotplugState;
 
     fn snapshot(&self) -> HotplugState {
+        let b0 = self.buses[0];
+        let used = self
+            .buses
+            .iter()
+            .rposition(|b| *b != BusBits::default())
+            .unwrap_or(0);
         HotplugState {
-            pciu: self.pciu,
-            pcid: self.pcid,
+            pciu: b0.pciu,
+            pcid: b0.pcid,
             pseg: self.pseg,
-            present: self.present,
-            pending_removal: self.pending_removal,
+            present: b0.present,
+            pending_removal: b0.pending_removal,
+            more_buses: self.buses[1..=used].to_vec(),
         }
     }
 
     /// Puts the registers back; no guest notification (a raised GED edge is in the saved
     /// irqchip state).
     fn restore(&mut self, s: &HotplugState) -> Result<(), RestoreError> {
-        if s.pending_removal & !s.present != 0 {
+        if s.more_buses.len() >= PCI_HOTPLUG_BUSES as usize {
             return Err(RestoreError::Invalid {
                 device: "pci hotplug",
                 why: format!(
-                    "removal pending for slots {:#x} that hold no device (present {:#x})",
-                    s.pending_removal, s.present
+                    "{} root buses saved, at most {PCI_HOTPLUG_BUSES} exist",
+                    s.more_buses.len() + 1
                 ),
             });
         }
-        self.pciu = s.pciu;
-        self.pcid = s.pcid;
+        let mut buses = [BusBits::default(); PCI_HOTPLUG_BUSES as usize];
+        buses[0] = BusBits {
+            pciu: s.pciu,
+            pcid: s.pcid,
+            present: s.present,
+            pending_removal: s.pending_removal,
+        };
+        buses[1..=s.more_buses.len()].copy_from_slice(&s.more_buses);
+        for (bus, b) in buses.iter().enumerate() {
+            if b.pending_removal & !b.present != 0 {
+                return Err(RestoreError::Invalid {
+                    device: "pci hotplug",
+                    why: format!(
+                        "removal pending for slots {:#x} of root bus {bus} that hold no device \
+                         (present {:#x})",
+                        b.pending_removal, b.present
+                    ),
+                });
+            }
+        }
         self.pseg = s.pseg;
-        self.present = s.present;
-        self.pending_removal = s.pending_removal;
+        self.buses = buses;
         Ok(())
     }
 }
@@ -306,20 +364,21 @@ impl BusDevice for PciHotplugController {
             data.fill(0);
             return;
         };
-        let value = match reg {
-            PCIU_OFFSET | PCID_OFFSET if self.pseg != 0 => 0,
-            PCIU_OFFSET => {
-                let v = self.pciu & mask;
-                self.pciu &= !mask;
+        let bus = self.buses.get_mut(self.pseg as usize);
+        let value = match (reg, bus) {
+            (PCIU_OFFSET | PCID_OFFSET, None) => 0,
+            (PCIU_OFFSET, Some(b)) => {
+                let v = b.pciu & mask;
+                b.pciu &= !mask;
                 v
             }
-            PCID_OFFSET => {
-                let v = self.pcid & mask;
-                self.pcid &= !mask;
+            (PCID_OFFSET, Some(b)) => {
+                let v = b.pcid & mask;
+                b.pcid &= !mask;
                 v
             }
-            B0EJ_OFFSET => 0,
-            PSEG_OFFSET => self.pseg,
+            (B0EJ_OFFSET, _) => 0,
+            (PSEG_OFFSET, _) => self.pseg,
             _ => {
                 warn!("pci hotplug: read at offset {offset:#x} outside the registers");
                 0
@@ -339,19 +398,21 @@ impl BusDevice for PciHotplugController {
         };
         let value = write_value(offset - reg, data);
         match reg {
-            B0EJ_OFFSET if self.pseg != 0 => {
+            B0EJ_OFFSET if self.pseg >= PCI_HOTPLUG_BUSES => {
                 warn!(
-                    "pci hotplug: eject {value:#x} on segment {} ignored (only segment 0)",
-                    self.pseg
+                    "pci hotplug: eject {value:#x} on root bus {} ignored (0 to {} exist)",
+                    self.pseg,
+                    PCI_HOTPLUG_BUSES - 1
                 );
             }
-            B0EJ_OFFSET => self.eject(value),
+            B0EJ_OFFSET => self.eject(self.pseg as usize, value),
             PSEG_OFFSET => {
                 self.pseg = (self.pseg & !mask) | value;
-                if self.pseg != 0 {
+                if self.pseg >= PCI_HOTPLUG_BUSES {
                     warn!(
-                        "pci hotplug: guest selected segment {}; only 0 exists",
-                        self.pseg
+                        "pci hotplug: guest selected root bus {}; 0 to {} exist",
+                        self.pseg,
+                        PCI_HOTPLUG_BUSES - 1
                     );
                 }
             }
@@ -450,8 +511,8 @@ mod tests {
             Err(HotplugError::SlotOccupied(5))
         ));
         assert!(matches!(
-            r.ctl.slot_added(32),
-            Err(HotplugError::SlotOutOfRange(32))
+            r.ctl.slot_added(256),
+            Err(HotplugError::SlotOutOfRange(256))
         ));
     }
 
@@ -517,22 +578,65 @@ mod tests {
     }
 
     #[test]
-    fn other_segments_are_ignored() {
+    fn each_root_bus_has_its_own_bits_and_a_bus_that_does_not_exist_is_ignored() {
         let mut r = rig();
         r.ctl.slot_added(1).unwrap();
         r.ctl.mark_present(6).unwrap();
+        // Slot number 35: root bus 1, device 3.
+        r.ctl.slot_added(35).unwrap();
+        assert!(r.ctl.is_present(35) && !r.ctl.is_present(3));
         wr(&mut r.ctl, PSEG_OFFSET, 1);
         assert_eq!(rd(&mut r.ctl, PSEG_OFFSET), 1);
-        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), 0);
+        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), 1 << 3, "bus 1's bits");
+        // Device 6 of bus 1 is empty: bus 0's device 6 stays.
         wr(&mut r.ctl, B0EJ_OFFSET, 1 << 6);
         assert!(r.ejects.drain().is_empty());
         assert!(r.ctl.is_present(6));
+        wr(&mut r.ctl, B0EJ_OFFSET, 1 << 3);
+        assert_eq!(r.ejects.drain(), vec![35]);
+        // A bus past the controller's: nothing read, nothing ejected.
+        wr(&mut r.ctl, PSEG_OFFSET, PCI_HOTPLUG_BUSES);
+        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), 0);
+        wr(&mut r.ctl, B0EJ_OFFSET, 1 << 6);
+        assert!(r.ejects.drain().is_empty());
         wr(&mut r.ctl, PSEG_OFFSET, 0);
-        assert_eq!(
-            rd(&mut r.ctl, PCIU_OFFSET),
-            1 << 1,
-            "bits kept for segment 0"
-        );
+        assert_eq!(rd(&mut r.ctl, PCIU_OFFSET), 1 << 1, "bits kept for bus 0");
+        // A forced removal's eject, completed by the VMM, leaves PSEG as the guest set it.
+        wr(&mut r.ctl, PSEG_OFFSET, 2);
+        r.ctl.complete_eject(6).unwrap();
+        assert_eq!(r.ejects.drain(), vec![6]);
+        assert_eq!(rd(&mut r.ctl, PSEG_OFFSET), 2);
+    }
+
+    #[test]
+    fn other_buses_state_round_trips_and_an_old_state_still_restores() {
+        let mut r = rig();
+        r.ctl.mark_present(1).unwrap();
+        r.ctl.slot_added(2 * 32 + 4).unwrap();
+        r.ctl.slot_removal_requested(2 * 32 + 4).unwrap();
+        let saved = r.ctl.snapshot();
+        assert_eq!(saved.more_buses.len(), 2, "{saved:?}");
+        let mut fresh = rig();
+        fresh.ctl.restore(&saved).unwrap();
+        assert_eq!(fresh.ctl.snapshot(), saved);
+        assert!(fresh.ctl.is_removal_pending(68));
+        // A state saved before root buses existed has no `more_buses`.
+        let old: HotplugState =
+            serde_json::from_str(r#"{"pciu":0,"pcid":0,"pseg":0,"present":2,"pending_removal":0}"#)
+                .unwrap();
+        let mut fresh = rig();
+        fresh.ctl.restore(&old).unwrap();
+        assert!(fresh.ctl.is_present(1) && !fresh.ctl.is_present(33));
+        // Too many buses, or a removal pending on an empty slot of bus 1, are refused.
+        let mut bad = old.clone();
+        bad.more_buses = vec![BusBits::default(); PCI_HOTPLUG_BUSES as usize];
+        assert!(fresh.ctl.restore(&bad).is_err());
+        bad.more_buses = vec![BusBits {
+            pending_removal: 1 << 4,
+            ..Default::default()
+        }];
+        let e = fresh.ctl.restore(&bad).unwrap_err().to_string();
+        assert!(e.contains("root bus 1"), "{e}");
     }
 
     #[test]

@@ -22,11 +22,12 @@ pub use ged::{
     GED_SIZE, GED_START,
 };
 pub use hotplug::{
-    eject_channel, EjectHandler, EjectReceiver, EjectSender, HotplugError, HotplugState,
-    PciHotplugController, RemovalRequest, PCI_HOTPLUG_SIZE, PCI_HOTPLUG_SLOTS, PCI_HOTPLUG_START,
+    eject_channel, BusBits, EjectHandler, EjectReceiver, EjectSender, HotplugError, HotplugState,
+    PciHotplugController, RemovalRequest, PCI_HOTPLUG_BUSES, PCI_HOTPLUG_SIZE, PCI_HOTPLUG_SLOTS,
+    PCI_HOTPLUG_START,
 };
 pub use tables::{
-    create_acpi_tables, create_dsdt, dsdt_aml, AcpiConfig, AcpiTable, AcpiTableError, AcpiTables,
-    NumaNode, ACPI_TABLES_END, ACPI_TABLES_START, MAX_NUMA_NODES, NUMA_LOCAL_DISTANCE,
-    NUMA_MAX_DISTANCE,
+    create_acpi_tables, create_dsdt, dsdt_aml, root_bus_path, AcpiConfig, AcpiTable,
+    AcpiTableError, AcpiTables, NumaNode, RootBus, ACPI_TABLES_END, ACPI_TABLES_START,
+    MAX_NUMA_NODES, NUMA_LOCAL_DISTANCE, NUMA_MAX_DISTANCE,
 };

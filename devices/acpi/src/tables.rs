@@ -78,6 +78,8 @@ pub enum AcpiTableError {
     TooLarge { end: u64, limit: u64 },
     #[error("numa node {node}: {what}")]
     Numa { node: usize, what: String },
+    #[error("root bus {bus}: {what}")]
+    RootBus { bus: u8, what: String },
     #[error("vcpu {0} is in no numa node")]
     NumaCpu(usize),
     #[error("{0} numa nodes: at most {MAX_NUMA_NODES}")]
@@ -103,6 +105,22 @@ pub struct NumaNode {
     pub distances: Vec<u8>,
 }
 
+/// A root bus of its own for one NUMA node's devices: a host bridge `\_SB_.PCnn` in the
+/// DSDT with `_BBN` and `_PXM` (x86 Linux gives a PCI function its root bus's node), its
+/// slots and their hot-plug methods (the controller's PSEG selects the bus).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RootBus {
+    /// Its bus number, 1 to [`crate::hotplug::PCI_HOTPLUG_BUSES`] - 1 (`_BBN`, `_UID`).
+    pub bus: u8,
+    /// The proximity domain of its devices (`_PXM`): an index of [`AcpiConfig::numa`].
+    pub node: u32,
+    /// Its slices of the I/O, 32-bit and 64-bit windows, `(base, size)` each (its `_CRS`);
+    /// a size of 0 leaves that window out.
+    pub io: (u64, u64),
+    pub mmio32: (u64, u64),
+    pub mmio64: (u64, u64),
+}
+
 /// Inputs of the tables. [`AcpiConfig::default`] follows `docs/CONTRACTS.md`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AcpiConfig {
@@ -110,15 +128,22 @@ pub struct AcpiConfig {
     pub num_vcpus: u32,
     /// PCI ECAM base (segment 0).
     pub ecam_base: u64,
-    /// First and last PCI bus number decoded by the host bridge (and in MCFG).
+    /// First and last PCI bus number decoded by the host bridge (and in MCFG). With
+    /// [`AcpiConfig::root_buses`], `\_SB_.PCI0` decodes only `pci_bus_start` and MCFG reaches
+    /// the last root bus.
     pub pci_bus_start: u8,
     pub pci_bus_end: u8,
-    /// 32-bit PCI BAR window.
+    /// The I/O window of bus 0 (`_CRS` of `\_SB_.PCI0`).
+    pub io_base: u16,
+    pub io_size: u32,
+    /// 32-bit PCI BAR window (bus 0's slice of it, with root buses).
     pub mmio32_base: u64,
     pub mmio32_size: u64,
-    /// 64-bit PCI BAR window; size 0 leaves it out.
+    /// 64-bit PCI BAR window (bus 0's slice of it, with root buses); size 0 leaves it out.
     pub mmio64_base: u64,
     pub mmio64_size: u64,
+    /// Root buses beyond bus 0, one per NUMA node that holds devices.
+    pub root_buses: Vec<RootBus>,
     /// IOAPIC MMIO base, id and first GSI.
     pub ioapic_addr: u32,
     pub ioapic_id: u8,
@@ -156,10 +181,13 @@ impl Default for AcpiConfig {
             ecam_base: 0xe000_0000,
             pci_bus_start: 0,
             pci_bus_end: 0,
+            io_base: 0x1000,
+            io_size: 0xf000,
             mmio32_base: 0xc000_0000,
             mmio32_size: 0x2000_0000,
             mmio64_base: 0,
             mmio64_size: 0,
+            root_buses: Vec::new(),
             ioapic_addr: 0xfec0_0000,
             ioapic_id: 0,
             lapic_addr: 0xfee0_0000,
@@ -212,7 +240,43 @@ impl AcpiConfig {
         if self.pci_slots == 0 || u32::from(self.pci_slots) >= PCI_HOTPLUG_SLOTS {
             return Err(AcpiTableError::PciSlots(self.pci_slots));
         }
-        self.validate_numa()
+        if self.io_size == 0 || u32::from(self.io_base) + self.io_size > 0x1_0000 {
+            return Err(AcpiTableError::Window {
+                base: u64::from(self.io_base),
+                size: u64::from(self.io_size),
+            });
+        }
+        self.validate_numa()?;
+        for (i, r) in self.root_buses.iter().enumerate() {
+            let bad = |what: String| Err(AcpiTableError::RootBus { bus: r.bus, what });
+            if r.bus <= self.pci_bus_start
+                || r.bus > self.pci_bus_end
+                || u32::from(r.bus) >= crate::hotplug::PCI_HOTPLUG_BUSES
+            {
+                return bad(format!(
+                    "bus number outside {}..={} (MCFG) or past the hot-plug controller's {} buses",
+                    self.pci_bus_start + 1,
+                    self.pci_bus_end,
+                    crate::hotplug::PCI_HOTPLUG_BUSES
+                ));
+            }
+            if self.root_buses[..i].iter().any(|o| o.bus == r.bus) {
+                return bad("described twice".into());
+            }
+            if r.node as usize >= self.numa.len() {
+                return bad(format!(
+                    "node {} does not exist ({} NUMA nodes)",
+                    r.node,
+                    self.numa.len()
+                ));
+            }
+            let fits =
+                |(b, z): (u64, u64), limit: u64| b.checked_add(z).is_some_and(|e| e <= limit);
+            if !fits(r.io, 0x1_0000) || !fits(r.mmio32, 1 << 32) || !fits(r.mmio64, u64::MAX) {
+                return bad("a window does not fit its address space".into());
+            }
+        }
+        Ok(())
     }
 
     /// The NUMA nodes describe a machine: each vCPU in exactly one node, memory in every
@@ -382,9 +446,19 @@ impl Aml for Raw {
     }
 }
 
-fn slot_device(slot: u32) -> Vec<u8> {
+/// The DSDT path of root bus `bus`'s host bridge: `\_SB_.PCI0` for bus 0, `\_SB_.PCnn`
+/// (hexadecimal) for the others.
+pub fn root_bus_path(bus: u8) -> String {
+    if bus == 0 {
+        "\\_SB_.PCI0".into()
+    } else {
+        format!("\\_SB_.PC{bus:02X}")
+    }
+}
+
+fn slot_device(scope: &str, slot: u32) -> Vec<u8> {
     let adr = slot << 16;
-    let eject = MethodCall::new("\\_SB_.PCI0.PCEJ".into(), vec![&slot]);
+    let eject = MethodCall::new(format!("{scope}.PCEJ").as_str().into(), vec![&slot]);
     let ej0 = Method::new("_EJ0".into(), 1, false, vec![&eject]);
     to_bytes(&Device::new(
         slot_name(slot).as_str().into(),
@@ -402,14 +476,14 @@ fn described_slots(cfg: &AcpiConfig) -> std::ops::Range<u32> {
 }
 
 /// `DVNT(bitmap, event)`: `Notify(Sxx_, event)` for every slot bit set in `bitmap`.
-fn dvnt_method(cfg: &AcpiConfig) -> Vec<u8> {
+fn dvnt_method(cfg: &AcpiConfig, scope: &str) -> Vec<u8> {
     let mut body = Vec::new();
     let arg0 = aml::Arg(0);
     let arg1 = aml::Arg(1);
     for slot in described_slots(cfg) {
         let bit = 1u32 << slot;
         let test = aml::And::new(&aml::ZERO, &arg0, &bit);
-        let path = Path::new(&format!("\\_SB_.PCI0.{}", slot_name(slot)));
+        let path = Path::new(&format!("{scope}.{}", slot_name(slot)));
         let notify = aml::Notify::new(&path, &arg1);
         body.extend(to_bytes(&aml::If::new(&test, vec![&notify])));
     }
@@ -430,13 +504,72 @@ fn pci_prt(cfg: &AcpiConfig, gsis: &[u32; 32]) -> Vec<u8> {
     to_bytes(&Name::new("_PRT".into(), &Package::new(refs)))
 }
 
-fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
-    let bus = AddressSpace::<u16>::new_bus_number(
-        u16::from(cfg.pci_bus_start),
-        u16::from(cfg.pci_bus_end),
+/// The hot-plug methods of root bus `bus` at `scope` over the controller's registers (the
+/// field and mutex are `\_SB_.PCI0`'s; PSEG selects the bus):
+/// - `PCEJ(slot)`: the guest released the device: write `1 << slot` to B0EJ;
+/// - `PCNT()`: read (and so clear) PCIU/PCID once, then notify the slots;
+/// - `DVNT(bitmap, event)`.
+fn hotplug_methods(cfg: &AcpiConfig, bus: u8, scope: &str) -> Vec<u8> {
+    let pseg = Path::new("\\_SB_.PCI0.PSEG");
+    let b0ej = Path::new("\\_SB_.PCI0.B0EJ");
+    let acquire = aml::Acquire::new("\\_SB_.PCI0.BLCK".into(), 0xffff);
+    let release = aml::Release::new("\\_SB_.PCI0.BLCK".into());
+    let bus_number = u32::from(bus);
+    let sel_bus = aml::Store::new(&pseg, &bus_number);
+    let arg0 = aml::Arg(0);
+    let eject = aml::ShiftLeft::new(&b0ej, &aml::ONE, &arg0);
+    let pcej = Method::new(
+        "PCEJ".into(),
+        1,
+        true,
+        vec![&acquire, &sel_bus, &eject, &release],
     );
+
+    let local0 = aml::Local(0);
+    let local1 = aml::Local(1);
+    let pciu = Path::new("\\_SB_.PCI0.PCIU");
+    let pcid = Path::new("\\_SB_.PCI0.PCID");
+    let read_up = aml::Store::new(&local0, &pciu);
+    let read_down = aml::Store::new(&local1, &pcid);
+    let device_check = 1u8;
+    let eject_request = 3u8;
+    let notify_up = MethodCall::new("DVNT".into(), vec![&local0, &device_check]);
+    let notify_down = MethodCall::new("DVNT".into(), vec![&local1, &eject_request]);
+    let pcnt = Method::new(
+        "PCNT".into(),
+        0,
+        true,
+        vec![
+            &acquire,
+            &sel_bus,
+            &read_up,
+            &read_down,
+            &release,
+            &notify_up,
+            &notify_down,
+        ],
+    );
+    let mut v = to_bytes(&pcej);
+    v.extend(to_bytes(&pcnt));
+    v.extend(dvnt_method(cfg, scope));
+    v
+}
+
+fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
+    // With root buses of their own, bus 0's host bridge decodes bus 0 only.
+    let last_bus = if cfg.root_buses.is_empty() {
+        cfg.pci_bus_end
+    } else {
+        cfg.pci_bus_start
+    };
+    let bus =
+        AddressSpace::<u16>::new_bus_number(u16::from(cfg.pci_bus_start), u16::from(last_bus));
     let cf8 = IO::new(0xcf8, 0xcf8, 1, 8);
-    let io_window = AddressSpace::<u16>::new_io(0x1000, 0xffff, None);
+    let io_window = AddressSpace::<u16>::new_io(
+        cfg.io_base,
+        (u32::from(cfg.io_base) + cfg.io_size - 1) as u16,
+        None,
+    );
     // Validated to fit below 4 GiB.
     let mem32 = AddressSpace::<u32>::new_memory(
         AddressSpaceCacheable::NotCacheable,
@@ -465,7 +598,7 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
     let bbn = u32::from(cfg.pci_bus_start);
     let osc = Raw(pci_osc());
 
-    // Hotplug register block.
+    // Hotplug register block, for every root bus (PSEG selects one).
     let region = OpRegion::new(
         "PCST".into(),
         OpRegionSpace::SystemMemory,
@@ -485,50 +618,12 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
         ],
     );
     let mutex = aml::Mutex::new("BLCK".into(), 0);
+    let methods = Raw(hotplug_methods(cfg, 0, &root_bus_path(0)));
 
-    // PCEJ(slot): select segment 0 and write 1 << slot to B0EJ.
-    let pseg = Path::new("PSEG");
-    let b0ej = Path::new("B0EJ");
-    let acquire = aml::Acquire::new("BLCK".into(), 0xffff);
-    let release = aml::Release::new("BLCK".into());
-    let sel_seg = aml::Store::new(&pseg, &aml::ZERO);
-    let arg0 = aml::Arg(0);
-    let eject = aml::ShiftLeft::new(&b0ej, &aml::ONE, &arg0);
-    let pcej = Method::new(
-        "PCEJ".into(),
-        1,
-        true,
-        vec![&acquire, &sel_seg, &eject, &release],
-    );
-
-    // PCNT(): read (and so clear) PCIU/PCID once, then notify the slots.
-    let local0 = aml::Local(0);
-    let local1 = aml::Local(1);
-    let pciu = Path::new("PCIU");
-    let pcid = Path::new("PCID");
-    let read_up = aml::Store::new(&local0, &pciu);
-    let read_down = aml::Store::new(&local1, &pcid);
-    let device_check = 1u8;
-    let eject_request = 3u8;
-    let notify_up = MethodCall::new("DVNT".into(), vec![&local0, &device_check]);
-    let notify_down = MethodCall::new("DVNT".into(), vec![&local1, &eject_request]);
-    let pcnt = Method::new(
-        "PCNT".into(),
-        0,
-        true,
-        vec![
-            &acquire,
-            &sel_seg,
-            &read_up,
-            &read_down,
-            &release,
-            &notify_up,
-            &notify_down,
-        ],
-    );
-    let dvnt = Raw(dvnt_method(cfg));
-
-    let slots: Vec<Raw> = described_slots(cfg).map(|s| Raw(slot_device(s))).collect();
+    let scope = root_bus_path(0);
+    let slots: Vec<Raw> = described_slots(cfg)
+        .map(|s| Raw(slot_device(&scope, s)))
+        .collect();
     let prt = cfg.pci_slot_gsis.as_ref().map(|g| Raw(pci_prt(cfg, g)));
 
     let hid_name = Name::new("_HID".into(), &hid);
@@ -539,14 +634,14 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
     let crs_name = Name::new("_CRS".into(), &crs);
     let mut children: Vec<&dyn Aml> = vec![
         &hid_name, &cid_name, &seg_name, &uid_name, &bbn_name, &crs_name, &osc, &region, &field,
-        &mutex, &pcej, &pcnt, &dvnt,
+        &mutex, &methods,
     ];
     if let Some(prt) = &prt {
         children.push(prt);
     }
     // With NUMA nodes the host bridge is in node 0, as the first socket's root complex is:
     // without `_PXM` Linux leaves its devices' node unknown ("Unknown NUMA node;
-    // performance will be reduced"). Devices in other nodes need a host bridge of their own.
+    // performance will be reduced"). Devices in other nodes are on root buses of their own.
     let pxm_name = Name::new("_PXM".into(), &aml::ZERO);
     if !cfg.numa.is_empty() {
         children.push(&pxm_name);
@@ -554,7 +649,71 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
     for s in &slots {
         children.push(s);
     }
-    to_bytes(&Device::new("\\_SB_.PCI0".into(), children))
+    to_bytes(&Device::new(scope.as_str().into(), children))
+}
+
+/// The host bridge of a root bus of its own (`pxb`-like): `_BBN`, `_PXM`, its slice of the
+/// windows, its slots with `_EJ0`, `_PRT` and hot-plug methods.
+fn root_bus_device(cfg: &AcpiConfig, r: &RootBus) -> Vec<u8> {
+    let bus = AddressSpace::<u16>::new_bus_number(u16::from(r.bus), u16::from(r.bus));
+    let io_window = AddressSpace::<u16>::new_io(
+        r.io.0 as u16,
+        (r.io.0 + r.io.1).saturating_sub(1) as u16,
+        None,
+    );
+    // Validated to fit below 4 GiB.
+    let mem32 = AddressSpace::<u32>::new_memory(
+        AddressSpaceCacheable::NotCacheable,
+        true,
+        r.mmio32.0 as u32,
+        (r.mmio32.0 + r.mmio32.1).saturating_sub(1) as u32,
+        None,
+    );
+    let mem64 = AddressSpace::<u64>::new_memory(
+        AddressSpaceCacheable::NotCacheable,
+        true,
+        r.mmio64.0,
+        (r.mmio64.0 + r.mmio64.1).saturating_sub(1),
+        None,
+    );
+    let mut resources: Vec<&dyn Aml> = vec![&bus];
+    if r.io.1 != 0 {
+        resources.push(&io_window);
+    }
+    if r.mmio32.1 != 0 {
+        resources.push(&mem32);
+    }
+    if r.mmio64.1 != 0 {
+        resources.push(&mem64);
+    }
+    let crs = ResourceTemplate::new(resources);
+    let hid = EISAName::new("PNP0A08");
+    let cid = EISAName::new("PNP0A03");
+    let number = u32::from(r.bus);
+    let scope = root_bus_path(r.bus);
+    let osc = Raw(pci_osc());
+    let methods = Raw(hotplug_methods(cfg, r.bus, &scope));
+    let slots: Vec<Raw> = described_slots(cfg)
+        .map(|s| Raw(slot_device(&scope, s)))
+        .collect();
+    let prt = cfg.pci_slot_gsis.as_ref().map(|g| Raw(pci_prt(cfg, g)));
+    let hid_name = Name::new("_HID".into(), &hid);
+    let cid_name = Name::new("_CID".into(), &cid);
+    let seg_name = Name::new("_SEG".into(), &aml::ZERO);
+    let uid_name = Name::new("_UID".into(), &number);
+    let bbn_name = Name::new("_BBN".into(), &number);
+    let pxm_name = Name::new("_PXM".into(), &r.node);
+    let crs_name = Name::new("_CRS".into(), &crs);
+    let mut children: Vec<&dyn Aml> = vec![
+        &hid_name, &cid_name, &seg_name, &uid_name, &bbn_name, &pxm_name, &crs_name, &osc, &methods,
+    ];
+    if let Some(prt) = &prt {
+        children.push(prt);
+    }
+    for s in &slots {
+        children.push(s);
+    }
+    to_bytes(&Device::new(scope.as_str().into(), children))
 }
 
 /// Motherboard resources: reserves ECAM and the platform MMIO so the OS never reuses them.
@@ -599,8 +758,13 @@ fn ged_device(cfg: &AcpiConfig) -> Vec<u8> {
     let bit = GED_EVENT_PCI_HOTPLUG;
     let and = aml::And::new(&aml::ZERO, &local0, &bit);
     let is_hotplug = aml::Equal::new(&and, &bit);
-    let pcnt = MethodCall::new("\\_SB_.PCI0.PCNT".into(), vec![]);
-    let if_hotplug = aml::If::new(&is_hotplug, vec![&pcnt]);
+    // Every root bus's PCNT: a hot-plug event may be about any of them.
+    let calls: Vec<MethodCall> = std::iter::once(0)
+        .chain(cfg.root_buses.iter().map(|r| r.bus))
+        .map(|b| MethodCall::new(format!("{}.PCNT", root_bus_path(b)).as_str().into(), vec![]))
+        .collect();
+    let pcnts: Vec<&dyn Aml> = calls.iter().map(|c| c as &dyn Aml).collect();
+    let if_hotplug = aml::If::new(&is_hotplug, pcnts);
     let evt = Method::new("_EVT".into(), 1, true, vec![&read, &if_hotplug]);
     to_bytes(&Device::new(
         "\\_SB_.GED_".into(),
@@ -633,6 +797,9 @@ fn serial_device(port: u16, irq: u32) -> Vec<u8> {
 /// The DSDT's AML body (definition block contents without the table header).
 pub fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
     let mut body = pci0_device(cfg);
+    for r in &cfg.root_buses {
+        body.extend(root_bus_device(cfg, r));
+    }
     body.extend(mbrd_device(cfg));
     body.extend(ged_device(cfg));
     if let Some((port, irq)) = cfg.serial {
@@ -1251,6 +1418,42 @@ mod tests {
             Err(AcpiTableError::PlatformMmio(1 << 32))
         );
         assert!(create_acpi_tables(&config(MAX_VCPUS)).is_ok());
+        // Root buses: in MCFG's range, once each, in a node that exists.
+        let bus = |bus, node| RootBus {
+            bus,
+            node,
+            io: (0x8800, 0x1000),
+            mmio32: (0xd000_0000, 0x100_0000),
+            mmio64: (0, 0),
+        };
+        let with = |root_buses: Vec<RootBus>, end| AcpiConfig {
+            numa: two_nodes(),
+            pci_bus_end: end,
+            root_buses,
+            ..config(2)
+        };
+        assert!(create_acpi_tables(&with(vec![bus(1, 1)], 1)).is_ok());
+        for (buses, end, what) in [
+            (vec![bus(1, 1)], 0, "outside"),
+            (vec![bus(0, 1)], 1, "outside"),
+            (vec![bus(1, 1), bus(1, 0)], 1, "twice"),
+            (vec![bus(1, 2)], 1, "node 2 does not exist"),
+        ] {
+            let e = create_acpi_tables(&with(buses, end)).unwrap_err();
+            assert!(
+                matches!(e, AcpiTableError::RootBus { .. }) && e.to_string().contains(what),
+                "{e}"
+            );
+        }
+        let cfg = AcpiConfig {
+            io_base: 0xf000,
+            io_size: 0x2000,
+            ..config(1)
+        };
+        assert!(matches!(
+            create_acpi_tables(&cfg),
+            Err(AcpiTableError::Window { .. })
+        ));
     }
 
     fn iasl_available() -> bool {
@@ -1273,13 +1476,29 @@ mod tests {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
+        // Node 1's devices on a root bus of their own, with the upper halves of the windows.
         let cfg = AcpiConfig {
             pci_slot_gsis: Some([16; 32]),
             numa: two_nodes(),
+            pci_bus_end: 1,
+            io_size: 0x7800,
+            mmio32_size: 0x1000_0000,
+            mmio64_base: 1 << 40,
+            mmio64_size: 1 << 39,
+            root_buses: vec![RootBus {
+                bus: 1,
+                node: 1,
+                io: (0x8800, 0x4000),
+                mmio32: (0xd000_0000, 0x1000_0000),
+                mmio64: ((1 << 40) + (1 << 39), 1 << 39),
+            }],
             ..config(2)
         };
         let t = create_acpi_tables(&cfg).unwrap();
         assert!(t.get(b"SRAT").is_some() && t.get(b"SLIT").is_some());
+        // MCFG reaches bus 1 (its last byte is the end bus).
+        let mcfg = &t.get(b"MCFG").unwrap().bytes;
+        assert_eq!(mcfg[mcfg.len() - 5], 1, "{mcfg:x?}");
         assert!(contains(&t.get(b"DSDT").unwrap().bytes, b"_PXM"));
         assert!(
             !contains(&create_dsdt(&config(2)), b"_PXM"),
@@ -1328,6 +1547,14 @@ mod tests {
             "\"ACPI0013\"",
             "Method (_EVT",
             "Notify (\\_SB.PCI0.S05, Arg1)",
+            // Node 1's root bus: its number, node, slots and hot-plug methods, called by
+            // the GED.
+            "Device (\\_SB.PC01)",
+            "Name (_BBN, One)",
+            "Name (_PXM, One)",
+            "Notify (\\_SB.PC01.S05, Arg1)",
+            "\\_SB.PC01.PCEJ (0x05)",
+            "\\_SB.PC01.PCNT ()",
         ] {
             assert!(dsl.contains(needle), "dsdt.dsl lacks {needle:?}:\n{dsl}");
         }

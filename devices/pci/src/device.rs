@@ -213,7 +213,44 @@ fn allocator(base: u64, size: u64) -> Result<AddressAllocator, PciDeviceError> {
     })
 }
 
+/// Root bus `bus`'s windows of `buses` root buses: `[io, mmio32, mmio64]`, `(base, size)`
+/// each, over the x86_64 I/O and 32-bit windows and the 64-bit window `mmio64`. One bus has
+/// them whole. With more, bus 0 keeps the lower half of each and the others share the upper
+/// half in equal parts, each the largest power of two that fits (so that a part's large BARs
+/// align within it). Each bus's host bridge offers only its part (`_CRS`): Linux moves a BAR
+/// that lies outside its root bus's windows.
+pub fn root_bus_windows(bus: u8, buses: u8, mmio64: (u64, u64)) -> [(u64, u64); 3] {
+    let whole = [
+        (PCI_IO_BASE, PCI_IO_SIZE),
+        (MMIO32_BASE, MMIO32_SIZE),
+        mmio64,
+    ];
+    if buses <= 1 {
+        return whole;
+    }
+    let others = u64::from(buses - 1);
+    whole.map(|(base, size)| {
+        let half = size / 2;
+        if bus == 0 {
+            return (base, half);
+        }
+        let share = half / others;
+        let part = if share == 0 {
+            0
+        } else {
+            1u64 << (63 - share.leading_zeros())
+        };
+        (base + half + u64::from(bus - 1) * part, part)
+    })
+}
+
 impl PciBarAllocators {
+    /// Allocators for root bus `bus` of `buses` (see [`root_bus_windows`]).
+    pub fn for_root_bus(bus: u8, buses: u8, mmio64: (u64, u64)) -> Result<Self, PciDeviceError> {
+        let [io, mmio32, mmio64] = root_bus_windows(bus, buses, mmio64);
+        Self::new(io, mmio32, mmio64)
+    }
+
     /// Allocators over the given windows (`(base, size)` each).
     pub fn new(
         io: (u64, u64),
@@ -611,6 +648,44 @@ impl DeviceRelocation for NoRelocation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn root_buses_share_the_windows_in_aligned_parts() {
+        let m64 = (0x100_0000_0000u64, 1u64 << 40);
+        // One bus has everything.
+        assert_eq!(
+            root_bus_windows(0, 1, m64),
+            [(PCI_IO_BASE, PCI_IO_SIZE), (MMIO32_BASE, MMIO32_SIZE), m64]
+        );
+        // Two: bus 0 the lower half, bus 1 the upper half.
+        assert_eq!(root_bus_windows(0, 2, m64)[2], (m64.0, 1 << 39));
+        assert_eq!(root_bus_windows(1, 2, m64)[2], (m64.0 + (1 << 39), 1 << 39));
+        assert_eq!(root_bus_windows(1, 2, m64)[1], (0xd000_0000, 0x1000_0000));
+        // Four: three parts of the upper half, each a power of two, none overlapping, all
+        // inside the window.
+        let parts: Vec<_> = (0..4).map(|b| root_bus_windows(b, 4, m64)).collect();
+        for w in 0..3 {
+            let mut all: Vec<(u64, u64)> = parts.iter().map(|p| p[w]).collect();
+            all.sort();
+            let whole = root_bus_windows(0, 1, m64)[w];
+            for pair in all.windows(2) {
+                assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{w}: {all:x?}");
+            }
+            for &(base, size) in &all {
+                assert!(size > 0 && base >= whole.0 && base + size <= whole.0 + whole.1);
+            }
+            for &(_, size) in &all[1..] {
+                assert!(size.is_power_of_two(), "{w}: {all:x?}");
+            }
+        }
+        assert_eq!(
+            parts[1][2].1,
+            1 << 37,
+            "512 GiB shared by three: 128 GiB each"
+        );
+        // Eight buses still each get I/O ports.
+        assert!((0..8).all(|b| root_bus_windows(b, 8, m64)[0].1 >= 0x1000));
+    }
 
     #[test]
     fn sizes_read_as_people_write_them() {

@@ -2,6 +2,13 @@
 //! two configuration access mechanisms as [`BusDevice`]s: [`PciConfigIo`] (ports
 //! 0xcf8..0xcff, mechanism #1) and [`PciConfigMmio`] (ECAM at 0xE000_0000).
 //!
+//! A guest with NUMA nodes has more root buses, 1 to [`MAX_ROOT_BUSES`] - 1, one per node
+//! that holds devices: each is a host bridge of its own in the guest's ACPI tables (`_BBN`,
+//! `_PXM`), as QEMU's `pxb` expanders are, because x86 Linux gives a PCI function the NUMA
+//! node of its root bus. Their slot 0 stays empty (no host bridge function there). A device
+//! is named by a *slot number* across all buses: `bus * 32 + device`, so that bus 0's slots
+//! keep their numbers.
+//!
 //! Effects of config writes (BAR moves, Command changes) go to the [`DeviceRelocation`]
 //! given to [`PciBus::new`]; see `device.rs` for the order of calls.
 
@@ -18,6 +25,25 @@ use crate::device::{ConfigWriteEffects, DeviceRelocation, PciDevice};
 pub const NUM_DEVICE_SLOTS: u8 = 32;
 /// The most slots for devices a bus has: all but the host bridge's.
 pub const MAX_DEVICE_SLOTS: u8 = NUM_DEVICE_SLOTS - 1;
+/// The most root buses (bus 0 and one per NUMA node with devices): their slot numbers
+/// (`bus * 32 + device`) fit a `u8`.
+pub const MAX_ROOT_BUSES: u8 = 8;
+
+/// The root bus of slot number `slot` (`bus * 32 + device`).
+pub fn slot_bus(slot: u8) -> u8 {
+    slot / NUM_DEVICE_SLOTS
+}
+
+/// The device number on its bus of slot number `slot`.
+pub fn slot_device(slot: u8) -> u8 {
+    slot % NUM_DEVICE_SLOTS
+}
+
+/// The slot number of `device` on root bus `bus`.
+pub fn slot_number(bus: u8, device: u8) -> u8 {
+    bus.wrapping_mul(NUM_DEVICE_SLOTS)
+        .wrapping_add(device % NUM_DEVICE_SLOTS)
+}
 /// Host bridge vendor id (Intel, as Cloud Hypervisor).
 pub const HOST_BRIDGE_VENDOR_ID: u16 = 0x8086;
 /// Host bridge device id (as Cloud Hypervisor).
@@ -85,6 +111,13 @@ pub enum PciRootError {
     HostBridgeSlot,
     #[error("no free pci slot on bus 0: all {0} slots for devices are in use (--pci-slots)")]
     NoFreeSlot(u8),
+    #[error(
+        "pci slot {slot} is on root bus {bus}, which does not exist: this VM has {buses} root \
+         bus(es) (one per NUMA node with devices)"
+    )]
+    NoSuchBus { slot: u8, bus: u8, buses: u8 },
+    #[error("no free pci slot on root bus {bus}: all {slots} slots for devices are in use (--pci-slots)")]
+    NoFreeSlotOn { bus: u8, slots: u8 },
 }
 
 /// The host bridge at 00:00.0.
@@ -142,11 +175,14 @@ impl PciDevice for PciHostBridge {
     }
 }
 
-/// Bus 0: slot -> function 0 device. Thread safe; share it as `Arc<PciBus>`.
+/// The root buses: slot number (`bus * 32 + device`) -> function 0 device. Thread safe;
+/// share it as `Arc<PciBus>`.
 pub struct PciBus {
     devices: RwLock<BTreeMap<u8, SharedPciDevice>>,
-    /// Slots 1..=`slots` take devices (slot 0 is the host bridge's).
+    /// Slots 1..=`slots` of each bus take devices (bus 0's slot 0 is the host bridge's).
     slots: u8,
+    /// Root buses 0..`buses`.
+    buses: u8,
     relocation: Arc<dyn DeviceRelocation>,
     /// BAR moves the relocation refused (a guest can loop on them: logged rate-limited).
     refused_moves: std::sync::atomic::AtomicU64,
@@ -162,11 +198,18 @@ impl PciBus {
     /// A bus whose devices go in slots 1..=`slots` only (clamped to 1..=[`MAX_DEVICE_SLOTS`]):
     /// the slots the guest's ACPI tables describe (`--pci-slots`).
     pub fn with_slots(relocation: Arc<dyn DeviceRelocation>, slots: u8) -> Self {
+        Self::with_buses(relocation, slots, 1)
+    }
+
+    /// Root buses 0..`buses` (clamped to 1..=[`MAX_ROOT_BUSES`]), each with slots
+    /// 1..=`slots` for devices.
+    pub fn with_buses(relocation: Arc<dyn DeviceRelocation>, slots: u8, buses: u8) -> Self {
         let mut devices: BTreeMap<u8, SharedPciDevice> = BTreeMap::new();
         devices.insert(0, Arc::new(Mutex::new(PciHostBridge::new())));
         Self {
             devices: RwLock::new(devices),
             slots: slots.clamp(1, MAX_DEVICE_SLOTS),
+            buses: buses.clamp(1, MAX_ROOT_BUSES),
             relocation,
             refused_moves: std::sync::atomic::AtomicU64::new(0),
         }
@@ -186,15 +229,54 @@ impl PciBus {
         self.devices.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The slots for devices: 1..=this.
+    /// The slots for devices of each bus: 1..=this.
     pub fn slots(&self) -> u8 {
         self.slots
     }
 
-    /// Lowest free slot.
+    /// The root buses: 0..this.
+    pub fn buses(&self) -> u8 {
+        self.buses
+    }
+
+    /// Lowest free slot of bus 0.
     pub fn next_free_slot(&self) -> Option<u8> {
+        self.next_free_slot_on(0)
+    }
+
+    /// Lowest free slot number of root bus `bus`.
+    pub fn next_free_slot_on(&self, bus: u8) -> Option<u8> {
+        if bus >= self.buses {
+            return None;
+        }
         let devices = self.devices_read();
-        (1..=self.slots).find(|s| !devices.contains_key(s))
+        (1..=self.slots)
+            .map(|d| slot_number(bus, d))
+            .find(|s| !devices.contains_key(s))
+    }
+
+    /// Why slot number `slot` cannot take a device, if it cannot (occupancy aside).
+    pub fn check_slot(&self, slot: u8) -> Result<(), PciRootError> {
+        let (bus, dev) = (slot_bus(slot), slot_device(slot));
+        if bus >= self.buses {
+            return Err(PciRootError::NoSuchBus {
+                slot,
+                bus,
+                buses: self.buses,
+            });
+        }
+        if slot == 0 {
+            return Err(PciRootError::HostBridgeSlot);
+        }
+        if dev == 0 || dev > self.slots {
+            return Err(PciRootError::SlotInvalid(slot, self.slots));
+        }
+        Ok(())
+    }
+
+    /// The address of slot number `slot`.
+    pub fn bdf_of(slot: u8) -> PciBdf {
+        PciBdf::new(slot_bus(slot), slot_device(slot), 0)
     }
 
     /// Plugs `device` into `slot` (or the lowest free slot); returns its address.
@@ -203,10 +285,11 @@ impl PciBus {
         slot: Option<u8>,
         device: SharedPciDevice,
     ) -> Result<PciBdf, PciRootError> {
+        if let Some(s) = slot {
+            self.check_slot(s)?;
+        }
         let mut devices = self.devices_write();
         let slot = match slot {
-            Some(0) => return Err(PciRootError::HostBridgeSlot),
-            Some(s) if s > self.slots => return Err(PciRootError::SlotInvalid(s, self.slots)),
             Some(s) if devices.contains_key(&s) => return Err(PciRootError::SlotInUse(s)),
             Some(s) => s,
             None => (1..=self.slots)
@@ -214,24 +297,19 @@ impl PciBus {
                 .ok_or(PciRootError::NoFreeSlot(self.slots))?,
         };
         devices.insert(slot, device);
-        let bdf = PciBdf::new(0, slot, 0);
+        let bdf = Self::bdf_of(slot);
         log::info!("pci device added at {bdf}");
         Ok(bdf)
     }
 
     /// Unplugs the device in `slot` and returns it (the caller frees its BARs and bus ranges).
     pub fn remove_device(&self, slot: u8) -> Result<SharedPciDevice, PciRootError> {
-        if slot == 0 {
-            return Err(PciRootError::HostBridgeSlot);
-        }
-        if slot > self.slots {
-            return Err(PciRootError::SlotInvalid(slot, self.slots));
-        }
+        self.check_slot(slot)?;
         let dev = self
             .devices_write()
             .remove(&slot)
             .ok_or(PciRootError::SlotEmpty(slot))?;
-        log::info!("pci device removed from {}", PciBdf::new(0, slot, 0));
+        log::info!("pci device removed from {}", Self::bdf_of(slot));
         Ok(dev)
     }
 
@@ -240,16 +318,16 @@ impl PciBus {
         self.devices_read().get(&slot).cloned()
     }
 
-    /// Occupied slots, host bridge included.
+    /// Occupied slot numbers, host bridge included.
     pub fn used_slots(&self) -> Vec<u8> {
         self.devices_read().keys().copied().collect()
     }
 
     fn lookup(&self, bdf: PciBdf) -> Option<SharedPciDevice> {
-        if bdf.bus() != 0 || bdf.function() != 0 {
+        if bdf.bus() >= self.buses || bdf.function() != 0 {
             return None;
         }
-        self.device(bdf.device())
+        self.device(slot_number(bdf.bus(), bdf.device()))
     }
 
     /// Reads register `reg_idx` of `bdf`; all-ones if nothing is there.
@@ -700,6 +778,54 @@ mod tests {
     }
 
     #[test]
+    fn root_buses_have_their_own_slots_and_config_space() {
+        let bus = PciBus::with_buses(Arc::new(NoRelocation), 4, 3);
+        let dev = || -> SharedPciDevice { Arc::new(Mutex::new(TestDev::new())) };
+        assert_eq!((bus.buses(), bus.slots()), (3, 4));
+        assert_eq!(
+            PciBus::with_buses(Arc::new(NoRelocation), 4, 99).buses(),
+            MAX_ROOT_BUSES
+        );
+        assert_eq!(bus.next_free_slot_on(2), Some(slot_number(2, 1)));
+        assert_eq!(bus.next_free_slot_on(3), None);
+        let at = bus.add_device(Some(slot_number(2, 1)), dev()).unwrap();
+        assert_eq!(at, PciBdf::new(2, 1, 0));
+        assert_eq!(at.to_string(), "0000:02:01.0");
+        assert_eq!(bus.next_free_slot_on(2), Some(slot_number(2, 2)));
+        // Bus 0's slot 1 is another slot.
+        assert_eq!(bus.next_free_slot(), Some(1));
+        // Device 0 of a NUMA bus holds no host bridge and takes no device; past `slots` is
+        // out of range; a bus past the last does not exist.
+        assert_eq!(
+            bus.add_device(Some(slot_number(1, 0)), dev()),
+            Err(PciRootError::SlotInvalid(32, 4))
+        );
+        assert_eq!(
+            bus.add_device(Some(slot_number(1, 5)), dev()),
+            Err(PciRootError::SlotInvalid(37, 4))
+        );
+        assert!(matches!(
+            bus.add_device(Some(slot_number(3, 1)), dev()),
+            Err(PciRootError::NoSuchBus { bus: 3, .. })
+        ));
+        // Both configuration mechanisms reach it at bus 2; nothing answers on bus 1.
+        assert_eq!(bus.read_config(PciBdf::new(2, 1, 0), 0), 0x1000_1af4);
+        assert_eq!(bus.read_config(PciBdf::new(1, 1, 0), 0), u32::MAX);
+        assert_eq!(bus.read_config(PciBdf::new(2, 1, 1), 0), u32::MAX);
+        let bus = Arc::new(bus);
+        let mut ecam = PciConfigMmio::new(bus.clone());
+        let mut d = [0u8; 4];
+        ecam.read(ECAM_BASE, (2 << 20) | (1 << 15), &mut d);
+        assert_eq!(u32::from_le_bytes(d), 0x1000_1af4);
+        let mut io = PciConfigIo::new(bus.clone());
+        io.write(0, 0, &(0x8000_0000u32 | 2 << 16 | 1 << 11).to_le_bytes());
+        io.read(0, 4, &mut d);
+        assert_eq!(u32::from_le_bytes(d), 0x1000_1af4);
+        assert!(bus.remove_device(slot_number(2, 1)).is_ok());
+        assert_eq!(bus.read_config(PciBdf::new(2, 1, 0), 0), u32::MAX);
+    }
+
+    #[test]
     fn hot_add_remove_slot_accounting() {
         let bus = PciBus::new(Arc::new(NoRelocation));
         let dev = || -> SharedPciDevice { Arc::new(Mutex::new(TestDev::new())) };
@@ -714,10 +840,17 @@ mod tests {
             bus.add_device(Some(0), dev()),
             Err(PciRootError::HostBridgeSlot)
         );
+        // Slot number 32 is device 0 of root bus 1, which a bus without NUMA nodes lacks.
+        let err = bus.add_device(Some(32), dev()).unwrap_err();
         assert_eq!(
-            bus.add_device(Some(32), dev()),
-            Err(PciRootError::SlotInvalid(32, 31))
+            err,
+            PciRootError::NoSuchBus {
+                slot: 32,
+                bus: 1,
+                buses: 1
+            }
         );
+        assert!(err.to_string().contains("root bus 1"), "{err}");
         assert_eq!(bus.next_free_slot(), Some(2));
         for _ in 0..29 {
             bus.add_device(None, dev()).unwrap();

@@ -211,6 +211,8 @@ impl NodeRecord {
             fabric,
             control,
             link,
+            // A borrower's placement, from its own cluster file: not in a lender's record.
+            numa_node: None,
         })
     }
 }

@@ -576,6 +576,7 @@ pub fn add(api: &ApiClient, bdf: &str, id: &str) -> api::types::PciDeviceInfo {
         id: Some(id.to_string()),
         mode: None,
         replace_lost: false,
+        numa_node: None,
     })
     .unwrap_or_else(|e| panic!("add {bdf} as {id}: {e}"))
 }
