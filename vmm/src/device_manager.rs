@@ -648,19 +648,24 @@ mod tests {
         assert!(e.to_string().contains("no/such/dir"), "{e}");
     }
 
+    /// A device manager on `vm` without a serial port.
+    fn test_dm(vm: &VmFd, mmio64: (u64, u64), slots: u8, numa_nodes: usize) -> DeviceManager {
+        DeviceManager::new(
+            vm,
+            &SerialConfig::Off,
+            Arc::new(ExitNotifier::new()),
+            mmio64,
+            slots,
+            numa_nodes,
+        )
+        .unwrap()
+    }
+
     #[test]
     fn numa_nodes_get_a_root_bus_each_up_to_the_limit() {
         let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
         let vm = kvm.create_vm().unwrap();
-        let dm = DeviceManager::new(
-            &vm,
-            &SerialConfig::Off,
-            Arc::new(ExitNotifier::new()),
-            (1 << 40, 1 << 40),
-            4,
-            10,
-        )
-        .unwrap();
+        let dm = test_dm(&vm, (1 << 40, 1 << 40), 4, 10);
         assert_eq!(dm.pci_bus().buses(), MAX_ROOT_BUSES);
         assert_eq!(dm.bus_of_node(0), Ok(0));
         assert_eq!(dm.bus_of_node(7), Ok(7));
@@ -697,15 +702,12 @@ mod tests {
     fn add_and_remove_pci_device() {
         let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
         let vm = kvm.create_vm().unwrap();
-        let dm = DeviceManager::new(
+        let dm = test_dm(
             &vm,
-            &SerialConfig::Off,
-            Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
             pci::root::MAX_DEVICE_SLOTS,
             0,
-        )
-        .unwrap();
+        );
         let ranges = dm.mmio_bus().len();
         let bdf = dm.add_pci_device(test_dev(), None).unwrap();
         assert_eq!((bdf.bus(), bdf.device(), bdf.function()), (0, 1, 0));
@@ -755,15 +757,12 @@ mod tests {
     fn bar_moves_outside_the_windows_or_over_other_bars_are_refused() {
         let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
         let vm = kvm.create_vm().unwrap();
-        let dm = DeviceManager::new(
+        let dm = test_dm(
             &vm,
-            &SerialConfig::Off,
-            Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
             pci::root::MAX_DEVICE_SLOTS,
             0,
-        )
-        .unwrap();
+        );
         let ranges = dm.mmio_bus().len();
         dm.add_pci_device(test_dev(), Some(1)).unwrap();
         dm.add_pci_device(test_dev(), Some(2)).unwrap();
@@ -831,15 +830,12 @@ mod tests {
     fn bar_moves_and_unplugs_return_every_range() {
         let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
         let vm = kvm.create_vm().unwrap();
-        let dm = DeviceManager::new(
+        let dm = test_dm(
             &vm,
-            &SerialConfig::Off,
-            Arc::new(ExitNotifier::new()),
             (1 << 32, PCI_MMIO64_SIZE),
             pci::root::MAX_DEVICE_SLOTS,
             0,
-        )
-        .unwrap();
+        );
         let ranges = dm.mmio_bus().len();
         let bar0 = |slot: u8| PCI_ECAM_START | u64::from(slot) << 15 | 0x10;
         for cycle in 0..50u64 {

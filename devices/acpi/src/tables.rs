@@ -565,32 +565,13 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
     let bus =
         AddressSpace::<u16>::new_bus_number(u16::from(cfg.pci_bus_start), u16::from(last_bus));
     let cf8 = IO::new(0xcf8, 0xcf8, 1, 8);
-    let io_window = AddressSpace::<u16>::new_io(
-        cfg.io_base,
-        (u32::from(cfg.io_base) + cfg.io_size - 1) as u16,
-        None,
+    let windows = Windows::new(
+        (u64::from(cfg.io_base), u64::from(cfg.io_size)),
+        (cfg.mmio32_base, cfg.mmio32_size),
+        (cfg.mmio64_base, cfg.mmio64_size),
     );
-    // Validated to fit below 4 GiB.
-    let mem32 = AddressSpace::<u32>::new_memory(
-        AddressSpaceCacheable::NotCacheable,
-        true,
-        cfg.mmio32_base as u32,
-        (cfg.mmio32_base + cfg.mmio32_size - 1) as u32,
-        None,
-    );
-    let mem64 = AddressSpace::<u64>::new_memory(
-        AddressSpaceCacheable::NotCacheable,
-        true,
-        cfg.mmio64_base,
-        cfg.mmio64_base
-            .wrapping_add(cfg.mmio64_size)
-            .wrapping_sub(1),
-        None,
-    );
-    let mut resources: Vec<&dyn Aml> = vec![&bus, &cf8, &io_window, &mem32];
-    if cfg.mmio64_size != 0 {
-        resources.push(&mem64);
-    }
+    let mut resources: Vec<&dyn Aml> = vec![&bus, &cf8];
+    windows.push_to(&mut resources);
     let crs = ResourceTemplate::new(resources);
 
     let hid = EISAName::new("PNP0A08");
@@ -652,40 +633,52 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
     to_bytes(&Device::new(scope.as_str().into(), children))
 }
 
+/// A host bridge's I/O, 32-bit and 64-bit windows as `_CRS` descriptors, `(base, size)`
+/// each (validated to fit their address spaces); a size of 0 leaves a window out.
+struct Windows {
+    io: Option<AddressSpace<u16>>,
+    mem32: Option<AddressSpace<u32>>,
+    mem64: Option<AddressSpace<u64>>,
+}
+
+impl Windows {
+    fn new(io: (u64, u64), mmio32: (u64, u64), mmio64: (u64, u64)) -> Self {
+        let last = |(base, size): (u64, u64)| base.wrapping_add(size).wrapping_sub(1);
+        let mem = |w: (u64, u64)| (AddressSpaceCacheable::NotCacheable, true, w.0, last(w));
+        Self {
+            io: (io.1 != 0)
+                .then(|| AddressSpace::<u16>::new_io(io.0 as u16, last(io) as u16, None)),
+            mem32: (mmio32.1 != 0).then(|| {
+                let (c, rw, b, e) = mem(mmio32);
+                AddressSpace::<u32>::new_memory(c, rw, b as u32, e as u32, None)
+            }),
+            mem64: (mmio64.1 != 0).then(|| {
+                let (c, rw, b, e) = mem(mmio64);
+                AddressSpace::<u64>::new_memory(c, rw, b, e, None)
+            }),
+        }
+    }
+
+    fn push_to<'a>(&'a self, resources: &mut Vec<&'a dyn Aml>) {
+        if let Some(w) = &self.io {
+            resources.push(w);
+        }
+        if let Some(w) = &self.mem32 {
+            resources.push(w);
+        }
+        if let Some(w) = &self.mem64 {
+            resources.push(w);
+        }
+    }
+}
+
 /// The host bridge of a root bus of its own (`pxb`-like): `_BBN`, `_PXM`, its slice of the
 /// windows, its slots with `_EJ0`, `_PRT` and hot-plug methods.
 fn root_bus_device(cfg: &AcpiConfig, r: &RootBus) -> Vec<u8> {
     let bus = AddressSpace::<u16>::new_bus_number(u16::from(r.bus), u16::from(r.bus));
-    let io_window = AddressSpace::<u16>::new_io(
-        r.io.0 as u16,
-        (r.io.0 + r.io.1).saturating_sub(1) as u16,
-        None,
-    );
-    // Validated to fit below 4 GiB.
-    let mem32 = AddressSpace::<u32>::new_memory(
-        AddressSpaceCacheable::NotCacheable,
-        true,
-        r.mmio32.0 as u32,
-        (r.mmio32.0 + r.mmio32.1).saturating_sub(1) as u32,
-        None,
-    );
-    let mem64 = AddressSpace::<u64>::new_memory(
-        AddressSpaceCacheable::NotCacheable,
-        true,
-        r.mmio64.0,
-        (r.mmio64.0 + r.mmio64.1).saturating_sub(1),
-        None,
-    );
+    let windows = Windows::new(r.io, r.mmio32, r.mmio64);
     let mut resources: Vec<&dyn Aml> = vec![&bus];
-    if r.io.1 != 0 {
-        resources.push(&io_window);
-    }
-    if r.mmio32.1 != 0 {
-        resources.push(&mem32);
-    }
-    if r.mmio64.1 != 0 {
-        resources.push(&mem64);
-    }
+    windows.push_to(&mut resources);
     let crs = ResourceTemplate::new(resources);
     let hid = EISAName::new("PNP0A08");
     let cid = EISAName::new("PNP0A03");
