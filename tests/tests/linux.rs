@@ -128,7 +128,8 @@ const VCPUS_ARG: &str = "2";
 /// (31 by default): 4 took this kernel's self-test boot from 66.7 to 46.8 s of guest time
 /// (docs/linux-guest-on-pvm.md, "Where emulated boot time goes").
 const PCI_SLOTS: &str = "4";
-/// The NUMA nodes of the busybox case: vCPU N and half of `MEMORY` on node N.
+/// The NUMA nodes of the busybox and boot + hot-add cases: vCPU N and half of `MEMORY` on
+/// node N.
 /// A GPU aperture's shape beside the busybox case's disk (issue 33, docs/GPU.md): a dmatest
 /// engine whose buffer makes BAR0 exactly 64 GiB (64 GiB less its register page, sparse on
 /// the lender's memfd; tests/tests/bigbar.rs has the bare-metal guest's checks), placed by
@@ -1085,6 +1086,11 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
             &dev,
             "--api-socket",
             socket.to_str().unwrap(),
+            // Two NUMA nodes: the hot-added disk goes in node 1, on that node's root bus.
+            "--numa",
+            NUMA_ARGS[0],
+            "--numa",
+            NUMA_ARGS[1],
         ],
     );
     let diag = |g: &Guest| format!("{}{}", g.diag(boot), g.diag(hot));
@@ -1101,8 +1107,13 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
     guest.expect_line(boot, " nvme0n1: p1 p2", deadline);
     check_nvme_probe_and_parts(&guest, boot, &parts);
     assert!(
-        guest.line("pci 0000:00:02.0").is_none() && guest.line("nvme nvme1").is_none(),
-        "a PCI function in slot 2 before the hot-add\n{}",
+        guest.line("pci 0000:01:01.0").is_none() && guest.line("nvme nvme1").is_none(),
+        "a PCI function on root bus 1 before the hot-add\n{}",
+        diag(&guest)
+    );
+    assert!(
+        guest.line("PCI host bridge to bus 0000:01").is_some(),
+        "the kernel found no root bus for node 1\n{}",
         diag(&guest)
     );
     assert!(matches!(hot.device_state(), Ok(DeviceState::Available)));
@@ -1113,16 +1124,17 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
             id: Some("disk1".into()),
             mode: None,
             replace_lost: false,
-            numa_node: None,
+            numa_node: Some(1),
         })
         .unwrap_or_else(|e| panic!("vm.add-remote-device: {e}\n{}", diag(&guest)));
     let add_wall = guest.out.started().elapsed();
     assert_eq!(added.id, "disk1");
-    assert_eq!(added.bdf.to_string(), "0000:00:02.0");
+    assert_eq!(added.bdf.to_string(), "0000:01:01.0");
     hot.expect_lent_to(vm);
-    // The kernel learns of the function only through ACPI: GED interrupt → _EVT → PCNT →
-    // Notify(S02, device check) → acpiphp scans slot 2 (and assigns its BARs).
-    let (scan_wall, _) = guest.expect_line(hot, "pci 0000:00:02.0: [1b36:0010]", deadline);
+    // The kernel learns of the function only through ACPI: GED interrupt → _EVT → each root
+    // bus's PCNT → PC01's reads bus 1's PCIU (PSEG 1) → Notify(PC01.S01, device check) →
+    // acpiphp scans that slot (and assigns its BARs in bus 1's windows).
+    let (scan_wall, _) = guest.expect_line(hot, "pci 0000:01:01.0: [1b36:0010]", deadline);
     let (probe_wall, _) = guest.expect_line(hot, "nvme nvme1: pci function", deadline);
     assert!(scan_wall >= wait_wall && probe_wall >= scan_wall);
     let (ok_wall, ok_line) = guest.expect_line(hot, "LENDVM-SELFTEST ", deadline);
@@ -1131,14 +1143,14 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
     // The hot-added disk: probed, written and read back by the self-test, its pattern in the
     // second lender's file, the lease back.
     let ok =
-        check_guest_used_the_disk(&guest, hot, (1, "0000:00:02.0"), &parts, (lba, count, seed));
+        check_guest_used_the_disk(&guest, hot, (1, "0000:01:01.0"), &parts, (lba, count, seed));
     assert_eq!(ok, ok_line);
     // The boot disk: its table untouched, the lease back.
     assert_mbr_intact(&boot.disk, &parts);
     boot.expect_available();
     // Both functions' queues and vectors reach every CPU, the hot-added one's in a running
     // guest.
-    check_smp_and_queues(&guest, boot, VCPUS);
+    check_smp_nodes_and_queues(&guest, boot, 2, VCPUS);
     check_queues(&guest, hot, 1, VCPUS);
     // Linux's stock driver enabled shadow doorbells (lenderd's default dbbuf=on), so the VMM
     // turned the I/O queue doorbells into ioeventfds.
@@ -1148,9 +1160,9 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
         "no doorbell ioeventfds in the lendvm log\n{stderr}"
     );
     assert!(
-        stderr.contains("pci hotplug: slot 2 added")
+        stderr.contains("pci hotplug: slot 33 added")
             && stderr.contains(&format!(
-                "hot-added disk1: {SECOND_LENDER}:{NVME_BDF} at 0000:00:02.0"
+                "hot-added disk1: {SECOND_LENDER}:{NVME_BDF} at 0000:01:01.0"
             )),
         "lendvm did not log the hot-add\n{stderr}"
     );
