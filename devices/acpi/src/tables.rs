@@ -1376,15 +1376,24 @@ mod tests {
                 Err(AcpiTableError::VcpuCount(vcpus))
             );
         }
-        let cfg = AcpiConfig {
-            mmio32_base: 0xf000_0000,
-            mmio32_size: 0x2000_0000,
-            ..config(1)
-        };
-        assert!(matches!(
-            create_acpi_tables(&cfg),
-            Err(AcpiTableError::Window { .. })
-        ));
+        // A 32-bit window past 4 GiB, an I/O window past 64 KiB.
+        for cfg in [
+            AcpiConfig {
+                mmio32_base: 0xf000_0000,
+                mmio32_size: 0x2000_0000,
+                ..config(1)
+            },
+            AcpiConfig {
+                io_base: 0xf000,
+                io_size: 0x2000,
+                ..config(1)
+            },
+        ] {
+            assert!(matches!(
+                create_acpi_tables(&cfg),
+                Err(AcpiTableError::Window { .. })
+            ));
+        }
         let cfg = AcpiConfig {
             pci_bus_start: 2,
             pci_bus_end: 1,
@@ -1438,15 +1447,6 @@ mod tests {
                 "{e}"
             );
         }
-        let cfg = AcpiConfig {
-            io_base: 0xf000,
-            io_size: 0x2000,
-            ..config(1)
-        };
-        assert!(matches!(
-            create_acpi_tables(&cfg),
-            Err(AcpiTableError::Window { .. })
-        ));
     }
 
     fn iasl_available() -> bool {
