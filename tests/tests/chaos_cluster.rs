@@ -479,18 +479,9 @@ fn proc_counts(pid: u32) -> std::collections::BTreeMap<String, u64> {
 /// sessions, DMA windows over every device's IOMMU domain and their bytes, P2P mappings into
 /// its BARs.
 fn lender_gauges(ns: &str, host: &str) -> std::collections::BTreeMap<String, u64> {
-    use std::io::{Read, Write};
-    let addr = format!("127.0.0.1:{METRICS_PORT}");
-    let text = in_netns(Some(ns), || -> std::io::Result<String> {
-        let to = Duration::from_secs(10);
-        let mut s = std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), to)?;
-        s.set_read_timeout(Some(to))?;
-        write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        Ok(text)
-    })
-    .unwrap_or_else(|e| panic!("{host}: GET /metrics: {e}"));
+    let (status, text) = in_netns(Some(ns), || http_get(METRICS_PORT, "/metrics", None))
+        .unwrap_or_else(|e| panic!("{host}: GET /metrics: {e}"));
+    assert_eq!(status, 200, "{host}: GET /metrics: {text}");
     let mut m = std::collections::BTreeMap::new();
     for (metric, key) in [
         ("lenderd_sessions", "sessions"),
