@@ -719,12 +719,67 @@ impl DmaBacking for PeerWindowBacking {
             .map_err(|e| BackingError::Transfer(e.to_string()))
     }
 
+    fn read_into_raw(
+        &self,
+        offset: u64,
+        dst: emulated::RawSpan<'_>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), BackingError> {
+        match self.mapped(offset, dst.len())? {
+            // SAFETY: `mapped` checked that the range lies inside the window's mapping, which
+            // stays valid while `self.win` lives (a severed window is replaced by anonymous
+            // memory, never unmapped under us); `dst` is valid per RawSpan's contract.
+            Some(p) => unsafe { std::ptr::copy(p, dst.as_ptr(), dst.len()) },
+            None => {
+                let buf = emulated::dma::staging(scratch, dst.len());
+                self.read_at(offset, buf)?;
+                dst.copy_from(buf);
+            }
+        }
+        Ok(())
+    }
+
+    fn write_from_raw(
+        &self,
+        offset: u64,
+        src: emulated::RawSpan<'_>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), BackingError> {
+        match self.mapped(offset, src.len())? {
+            // SAFETY: as in read_into_raw; the window is mapped writable.
+            Some(p) => unsafe { std::ptr::copy(src.as_ptr(), p, src.len()) },
+            None => {
+                let buf = emulated::dma::staging(scratch, src.len());
+                src.copy_to(buf);
+                self.write_at(offset, buf)?;
+            }
+        }
+        Ok(())
+    }
+
     fn host_addr(&self) -> Option<NonNull<u8>> {
         self.win.as_ptr().ok().and_then(NonNull::new)
     }
 
     fn backing_id(&self) -> Option<ntb::BackingId> {
         self.win.backing_id()
+    }
+}
+
+impl PeerWindowBacking {
+    /// Where `[offset, offset + len)` of the window is mapped in this process (shm), so a DMA
+    /// copies once; `None` for a window reached by messages. A severed window is an error,
+    /// as its accessors report it.
+    fn mapped(&self, offset: u64, len: usize) -> Result<Option<*mut u8>, BackingError> {
+        let Ok(base) = self.win.as_ptr() else {
+            return Ok(None);
+        };
+        if !self.win.is_live() {
+            return Err(BackingError::Transfer("borrower window severed".into()));
+        }
+        crate::iommu::backing::check_range(offset, len, self.win.len())?;
+        // SAFETY: the range lies inside the window's mapping (checked above).
+        Ok(Some(unsafe { base.add(offset as usize) }))
     }
 }
 

@@ -133,8 +133,9 @@ struct Inner {
     buf_max: u64,
     /// Whether BAR0 offers the Resizable BAR sizes (1 MiB up to the whole buffer).
     resizable: bool,
-    /// The copy's staging buffer, kept between copies so a copy does not allocate and fault
-    /// in fresh pages each time (a 64 MiB copy spent most of its time there). It grows to the
+    /// The copy's staging buffer when the bytes cannot move directly ([`Inner::move_bytes`]),
+    /// kept between copies so a copy does not allocate and fault in fresh pages each time (a
+    /// 64 MiB copy spent most of its time there). It grows to the
     /// longest copy made, which is bounded by the copy limit (the larger of [`MAX_LEN`] and
     /// the buffer's size, at most [`MAX_BIG_COPY`]): a device costs at most that again once a
     /// guest made such a copy. Only the worker thread takes it.
@@ -244,6 +245,47 @@ impl Inner {
             })
     }
 
+    /// Moves `len` bytes from `src` to `dst`, each either the buffer at a checked BAR0 offset
+    /// (`Some`) or a DMA address. Where the buffer is memory of this process the bytes move
+    /// once, straight between it and the memory behind the DMA address (a peer's BAR on the
+    /// same lender, guest RAM on shm), as a DMA engine moves them; otherwise (and for a
+    /// DMA-to-DMA copy) they are staged in `scratch`.
+    fn move_bytes(
+        &self,
+        src: u64,
+        src_buf: Option<u64>,
+        dst: u64,
+        dst_buf: Option<u64>,
+        len: usize,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), CopyError> {
+        let span = |at: Option<u64>| at.and_then(|at| self.regs.raw_span(at, len));
+        match (span(src_buf), span(dst_buf)) {
+            (Some(s), Some(d)) => {
+                s.copy_to_span(d);
+                Ok(())
+            }
+            (Some(s), None) if dst_buf.is_none() => self
+                .dma
+                .write_from(dst, s, scratch)
+                .map_err(CopyError::from),
+            (None, Some(d)) if src_buf.is_none() => {
+                self.dma.read_into(src, d, scratch).map_err(CopyError::from)
+            }
+            _ => {
+                let buf = crate::dma::staging(scratch, len);
+                match src_buf {
+                    Some(at) => self.buf_read(at, buf),
+                    None => self.dma.read(src, buf).map_err(CopyError::from),
+                }?;
+                match dst_buf {
+                    Some(at) => self.buf_write(at, buf),
+                    None => self.dma.write(dst, buf).map_err(CopyError::from),
+                }
+            }
+        }
+    }
+
     fn copy(&self, cmd: u32) -> bool {
         let src = self.regs.read64(REG_SRC);
         let dst = self.regs.read64(REG_DST);
@@ -272,20 +314,8 @@ impl Inner {
             }
             return false;
         };
-        let mut staging = self.bounce.lock().unwrap_or_else(|p| p.into_inner());
-        let len = len as usize;
-        if staging.len() < len {
-            staging.resize(len, 0);
-        }
-        let buf = &mut staging[..len];
-        let r = match src_buf {
-            Some(at) => self.buf_read(at, buf),
-            None => self.dma.read(src, buf).map_err(CopyError::from),
-        }
-        .and_then(|()| match dst_buf {
-            Some(at) => self.buf_write(at, buf),
-            None => self.dma.write(dst, buf).map_err(CopyError::from),
-        });
+        let mut scratch = self.bounce.lock().unwrap_or_else(|p| p.into_inner());
+        let r = self.move_bytes(src, src_buf, dst, dst_buf, len as usize, &mut scratch);
         if let Err(e) = r {
             // A guest can loop on refused copies: the first 16, then one in 1024.
             let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;

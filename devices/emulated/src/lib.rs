@@ -33,7 +33,7 @@ pub mod testing;
 mod waiter;
 pub mod workload;
 
-pub use dma::{DmaFault, DmaMemory};
+pub use dma::{DmaFault, DmaMemory, RawSpan};
 pub use irq::{InterruptMode, InterruptSink};
 pub use model::{
     BarInfo, DeviceError, DeviceModel, DoorbellRange, KickDoorbells, KickListener, MsixInfo,

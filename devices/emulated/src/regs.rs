@@ -65,6 +65,14 @@ pub trait RegisterMemory: Send + Sync {
         }
         true
     }
+    /// `len` bytes of plain memory at `offset` as a span a DMA can copy to or from directly
+    /// (same alignment rules as [`RegisterMemory::read_bytes`]), when the region is memory
+    /// of this process. `None` (the default): the bytes are reached only through
+    /// `read_bytes`/`write_bytes`.
+    fn raw_span(&self, offset: u64, len: usize) -> Option<crate::RawSpan<'_>> {
+        let _ = (offset, len);
+        None
+    }
     /// Zero `len` bytes of plain memory at `offset` (a data buffer at reset), with the same
     /// alignment rules as [`RegisterMemory::read_bytes`]. Default: 64-bit stores. Memory
     /// shared from a file gives its pages back instead (a 64 GiB buffer must not be written
@@ -207,6 +215,17 @@ impl RegisterMemory for RawRegisters {
         true
     }
 
+    fn raw_span(&self, offset: u64, len: usize) -> Option<crate::RawSpan<'_>> {
+        if !bytes_fit(self.len, offset, len) {
+            return None;
+        }
+        // SAFETY: `offset` lies inside the mapping (checked above), so the sum stays in it.
+        let ptr = std::ptr::NonNull::new(unsafe { self.base.add(offset as usize) })?;
+        // SAFETY: the range lies inside the mapping that `new`'s contract keeps valid for as
+        // long as `self` lives (the span borrows `self`), and accessed only by raw copies.
+        Some(unsafe { crate::RawSpan::new(ptr, len) })
+    }
+
     fn zero_bytes(&self, offset: u64, len: u64) -> bool {
         let Ok(n) = usize::try_from(len) else {
             return false;
@@ -295,6 +314,9 @@ impl<B: Send + Sync> RegisterMemory for MappedRegisters<B> {
     }
     fn read_bytes(&self, offset: u64, out: &mut [u8]) -> bool {
         self.raw.read_bytes(offset, out)
+    }
+    fn raw_span(&self, offset: u64, len: usize) -> Option<crate::RawSpan<'_>> {
+        self.raw.raw_span(offset, len)
     }
     fn write_bytes(&self, offset: u64, data: &[u8]) -> bool {
         self.raw.write_bytes(offset, data)

@@ -7,6 +7,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
+use emulated::RawSpan;
 use thiserror::Error;
 
 /// Errors of DMA backings.
@@ -50,6 +51,31 @@ pub trait DmaBacking: Send + Sync {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackingError>;
     /// Copy `data` to `offset`.
     fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), BackingError>;
+    /// Copy `dst.len()` bytes at `offset` into device memory `dst`. The default stages them
+    /// in `scratch` through [`DmaBacking::read_at`]; memory mapped in this process copies
+    /// once.
+    fn read_into_raw(
+        &self,
+        offset: u64,
+        dst: RawSpan<'_>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), BackingError> {
+        let buf = emulated::dma::staging(scratch, dst.len());
+        self.read_at(offset, buf)?;
+        dst.copy_from(buf);
+        Ok(())
+    }
+    /// Copy device memory `src` to `offset` (see [`DmaBacking::read_into_raw`]).
+    fn write_from_raw(
+        &self,
+        offset: u64,
+        src: RawSpan<'_>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), BackingError> {
+        let buf = emulated::dma::staging(scratch, src.len());
+        src.copy_to(buf);
+        self.write_at(offset, buf)
+    }
     /// Host virtual address of the start of the backing when it is mapped in this process
     /// (needed to program a hardware IOMMU with VFIO); `None` for message-based backings.
     fn host_addr(&self) -> Option<NonNull<u8>> {
@@ -200,6 +226,44 @@ impl DmaBacking for MmapBacking {
                 data.len(),
             );
         }
+        Ok(())
+    }
+
+    fn read_into_raw(
+        &self,
+        offset: u64,
+        dst: RawSpan<'_>,
+        _scratch: &mut Vec<u8>,
+    ) -> Result<(), BackingError> {
+        check_range(offset, dst.len(), self.size)?;
+        // SAFETY: the range lies inside the live mapping; `dst` is valid for its length
+        // (RawSpan's contract). `copy` (memmove): a device may copy between its own buffer
+        // and a mapping of that same memory.
+        unsafe {
+            std::ptr::copy(
+                self.addr.as_ptr().add(offset as usize),
+                dst.as_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn write_from_raw(
+        &self,
+        offset: u64,
+        src: RawSpan<'_>,
+        _scratch: &mut Vec<u8>,
+    ) -> Result<(), BackingError> {
+        check_range(offset, src.len(), self.size)?;
+        // SAFETY: as in read_into_raw; the mapping is writable.
+        unsafe {
+            std::ptr::copy(
+                src.as_ptr(),
+                self.addr.as_ptr().add(offset as usize),
+                src.len(),
+            )
+        };
         Ok(())
     }
 

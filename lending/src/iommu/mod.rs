@@ -428,38 +428,62 @@ impl SoftIommu {
 
     /// Reads through the table; `false` if any byte is not mapped or the backing failed.
     fn try_read(&self, iova: u64, buf: &mut [u8]) -> bool {
-        let len = buf.len() as u64;
+        self.try_read_with(iova, buf.len(), |b, off, at, n| {
+            b.read_at(off, &mut buf[at..at + n])
+        })
+    }
+
+    /// Reads through the table: `f(backing, offset, at, n)` for each mapped piece of
+    /// `[iova, iova + len)` (`at`: where the piece starts in the access); `false` if any
+    /// byte is not mapped (nothing read) or a backing failed.
+    fn try_read_with(
+        &self,
+        iova: u64,
+        len: usize,
+        mut f: impl FnMut(&dyn DmaBacking, u64, usize, usize) -> Result<(), BackingError>,
+    ) -> bool {
         let t = read(&self.table);
-        if let Some((e, off)) = t.covering(iova, len) {
-            return e.backing.read_at(off, buf).is_ok();
+        if let Some((e, off)) = t.covering(iova, len as u64) {
+            return f(e.backing.as_ref(), off, 0, len).is_ok();
         }
-        let Some(pieces) = t.translate(iova, len) else {
+        let Some(pieces) = t.translate(iova, len as u64) else {
             return false;
         };
         pieces
             .into_iter()
-            .all(|(backing, off, at, n, _)| backing.read_at(off, &mut buf[at..at + n]).is_ok())
+            .all(|(backing, off, at, n, _)| f(backing.as_ref(), off, at, n).is_ok())
     }
 
     /// Writes through the table; `false` if any byte is not mapped (nothing written) or the
     /// backing failed.
     fn try_write(&self, iova: u64, data: &[u8]) -> bool {
-        let len = data.len() as u64;
+        self.try_write_with(iova, data.len(), |b, off, at, n| {
+            b.write_at(off, &data[at..at + n])
+        })
+    }
+
+    /// Writes through the table, as [`SoftIommu::try_read_with`] reads.
+    fn try_write_with(
+        &self,
+        iova: u64,
+        len: usize,
+        mut f: impl FnMut(&dyn DmaBacking, u64, usize, usize) -> Result<(), BackingError>,
+    ) -> bool {
         let t = read(&self.table);
         // Dirty bits are set after the bytes landed ([`dirty`]), while the table's read lock
         // still keeps the mapping (and its bits) from being replaced.
-        if let Some((e, off)) = t.covering(iova, len) {
-            let ok = e.backing.write_at(off, data).is_ok();
+        if let Some((e, off)) = t.covering(iova, len as u64) {
+            let ok = f(e.backing.as_ref(), off, 0, len).is_ok();
             if let Some(d) = &e.dirty {
-                d.mark(off, len);
+                d.mark(off, len as u64);
             }
             return ok;
         }
-        let Some(pieces) = t.translate(iova, len) else {
+        let Some(pieces) = t.translate(iova, len as u64) else {
             return false;
         };
         pieces.into_iter().all(|(backing, off, at, n, dirty)| {
-            let ok = backing.write_at(off, &data[at..at + n]).is_ok();
+            let ok = f(backing.as_ref(), off, at, n).is_ok();
             if let Some(d) = dirty {
                 d.mark(off, n as u64);
             }
@@ -625,6 +649,52 @@ impl emulated::DmaMemory for SoftIommu {
     fn write(&self, iova: u64, buf: &[u8]) -> Result<(), emulated::DmaFault> {
         self.dma_write(iova, buf)
             .map_err(|f| emulated::DmaFault::write(f.iova, buf.len()))
+    }
+
+    fn read_into(
+        &self,
+        iova: u64,
+        dst: emulated::RawSpan<'_>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), emulated::DmaFault> {
+        let len = dst.len();
+        let ok = self.try_read_with(iova, len, |b, off, at, n| {
+            let piece = dst.sub(at, n).ok_or(BackingError::OutOfRange {
+                offset: at as u64,
+                len: n as u64,
+                size: len as u64,
+            })?;
+            b.read_into_raw(off, piece, scratch)
+        });
+        if !ok {
+            let f = self.fault(iova, len as u64, false);
+            return Err(emulated::DmaFault::read(f.iova, len));
+        }
+        self.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn write_from(
+        &self,
+        iova: u64,
+        src: emulated::RawSpan<'_>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), emulated::DmaFault> {
+        let len = src.len();
+        let ok = self.try_write_with(iova, len, |b, off, at, n| {
+            let piece = src.sub(at, n).ok_or(BackingError::OutOfRange {
+                offset: at as u64,
+                len: n as u64,
+                size: len as u64,
+            })?;
+            b.write_from_raw(off, piece, scratch)
+        });
+        if !ok {
+            let f = self.fault(iova, len as u64, true);
+            return Err(emulated::DmaFault::write(f.iova, len));
+        }
+        self.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -850,6 +920,68 @@ mod tests {
             0,
             "a restart begins clean"
         );
+    }
+
+    /// A device buffer's bytes as the copy engines hand them to the domain.
+    struct Buf(Box<[u64]>);
+    impl Buf {
+        fn new(len: usize, fill: u8) -> Self {
+            Buf(vec![u64::from_ne_bytes([fill; 8]); len / 8].into_boxed_slice())
+        }
+        fn span(&mut self) -> emulated::RawSpan<'_> {
+            let len = self.0.len() * 8;
+            let p = std::ptr::NonNull::new(self.0.as_mut_ptr().cast::<u8>()).unwrap();
+            // SAFETY: the boxed slice is valid for `len` bytes while `self` is borrowed.
+            unsafe { emulated::RawSpan::new(p, len) }
+        }
+        fn bytes(&self) -> Vec<u8> {
+            self.0.iter().flat_map(|w| w.to_ne_bytes()).collect()
+        }
+    }
+
+    #[test]
+    fn raw_copies_go_straight_to_mapped_memory_and_keep_every_rule_of_dma() {
+        use emulated::DmaMemory;
+        let mem = ntb::SharedMemory::new("ram", 0x4000).unwrap();
+        let d = SoftIommu::new("t");
+        // A mapping of a file (one copy) next to heap memory (staged through `scratch`).
+        d.map(0x10000, 0x2000, view(&mem, 0, 0x2000)).unwrap();
+        let heap = backing(0x1000, 0);
+        d.map(0x12000, 0x1000, heap.clone()).unwrap();
+        assert!(d.start_dirty_log());
+        let mut scratch = Vec::new();
+        let mut src = Buf::new(0x1000, 0x5a);
+        // Across both windows: the file's last 0x800 bytes and the heap's first 0x800.
+        d.write_from(0x11800, src.span(), &mut scratch).unwrap();
+        let mut seen = vec![0u8; 0x1000];
+        d.dma_read(0x11800, &mut seen).unwrap();
+        assert!(seen.iter().all(|&x| x == 0x5a));
+        assert!(heap.snapshot()[..0x800].iter().all(|&x| x == 0x5a));
+        assert!(heap.snapshot()[0x800..].iter().all(|&x| x == 0));
+        assert_eq!(
+            d.fetch_dirty(0x10000, 0x3000).unwrap().iovas(),
+            vec![0x11000, 0x12000],
+            "raw writes are logged as writes"
+        );
+        // And back, into another buffer.
+        let mut dst = Buf::new(0x1000, 0);
+        d.read_into(0x11800, dst.span(), &mut scratch).unwrap();
+        assert!(dst.bytes().iter().all(|&x| x == 0x5a));
+        assert_eq!(d.dma_bytes(), Some((0x2000, 0x1000)));
+        // Partly unmapped: refused whole, nothing moved, counted as a fault.
+        let mut other = Buf::new(0x1000, 0x77);
+        let f = d
+            .write_from(0x12800, other.span(), &mut scratch)
+            .unwrap_err();
+        assert_eq!((f.iova, f.len, f.kind), (0x12800, 0x1000, "write"));
+        assert!(heap.snapshot()[0x800..].iter().all(|&x| x == 0));
+        assert!(d.read_into(0xf800, other.span(), &mut scratch).is_err());
+        assert!(
+            other.bytes().iter().all(|&x| x == 0x77),
+            "a refused read writes nothing"
+        );
+        assert_eq!(d.fault_count(), 2);
+        assert_eq!(d.dma_bytes(), Some((0x2000, 0x1000)));
     }
 
     /// A view of `[offset, offset + size)` of `mem` (each call maps it anew, as a second

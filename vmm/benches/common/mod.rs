@@ -18,7 +18,12 @@ impl Drop for Kill {
 /// lendvm as cargo built it for this bench, and the lenderd beside it (built by `cargo build
 /// --release -p lending --bins`, which `scripts/bench.sh` runs first).
 pub fn binaries() -> (PathBuf, PathBuf) {
-    let lendvm = PathBuf::from(env!("CARGO_BIN_EXE_lendvm"));
+    // `LENDVM_BIN_DIR`: binaries carried to another machine beside the bench executables
+    // (`scripts/bench-device.sh`), where the build's own path does not exist.
+    let lendvm = std::env::var_os("LENDVM_BIN_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_lendvm")),
+        |d| PathBuf::from(d).join("lendvm"),
+    );
     let lenderd = lendvm.with_file_name("lenderd");
     assert!(
         lenderd.is_file(),
