@@ -19,7 +19,8 @@
 //! by polling COMPLETED in the window, so the figure is the device path, not the control
 //! protocol. Sizes 4 KiB … 64 MiB; per size and mode, copies until `P2P_BENCH_BYTES` (default
 //! 32 MiB, at least 2 copies) have moved, median of `P2P_BENCH_REPS` (default 3) interleaved
-//! repetitions.
+//! repetitions; `P2P_BENCH_TOPOLOGY=same-lender` or `cross-lender` runs one topology alone
+//! (to profile it).
 //!
 //! `cargo bench -p lending --bench p2p` writes `target/bench/p2p-bench.json`, `p2p-bench.svg`
 //! and the Markdown fragment `p2p.md` (section `p2p` of `scripts/bench.sh`; `P2P_BENCH_OUT`
@@ -370,8 +371,13 @@ fn main() {
     let max_size = sizes.iter().copied().max().unwrap_or(0) as usize;
     let mem_src: Vec<u8> = (0..max_size).map(|i| i as u8).collect();
     let mut mem_dst = vec![1u8; max_size];
+    // `P2P_BENCH_TOPOLOGY=same-lender|cross-lender`: one topology alone (to profile it).
+    let only = std::env::var("P2P_BENCH_TOPOLOGY").ok();
     let mut rows = Vec::new();
     for &(topo, t, gpa) in &topologies {
+        if only.as_deref().is_some_and(|o| o != topo) {
+            continue;
+        }
         for &size in &sizes {
             let len = size as u32;
             let iters = (budget / size).max(2) as usize;

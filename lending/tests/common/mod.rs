@@ -92,7 +92,12 @@ pub fn cluster_in(dir: tempfile::TempDir, kind: FabricKind) -> Cluster {
 /// Starts lenderd lending `devices` (`BDF=SPEC`), passing the token `via`.
 pub fn start_lenderd(c: &Cluster, tag: &str, devices: &[String], via: TokenVia) -> Lenderd {
     let _ = std::fs::remove_file(c.dir.path().join(format!("{LENDER}.sock")));
-    let mut cmd = Lenderd::command(env!("CARGO_BIN_EXE_lenderd"), LENDER, &c.path)
+    // `LENDVM_BIN_DIR`: binaries carried to another machine (`scripts/bench-device.sh`).
+    let exe = std::env::var_os("LENDVM_BIN_DIR").map_or_else(
+        || std::path::PathBuf::from(env!("CARGO_BIN_EXE_lenderd")),
+        |d| std::path::PathBuf::from(d).join("lenderd"),
+    );
+    let mut cmd = Lenderd::command(exe, LENDER, &c.path)
         .log(c.dir.path().join(format!("lenderd-{tag}.log")))
         .devices(devices)
         .env_remove("LENDVM_TOKEN")
