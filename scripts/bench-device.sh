@@ -86,6 +86,8 @@ run() {
 	local cpus="$(nproc) CPUs ($(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1))"
 	printf '%s\n' "$cpus; Linux $(uname -r)" >"$work/machine"
 	cp "$PACK/commit" "$work/commit"
+	local dest=${OUT:-$REPO/target}
+	mkdir -p "$dest"
 	local mode
 	for mode in all 2cpu; do
 		local dir=$work/$mode wrap=()
@@ -109,11 +111,10 @@ run() {
 				>"$dir/bench/$s.stamp"
 			[ "$rc" = 0 ] || echo "exit $rc" >"$dir/bench/$s.failed"
 			log "== $mode $s: exit $rc in $secs s"
+			# After every section, so a run cut short still brings back what it measured.
+			tar czf "$dest/bench-device.tgz" -C "$work" .
 		done
 	done
-	local dest=${OUT:-$REPO/target}
-	mkdir -p "$dest"
-	tar czf "$dest/bench-device.tgz" -C "$work" .
 	log "results in $dest/bench-device.tgz"
 }
 
