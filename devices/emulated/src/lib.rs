@@ -16,8 +16,9 @@
 //!   [`DeviceModel::bar_write`] (the worker only finds stored writes by diffing, which cannot
 //!   see a write of the value already there).
 //!
-//! [`testing`] holds reusable test doubles and a guest-side NVMe driver used by this crate's
-//! tests and benchmark, and by the lender's "lent" tests.
+//! `testing` (feature `testing`, which only dev-dependencies turn on) holds reusable test
+//! doubles and a guest-side NVMe driver used by this crate's tests and benchmark, and by the
+//! lender's "lent" tests.
 
 pub mod dma;
 pub mod dmatest;
@@ -29,8 +30,11 @@ pub mod nvme;
 pub mod rebar;
 pub mod regs;
 pub mod sriov;
+#[cfg(feature = "testing")]
 pub mod testing;
 mod waiter;
+/// The NVMe bench workload (on `testing`'s driver).
+#[cfg(feature = "testing")]
 pub mod workload;
 
 pub use dma::{DmaFault, DmaMemory, RawSpan};
