@@ -725,17 +725,13 @@ impl DmaBacking for PeerWindowBacking {
         dst: emulated::RawSpan<'_>,
         scratch: &mut Vec<u8>,
     ) -> Result<(), BackingError> {
-        match self.mapped(offset, dst.len())? {
-            // SAFETY: `mapped` checked that the range lies inside the window's mapping, which
-            // stays valid while `self.win` lives (a severed window is replaced by anonymous
-            // memory, never unmapped under us); `dst` is valid per RawSpan's contract.
-            Some(p) => unsafe { std::ptr::copy(p, dst.as_ptr(), dst.len()) },
-            None => {
-                let buf = emulated::dma::staging(scratch, dst.len());
-                self.read_at(offset, buf)?;
-                dst.copy_from(buf);
-            }
-        }
+        let Some(p) = self.mapped(offset, dst.len())? else {
+            return crate::iommu::backing::read_into_staged(self, offset, dst, scratch);
+        };
+        // SAFETY: `mapped` checked that the range lies inside the window's mapping, which stays
+        // valid while `self.win` lives (a severed window is replaced by anonymous memory, never
+        // unmapped under us); `dst` is valid per RawSpan's contract.
+        unsafe { std::ptr::copy(p, dst.as_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -745,15 +741,11 @@ impl DmaBacking for PeerWindowBacking {
         src: emulated::RawSpan<'_>,
         scratch: &mut Vec<u8>,
     ) -> Result<(), BackingError> {
-        match self.mapped(offset, src.len())? {
-            // SAFETY: as in read_into_raw; the window is mapped writable.
-            Some(p) => unsafe { std::ptr::copy(src.as_ptr(), p, src.len()) },
-            None => {
-                let buf = emulated::dma::staging(scratch, src.len());
-                src.copy_to(buf);
-                self.write_at(offset, buf)?;
-            }
-        }
+        let Some(p) = self.mapped(offset, src.len())? else {
+            return crate::iommu::backing::write_from_staged(self, offset, src, scratch);
+        };
+        // SAFETY: as in read_into_raw; the window is mapped writable.
+        unsafe { std::ptr::copy(src.as_ptr(), p, src.len()) };
         Ok(())
     }
 

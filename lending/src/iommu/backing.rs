@@ -60,10 +60,7 @@ pub trait DmaBacking: Send + Sync {
         dst: RawSpan<'_>,
         scratch: &mut Vec<u8>,
     ) -> Result<(), BackingError> {
-        let buf = emulated::dma::staging(scratch, dst.len());
-        self.read_at(offset, buf)?;
-        dst.copy_from(buf);
-        Ok(())
+        read_into_staged(self, offset, dst, scratch)
     }
     /// Copy device memory `src` to `offset` (see [`DmaBacking::read_into_raw`]).
     fn write_from_raw(
@@ -72,9 +69,7 @@ pub trait DmaBacking: Send + Sync {
         src: RawSpan<'_>,
         scratch: &mut Vec<u8>,
     ) -> Result<(), BackingError> {
-        let buf = emulated::dma::staging(scratch, src.len());
-        src.copy_to(buf);
-        self.write_at(offset, buf)
+        write_from_staged(self, offset, src, scratch)
     }
     /// Host virtual address of the start of the backing when it is mapped in this process
     /// (needed to program a hardware IOMMU with VFIO); `None` for message-based backings.
@@ -88,6 +83,32 @@ pub trait DmaBacking: Send + Sync {
     fn backing_id(&self) -> Option<ntb::BackingId> {
         None
     }
+}
+
+/// [`DmaBacking::read_into_raw`] through `scratch` and [`DmaBacking::read_at`] (a backing that
+/// cannot copy into the span directly).
+pub fn read_into_staged<B: DmaBacking + ?Sized>(
+    b: &B,
+    offset: u64,
+    dst: RawSpan<'_>,
+    scratch: &mut Vec<u8>,
+) -> Result<(), BackingError> {
+    let buf = emulated::dma::staging(scratch, dst.len());
+    b.read_at(offset, buf)?;
+    dst.copy_from(buf);
+    Ok(())
+}
+
+/// [`DmaBacking::write_from_raw`] through `scratch` and [`DmaBacking::write_at`].
+pub fn write_from_staged<B: DmaBacking + ?Sized>(
+    b: &B,
+    offset: u64,
+    src: RawSpan<'_>,
+    scratch: &mut Vec<u8>,
+) -> Result<(), BackingError> {
+    let buf = emulated::dma::staging(scratch, src.len());
+    src.copy_to(buf);
+    b.write_at(offset, buf)
 }
 
 /// Checks that `[offset, offset + len)` lies inside a backing of `size` bytes.
