@@ -347,12 +347,12 @@ struct Rig {
 }
 
 /// A 1-vCPU VM with a two-instruction spin kernel (never started).
-fn rig() -> Option<Rig> {
+fn rig() -> Rig {
     rig_with(Vec::new())
 }
 
 /// [`rig`] with the guest NUMA nodes `numa` (`--numa`).
-fn rig_with(numa: Vec<crate::numa::NumaNodeConfig>) -> Option<Rig> {
+fn rig_with(numa: Vec<crate::numa::NumaNodeConfig>) -> Rig {
     if let Err(e) = kvm_ioctls::Kvm::new() {
         panic!("/dev/kvm is required by the vmm tests: {e}");
     }
@@ -397,13 +397,13 @@ fn rig_with(numa: Vec<crate::numa::NumaNodeConfig>) -> Option<Rig> {
     };
     let mut ctl = Controller::new(h, Box::new(source.clone()), config);
     ctl.set_running();
-    Some(Rig {
+    Rig {
         _dir: dir,
         vm,
         ctl,
         ejects,
         source,
-    })
+    }
 }
 
 /// ELF64 with one PT_LOAD at 2 MiB holding `pause; jmp .-2`.
@@ -558,7 +558,7 @@ fn attach_errors_map_to_http_classes() {
 
 #[test]
 fn add_and_remove_follow_the_fake_vmm_semantics() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     let ctl = &mut rig.ctl;
     let Ok(ApiResponse::DeviceAdded(d)) = add(ctl, "node3:0000:81:00.0", Some("nvme1")) else {
         panic!("add failed");
@@ -667,7 +667,7 @@ fn add_and_remove_follow_the_fake_vmm_semantics() {
 
 #[test]
 fn lost_lease_is_torn_down_and_announced() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
     let _ = read_reg(&rig, 0);
     rig.ctl.check_leases();
@@ -689,7 +689,7 @@ fn lost_lease_is_torn_down_and_announced() {
 
 #[test]
 fn shutdown_refuses_further_changes() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
     assert_eq!(
         rig.ctl.handle(ApiRequest::VmShutdown),
@@ -716,7 +716,7 @@ fn shutdown_refuses_further_changes() {
 
 #[test]
 fn fifty_cycles_leak_nothing() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     let before = rig.ctl.counters();
     for i in 0..50 {
         let Ok(ApiResponse::DeviceAdded(d)) = add(&mut rig.ctl, "node3:0000:81:00.0", None) else {
@@ -731,7 +731,7 @@ fn fifty_cycles_leak_nothing() {
 
 #[test]
 fn forced_slots_are_reclaimed_without_losing_the_new_device() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     // Fill every slot and force-remove: the idle guest never ejects.
     for i in 0..31u8 {
         let Ok(ApiResponse::DeviceAdded(d)) = add(&mut rig.ctl, "node3:0000:81:00.0", None) else {
@@ -766,9 +766,7 @@ fn numa_node_puts_a_device_on_its_nodes_root_bus_and_an_unknown_node_is_refused(
         memory: 32 << 20,
         distances: Vec::new(),
     };
-    let Some(mut rig) = rig_with(vec![node(0, vec![0]), node(1, Vec::new())]) else {
-        return;
-    };
+    let mut rig = rig_with(vec![node(0, vec![0]), node(1, Vec::new())]);
     let add_in = |ctl: &mut Controller, dev: &str, id: &str, numa_node| {
         ctl.handle(ApiRequest::VmAddRemoteDevice(VmAddRemoteDeviceData {
             device: dev.parse().unwrap(),
@@ -833,9 +831,7 @@ fn numa_node_puts_a_device_on_its_nodes_root_bus_and_an_unknown_node_is_refused(
     assert!(rig.vm.devices().pci_bus().device(33).is_none());
 
     // A VM without NUMA nodes has no node to name.
-    let Some(mut flat) = rig_with(Vec::new()) else {
-        return;
-    };
+    let mut flat = rig_with(Vec::new());
     let e = add_in(&mut flat.ctl, "node3:0000:81:00.0", "x", Some(0)).unwrap_err();
     assert!(e.message.contains("no NUMA nodes"), "{e:?}");
 }
@@ -850,7 +846,7 @@ fn events(ctl: &Controller) -> Vec<String> {
 
 #[test]
 fn lease_loss_reaches_the_event_loop_as_an_event() {
-    let Some(rig) = rig() else { return };
+    let rig = rig();
     let Rig {
         _dir,
         vm,
@@ -894,7 +890,7 @@ fn lease_loss_reaches_the_event_loop_as_an_event() {
 
 #[test]
 fn device_removed_is_emitted_on_the_eject_not_the_api_call() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
     assert_eq!(events(&rig.ctl), ["device-added"]);
     assert_eq!(remove(&mut rig.ctl, "d", false), Ok(ApiResponse::Empty));
@@ -934,7 +930,7 @@ const RELEASING_VCPU: &str = "node3:0000:81:00.0 (removed as disk0) is still bei
 /// return) says when it may come back, and then it does.
 #[test]
 fn a_re_add_before_the_release_is_over_is_refused_as_releasing_until_device_released() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("disk0")).unwrap();
     assert_eq!(remove(&mut rig.ctl, "disk0", false), Ok(ApiResponse::Empty));
     // Under a new id or the old one: the same answer.
@@ -983,7 +979,7 @@ fn a_re_add_before_the_release_is_over_is_refused_as_releasing_until_device_rele
 /// right after succeeds. A lost device is released when its entry is cleared.
 #[test]
 fn forced_and_lost_devices_are_released_when_their_entry_goes() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("disk0")).unwrap();
     assert_eq!(remove(&mut rig.ctl, "disk0", true), Ok(ApiResponse::Empty));
     assert_eq!(
@@ -1017,7 +1013,7 @@ fn forced_and_lost_devices_are_released_when_their_entry_goes() {
 
 #[test]
 fn lost_devices_say_how_to_clear_them_and_can_be_replaced() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("nvme0")).unwrap();
     rig.source.lose_last("lender died");
     rig.ctl.check_leases();
@@ -1066,7 +1062,7 @@ fn lost_devices_say_how_to_clear_them_and_can_be_replaced() {
 
 #[test]
 fn pause_and_resume_follow_the_vm_state() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
     let e = rig.ctl.handle(ApiRequest::VmResume).unwrap_err();
     assert_eq!(
@@ -1100,7 +1096,7 @@ fn pause_and_resume_follow_the_vm_state() {
 
 #[test]
 fn counters_report_kvm_statistics_and_devices() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
     let Ok(ApiResponse::Counters(c)) = rig.ctl.handle(ApiRequest::VmCounters) else {
         panic!("vm.counters failed");
@@ -1115,7 +1111,7 @@ fn counters_report_kvm_statistics_and_devices() {
 
 #[test]
 fn metrics_are_the_counters_under_exported_names() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
     let Ok(ApiResponse::Metrics(t)) = rig
         .ctl
@@ -1154,7 +1150,7 @@ fn metrics_are_the_counters_under_exported_names() {
 
 #[test]
 fn a_device_a_vcpu_still_holds_is_dropped_later_on_the_control_thread() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     add(&mut rig.ctl, "node3:0000:81:00.0", Some("d")).unwrap();
     // What a vCPU inside an access holds.
     let held = rig.vm.devices().pci_bus().device(1).unwrap();
@@ -1208,7 +1204,7 @@ fn dma_status(ctl: &Controller, id: &str) -> (u64, u64) {
 
 #[test]
 fn two_dma_devices_pin_guest_ram_once() {
-    let mut rig = rig().unwrap();
+    let mut rig = rig();
     let rec = Arc::new(RecordingPinner {
         inner: remote_pci::ParallelPinner::new(2).with_min_chunk(16 << 20),
         checks: Mutex::new(Vec::new()),
@@ -1295,7 +1291,7 @@ fn two_dma_devices_pin_guest_ram_once() {
 
 #[test]
 fn migration_refuses_lent_devices_bad_urls_and_incoming_on_a_running_vm() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     let send = |ctl: &mut Controller, url: &str| {
         ctl.handle(ApiRequest::VmSendMigration(
             api::types::VmSendMigrationData {
@@ -1443,7 +1439,7 @@ const WINDOW_PAGES: u64 = 64;
 #[test]
 fn migration_of_an_untracked_device_sends_its_whole_window_at_the_final_pass() {
     use std::os::unix::fs::FileExt;
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     migratable(&mut rig);
     add(&mut rig.ctl, "node3:0000:97:00.0", Some("vfio0")).unwrap();
     let m = lock(&rig.source.last_migration).clone().unwrap();
@@ -1512,7 +1508,7 @@ fn migration_of_an_untracked_device_sends_its_whole_window_at_the_final_pass() {
 /// fetched or its lease is offered, and the source runs on with the device.
 #[test]
 fn migration_of_an_untracked_device_that_does_not_drain_fails_and_the_source_runs_on() {
-    let Some(mut rig) = rig() else { return };
+    let mut rig = rig();
     migratable(&mut rig);
     add(&mut rig.ctl, "node3:0000:97:00.0", Some("vfio0")).unwrap();
     let m = lock(&rig.source.last_migration).clone().unwrap();
