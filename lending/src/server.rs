@@ -29,14 +29,13 @@
 
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ntb::wire::ErrorReply;
-use ntb::{Endpoint, FabricError, FabricKind, Incoming, Listener, Message, PeerWindow, WindowId};
+use ntb::{Endpoint, FabricError, FabricKind, Incoming, Listener, Message, WindowId};
 use thiserror::Error;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -49,20 +48,21 @@ use crate::directory::ClaimAuthority;
 use crate::inventory::{Inventory, InventoryError, Lease};
 use crate::iommu::p2p::{P2pBook, P2pError, P2pMapping, P2pRegistration, MAX_P2P_PER_LEASE};
 use crate::iommu::p2p_remote::{Attachments, GrantTable, PeerLenders};
-use crate::iommu::{
-    BackingError, DmaBacking, FaultListener, IommuDomain, IommuError, IommuFault, MAX_MAPPINGS,
-};
+use crate::iommu::{DmaBacking, IommuError, MAX_MAPPINGS};
 use crate::protocol::{
     self, code, error, AuthChallenge, AuthResponse, Borrowed, DeviceGone, Event, HelloReply,
-    IommuFaultEvent, IrqEvent, IrqKind, IrqTarget, LeaseCounters, LenderStatus, ProtocolError,
-    Request, IOMMU_FAULT_BURST, IOMMU_FAULT_INTERVAL_MS, MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION,
-    PROTOCOL_VERSION,
+    IrqEvent, IrqKind, IrqTarget, LeaseCounters, LenderStatus, ProtocolError, Request,
+    MAX_BAR_ACCESS, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 pub use bars::BarPath;
+use relays::{DoorbellTrigger, FaultRelay, FaultRelayGuard, MessageTrigger, ResampleTrigger};
+use window::PeerWindowBacking;
 
 mod bars;
 mod migration;
 mod p2px;
+mod relays;
+mod window;
 
 pub use migration::TICKET_TTL;
 
@@ -695,206 +695,6 @@ fn ok<T: serde::Serialize>(op: u16, v: &T) -> Reply {
     protocol::encode_reply(op, v)
         .map(|p| Message::raw(op, p))
         .map_err(proto_err)
-}
-
-/// The borrower's exported window as DMA backing.
-struct PeerWindowBacking {
-    win: Box<dyn PeerWindow>,
-}
-
-impl DmaBacking for PeerWindowBacking {
-    fn size(&self) -> u64 {
-        self.win.len()
-    }
-
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), BackingError> {
-        self.win
-            .read_at(offset, buf)
-            .map_err(|e| BackingError::Transfer(e.to_string()))
-    }
-
-    fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), BackingError> {
-        self.win
-            .write_at(offset, data)
-            .map_err(|e| BackingError::Transfer(e.to_string()))
-    }
-
-    fn read_into_raw(
-        &self,
-        offset: u64,
-        dst: emulated::RawSpan<'_>,
-        scratch: &mut Vec<u8>,
-    ) -> Result<(), BackingError> {
-        let Some(p) = self.mapped(offset, dst.len())? else {
-            return crate::iommu::backing::read_into_staged(self, offset, dst, scratch);
-        };
-        // SAFETY: `mapped` checked that the range lies inside the window's mapping, which stays
-        // valid while `self.win` lives (a severed window is replaced by anonymous memory, never
-        // unmapped under us); `dst` is valid per RawSpan's contract.
-        unsafe { std::ptr::copy(p, dst.as_ptr(), dst.len()) };
-        Ok(())
-    }
-
-    fn write_from_raw(
-        &self,
-        offset: u64,
-        src: emulated::RawSpan<'_>,
-        scratch: &mut Vec<u8>,
-    ) -> Result<(), BackingError> {
-        let Some(p) = self.mapped(offset, src.len())? else {
-            return crate::iommu::backing::write_from_staged(self, offset, src, scratch);
-        };
-        // SAFETY: as in read_into_raw; the window is mapped writable.
-        unsafe { std::ptr::copy(src.as_ptr(), p, src.len()) };
-        Ok(())
-    }
-
-    fn host_addr(&self) -> Option<NonNull<u8>> {
-        self.win.as_ptr().ok().and_then(NonNull::new)
-    }
-
-    fn backing_id(&self) -> Option<ntb::BackingId> {
-        self.win.backing_id()
-    }
-}
-
-impl PeerWindowBacking {
-    /// Where `[offset, offset + len)` of the window is mapped in this process (shm), so a DMA
-    /// copies once; `None` for a window reached by messages. A severed window is an error,
-    /// as its accessors report it.
-    fn mapped(&self, offset: u64, len: usize) -> Result<Option<*mut u8>, BackingError> {
-        let Ok(base) = self.win.as_ptr() else {
-            return Ok(None);
-        };
-        if !self.win.is_live() {
-            return Err(BackingError::Transfer("borrower window severed".into()));
-        }
-        crate::iommu::backing::check_range(offset, len, self.win.len())?;
-        // SAFETY: the range lies inside the window's mapping (checked above).
-        Ok(Some(unsafe { base.add(offset as usize) }))
-    }
-}
-
-/// Rings a borrower doorbell bit.
-struct DoorbellTrigger {
-    ep: Weak<dyn Endpoint>,
-    bit: u8,
-}
-
-impl IrqTrigger for DoorbellTrigger {
-    fn trigger(&self) {
-        if let Some(ep) = self.ep.upgrade() {
-            if let Err(e) = ep.ring_peer(1u64 << self.bit) {
-                log::debug!("doorbell {} to {}: {e}", self.bit, ep.peer_node());
-            }
-        }
-    }
-}
-
-/// Re-checks a device's INTx after the borrower's resample.
-struct ResampleTrigger {
-    backend: Arc<dyn DeviceBackend>,
-}
-
-impl IrqTrigger for ResampleTrigger {
-    fn trigger(&self) {
-        self.backend.intx_resample();
-    }
-}
-
-/// Sends [`Event::IommuFault`] for one lease's faults to its borrower, rate-limited per lease
-/// (see [`IommuFaultEvent`]: the first [`IOMMU_FAULT_BURST`], then at most one per
-/// [`IOMMU_FAULT_INTERVAL_MS`]); `total` is exact in every event sent.
-struct FaultRelay {
-    ep: Weak<dyn Endpoint>,
-    lease: u64,
-    /// The domain's fault count when the lease was granted.
-    base: u64,
-    limit: Mutex<FaultLimit>,
-}
-
-#[derive(Default)]
-struct FaultLimit {
-    sent: u64,
-    last: Option<Instant>,
-}
-
-impl FaultLimit {
-    /// Whether an event may go now (and records it).
-    fn admit(&mut self, now: Instant) -> bool {
-        let interval = Duration::from_millis(IOMMU_FAULT_INTERVAL_MS);
-        let ok = self.sent < IOMMU_FAULT_BURST
-            || self
-                .last
-                .is_none_or(|t| now.saturating_duration_since(t) >= interval);
-        if ok {
-            self.sent += 1;
-            self.last = Some(now);
-        }
-        ok
-    }
-}
-
-impl FaultListener for FaultRelay {
-    fn fault(&self, f: &IommuFault, total: u64) {
-        let admitted = match self.limit.lock() {
-            Ok(mut g) => g.admit(Instant::now()),
-            Err(p) => p.into_inner().admit(Instant::now()),
-        };
-        if !admitted {
-            return;
-        }
-        let Some(ep) = self.ep.upgrade() else {
-            return;
-        };
-        let ev = Event::IommuFault(IommuFaultEvent {
-            lease: self.lease,
-            iova: f.iova,
-            len: f.len,
-            write: f.write,
-            total: total.saturating_sub(self.base),
-        });
-        match ev.encode() {
-            Ok((op, p)) => {
-                if let Err(e) = ep.send(Message::raw(op, p)) {
-                    log::debug!("iommu fault event to {}: {e}", ep.peer_node());
-                }
-            }
-            Err(e) => log::error!("iommu fault event encode: {e}"),
-        }
-    }
-}
-
-/// A [`FaultRelay`] installed on a domain; dropping it removes it.
-struct FaultRelayGuard {
-    domain: Arc<dyn IommuDomain>,
-}
-
-impl Drop for FaultRelayGuard {
-    fn drop(&mut self) {
-        self.domain.set_fault_listener(None);
-    }
-}
-
-/// Sends an IRQ event message.
-struct MessageTrigger {
-    ep: Weak<dyn Endpoint>,
-    ev: IrqEvent,
-}
-
-impl IrqTrigger for MessageTrigger {
-    fn trigger(&self) {
-        if let Some(ep) = self.ep.upgrade() {
-            match Event::Irq(self.ev).encode() {
-                Ok((op, p)) => {
-                    if let Err(e) = ep.send(Message::raw(op, p)) {
-                        log::debug!("irq event to {}: {e}", ep.peer_node());
-                    }
-                }
-                Err(e) => log::error!("irq event encode: {e}"),
-            }
-        }
-    }
 }
 
 impl SessionLease {
@@ -1790,22 +1590,5 @@ impl Drop for BackgroundLender {
         if let Some(t) = t {
             let _ = t.join();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fault_events_burst_then_one_per_interval() {
-        let mut l = FaultLimit::default();
-        let t0 = Instant::now();
-        let burst = (0..100).filter(|_| l.admit(t0)).count() as u64;
-        assert_eq!(burst, IOMMU_FAULT_BURST);
-        let step = Duration::from_millis(IOMMU_FAULT_INTERVAL_MS / 5);
-        // Faults every fifth of the interval for ten intervals: one event per interval.
-        let later = (1..=50u32).filter(|i| l.admit(t0 + step * *i)).count();
-        assert_eq!(later, 10);
     }
 }
