@@ -18,7 +18,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
-PACK=$REPO/.bench-pack
+# BENCH_PACK, BENCH_DOC: another pack and another document (the script's own tests).
+PACK=${BENCH_PACK:-$REPO/.bench-pack}
+DOC=${BENCH_DOC:-$REPO/docs/BENCHMARKS.md}
 ALL=(fabric emulated lent hotplug p2p pin)
 DEFAULT=(fabric p2p hotplug lent emulated)
 
@@ -123,11 +125,17 @@ import() {
 	[ -f "$tgz" ] || die "usage: scripts/bench-device.sh import FILE.tgz (the run's results)"
 	local work
 	work=$(mktemp -d)
-	tar xzf "$tgz" -C "$work"
-	mkdir -p docs/bench
-	python3 - "$REPO/docs/BENCHMARKS.md" "$work" <<'EOF'
+	tar xzf "$tgz" -C "$work" || die "$tgz is not a gzip'd tar archive"
+	[ -f "$DOC" ] || die "$DOC missing"
+	local svgdir
+	svgdir=$(dirname "$DOC")/bench
+	mkdir -p "$svgdir"
+	python3 - "$DOC" "$work" "$svgdir" <<'EOF' || die "import failed (see above)"
 import os, shutil, sys
-doc, work = sys.argv[1:3]
+doc, work, svgdir = sys.argv[1:4]
+for f in ("machine", "commit"):
+    if not os.path.exists(f"{work}/{f}"):
+        sys.exit(f"bench-device: error: the results have no '{f}' file: not an archive of 'scripts/bench-device.sh run'")
 text = open(doc).read()
 machine = open(f"{work}/machine").read().strip()
 commit = open(f"{work}/commit").read().strip()
@@ -167,14 +175,14 @@ for mode in ("2cpu", "all"):
                 svg = f"{d}/{svgs[sec]}"
                 if os.path.exists(svg):
                     name = f"{sec}-16cpu-{mode}.svg"
-                    shutil.copy(svg, f"docs/bench/{name}")
+                    shutil.copy(svg, f"{svgdir}/{name}")
                     body += f"![{sec}, other machine, {mode}](bench/{name})\n\n"
                 body += open(frag).read().rstrip() + "\n"
         if text.count(b) != 1:
             # New markers go right after the section's own (2-CPU) block.
             anchor = f"<!-- bench:{sec}:end -->"
             if text.count(anchor) != 1:
-                sys.exit(f"docs/BENCHMARKS.md has no single '{anchor}'")
+                sys.exit(f"bench-device: error: {doc} has no single '{anchor}' (the section's own block)")
             i = text.index(anchor) + len(anchor)
             text = text[:i] + f"\n\n**{sec}, on the other machine ({machine}), {names[mode]}:**\n\n{b}\n{e}" + text[i:]
         i, j = text.index(b) + len(b), text.index(e)
