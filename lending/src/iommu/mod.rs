@@ -493,24 +493,43 @@ impl SoftIommu {
 
     /// Device read of guest memory at `iova` (the whole range must be mapped).
     pub fn dma_read(&self, iova: u64, buf: &mut [u8]) -> Result<(), IommuFault> {
-        if !self.try_read(iova, buf) {
-            return Err(self.fault(iova, buf.len() as u64, false));
-        }
-        self.bytes_read
-            .fetch_add(buf.len() as u64, Ordering::Relaxed);
-        Ok(())
+        let ok = self.try_read(iova, buf);
+        self.account(iova, buf.len(), false, ok)
     }
 
     /// Device write of guest memory at `iova` (the whole range must be mapped; nothing is
     /// written otherwise).
     pub fn dma_write(&self, iova: u64, data: &[u8]) -> Result<(), IommuFault> {
-        if !self.try_write(iova, data) {
-            return Err(self.fault(iova, data.len() as u64, true));
+        let ok = self.try_write(iova, data);
+        self.account(iova, data.len(), true, ok)
+    }
+
+    /// Counts an access of `len` bytes at `iova` that moved its bytes (`ok`) or faulted.
+    fn account(&self, iova: u64, len: usize, write: bool, ok: bool) -> Result<(), IommuFault> {
+        if !ok {
+            return Err(self.fault(iova, len as u64, write));
         }
-        self.bytes_written
-            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        let moved = if write {
+            &self.bytes_written
+        } else {
+            &self.bytes_read
+        };
+        moved.fetch_add(len as u64, Ordering::Relaxed);
         Ok(())
     }
+}
+
+/// The `n` bytes at `at` of a raw DMA access's span (a piece the table translated).
+fn piece<'a>(
+    span: emulated::RawSpan<'a>,
+    at: usize,
+    n: usize,
+) -> Result<emulated::RawSpan<'a>, BackingError> {
+    span.sub(at, n).ok_or(BackingError::OutOfRange {
+        offset: at as u64,
+        len: n as u64,
+        size: span.len() as u64,
+    })
 }
 
 impl IommuDomain for SoftIommu {
@@ -657,21 +676,11 @@ impl emulated::DmaMemory for SoftIommu {
         dst: emulated::RawSpan<'_>,
         scratch: &mut Vec<u8>,
     ) -> Result<(), emulated::DmaFault> {
-        let len = dst.len();
-        let ok = self.try_read_with(iova, len, |b, off, at, n| {
-            let piece = dst.sub(at, n).ok_or(BackingError::OutOfRange {
-                offset: at as u64,
-                len: n as u64,
-                size: len as u64,
-            })?;
-            b.read_into_raw(off, piece, scratch)
+        let ok = self.try_read_with(iova, dst.len(), |b, off, at, n| {
+            b.read_into_raw(off, piece(dst, at, n)?, scratch)
         });
-        if !ok {
-            let f = self.fault(iova, len as u64, false);
-            return Err(emulated::DmaFault::read(f.iova, len));
-        }
-        self.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(())
+        self.account(iova, dst.len(), false, ok)
+            .map_err(|f| emulated::DmaFault::read(f.iova, dst.len()))
     }
 
     fn write_from(
@@ -680,21 +689,11 @@ impl emulated::DmaMemory for SoftIommu {
         src: emulated::RawSpan<'_>,
         scratch: &mut Vec<u8>,
     ) -> Result<(), emulated::DmaFault> {
-        let len = src.len();
-        let ok = self.try_write_with(iova, len, |b, off, at, n| {
-            let piece = src.sub(at, n).ok_or(BackingError::OutOfRange {
-                offset: at as u64,
-                len: n as u64,
-                size: len as u64,
-            })?;
-            b.write_from_raw(off, piece, scratch)
+        let ok = self.try_write_with(iova, src.len(), |b, off, at, n| {
+            b.write_from_raw(off, piece(src, at, n)?, scratch)
         });
-        if !ok {
-            let f = self.fault(iova, len as u64, true);
-            return Err(emulated::DmaFault::write(f.iova, len));
-        }
-        self.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(())
+        self.account(iova, src.len(), true, ok)
+            .map_err(|f| emulated::DmaFault::write(f.iova, src.len()))
     }
 }
 
