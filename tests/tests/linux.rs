@@ -150,6 +150,13 @@ const MSIX_VECTORS: u32 = 64;
 /// five to ten times that beside a CPU load).
 const MSIX_RAISED: u32 = 32;
 const MSIX_DEVICE: &str = "0000:85:00.0=epftest:vectors=64";
+/// Two dmatest engines each lender of the boot + hot-add case also lends: the second
+/// lender's go in at launch, so that it gets a switch (docs/GPU.md) behind which its
+/// hot-added disk lands.
+const SWITCH_PEERS: [&str; 2] = ["0000:86:00.0=dmatest", "0000:87:00.0=dmatest"];
+/// The ids of the many-vector function and of the large-BAR one, as sysfs has them.
+const MSIX_ID: &str = "1b36:1106";
+const BIG_BAR_ID: &str = "1b36:1105";
 /// `/init`'s `lendvm_rebar=`: resize to 64 GiB (`1 MiB << 16`) after trying 128 GiB
 /// (`<< 17`), which the function does not offer.
 const BIG_BAR_REBAR: &str = "16,17";
@@ -300,11 +307,7 @@ impl Lender {
     }
 
     /// One lenderd per node of `nodes`, all in one cluster file, each lending its own image
-    /// holding `parts`.
-    fn start_nodes(nodes: &[&'static str], parts: &[Part]) -> Vec<Lender> {
-        Self::start_nodes_with(nodes, parts, "", &[])
-    }
-
+    /// holding `parts`, with `nvme_opts` and the functions `others` beside it.
     fn start_nodes_with(
         nodes: &[&'static str],
         parts: &[Part],
@@ -890,17 +893,18 @@ fn check_big_bar(guest: &Guest, lender: &Lender) {
     if let Err(e) = lendvm_tests::check_bar_placement(&line, BIG_BAR_SIZE) {
         panic!("the guest's BAR 0: {e}\n{}", diag());
     }
-    // `numa_node=1`: the function is on node 1's root bus (bus 1), and the kernel gives it
-    // that node, from its host bridge's `_PXM`.
+    // `numa_node=1`: the function is on node 1's root bus, and the kernel gives it that
+    // node, from its host bridge's `_PXM`. That root bus is bus 2: bus 1 is the secondary
+    // bus of bus 0's switch (the lender's other two devices, `check_switch`).
     assert_eq!(
         (field(&line, "dev"), field(&line, "node")),
-        (Some("0000:01:01.0"), Some("1")),
+        (Some("0000:02:01.0"), Some("1")),
         "{line}\n{}",
         diag()
     );
     assert!(
-        guest.line("PCI host bridge to bus 0000:01").is_some(),
-        "the kernel found no root bus 1\n{}",
+        guest.line("PCI host bridge to bus 0000:02").is_some(),
+        "the kernel found no root bus 2\n{}",
         diag()
     );
     for &o in &BIG_BAR_WORDS {
@@ -911,6 +915,59 @@ fn check_big_bar(guest: &Guest, lender: &Lender) {
             diag()
         );
     }
+}
+
+/// The busybox case's switch: the lender's two devices on node 0 (the disk and the
+/// many-vector function) sit on bus 1 behind one PCI-to-PCI bridge at 00:01.0 (lendvm's
+/// switch per lender), as the guest kernel built its tree (`LENDVM-PCI`, from sysfs):
+/// that is what a driver looking for P2P peers walks up to. The lender's third device,
+/// in node 1, is on node 1's root bus, not behind it.
+fn check_switch(guest: &Guest, lender: &Lender) {
+    let diag = || guest.diag(lender);
+    let pci: Vec<String> = guest
+        .lines_with("LENDVM-PCI ")
+        .iter()
+        .filter_map(|l| l.find("LENDVM-PCI ").map(|at| l[at..].trim().to_string()))
+        .collect();
+    let find = |pred: &dyn Fn(&str) -> bool| {
+        pci.iter()
+            .find(|l| pred(l))
+            .map(|l| {
+                let mut w = l.split_whitespace().skip(1);
+                let bdf = w.next().unwrap_or_default().to_string();
+                (bdf, field(l, "up").unwrap_or_default().to_string())
+            })
+            .unwrap_or_else(|| panic!("no such function in {pci:#?}\n{}", diag()))
+    };
+    let bridge = find(&|l| field(l, "id") == Some("1b36:0001"));
+    assert_eq!(
+        bridge,
+        ("0000:00:01.0".into(), "pci0000:00".into()),
+        "{pci:#?}"
+    );
+    assert!(
+        pci.iter()
+            .any(|l| l.contains("0000:00:01.0") && l.contains("class=0x060400")),
+        "the switch's bridge is not a PCI-to-PCI bridge: {pci:#?}"
+    );
+    let disk = find(&|l| field(l, "class") == Some("0x010802"));
+    let msix = find(&|l| field(l, "id") == Some(MSIX_ID));
+    assert_eq!(
+        disk,
+        ("0000:01:00.0".into(), "0000:00:01.0".into()),
+        "{pci:#?}"
+    );
+    assert_eq!(
+        msix,
+        ("0000:01:01.0".into(), "0000:00:01.0".into()),
+        "{pci:#?}"
+    );
+    let big = find(&|l| field(l, "id") == Some(BIG_BAR_ID));
+    assert_eq!(
+        big,
+        ("0000:02:01.0".into(), "pci0000:02".into()),
+        "{pci:#?}"
+    );
 }
 
 /// The busybox case's many-vector function ([`MSIX_DEVICE`]): the guest's driver enabled
@@ -1046,8 +1103,10 @@ fn report(guest: &Guest, what: &str, ok_wall: Duration, exit_wall: Duration, ok_
 /// - at launch: `--remote-device` from the first lender, borrowed before any vCPU runs,
 ///   probed by the stock nvme driver at 00:01.0, its partition table parsed;
 /// - hot-added through the REST API and ACPI while the kernel's self-test polls for the
-///   second disk: the second lender's function at 00:02.0, found by acpiphp (GED GSI →
-///   `_EVT` → `PCNT` → `Notify(S02, device check)`), probed, then written and read back by the
+///   second disk: the second lender's function, in NUMA node 1 behind that lender's switch
+///   (its two launch dmatests make one, on node 1's root bus: bridge 01:01.0, bus 2), at
+///   02:02.0, found by acpiphp (GED GSI → `_EVT` → the switch's `PCNT` →
+///   `Notify(PC01.S01.S02, device check)`), probed, then written and read back by the
 ///   self-test, whose pattern the test finds in that lender's file.
 ///
 /// lendvm exits 0 through the self-test's exit port and both lenders have their device back.
@@ -1066,7 +1125,9 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
         },
     ];
     let (lba, count, seed) = (4096u64, 16u64, 0x484f_5450u32); // "HOTP"
-    let lenders = Lender::start_nodes(&[LENDER, SECOND_LENDER], &parts);
+                                                               // Each lender also lends two dmatest engines; the second lender's go in at launch, in
+                                                               // node 1, so that they and its hot-added disk sit behind its switch.
+    let lenders = Lender::start_nodes_with(&[LENDER, SECOND_LENDER], &parts, "", &SWITCH_PEERS);
     let (boot, hot) = (&lenders[0], &lenders[1]);
     let socket = boot.file("api.sock");
     // The self-test waits for the hot-added disk, the second the guest names.
@@ -1074,6 +1135,11 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
         "lendvm_selftest=nvme1n1,lba={lba},count={count},seed={seed:#x},timeout={SELFTEST_WAIT_S},exit_port=0xf4"
     ));
     let dev = format!("{LENDER}:{NVME_BDF},id=disk0");
+    let peers: Vec<String> = SWITCH_PEERS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("{SECOND_LENDER}:{},id=peer{i},numa_node=1", &p[..12]))
+        .collect();
     let vm = "linux-boot-hotplug";
     let mut guest = Guest::start(
         "linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi",
@@ -1084,6 +1150,10 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
             vm,
             "--remote-device",
             &dev,
+            "--remote-device",
+            &peers[0],
+            "--remote-device",
+            &peers[1],
             "--api-socket",
             socket.to_str().unwrap(),
             // Two NUMA nodes: the hot-added disk goes in node 1, on that node's root bus.
@@ -1107,8 +1177,8 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
     guest.expect_line(boot, " nvme0n1: p1 p2", deadline);
     check_nvme_probe_and_parts(&guest, boot, &parts);
     assert!(
-        guest.line("pci 0000:01:01.0").is_none() && guest.line("nvme nvme1").is_none(),
-        "a PCI function on root bus 1 before the hot-add\n{}",
+        guest.line("pci 0000:02:02.0").is_none() && guest.line("nvme nvme1").is_none(),
+        "a PCI function in the switch's port 2 before the hot-add\n{}",
         diag(&guest)
     );
     assert!(
@@ -1116,6 +1186,20 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
         "the kernel found no root bus for node 1\n{}",
         diag(&guest)
     );
+    // The second lender's switch on node 1's root bus: a PCI-to-PCI bridge at 01:01.0 whose
+    // bus 2 holds its two launch devices.
+    for needle in [
+        "pci 0000:01:01.0: [1b36:0001] type 01 class 0x060400",
+        "pci 0000:01:01.0: PCI bridge to [bus 02]",
+        "pci 0000:02:00.0: [1b36:1105]",
+        "pci 0000:02:01.0: [1b36:1105]",
+    ] {
+        assert!(
+            guest.line(needle).is_some(),
+            "no `{needle}`: the switch is not as lendvm built it\n{}",
+            diag(&guest)
+        );
+    }
     assert!(matches!(hot.device_state(), Ok(DeviceState::Available)));
     let api = ApiClient::new(&socket, Duration::from_secs(60));
     let added = api
@@ -1129,12 +1213,17 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
         .unwrap_or_else(|e| panic!("vm.add-remote-device: {e}\n{}", diag(&guest)));
     let add_wall = guest.out.started().elapsed();
     assert_eq!(added.id, "disk1");
-    assert_eq!(added.bdf.to_string(), "0000:01:01.0");
+    assert_eq!(
+        added.bdf.to_string(),
+        "0000:02:02.0",
+        "behind the lender's switch"
+    );
     hot.expect_lent_to(vm);
     // The kernel learns of the function only through ACPI: GED interrupt → _EVT → each root
-    // bus's PCNT → PC01's reads bus 1's PCIU (PSEG 1) → Notify(PC01.S01, device check) →
-    // acpiphp scans that slot (and assigns its BARs in bus 1's windows).
-    let (scan_wall, _) = guest.expect_line(hot, "pci 0000:01:01.0: [1b36:0010]", deadline);
+    // bus's and switch's PCNT → the switch's (PC01.S01) reads its bus's PCIU (PSEG 2) →
+    // Notify(PC01.S01.S02, device check) → acpiphp scans that slot of the bridge's bus (and
+    // assigns its BARs in the bridge's windows).
+    let (scan_wall, _) = guest.expect_line(hot, "pci 0000:02:02.0: [1b36:0010]", deadline);
     let (probe_wall, _) = guest.expect_line(hot, "nvme nvme1: pci function", deadline);
     assert!(scan_wall >= wait_wall && probe_wall >= scan_wall);
     let (ok_wall, ok_line) = guest.expect_line(hot, "LENDVM-SELFTEST ", deadline);
@@ -1143,7 +1232,7 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
     // The hot-added disk: probed, written and read back by the self-test, its pattern in the
     // second lender's file, the lease back.
     let ok =
-        check_guest_used_the_disk(&guest, hot, (1, "0000:01:01.0"), &parts, (lba, count, seed));
+        check_guest_used_the_disk(&guest, hot, (1, "0000:02:02.0"), &parts, (lba, count, seed));
     assert_eq!(ok, ok_line);
     // The boot disk: its table untouched, the lease back.
     assert_mbr_intact(&boot.disk, &parts);
@@ -1160,9 +1249,9 @@ fn linux_boots_with_a_lent_disk_and_hot_adds_another_through_acpi() {
         "no doorbell ioeventfds in the lendvm log\n{stderr}"
     );
     assert!(
-        stderr.contains("pci hotplug: slot 33 added")
+        stderr.contains("pci hotplug: slot 66 added")
             && stderr.contains(&format!(
-                "hot-added disk1: {SECOND_LENDER}:{NVME_BDF} at 0000:01:01.0"
+                "hot-added disk1: {SECOND_LENDER}:{NVME_BDF} at 0000:02:02.0"
             )),
         "lendvm did not log the hot-add\n{stderr}"
     );
@@ -1209,9 +1298,9 @@ fn linux_busybox_user_space_on_a_lent_disk() {
     // lendvm_exit_port turns `poweroff -f` into exit code 0 (a panic, e.g. /init failing, into 7).
     let cmd = cmdline(&format!(
         "rdinit=/init lendvm_syscall_fixup lendvm_exit_port=0xf4 lendvm_us=nvme0n1,{lba},{count} \
-         lendvm_irqmove=nvme0n1,{IRQMOVE_BLOCKS} lendvm_bar=1b36:1105,0,{BIG_BAR_SEED:#x},{:#x} \
+         lendvm_irqmove=nvme0n1,{IRQMOVE_BLOCKS} lendvm_bar={BIG_BAR_ID},0,{BIG_BAR_SEED:#x},{:#x} \
          lendvm_rebar={BIG_BAR_REBAR} pci_endpoint_test.irq_type=2 \
-         lendvm_msix=1b36:1106,{MSIX_RAISED}",
+         lendvm_msix={MSIX_ID},{MSIX_RAISED} lendvm_pci=1",
         BIG_BAR_WORDS[0]
     ));
     let socket = lender.file("api.sock");
@@ -1268,13 +1357,15 @@ fn linux_busybox_user_space_on_a_lent_disk() {
         "the in-kernel self-test ran\n{}",
         diag()
     );
-    check_nvme_probe_and_parts(&guest, &lender, &parts);
+    // Behind the lender's switch (`check_switch`): port 0 of bus 1.
+    check_nvme_ctrl_probe_and_parts(&guest, &lender, 0, "0000:01:00.0", &parts);
     check_cmb_pool(&guest, &lender);
     check_smp_nodes_and_queues(&guest, &lender, 2, 1);
     check_cpus_online(&guest, &lender);
     check_numa_nodes(&guest, &lender);
     check_irq_moves(&guest, &lender);
     check_big_bar(&guest, &lender);
+    check_switch(&guest, &lender);
     check_many_vectors(&guest, &lender, &msix_line, &counters);
     assert!(
         ok_line.contains("LENDVM-USERSPACE nvme0n1 ok "),

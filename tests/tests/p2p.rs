@@ -28,7 +28,7 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer() {
     ]);
     let a = format!("{LENDER}:{DMATEST_BDF},id=dta");
     let b = format!("{LENDER}:{DMATEST2_BDF},id=dtb");
-    run_guest(&cluster.path, &a, &b);
+    run_guest(&cluster.path, &a, &b, Topology::OneSwitch);
     // The lender counted A's refused DMAs (the hole and the old BAR address).
     let d = cluster.device(DMATEST_BDF);
     assert!(d.iommu_faults >= 2, "{d:?}");
@@ -47,7 +47,7 @@ fn two_dmatests_of_one_lender_copy_peer_to_peer_tcp() {
     ]);
     let a = format!("{LENDER}:{DMATEST_BDF},id=dta");
     let b = format!("{LENDER}:{DMATEST2_BDF},id=dtb");
-    run_guest(&cluster.path, &a, &b);
+    run_guest(&cluster.path, &a, &b, Topology::OneSwitch);
     let log = std::fs::read_to_string(cluster.file("lenderd.log")).unwrap();
     assert!(
         log.contains(&format!("granted to lender {LENDER}")),
@@ -64,7 +64,7 @@ fn two_lenders(fabric: Fabric) {
     let l2 = start_lender(&cluster, "node2", DMATEST2_BDF);
     let a = format!("node1:{DMATEST_BDF},id=dta");
     let b = format!("node2:{DMATEST2_BDF},id=dtb");
-    run_guest(&cluster.path, &a, &b);
+    run_guest(&cluster.path, &a, &b, Topology::RootBus);
     let log1 = std::fs::read_to_string(cluster.file("node1.log")).unwrap();
     assert!(
         log1.contains("lender-to-lender link to node2 up"),
@@ -139,7 +139,7 @@ fn two_dmatests_of_two_lenders_found_in_etcd_copy_peer_to_peer() {
     assert!(registered.is_some(), "lenders never registered in etcd");
     let a = format!("node1:{DMATEST_BDF},id=dta");
     let b = format!("node2:{DMATEST2_BDF},id=dtb");
-    run_guest(&file, &a, &b);
+    run_guest(&file, &a, &b, Topology::RootBus);
     let log1 = std::fs::read_to_string(dir.path().join("node1.log")).unwrap();
     assert!(
         log1.contains("lender-to-lender link to node2 up"),
@@ -211,9 +211,20 @@ fn killing_the_targets_lender_refuses_the_sources_dma() {
     assert!(ok.is_some(), "node1's device not given back");
 }
 
+/// Where the two devices sit in the guest.
+#[derive(PartialEq)]
+enum Topology {
+    /// One lender's two devices: behind its switch, a PCI-to-PCI bridge at 00:01.0 whose
+    /// secondary bus 01 holds them, ports 0 and 1.
+    OneSwitch,
+    /// One device per lender: each on the root bus, no switch.
+    RootBus,
+}
+
 /// Boots the test guest with dmatests `a` (id dta) and `b` (id dtb) and checks its p2p
-/// steps and the VMM's mappings of B's BAR for A (at B's address, then the moved one).
-fn run_guest(cluster_file: &std::path::Path, a: &str, b: &str) {
+/// steps and the VMM's mappings of B's BAR for A (at B's address, then the moved one), in
+/// the topology `topology` (the guest finds the devices behind bridges as firmware would).
+fn run_guest(cluster_file: &std::path::Path, a: &str, b: &str, topology: Topology) {
     let cluster_arg = cluster_file.display().to_string();
     let cmdline = format!("tests=p2p seed={SEED:#x}");
     let mut vm = Vm::start_with_log(
@@ -251,6 +262,35 @@ fn run_guest(cluster_file: &std::path::Path, a: &str, b: &str) {
         hex(it.next().unwrap_or_else(|| panic!("no {word} in {line}")))
     };
     let peer = after(&probe, "peer");
+    let switch_line = err.lines().find(|l| l.contains("pci: switch of lender"));
+    let placed = |id: &str| {
+        err.lines()
+            .find(|l| l.contains(&format!("remote device {id} (")))
+            .and_then(|l| l.rsplit(" at ").next())
+            .unwrap_or_else(|| panic!("no placement of {id}:\n{err}"))
+            .trim()
+            .to_string()
+    };
+    let (at_a, at_b) = (placed("dta"), placed("dtb"));
+    if topology == Topology::OneSwitch {
+        let sw = switch_line.unwrap_or_else(|| panic!("no switch made:\n{err}"));
+        assert!(sw.contains(" at 0000:00:01.0 (bus 01, 4 ports)"), "{sw}");
+        assert_eq!(
+            (at_a.as_str(), at_b.as_str()),
+            ("0000:01:00.0", "0000:01:01.0")
+        );
+        // The guest found B behind the bridge, where the VMM put it.
+        assert!(probe.contains("peer-bdf 01:01.0"), "{probe}");
+    } else {
+        assert!(
+            switch_line.is_none(),
+            "one device per lender needs no switch:\n{err}"
+        );
+        assert!(
+            at_a.starts_with("0000:00:") && at_b.starts_with("0000:00:"),
+            "{at_a} {at_b}"
+        );
+    }
     let mapped: Vec<u64> = err
         .lines()
         .filter(|l| l.contains("dta: peer bar 0 of dtb mapped at"))

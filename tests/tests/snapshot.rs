@@ -337,11 +337,17 @@ fn snapshot_with_a_lent_nvme_over_tcp() {
 fn lent_nvme(fabric: Fabric) {
     let cluster = Cluster::new(fabric);
     let disk = cluster.file("disk.img");
-    let _lender =
-        cluster.start_lenderd(&[format!("{NVME_BDF}=nvme:path={},size=4M", disk.display())]);
+    // A dmatest beside the disk: the lender's two launch devices sit behind its switch,
+    // which the restored VM must rebuild (its bus numbers and windows) for the guest's
+    // addresses to hold.
+    let _lender = cluster.start_lenderd(&[
+        format!("{NVME_BDF}=nvme:path={},size=4M", disk.display()),
+        format!("{DMATEST_BDF}=dmatest"),
+    ]);
     let c = cluster.path.display().to_string();
     let sock = cluster.file("src.sock").display().to_string();
     let dev = format!("{LENDER}:{NVME_BDF},id=nvme0");
+    let peer = format!("{LENDER}:{DMATEST_BDF},id=dma0");
     let line = format!("tests=nvme-loop seed={SEED:#x} lba=16 period_ms=50");
     let mut src = Vm::start(
         "64M",
@@ -352,6 +358,8 @@ fn lent_nvme(fabric: Fabric) {
             "vm-src",
             "--remote-device",
             &dev,
+            "--remote-device",
+            &peer,
             "--api-socket",
             &sock,
             "--cmdline",
@@ -384,9 +392,21 @@ fn lent_nvme(fabric: Fabric) {
     snapshot(&api, &snap).unwrap();
     let doc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(snap.join("state.json")).unwrap()).unwrap();
-    let lent = &doc["devices"]["lent"][0];
+    let lent = doc["devices"]["lent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == "nvme0")
+        .unwrap_or_else(|| panic!("no nvme0 in {}", doc["devices"]));
     assert_eq!(lent["device"], format!("{LENDER}:{NVME_BDF}"), "{lent}");
-    assert_eq!(lent["slot"], 1, "{lent}");
+    // Port 0 of the switch: bus index 1, slot number 32 (guest address 01:00.0).
+    assert_eq!(lent["slot"], 32, "{lent}");
+    assert_eq!(
+        doc["config"]["switches"],
+        serde_json::json!([{"lender": LENDER, "root": 0, "ports": 4}]),
+        "{}",
+        doc["config"]
+    );
     assert!(
         lent["msix"]["table"].as_array().unwrap().len() >= 2,
         "{lent}"
@@ -415,7 +435,9 @@ fn lent_nvme(fabric: Fabric) {
         early.stderr()
     );
     assert!(
-        early.stderr().contains("lent devices") && early.stderr().contains(NVME_BDF),
+        early.stderr().contains("lent devices")
+            && early.stderr().contains("device busy")
+            && (early.stderr().contains(NVME_BDF) || early.stderr().contains(DMATEST_BDF)),
         "{}",
         early.stderr()
     );
@@ -428,6 +450,7 @@ fn lent_nvme(fabric: Fabric) {
     // SIGKILL the source: its lease goes with its link.
     let _ = src.wait_exit(Duration::ZERO);
     cluster.wait_available(NVME_BDF);
+    cluster.wait_available(DMATEST_BDF);
 
     let dsock = cluster.file("dst.sock").display().to_string();
     let mut dst = Vm::start_args(
@@ -457,6 +480,25 @@ fn lent_nvme(fabric: Fabric) {
         "{}",
         dst.stderr()
     );
+    // The same topology: both devices behind the rebuilt switch, at their old addresses.
+    let at: Vec<String> = dapi
+        .info()
+        .unwrap()
+        .remote_devices
+        .iter()
+        .map(|d| format!("{} {}", d.id, d.guest_bdf))
+        .collect();
+    assert_eq!(
+        at,
+        ["dma0 0000:01:01.0", "nvme0 0000:01:00.0"],
+        "{}",
+        dst.stderr()
+    );
+    assert!(
+        dst.stderr().contains("pci: switch of lender"),
+        "{}",
+        dst.stderr()
+    );
     dapi.resume().unwrap();
     dst.expect_line("NVME controller reset: reinitialising", T);
     let rounds = wait_rounds(&dst, 2);
@@ -478,4 +520,5 @@ fn lent_nvme(fabric: Fabric) {
         dst.stderr()
     );
     cluster.wait_available(NVME_BDF);
+    cluster.wait_available(DMATEST_BDF);
 }

@@ -210,6 +210,9 @@ pub struct VmConfig {
     /// (`--pci-slots`, 1 to [`pci::root::MAX_DEVICE_SLOTS`]). The guest's ACPI tables describe
     /// only these, and a guest kernel interprets each at boot.
     pub pci_slots: u8,
+    /// A switch per lender with two or more launch devices on one root bus
+    /// (`device_manager::plan_switches`); a restored or migrated VM keeps its own.
+    pub switches: Vec<crate::device_manager::LenderSwitch>,
 }
 
 /// Checks a `--pci-slots`: 1 to 31 (slot 0 of the root bus is the host bridge's).

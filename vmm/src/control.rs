@@ -423,13 +423,18 @@ impl Controller {
         &self,
     ) -> Result<Vec<crate::snapshot::devices::LentDevice>, crate::snapshot::SnapshotError> {
         let mut out = Vec::new();
-        for (id, e) in &self.entries {
+        // In the order they were attached: a restore attaches them in this order, so the BAR
+        // allocators hand out the same addresses again (the replay moves any that differ).
+        let mut entries: Vec<(&String, &Entry)> = self.entries.iter().collect();
+        entries.sort_by_key(|(_, e)| e.key);
+        for (id, e) in entries {
             if e.device.is_none() {
                 log::info!("{id}: lost, not in the snapshot");
                 continue;
             }
             out.push(crate::snapshot::devices::save_lent(
                 self.h.devices.mmio_bus(),
+                self.h.devices.pci_bus().bdf_of(e.slot),
                 id,
                 e.spec.to_string(),
                 e.mode,
@@ -437,6 +442,18 @@ impl Controller {
             )?);
         }
         Ok(out)
+    }
+
+    /// Puts a lent device's saved guest-visible PCI state back (restore and migration).
+    fn replay_lent_state(&self, d: &crate::snapshot::devices::LentDevice) -> Result<(), ApiError> {
+        let pci = self.h.devices.pci_bus();
+        crate::snapshot::devices::replay_lent(
+            self.h.devices.mmio_bus(),
+            pci.bdf_of(d.slot),
+            d,
+            &|| pci.refused_bar_moves(),
+        )
+        .map_err(|e| ApiError::internal(error_chain(&e)))
     }
 
     /// Restore: re-borrows each lent device of the snapshot into its old slot, has the
@@ -457,8 +474,7 @@ impl Controller {
             if let Err(e) = pci::PciDevice::reset(&mut *lock(&dev)) {
                 return Err(ApiError::bad_gateway(format!("{}: reset: {e}", d.id)));
             }
-            crate::snapshot::devices::replay_lent(self.h.devices.mmio_bus(), d)
-                .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            self.replay_lent_state(d)?;
             self.emit(
                 "device",
                 "device-restored",
@@ -546,12 +562,15 @@ impl Controller {
         Ok(())
     }
 
-    /// A free slot number on root bus `root`.
+    /// A free slot number on bus index `root` (a root bus or a switch).
     fn free_slot(&mut self, root: u8) -> Option<u8> {
         let hp = lock(&self.h.hotplug);
         let bus = self.h.devices.pci_bus();
         let used_by_entry = |s: u8| self.entries.values().any(|e| e.slot == s);
-        let slots = || (1..=bus.slots()).map(|d| pci::root::slot_number(root, d));
+        let slots = || {
+            bus.device_numbers(root)
+                .map(|d| pci::root::slot_number(root, d))
+        };
         if let Some(s) = slots()
             .find(|&s| bus.device(s).is_none() && !hp.is_present(u32::from(s)) && !used_by_entry(s))
         {
@@ -717,13 +736,22 @@ impl Controller {
                     "pci slot {s} of the snapshot is not free"
                 )))
             }
-            None => self.free_slot(root).ok_or_else(|| {
-                ApiError::conflict(format!(
-                    "no free pci slot on root bus {root}: all {} slots for devices are in use \
+            // Behind the lender's switch while it has a free port, else on the root bus.
+            None => match self
+                .h
+                .devices
+                .switch_for(spec.node.as_str(), root)
+                .and_then(|sw| self.free_slot(sw))
+            {
+                Some(s) => s,
+                None => self.free_slot(root).ok_or_else(|| {
+                    ApiError::conflict(format!(
+                        "no free pci slot on root bus {root}: all {} slots for devices are in use \
                      (lendvm --pci-slots)",
-                    self.h.devices.pci_bus().slots()
-                ))
-            })?,
+                        self.h.devices.pci_bus().slots()
+                    ))
+                })?,
+            },
         };
         let requested = data.mode.unwrap_or_default();
 
@@ -756,8 +784,10 @@ impl Controller {
         }
         let mut params = RemotePciDeviceParams::new(
             id.clone(),
-            pci::PciBus::bdf_of(slot).requester_id(),
-            Some(slot_intx_gsi(slot)),
+            self.h.devices.pci_bus().bdf_of(slot).requester_id(),
+            Some(slot_intx_gsi(
+                self.h.devices.pci_bus().layout().intx_slot(slot),
+            )),
         );
         params.dma_pins = Some(self.dma.clone());
         params.p2p = Some(self.p2p.clone());
@@ -1060,7 +1090,10 @@ impl Controller {
             "device-removed",
             [
                 ("id", Value::from(id)),
-                ("bdf", Value::from(pci::PciBus::bdf_of(slot).to_string())),
+                (
+                    "bdf",
+                    Value::from(self.h.devices.pci_bus().bdf_of(slot).to_string()),
+                ),
                 ("how", Value::from(how)),
             ],
         );
@@ -1185,7 +1218,10 @@ impl Controller {
                 "device-lost",
                 [
                     ("id", Value::from(id.as_str())),
-                    ("bdf", Value::from(pci::PciBus::bdf_of(slot).to_string())),
+                    (
+                        "bdf",
+                        Value::from(self.h.devices.pci_bus().bdf_of(slot).to_string()),
+                    ),
                     ("cause", Value::from(why)),
                 ],
             );
@@ -1218,7 +1254,7 @@ impl Controller {
             .collect()
     }
 
-    fn device_info(id: &str, e: &Entry, counts: &LenderCounts) -> RemoteDeviceInfo {
+    fn device_info(&self, id: &str, e: &Entry, counts: &LenderCounts) -> RemoteDeviceInfo {
         let lender = match counts.get(id) {
             Some(Ok(c)) => c.clone(),
             Some(Err(err)) => {
@@ -1267,11 +1303,14 @@ impl Controller {
             id: id.to_string(),
             node: e.spec.node.clone(),
             lender_bdf: e.spec.bdf,
-            guest_bdf: ApiBdf {
-                domain: 0,
-                bus: pci::root::slot_bus(e.slot),
-                device: pci::root::slot_device(e.slot),
-                function: 0,
+            guest_bdf: {
+                let bdf = self.h.devices.pci_bus().bdf_of(e.slot);
+                ApiBdf {
+                    domain: 0,
+                    bus: bdf.bus(),
+                    device: bdf.device(),
+                    function: 0,
+                }
             },
             mode: e.mode,
             lease_state: e.state,
@@ -1490,7 +1529,7 @@ impl Controller {
             remote_devices: self
                 .entries
                 .iter()
-                .map(|(id, e)| Self::device_info(id, e, counts))
+                .map(|(id, e)| self.device_info(id, e, counts))
                 .collect(),
             counters: Some(self.counters()),
             kvm: self.kvm_exits(),
@@ -1632,8 +1671,7 @@ impl crate::migration::orchestrate::MigrationHost for Controller {
     }
 
     fn replay_lent(&self, d: &crate::snapshot::devices::LentDevice) -> Result<(), ApiError> {
-        crate::snapshot::devices::replay_lent(self.h.devices.mmio_bus(), d)
-            .map_err(|e| ApiError::internal(error_chain(&e)))
+        self.replay_lent_state(d)
     }
 
     fn progress(&self) -> &crate::metrics::MigrationProgress {

@@ -353,6 +353,14 @@ fn rig() -> Rig {
 
 /// [`rig`] with the guest NUMA nodes `numa` (`--numa`).
 fn rig_with(numa: Vec<crate::numa::NumaNodeConfig>) -> Rig {
+    rig_full(numa, Vec::new())
+}
+
+/// [`rig_with`] and the lender switches `switches`.
+fn rig_full(
+    numa: Vec<crate::numa::NumaNodeConfig>,
+    switches: Vec<crate::device_manager::LenderSwitch>,
+) -> Rig {
     if let Err(e) = kvm_ioctls::Kvm::new() {
         panic!("/dev/kvm is required by the vmm tests: {e}");
     }
@@ -372,6 +380,7 @@ fn rig_with(numa: Vec<crate::numa::NumaNodeConfig>) -> Rig {
         pci_mmio64_size: Some(crate::device_manager::PCI_MMIO64_SIZE),
         numa,
         pci_slots: pci::root::MAX_DEVICE_SLOTS,
+        switches,
     })
     .unwrap();
     let ejects = vm.platform_mut().take_ejects().unwrap();
@@ -834,6 +843,61 @@ fn numa_node_puts_a_device_on_its_nodes_root_bus_and_an_unknown_node_is_refused(
     let mut flat = rig_with(Vec::new());
     let e = add_in(&mut flat.ctl, "node3:0000:81:00.0", "x", Some(0)).unwrap_err();
     assert!(e.message.contains("no NUMA nodes"), "{e:?}");
+}
+
+/// Lender node3's switch (two ports, at 00:01.0, bus 1 = index 1): its devices go behind
+/// it while a port is free, then on the root bus; the
+/// guest ejects a device behind the switch through the switch's bus (PSEG 1), and the port
+/// takes the next device.
+#[test]
+fn a_lenders_devices_go_behind_its_switch_while_it_has_ports_and_leave_through_it() {
+    let mut rig = rig_full(
+        Vec::new(),
+        vec![crate::device_manager::LenderSwitch {
+            lender: "node3".into(),
+            root: 0,
+            ports: 2,
+        }],
+    );
+    let bdf_of = |r: ApiReply| match r {
+        Ok(ApiResponse::DeviceAdded(d)) => d.bdf.to_string(),
+        other => panic!("add failed: {other:?}"),
+    };
+    let a1 = bdf_of(add(&mut rig.ctl, "node3:0000:81:00.0", Some("a1")));
+    let a2 = bdf_of(add(&mut rig.ctl, "node3:0000:82:00.0", Some("a2")));
+    let a3 = bdf_of(add(&mut rig.ctl, "node3:0000:83:00.0", Some("a3")));
+    assert_eq!(
+        [a1.as_str(), &a2, &a3],
+        ["0000:01:00.0", "0000:01:01.0", "0000:00:02.0"],
+        "behind the switch (bridge at 00:01.0) while a port is free, then on bus 0"
+    );
+    let info = rig.ctl.info();
+    let at = |id: &str| {
+        info.remote_devices
+            .iter()
+            .find(|d| d.id == id)
+            .map(|d| d.guest_bdf.to_string())
+    };
+    assert_eq!(at("a2").as_deref(), Some("0000:01:01.0"));
+    // The guest ejects a1 on the switch's bus: PSEG 1 selects it, PCID says port 0.
+    assert_eq!(remove(&mut rig.ctl, "a1", false), Ok(ApiResponse::Empty));
+    let mmio = rig.vm.devices().mmio_bus().clone();
+    mmio.write(PCI_HOTPLUG_START + 12, &1u32.to_le_bytes())
+        .unwrap();
+    assert_eq!(read_reg(&rig, 4), 1, "the switch's port-0-down bit");
+    mmio.write(PCI_HOTPLUG_START + 8, &1u32.to_le_bytes())
+        .unwrap();
+    let slots = rig.ejects.drain();
+    assert_eq!(slots, vec![32]);
+    rig.ctl.on_ejects(&slots);
+    assert_eq!(entry_state(&rig.ctl, "a1"), None);
+    // The freed port takes node3's next device; the bridge stays in its slot.
+    let a4 = bdf_of(add(&mut rig.ctl, "node3:0000:84:00.0", Some("a4")));
+    assert_eq!(a4, "0000:01:00.0");
+    assert!(
+        rig.vm.devices().pci_bus().device(1).is_some(),
+        "the bridge stays"
+    );
 }
 
 fn events(ctl: &Controller) -> Vec<String> {
@@ -1404,6 +1468,7 @@ fn migratable(rig: &mut Rig) {
                 pci_mmio64_size: None,
                 numa: Vec::new(),
                 pci_slots: None,
+                switches: Vec::new(),
             }),
     );
 }

@@ -20,7 +20,7 @@ use pci::device::{
     BarAllocation, BarMove, BarResize, DeviceRelocation, PciBarAllocators, PciDeviceError,
     SharedBarAllocators,
 };
-use pci::root::{PciRootError, MAX_ROOT_BUSES};
+use pci::root::{PciRootError, MAX_DEVICE_SLOTS, MAX_ROOT_BUSES};
 use pci::{
     Bus, BusDevice, BusError, BusRange, PciBarRegionType, PciBdf, PciBus, PciConfigIo,
     PciConfigMmio, PciDevice, SharedPciDevice,
@@ -84,6 +84,8 @@ pub enum DeviceError {
     },
     #[error(transparent)]
     Pci(#[from] PciDeviceError),
+    #[error("the guest's PCI tree")]
+    Topology(#[from] TopologyError),
     #[error(transparent)]
     Slot(#[from] PciRootError),
 }
@@ -127,9 +129,18 @@ pub struct BarRelocator {
     ranges: BarRanges,
     /// The 64-bit BAR window (base, size).
     mmio64: (u64, u64),
+    /// The buses: a function's address names its bus by number, its ranges are kept by
+    /// slot number (bus index).
+    layout: pci::BusLayout,
 }
 
 impl BarRelocator {
+    /// The slot number of the function at `bdf`.
+    fn slot(&self, bdf: PciBdf) -> Option<u8> {
+        let bus = self.layout.index_of(bdf.bus())?;
+        Some(pci::root::slot_number(bus, bdf.device()))
+    }
+
     /// The windows a BAR of `region_type` may be placed in.
     fn windows(&self, region_type: PciBarRegionType) -> Vec<(u64, u64)> {
         match region_type {
@@ -167,8 +178,9 @@ impl DeviceRelocation for BarRelocator {
         // `mv.old` (the guest's previous value) after a refused move.
         let from = {
             let mut ranges = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
-            let range = ranges
-                .get_mut(&pci::root::slot_number(bdf.bus(), bdf.device()))
+            let range = self
+                .slot(bdf)
+                .and_then(|slot| ranges.get_mut(&slot))
                 .and_then(|v| v.iter_mut().find(|(idx, _)| *idx == mv.bar_idx))
                 .map(|(_, r)| r)
                 .ok_or_else(|| mv.failed("no bus range for this bar"))?;
@@ -207,8 +219,9 @@ impl DeviceRelocation for BarRelocator {
             reason,
         };
         let mut ranges = self.ranges.lock().unwrap_or_else(|e| e.into_inner());
-        let range = ranges
-            .get_mut(&pci::root::slot_number(bdf.bus(), bdf.device()))
+        let range = self
+            .slot(bdf)
+            .and_then(|slot| ranges.get_mut(&slot))
             .and_then(|v| v.iter_mut().find(|(idx, _)| *idx == rs.bar_idx))
             .map(|(_, r)| r)
             .ok_or_else(|| fail("no bus range for this bar".into()))?;
@@ -256,15 +269,74 @@ pub fn root_buses(numa_nodes: usize) -> u8 {
     numa_nodes.clamp(1, usize::from(MAX_ROOT_BUSES)) as u8
 }
 
+/// A switch for one lender's devices (`pci::topology`): a PCI-to-PCI bridge on root bus
+/// `root` with `ports` device numbers behind it. Made at launch, kept by snapshots and
+/// migrations (the guest's bus numbers and ACPI tables depend on it).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LenderSwitch {
+    /// The lender (cluster node) whose devices go behind it.
+    pub lender: String,
+    /// The root bus it sits on (a bus index: node `n`'s root bus is `n`).
+    pub root: u8,
+    /// Its ports: device numbers 0..ports of its secondary bus.
+    pub ports: u8,
+}
+
+/// Ports a switch has beyond its lender's launch devices: room to hot-add there (each port
+/// is a slot the guest's ACPI tables describe, which costs an emulated guest's boot about
+/// half a second).
+pub const SWITCH_SPARE_PORTS: u8 = 2;
+
+/// The switches a VM gets at launch: one per lender and root bus holding two or more of
+/// its launch devices, in the order the lenders first appear (`devices`: each launch
+/// device's lender and root bus). A lender with one device keeps it on the root bus: it
+/// has no peer to show. At most as many as fit beside `roots` root buses
+/// ([`MAX_ROOT_BUSES`] in all); the lenders past that keep their devices on the root bus,
+/// which is logged.
+pub fn plan_switches(devices: &[(String, u8)], roots: u8) -> Vec<LenderSwitch> {
+    let mut groups: Vec<(String, u8, usize)> = Vec::new();
+    for (lender, root) in devices {
+        match groups.iter_mut().find(|(l, r, _)| l == lender && r == root) {
+            Some(g) => g.2 += 1,
+            None => groups.push((lender.clone(), *root, 1)),
+        }
+    }
+    let room = usize::from(MAX_ROOT_BUSES.saturating_sub(roots.max(1)));
+    let mut switches = Vec::new();
+    for (lender, root, n) in groups.into_iter().filter(|g| g.2 >= 2) {
+        if switches.len() == room {
+            log::warn!(
+                "lender {lender}: no switch for its {n} devices on root bus {root} ({roots} root                  buses and {room} switches make the {MAX_ROOT_BUSES} buses a VM has): they sit                  on the root bus"
+            );
+            continue;
+        }
+        let ports = u8::try_from(n)
+            .unwrap_or(u8::MAX)
+            .saturating_add(SWITCH_SPARE_PORTS)
+            .min(pci::root::NUM_DEVICE_SLOTS);
+        switches.push(LenderSwitch {
+            lender,
+            root,
+            ports,
+        });
+    }
+    switches
+}
+
 /// Owns the buses and the devices on them.
 pub struct DeviceManager {
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
     serial: Option<Arc<Mutex<SerialDevice>>>,
     pci_bus: Arc<PciBus>,
-    /// Each root bus's BAR allocators, over its slice of the windows
-    /// ([`pci::device::root_bus_windows`]), indexed by bus number.
+    /// Each bus's BAR allocators, indexed by bus index: a root bus's over its slice of the
+    /// windows ([`pci::device::root_bus_windows`]), less what its switches take
+    /// ([`pci::device::switch_windows`]); a switch's over its bridge's windows.
     allocators: Vec<SharedBarAllocators>,
+    /// Each bus's windows, `[io, mmio32, mmio64]`, as `allocators` (by bus index).
+    windows: Vec<[(u64, u64); 3]>,
+    /// The switches, with their bus index.
+    switches: Vec<(LenderSwitch, u8)>,
     /// The guest's NUMA nodes (`--numa`; 0 without): node `n` < [`MAX_ROOT_BUSES`] has root
     /// bus `n`.
     numa_nodes: usize,
@@ -285,6 +357,23 @@ pub enum NodeError {
         max = MAX_ROOT_BUSES - 1
     )]
     NoRootBus(u32),
+}
+
+/// Why the PCI tree cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    #[error("the switches of lenders {lenders}")]
+    Layout {
+        lenders: String,
+        #[source]
+        source: pci::TopologyError,
+    },
+    #[error("the bridge of lender {lender}'s switch")]
+    Bridge {
+        lender: String,
+        #[source]
+        source: PciRootError,
+    },
 }
 
 /// Where the UART writes. A file is always written in append mode, even one this VM
@@ -327,6 +416,7 @@ impl DeviceManager {
         mmio64: (u64, u64),
         pci_slots: u8,
         numa_nodes: usize,
+        switches: &[LenderSwitch],
     ) -> Result<Self, DeviceError> {
         let pio = Arc::new(Bus::new());
         let mmio = Arc::new(Bus::new());
@@ -363,20 +453,87 @@ impl DeviceManager {
             source,
         })?;
         let buses = root_buses(numa_nodes);
-        let allocators = (0..buses)
-            .map(|b| {
-                PciBarAllocators::for_root_bus(b, buses, mmio64).map(|a| Arc::new(Mutex::new(a)))
+        let specs: Vec<pci::SwitchSpec> = switches
+            .iter()
+            .map(|s| pci::SwitchSpec {
+                root: s.root,
+                ports: s.ports,
+            })
+            .collect();
+        let layout = pci::BusLayout::new(buses, &specs, pci_slots.clamp(1, MAX_DEVICE_SLOTS))
+            .map_err(|source| TopologyError::Layout {
+                lenders: switches
+                    .iter()
+                    .map(|s| s.lender.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                source,
+            })?;
+        // Each root bus's windows, split with its switches (bus indexes past the roots).
+        let mut windows = vec![[(0u64, 0u64); 3]; layout.entries().len()];
+        for root in 0..buses {
+            let whole = pci::device::root_bus_windows(root, buses, mmio64);
+            let own: Vec<u8> = layout.switches_of(root).map(|(i, _)| i).collect();
+            let (keep, parts) = pci::device::switch_windows(whole, own.len());
+            windows[usize::from(root)] = keep;
+            for (i, part) in own.iter().zip(parts) {
+                windows[usize::from(*i)] = part;
+            }
+        }
+        let allocators = windows
+            .iter()
+            .enumerate()
+            .map(|(i, [io, m32, m64])| {
+                if i < usize::from(buses) {
+                    PciBarAllocators::new(*io, *m32, *m64)
+                } else {
+                    PciBarAllocators::behind_bridge(*io, *m32, *m64)
+                }
+                .map(|a| Arc::new(Mutex::new(a)))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let ranges: BarRanges = Arc::default();
-        let pci_bus = Arc::new(PciBus::with_buses(
+        let pci_bus = Arc::new(PciBus::with_layout(
             Arc::new(BarRelocator {
                 ranges: ranges.clone(),
                 mmio64,
+                layout: layout.clone(),
             }),
             pci_slots,
-            buses,
+            layout.clone(),
         ));
+        // The switches' bridges, in their root buses' lowest slots.
+        let mut placed = Vec::with_capacity(switches.len());
+        for ((index, entry), s) in layout.switches().zip(switches) {
+            let pci::BusKind::Switch {
+                root, bridge_slot, ..
+            } = entry.kind
+            else {
+                continue;
+            };
+            let [io, mem32, pref64] = windows[usize::from(index)];
+            let primary = layout.entry(root).map_or(0, |e| e.number);
+            let bridge = pci::bridge::PciBridge::new(
+                primary,
+                entry.number,
+                pci::bridge::BridgeWindows { io, mem32, pref64 },
+            );
+            pci_bus
+                .add_device(Some(bridge_slot), Arc::new(Mutex::new(bridge)))
+                .map_err(|source| TopologyError::Bridge {
+                    lender: s.lender.clone(),
+                    source,
+                })?;
+            log::info!(
+                "pci: switch of lender {} at {} (bus {:02x}, {} ports): windows {io:x?} \
+                 {mem32:x?} {pref64:x?}",
+                s.lender,
+                pci_bus.bdf_of(bridge_slot),
+                entry.number,
+                s.ports
+            );
+            placed.push((s.clone(), index));
+        }
         pio.insert(
             Arc::new(Mutex::new(PciConfigIo::new(pci_bus.clone()))),
             PCI_CONFIG_IO_PORT,
@@ -401,10 +558,35 @@ impl DeviceManager {
             serial,
             pci_bus,
             allocators,
+            windows,
+            switches: placed,
             numa_nodes,
             mmio64,
             ranges,
         })
+    }
+
+    /// The switch bus (its index) of `lender`'s devices on root bus `root`, if it has one.
+    pub fn switch_for(&self, lender: &str, root: u8) -> Option<u8> {
+        self.switches
+            .iter()
+            .find(|(s, _)| s.lender == lender && s.root == root)
+            .map(|(_, i)| *i)
+    }
+
+    /// The switches made at launch.
+    pub fn switches(&self) -> impl Iterator<Item = &LenderSwitch> {
+        self.switches.iter().map(|(s, _)| s)
+    }
+
+    /// The whole 64-bit BAR window, `(base, size)`.
+    pub fn mmio64(&self) -> (u64, u64) {
+        self.mmio64
+    }
+
+    /// Bus index `bus`'s windows, `[io, mmio32, mmio64]`: what its devices' BARs come from.
+    pub fn bus_windows(&self, bus: u8) -> Option<[(u64, u64); 3]> {
+        self.windows.get(usize::from(bus)).copied()
     }
 
     /// The root buses (bus 0 and one per NUMA node with a number below [`MAX_ROOT_BUSES`]).
@@ -657,8 +839,165 @@ mod tests {
             mmio64,
             slots,
             numa_nodes,
+            &[],
         )
         .unwrap()
+    }
+
+    fn switch(lender: &str, root: u8, ports: u8) -> LenderSwitch {
+        LenderSwitch {
+            lender: lender.into(),
+            root,
+            ports,
+        }
+    }
+
+    #[test]
+    fn switches_go_to_lenders_with_two_launch_devices_on_one_root_bus() {
+        let d = |l: &str, r: u8| (l.to_string(), r);
+        let plan = plan_switches(
+            &[
+                d("a", 0),
+                d("b", 0),
+                d("a", 0),
+                d("c", 1),
+                d("a", 1),
+                d("c", 1),
+                d("a", 0),
+            ],
+            2,
+        );
+        // a: three on bus 0 (a switch of 3 + 2 ports), one on bus 1 (none); b: one (none);
+        // c: two on bus 1.
+        assert_eq!(plan, vec![switch("a", 0, 5), switch("c", 1, 4)]);
+        // Eight buses in all: with 7 root buses one switch fits, and the second lender's
+        // devices stay on their root bus.
+        let plan = plan_switches(&[d("a", 0), d("a", 0), d("b", 0), d("b", 0)], 7);
+        assert_eq!(plan, vec![switch("a", 0, 4)]);
+        assert!(plan_switches(&[d("a", 0), d("a", 0)], 8).is_empty());
+        // 31 devices of one lender: 32 ports at most.
+        let many: Vec<_> = (0..31).map(|_| d("a", 0)).collect();
+        assert_eq!(plan_switches(&many, 1), vec![switch("a", 0, 32)]);
+    }
+
+    #[test]
+    fn a_switch_holds_a_slot_a_bus_number_and_a_part_of_its_root_buses_windows() {
+        let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
+        let vm = kvm.create_vm().unwrap();
+        let mmio64 = (1 << 40, 1 << 40);
+        // Two NUMA nodes; lender a's switch on node 0's root bus, lender b's on node 1's.
+        let dm = DeviceManager::new(
+            &vm,
+            &SerialConfig::Off,
+            Arc::new(ExitNotifier::new()),
+            mmio64,
+            4,
+            2,
+            &[switch("a", 0, 3), switch("b", 1, 2)],
+        )
+        .unwrap();
+        let bus = dm.pci_bus();
+        // Indexes: roots 0 and 1, switches 2 (a) and 3 (b); numbers 0, 2, 1, 3.
+        assert_eq!(
+            (dm.switch_for("a", 0), dm.switch_for("b", 1)),
+            (Some(2), Some(3))
+        );
+        assert_eq!((dm.switch_for("a", 1), dm.switch_for("c", 0)), (None, None));
+        // The bridges: type 1 headers in their root buses' slot 1, bus numbers as laid out.
+        let cfg = |b: u8, d: u8, reg: usize| bus.read_config(PciBdf::new(b, d, 0), reg);
+        assert_eq!(cfg(0, 1, 0), 0x0001_1b36);
+        assert_eq!(cfg(0, 1, 6) & 0xff_ffff, 0x01_0100);
+        assert_eq!(cfg(2, 1, 6) & 0xff_ffff, 0x03_0302);
+        // A device behind a's switch: bus 1 (index 2), port 0; its BAR in the switch's part
+        // of the windows, which the bridge's memory window says.
+        let bdf = dm
+            .add_pci_device(test_dev(), Some(pci::root::slot_number(2, 0)))
+            .unwrap();
+        assert_eq!(bdf.to_string(), "0000:01:00.0");
+        assert_eq!(cfg(1, 0, 0), 0x0010_1b36, "config cycles to bus 1 reach it");
+        let bar = u64::from(cfg(1, 0, 4) & !0xf);
+        let [_, m32, _] = dm.bus_windows(2).unwrap();
+        let mem = cfg(0, 1, 8);
+        let (base, last) = (
+            u64::from(mem & 0xfff0) << 16,
+            (u64::from(mem >> 16 & 0xfff0) << 16) | 0xf_ffff,
+        );
+        assert_eq!((base, last + 1 - base), m32);
+        assert!(
+            bar >= base && bar + 0x4000 <= last + 1,
+            "{bar:#x} in {base:#x}..{last:#x}"
+        );
+        // Node 0's root bus keeps the rest: a device there gets none of the switch's part.
+        let bdf0 = dm.add_pci_device(test_dev(), Some(2)).unwrap();
+        assert_eq!(bdf0.to_string(), "0000:00:02.0");
+        let bar0 = u64::from(cfg(0, 2, 4) & !0xf);
+        let [_, keep, _] = dm.bus_windows(0).unwrap();
+        assert!(bar0 >= keep.0 && bar0 < keep.0 + keep.1 && !(base..=last).contains(&bar0));
+        // Node 1's root bus is bus 2, its switch bus 3.
+        let bdf1 = dm
+            .add_pci_device(test_dev(), Some(pci::root::slot_number(3, 1)))
+            .unwrap();
+        assert_eq!(bdf1.to_string(), "0000:03:01.0");
+        let bdf2 = dm
+            .add_pci_device(test_dev(), Some(pci::root::slot_number(1, 3)))
+            .unwrap();
+        assert_eq!(bdf2.to_string(), "0000:02:03.0");
+        // Guest BAR moves find each function's ranges by its bus number: behind the switch
+        // (bus 1 = index 2) and on node 1's root bus (bus 2 = index 1).
+        let refused = bus.refused_bar_moves();
+        for (b, d) in [(1u8, 0u8), (2, 3)] {
+            let at = PciBdf::new(b, d, 0);
+            let old = u64::from(bus.read_config(at, 4) & !0xf);
+            let new = old + 0x10000;
+            bus.write_config(at, 4, 0, &(new as u32).to_le_bytes());
+            assert_eq!(u64::from(bus.read_config(at, 4) & !0xf), new, "{at}");
+            let mut byte = [0u8; 1];
+            dm.mmio_bus().read(new, &mut byte).unwrap();
+            assert_eq!(byte[0], 0xa5, "{at}: the bar answers at its new address");
+        }
+        assert_eq!(bus.refused_bar_moves(), refused);
+        // A switch has its ports only; the bridge's slot is taken.
+        assert!(matches!(
+            dm.add_pci_device(test_dev(), Some(pci::root::slot_number(3, 2))),
+            Err(DeviceError::Slot(PciRootError::NoSuchPort {
+                port: 2,
+                ports: 2,
+                ..
+            }))
+        ));
+        assert!(matches!(
+            dm.add_pci_device(test_dev(), Some(1)),
+            Err(DeviceError::Slot(PciRootError::SlotInUse(1)))
+        ));
+        assert_eq!(bus.next_free_slot_on(2), Some(pci::root::slot_number(2, 1)));
+        // Removing the device behind the switch frees its port.
+        dm.remove_pci_device(pci::root::slot_number(2, 0)).unwrap();
+        assert_eq!(cfg(1, 0, 0), u32::MAX);
+        assert_eq!(bus.next_free_slot_on(2), Some(pci::root::slot_number(2, 0)));
+    }
+
+    #[test]
+    fn a_layout_that_cannot_be_made_is_refused_naming_the_lenders() {
+        let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm is required by the vmm tests");
+        let vm = kvm.create_vm().unwrap();
+        let e = DeviceManager::new(
+            &vm,
+            &SerialConfig::Off,
+            Arc::new(ExitNotifier::new()),
+            (1 << 40, 1 << 40),
+            4,
+            0,
+            &[switch("a", 1, 3)],
+        )
+        .err()
+        .unwrap();
+        let text = format!(
+            "{e}: {}",
+            std::error::Error::source(&e)
+                .map(|s| s.to_string())
+                .unwrap_or_default()
+        );
+        assert!(text.contains("lenders a"), "{text}");
     }
 
     #[test]

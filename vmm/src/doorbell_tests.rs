@@ -183,6 +183,7 @@ fn guest_doorbell_store(mode: NotifyMode) {
         pci_mmio64_size: Some(crate::device_manager::PCI_MMIO64_SIZE),
         numa: Vec::new(),
         pci_slots: pci::root::MAX_DEVICE_SLOTS,
+        switches: Vec::new(),
     })
     .unwrap();
     let ops = vm.vm_ops();

@@ -20,7 +20,7 @@ use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use vmm::config::{self, SerialConfig, VmConfig};
 use vmm::control::{Controller, VmHandles};
-use vmm::device_manager::PCI_MMIO64_SIZE;
+use vmm::device_manager::{LenderSwitch, PCI_MMIO64_SIZE};
 use vmm::event_loop::{ApiChannel, EventLoop};
 use vmm::migration::auth::StreamAuth;
 use vmm::migration::receive::{Incoming, Received};
@@ -418,6 +418,7 @@ fn wait_for_migration(
                 pci_mmio64_size: Some(c.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
                 numa: c.numa.clone(),
                 pci_slots: c.pci_slots(),
+                switches: c.switches.clone(),
             };
             match memfd {
                 Some(f) => Vm::for_migration_on(&cfg, f),
@@ -504,6 +505,30 @@ fn token(cli: &Cli, cluster: &ClusterConfig) -> Result<Option<String>, String> {
     }
     // The cluster file's token is checked when it is read.
     cluster.auth_token().map_err(|e| e.to_string())
+}
+
+/// The switches of a new VM: its launch devices' lenders and root buses, as the controller
+/// will place them (a `numa_node=` it will refuse by name counts as bus 0 here), through
+/// [`vmm::device_manager::plan_switches`].
+fn launch_switches(cli: &Cli, source: &dyn LinkSource) -> Vec<LenderSwitch> {
+    let nodes = cli.numa.len();
+    let roots = vmm::device_manager::root_buses(nodes);
+    let devices: Vec<(String, u8)> = cli
+        .remote_device
+        .iter()
+        .map(|d| {
+            let node = d
+                .numa_node
+                .or_else(|| source.default_numa_node(d.device.node.as_str()));
+            let root = node
+                .filter(|&n| (n as usize) < nodes)
+                .and_then(|n| u8::try_from(n).ok())
+                .filter(|&n| n < roots)
+                .unwrap_or(0);
+            (d.device.node.as_str().to_owned(), root)
+        })
+        .collect();
+    vmm::device_manager::plan_switches(&devices, roots)
 }
 
 fn main() -> ExitCode {
@@ -765,6 +790,7 @@ fn main() -> ExitCode {
             pci_mmio64_size: Some(m.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
             numa: m.doc.config.numa.clone(),
             pci_slots: m.doc.config.pci_slots(),
+            switches: m.doc.config.switches.clone(),
         },
         (Some(s), None) => VmConfig {
             memory_size: s.doc.config.memory_size,
@@ -787,6 +813,7 @@ fn main() -> ExitCode {
             pci_mmio64_size: Some(s.doc.config.pci_mmio64_size.unwrap_or(PCI_MMIO64_SIZE)),
             numa: s.doc.config.numa.clone(),
             pci_slots: s.doc.config.pci_slots(),
+            switches: s.doc.config.switches.clone(),
         },
         (None, None) => VmConfig {
             memory_size: cli.memory.size,
@@ -801,6 +828,7 @@ fn main() -> ExitCode {
             pci_mmio64_size: cli.pci_mmio64_size.0,
             numa: cli.numa.clone(),
             pci_slots: cli.pci_slots,
+            switches: launch_switches(&cli, source.as_ref()),
         },
     };
     let migrated_from = migrated.as_ref().map(|m| (m.bytes, m.paused));
@@ -868,6 +896,7 @@ fn main() -> ExitCode {
         pci_mmio64_size: Some(vm.pci_mmio64().1),
         numa: cfg.numa.clone(),
         pci_slots: Some(cfg.pci_slots),
+        switches: cfg.switches.clone(),
     };
     let migration_node = source.identity().map(|(node, _)| node);
     let mut ctl = Controller::new(handles, source, info);

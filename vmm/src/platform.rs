@@ -12,7 +12,6 @@ use acpi::{
     PciHotplugController, GED_GSI, GED_SIZE, GED_START, PCI_HOTPLUG_SIZE, PCI_HOTPLUG_START,
 };
 use kvm_ioctls::VmFd;
-use pci::Bus;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -97,17 +96,20 @@ pub struct Platform {
 }
 
 impl Platform {
-    /// Creates GED + hotplug controller on `mmio`, and writes the ACPI tables for `cpus`
-    /// vCPUs and the 64-bit BAR window `mmio64` (base, size) into `mem`.
+    /// Creates GED + hotplug controller on the devices' MMIO bus, and writes the ACPI tables
+    /// for `cpus` vCPUs and the devices' PCI tree (its buses, their slots and windows within
+    /// the 64-bit BAR window) into `mem`.
     pub fn new(
         vm: &Arc<VmFd>,
-        mmio: &Bus,
+        devices: &crate::device_manager::DeviceManager,
         mem: &GuestMemory,
         cpus: u8,
-        mmio64: (u64, u64),
         numa: Vec<acpi::NumaNode>,
-        pci_slots: u8,
     ) -> Result<Self, PlatformError> {
+        let mmio = devices.mmio_bus();
+        let mmio64 = devices.mmio64();
+        let pci_slots = devices.pci_bus().slots();
+        let layout = devices.pci_bus().layout();
         let irq = IrqFd::new(vm.clone(), GED_GSI)?;
         let ged_evt = irq
             .eventfd()
@@ -136,16 +138,19 @@ impl Platform {
         for (slot, g) in gsis.iter_mut().enumerate() {
             *g = slot_intx_gsi(slot as u8);
         }
-        // A root bus per NUMA node (node n on bus n), each with its slice of the windows;
-        // bus 0 (node 0) keeps `\_SB_.PCI0`.
-        let buses = crate::device_manager::root_buses(numa.len());
+        // A root bus per NUMA node (node n on bus index n), each with its slice of the
+        // windows (its switches' parts included: their bridges forward from it); bus 0
+        // (node 0) keeps `\_SB_.PCI0`. Switches take the bus numbers after their root bus.
+        let buses = layout.root_count();
         let windows = |b| pci::device::root_bus_windows(b, buses, mmio64);
         let [io0, mmio32_0, mmio64_0] = windows(0);
         let root_buses = (1..buses)
             .map(|b| {
                 let [io, mmio32, mmio64] = windows(b);
                 acpi::RootBus {
-                    bus: b,
+                    bus: layout.entry(b).map_or(b, |e| e.number),
+                    index: b,
+                    last_bus: layout.last_number_under(b),
                     node: u32::from(b),
                     io,
                     mmio32,
@@ -153,9 +158,27 @@ impl Platform {
                 }
             })
             .collect();
+        let switches = layout
+            .switches()
+            .filter_map(|(index, e)| match e.kind {
+                pci::BusKind::Switch {
+                    root,
+                    bridge_slot,
+                    ports,
+                } => Some(acpi::Switch {
+                    index,
+                    number: e.number,
+                    root,
+                    device: pci::root::slot_device(bridge_slot),
+                    ports,
+                }),
+                pci::BusKind::Root => None,
+            })
+            .collect();
         let tables = create_acpi_tables(&AcpiConfig {
             num_vcpus: u32::from(cpus),
-            pci_bus_end: buses - 1,
+            pci_bus_end: layout.last_number(),
+            switches,
             io_base: io0.0 as u16,
             io_size: io0.1 as u32,
             mmio32_base: mmio32_0.0,

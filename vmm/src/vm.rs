@@ -294,6 +294,7 @@ impl Vm {
             mmio64,
             cfg.pci_slots,
             cfg.numa.len(),
+            &cfg.switches,
         )?);
         let numa = crate::numa::layout(&cfg.numa, ram.regions(), &numa_distances);
         for (id, node) in numa.iter().enumerate() {
@@ -304,15 +305,7 @@ impl Vm {
                 node.distances
             );
         }
-        let platform = Platform::new(
-            &vm,
-            devices.mmio_bus(),
-            mem,
-            cfg.cpus,
-            mmio64,
-            numa,
-            cfg.pci_slots,
-        )?;
+        let platform = Platform::new(&vm, &devices, mem, cfg.cpus, numa)?;
         if cfg.pci_slots < pci::root::MAX_DEVICE_SLOTS {
             log::info!(
                 "pci: slots 1 to {} of bus 0 take devices (--pci-slots)",

@@ -28,6 +28,6 @@ pub use hotplug::{
 };
 pub use tables::{
     create_acpi_tables, create_dsdt, dsdt_aml, root_bus_path, AcpiConfig, AcpiTable,
-    AcpiTableError, AcpiTables, NumaNode, RootBus, ACPI_TABLES_END, ACPI_TABLES_START,
+    AcpiTableError, AcpiTables, NumaNode, RootBus, Switch, ACPI_TABLES_END, ACPI_TABLES_START,
     MAX_NUMA_NODES, NUMA_LOCAL_DISTANCE, NUMA_MAX_DISTANCE,
 };

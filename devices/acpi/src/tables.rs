@@ -110,8 +110,13 @@ pub struct NumaNode {
 /// slots and their hot-plug methods (the controller's PSEG selects the bus).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RootBus {
-    /// Its bus number, 1 to [`crate::hotplug::PCI_HOTPLUG_BUSES`] - 1 (`_BBN`, `_UID`).
+    /// Its bus number, 1 to [`crate::hotplug::PCI_HOTPLUG_BUSES`] - 1 (`_BBN`).
     pub bus: u8,
+    /// Its bus index (`\_SB_.PCnn`, `_UID`, the hot-plug controller's PSEG): its number
+    /// unless switches sit on root buses before it.
+    pub index: u8,
+    /// The last bus number under it (its switches'), the end of its `_CRS` bus range.
+    pub last_bus: u8,
     /// The proximity domain of its devices (`_PXM`): an index of [`AcpiConfig::numa`].
     pub node: u32,
     /// Its slices of the I/O, 32-bit and 64-bit windows, `(base, size)` each (its `_CRS`);
@@ -119,6 +124,19 @@ pub struct RootBus {
     pub io: (u64, u64),
     pub mmio32: (u64, u64),
     pub mmio64: (u64, u64),
+}
+
+/// A switch: a PCI-to-PCI bridge in slot `device` of root bus `root` (an index), its
+/// secondary bus `number` with hot-plug slots 0..`ports`. In the DSDT the bridge's slot
+/// device holds the slots and their hot-plug methods (PSEG = `index`), as QEMU describes
+/// its bridges for ACPI hot-plug; acpiphp finds them under the bridge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Switch {
+    pub index: u8,
+    pub number: u8,
+    pub root: u8,
+    pub device: u8,
+    pub ports: u8,
 }
 
 /// Inputs of the tables. [`AcpiConfig::default`] follows `docs/CONTRACTS.md`.
@@ -144,6 +162,8 @@ pub struct AcpiConfig {
     pub mmio64_size: u64,
     /// Root buses beyond bus 0, one per NUMA node that holds devices.
     pub root_buses: Vec<RootBus>,
+    /// Switches on the root buses (bus 0's and the others').
+    pub switches: Vec<Switch>,
     /// IOAPIC MMIO base, id and first GSI.
     pub ioapic_addr: u32,
     pub ioapic_id: u8,
@@ -188,6 +208,7 @@ impl Default for AcpiConfig {
             mmio64_base: 0,
             mmio64_size: 0,
             root_buses: Vec::new(),
+            switches: Vec::new(),
             ioapic_addr: 0xfec0_0000,
             ioapic_id: 0,
             lapic_addr: 0xfee0_0000,
@@ -260,8 +281,21 @@ impl AcpiConfig {
                     crate::hotplug::PCI_HOTPLUG_BUSES
                 ));
             }
-            if self.root_buses[..i].iter().any(|o| o.bus == r.bus) {
+            if self.root_buses[..i]
+                .iter()
+                .any(|o| o.bus == r.bus || o.index == r.index)
+            {
                 return bad("described twice".into());
+            }
+            if r.index == 0
+                || u32::from(r.index) >= crate::hotplug::PCI_HOTPLUG_BUSES
+                || r.last_bus < r.bus
+                || r.last_bus > self.pci_bus_end
+            {
+                return bad(format!(
+                    "index {} or last bus {} out of range",
+                    r.index, r.last_bus
+                ));
             }
             if r.node as usize >= self.numa.len() {
                 return bad(format!(
@@ -274,6 +308,22 @@ impl AcpiConfig {
                 |(b, z): (u64, u64), limit: u64| b.checked_add(z).is_some_and(|e| e <= limit);
             if !fits(r.io, 0x1_0000) || !fits(r.mmio32, 1 << 32) || !fits(r.mmio64, u64::MAX) {
                 return bad("a window does not fit its address space".into());
+            }
+        }
+        for w in &self.switches {
+            let root_ok = w.root == 0 || self.root_buses.iter().any(|r| r.index == w.root);
+            if !root_ok
+                || u32::from(w.index) >= crate::hotplug::PCI_HOTPLUG_BUSES
+                || w.device == 0
+                || w.device > self.pci_slots
+                || w.ports == 0
+                || u32::from(w.ports) > PCI_HOTPLUG_SLOTS
+                || w.number > self.pci_bus_end
+            {
+                return Err(AcpiTableError::RootBus {
+                    bus: w.number,
+                    what: format!("switch {w:?} does not fit the buses and slots described"),
+                });
             }
         }
         Ok(())
@@ -456,7 +506,9 @@ pub fn root_bus_path(bus: u8) -> String {
     }
 }
 
-fn slot_device(scope: &str, slot: u32) -> Vec<u8> {
+/// Slot `slot` of the bus at `scope`, with `_SUN` `sun` (unique across buses: the guest
+/// names its hot-plug slots by it).
+fn slot_device(scope: &str, slot: u32, sun: u32) -> Vec<u8> {
     let adr = slot << 16;
     let eject = MethodCall::new(format!("{scope}.PCEJ").as_str().into(), vec![&slot]);
     let ej0 = Method::new("_EJ0".into(), 1, false, vec![&eject]);
@@ -464,7 +516,7 @@ fn slot_device(scope: &str, slot: u32) -> Vec<u8> {
         slot_name(slot).as_str().into(),
         vec![
             &Name::new("_ADR".into(), &adr),
-            &Name::new("_SUN".into(), &slot),
+            &Name::new("_SUN".into(), &sun),
             &ej0,
         ],
     ))
@@ -475,12 +527,51 @@ fn described_slots(cfg: &AcpiConfig) -> std::ops::Range<u32> {
     0..(u32::from(cfg.pci_slots) + 1).min(PCI_HOTPLUG_SLOTS)
 }
 
+/// The slot devices of root bus `root` (an index) at `scope`: a switch's slot holds its
+/// bridge's bus (see [`switch_device`]), the others take devices.
+fn root_slots(cfg: &AcpiConfig, root: u8, scope: &str) -> Vec<Raw> {
+    described_slots(cfg)
+        .map(|s| {
+            match cfg
+                .switches
+                .iter()
+                .find(|w| w.root == root && u32::from(w.device) == s)
+            {
+                Some(w) => Raw(switch_device(w, scope)),
+                None => Raw(slot_device(scope, s, s)),
+            }
+        })
+        .collect()
+}
+
+/// A switch's bridge in its root bus's slot: `_ADR`, the hot-plug methods of its secondary
+/// bus (PSEG = its index) and a slot per port (`_SUN` = its slot number, index * 32 + port).
+/// No `_EJ0` of its own: the bridge stays.
+fn switch_device(w: &Switch, root_scope: &str) -> Vec<u8> {
+    let scope = format!("{root_scope}.{}", slot_name(u32::from(w.device)));
+    let ports = 0..u32::from(w.ports);
+    let adr = u32::from(w.device) << 16;
+    let adr_name = Name::new("_ADR".into(), &adr);
+    let methods = Raw(hotplug_methods(w.index, &scope, ports.clone()));
+    let slots: Vec<Raw> = ports
+        .map(|p| Raw(slot_device(&scope, p, u32::from(w.index) * 32 + p)))
+        .collect();
+    let mut children: Vec<&dyn Aml> = vec![&adr_name, &methods];
+    for s in &slots {
+        children.push(s);
+    }
+    to_bytes(&Device::new(
+        slot_name(u32::from(w.device)).as_str().into(),
+        children,
+    ))
+}
+
 /// `DVNT(bitmap, event)`: `Notify(Sxx_, event)` for every slot bit set in `bitmap`.
-fn dvnt_method(cfg: &AcpiConfig, scope: &str) -> Vec<u8> {
+fn dvnt_method(slots: std::ops::Range<u32>, scope: &str) -> Vec<u8> {
     let mut body = Vec::new();
     let arg0 = aml::Arg(0);
     let arg1 = aml::Arg(1);
-    for slot in described_slots(cfg) {
+    for slot in slots {
         let bit = 1u32 << slot;
         let test = aml::And::new(&aml::ZERO, &arg0, &bit);
         let path = Path::new(&format!("{scope}.{}", slot_name(slot)));
@@ -509,7 +600,7 @@ fn pci_prt(cfg: &AcpiConfig, gsis: &[u32; 32]) -> Vec<u8> {
 /// - `PCEJ(slot)`: the guest released the device: write `1 << slot` to B0EJ;
 /// - `PCNT()`: read (and so clear) PCIU/PCID once, then notify the slots;
 /// - `DVNT(bitmap, event)`.
-fn hotplug_methods(cfg: &AcpiConfig, bus: u8, scope: &str) -> Vec<u8> {
+fn hotplug_methods(bus: u8, scope: &str, slots: std::ops::Range<u32>) -> Vec<u8> {
     let pseg = Path::new("\\_SB_.PCI0.PSEG");
     let b0ej = Path::new("\\_SB_.PCI0.B0EJ");
     let acquire = aml::Acquire::new("\\_SB_.PCI0.BLCK".into(), 0xffff);
@@ -551,16 +642,20 @@ fn hotplug_methods(cfg: &AcpiConfig, bus: u8, scope: &str) -> Vec<u8> {
     );
     let mut v = to_bytes(&pcej);
     v.extend(to_bytes(&pcnt));
-    v.extend(dvnt_method(cfg, scope));
+    v.extend(dvnt_method(slots, scope));
     v
 }
 
 fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
-    // With root buses of their own, bus 0's host bridge decodes bus 0 only.
+    // With root buses of their own, bus 0's host bridge decodes bus 0 and its switches'.
     let last_bus = if cfg.root_buses.is_empty() {
         cfg.pci_bus_end
     } else {
-        cfg.pci_bus_start
+        cfg.switches
+            .iter()
+            .filter(|w| w.root == 0)
+            .map(|w| w.number)
+            .fold(cfg.pci_bus_start, u8::max)
     };
     let bus =
         AddressSpace::<u16>::new_bus_number(u16::from(cfg.pci_bus_start), u16::from(last_bus));
@@ -599,12 +694,10 @@ fn pci0_device(cfg: &AcpiConfig) -> Vec<u8> {
         ],
     );
     let mutex = aml::Mutex::new("BLCK".into(), 0);
-    let methods = Raw(hotplug_methods(cfg, 0, &root_bus_path(0)));
+    let methods = Raw(hotplug_methods(0, &root_bus_path(0), described_slots(cfg)));
 
     let scope = root_bus_path(0);
-    let slots: Vec<Raw> = described_slots(cfg)
-        .map(|s| Raw(slot_device(&scope, s)))
-        .collect();
+    let slots = root_slots(cfg, 0, &scope);
     let prt = cfg.pci_slot_gsis.as_ref().map(|g| Raw(pci_prt(cfg, g)));
 
     let hid_name = Name::new("_HID".into(), &hid);
@@ -675,7 +768,7 @@ impl Windows {
 /// The host bridge of a root bus of its own (`pxb`-like): `_BBN`, `_PXM`, its slice of the
 /// windows, its slots with `_EJ0`, `_PRT` and hot-plug methods.
 fn root_bus_device(cfg: &AcpiConfig, r: &RootBus) -> Vec<u8> {
-    let bus = AddressSpace::<u16>::new_bus_number(u16::from(r.bus), u16::from(r.bus));
+    let bus = AddressSpace::<u16>::new_bus_number(u16::from(r.bus), u16::from(r.last_bus));
     let windows = Windows::new(r.io, r.mmio32, r.mmio64);
     let mut resources: Vec<&dyn Aml> = vec![&bus];
     windows.push_to(&mut resources);
@@ -683,17 +776,16 @@ fn root_bus_device(cfg: &AcpiConfig, r: &RootBus) -> Vec<u8> {
     let hid = EISAName::new("PNP0A08");
     let cid = EISAName::new("PNP0A03");
     let number = u32::from(r.bus);
-    let scope = root_bus_path(r.bus);
+    let index = u32::from(r.index);
+    let scope = root_bus_path(r.index);
     let osc = Raw(pci_osc());
-    let methods = Raw(hotplug_methods(cfg, r.bus, &scope));
-    let slots: Vec<Raw> = described_slots(cfg)
-        .map(|s| Raw(slot_device(&scope, s)))
-        .collect();
+    let methods = Raw(hotplug_methods(r.index, &scope, described_slots(cfg)));
+    let slots = root_slots(cfg, r.index, &scope);
     let prt = cfg.pci_slot_gsis.as_ref().map(|g| Raw(pci_prt(cfg, g)));
     let hid_name = Name::new("_HID".into(), &hid);
     let cid_name = Name::new("_CID".into(), &cid);
     let seg_name = Name::new("_SEG".into(), &aml::ZERO);
-    let uid_name = Name::new("_UID".into(), &number);
+    let uid_name = Name::new("_UID".into(), &index);
     let bbn_name = Name::new("_BBN".into(), &number);
     let pxm_name = Name::new("_PXM".into(), &r.node);
     let crs_name = Name::new("_CRS".into(), &crs);
@@ -751,10 +843,18 @@ fn ged_device(cfg: &AcpiConfig) -> Vec<u8> {
     let bit = GED_EVENT_PCI_HOTPLUG;
     let and = aml::And::new(&aml::ZERO, &local0, &bit);
     let is_hotplug = aml::Equal::new(&and, &bit);
-    // Every root bus's PCNT: a hot-plug event may be about any of them.
+    // Every root bus's and switch's PCNT: a hot-plug event may be about any of them.
     let calls: Vec<MethodCall> = std::iter::once(0)
-        .chain(cfg.root_buses.iter().map(|r| r.bus))
-        .map(|b| MethodCall::new(format!("{}.PCNT", root_bus_path(b)).as_str().into(), vec![]))
+        .chain(cfg.root_buses.iter().map(|r| r.index))
+        .map(|b| format!("{}.PCNT", root_bus_path(b)))
+        .chain(cfg.switches.iter().map(|w| {
+            format!(
+                "{}.{}.PCNT",
+                root_bus_path(w.root),
+                slot_name(u32::from(w.device))
+            )
+        }))
+        .map(|path| MethodCall::new(path.as_str().into(), vec![]))
         .collect();
     let pcnts: Vec<&dyn Aml> = calls.iter().map(|c| c as &dyn Aml).collect();
     let if_hotplug = aml::If::new(&is_hotplug, pcnts);
@@ -1423,6 +1523,8 @@ mod tests {
         // Root buses: in MCFG's range, once each, in a node that exists.
         let bus = |bus, node| RootBus {
             bus,
+            index: bus,
+            last_bus: bus,
             node,
             io: (0x8800, 0x1000),
             mmio32: (0xd000_0000, 0x100_0000),
@@ -1469,29 +1571,48 @@ mod tests {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
-        // Node 1's devices on a root bus of their own, with the upper halves of the windows.
+        // Node 1's devices on a root bus of their own, with the upper halves of the windows;
+        // a switch on each root bus (bus 0's takes bus 1, so node 1's root bus is bus 2).
         let cfg = AcpiConfig {
             pci_slot_gsis: Some([16; 32]),
             numa: two_nodes(),
-            pci_bus_end: 1,
+            pci_bus_end: 3,
             io_size: 0x7800,
             mmio32_size: 0x1000_0000,
             mmio64_base: 1 << 40,
             mmio64_size: 1 << 39,
             root_buses: vec![RootBus {
-                bus: 1,
+                bus: 2,
+                index: 1,
+                last_bus: 3,
                 node: 1,
                 io: (0x8800, 0x4000),
                 mmio32: (0xd000_0000, 0x1000_0000),
                 mmio64: ((1 << 40) + (1 << 39), 1 << 39),
             }],
+            switches: vec![
+                Switch {
+                    index: 2,
+                    number: 1,
+                    root: 0,
+                    device: 1,
+                    ports: 3,
+                },
+                Switch {
+                    index: 3,
+                    number: 3,
+                    root: 1,
+                    device: 1,
+                    ports: 2,
+                },
+            ],
             ..config(2)
         };
         let t = create_acpi_tables(&cfg).unwrap();
         assert!(t.get(b"SRAT").is_some() && t.get(b"SLIT").is_some());
-        // MCFG reaches bus 1 (its last byte is the end bus).
+        // MCFG reaches bus 3 (its last byte is the end bus).
         let mcfg = &t.get(b"MCFG").unwrap().bytes;
-        assert_eq!(mcfg[mcfg.len() - 5], 1, "{mcfg:x?}");
+        assert_eq!(mcfg[mcfg.len() - 5], 3, "{mcfg:x?}");
         assert!(contains(&t.get(b"DSDT").unwrap().bytes, b"_PXM"));
         assert!(
             !contains(&create_dsdt(&config(2)), b"_PXM"),
@@ -1543,11 +1664,19 @@ mod tests {
             // Node 1's root bus: its number, node, slots and hot-plug methods, called by
             // the GED.
             "Device (\\_SB.PC01)",
-            "Name (_BBN, One)",
+            "Name (_BBN, 0x02)",
             "Name (_PXM, One)",
             "Notify (\\_SB.PC01.S05, Arg1)",
             "\\_SB.PC01.PCEJ (0x05)",
             "\\_SB.PC01.PCNT ()",
+            // The switches: their bridges' slots hold their ports and hot-plug methods, and
+            // the GED calls those too.
+            "Notify (\\_SB.PCI0.S01.S02, Arg1)",
+            "\\_SB.PCI0.S01.PCEJ (0x02)",
+            "\\_SB.PCI0.S01.PCNT ()",
+            "Notify (\\_SB.PC01.S01.S01, Arg1)",
+            "\\_SB.PC01.S01.PCNT ()",
+            "Name (_SUN, 0x61)",
         ] {
             assert!(dsl.contains(needle), "dsdt.dsl lacks {needle:?}:\n{dsl}");
         }

@@ -185,6 +185,21 @@ pub struct PciBarAllocators {
     pub mmio64: AddressAllocator,
     /// `(base, size, bytes taken)` of the I/O, 32-bit and 64-bit windows, for errors.
     windows: [(u64, u64, u64); 3],
+    /// Non-prefetchable 64-bit BARs come from the 32-bit window: set for a bus behind a
+    /// bridge, whose only 64-bit window is prefetchable (a firmware places them so too;
+    /// Linux would not claim them in the prefetchable window and would move them).
+    nonpref64_low: bool,
+}
+
+/// The window a BAR of `region_type` takes its range from: I/O, 32-bit, or 64-bit unless
+/// it is placed `low` (below 4 GiB: the 32-bit window).
+fn pool(region_type: PciBarRegionType, low: bool) -> usize {
+    match region_type {
+        PciBarRegionType::Io => 0,
+        PciBarRegionType::Memory32 => 1,
+        PciBarRegionType::Memory64 if low => 1,
+        PciBarRegionType::Memory64 => 2,
+    }
 }
 
 /// `size` bytes as the largest binary unit that divides it (`512 MiB`, `64 GiB`, `0x1800 bytes`).
@@ -244,6 +259,67 @@ pub fn root_bus_windows(bus: u8, buses: u8, mmio64: (u64, u64)) -> [(u64, u64); 
     })
 }
 
+/// A bus's I/O, 32-bit and 64-bit windows, `(base, size)` each.
+pub type BusWindows = [(u64, u64); 3];
+
+/// The windows of a root bus (`[io, mmio32, mmio64]`) shared with its `switches`: each
+/// switch gets a power-of-two part of half of each window, at least the bridge window's
+/// granularity (4 KiB for I/O, 1 MiB for memory), and the root bus keeps the other half for
+/// its own devices. The I/O and 32-bit parts come from the upper half, aligned to their
+/// size; the 64-bit parts from the lower half, one after the other from the window's start
+/// (granule-aligned; the allocator aligns each BAR to its size within them), so that the
+/// first switch's apertures sit at the start of the 64-bit window, where a bare-metal
+/// guest's boot mapping reaches. A window too small for that stays whole with the root bus
+/// and closed on the switches (`(0, 0)`). Returns the root bus's part and each switch's.
+pub fn switch_windows(root: BusWindows, switches: usize) -> (BusWindows, Vec<BusWindows>) {
+    let mut keep = root;
+    let mut parts = vec![[(0u64, 0u64); 3]; switches];
+    if switches == 0 {
+        return (keep, parts);
+    }
+    const GRANULES: [u64; 3] = [0x1000, 0x10_0000, 0x10_0000];
+    let n = switches as u64;
+    for (w, &(base, size)) in root.iter().enumerate() {
+        let granule = GRANULES[w];
+        let half = size / 2;
+        let end = base + size;
+        if w == 2 {
+            let start = base.div_ceil(granule) * granule;
+            let share = (base + half).saturating_sub(start) / n;
+            if share < granule {
+                continue;
+            }
+            let part = 1u64 << (63 - share.leading_zeros());
+            keep[w] = (base + half, size - half);
+            for (i, p) in parts.iter_mut().enumerate() {
+                p[w] = (start + i as u64 * part, part);
+            }
+            continue;
+        }
+        let share = end.saturating_sub(base + half) / n;
+        if share < granule {
+            continue;
+        }
+        let mut part = 1u64 << (63 - share.leading_zeros());
+        let start = loop {
+            let start = (base + half).div_ceil(part) * part;
+            if start + n * part <= end {
+                break Some(start);
+            }
+            part /= 2;
+            if part < granule {
+                break None;
+            }
+        };
+        let Some(start) = start else { continue };
+        keep[w] = (base, half);
+        for (i, p) in parts.iter_mut().enumerate() {
+            p[w] = (start + i as u64 * part, part);
+        }
+    }
+    (keep, parts)
+}
+
 impl PciBarAllocators {
     /// Allocators for root bus `bus` of `buses` (see [`root_bus_windows`]).
     pub fn for_root_bus(bus: u8, buses: u8, mmio64: (u64, u64)) -> Result<Self, PciDeviceError> {
@@ -266,7 +342,20 @@ impl PciBarAllocators {
                 (mmio32.0, mmio32.1, 0),
                 (mmio64.0, mmio64.1, 0),
             ],
+            nonpref64_low: false,
         })
+    }
+
+    /// Allocators for a bus behind a bridge: as [`PciBarAllocators::new`], with
+    /// non-prefetchable 64-bit BARs placed in the 32-bit window.
+    pub fn behind_bridge(
+        io: (u64, u64),
+        mmio32: (u64, u64),
+        mmio64: (u64, u64),
+    ) -> Result<Self, PciDeviceError> {
+        let mut a = Self::new(io, mmio32, mmio64)?;
+        a.nonpref64_low = true;
+        Ok(a)
     }
 
     /// The x86_64 layout of CONTRACTS.md: I/O 0x1000..0x10000, 32-bit MMIO
@@ -279,23 +368,19 @@ impl PciBarAllocators {
         )
     }
 
+    #[cfg(test)]
     fn window(&mut self, region_type: PciBarRegionType) -> &mut (u64, u64, u64) {
-        &mut self.windows[match region_type {
-            PciBarRegionType::Io => 0,
-            PciBarRegionType::Memory32 => 1,
-            PciBarRegionType::Memory64 => 2,
-        }]
+        &mut self.windows[pool(region_type, false)]
     }
 
-    fn no_room(
-        &mut self,
-        region_type: PciBarRegionType,
-        size: u64,
-        source: vm_allocator::Error,
-    ) -> PciDeviceError {
-        let (window_base, window_size, taken) = *self.window(region_type);
+    fn no_room(&mut self, pool: usize, size: u64, source: vm_allocator::Error) -> PciDeviceError {
+        let (window_base, window_size, taken) = self.windows[pool];
         PciDeviceError::BarAllocation {
-            region_type,
+            region_type: match pool {
+                0 => PciBarRegionType::Io,
+                1 => PciBarRegionType::Memory32,
+                _ => PciBarRegionType::Memory64,
+            },
             size,
             window_base,
             window_size,
@@ -304,11 +389,11 @@ impl PciBarAllocators {
         }
     }
 
-    fn for_type(&mut self, region_type: PciBarRegionType) -> &mut AddressAllocator {
-        match region_type {
-            PciBarRegionType::Io => &mut self.io,
-            PciBarRegionType::Memory32 => &mut self.mmio32,
-            PciBarRegionType::Memory64 => &mut self.mmio64,
+    fn allocator(&mut self, pool: usize) -> &mut AddressAllocator {
+        match pool {
+            0 => &mut self.io,
+            1 => &mut self.mmio32,
+            _ => &mut self.mmio64,
         }
     }
 
@@ -317,15 +402,16 @@ impl PciBarAllocators {
         &mut self,
         req: &BarRequest,
     ) -> Result<PciBarConfiguration, PciDeviceError> {
-        let range = match self.for_type(req.region_type).allocate(
-            req.size,
-            req.size,
-            AllocPolicy::FirstMatch,
-        ) {
+        let low = self.nonpref64_low && !req.prefetchable;
+        let pool = pool(req.region_type, low);
+        let range = match self
+            .allocator(pool)
+            .allocate(req.size, req.size, AllocPolicy::FirstMatch)
+        {
             Ok(r) => r,
-            Err(source) => return Err(self.no_room(req.region_type, req.size, source)),
+            Err(source) => return Err(self.no_room(pool, req.size, source)),
         };
-        self.window(req.region_type).2 += req.size;
+        self.windows[pool].2 += req.size;
         Ok(PciBarConfiguration::new(
             req.idx,
             range.start(),
@@ -342,15 +428,18 @@ impl PciBarAllocators {
         base: u64,
         size: u64,
     ) -> Result<(), PciDeviceError> {
+        // A 64-bit BAR below 4 GiB is in the 32-bit window (a non-prefetchable one behind a
+        // bridge, or one the guest moved there).
+        let pool = pool(region_type, base < 1 << 32);
         match self
-            .for_type(region_type)
+            .allocator(pool)
             .allocate(size, size, AllocPolicy::ExactMatch(base))
         {
             Ok(_) => {
-                self.window(region_type).2 += size;
+                self.windows[pool].2 += size;
                 Ok(())
             }
-            Err(source) => Err(self.no_room(region_type, size, source)),
+            Err(source) => Err(self.no_room(pool, size, source)),
         }
     }
 
@@ -370,8 +459,9 @@ impl PciBarAllocators {
         };
         let end = base.saturating_add(size.saturating_sub(1));
         let range = RangeInclusive::new(base, end).map_err(err)?;
-        self.for_type(region_type).free(&range).map_err(err)?;
-        let w = self.window(region_type);
+        let pool = pool(region_type, base < 1 << 32);
+        self.allocator(pool).free(&range).map_err(err)?;
+        let w = &mut self.windows[pool];
         w.2 = w.2.saturating_sub(size);
         Ok(())
     }
@@ -685,6 +775,100 @@ mod tests {
         );
         // Eight buses still each get I/O ports.
         assert!((0..8).all(|b| root_bus_windows(b, 8, m64)[0].1 >= 0x1000));
+    }
+
+    #[test]
+    fn switches_share_half_of_their_root_buses_windows_in_power_of_two_parts() {
+        let m64 = (0x100_0000_0000u64, 1u64 << 40);
+        let root = root_bus_windows(0, 1, m64);
+        let (keep, parts) = switch_windows(root, 1);
+        assert_eq!(
+            keep,
+            [
+                (0x1000, 0x7800),
+                (0xc000_0000, 0x1000_0000),
+                (m64.0 + (1 << 39), 1 << 39)
+            ]
+        );
+        assert_eq!(
+            parts,
+            vec![[
+                (0xc000, 0x4000),
+                (0xd000_0000, 0x1000_0000),
+                (m64.0, 1 << 39)
+            ]]
+        );
+        // Three switches on node 0's root bus of two: disjoint, powers of two; the I/O and
+        // 32-bit parts aligned in the root's upper half, the 64-bit ones one after the other
+        // from the window's start, the root keeping the upper half there.
+        let root = root_bus_windows(0, 2, m64);
+        let (keep, parts) = switch_windows(root, 3);
+        for w in 0..3 {
+            let (base, size) = root[w];
+            let (lo, hi) = if w == 2 {
+                assert_eq!(keep[w], (base + size / 2, size / 2));
+                (base, base + size / 2)
+            } else {
+                assert_eq!(keep[w], (base, size / 2));
+                (base + size / 2, base + size)
+            };
+            let mut prev_end = lo;
+            for p in &parts {
+                let (b, s) = p[w];
+                assert!(s.is_power_of_two(), "{w}: {parts:x?}");
+                assert!(w == 2 || b % s == 0, "{w}: {parts:x?}");
+                assert!(b >= prev_end && b + s <= hi, "{w}: {parts:x?}");
+                prev_end = b + s;
+            }
+        }
+        assert_eq!(
+            parts[0][2].0, m64.0,
+            "the first switch's apertures start the window"
+        );
+        assert_eq!(
+            parts[0][2].1,
+            1 << 36,
+            "256 GiB shared by three: 64 GiB each"
+        );
+        // No switches: the root keeps everything.
+        assert_eq!(switch_windows(root, 0), (root, vec![]));
+        // An I/O window too small for a 4 KiB part each stays with the root bus.
+        let (keep, parts) = switch_windows([(0x1000, 0x1000), root[1], root[2]], 2);
+        assert_eq!((keep[0], parts[1][0]), ((0x1000, 0x1000), (0, 0)));
+    }
+
+    #[test]
+    fn behind_a_bridge_non_prefetchable_64_bit_bars_are_placed_below_4g() {
+        let alloc: SharedBarAllocators = Arc::new(Mutex::new(
+            PciBarAllocators::behind_bridge(
+                (0xc000, 0x4000),
+                (0xd000_0000, 0x1000_0000),
+                (0x80_0000_0000, 0x40_0000_0000),
+            )
+            .unwrap(),
+        ));
+        let req = |idx, prefetchable| BarRequest {
+            idx,
+            size: 0x10_0000,
+            region_type: PciBarRegionType::Memory64,
+            prefetchable,
+        };
+        let mut np = BarAllocation::allocate(&alloc, &req(0, false)).unwrap();
+        let p = BarAllocation::allocate(&alloc, &req(2, true)).unwrap();
+        assert_eq!((np.base(), p.base()), (0xd000_0000, 0x80_0000_0000));
+        // Moved and freed in the 32-bit window too: the range comes back for the next.
+        np.relocate(0xd800_0000).unwrap();
+        assert_eq!(lock(&alloc).windows[1].2, 0x10_0000);
+        drop(np);
+        assert_eq!(lock(&alloc).windows[1].2, 0);
+        let again = BarAllocation::allocate(&alloc, &req(0, false)).unwrap();
+        assert_eq!(again.base(), 0xd000_0000);
+        // On a root bus a 64-bit BAR keeps the 64-bit window.
+        let root: SharedBarAllocators = Arc::new(Mutex::new(
+            PciBarAllocators::x86_64(0x80_0000_0000, 0x40_0000_0000).unwrap(),
+        ));
+        let r = BarAllocation::allocate(&root, &req(0, false)).unwrap();
+        assert_eq!(r.base(), 0x80_0000_0000);
     }
 
     #[test]

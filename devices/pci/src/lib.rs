@@ -4,6 +4,7 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod bridge;
 pub mod bus;
 pub mod configuration;
 pub mod device;
@@ -12,6 +13,7 @@ pub mod msi;
 pub mod msix;
 pub mod root;
 pub mod snapshot;
+pub mod topology;
 pub mod vm_ops;
 
 pub use bus::{Bus, BusDevice, BusError, BusRange, SharedBusDevice};
@@ -30,6 +32,7 @@ pub use msi::{MsiCap, MsiConfig};
 pub use msix::{MsixCap, MsixConfig};
 pub use root::{PciBdf, PciBus, PciConfigIo, PciConfigMmio, PciHostBridge, SharedPciDevice};
 pub use snapshot::{RestoreError, Snapshottable};
+pub use topology::{BusEntry, BusKind, BusLayout, SwitchSpec, TopologyError};
 pub use vm_ops::{IoEventGuard, MemslotGuard, VmOps};
 
 #[cfg(any(test, feature = "testing"))]

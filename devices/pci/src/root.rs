@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use crate::bus::BusDevice;
 use crate::configuration::{class, PciConfiguration, PciConfigurationParams, PciHeaderType};
 use crate::device::{ConfigWriteEffects, DeviceRelocation, PciDevice};
+use crate::topology::{BusKind, BusLayout};
 
 /// Slots on bus 0.
 pub const NUM_DEVICE_SLOTS: u8 = 32;
@@ -118,6 +119,11 @@ pub enum PciRootError {
     NoSuchBus { slot: u8, bus: u8, buses: u8 },
     #[error("no free pci slot on root bus {bus}: all {slots} slots for devices are in use (--pci-slots)")]
     NoFreeSlotOn { bus: u8, slots: u8 },
+    #[error(
+        "pci slot {slot} is port {port} of a switch with ports 0 to {}",
+        ports - 1
+    )]
+    NoSuchPort { slot: u8, port: u8, ports: u8 },
 }
 
 /// The host bridge at 00:00.0.
@@ -181,8 +187,8 @@ pub struct PciBus {
     devices: RwLock<BTreeMap<u8, SharedPciDevice>>,
     /// Slots 1..=`slots` of each bus take devices (bus 0's slot 0 is the host bridge's).
     slots: u8,
-    /// Root buses 0..`buses`.
-    buses: u8,
+    /// Root buses and switches, by index (slot numbers are `index * 32 + device`).
+    layout: BusLayout,
     relocation: Arc<dyn DeviceRelocation>,
     /// BAR moves the relocation refused (a guest can loop on them: logged rate-limited).
     refused_moves: std::sync::atomic::AtomicU64,
@@ -204,12 +210,22 @@ impl PciBus {
     /// Root buses 0..`buses` (clamped to 1..=[`MAX_ROOT_BUSES`]), each with slots
     /// 1..=`slots` for devices.
     pub fn with_buses(relocation: Arc<dyn DeviceRelocation>, slots: u8, buses: u8) -> Self {
+        Self::with_layout(relocation, slots, BusLayout::roots(buses))
+    }
+
+    /// The buses of `layout`, each root bus with slots 1..=`slots` for devices (clamped to
+    /// 1..=[`MAX_DEVICE_SLOTS`]). The switches' bridges are plugged by the caller.
+    pub fn with_layout(
+        relocation: Arc<dyn DeviceRelocation>,
+        slots: u8,
+        layout: BusLayout,
+    ) -> Self {
         let mut devices: BTreeMap<u8, SharedPciDevice> = BTreeMap::new();
         devices.insert(0, Arc::new(Mutex::new(PciHostBridge::new())));
         Self {
             devices: RwLock::new(devices),
             slots: slots.clamp(1, MAX_DEVICE_SLOTS),
-            buses: buses.clamp(1, MAX_ROOT_BUSES),
+            layout,
             relocation,
             refused_moves: std::sync::atomic::AtomicU64::new(0),
         }
@@ -236,7 +252,21 @@ impl PciBus {
 
     /// The root buses: 0..this.
     pub fn buses(&self) -> u8 {
-        self.buses
+        self.layout.root_count()
+    }
+
+    /// Root buses and switches.
+    pub fn layout(&self) -> &BusLayout {
+        &self.layout
+    }
+
+    /// The device numbers of bus index `bus` that take devices: 1..=slots on a root bus,
+    /// 0..ports on a switch.
+    pub fn device_numbers(&self, bus: u8) -> std::ops::RangeInclusive<u8> {
+        match self.layout.entry(bus).map(|e| e.kind) {
+            Some(BusKind::Switch { ports, .. }) => 0..=ports.saturating_sub(1),
+            _ => 1..=self.slots,
+        }
     }
 
     /// Lowest free slot of bus 0.
@@ -244,13 +274,11 @@ impl PciBus {
         self.next_free_slot_on(0)
     }
 
-    /// Lowest free slot number of root bus `bus`.
+    /// Lowest free slot number of bus index `bus` (a root bus or a switch).
     pub fn next_free_slot_on(&self, bus: u8) -> Option<u8> {
-        if bus >= self.buses {
-            return None;
-        }
+        self.layout.entry(bus)?;
         let devices = self.devices_read();
-        (1..=self.slots)
+        self.device_numbers(bus)
             .map(|d| slot_number(bus, d))
             .find(|s| !devices.contains_key(s))
     }
@@ -258,15 +286,25 @@ impl PciBus {
     /// Why slot number `slot` cannot take a device, if it cannot (occupancy aside).
     pub fn check_slot(&self, slot: u8) -> Result<(), PciRootError> {
         let (bus, dev) = (slot_bus(slot), slot_device(slot));
-        if bus >= self.buses {
+        let Some(entry) = self.layout.entry(bus) else {
             return Err(PciRootError::NoSuchBus {
                 slot,
                 bus,
-                buses: self.buses,
+                buses: self.layout.root_count(),
             });
-        }
+        };
         if slot == 0 {
             return Err(PciRootError::HostBridgeSlot);
+        }
+        if let BusKind::Switch { ports, .. } = entry.kind {
+            if dev >= ports {
+                return Err(PciRootError::NoSuchPort {
+                    slot,
+                    port: dev,
+                    ports,
+                });
+            }
+            return Ok(());
         }
         if dev == 0 || dev > self.slots {
             return Err(PciRootError::SlotInvalid(slot, self.slots));
@@ -274,9 +312,12 @@ impl PciBus {
         Ok(())
     }
 
-    /// The address of slot number `slot`.
-    pub fn bdf_of(slot: u8) -> PciBdf {
-        PciBdf::new(slot_bus(slot), slot_device(slot), 0)
+    /// The guest's address of slot number `slot` (its bus's number, which differs from the
+    /// bus index where switches are: `topology.rs`).
+    pub fn bdf_of(&self, slot: u8) -> PciBdf {
+        self.layout
+            .bdf_of(slot)
+            .unwrap_or_else(|| PciBdf::new(slot_bus(slot), slot_device(slot), 0))
     }
 
     /// Plugs `device` into `slot` (or the lowest free slot); returns its address.
@@ -297,7 +338,7 @@ impl PciBus {
                 .ok_or(PciRootError::NoFreeSlot(self.slots))?,
         };
         devices.insert(slot, device);
-        let bdf = Self::bdf_of(slot);
+        let bdf = self.bdf_of(slot);
         log::info!("pci device added at {bdf}");
         Ok(bdf)
     }
@@ -309,7 +350,7 @@ impl PciBus {
             .devices_write()
             .remove(&slot)
             .ok_or(PciRootError::SlotEmpty(slot))?;
-        log::info!("pci device removed from {}", Self::bdf_of(slot));
+        log::info!("pci device removed from {}", self.bdf_of(slot));
         Ok(dev)
     }
 
@@ -324,10 +365,11 @@ impl PciBus {
     }
 
     fn lookup(&self, bdf: PciBdf) -> Option<SharedPciDevice> {
-        if bdf.bus() >= self.buses || bdf.function() != 0 {
+        if bdf.function() != 0 {
             return None;
         }
-        self.device(slot_number(bdf.bus(), bdf.device()))
+        let bus = self.layout.index_of(bdf.bus())?;
+        self.device(slot_number(bus, bdf.device()))
     }
 
     /// Reads register `reg_idx` of `bdf`; all-ones if nothing is there.

@@ -61,7 +61,7 @@ pub fn run(r: &mut Results, seed: u32) {
         r.report("p2p-probe", false).s("no dmatest function").nl();
         return;
     };
-    let Some(b) = pci::find(|f| f.id() == ID && f.dev != a.dev) else {
+    let Some(b) = pci::find(|f| f.id() == ID && (f.bus != a.bus || f.dev != a.dev)) else {
         r.report("p2p-probe", false)
             .s("one dmatest function, two needed")
             .nl();
@@ -70,12 +70,14 @@ pub fn run(r: &mut Results, seed: u32) {
     b.set_command(CMD_MEM | CMD_INTX_DISABLE);
     a.set_command(CMD_MEM | CMD_BUS_MASTER | CMD_INTX_DISABLE);
     let (a0, b0) = (a.bar(0), b.bar(0));
-    a.print(r.report("p2p-probe", a0 != 0 && b0 != 0))
+    let o = a
+        .print(r.report("p2p-probe", a0 != 0 && b0 != 0))
         .s(" bar0 ")
         .hex(a0)
         .s(" peer ")
         .hex(b0)
-        .nl();
+        .s(" peer-bdf ");
+    b.print(o).nl();
     if a0 == 0 || b0 == 0 {
         return;
     }
@@ -137,7 +139,7 @@ pub fn run_loss(r: &mut Results, seed: u32, wait_ms: u64) {
         r.report("p2p-probe", false).s("no dmatest function").nl();
         return;
     };
-    let Some(b) = pci::find(|f| f.id() == ID && f.dev != a.dev) else {
+    let Some(b) = pci::find(|f| f.id() == ID && (f.bus != a.bus || f.dev != a.dev)) else {
         r.report("p2p-probe", false)
             .s("one dmatest function, two needed")
             .nl();
@@ -146,12 +148,14 @@ pub fn run_loss(r: &mut Results, seed: u32, wait_ms: u64) {
     b.set_command(CMD_MEM | CMD_INTX_DISABLE);
     a.set_command(CMD_MEM | CMD_BUS_MASTER | CMD_INTX_DISABLE);
     let (a0, b0) = (a.bar(0), b.bar(0));
-    a.print(r.report("p2p-probe", a0 != 0 && b0 != 0))
+    let o = a
+        .print(r.report("p2p-probe", a0 != 0 && b0 != 0))
         .s(" bar0 ")
         .hex(a0)
         .s(" peer ")
         .hex(b0)
-        .nl();
+        .s(" peer-bdf ");
+    b.print(o).nl();
     if a0 == 0 || b0 == 0 {
         return;
     }

@@ -127,22 +127,38 @@ impl Func {
     }
 }
 
-/// The first function on bus 0 for which `pred` holds.
+/// The first function for which `pred` holds, on bus 0 and behind the PCI-to-PCI bridges
+/// found there (a lender's switch: class 0x0604, its secondary bus in config byte 0x19),
+/// bus 0 first.
 pub fn find(pred: impl Fn(&Func) -> bool) -> Option<Func> {
-    for dev in 0..32u8 {
-        let f0 = Func::new(0, dev, 0);
-        if !f0.present() {
-            continue;
-        }
-        let funcs = if (f0.read32(0xc) >> 16) & 0x80 != 0 {
-            8
-        } else {
-            1
-        };
-        for func in 0..funcs {
-            let f = Func::new(0, dev, func);
-            if f.present() && pred(&f) {
-                return Some(f);
+    // Buses still to scan, as bits (lendvm numbers fewer than 32); a bitmap, not an array:
+    // array code here compiles to vector instructions the emulator cannot run.
+    let mut pending: u32 = 1;
+    while pending != 0 {
+        let bus = pending.trailing_zeros() as u8;
+        pending &= !(1u32 << bus);
+        for dev in 0..32u8 {
+            let f0 = Func::new(bus, dev, 0);
+            if !f0.present() {
+                continue;
+            }
+            let funcs = if (f0.read32(0xc) >> 16) & 0x80 != 0 {
+                8
+            } else {
+                1
+            };
+            for func in 0..funcs {
+                let f = Func::new(bus, dev, func);
+                if !f.present() {
+                    continue;
+                }
+                if pred(&f) {
+                    return Some(f);
+                }
+                let secondary = (f.read32(0x18) >> 8) & 0xff;
+                if f.class() >> 8 == 0x0604 && secondary > u32::from(bus) && secondary < 32 {
+                    pending |= 1u32 << secondary;
+                }
             }
         }
     }

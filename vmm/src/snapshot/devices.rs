@@ -13,7 +13,7 @@
 //! table entries, MSI-X control, the MSI capability (message, mask, then control), Interrupt
 //! Line, then the saved Command (Bus Master Enable pins and maps guest RAM again).
 
-use pci::Bus;
+use pci::{Bus, PciBdf};
 use serde::{Deserialize, Serialize};
 
 use super::SnapshotError;
@@ -64,8 +64,10 @@ pub struct MsixShadow {
     pub table: Vec<[u32; 4]>,
 }
 
-fn ecam(slot: u8, reg: usize) -> u64 {
-    PCI_ECAM_START + (u64::from(slot) << 15) + (reg as u64) * 4
+/// The ECAM address of register `reg` of the function at `at` (its bus *number*, which
+/// differs from the slot number's bus index behind switches: `pci::topology`).
+fn ecam(at: PciBdf, reg: usize) -> u64 {
+    PCI_ECAM_START + (u64::from(at.bus()) << 20) + (u64::from(at.device()) << 15) + (reg as u64) * 4
 }
 
 fn read32(bus: &Bus, addr: u64) -> Result<u32, SnapshotError> {
@@ -86,9 +88,9 @@ fn write(bus: &Bus, addr: u64, data: &[u8]) -> Result<(), SnapshotError> {
     })
 }
 
-fn config(bus: &Bus, slot: u8) -> Result<Vec<u32>, SnapshotError> {
+fn config(bus: &Bus, at: PciBdf) -> Result<Vec<u32>, SnapshotError> {
     (0..CONFIG_DWORDS)
-        .map(|r| read32(bus, ecam(slot, r)))
+        .map(|r| read32(bus, ecam(at, r)))
         .collect()
 }
 
@@ -171,15 +173,16 @@ fn msix_table(config: &[u32], cap: usize) -> Result<(u64, usize), SnapshotError>
     Ok((base + u64::from(t & !7), entries))
 }
 
-/// Reads the guest-visible state of the lent device in `slot` (VM paused).
+/// Reads the guest-visible state of the lent device in `slot`, at `at` (VM paused).
 pub fn save_lent(
     bus: &Bus,
+    at: PciBdf,
     id: &str,
     device: String,
     mode: api::types::RemoteDeviceMode,
     slot: u8,
 ) -> Result<LentDevice, SnapshotError> {
-    let config = config(bus, slot)?;
+    let config = config(bus, at)?;
     let msix = match msix_cap(&config) {
         None => None,
         Some(cap) => {
@@ -213,8 +216,16 @@ pub fn save_lent(
 
 /// Puts the saved guest-visible state back onto the freshly borrowed, reset device in
 /// `saved.slot` (before any vCPU runs).
-pub fn replay_lent(bus: &Bus, saved: &LentDevice) -> Result<(), SnapshotError> {
-    let slot = saved.slot;
+///
+/// `at` is the function's address; `refused_moves` counts the BAR moves the VMM refused
+/// (a refused move leaves the register as the guest wrote it, so only the count tells).
+pub fn replay_lent(
+    bus: &Bus,
+    at: PciBdf,
+    saved: &LentDevice,
+    refused_moves: &dyn Fn() -> u64,
+) -> Result<(), SnapshotError> {
+    let slot = at;
     let id = &saved.id;
     if saved.config.len() != CONFIG_DWORDS {
         return Err(SnapshotError::Mismatch(format!(
@@ -239,12 +250,16 @@ pub fn replay_lent(bus: &Bus, saved: &LentDevice) -> Result<(), SnapshotError> {
         let (want, is64) = bar(&saved.config, i);
         let (have, _) = bar(&now, i);
         if want != have {
+            // Only the last write's verdict counts: a 64-bit BAR's low half alone may name
+            // an address the VMM refuses on the way (its high half is still the old one).
+            let mut refused_before = refused_moves();
             write(
                 bus,
                 ecam(slot, REG_BAR0 + i),
                 &saved.config[REG_BAR0 + i].to_le_bytes(),
             )?;
             if is64 {
+                refused_before = refused_moves();
                 write(
                     bus,
                     ecam(slot, REG_BAR0 + i + 1),
@@ -253,7 +268,7 @@ pub fn replay_lent(bus: &Bus, saved: &LentDevice) -> Result<(), SnapshotError> {
             }
             let after = config(bus, slot)?;
             let (got, _) = bar(&after, i);
-            if got != want {
+            if got != want || refused_moves() != refused_before {
                 return Err(SnapshotError::Mismatch(format!(
                     "{id}: BAR {i} decodes at {got:#x}, the guest had it at {want:#x} (the \
                      move was refused)"
@@ -316,7 +331,7 @@ pub fn replay_lent(bus: &Bus, saved: &LentDevice) -> Result<(), SnapshotError> {
         &(command as u16).to_le_bytes(),
     )?;
     log::info!(
-        "{id}: guest PCI state re-applied at 00:{slot:02x}.0 (command {command:#06x}{})",
+        "{id}: guest PCI state re-applied at {slot} (command {command:#06x}{})",
         match &saved.msix {
             Some(m) => format!(
                 ", {} MSI-X entries, control {:#06x}",
@@ -418,7 +433,8 @@ mod tests {
             writes: Vec::new(),
         }));
         let bus = Bus::new();
-        bus.insert(dev.clone(), ecam(1, 0), 4 * CONFIG_DWORDS as u64)
+        let at = PciBdf::new(0, 1, 0);
+        bus.insert(dev.clone(), ecam(at, 0), 4 * CONFIG_DWORDS as u64)
             .unwrap();
         let lent = LentDevice {
             id: "disk0".into(),
@@ -428,7 +444,7 @@ mod tests {
             config: saved.clone(),
             msix: None,
         };
-        replay_lent(&bus, &lent).unwrap();
+        replay_lent(&bus, at, &lent, &|| 0).unwrap();
         let d = dev.lock().unwrap();
         let now: Vec<u32> = d
             .bytes
@@ -452,8 +468,47 @@ mod tests {
         let mut other = fresh.clone();
         other[0x40 / 4] = 0x0003_0001;
         dev.lock().unwrap().bytes = other.iter().flat_map(|d| d.to_le_bytes()).collect();
-        let e = replay_lent(&bus, &lent).unwrap_err().to_string();
+        let e = replay_lent(&bus, at, &lent, &|| 0).unwrap_err().to_string();
         assert!(e.contains("MSI capability"), "{e}");
+    }
+
+    /// A BAR move the VMM refuses leaves the register as written: the replay hears of it
+    /// from the refusal count and fails naming the BAR, rather than restoring a guest whose
+    /// BAR decodes elsewhere.
+    #[test]
+    fn a_refused_bar_move_fails_the_replay() {
+        let saved = header();
+        let mut fresh = saved.clone();
+        fresh[REG_BAR0 + 2] = 0xc001_0000;
+        let dev = Arc::new(Mutex::new(FakeConfig {
+            bytes: fresh.iter().flat_map(|d| d.to_le_bytes()).collect(),
+            writes: Vec::new(),
+        }));
+        let bus = Bus::new();
+        let at = PciBdf::new(1, 2, 0);
+        bus.insert(dev.clone(), ecam(at, 0), 4 * CONFIG_DWORDS as u64)
+            .unwrap();
+        let lent = LentDevice {
+            id: "disk0".into(),
+            device: "node1:0000:82:00.0".into(),
+            mode: api::types::RemoteDeviceMode::Direct,
+            slot: 34,
+            config: saved,
+            msix: None,
+        };
+        let refused = std::cell::Cell::new(0u64);
+        let count = || {
+            // Every write of BAR 2 is refused: the count grows each time it is read after
+            // one.
+            let n = dev.lock().unwrap().writes.len() as u64;
+            refused.set(n);
+            n
+        };
+        let e = replay_lent(&bus, at, &lent, &count)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("BAR 2") && e.contains("refused"), "{e}");
+        assert!(refused.get() >= 1);
     }
 
     #[test]

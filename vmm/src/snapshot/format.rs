@@ -212,6 +212,11 @@ pub struct MachineConfig {
     /// lendvms (31).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci_slots: Option<u8>,
+    /// The switches made at launch, one per lender with two or more launch devices: the
+    /// guest's bus numbers and ACPI tables depend on them, so a restored or migrated VM
+    /// rebuilds them. Absent without switches and in documents of older lendvms.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub switches: Vec<crate::device_manager::LenderSwitch>,
 }
 
 impl MachineConfig {
@@ -535,6 +540,11 @@ mod tests {
                     distances: Vec::new(),
                 }],
                 pci_slots: Some(4),
+                switches: vec![crate::device_manager::LenderSwitch {
+                    lender: "node-a".into(),
+                    root: 0,
+                    ports: 4,
+                }],
             },
             memory: vec![RamFile {
                 gpa: 0,
