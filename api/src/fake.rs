@@ -110,6 +110,12 @@ impl Default for FakeVmmConfig {
                         distances: vec![21, 10],
                     },
                 ],
+                switches: vec![crate::types::SwitchInfo {
+                    lender: "node3".into(),
+                    bridge: "0000:00:01.0".into(),
+                    bus: 1,
+                    ports: 4,
+                }],
             },
         }
     }

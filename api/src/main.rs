@@ -244,6 +244,12 @@ fn render_info(info: &VmInfo) -> String {
             dist.join(" ")
         ));
     }
+    for sw in &c.switches {
+        out.push_str(&format!(
+            "switch:  lender {} at {} (bus {:02x}, {} ports)\n",
+            sw.lender, sw.bridge, sw.bus, sw.ports
+        ));
+    }
     if info.remote_devices.is_empty() {
         out.push_str("\nno remote devices");
         return out;

@@ -492,6 +492,24 @@ pub struct VmConfigInfo {
     /// one node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub numa_nodes: Vec<NumaNodeInfo>,
+    /// The switches made at launch, one per lender with two or more launch devices on one
+    /// root bus: where the guest sees that lender's devices. Empty without.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub switches: Vec<SwitchInfo>,
+}
+
+/// A lender's switch as `vm.info` reports it: a PCI-to-PCI bridge with the lender's devices
+/// on its secondary bus.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwitchInfo {
+    /// The lender whose devices sit behind it.
+    pub lender: String,
+    /// The bridge's address in the guest.
+    pub bridge: String,
+    /// Its secondary bus (the devices' bus number).
+    pub bus: u8,
+    /// Its ports: device numbers 0 to ports - 1 of that bus.
+    pub ports: u8,
 }
 
 /// A guest NUMA node as `vm.info` reports it.

@@ -83,6 +83,10 @@ fn lendctl_ping_info_add_remove_shutdown_tables() {
             && out.contains("numa:    node 1: cpus 1, memory 256 MiB, distances 21 10"),
         "{out}"
     );
+    assert!(
+        out.contains("switch:  lender node3 at 0000:00:01.0 (bus 01, 4 ports)"),
+        "{out}"
+    );
     let header = out.lines().find(|l| l.starts_with("ID")).unwrap();
     assert!(
         header.contains("LENDER BDF") && header.contains("DMA WINDOW"),

@@ -481,9 +481,16 @@ fn lent_nvme(fabric: Fabric) {
         dst.stderr()
     );
     // The same topology: both devices behind the rebuilt switch, at their old addresses.
-    let at: Vec<String> = dapi
-        .info()
-        .unwrap()
+    let info = dapi.info().unwrap();
+    let sw = &info.config.switches;
+    assert_eq!(
+        sw.iter()
+            .map(|s| format!("{} {} {} {}", s.lender, s.bridge, s.bus, s.ports))
+            .collect::<Vec<_>>(),
+        [format!("{LENDER} 0000:00:01.0 1 4")],
+        "vm.info's switches"
+    );
+    let at: Vec<String> = info
         .remote_devices
         .iter()
         .map(|d| format!("{} {}", d.id, d.guest_bdf))

@@ -403,6 +403,7 @@ fn rig_full(
         remote_devices: Vec::new(),
         pci_slots: None,
         numa_nodes: Vec::new(),
+        switches: Vec::new(),
     };
     let mut ctl = Controller::new(h, Box::new(source.clone()), config);
     ctl.set_running();

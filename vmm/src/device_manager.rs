@@ -579,6 +579,26 @@ impl DeviceManager {
         self.switches.iter().map(|(s, _)| s)
     }
 
+    /// The switches as `vm.info` reports them: lender, bridge address, bus, ports.
+    pub fn switch_info(&self) -> Vec<api::types::SwitchInfo> {
+        let layout = self.pci_bus.layout();
+        self.switches
+            .iter()
+            .filter_map(|(s, index)| {
+                let e = layout.entry(*index)?;
+                let pci::BusKind::Switch { bridge_slot, .. } = e.kind else {
+                    return None;
+                };
+                Some(api::types::SwitchInfo {
+                    lender: s.lender.clone(),
+                    bridge: self.pci_bus.bdf_of(bridge_slot).to_string(),
+                    bus: e.number,
+                    ports: s.ports,
+                })
+            })
+            .collect()
+    }
+
     /// The whole 64-bit BAR window, `(base, size)`.
     pub fn mmio64(&self) -> (u64, u64) {
         self.mmio64
@@ -903,6 +923,12 @@ mod tests {
             (Some(2), Some(3))
         );
         assert_eq!((dm.switch_for("a", 1), dm.switch_for("c", 0)), (None, None));
+        let info: Vec<String> = dm
+            .switch_info()
+            .iter()
+            .map(|s| format!("{} {} {} {}", s.lender, s.bridge, s.bus, s.ports))
+            .collect();
+        assert_eq!(info, ["a 0000:00:01.0 1 3", "b 0000:02:01.0 3 2"]);
         // The bridges: type 1 headers in their root buses' slot 1, bus numbers as laid out.
         let cfg = |b: u8, d: u8, reg: usize| bus.read_config(PciBdf::new(b, d, 0), reg);
         assert_eq!(cfg(0, 1, 0), 0x0001_1b36);

@@ -884,6 +884,7 @@ fn main() -> ExitCode {
         remote_devices: cli.remote_device.clone(),
         pci_slots: Some(u32::from(cfg.pci_slots)),
         numa_nodes: vmm::numa::info(&cfg.numa, cfg.cpus, cfg.memory_size),
+        switches: vm.devices().switch_info(),
     };
     let machine = vmm::snapshot::format::MachineConfig {
         cpus: cfg.cpus,
