@@ -428,22 +428,9 @@ mod tests {
         for r in [0x64, 0x68, 0x6c, 0x70] {
             fresh[r / 4] = 0;
         }
-        let dev = Arc::new(Mutex::new(FakeConfig {
-            bytes: fresh.iter().flat_map(|d| d.to_le_bytes()).collect(),
-            writes: Vec::new(),
-        }));
-        let bus = Bus::new();
         let at = PciBdf::new(0, 1, 0);
-        bus.insert(dev.clone(), ecam(at, 0), 4 * CONFIG_DWORDS as u64)
-            .unwrap();
-        let lent = LentDevice {
-            id: "disk0".into(),
-            device: "node1:0000:82:00.0".into(),
-            mode: api::types::RemoteDeviceMode::Direct,
-            slot: 1,
-            config: saved.clone(),
-            msix: None,
-        };
+        let (dev, bus) = fake_at(at, &fresh);
+        let lent = lent_disk(1, saved.clone());
         replay_lent(&bus, at, &lent, &|| 0).unwrap();
         let d = dev.lock().unwrap();
         let now: Vec<u32> = d
@@ -472,6 +459,30 @@ mod tests {
         assert!(e.contains("MSI capability"), "{e}");
     }
 
+    /// A device whose config space is `config`, answering ECAM at `at` on a bus of its own.
+    fn fake_at(at: PciBdf, config: &[u32]) -> (Arc<Mutex<FakeConfig>>, Bus) {
+        let dev = Arc::new(Mutex::new(FakeConfig {
+            bytes: config.iter().flat_map(|d| d.to_le_bytes()).collect(),
+            writes: Vec::new(),
+        }));
+        let bus = Bus::new();
+        bus.insert(dev.clone(), ecam(at, 0), 4 * CONFIG_DWORDS as u64)
+            .unwrap();
+        (dev, bus)
+    }
+
+    /// The saved state of a lent disk in `slot` whose config space was `config`.
+    fn lent_disk(slot: u8, config: Vec<u32>) -> LentDevice {
+        LentDevice {
+            id: "disk0".into(),
+            device: "node1:0000:82:00.0".into(),
+            mode: api::types::RemoteDeviceMode::Direct,
+            slot,
+            config,
+            msix: None,
+        }
+    }
+
     /// A BAR move the VMM refuses leaves the register as written: the replay hears of it
     /// from the refusal count and fails naming the BAR, rather than restoring a guest whose
     /// BAR decodes elsewhere.
@@ -480,22 +491,9 @@ mod tests {
         let saved = header();
         let mut fresh = saved.clone();
         fresh[REG_BAR0 + 2] = 0xc001_0000;
-        let dev = Arc::new(Mutex::new(FakeConfig {
-            bytes: fresh.iter().flat_map(|d| d.to_le_bytes()).collect(),
-            writes: Vec::new(),
-        }));
-        let bus = Bus::new();
         let at = PciBdf::new(1, 2, 0);
-        bus.insert(dev.clone(), ecam(at, 0), 4 * CONFIG_DWORDS as u64)
-            .unwrap();
-        let lent = LentDevice {
-            id: "disk0".into(),
-            device: "node1:0000:82:00.0".into(),
-            mode: api::types::RemoteDeviceMode::Direct,
-            slot: 34,
-            config: saved,
-            msix: None,
-        };
+        let (dev, bus) = fake_at(at, &fresh);
+        let lent = lent_disk(34, saved);
         let refused = std::cell::Cell::new(0u64);
         let count = || {
             // Every write of BAR 2 is refused: the count grows each time it is read after
