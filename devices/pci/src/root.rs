@@ -5,9 +5,11 @@
 //! A guest with NUMA nodes has more root buses, 1 to [`MAX_ROOT_BUSES`] - 1, one per node
 //! that holds devices: each is a host bridge of its own in the guest's ACPI tables (`_BBN`,
 //! `_PXM`), as QEMU's `pxb` expanders are, because x86 Linux gives a PCI function the NUMA
-//! node of its root bus. Their slot 0 stays empty (no host bridge function there). A device
-//! is named by a *slot number* across all buses: `bus * 32 + device`, so that bus 0's slots
-//! keep their numbers.
+//! node of its root bus. Their slot 0 stays empty (no host bridge function there). A lender's
+//! *switch* adds a bus behind a PCI-to-PCI bridge (`bridge.rs`) in a root bus's slot. A
+//! device is named by a *slot number* across all buses: `index * 32 + device`, so that bus
+//! 0's slots keep their numbers; configuration cycles name the bus by the number the guest
+//! sees, which [`BusLayout`] maps to the index (`topology.rs`).
 //!
 //! Effects of config writes (BAR moves, Command changes) go to the [`DeviceRelocation`]
 //! given to [`PciBus::new`]; see `device.rs` for the order of calls.
