@@ -12,7 +12,7 @@
 
 use std::any::Any;
 
-use crate::configuration::class;
+use crate::configuration::{class, PciConfiguration, PciConfigurationParams, PciHeaderType};
 use crate::device::{ConfigWriteEffects, PciDevice};
 
 /// Vendor and device id of the bridge: Red Hat's PCI-PCI bridge (`1b36:0001`, QEMU's
@@ -33,10 +33,7 @@ const IO_GRANULE: u64 = 0x1000;
 const MEM_GRANULE: u64 = 0x10_0000;
 
 /// Registers (dword index).
-const REG_ID: usize = 0;
 const REG_COMMAND: usize = 1;
-const REG_CLASS: usize = 2;
-const REG_HEADER: usize = 3;
 const REG_BUS_NUMBERS: usize = 6;
 const REG_IO: usize = 7;
 const REG_MEM: usize = 8;
@@ -50,15 +47,14 @@ const REG_BRIDGE_CONTROL: usize = 15;
 /// error response, SERR#.
 const COMMAND_MASK: u32 = 0x0147;
 /// Bridge Control: parity error response, SERR#, ISA, VGA, master abort mode, secondary
-/// bus reset; the rest read 0.
-const BRIDGE_CONTROL_MASK: u32 = 0x005f << 16;
+/// bus reset; the rest read 0. Interrupt Line stays writable beside it.
+const BRIDGE_CONTROL_MASK: u32 = 0x005f << 16 | 0xff;
 
-/// A type 1 configuration header with fixed bus numbers and guest-writable windows.
+/// A type 1 configuration header ([`PciConfiguration`] with the bridge's masks) with fixed
+/// bus numbers and guest-writable windows.
 #[derive(Debug)]
 pub struct PciBridge {
-    regs: [u32; 64],
-    /// Which bits of each register the guest may write.
-    writable: [u32; 64],
+    config: PciConfiguration,
 }
 
 fn window_ok((base, size): (u64, u64), granule: u64, limit: u64) -> bool {
@@ -72,64 +68,81 @@ impl PciBridge {
     /// A bridge on bus `primary` whose secondary (and subordinate) bus is `secondary`,
     /// with `windows` open.
     pub fn new(primary: u8, secondary: u8, windows: BridgeWindows) -> Self {
-        let mut regs = [0u32; 64];
-        let mut writable = [0u32; 64];
-        regs[REG_ID] = u32::from(BRIDGE_DEVICE_ID) << 16 | u32::from(BRIDGE_VENDOR_ID);
-        writable[REG_COMMAND] = COMMAND_MASK;
-        regs[REG_CLASS] =
-            u32::from(class::BRIDGE) << 24 | u32::from(class::PCI_BRIDGE_SUBCLASS) << 16;
-        // Header type 1, single function.
-        regs[REG_HEADER] = 0x01 << 16;
-        // Secondary latency timer 0; primary, secondary, subordinate.
-        regs[REG_BUS_NUMBERS] =
-            u32::from(secondary) << 16 | u32::from(secondary) << 8 | u32::from(primary);
-
+        let mut config = PciConfiguration::new(&PciConfigurationParams {
+            vendor_id: BRIDGE_VENDOR_ID,
+            device_id: BRIDGE_DEVICE_ID,
+            class_code: class::BRIDGE,
+            subclass: class::PCI_BRIDGE_SUBCLASS,
+            header_type: PciHeaderType::Bridge,
+            // Reads of 0x100 and past see 0: no extended capabilities.
+            extended: true,
+            ..Default::default()
+        });
+        let mut set =
+            |reg: usize, value: u32| config.write_bytes_raw(reg * 4, &value.to_le_bytes());
+        // Primary, secondary, subordinate; secondary latency timer 0.
+        set(
+            REG_BUS_NUMBERS,
+            u32::from(secondary) << 16 | u32::from(secondary) << 8 | u32::from(primary),
+        );
         // I/O base and limit: bits 15:12 of a 16-bit address in the upper nibble of each
         // byte; closed is base > limit.
-        writable[REG_IO] = 0xf0f0;
-        regs[REG_IO] = if window_ok(windows.io, IO_GRANULE, 0xffff) {
-            let (base, size) = windows.io;
-            let last = base + size - 1;
-            (((last >> 8) & 0xf0) as u32) << 8 | ((base >> 8) & 0xf0) as u32
-        } else {
-            0x00f0
-        };
+        set(
+            REG_IO,
+            if window_ok(windows.io, IO_GRANULE, 0xffff) {
+                let (base, size) = windows.io;
+                let last = base + size - 1;
+                (((last >> 8) & 0xf0) as u32) << 8 | ((base >> 8) & 0xf0) as u32
+            } else {
+                0x00f0
+            },
+        );
         // Memory base and limit: bits 31:20 in bits 15:4 of each half.
-        writable[REG_MEM] = 0xfff0_fff0;
-        regs[REG_MEM] = if window_ok(windows.mem32, MEM_GRANULE, u64::from(u32::MAX)) {
-            let (base, size) = windows.mem32;
-            let last = base + size - 1;
-            (((last >> 16) & 0xfff0) as u32) << 16 | ((base >> 16) & 0xfff0) as u32
-        } else {
-            0x0000_fff0
-        };
-        // Prefetchable: 64-bit (low nibble 1 in both halves), upper 32 bits apart.
-        writable[REG_PREF] = 0xfff0_fff0;
-        writable[REG_PREF_BASE_UPPER] = u32::MAX;
-        writable[REG_PREF_LIMIT_UPPER] = u32::MAX;
+        set(
+            REG_MEM,
+            if window_ok(windows.mem32, MEM_GRANULE, u64::from(u32::MAX)) {
+                let (base, size) = windows.mem32;
+                let last = base + size - 1;
+                (((last >> 16) & 0xfff0) as u32) << 16 | ((base >> 16) & 0xfff0) as u32
+            } else {
+                0x0000_fff0
+            },
+        );
+        // Prefetchable: 64-bit (low nibble 1 in both halves, read-only), upper 32 bits apart.
         if window_ok(windows.pref64, MEM_GRANULE, u64::MAX) {
             let (base, size) = windows.pref64;
             let last = base + size - 1;
-            regs[REG_PREF] =
-                (((last >> 16) & 0xfff0) as u32 | 1) << 16 | ((base >> 16) & 0xfff0) as u32 | 1;
-            regs[REG_PREF_BASE_UPPER] = (base >> 32) as u32;
-            regs[REG_PREF_LIMIT_UPPER] = (last >> 32) as u32;
+            set(
+                REG_PREF,
+                (((last >> 16) & 0xfff0) as u32 | 1) << 16 | ((base >> 16) & 0xfff0) as u32 | 1,
+            );
+            set(REG_PREF_BASE_UPPER, (base >> 32) as u32);
+            set(REG_PREF_LIMIT_UPPER, (last >> 32) as u32);
         } else {
-            regs[REG_PREF] = 0x0001_fff1;
+            set(REG_PREF, 0x0001_fff1);
         }
-        writable[REG_IO_UPPER] = 0;
-        writable[REG_BRIDGE_CONTROL] = BRIDGE_CONTROL_MASK;
-        Self { regs, writable }
+        // The masks PciConfiguration gives a type 1 header, less what lendvm fixes: the bus
+        // numbers (the VMM decodes configuration cycles by them) and the I/O upper halves
+        // (16-bit I/O decode); Command and Bridge Control to the bits a bridge implements.
+        config.set_writable_bits(REG_BUS_NUMBERS, 0);
+        config.set_writable_bits(REG_IO_UPPER, 0);
+        config.set_writable_bits(REG_COMMAND, COMMAND_MASK);
+        config.set_writable_bits(REG_BRIDGE_CONTROL, BRIDGE_CONTROL_MASK);
+        Self { config }
+    }
+
+    fn reg(&self, reg: usize) -> u32 {
+        self.config.read_reg(reg)
     }
 
     /// Secondary bus number.
     pub fn secondary_bus(&self) -> u8 {
-        (self.regs[REG_BUS_NUMBERS] >> 8) as u8
+        (self.reg(REG_BUS_NUMBERS) >> 8) as u8
     }
 
     /// The memory window as programmed now, `(base, last)`; `None` when closed.
     pub fn mem32_window(&self) -> Option<(u64, u64)> {
-        let r = self.regs[REG_MEM];
+        let r = self.reg(REG_MEM);
         let base = u64::from(r & 0xfff0) << 16;
         let last = (u64::from(r >> 16 & 0xfff0) << 16) | 0xf_ffff;
         (base <= last).then_some((base, last))
@@ -137,9 +150,9 @@ impl PciBridge {
 
     /// The prefetchable window as programmed now, `(base, last)`; `None` when closed.
     pub fn pref64_window(&self) -> Option<(u64, u64)> {
-        let r = self.regs[REG_PREF];
-        let base = u64::from(self.regs[REG_PREF_BASE_UPPER]) << 32 | u64::from(r & 0xfff0) << 16;
-        let last = u64::from(self.regs[REG_PREF_LIMIT_UPPER]) << 32
+        let r = self.reg(REG_PREF);
+        let base = u64::from(self.reg(REG_PREF_BASE_UPPER)) << 32 | u64::from(r & 0xfff0) << 16;
+        let last = u64::from(self.reg(REG_PREF_LIMIT_UPPER)) << 32
             | u64::from(r >> 16 & 0xfff0) << 16
             | 0xf_ffff;
         (base <= last).then_some((base, last))
@@ -147,7 +160,7 @@ impl PciBridge {
 
     /// The I/O window as programmed now, `(base, last)`; `None` when closed.
     pub fn io_window(&self) -> Option<(u64, u64)> {
-        let r = self.regs[REG_IO];
+        let r = self.reg(REG_IO);
         let base = u64::from(r & 0xf0) << 8;
         let last = u64::from(r >> 8 & 0xf0) << 8 | 0xfff;
         (base <= last).then_some((base, last))
@@ -160,8 +173,7 @@ impl PciDevice for PciBridge {
     }
 
     fn read_config_register(&mut self, reg_idx: usize) -> u32 {
-        // Past the header: no capabilities, and no extended ones (0 at 0x100).
-        self.regs.get(reg_idx).copied().unwrap_or(0)
+        self.config.read_reg(reg_idx)
     }
 
     fn write_config_register(
@@ -170,21 +182,7 @@ impl PciDevice for PciBridge {
         offset: u64,
         data: &[u8],
     ) -> ConfigWriteEffects {
-        let (Some(reg), Some(&mask)) = (self.regs.get_mut(reg_idx), self.writable.get(reg_idx))
-        else {
-            return ConfigWriteEffects::default();
-        };
-        let shift = offset * 8;
-        if shift >= 32 || data.is_empty() || data.len() > 4 || offset as usize + data.len() > 4 {
-            return ConfigWriteEffects::default();
-        }
-        let mut value = [0u8; 4];
-        value[..data.len()].copy_from_slice(data);
-        let bytes_mask = (u64::from(u32::MAX) >> (32 - 8 * data.len() as u64)) as u32;
-        let value = (u32::from_le_bytes(value) & bytes_mask) << shift;
-        let mask = mask & (bytes_mask << shift);
-        *reg = (*reg & !mask) | (value & mask);
-        ConfigWriteEffects::default()
+        self.config.write_config_register(reg_idx, offset, data)
     }
 
     fn as_any(&self) -> &dyn Any {
