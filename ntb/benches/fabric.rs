@@ -2,7 +2,8 @@
 //! `scripts/bench.sh`).
 //!
 //! * window copy bandwidth for 4 KiB … 64 MiB: a plain in-process memcpy (the limit of shm),
-//!   shm peer-window writes and reads; a plain rustls TLS 1.3 stream on loopback with the
+//!   shm peer-window writes and reads, a shm *mediated* window's writes (through the
+//!   exporter's staging ring: the path of a cross-lender P2P copy); a plain rustls TLS 1.3 stream on loopback with the
 //!   fabric's own TLS configuration (`ntb::tls::client_config`, so the same cipher suite: the
 //!   limit of an encrypted link on this machine), and the tcp fabric's window writes and
 //!   reads, interleaved in the same trials;
@@ -444,6 +445,10 @@ struct Row {
     shm_write: f64,
     shm_read: f64,
     shm_vs_memcpy: f64,
+    /// A mediated window's writes on shm, through its staging ring (a cross-lender P2P
+    /// copy's path).
+    mediated_write: f64,
+    mediated_vs_memcpy: f64,
     tls: f64,
     tcp_write: f64,
     tcp_read: f64,
@@ -479,6 +484,17 @@ fn main() {
                 .id,
         )
         .expect("map");
+    let med_mem = SharedMemory::new("bench-mediated", max as u64).expect("memfd");
+    let _med_win = sa
+        .export_window_mediated(med_mem.fd(), 0, max as u64, "bench-mediated")
+        .expect("export");
+    let med_w: Box<dyn PeerWindow> = sb
+        .map_peer_window(
+            sb.wait_peer_window("bench-mediated", Duration::from_secs(5))
+                .expect("win")
+                .id,
+        )
+        .expect("map");
     let tcp_mem = SharedMemory::new("bench-tcp", max as u64).expect("memfd");
     let _tcp_win = ta
         .export_window(tcp_mem.fd(), 0, max as u64, "bench")
@@ -503,12 +519,13 @@ fn main() {
         dst[..size].copy_from_slice(&src[..size]);
         shm_w.write_at(0, &src[..size]).expect("shm write");
         shm_w.read_at(0, &mut rbuf).expect("shm read");
+        med_w.write_at(0, &src[..size]).expect("mediated write");
         tcp_w.write_at(0, &src[..size]).expect("tcp write");
         tcp_w.read_at(0, &mut rbuf).expect("tcp read");
         tls.send(&src[..size]);
         // The machine is shared: alternate short trials so background load hits all alike,
         // and compare each trial with its neighbouring limit trial.
-        let mut v: [Vec<f64>; 9] = Default::default();
+        let mut v: [Vec<f64>; 11] = Default::default();
         for _ in 0..trials {
             let tm = rate(size, budget, min_iters, || {
                 // SAFETY: distinct buffers of at least `size` bytes.
@@ -522,6 +539,9 @@ fn main() {
                 shm_w.read_at(0, &mut rbuf).expect("shm read");
                 std::hint::black_box(&mut rbuf);
             });
+            let mw = rate(size, budget, min_iters, || {
+                med_w.write_at(0, &src[..size]).expect("mediated write")
+            });
             let tl = rate(size, tcp_budget, min_iters, || tls.send(&src[..size]));
             let tw = rate(size, tcp_budget, min_iters, || {
                 tcp_w.write_at(0, &src[..size]).expect("tcp write")
@@ -530,20 +550,34 @@ fn main() {
                 tcp_w.read_at(0, &mut rbuf).expect("tcp read");
                 std::hint::black_box(&mut rbuf);
             });
-            for (k, x) in [tm, sw, sr, tl, tw, tr, sw / tm, tw / tl, tr / tl]
-                .into_iter()
-                .enumerate()
+            for (k, x) in [
+                tm,
+                sw,
+                sr,
+                tl,
+                tw,
+                tr,
+                sw / tm,
+                tw / tl,
+                tr / tl,
+                mw,
+                mw / tm,
+            ]
+            .into_iter()
+            .enumerate()
             {
                 v[k].push(x);
             }
         }
-        let [m, sw, sr, tl, tw, tr, r1, r2, r3] = v.map(|mut x| median(&mut x));
+        let [m, sw, sr, tl, tw, tr, r1, r2, r3, mw, r4] = v.map(|mut x| median(&mut x));
         let row = Row {
             size,
             memcpy: m / 1e9,
             shm_write: sw / 1e9,
             shm_read: sr / 1e9,
             shm_vs_memcpy: r1,
+            mediated_write: mw / 1e9,
+            mediated_vs_memcpy: r4,
             tls: tl / 1e9,
             tcp_write: tw / 1e9,
             tcp_read: tr / 1e9,
@@ -551,12 +585,14 @@ fn main() {
             tcp_read_vs_tls: r3,
         };
         println!(
-            "size {:>7}: memcpy {:6.2}  shm write {:6.2} ({:.2}x)  shm read {:6.2}  | TLS stream {:6.3}  tcp write {:6.3} ({:.2}x)  tcp read {:6.3} ({:.2}x) GB/s",
+            "size {:>7}: memcpy {:6.2}  shm write {:6.2} ({:.2}x)  shm read {:6.2}  mediated write {:6.2} ({:.2}x) | TLS stream {:6.3}  tcp write {:6.3} ({:.2}x)  tcp read {:6.3} ({:.2}x) GB/s",
             fmt_size(size),
             row.memcpy,
             row.shm_write,
             row.shm_vs_memcpy,
             row.shm_read,
+            row.mediated_write,
+            row.mediated_vs_memcpy,
             row.tls,
             row.tcp_write,
             row.tcp_write_vs_tls,
@@ -566,7 +602,7 @@ fn main() {
         rows.push(row);
     }
     let suite = tls.suite.clone();
-    drop((shm_w, tcp_w, tls));
+    drop((shm_w, med_w, tcp_w, tls));
     let (sd50, sd99, sb) = doorbell_rtt(sa.as_ref(), sb, rtt_iters);
     let (td50, td99, tb) = doorbell_rtt(ta.as_ref(), tb, rtt_iters);
     let (si50, si99) = interrupt_rtt(sa.as_ref(), sb, rtt_iters);
@@ -607,6 +643,8 @@ fn main() {
             "shm_write_gbps": r.shm_write,
             "shm_read_gbps": r.shm_read,
             "shm_write_vs_memcpy": r.shm_vs_memcpy,
+            "shm_mediated_write_gbps": r.mediated_write,
+            "shm_mediated_write_vs_memcpy": r.mediated_vs_memcpy,
             "tls_stream_gbps": r.tls,
             "tcp_write_gbps": r.tcp_write,
             "tcp_read_gbps": r.tcp_read,
@@ -646,6 +684,7 @@ fn main() {
             ("memcpy", "#222", col(|r| r.memcpy)),
             ("shm write", "#d62728", col(|r| r.shm_write)),
             ("shm read", "#ff9896", col(|r| r.shm_read)),
+            ("shm mediated write", "#9467bd", col(|r| r.mediated_write)),
             ("TLS stream (limit)", "#2ca02c", col(|r| r.tls)),
             ("tcp write", "#1f77b4", col(|r| r.tcp_write)),
             ("tcp read", "#aec7e8", col(|r| r.tcp_read)),
@@ -660,17 +699,19 @@ fn main() {
         md,
         "Median of {trials} interleaved trials per size (GB/s); ratios are medians of per-trial ratios against the neighbouring limit trial. TLS: {suite}.\n"
     );
-    md += "| size | memcpy | shm write | shm read | shm write / memcpy | TLS stream | tcp write | tcp read | tcp write / TLS | tcp read / TLS |\n";
-    md += "|---|---|---|---|---|---|---|---|---|---|\n";
+    md += "| size | memcpy | shm write | shm read | shm write / memcpy | shm mediated write | mediated / memcpy | TLS stream | tcp write | tcp read | tcp write / TLS | tcp read / TLS |\n";
+    md += "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for r in &rows {
         let _ = writeln!(
             md,
-            "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} |",
+            "| {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} |",
             fmt_size(r.size),
             r.memcpy,
             r.shm_write,
             r.shm_read,
             r.shm_vs_memcpy,
+            r.mediated_write,
+            r.mediated_vs_memcpy,
             r.tls,
             r.tcp_write,
             r.tcp_read,

@@ -528,6 +528,24 @@ pub trait PeerWindow: Send + Sync {
     /// Copies into the window at `offset` (tcp: messages of ≤ 1 MiB, pipelined).
     fn write_at(&self, offset: u64, data: &[u8]) -> Result<()>;
 
+    /// [`PeerWindow::write_at`] of `len` bytes at `src`, memory that others (a guest, a
+    /// device, another process) may change meanwhile and that is therefore never made a
+    /// Rust slice: the bytes move by raw copies only. The default stages them in a buffer;
+    /// a window that can take them in one copy (a staged mediated window) overrides it.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes for the duration of the call.
+    unsafe fn write_raw(&self, offset: u64, src: *const u8, len: usize) -> Result<()> {
+        let mut buf = Vec::with_capacity(len);
+        // SAFETY: `src` is valid for `len` bytes (this function's contract) and `buf` has
+        // room for them; a raw copy, then the length is set over the bytes written.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), len);
+            buf.set_len(len);
+        }
+        self.write_at(offset, &buf)
+    }
+
     /// Whether the window is still backed by the peer's memory.
     fn is_live(&self) -> bool;
 

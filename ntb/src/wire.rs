@@ -23,8 +23,10 @@ use serde::{Deserialize, Serialize};
 
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"LNTB";
-/// Current wire version.
-pub const VERSION: u8 = 1;
+/// Current wire version. 2: staged writes of mediated windows (`WINDOW_ADD_STAGED`,
+/// `WINDOW_COMMIT`); a node of version 1 would never see such a window, so the two refuse
+/// to link, by name, at the handshake.
+pub const VERSION: u8 = 2;
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 24;
 /// Largest window data transfer carried by one message (like vfio-user's max_data_xfer_size).
@@ -319,6 +321,13 @@ pub mod op {
     pub const WINDOW_REMOVE: u16 = 0x11;
     pub const WINDOW_READ: u16 = 0x12;
     pub const WINDOW_WRITE: u16 = 0x13;
+    /// A mediated window with a staging ring (shm): the payload is a [`super::msg::WindowAdd`]
+    /// and the one attached fd is the ring (`link::staging`), never the window's memory.
+    pub const WINDOW_ADD_STAGED: u16 = 0x15;
+    /// A chunk of a staged write is in the ring ([`super::msg::WindowCommit`]). A landed
+    /// chunk shows in the ring's drained count; a refused one is answered (an error reply)
+    /// when it carries a request id (a write's last chunk), and only logged otherwise.
+    pub const WINDOW_COMMIT: u16 = 0x16;
     pub const DOORBELL: u16 = 0x20;
     pub const SPAD_WRITE: u16 = 0x30;
     pub const SPAD_READ: u16 = 0x31;
@@ -371,6 +380,16 @@ pub mod msg {
     pub struct WindowWrite {
         pub id: u32,
         pub offset: u64,
+    }
+
+    /// `len` bytes at ring position `pos` (bytes committed before them) go to window `id` at
+    /// `offset`.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct WindowCommit {
+        pub id: u32,
+        pub offset: u64,
+        pub pos: u64,
+        pub len: u32,
     }
 
     #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -5,7 +5,9 @@
 //! - WINDOW_ADDs beyond the peer's announced window count are refused, and their fds closed;
 //! - a WINDOW_READ of up to 4 GiB is refused before anything of that size is allocated;
 //! - a read reply of the wrong length, or an error, fails that read by name, and the next
-//!   read still lands in its buffer.
+//!   read still lands in its buffer;
+//! - a staged window's commits out of sequence, past the ring or the window, or to another
+//!   window are refused by name, break only that window's ring, and never the link.
 //!
 //! The tests count fds (`/proc/self/fd`) and the largest allocation of this process, so they
 //! run one at a time ([`SERIAL`]).
@@ -535,8 +537,11 @@ fn mediated_writes_land_in_the_window_and_refused_ones_allocate_nothing() {
     let mem = SharedMemory::new("bar", size).unwrap();
     let w = ep.export_window_mediated(mem.fd(), 0, size, "bar").unwrap();
     let id = w.info().id;
-    let (h, _) = raw.read_until(|h| h.opcode == op::WINDOW_ADD);
-    assert_eq!(h.fds, 0, "a mediated window travels without its fd");
+    let (h, _) = raw.read_until(|h| h.opcode == op::WINDOW_ADD_STAGED);
+    assert_eq!(
+        h.fds, 1,
+        "a mediated window travels with its staging ring only"
+    );
     // Sends a write and returns its reply and the largest allocation of this process while
     // the victim took it (the frame is encoded before the count starts).
     let write = |raw: &mut Raw, rid: u64, win: u32, offset: u64, data: &[u8]| {
@@ -584,4 +589,186 @@ fn mediated_writes_land_in_the_window_and_refused_ones_allocate_nothing() {
     let mut after = [0u8; 5];
     mem.read_at(0, &mut after).unwrap();
     assert_eq!(&after, b"after");
+}
+
+impl Raw {
+    /// Reads the next frame with its fds (shm): (header, payload, fds).
+    fn read_with_fds(&mut self) -> (Header, Vec<u8>, Vec<std::os::fd::OwnedFd>) {
+        use std::os::fd::FromRawFd;
+        let RawStream::Unix(s) = &mut self.s else {
+            panic!("fds travel on shm only")
+        };
+        let mut hb = [0u8; HEADER_LEN];
+        let mut fds = [-1 as RawFd; 4];
+        let mut iov = [libc::iovec {
+            iov_base: hb.as_mut_ptr().cast(),
+            iov_len: hb.len(),
+        }];
+        // SAFETY: the iovec points at `hb`, writable for its length.
+        let (n, nfds) = unsafe { s.recv_with_fds(&mut iov, &mut fds) }.unwrap();
+        s.read_exact(&mut hb[n..]).unwrap();
+        let h = Header::decode(&hb).unwrap();
+        let mut p = vec![0u8; h.len as usize];
+        s.read_exact(&mut p).unwrap();
+        // SAFETY: the kernel handed these fds to this process; nothing else owns them.
+        let fds = fds[..nfds]
+            .iter()
+            .map(|&fd| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+            .collect();
+        (h, p, fds)
+    }
+}
+
+#[test]
+fn staged_commits_are_checked_and_a_bad_one_breaks_only_its_ring() {
+    use std::os::fd::AsFd;
+    let _g = serial();
+    let (ep, mut raw, _dir) = shm_victim_and_raw("stager");
+    let size = 4u64 << 20;
+    let mem = SharedMemory::new("bar", size).unwrap();
+    let w1 = ep.export_window_mediated(mem.fd(), 0, size, "one").unwrap();
+    let w2 = ep.export_window_mediated(mem.fd(), 0, size, "two").unwrap();
+    let mut rings = Vec::new();
+    while rings.len() < 2 {
+        let (h, p, mut fds) = raw.read_with_fds();
+        if h.opcode != op::WINDOW_ADD_STAGED {
+            continue;
+        }
+        let add: msg::WindowAdd = wire::decode_payload(&p).unwrap();
+        assert_eq!(fds.len(), 1, "window {} came without its ring", add.id);
+        let fd = fds.pop().unwrap();
+        let len = ntb::mem::fd_size(fd.as_fd()).unwrap();
+        // The ring is sealed (the peer maps it safely) and is not the window's memory.
+        let seals = ntb::mem::fd_seals(fd.as_fd()).unwrap().unwrap_or(0);
+        assert_eq!(seals & ntb::mem::WINDOW_SEALS, ntb::mem::WINDOW_SEALS);
+        assert_ne!(
+            ntb::mem::fd_file_id(fd.as_fd()).unwrap(),
+            ntb::mem::fd_file_id(mem.fd()).unwrap()
+        );
+        let map = ntb::mem::Mapping::map_shared(fd.as_fd(), 0, len).unwrap();
+        rings.push((add.id, map, len - 4096));
+    }
+    let (id1, ring1, ring_len) = (&rings[0].0, &rings[0].1, rings[0].2);
+    let (id1, id2) = (*id1, rings[1].0);
+    assert_eq!((id1, id2), (w1.id(), w2.id()));
+    let commit = |raw: &mut Raw, rid: u64, id: u32, offset: u64, pos: u64, len: u32| {
+        let p = wire::encode_payload(&msg::WindowCommit {
+            id,
+            offset,
+            pos,
+            len,
+        })
+        .unwrap();
+        raw.send(0, op::WINDOW_COMMIT, rid, &p, &[]);
+        if rid == 0 {
+            return None;
+        }
+        let (h, p) = raw.read_until(|h| h.id == rid && h.flags & FLAG_REPLY != 0);
+        Some(if h.flags & FLAG_ERROR != 0 {
+            Err(wire::decode_payload::<ErrorReply>(&p).unwrap())
+        } else {
+            Ok(())
+        })
+    };
+    // The drained count in the ring's header, once it reaches `want`.
+    let drained_to = |ring: &ntb::mem::Mapping, want: u64| {
+        let t0 = Instant::now();
+        loop {
+            let mut d = [0u8; 8];
+            ring.read_at(0, &mut d).unwrap();
+            let d = u64::from_le_bytes(d);
+            if d >= want || t0.elapsed() > T {
+                return d;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // Two chunks, the first posted, the last with an id: both land, the drained count says
+    // so, and nothing is answered (an answer means a refusal).
+    ring1.write_at(4096, &[7u8; 1000]).unwrap();
+    ring1.write_at(4096 + 1000, &[9u8; 24]).unwrap();
+    assert!(commit(&mut raw, 0, id1, 5000, 0, 1000).is_none());
+    let p = wire::encode_payload(&msg::WindowCommit {
+        id: id1,
+        offset: 9000,
+        pos: 1000,
+        len: 24,
+    })
+    .unwrap();
+    raw.send(0, op::WINDOW_COMMIT, 30, &p, &[]);
+    assert_eq!(drained_to(ring1, 1024), 1024);
+    let mut got = vec![0u8; 1000];
+    mem.read_at(5000, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 7));
+    mem.read_at(9000, &mut got[..24]).unwrap();
+    assert!(got[..24].iter().all(|&b| b == 9));
+    // Refused by name: a commit past the window's end. A writer's later commits follow from
+    // a refused one, so the ring is broken from then on: every commit on it is refused.
+    let e = commit(&mut raw, 31, id1, size - 8, 1024, 16)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code, wire::code::OUT_OF_RANGE, "{e}");
+    let e = commit(&mut raw, 32, id1, 0, 1024, 16).unwrap().unwrap_err();
+    assert!(e.message.contains("broken"), "{e}");
+    // The other window's ring is its own: out of sequence, then past the ring's end.
+    let e = commit(&mut raw, 33, id2, 0, 4096, 16).unwrap().unwrap_err();
+    assert!(e.message.contains("expected 0"), "{e}");
+    let w3 = ep
+        .export_window_mediated(mem.fd(), 0, size, "three")
+        .unwrap();
+    let (id3, ring3) = loop {
+        let (h, p, mut fds) = raw.read_with_fds();
+        if h.opcode == op::WINDOW_ADD_STAGED {
+            let add: msg::WindowAdd = wire::decode_payload(&p).unwrap();
+            let fd = fds.pop().unwrap();
+            let len = ntb::mem::fd_size(fd.as_fd()).unwrap();
+            break (
+                add.id,
+                ntb::mem::Mapping::map_shared(fd.as_fd(), 0, len).unwrap(),
+            );
+        }
+    };
+    let e = commit(&mut raw, 34, id3, 0, 0, ring_len as u32 + 1)
+        .unwrap()
+        .unwrap_err();
+    assert!(e.message.contains("past"), "{e}");
+    // Unknown window, undecodable commit: refused, the link goes on.
+    let e = commit(&mut raw, 35, id3 + 100, 0, 0, 1)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code, wire::code::UNKNOWN_WINDOW, "{e}");
+    raw.send(0, op::WINDOW_COMMIT, 36, b"\xff", &[]);
+    let (h, _) = raw.read_until(|h| h.id == 36 && h.flags & FLAG_REPLY != 0);
+    assert!(h.flags & FLAG_ERROR != 0);
+    // Posted garbage by the thousand costs nothing but rate-limited log lines.
+    for i in 0..2000u64 {
+        commit(&mut raw, 0, id2, i, i, 1);
+    }
+    // Still up: a message write lands, and a fresh window's staged write too.
+    let w4 = ep
+        .export_window_mediated(mem.fd(), 0, size, "four")
+        .unwrap();
+    let (id4, ring4) = loop {
+        let (h, p, mut fds) = raw.read_with_fds();
+        if h.opcode == op::WINDOW_ADD_STAGED {
+            let add: msg::WindowAdd = wire::decode_payload(&p).unwrap();
+            let fd = fds.pop().unwrap();
+            let len = ntb::mem::fd_size(fd.as_fd()).unwrap();
+            break (
+                add.id,
+                ntb::mem::Mapping::map_shared(fd.as_fd(), 0, len).unwrap(),
+            );
+        }
+    };
+    ring4.write_at(4096, b"still").unwrap();
+    assert!(commit(&mut raw, 0, id4, 64, 0, 5).is_none());
+    assert_eq!(drained_to(&ring4, 5), 5);
+    // The ring counted the landed commit: the next one must follow it.
+    let e = commit(&mut raw, 37, id4, 0, 0, 1).unwrap().unwrap_err();
+    assert!(e.message.contains("expected 5"), "{e}");
+    let mut s5 = [0u8; 5];
+    mem.read_at(64, &mut s5).unwrap();
+    assert_eq!(&s5, b"still");
+    assert!(ep.is_up());
+    drop((w1, w2, w3, w4, ring3));
 }

@@ -448,6 +448,23 @@ impl DmaBacking for RemoteWindowBacking {
             .map_err(|e| BackingError::Transfer(e.to_string()))
     }
 
+    /// The engine's buffer goes to the window without a staging copy here: a staged
+    /// mediated window (shm) copies it once into the target lender's ring.
+    fn write_from_raw(
+        &self,
+        offset: u64,
+        src: emulated::RawSpan<'_>,
+        _scratch: &mut Vec<u8>,
+    ) -> Result<(), BackingError> {
+        if !self.win.is_live() {
+            return Err(BackingError::Transfer("peer window severed".into()));
+        }
+        // SAFETY: a RawSpan is valid for reads of its length for its lifetime, which spans
+        // this call; the window reaches it by raw copies only.
+        unsafe { self.win.write_raw(offset, src.as_ptr(), src.len()) }
+            .map_err(|e| BackingError::Transfer(e.to_string()))
+    }
+
     fn host_addr(&self) -> Option<std::ptr::NonNull<u8>> {
         self.win.as_ptr().ok().and_then(std::ptr::NonNull::new)
     }

@@ -145,23 +145,48 @@ impl Endpoint for LinkEndpoint {
     fn map_peer_window(&self, id: WindowId) -> Result<Box<dyn PeerWindow>> {
         let inner = &self.inner;
         inner.check_up()?;
-        let (info, fd, fd_offset, shared) = {
+        let (info, fd, fd_offset, shared, staging, stager) = {
             let st = lock(&inner.state);
             let w = st
                 .peer_windows
                 .get(&id)
                 .ok_or(FabricError::UnknownWindow(id))?;
-            (w.info.clone(), w.fd.clone(), w.fd_offset, w.shared)
+            (
+                w.info.clone(),
+                w.fd.clone(),
+                w.fd_offset,
+                w.shared,
+                w.staging.clone(),
+                w.stager.clone(),
+            )
         };
+        let what = format!("window {id} ({:?})", info.label);
         let Some(fd) = fd else {
+            let staging = match (stager, staging) {
+                (Some(w), _) => Some(w),
+                (None, Some(r)) => {
+                    // The ring is the exporter's memfd like a window's: sealed, or it could
+                    // shrink under this process's mapping.
+                    check_sealed(r.as_fd(), &inner.cfg, &inner.peer, &what)?;
+                    let new = Arc::new(StagingWriter::map(r.as_fd())?);
+                    let mut st = lock(&inner.state);
+                    let w = st
+                        .peer_windows
+                        .get_mut(&id)
+                        .ok_or(FabricError::WindowRevoked(id))?;
+                    // Another thread may have mapped it meanwhile: one writer per ring.
+                    Some(w.stager.get_or_insert(new).clone())
+                }
+                (None, None) => None,
+            };
             return Ok(Box::new(MessageWindow {
                 inner: inner.clone(),
                 info,
+                staging,
             }));
         };
         // Seals first: once F_SEAL_SHRINK is seen it cannot go away, so the size checked next
         // stays valid for the life of the mapping.
-        let what = format!("window {id} ({:?})", info.label);
         if !shared {
             check_sealed(fd.as_fd(), &inner.cfg, &inner.peer, &what)?;
         }

@@ -4,8 +4,9 @@
 //! heartbeats and peer-gone detection, window tables, doorbells and scratchpads.
 //!
 //! By concern: [`stream`] (sockets and framing), [`handshake`], [`state`] (the shared state,
-//! the reader and service threads), [`window`] (exports and peer windows), [`endpoint`]
-//! (the [`Endpoint`] implementation).
+//! the reader and service threads), [`window`] (exports and peer windows), [`staging`] (the
+//! staging ring of a mediated window's writes on shm), [`endpoint`] (the [`Endpoint`]
+//! implementation).
 //!
 //! Each link runs two threads: a reader (never blocks on writes; it answers fabric-internal
 //! requests through the service thread) and a service thread (sends those replies, copying a
@@ -94,6 +95,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 mod endpoint;
 mod handshake;
 mod sink;
+mod staging;
 mod state;
 mod stream;
 mod window;
@@ -101,6 +103,7 @@ mod window;
 pub(crate) use endpoint::*;
 pub(crate) use handshake::*;
 use sink::*;
+use staging::*;
 pub(crate) use state::*;
 pub(crate) use stream::*;
 use window::*;

@@ -14,6 +14,11 @@ pub(super) struct PeerWin {
     /// Inside this end's shared region (`bar`): `fd` is the region's, which this host
     /// opened itself, so it is not checked for seals.
     pub(super) shared: bool,
+    /// A mediated window's staging ring (shm, [`super::staging`]).
+    pub(super) staging: Option<Arc<OwnedFd>>,
+    /// Its writer, made at the first mapping and shared by every later one: the ring has one
+    /// position, which two writers counting on their own would break.
+    pub(super) stager: Option<Arc<StagingWriter>>,
 }
 
 #[derive(Default)]
@@ -24,6 +29,8 @@ pub(super) struct State {
     pub(super) incoming_bytes: usize,
     /// Local exports; on tcp with the mapping that serves the peer's accesses.
     pub(super) exported: HashMap<WindowId, Option<Arc<Mapping>>>,
+    /// The staging rings of exported mediated windows (shm), drained by the reader.
+    pub(super) staged: HashMap<WindowId, Arc<StagingRing>>,
     pub(super) next_window: WindowId,
     pub(super) peer_windows: BTreeMap<WindowId, PeerWin>,
     pub(super) live: Vec<(WindowId, Weak<Mapping>)>,
@@ -172,6 +179,7 @@ impl Inner {
             st.gone_reason = Some(reason.to_string());
             st.pending.clear();
             st.exported.clear();
+            st.staged.clear();
             st.peer_windows.clear();
             std::mem::take(&mut st.live)
         };
@@ -243,7 +251,11 @@ impl Inner {
             c.heartbeats_sent.fetch_add(1, Ordering::Relaxed);
         } else {
             c.frames_sent.fetch_add(1, Ordering::Relaxed);
-            if matches!(opcode, op::WINDOW_READ | op::WINDOW_WRITE) && flags == 0 {
+            if matches!(
+                opcode,
+                op::WINDOW_READ | op::WINDOW_WRITE | op::WINDOW_COMMIT
+            ) && flags == 0
+            {
                 c.window_io_frames.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -305,6 +317,11 @@ impl Inner {
             return Err(e);
         }
         Ok((id, rx))
+    }
+
+    /// Drops the wait for request `id`'s reply (its answer came another way).
+    pub(super) fn forget_request(&self, id: u64) {
+        lock(&self.state).pending.remove(&id);
     }
 
     pub(crate) fn wait_reply(
@@ -497,6 +514,25 @@ impl Inner {
         Ok(())
     }
 
+    /// A chunk of a staged write: from the window's staging ring into the window.
+    pub(super) fn window_commit(&self, p: &[u8]) -> std::result::Result<Vec<u8>, ErrorReply> {
+        let c: msg::WindowCommit =
+            wire::decode_payload(p).map_err(|e| ErrorReply::new(code::INVALID, e.to_string()))?;
+        let map = self.serve_mapping(c.id)?;
+        let ring = lock(&self.state)
+            .staged
+            .get(&c.id)
+            .cloned()
+            .ok_or_else(|| {
+                ErrorReply::new(
+                    code::UNSUPPORTED,
+                    format!("window {} has no staging ring", c.id),
+                )
+            })?;
+        ring.drain(&map, &c)?;
+        Ok(Vec::new())
+    }
+
     pub(super) fn window_write(&self, p: &[u8]) -> std::result::Result<Vec<u8>, ErrorReply> {
         let (w, data): (msg::WindowWrite, &[u8]) =
             wire::decode_prefix(p).map_err(|e| ErrorReply::new(code::INVALID, e.to_string()))?;
@@ -516,7 +552,16 @@ impl Inner {
         // Any fd beyond the window's one is closed here (dropped with `fds`).
         let mut fds = fds;
         let shared = opcode == op::WINDOW_ADD_SHARED;
+        // A staged window's one fd is its ring: the window itself stays mediated.
+        let staging = if opcode == op::WINDOW_ADD_STAGED && self.kind.passes_fds() {
+            fds.pop().filter(|_| fds.is_empty()).map(Arc::new)
+        } else {
+            None
+        };
         let checked = self.check_window_add(&a).and_then(|()| {
+            if opcode == op::WINDOW_ADD_STAGED {
+                return Ok(None);
+            }
             if !shared {
                 return Ok(if self.kind.passes_fds() && fds.len() == 1 {
                     fds.pop().map(Arc::new)
@@ -561,6 +606,8 @@ impl Inner {
                     fd,
                     fd_offset: a.fd_offset,
                     shared,
+                    staging,
+                    stager: None,
                 },
             );
         }
@@ -693,7 +740,7 @@ impl Inner {
                 self.mark_gone("peer closed the link");
                 return false;
             }
-            op::WINDOW_ADD | op::WINDOW_ADD_SHARED => {
+            op::WINDOW_ADD | op::WINDOW_ADD_SHARED | op::WINDOW_ADD_STAGED => {
                 match wire::decode_payload::<msg::WindowAdd>(&payload) {
                     Ok(a) => self.window_added(h.opcode, a, fds),
                     Err(e) => log::warn!("bad window add from {}: {e}", self.peer),
@@ -730,6 +777,24 @@ impl Inner {
             op::WINDOW_WRITE if h.id != 0 => {
                 let r = self.window_write(&payload);
                 self.queue_reply(h.id, h.opcode, r);
+            }
+            op::WINDOW_COMMIT => {
+                // Landed chunks are told by the ring's drained count, not by a reply
+                // (`staging`); a write's last commit (an id) is answered if refused.
+                let r = self.window_commit(&payload);
+                if let (Err(e), true) = (&r, h.id != 0) {
+                    self.queue_reply(h.id, h.opcode, Err(e.clone()));
+                } else if let Err(e) = r {
+                    // A posted chunk: its writer learns of the refusal from the write's last
+                    // chunk (the ring is broken from here on, or the window is gone).
+                    if let Some(n) = self.abuse_log.hit() {
+                        log::warn!(
+                            "peer {}: staged write refused: {e} ({n} more refused since the \
+                             last report)",
+                            self.peer
+                        );
+                    }
+                }
             }
             op::DOORBELL => match wire::decode_payload::<msg::Doorbell>(&payload) {
                 Ok(d) => {

@@ -40,6 +40,21 @@ impl PeerWindow for DirectWindow {
         self.check()?;
         Ok(self.map.write_at(offset, data)?)
     }
+    unsafe fn write_raw(&self, offset: u64, src: *const u8, len: usize) -> Result<()> {
+        self.check()?;
+        if self.map.is_io() {
+            // Registers take aligned accesses (`Mapping::write_at`): the staged default.
+            let mut buf = vec![0u8; len];
+            // SAFETY: `src` is valid for `len` bytes (this function's contract).
+            unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), len) };
+            return Ok(self.map.write_at(offset, &buf)?);
+        }
+        crate::mem::check_range(offset, len as u64, self.map.len() as u64)?;
+        // SAFETY: the range lies inside the live mapping (checked); `src` is valid for `len`
+        // bytes. `copy` (memmove): the source may be another mapping of the same memory.
+        unsafe { std::ptr::copy(src, self.map.as_ptr().add(offset as usize), len) };
+        Ok(())
+    }
     fn is_live(&self) -> bool {
         !self.map.is_severed()
     }
@@ -48,10 +63,12 @@ impl PeerWindow for DirectWindow {
     }
 }
 
-/// A peer window reached by messages (tcp).
+/// A peer window reached by messages (tcp, and mediated windows on every fabric).
 pub(super) struct MessageWindow {
     pub(super) inner: Arc<Inner>,
     pub(super) info: WindowInfo,
+    /// The exporter's staging ring, when it offered one (shm): writes go through it.
+    pub(super) staging: Option<Arc<StagingWriter>>,
 }
 
 pub(super) type ReplyRx = mpsc::Receiver<Result<Message>>;
@@ -78,14 +95,17 @@ impl MessageWindow {
     }
 
     pub(super) fn finish(&self, id: u64, rx: &mpsc::Receiver<Result<Message>>) -> Result<Message> {
-        self.inner
-            .wait_reply(id, rx, IO_TIMEOUT)
-            .map_err(|e| match e {
-                FabricError::Remote(r) if r.code == code::UNKNOWN_WINDOW => {
-                    FabricError::WindowRevoked(self.info.id)
-                }
-                e => e,
-            })
+        self.settle(self.inner.wait_reply(id, rx, IO_TIMEOUT))
+    }
+
+    /// A reply, with the exporter's "no such window" named as the revocation it is.
+    pub(super) fn settle(&self, r: Result<Message>) -> Result<Message> {
+        r.map_err(|e| match e {
+            FabricError::Remote(r) if r.code == code::UNKNOWN_WINDOW => {
+                FabricError::WindowRevoked(self.info.id)
+            }
+            e => e,
+        })
     }
 }
 
@@ -149,7 +169,18 @@ impl PeerWindow for MessageWindow {
         Ok(())
     }
     fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len())?;
+        // SAFETY: `data` is valid for reads of its length for the call.
+        unsafe { self.write_raw(offset, data.as_ptr(), data.len()) }
+    }
+    unsafe fn write_raw(&self, offset: u64, src: *const u8, len: usize) -> Result<()> {
+        self.check(offset, len)?;
+        if let (Some(ring), true) = (&self.staging, len > 0) {
+            // SAFETY: forwarded from this function's contract.
+            return unsafe { ring.write(self, offset, src, len) };
+        }
+        // SAFETY: this function's contract; no Rust reference to these bytes is made
+        // elsewhere while the slice lives (the callers' spans are reached only by raw copies).
+        let data = unsafe { std::slice::from_raw_parts(src, len) };
         let mut inflight = VecDeque::new();
         let mut off = offset;
         for chunk in data.chunks(wire::MAX_DATA_CHUNK) {
@@ -238,6 +269,14 @@ impl LinkEndpoint {
         } else {
             None
         };
+        // A mediated window of memory on a link that passes fds gets a staging ring for the
+        // peer's writes (`staging`); device registers keep one message per access.
+        let staging = match &map {
+            Some(m) if inner.kind.passes_fds() && !m.is_io() => {
+                Some(Arc::new(StagingRing::new(label)?))
+            }
+            _ => None,
+        };
         let id = {
             let mut st = lock(&inner.state);
             let max = inner.cfg.limits.max_windows;
@@ -247,6 +286,9 @@ impl LinkEndpoint {
             let id = st.next_window;
             st.next_window = st.next_window.wrapping_add(1).max(1);
             st.exported.insert(id, map);
+            if let Some(r) = &staging {
+                st.staged.insert(id, r.clone());
+            }
             id
         };
         let add = msg::WindowAdd {
@@ -255,17 +297,20 @@ impl LinkEndpoint {
             fd_offset: offset,
             label: label.to_string(),
         };
-        let (opcode, fds): (u16, Vec<RawFd>) = match how {
-            Export::Fd => (op::WINDOW_ADD, vec![fd.as_raw_fd()]),
-            Export::Mediated => (op::WINDOW_ADD, Vec::new()),
+        let (opcode, fds): (u16, Vec<RawFd>) = match (how, &staging) {
+            (Export::Fd, _) => (op::WINDOW_ADD, vec![fd.as_raw_fd()]),
+            (Export::Mediated, Some(r)) => (op::WINDOW_ADD_STAGED, vec![r.fd().as_raw_fd()]),
+            (Export::Mediated, None) => (op::WINDOW_ADD, Vec::new()),
             // The peer maps the same offset of its own view of the region.
-            Export::Shared => (op::WINDOW_ADD_SHARED, Vec::new()),
+            (Export::Shared, _) => (op::WINDOW_ADD_SHARED, Vec::new()),
         };
         if let Err(e) = wire::encode_payload(&add)
             .map_err(FabricError::from)
             .and_then(|p| inner.send_frame(0, opcode, 0, &p, &fds))
         {
-            lock(&inner.state).exported.remove(&id);
+            let mut st = lock(&inner.state);
+            st.exported.remove(&id);
+            st.staged.remove(&id);
             return Err(e);
         }
         let weak = Arc::downgrade(inner);
@@ -279,7 +324,11 @@ impl LinkEndpoint {
             !matches!(how, Export::Mediated),
             Box::new(move || {
                 let Some(inner) = weak.upgrade() else { return };
-                let was = lock(&inner.state).exported.remove(&id).is_some();
+                let was = {
+                    let mut st = lock(&inner.state);
+                    st.staged.remove(&id);
+                    st.exported.remove(&id).is_some()
+                };
                 if was && !inner.is_gone() {
                     if let Ok(p) = wire::encode_payload(&msg::WindowRemove { id }) {
                         let _ = inner.send_frame(0, op::WINDOW_REMOVE, 0, &p, &[]);
