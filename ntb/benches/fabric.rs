@@ -456,6 +456,14 @@ struct Row {
     tcp_read_vs_tls: f64,
 }
 
+/// Maps the peer window `label` that `ep`'s peer exports.
+fn map_window(ep: &dyn Endpoint, label: &str) -> Box<dyn PeerWindow> {
+    let info = ep
+        .wait_peer_window(label, Duration::from_secs(5))
+        .expect("win");
+    ep.map_peer_window(info.id).expect("map")
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --benches` would pass nothing: do the same.
     let quick = quick();
@@ -477,35 +485,17 @@ fn main() {
     let _shm_win = sa
         .export_window(shm_mem.fd(), 0, max as u64, "bench")
         .expect("export");
-    let shm_w: Box<dyn PeerWindow> = sb
-        .map_peer_window(
-            sb.wait_peer_window("bench", Duration::from_secs(5))
-                .expect("win")
-                .id,
-        )
-        .expect("map");
+    let shm_w = map_window(sb.as_ref(), "bench");
     let med_mem = SharedMemory::new("bench-mediated", max as u64).expect("memfd");
     let _med_win = sa
         .export_window_mediated(med_mem.fd(), 0, max as u64, "bench-mediated")
         .expect("export");
-    let med_w: Box<dyn PeerWindow> = sb
-        .map_peer_window(
-            sb.wait_peer_window("bench-mediated", Duration::from_secs(5))
-                .expect("win")
-                .id,
-        )
-        .expect("map");
+    let med_w = map_window(sb.as_ref(), "bench-mediated");
     let tcp_mem = SharedMemory::new("bench-tcp", max as u64).expect("memfd");
     let _tcp_win = ta
         .export_window(tcp_mem.fd(), 0, max as u64, "bench")
         .expect("export");
-    let tcp_w = tb
-        .map_peer_window(
-            tb.wait_peer_window("bench", Duration::from_secs(5))
-                .expect("win")
-                .id,
-        )
-        .expect("map");
+    let tcp_w = map_window(tb.as_ref(), "bench");
     let mut tls = TlsStream::new(max);
     println!(
         "plain TLS stream: {} (the fabric's ntb::tls configuration)",

@@ -617,6 +617,23 @@ impl Raw {
             .collect();
         (h, p, fds)
     }
+
+    /// Skips frames up to the next staged window's notice: (the notice, its ring fds).
+    fn next_staged_window(&mut self) -> (msg::WindowAdd, Vec<std::os::fd::OwnedFd>) {
+        loop {
+            let (h, p, fds) = self.read_with_fds();
+            if h.opcode == op::WINDOW_ADD_STAGED {
+                return (wire::decode_payload(&p).unwrap(), fds);
+            }
+        }
+    }
+}
+
+/// Maps a staged window's ring fd whole.
+fn map_ring(fd: &std::os::fd::OwnedFd) -> ntb::mem::Mapping {
+    use std::os::fd::AsFd;
+    let len = ntb::mem::fd_size(fd.as_fd()).unwrap();
+    ntb::mem::Mapping::map_shared(fd.as_fd(), 0, len).unwrap()
 }
 
 #[test]
@@ -630,14 +647,9 @@ fn staged_commits_are_checked_and_a_bad_one_breaks_only_its_ring() {
     let w2 = ep.export_window_mediated(mem.fd(), 0, size, "two").unwrap();
     let mut rings = Vec::new();
     while rings.len() < 2 {
-        let (h, p, mut fds) = raw.read_with_fds();
-        if h.opcode != op::WINDOW_ADD_STAGED {
-            continue;
-        }
-        let add: msg::WindowAdd = wire::decode_payload(&p).unwrap();
+        let (add, fds) = raw.next_staged_window();
         assert_eq!(fds.len(), 1, "window {} came without its ring", add.id);
-        let fd = fds.pop().unwrap();
-        let len = ntb::mem::fd_size(fd.as_fd()).unwrap();
+        let fd = &fds[0];
         // The ring is sealed (the peer maps it safely) and is not the window's memory.
         let seals = ntb::mem::fd_seals(fd.as_fd()).unwrap().unwrap_or(0);
         assert_eq!(seals & ntb::mem::WINDOW_SEALS, ntb::mem::WINDOW_SEALS);
@@ -645,8 +657,9 @@ fn staged_commits_are_checked_and_a_bad_one_breaks_only_its_ring() {
             ntb::mem::fd_file_id(fd.as_fd()).unwrap(),
             ntb::mem::fd_file_id(mem.fd()).unwrap()
         );
-        let map = ntb::mem::Mapping::map_shared(fd.as_fd(), 0, len).unwrap();
-        rings.push((add.id, map, len - 4096));
+        let map = map_ring(fd);
+        let ring_len = map.len() as u64 - 4096;
+        rings.push((add.id, map, ring_len));
     }
     let (id1, ring1, ring_len) = (&rings[0].0, &rings[0].1, rings[0].2);
     let (id1, id2) = (*id1, rings[1].0);
@@ -716,18 +729,8 @@ fn staged_commits_are_checked_and_a_bad_one_breaks_only_its_ring() {
     let w3 = ep
         .export_window_mediated(mem.fd(), 0, size, "three")
         .unwrap();
-    let (id3, ring3) = loop {
-        let (h, p, mut fds) = raw.read_with_fds();
-        if h.opcode == op::WINDOW_ADD_STAGED {
-            let add: msg::WindowAdd = wire::decode_payload(&p).unwrap();
-            let fd = fds.pop().unwrap();
-            let len = ntb::mem::fd_size(fd.as_fd()).unwrap();
-            break (
-                add.id,
-                ntb::mem::Mapping::map_shared(fd.as_fd(), 0, len).unwrap(),
-            );
-        }
-    };
+    let (add, fds) = raw.next_staged_window();
+    let (id3, ring3) = (add.id, map_ring(&fds[0]));
     let e = commit(&mut raw, 34, id3, 0, 0, ring_len as u32 + 1)
         .unwrap()
         .unwrap_err();
@@ -748,18 +751,8 @@ fn staged_commits_are_checked_and_a_bad_one_breaks_only_its_ring() {
     let w4 = ep
         .export_window_mediated(mem.fd(), 0, size, "four")
         .unwrap();
-    let (id4, ring4) = loop {
-        let (h, p, mut fds) = raw.read_with_fds();
-        if h.opcode == op::WINDOW_ADD_STAGED {
-            let add: msg::WindowAdd = wire::decode_payload(&p).unwrap();
-            let fd = fds.pop().unwrap();
-            let len = ntb::mem::fd_size(fd.as_fd()).unwrap();
-            break (
-                add.id,
-                ntb::mem::Mapping::map_shared(fd.as_fd(), 0, len).unwrap(),
-            );
-        }
-    };
+    let (add, fds) = raw.next_staged_window();
+    let (id4, ring4) = (add.id, map_ring(&fds[0]));
     ring4.write_at(4096, b"still").unwrap();
     assert!(commit(&mut raw, 0, id4, 64, 0, 5).is_none());
     assert_eq!(drained_to(&ring4, 5), 5);

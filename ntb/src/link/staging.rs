@@ -227,7 +227,7 @@ impl StagingWriter {
     }
 
     /// Writes `len` bytes from `src` into window `w` at `offset` through the ring: returns
-    /// once the exporter answered the last chunk, so every byte has landed.
+    /// once the exporter's drained count shows every byte landed, or with its refusal.
     ///
     /// # Safety
     /// `src` must be valid for reads of `len` bytes for the call (others may change them).
