@@ -169,18 +169,42 @@ impl PeerWindow for MessageWindow {
         Ok(())
     }
     fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
-        // SAFETY: `data` is valid for reads of its length for the call.
-        unsafe { self.write_raw(offset, data.as_ptr(), data.len()) }
+        self.check(offset, data.len())?;
+        match &self.staging {
+            // SAFETY: `data` is valid for reads of its length for the call.
+            Some(ring) if !data.is_empty() => unsafe {
+                ring.write(self, offset, data.as_ptr(), data.len())
+            },
+            _ => self.write_messages(offset, data),
+        }
     }
     unsafe fn write_raw(&self, offset: u64, src: *const u8, len: usize) -> Result<()> {
         self.check(offset, len)?;
-        if let (Some(ring), true) = (&self.staging, len > 0) {
+        match &self.staging {
             // SAFETY: forwarded from this function's contract.
-            return unsafe { ring.write(self, offset, src, len) };
+            Some(ring) if len > 0 => unsafe { ring.write(self, offset, src, len) },
+            _ => {
+                // Messages send from a slice: stage the bytes first, never a slice of memory
+                // that others change (the default's copy).
+                let mut buf = vec![0u8; len];
+                // SAFETY: `src` is valid for `len` bytes (this function's contract) and `buf`
+                // is a distinct allocation of that length.
+                unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), len) };
+                self.write_messages(offset, &buf)
+            }
         }
-        // SAFETY: this function's contract; no Rust reference to these bytes is made
-        // elsewhere while the slice lives (the callers' spans are reached only by raw copies).
-        let data = unsafe { std::slice::from_raw_parts(src, len) };
+    }
+    fn is_live(&self) -> bool {
+        !self.inner.is_gone()
+            && lock(&self.inner.state)
+                .peer_windows
+                .contains_key(&self.info.id)
+    }
+}
+
+impl MessageWindow {
+    /// Window-write messages of at most [`wire::MAX_DATA_CHUNK`], [`PIPELINE`] in flight.
+    fn write_messages(&self, offset: u64, data: &[u8]) -> Result<()> {
         let mut inflight = VecDeque::new();
         let mut off = offset;
         for chunk in data.chunks(wire::MAX_DATA_CHUNK) {
@@ -204,12 +228,6 @@ impl PeerWindow for MessageWindow {
             self.finish(id, &rx)?;
         }
         Ok(())
-    }
-    fn is_live(&self) -> bool {
-        !self.inner.is_gone()
-            && lock(&self.inner.state)
-                .peer_windows
-                .contains_key(&self.info.id)
     }
 }
 
