@@ -536,14 +536,8 @@ pub trait PeerWindow: Send + Sync {
     /// # Safety
     /// `src` must be valid for reads of `len` bytes for the duration of the call.
     unsafe fn write_raw(&self, offset: u64, src: *const u8, len: usize) -> Result<()> {
-        let mut buf = Vec::with_capacity(len);
-        // SAFETY: `src` is valid for `len` bytes (this function's contract) and `buf` has
-        // room for them; a raw copy, then the length is set over the bytes written.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), len);
-            buf.set_len(len);
-        }
-        self.write_at(offset, &buf)
+        // SAFETY: forwarded from this function's contract.
+        self.write_at(offset, &unsafe { stage_raw(src, len) })
     }
 
     /// Whether the window is still backed by the peer's memory.
@@ -555,6 +549,22 @@ pub trait PeerWindow: Send + Sync {
     fn backing_id(&self) -> Option<BackingId> {
         None
     }
+}
+
+/// The `len` bytes at `src` in a buffer of their own, taken by one raw copy: what a window
+/// that sends or stores from a slice takes in [`PeerWindow::write_raw`].
+///
+/// # Safety
+/// `src` must be valid for reads of `len` bytes for the duration of the call.
+pub(crate) unsafe fn stage_raw(src: *const u8, len: usize) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(len);
+    // SAFETY: `src` is valid for `len` bytes (this function's contract) and `buf` has room
+    // for them; a raw copy, then the length is set over the bytes written.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), len);
+        buf.set_len(len);
+    }
+    buf
 }
 
 /// A local memory region exported to the peer as an inbound window.

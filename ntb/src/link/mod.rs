@@ -25,7 +25,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::fabric::{
-    BackingId, ControlPath, Endpoint, ExportedWindow, FabricError, FabricKind, Incoming,
+    stage_raw, BackingId, ControlPath, Endpoint, ExportedWindow, FabricError, FabricKind, Incoming,
     LinkConfig, LinkStats, Message, NodeId, PeerWindow, RequestId, Result, WindowId, WindowInfo,
     WindowLimits,
 };

@@ -518,17 +518,25 @@ impl Inner {
     pub(super) fn window_commit(&self, p: &[u8]) -> std::result::Result<Vec<u8>, ErrorReply> {
         let c: msg::WindowCommit =
             wire::decode_payload(p).map_err(|e| ErrorReply::new(code::INVALID, e.to_string()))?;
-        let map = self.serve_mapping(c.id)?;
-        let ring = lock(&self.state)
-            .staged
-            .get(&c.id)
-            .cloned()
-            .ok_or_else(|| {
-                ErrorReply::new(
-                    code::UNSUPPORTED,
-                    format!("window {} has no staging ring", c.id),
-                )
-            })?;
+        // One look at the tables: the window's mapping and its ring, as exported together.
+        let (map, ring) = {
+            let st = lock(&self.state);
+            match (st.exported.get(&c.id), st.staged.get(&c.id)) {
+                (Some(Some(m)), Some(r)) => (m.clone(), r.clone()),
+                (None, _) => {
+                    return Err(ErrorReply::new(
+                        code::UNKNOWN_WINDOW,
+                        format!("no window {}", c.id),
+                    ))
+                }
+                _ => {
+                    return Err(ErrorReply::new(
+                        code::UNSUPPORTED,
+                        format!("window {} has no staging ring", c.id),
+                    ))
+                }
+            }
+        };
         ring.drain(&map, &c)?;
         Ok(Vec::new())
     }

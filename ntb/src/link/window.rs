@@ -44,10 +44,8 @@ impl PeerWindow for DirectWindow {
         self.check()?;
         if self.map.is_io() {
             // Registers take aligned accesses (`Mapping::write_at`): the staged default.
-            let mut buf = vec![0u8; len];
-            // SAFETY: `src` is valid for `len` bytes (this function's contract).
-            unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), len) };
-            return Ok(self.map.write_at(offset, &buf)?);
+            // SAFETY: forwarded from this function's contract.
+            return Ok(self.map.write_at(offset, &unsafe { stage_raw(src, len) })?);
         }
         crate::mem::check_range(offset, len as u64, self.map.len() as u64)?;
         // SAFETY: the range lies inside the live mapping (checked); `src` is valid for `len`
@@ -186,11 +184,8 @@ impl PeerWindow for MessageWindow {
             _ => {
                 // Messages send from a slice: stage the bytes first, never a slice of memory
                 // that others change (the default's copy).
-                let mut buf = vec![0u8; len];
-                // SAFETY: `src` is valid for `len` bytes (this function's contract) and `buf`
-                // is a distinct allocation of that length.
-                unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), len) };
-                self.write_messages(offset, &buf)
+                // SAFETY: forwarded from this function's contract.
+                self.write_messages(offset, &unsafe { stage_raw(src, len) })
             }
         }
     }
