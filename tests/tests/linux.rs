@@ -2601,6 +2601,10 @@ fn linux_two_lent_disks_from_two_lenders_one_removed_mid_io() {
         "resources left after the last device was removed"
     );
     lb.expect_available();
+    // The guest waits for this stop rather than powering off after `b gone`, which raced
+    // the reads of the counters above.
+    api.shutdown()
+        .unwrap_or_else(|e| panic!("vm.shutdown: {e}\n{}", diag(&guest)));
     guest.expect_exit_0(lb, deadline);
     assert!(guest.line("LENDVM-TWO fail").is_none(), "{}", diag(&guest));
     println!(
