@@ -25,7 +25,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -73,6 +73,20 @@ pub enum ClientError {
     /// The reply lacked something.
     #[error("bad reply: {0}")]
     BadReply(String),
+    /// Interrupts the lender relayed before a hand-over quiesce's reply did not reach their
+    /// eventfds in time (the session's event consumer is not taking events).
+    #[error(
+        "lender {lender}, lease {lease}: interrupts relayed before the hand-over quiesce were \
+         not delivered within {waited_ms} ms"
+    )]
+    EventsUnsettled {
+        /// Lender node.
+        lender: String,
+        /// The lease.
+        lease: u64,
+        /// How long the client waited.
+        waited_ms: u64,
+    },
     /// The lender's control address could not be reached.
     #[error("connecting to {addr}: {source}")]
     Connect {
@@ -171,15 +185,31 @@ struct PumpRx {
     events: Mutex<mpsc::Receiver<PumpMsg>>,
     /// Why the link went down, once the relay thread saw it.
     down: Mutex<Option<String>>,
+    /// Relayed interrupts (`Event::Irq`) handed to the consumer, and how many of them it had
+    /// when it came back for more: by then it has handled them (its eventfd writes are done).
+    irqs_taken: AtomicU64,
+    irqs_handled: AtomicU64,
 }
 
 impl PumpRx {
+    fn new(events: mpsc::Receiver<PumpMsg>) -> Self {
+        Self {
+            events: Mutex::new(events),
+            down: Mutex::new(None),
+            irqs_taken: AtomicU64::new(0),
+            irqs_handled: AtomicU64::new(0),
+        }
+    }
+
     /// The next event (`Ok(None)`: woken, or `timeout` passed); `Err(reason)` once the link
     /// is down. Events the relay queued before the link went down come first: a lender's
     /// DeviceGone is followed at once by its goodbye, and the reason the borrower reports
     /// must be the lender's, not "peer closed the link". Only an empty queue reports the end
     /// (the one `Down` message may have gone to an earlier caller).
     fn next(&self, timeout: Option<Duration>) -> Result<Option<Event>, String> {
+        // A consumer back for more has handled what it took before.
+        self.irqs_handled
+            .store(self.irqs_taken.load(Ordering::Acquire), Ordering::Release);
         let rx = lock(&self.events);
         let m = match rx.try_recv() {
             Ok(m) => m,
@@ -201,7 +231,12 @@ impl PumpRx {
             }
         };
         match m {
-            PumpMsg::Event(e) => Ok(Some(e)),
+            PumpMsg::Event(e) => {
+                if matches!(e, Event::Irq(_)) {
+                    self.irqs_taken.fetch_add(1, Ordering::AcqRel);
+                }
+                Ok(Some(e))
+            }
             PumpMsg::Wake => Ok(None),
             PumpMsg::Down(r) => Err(r),
         }
@@ -214,6 +249,11 @@ struct EventPump {
     rx: Arc<PumpRx>,
     /// For wakers.
     tx: mpsc::SyncSender<PumpMsg>,
+    /// The link's `incoming_taken` count once the relay thread has handled what it took:
+    /// everything up to there is an eventfd write done or a message in `tx`.
+    handled: Arc<AtomicU64>,
+    /// Interrupts the relay thread passed on to the consumer (no route of its own).
+    irqs_relayed: Arc<AtomicU64>,
     thread: Option<ntb::workers::Worker>,
 }
 
@@ -250,9 +290,13 @@ fn pump_loop(
     stop: &AtomicBool,
     tx: &mpsc::SyncSender<PumpMsg>,
     rx: &PumpRx,
+    handled: &AtomicU64,
+    irqs_relayed: &AtomicU64,
 ) {
     while !stop.load(Ordering::Acquire) {
-        match ep.recv(PUMP_POLL) {
+        let r = ep.recv(PUMP_POLL);
+        let took = r.is_ok();
+        match r {
             Ok(Incoming::Event(m)) => match Event::decode(m.opcode, &m.payload) {
                 Ok(Event::Irq(ev)) => {
                     let routes = lock(routes);
@@ -269,6 +313,7 @@ fn pump_loop(
                         }
                         None => {
                             drop(routes);
+                            irqs_relayed.fetch_add(1, Ordering::AcqRel);
                             relay(tx, PumpMsg::Event(Event::Irq(ev)), stop);
                         }
                     }
@@ -289,6 +334,9 @@ fn pump_loop(
                 relay(tx, PumpMsg::Down(reason), stop);
                 return;
             }
+        }
+        if took {
+            handled.store(ep.stats().incoming_taken, Ordering::Release);
         }
     }
 }
@@ -384,19 +432,20 @@ impl Inner {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, events) = mpsc::sync_channel(EVENT_QUEUE);
-        let rx = Arc::new(PumpRx {
-            events: Mutex::new(events),
-            down: Mutex::new(None),
-        });
-        let (ep, routes, stop2, tx2, rx2) = (
+        let rx = Arc::new(PumpRx::new(events));
+        let handled = Arc::new(AtomicU64::new(self.ep.stats().incoming_taken));
+        let irqs_relayed = Arc::new(AtomicU64::new(0));
+        let (ep, routes, stop2, tx2, rx2, handled2, relayed2) = (
             Arc::clone(&self.ep),
             Arc::clone(&self.routes),
             Arc::clone(&stop),
             tx.clone(),
             Arc::clone(&rx),
+            Arc::clone(&handled),
+            Arc::clone(&irqs_relayed),
         );
         let thread = ntb::workers::spawn(format!("irq-events-{}", self.lender), move || {
-            pump_loop(&ep, &routes, &stop2, &tx2, &rx2)
+            pump_loop(&ep, &routes, &stop2, &tx2, &rx2, &handled2, &relayed2)
         })
         .map_err(|source| ClientError::Os {
             what: "starting the irq event relay thread",
@@ -406,6 +455,8 @@ impl Inner {
             stop,
             rx,
             tx,
+            handled,
+            irqs_relayed,
             thread: Some(thread),
         });
         Ok(())
@@ -428,6 +479,41 @@ impl Inner {
             peer: self.lender.clone(),
             reason,
         })
+    }
+
+    /// Waits until every event the lender sent before the reply just received has been
+    /// handled: a relayed interrupt's eventfd written, by the relay thread or by the
+    /// consumer of [`LenderClient::wait_event`]. A reply overtakes events on their way (the
+    /// link hands replies to the caller at once; events go through the relay thread and the
+    /// consumer's), and after a hand-over quiesce an interrupt that lands late lands in a VM
+    /// whose state has already been saved: lost to the guest. Bounded by `timeout`; returns
+    /// whether everything settled. Without a relay thread nothing is on its way.
+    fn settle_events(&self, timeout: Duration) -> bool {
+        let (handled, relayed, rx, stop) = match lock(&self.pump).as_ref() {
+            Some(p) => (
+                Arc::clone(&p.handled),
+                Arc::clone(&p.irqs_relayed),
+                Arc::clone(&p.rx),
+                Arc::clone(&p.stop),
+            ),
+            None => return true,
+        };
+        let deadline = Instant::now() + timeout;
+        let wait = |done: &dyn Fn() -> bool| {
+            while !done() {
+                if Instant::now() >= deadline || stop.load(Ordering::Acquire) {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            true
+        };
+        // The link's reader queued the events before it read the reply: all counted here.
+        let mark = self.ep.stats().incoming_queued;
+        // First the relay thread (routed interrupts written, the others passed on), then the
+        // consumer, for the interrupts passed on to it.
+        wait(&|| handled.load(Ordering::Acquire) >= mark || !self.ep.is_up())
+            && wait(&|| rx.irqs_handled.load(Ordering::Acquire) >= relayed.load(Ordering::Acquire))
     }
 
     /// The relay thread's receiving end, if it runs.
@@ -1350,10 +1436,7 @@ mod relay_tests {
     #[test]
     fn events_queued_before_the_link_went_down_come_first() {
         let (tx, rx) = mpsc::sync_channel(EVENT_QUEUE);
-        let p = PumpRx {
-            events: Mutex::new(rx),
-            down: Mutex::new(None),
-        };
+        let p = PumpRx::new(rx);
         let gone = Event::DeviceGone(protocol::DeviceGone {
             lease: 7,
             reason: "lender shutting down".into(),

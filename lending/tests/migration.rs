@@ -353,6 +353,87 @@ fn handover_quiesce_drains_in_flight_commands_and_holds_interrupts() {
     r.driver.rw(1, false, 0, 8, &bufs[0]).unwrap();
 }
 
+/// On tcp the VMM has the lender send its interrupts as IRQ events, which reach their
+/// eventfds through the session's relay thread and then its event consumer (lendvm's session
+/// pump), while a reply goes straight to the caller. An interrupt sent before the hand-over
+/// quiesce's reply must be written before the quiesce returns: the VMM saves the vCPUs'
+/// interrupt state next, and an interrupt written after that lands in a VM that is going
+/// away (a loaded CI run lost one this way: `migration_lent`, "an interrupt was lost").
+/// Here the consumer takes the interrupt and writes its eventfd 300 ms later.
+#[test]
+fn a_handover_quiesce_returns_after_the_interrupts_relayed_before_it() {
+    let c = cluster(FabricKind::Tcp);
+    let _d = lenderd(&c, "settle");
+    let a = vm(&c);
+    let lease = Arc::new(a.client.borrow(DEV, "vm0").unwrap());
+    lease.map_dma(0, RAM, a.window.id()).unwrap();
+    lease
+        .set_irqs(
+            IrqKind::Msix,
+            &[ClientIrq::Event, ClientIrq::Event, ClientIrq::Event],
+        )
+        .unwrap();
+    let mut driver = NvmeDriver::new(
+        Arc::new(TrappedBar(Arc::clone(&lease))),
+        a.ram.clone(),
+        a.irq.clone(),
+        DriverConfig {
+            ram_base: RAM_BASE,
+            ram_len: RAM - RAM_BASE,
+            use_interrupts: false,
+            timeout: Duration::from_secs(10),
+        },
+    );
+    driver.enable(32).unwrap();
+    driver.set_num_queues(1).unwrap();
+    driver.create_io_queue_pair(1, 64, 1).unwrap();
+    let buf = driver.alloc_data(4096, 0, false).unwrap();
+    let written = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    let waker = a.client.event_waker().unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (got_tx, got) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                match a.client.wait_event() {
+                    Ok(Some(Event::Irq(i))) if i.vector == 1 => {
+                        let _ = got_tx.send(());
+                        std::thread::sleep(Duration::from_millis(300));
+                        written.write(1).unwrap();
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+        });
+        driver
+            .push(1, NvmeDriver::rw_sqe(false, 0, 8, &buf))
+            .unwrap();
+        driver.ring(1).unwrap();
+        // Checked after the consumer has stopped: a failed check must not leave it waiting.
+        let seen = got.recv_timeout(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let q = seen.is_ok().then(|| lease.quiesce_for_handover(5000));
+        let at_return = (written.read().ok(), t0.elapsed());
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        waker.wake();
+        seen.expect("the completion's interrupt reached the consumer");
+        let q = q.unwrap().unwrap();
+        assert!(q.drained, "{q:?}");
+        assert_eq!(
+            at_return.0,
+            Some(1),
+            "the quiesce returned after {:?}, before the interrupt relayed ahead of its reply \
+             reached its eventfd",
+            at_return.1
+        );
+        lease.quiesce(false).unwrap();
+    });
+    let mut cqes = Vec::new();
+    driver.wait(1, &mut cqes, 1).unwrap();
+    assert_eq!(cqes[0].status, 0);
+}
+
 /// Copies guest RAM from A to B (what precopy ends with) and accepts the transfer on B.
 fn accept(b: &Vm, t: &TransferTicket, vm: &str) -> Result<Lease, ClientError> {
     b.client.accept_transfer(

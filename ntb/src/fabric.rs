@@ -378,6 +378,12 @@ pub struct LinkStats {
     pub heartbeats_received: u64,
     /// Window data frames (tcp reads/writes) sent.
     pub window_io_frames: u64,
+    /// Items (requests, events, window changes) queued for [`Endpoint::recv`] since the link
+    /// came up. Read after a reply, it counts everything the peer sent before that reply:
+    /// the link's reader queues a frame before it reads the next.
+    pub incoming_queued: u64,
+    /// Items [`Endpoint::recv`] has handed out since the link came up.
+    pub incoming_taken: u64,
 }
 
 /// Errors of the fabric.

@@ -14,6 +14,10 @@ use crate::protocol::{
     IrqTarget, LeaseRef, QuiesceHandover, Request, TransferAccept, TransferCreate, TransferTicket,
 };
 
+/// How long a hand-over quiesce waits for the interrupts relayed before its reply to reach
+/// their eventfds (two thread hand-offs; generous for a loaded host).
+const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl super::Inner {
     /// [`ClientError::MigrationUnsupported`] unless the session speaks version 4.
     fn check_migration(&self) -> Result<(), ClientError> {
@@ -66,7 +70,17 @@ impl Lease {
             lease: self.id,
             timeout_ms,
         });
-        Ok(self.inner.call(&r, Vec::new())?.0)
+        let q: HandoverQuiesced = self.inner.call(&r, Vec::new())?.0;
+        // Interrupts relayed before the reply (tcp) must reach their eventfds before the
+        // caller saves the VM's interrupt state.
+        if !self.inner.settle_events(SETTLE_TIMEOUT) {
+            return Err(ClientError::EventsUnsettled {
+                lender: self.inner.lender.clone(),
+                lease: self.id,
+                waited_ms: SETTLE_TIMEOUT.as_millis() as u64,
+            });
+        }
+        Ok(q)
     }
 
     /// Authorises moving this lease to `to_node`/`to_vm`: the ticket goes to the destination,

@@ -97,6 +97,8 @@ impl Endpoint for LinkEndpoint {
             heartbeats_sent: l(&c.heartbeats_sent),
             heartbeats_received: l(&c.heartbeats_received),
             window_io_frames: l(&c.window_io_frames),
+            incoming_queued: c.incoming_queued.load(Ordering::Acquire),
+            incoming_taken: c.incoming_taken.load(Ordering::Acquire),
         }
     }
 
@@ -398,6 +400,10 @@ impl Endpoint for LinkEndpoint {
         self.inner.wait_for(timeout, |st| {
             let i = st.incoming.pop_front()?;
             st.incoming_bytes = st.incoming_bytes.saturating_sub(incoming_bytes(&i));
+            self.inner
+                .stats
+                .incoming_taken
+                .fetch_add(1, Ordering::Release);
             Some(i)
         })
     }

@@ -74,6 +74,9 @@ pub(super) struct Counters {
     pub(super) heartbeats_sent: AtomicU64,
     pub(super) heartbeats_received: AtomicU64,
     pub(super) window_io_frames: AtomicU64,
+    /// Items queued for `recv` and taken by it (under the state lock, with the queue).
+    pub(super) incoming_queued: AtomicU64,
+    pub(super) incoming_taken: AtomicU64,
 }
 
 pub(crate) struct Inner {
@@ -381,6 +384,7 @@ impl Inner {
             }
             st.incoming_bytes += bytes;
             st.incoming.push_back(i);
+            self.stats.incoming_queued.fetch_add(1, Ordering::Release);
         }
         self.cond.notify_all();
         true
