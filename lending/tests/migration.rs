@@ -143,10 +143,27 @@ fn rig(c: &Cluster) -> Rig {
     let ram = Switch::new(a.ram.clone());
     let bar = Switch::new(Arc::new(TrappedBar(Arc::clone(&lease))));
     let irq = Switch::new(a.irq.clone());
+    let driver = polled_driver(bar.clone(), ram.clone(), irq.clone());
+    Rig {
+        a,
+        lease,
+        ram,
+        bar,
+        irq,
+        driver,
+    }
+}
+
+/// A polling driver with the controller up and one I/O queue pair (vector 1).
+fn polled_driver(
+    bar: Arc<dyn GuestBar>,
+    ram: Arc<dyn GuestRam>,
+    irq: Arc<dyn GuestIrq>,
+) -> NvmeDriver {
     let mut driver = NvmeDriver::new(
-        bar.clone(),
-        ram.clone(),
-        irq.clone(),
+        bar,
+        ram,
+        irq,
         DriverConfig {
             ram_base: RAM_BASE,
             ram_len: RAM - RAM_BASE,
@@ -157,14 +174,7 @@ fn rig(c: &Cluster) -> Rig {
     driver.enable(32).unwrap();
     driver.set_num_queues(1).unwrap();
     driver.create_io_queue_pair(1, 64, 1).unwrap();
-    Rig {
-        a,
-        lease,
-        ram,
-        bar,
-        irq,
-        driver,
-    }
+    driver
 }
 
 fn lenderd(c: &Cluster, tag: &str) -> Lenderd {
@@ -373,20 +383,11 @@ fn a_handover_quiesce_returns_after_the_interrupts_relayed_before_it() {
             &[ClientIrq::Event, ClientIrq::Event, ClientIrq::Event],
         )
         .unwrap();
-    let mut driver = NvmeDriver::new(
+    let mut driver = polled_driver(
         Arc::new(TrappedBar(Arc::clone(&lease))),
         a.ram.clone(),
         a.irq.clone(),
-        DriverConfig {
-            ram_base: RAM_BASE,
-            ram_len: RAM - RAM_BASE,
-            use_interrupts: false,
-            timeout: Duration::from_secs(10),
-        },
     );
-    driver.enable(32).unwrap();
-    driver.set_num_queues(1).unwrap();
-    driver.create_io_queue_pair(1, 64, 1).unwrap();
     let buf = driver.alloc_data(4096, 0, false).unwrap();
     let written = EventFd::new(libc::EFD_NONBLOCK).unwrap();
     let waker = a.client.event_waker().unwrap();
